@@ -1,0 +1,10 @@
+// Each subsystem binds itself into the `_C` module from its own file; module.cc calls them.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace uccl_ep::bindings {
+
+void bind_common(pybind11::module_& m);
+
+}  // namespace uccl_ep::bindings

@@ -1,0 +1,9 @@
+// The `_C` extension: raw pointers, sizes and stream handles in; no libtorch.
+#include <pybind11/pybind11.h>
+
+#include "bindings/bindings.h"
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "uccl_ep_megatron core: FIFO channels, CPU proxies, transports and GPU kernels";
+  uccl_ep::bindings::bind_common(m);
+}
