@@ -1,0 +1,116 @@
+// Device side of the FIFO channel (see fifo.h for placement): push, check_completion and a
+// bounded wait. Include from .cu files only.
+//
+// Contract for callers: commands one thread pushes into one channel are executed in push order.
+// If other lanes of the warp wrote the payload a command refers to, __syncwarp() (or a block
+// barrier) before the push; the push's system-scope release then publishes the payload too.
+#pragma once
+
+#include "common/gpu.h"
+#include "fifo/fifo.h"
+#include "fifo/transfer_cmd.h"
+
+namespace uccl_ep {
+
+__device__ __forceinline__ uint64_t fifo_now_ns() {
+#if defined(UCCL_EP_DEVICE_HIP)
+  // s_memrealtime ticks at a constant 100 MHz on CDNA.
+  return __builtin_amdgcn_s_memrealtime() * 10ull;
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
+// Reads the consumer's head from host memory. Acquire at system scope: once we see head > i, the
+// proxy's reads of slot i are done (it stored head with release), so reusing the slot is safe.
+__device__ __forceinline__ uint64_t fifo_load_head(const uint64_t* head) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  return __hip_atomic_load(head, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(head) : "memory");
+  return v;
+#endif
+}
+
+// One 16-byte store of the command. Release at system scope orders every earlier write of this
+// thread (e.g. the payload in GPU memory the NIC will read) before the command is visible to the
+// CPU. Both halves carry the phase bit, so a CPU that sees only one half waits for the other.
+__device__ __forceinline__ void fifo_store_slot(uint64_t* slot, uint64_t lo, uint64_t hi) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  __threadfence_system();
+  __hip_atomic_store(slot + 1, hi, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_store(slot, lo, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
+#else
+  asm volatile("st.release.sys.global.v2.u64 [%0], {%1, %2};" ::"l"(slot), "l"(lo), "l"(hi) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void fifo_record_error(const FifoDeviceHandle& h, uint32_t code, uint64_t index) {
+  // First failure wins; the host raises it (FifoChannel::check_error) naming channel and index.
+  if (atomicCAS(reinterpret_cast<unsigned int*>(&h.error->code), 0u, code) == 0u) {
+    h.error->channel = h.channel;
+    h.error->index = index;
+    __threadfence_system();
+  }
+}
+
+// Refreshes the cached head from host memory (one PCIe read) and returns it.
+__device__ __forceinline__ uint64_t fifo_refresh_head(const FifoDeviceHandle& h) {
+  uint64_t head = fifo_load_head(h.head);
+  atomicMax(h.head_cache, static_cast<unsigned long long>(head));
+  return head;
+}
+
+// Enqueues `cmd`; returns its FIFO index, or kFifoPushFailed after timeout_ns (error recorded) or
+// when the host aborted. Called by one thread; many threads may push into the same channel.
+__device__ __forceinline__ uint64_t fifo_push(const FifoDeviceHandle& h, const TransferCmd& cmd) {
+  const uint64_t idx = atomicAdd(h.tail, 1ull);
+  // Common case: the device-resident cached head proves there is room; no PCIe round trip.
+  uint64_t head = *reinterpret_cast<volatile unsigned long long*>(h.head_cache);
+  if (idx - head >= h.capacity) {
+    const uint64_t start = fifo_now_ns();
+    for (;;) {
+      head = fifo_refresh_head(h);
+      if (idx - head < h.capacity) break;
+      if (*reinterpret_cast<const volatile uint32_t*>(h.abort)) {
+        fifo_record_error(h, kFifoAborted, idx);
+        return kFifoPushFailed;
+      }
+      if (fifo_now_ns() - start > h.timeout_ns) {
+        fifo_record_error(h, kFifoPushTimeout, idx);
+        return kFifoPushFailed;
+      }
+    }
+  }
+  const uint64_t phase = ((idx / h.capacity) & 1u) ^ 1u;
+  TransferCmd c = cmd.with_phase(static_cast<uint32_t>(phase));
+  fifo_store_slot(h.slots + 2 * (idx & (h.capacity - 1)), c.lo, c.hi);
+  return idx;
+}
+
+// True once the proxy popped `idx` (a Write was posted, a Drain/Barrier completed).
+__device__ __forceinline__ bool fifo_check_completion(const FifoDeviceHandle& h, uint64_t idx) {
+  if (*reinterpret_cast<volatile unsigned long long*>(h.head_cache) > idx) return true;
+  return fifo_refresh_head(h) > idx;
+}
+
+// Blocks until `idx` completed; false after timeout_ns (error recorded) or when the host aborted.
+__device__ __forceinline__ bool fifo_wait_completion(const FifoDeviceHandle& h, uint64_t idx) {
+  const uint64_t start = fifo_now_ns();
+  while (!fifo_check_completion(h, idx)) {
+    if (*reinterpret_cast<const volatile uint32_t*>(h.abort)) {
+      fifo_record_error(h, kFifoAborted, idx);
+      return false;
+    }
+    if (fifo_now_ns() - start > h.timeout_ns) {
+      fifo_record_error(h, kFifoCompletionTimeout, idx);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace uccl_ep
