@@ -1,0 +1,595 @@
+#include "proxy/proxy.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <bitset>
+#include <chrono>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/errors.h"
+#include "common/log.h"
+#include "fifo/cmd_builder.h"
+#include "proxy/reorder.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define UCCL_EP_CPU_RELAX() _mm_pause()
+#else
+#define UCCL_EP_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
+#endif
+
+namespace uccl_ep {
+
+Ordering parse_ordering(const std::string& s) {
+  if (s == "receiver") return Ordering::kReceiver;
+  if (s == "sender") return Ordering::kSender;
+  if (s == "none") return Ordering::kNone;
+  UCCL_EP_THROW(InvalidArgument, "ordering='", s, "' is unknown; use receiver, sender or none");
+}
+
+const char* ordering_name(Ordering o) {
+  switch (o) {
+    case Ordering::kReceiver:
+      return "receiver";
+    case Ordering::kSender:
+      return "sender";
+    default:
+      return "none";
+  }
+}
+
+struct Proxy::ThreadStats {
+  std::atomic<uint64_t> commands{0}, writes_posted{0}, bytes_posted{0}, atomics_posted{0}, barriers{0}, drains{0},
+      writes_received{0}, atomics_applied{0}, held_out_of_order{0};
+};
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+inline void bump(std::atomic<uint64_t>& c, uint64_t v = 1) {
+  // Single writer: a relaxed load+store is enough and cheaper than a locked add.
+  c.store(c.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
+}
+
+// Per-destination send state of one channel (one stream).
+// The window bounds the *span* of un-acknowledged sequence numbers (oldest un-acked .. next), not
+// their count: that is what lets the receiver order 7-bit sequence numbers (imm.h).
+struct StreamTx {
+  uint64_t next_seq = 0;    // unwrapped sequence number of the next message
+  uint64_t acked_upto = 0;  // every message below this one completed
+  std::bitset<imm::kSeqMod> unacked;
+  uint32_t inflight = 0;
+  uint32_t inflight_writes = 0;
+  uint64_t inflight_bytes = 0;
+
+  void on_ack(uint64_t seq) {
+    unacked.reset(seq % imm::kSeqMod);
+    while (acked_upto < next_seq && !unacked.test(acked_upto % imm::kSeqMod)) ++acked_upto;
+  }
+};
+
+struct ChannelState {
+  FifoChannel* fifo = nullptr;
+  uint32_t id = 0;
+  bool busy = false;  // a command was polled and is not yet popped
+  TransferCmd cmd{};
+  uint64_t idx = 0;
+  int stage = 0;
+  bool blocked = false;
+  Clock::time_point blocked_since;
+  uint64_t barrier_epoch = 0;
+  std::multiset<uint64_t> outstanding;  // FIFO indices of posted, uncompleted messages
+  std::vector<StreamTx> tx;             // by destination rank
+};
+
+struct RecvStream {
+  StreamReorder reorder;
+  uint64_t barriers = 0;
+};
+
+struct OutEntry {
+  uint32_t local_channel;
+  uint32_t peer;
+  uint64_t seq;
+  uint64_t fifo_idx;
+  uint32_t bytes;
+  bool is_write;
+};
+
+enum class Step { kDone, kAdvanced, kBlocked };
+
+// Everything one proxy thread touches; no other thread reads it.
+class Worker {
+ public:
+  Worker(const ProxyOptions& o, uint32_t thread, const std::vector<FifoChannel*>& channels, Transport& transport,
+         int64_t* counters, uint32_t num_counters, Proxy::ThreadStats& stats)
+      : o_(o), thread_(thread), ep_(transport.endpoint(thread)), counters_(counters), num_counters_(num_counters),
+        stats_(stats), timeout_(std::chrono::milliseconds(o.timeout_ms)) {
+    local_of_.assign(channels.size(), -1);
+    for (uint32_t c = thread; c < channels.size(); c += o.num_threads) {
+      local_of_[c] = static_cast<int>(chans_.size());
+      ChannelState s;
+      s.fifo = channels[c];
+      s.id = c;
+      s.tx.resize(o.world_size);
+      chans_.push_back(std::move(s));
+    }
+    rx_.resize(o.world_size);
+    for (auto& v : rx_) v.resize(chans_.size());
+    local_bytes_ = 0;
+    peer_bytes_.resize(o.world_size);
+    for (uint32_t r = 0; r < o.world_size; ++r) peer_bytes_[r] = transport.peer_region_bytes(r);
+    local_bytes_ = peer_bytes_[o.rank];
+    for (uint32_t r = 0; r < o.world_size; ++r) {
+      if (r == o.rank) continue;
+      if (o.ranks_per_node == 0 || r % o.ranks_per_node == o.rank % o.ranks_per_node) same_rail_.push_back(r);
+      all_peers_.push_back(r);
+    }
+  }
+
+  // One pass over completions and channels; true when anything moved.
+  bool run_once() {
+    bool progress = false;
+    int n = ep_.poll(comps_, kMaxComps);
+    for (int i = 0; i < n; ++i) {
+      if (comps_[i].kind == Completion::kSend) {
+        on_send_done(comps_[i]);
+      } else {
+        on_receive(comps_[i]);
+      }
+    }
+    progress = n > 0;
+    for (auto& ch : chans_) progress |= service(ch);
+    return progress;
+  }
+
+ private:
+  static constexpr int kMaxComps = 64;
+
+  bool service(ChannelState& ch) {
+    bool progress = false;
+    for (uint32_t budget = o_.batch; budget > 0; --budget) {
+      if (!ch.busy) {
+        if (!ch.fifo->poll(&ch.cmd)) return progress;
+        ch.busy = true;
+        ch.idx = ch.fifo->head();
+        ch.stage = 0;
+        ch.blocked = false;
+      }
+      Step s = step(ch);
+      if (s == Step::kDone) {
+        ch.fifo->pop();
+        ch.busy = false;
+        bump(stats_.commands);
+        progress = true;
+        continue;
+      }
+      if (s == Step::kAdvanced) {
+        progress = true;
+        ch.blocked = false;
+      }
+      // Blocked: remember since when, and give up after the timeout naming what we wait for.
+      if (s == Step::kBlocked) {
+        auto now = Clock::now();
+        if (!ch.blocked) {
+          ch.blocked = true;
+          ch.blocked_since = now;
+        } else if (now - ch.blocked_since > timeout_) {
+          UCCL_EP_THROW(TimeoutError, "proxy rank ", o_.rank, " channel ", ch.id, ": ", describe_cmd(ch.cmd),
+                        " at FIFO index ", ch.idx, " made no progress for ", o_.timeout_ms, " ms: ", why_blocked(ch));
+        }
+      }
+      return progress;
+    }
+    return progress;
+  }
+
+  std::string why_blocked(const ChannelState& ch) const {
+    const TransferCmd& c = ch.cmd;
+    if (c.type() == CmdType::kBarrier && ch.stage == 1) {
+      std::string missing;
+      for (uint32_t p : barrier_peers(c)) {
+        if (rx_[p][local_of_[ch.id]].barriers < ch.barrier_epoch) missing += detail::concat(missing.empty() ? "" : ",", p);
+      }
+      return detail::concat("barrier epoch ", ch.barrier_epoch, " still waits for rank(s) ", missing,
+                            " (dead, or not pushing a Barrier on channel ", ch.id, ")");
+    }
+    if (c.type() == CmdType::kDrain) {
+      return detail::concat(ch.outstanding.size(), " posted messages not completed, oldest FIFO index ",
+                            ch.outstanding.empty() ? 0 : *ch.outstanding.begin(),
+                            "; the transport stopped completing (peer dead or link down)");
+    }
+    // Waiting for acknowledgements of a stream.
+    for (uint32_t r = 0; r < o_.world_size; ++r) {
+      const StreamTx& t = ch.tx[r];
+      if (t.next_seq - t.acked_upto >= o_.max_inflight_per_stream ||
+          (c.type() != CmdType::kBarrier && r == c.dst_rank() && t.inflight > 0)) {
+        return detail::concat("rank ", r, " has not acknowledged ", t.inflight,
+                              " in-flight messages (peer dead, or its proxy stopped draining)");
+      }
+    }
+    return "waiting for in-flight messages to complete";
+  }
+
+  const std::vector<uint32_t>& barrier_peers(const TransferCmd& c) const {
+    return c.barrier_same_rail() ? same_rail_ : all_peers_;
+  }
+
+  bool has_room(const StreamTx& t, uint32_t msgs, uint64_t bytes) const {
+    if (t.next_seq + msgs - t.acked_upto > o_.max_inflight_per_stream) return false;
+    if (o_.max_inflight_bytes_per_stream && t.inflight > 0 && t.inflight_bytes + bytes > o_.max_inflight_bytes_per_stream)
+      return false;
+    return true;
+  }
+
+  void post(ChannelState& ch, uint32_t peer, uint64_t src, uint64_t dst, uint32_t len, uint32_t imm_value,
+            bool is_write) {
+    uint32_t id;
+    if (!free_.empty()) {
+      id = free_.back();
+      free_.pop_back();
+    } else {
+      id = static_cast<uint32_t>(table_.size());
+      table_.push_back({});
+    }
+    StreamTx& t = ch.tx[peer];
+    table_[id] = OutEntry{static_cast<uint32_t>(local_of_[ch.id]), peer, t.next_seq, ch.idx, len, is_write};
+    t.unacked.set(t.next_seq % imm::kSeqMod);
+    ++t.inflight;
+    t.inflight_bytes += len;
+    if (is_write) ++t.inflight_writes;
+    ++t.next_seq;
+    ch.outstanding.insert(ch.idx);
+    ep_.post_write(peer, ch.id, src, dst, len, imm_value, id);
+  }
+
+  void check_write(const ChannelState& ch, const TransferCmd& c) const {
+    const uint64_t len = c.length();
+    if (c.src_offset() + len > local_bytes_ || c.dst_offset() + len > peer_bytes_[c.dst_rank()]) {
+      UCCL_EP_THROW(InvalidArgument, "proxy rank ", o_.rank, " channel ", ch.id, " FIFO index ", ch.idx, ": ",
+                    describe_cmd(c), " is outside the registered regions (local ", local_bytes_, " bytes, rank ",
+                    c.dst_rank(), " ", peer_bytes_[c.dst_rank()], " bytes)");
+    }
+  }
+
+  void check_atomic(const ChannelState& ch, const TransferCmd& c) const {
+    if (c.atomic_index() >= num_counters_) {
+      UCCL_EP_THROW(InvalidArgument, "proxy rank ", o_.rank, " channel ", ch.id, " FIFO index ", ch.idx, ": ",
+                    describe_cmd(c), " targets counter ", c.atomic_index(), " but only ", num_counters_,
+                    " counters are registered");
+    }
+  }
+
+  Step step(ChannelState& ch) {
+    const TransferCmd& c = ch.cmd;
+    const CmdType type = c.type();
+    if ((type == CmdType::kWrite || type == CmdType::kAtomic) && c.dst_rank() >= o_.world_size) {
+      UCCL_EP_THROW(InvalidArgument, "proxy rank ", o_.rank, " channel ", ch.id, " FIFO index ", ch.idx, ": ",
+                    describe_cmd(c), " names rank ", c.dst_rank(), " but the world has ", o_.world_size, " ranks");
+    }
+    switch (type) {
+      case CmdType::kWrite:
+        return step_write(ch, c);
+      case CmdType::kAtomic:
+        return step_atomic(ch, c);
+      case CmdType::kDrain:
+        return step_drain(ch, c);
+      case CmdType::kBarrier:
+        return step_barrier(ch, c);
+      default:
+        UCCL_EP_THROW(InvalidArgument, "proxy rank ", o_.rank, " channel ", ch.id, " FIFO index ", ch.idx,
+                      ": invalid command type ", static_cast<uint32_t>(type), " (lo=0x", std::hex, c.lo, ")");
+    }
+  }
+
+  Step step_write(ChannelState& ch, const TransferCmd& c) {
+    const uint32_t peer = c.dst_rank();
+    StreamTx& t = ch.tx[peer];
+    if (ch.stage == 0) {
+      check_write(ch, c);
+      const bool atomic = c.has_atomic();
+      if (atomic) check_atomic(ch, c);
+      const bool together = atomic && o_.ordering != Ordering::kSender;
+      if (!has_room(t, together ? 2 : 1, c.length())) return Step::kBlocked;
+      post(ch, peer, c.src_offset(), c.dst_offset(), c.length(), imm::write(t.next_seq), true);
+      bump(stats_.writes_posted);
+      bump(stats_.bytes_posted, c.length());
+      if (!atomic) return Step::kDone;
+      if (together) {
+        post(ch, peer, 0, 0, 0, imm::atomic(t.next_seq, c.atomic_index(), c.atomic_value()), false);
+        bump(stats_.atomics_posted);
+        return Step::kDone;
+      }
+      ch.stage = 1;
+      return Step::kAdvanced;
+    }
+    return post_sender_side_atomic(ch, c);
+  }
+
+  Step step_atomic(ChannelState& ch, const TransferCmd& c) {
+    check_atomic(ch, c);
+    if (o_.ordering == Ordering::kSender) return post_sender_side_atomic(ch, c);
+    StreamTx& t = ch.tx[c.dst_rank()];
+    if (!has_room(t, 1, 0)) return Step::kBlocked;
+    post(ch, c.dst_rank(), 0, 0, 0, imm::atomic(t.next_seq, c.atomic_index(), c.atomic_value()), false);
+    bump(stats_.atomics_posted);
+    return Step::kDone;
+  }
+
+  // Sender-side ordering: the atomic leaves only once every earlier write of the stream completed.
+  Step post_sender_side_atomic(ChannelState& ch, const TransferCmd& c) {
+    StreamTx& t = ch.tx[c.dst_rank()];
+    if (t.inflight_writes > 0 || !has_room(t, 1, 0)) return Step::kBlocked;
+    post(ch, c.dst_rank(), 0, 0, 0, imm::atomic(t.next_seq, c.atomic_index(), c.atomic_value()), false);
+    bump(stats_.atomics_posted);
+    return Step::kDone;
+  }
+
+  Step step_drain(ChannelState& ch, const TransferCmd& c) {
+    const uint64_t target = c.drain_all() ? ch.idx : drain_target(ch.idx, c.drain_index_low32());
+    if (ch.outstanding.empty() || *ch.outstanding.begin() > target) {
+      bump(stats_.drains);
+      return Step::kDone;
+    }
+    return Step::kBlocked;
+  }
+
+  Step step_barrier(ChannelState& ch, const TransferCmd& c) {
+    const auto& peers = barrier_peers(c);
+    if (ch.stage == 0) {
+      for (uint32_t p : peers) {
+        const StreamTx& t = ch.tx[p];
+        if (!has_room(t, 1, 0)) return Step::kBlocked;
+        // Sender-side ordering: the barrier also fences the stream's earlier writes.
+        if (o_.ordering == Ordering::kSender && t.inflight_writes > 0) return Step::kBlocked;
+      }
+      ++ch.barrier_epoch;
+      for (uint32_t p : peers) post(ch, p, 0, 0, 0, imm::barrier(ch.tx[p].next_seq, c.barrier_same_rail()), false);
+      ch.stage = 1;
+    }
+    const int local = local_of_[ch.id];
+    for (uint32_t p : peers) {
+      if (rx_[p][local].barriers < ch.barrier_epoch) return ch.stage == 1 ? Step::kBlocked : Step::kAdvanced;
+    }
+    bump(stats_.barriers);
+    return Step::kDone;
+  }
+
+  void on_send_done(const Completion& comp) {
+    if (comp.wr_id >= table_.size()) {
+      UCCL_EP_THROW(TransportError, "proxy rank ", o_.rank, " thread ", thread_, ": completion for unknown work id ",
+                    comp.wr_id, " from rank ", comp.peer);
+    }
+    const OutEntry e = table_[comp.wr_id];
+    ChannelState& ch = chans_[e.local_channel];
+    auto it = ch.outstanding.find(e.fifo_idx);
+    if (it != ch.outstanding.end()) ch.outstanding.erase(it);
+    StreamTx& t = ch.tx[e.peer];
+    --t.inflight;
+    t.on_ack(e.seq);
+    t.inflight_bytes -= e.bytes;
+    if (e.is_write) --t.inflight_writes;
+    free_.push_back(static_cast<uint32_t>(comp.wr_id));
+  }
+
+  void on_receive(const Completion& comp) {
+    if (comp.channel >= local_of_.size() || local_of_[comp.channel] < 0 || comp.peer >= o_.world_size) {
+      UCCL_EP_THROW(TransportError, "proxy rank ", o_.rank, " thread ", thread_, ": message from rank ", comp.peer,
+                    " for channel ", comp.channel, ", which this thread does not serve; all ranks must use the same ",
+                    "number of channels and UCCL_EP_NUM_PROXY_THREADS");
+    }
+    RecvStream& rs = rx_[comp.peer][local_of_[comp.channel]];
+    auto apply = [&](uint32_t v) { apply_one(rs, comp.peer, comp.channel, v); };
+    if (o_.ordering == Ordering::kReceiver) {
+      uint32_t held_before = rs.reorder.num_held();
+      rs.reorder.deliver(comp.imm, apply, comp.peer, comp.channel);
+      if (rs.reorder.num_held() > held_before) bump(stats_.held_out_of_order);
+    } else {
+      apply(comp.imm);
+    }
+  }
+
+  void apply_one(RecvStream& rs, uint32_t peer, uint32_t channel, uint32_t v) {
+    switch (imm::kind(v)) {
+      case ImmKind::kWrite:
+        bump(stats_.writes_received);
+        break;
+      case ImmKind::kAtomic: {
+        uint32_t idx = imm::atomic_index(v);
+        if (idx >= num_counters_) {
+          UCCL_EP_THROW(TransportError, "proxy rank ", o_.rank, ": atomic from rank ", peer, " channel ", channel,
+                        " targets counter ", idx, " of ", num_counters_);
+        }
+        // Several threads may add to one counter; the GPU polls it, so seq_cst publishes the add.
+        __atomic_fetch_add(&counters_[idx], static_cast<int64_t>(imm::atomic_value(v)), __ATOMIC_SEQ_CST);
+        bump(stats_.atomics_applied);
+        break;
+      }
+      case ImmKind::kBarrier:
+        ++rs.barriers;
+        break;
+      default:
+        UCCL_EP_THROW(TransportError, "proxy rank ", o_.rank, ": unknown immediate 0x", std::hex, v, std::dec,
+                      " from rank ", peer, " channel ", channel);
+    }
+  }
+
+  const ProxyOptions& o_;
+  uint32_t thread_;
+  Endpoint& ep_;
+  int64_t* counters_;
+  uint32_t num_counters_;
+  Proxy::ThreadStats& stats_;
+  std::chrono::milliseconds timeout_;
+  std::vector<ChannelState> chans_;
+  std::vector<int> local_of_;
+  std::vector<std::vector<RecvStream>> rx_;
+  std::vector<OutEntry> table_;
+  std::vector<uint32_t> free_;
+  std::vector<uint64_t> peer_bytes_;
+  uint64_t local_bytes_;
+  std::vector<uint32_t> same_rail_, all_peers_;
+  Completion comps_[kMaxComps];
+};
+
+}  // namespace
+
+Proxy::Proxy(const ProxyOptions& options, std::vector<FifoChannel*> channels, Transport* transport,
+             int64_t* counters, uint32_t num_counters)
+    : options_(options), channels_(std::move(channels)), transport_(transport), counters_(counters),
+      num_counters_(num_counters) {
+  UCCL_EP_CHECK_ARG(transport_ != nullptr, "proxy needs a transport");
+  UCCL_EP_CHECK_ARG(options.world_size >= 1 && options.world_size <= cmd_limits::kMaxRanks &&
+                        options.rank < options.world_size,
+                    "rank=", options.rank, " world_size=", options.world_size);
+  UCCL_EP_CHECK_ARG(options.num_threads >= 1 && options.num_threads <= 64, "num_threads=", options.num_threads,
+                    " must be in [1, 64] (UCCL_EP_NUM_PROXY_THREADS)");
+  UCCL_EP_CHECK_ARG(options.max_inflight_per_stream >= 2 && options.max_inflight_per_stream <= imm::kSeqWindow,
+                    "max_inflight_per_stream=", options.max_inflight_per_stream, " must be in [2, ", imm::kSeqWindow,
+                    "] (7-bit sequence numbers)");
+  UCCL_EP_CHECK_ARG(options.timeout_ms > 0, "timeout_ms must be positive");
+  UCCL_EP_CHECK_ARG(options.batch >= 1, "batch must be >= 1");
+  UCCL_EP_CHECK_ARG(num_counters <= cmd_limits::kNumAtomicCounters && (counters != nullptr || num_counters == 0),
+                    "num_counters=", num_counters, " must be <= ", cmd_limits::kNumAtomicCounters,
+                    " with a counters array");
+  UCCL_EP_CHECK_ARG(!channels_.empty(), "proxy needs at least one FIFO channel");
+  for (size_t i = 0; i < channels_.size(); ++i) {
+    UCCL_EP_CHECK_ARG(channels_[i] != nullptr && channels_[i]->channel() == i, "channels[", i,
+                      "] must be channel ", i);
+  }
+  if (options.ordering == Ordering::kNone && !transport_->ordered()) {
+    UCCL_EP_LOG(kWarn, "proxy rank ", options.rank, ": ordering=none on unordered transport '",
+                transport_->name(), "': atomics may overtake writes");
+  }
+}
+
+Proxy::~Proxy() { stop(); }
+
+void Proxy::start() {
+  UCCL_EP_CHECK_ARG(!running_, "proxy of rank ", options_.rank, " is already running");
+  stop_ = false;
+  stats_.clear();
+  for (uint32_t t = 0; t < options_.num_threads; ++t) stats_.push_back(std::make_unique<ThreadStats>());
+  for (auto* ch : channels_) ch->set_abort(false);
+  running_ = true;
+  for (uint32_t t = 0; t < options_.num_threads; ++t) threads_.emplace_back([this, t] { thread_main(t); });
+}
+
+void Proxy::stop() {
+  if (!running_) return;
+  stop_ = true;
+  for (auto& th : threads_) th.join();
+  threads_.clear();
+  running_ = false;
+}
+
+void Proxy::record_failure(std::exception_ptr e) {
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (!error_) error_ = e;
+  }
+  // Producers blocked on this proxy must not hang: make their waits give up.
+  for (auto* ch : channels_) ch->set_abort(true);
+  stop_ = true;
+}
+
+void Proxy::check() const {
+  std::exception_ptr e;
+  {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    e = error_;
+  }
+  if (e) std::rethrow_exception(e);
+}
+
+ProxyStats Proxy::stats() const {
+  ProxyStats s;
+  for (const auto& t : stats_) {
+    s.commands += t->commands.load(std::memory_order_relaxed);
+    s.writes_posted += t->writes_posted.load(std::memory_order_relaxed);
+    s.bytes_posted += t->bytes_posted.load(std::memory_order_relaxed);
+    s.atomics_posted += t->atomics_posted.load(std::memory_order_relaxed);
+    s.barriers += t->barriers.load(std::memory_order_relaxed);
+    s.drains += t->drains.load(std::memory_order_relaxed);
+    s.writes_received += t->writes_received.load(std::memory_order_relaxed);
+    s.atomics_applied += t->atomics_applied.load(std::memory_order_relaxed);
+    s.held_out_of_order += t->held_out_of_order.load(std::memory_order_relaxed);
+  }
+  return s;
+}
+
+void Proxy::thread_main(uint32_t thread) {
+  std::string name = detail::concat("ueproxy", options_.rank, "t", thread).substr(0, 15);
+  pthread_setname_np(pthread_self(), name.c_str());
+  if (!options_.cpus.empty()) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c : options_.cpus) CPU_SET(c, &set);
+    if (pthread_setaffinity_np(pthread_self(), sizeof(set), &set) != 0) {
+      UCCL_EP_LOG(kWarn, "proxy thread ", name, ": could not pin to the GPU's NUMA CPUs; running unpinned");
+    }
+  }
+  try {
+    Worker w(options_, thread, channels_, *transport_, counters_, num_counters_, *stats_[thread]);
+    uint32_t idle = 0;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      if (w.run_once()) {
+        idle = 0;
+      } else if (++idle < 64) {
+        UCCL_EP_CPU_RELAX();
+      } else {
+        // Long idle: let co-located threads (other proxies, the trainer) run.
+        std::this_thread::yield();
+      }
+    }
+  } catch (...) {
+    record_failure(std::current_exception());
+  }
+}
+
+std::vector<int> parse_cpulist(const std::string& s) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    part.erase(std::remove_if(part.begin(), part.end(), ::isspace), part.end());
+    if (part.empty()) continue;
+    size_t dash = part.find('-');
+    try {
+      size_t used = 0;
+      int lo = std::stoi(part.substr(0, dash), &used);
+      UCCL_EP_CHECK_ARG(used == (dash == std::string::npos ? part.size() : dash), "bad cpulist entry '", part, "'");
+      int hi = lo;
+      if (dash != std::string::npos) {
+        hi = std::stoi(part.substr(dash + 1), &used);
+        UCCL_EP_CHECK_ARG(used == part.size() - dash - 1, "bad cpulist entry '", part, "'");
+      }
+      UCCL_EP_CHECK_ARG(lo >= 0 && hi >= lo, "bad cpulist range '", part, "'");
+      for (int c = lo; c <= hi; ++c) out.push_back(c);
+    } catch (const std::logic_error&) {
+      UCCL_EP_THROW(InvalidArgument, "cpulist '", s, "' has a malformed entry '", part, "'");
+    }
+  }
+  return out;
+}
+
+std::vector<int> numa_cpus_of_pci(const std::string& pci_bus_id, const std::string& sysfs_root) {
+  std::string id = pci_bus_id;
+  for (auto& ch : id) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  // CUDA reports "00000000:3B:00.0"; sysfs uses a 4-digit domain.
+  if (id.size() > 12 && id.find(':') == 8) id = id.substr(4);
+  std::ifstream nf(sysfs_root + "/bus/pci/devices/" + id + "/numa_node");
+  int node = -1;
+  if (!(nf >> node) || node < 0) return {};
+  std::ifstream cf(sysfs_root + "/devices/system/node/node" + std::to_string(node) + "/cpulist");
+  std::string list;
+  if (!std::getline(cf, list)) return {};
+  return parse_cpulist(list);
+}
+
+}  // namespace uccl_ep
