@@ -1,0 +1,335 @@
+// Intranode combine: push (entry barrier, then every received row goes back to its source
+// rank's staging, ordered by expert rank and position) and reduce (barrier, then each token
+// sums its rows in rank order in fp32; rows this rank kept for itself are read in place).
+#include <algorithm>
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(USE_ROCM) || defined(UCCL_EP_HIP)
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_fp16.h>
+#endif
+
+#include "kernels/common.cuh"
+
+namespace uccl_ep::kernels {
+namespace {
+
+constexpr int kPushThreads = 512;
+constexpr int kReduceThreads = 512;
+
+struct CombineLayout {
+  int64_t x, w, end;
+};
+
+CombineLayout combine_layout(int64_t rows, int64_t row_bytes, int num_topk) {
+  CombineLayout l;
+  l.x = static_cast<int64_t>(kDataOffset);
+  l.w = align_up(l.x + rows * row_bytes, 256);
+  l.end = align_up(l.w + rows * num_topk * 4, 256);
+  return l;
+}
+
+struct PushParams {
+  Peers bufs;
+  int rank, num_ranks;
+  const uint8_t* x;
+  int64_t row_bytes;
+  const float* w;
+  int num_topk, num_recv;
+  int recv_begin[kMaxRanks + 1];  // rows from source s are [recv_begin[s], recv_begin[s+1])
+  int dst_off[kMaxRanks];         // first row of my region in source s's staging
+  int64_t w_offset;
+  uint64_t seq;
+  int64_t* status;
+  int64_t timeout_ns;
+};
+
+template <typename V, int kUnroll>
+__global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
+  if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
+                     kSiteCombineEntry))
+    return;
+  const int lane = threadIdx.x % dev::kWarpSize;
+  const int warps = blockDim.x / dev::kWarpSize;
+  const int nwarps = gridDim.x * warps;
+  for (int i = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; i < p.num_recv; i += nwarps) {
+    int s = 0;
+    while (s + 1 < p.num_ranks && p.recv_begin[s + 1] <= i) ++s;
+    if (s == p.rank) continue;  // the source reads rows it kept for itself in place
+    const int64_t drow = p.dst_off[s] + (i - p.recv_begin[s]);
+    uint8_t* base = p.bufs.p[s];
+    copy_row<V, kUnroll>(p.x + static_cast<int64_t>(i) * p.row_bytes, p.row_bytes,
+                         base + kDataOffset + drow * p.row_bytes, lane);
+    if (p.w != nullptr) {
+      float* dw = reinterpret_cast<float*>(base + p.w_offset);
+      for (int k = lane; k < p.num_topk; k += dev::kWarpSize)
+        dw[drow * p.num_topk + k] = p.w[static_cast<int64_t>(i) * p.num_topk + k];
+    }
+  }
+  dev::fence_system();
+}
+
+// Element conversions on raw bits (bf16 rounds to nearest even, like torch).
+template <int kDtype>
+struct Elt;
+template <>
+struct Elt<0> {
+  using raw = uint16_t;
+  __device__ static float to_f(raw b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+  __device__ static raw from_f(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<raw>((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<raw>(u >> 16);
+  }
+};
+template <>
+struct Elt<1> {
+  using raw = uint16_t;
+  __device__ static float to_f(raw b) { return __half2float(__ushort_as_half(b)); }
+  __device__ static raw from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+template <>
+struct Elt<2> {
+  using raw = float;
+  __device__ static float to_f(raw b) { return b; }
+  __device__ static raw from_f(float f) { return f; }
+};
+
+struct ReduceParams {
+  Peers bufs;
+  int rank, num_ranks, num_tokens, num_topk, hidden;
+  int64_t row_bytes;
+  const uint8_t* x;  // local combine input (rows this rank received)
+  const float* w;
+  const int* send_pos;
+  int own_base;                // first row of my own tokens in my receive layout
+  int src_off[kMaxRanks];      // first staging row of expert rank r's region
+  const uint8_t* st_x;
+  const float* st_w;
+  const uint8_t* bias0;
+  const uint8_t* bias1;
+  uint8_t* out;
+  float* out_w;
+  uint64_t seq;
+  int64_t* status;
+  int64_t timeout_ns;
+};
+
+template <int kDtype, bool kVec, int kUnroll>
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) {
+  using E = Elt<kDtype>;
+  using raw = typename E::raw;
+  constexpr int kPerVec = kVec ? 16 / static_cast<int>(sizeof(raw)) : 1;
+  using V = typename std::conditional<kVec, int4, raw>::type;
+  if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
+                     kSiteCombineDone))
+    return;
+  const int lane = threadIdx.x % dev::kWarpSize;
+  const int warps = blockDim.x / dev::kWarpSize;
+  const int nwarps = gridDim.x * warps;
+  const int R = p.num_ranks;
+  const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
+  for (int t = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; t < p.num_tokens; t += nwarps) {
+    const uint8_t* src[kMaxRanks];
+    const float* srcw[kMaxRanks];
+    unsigned mask = 0;
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      src[r] = nullptr;
+      srcw[r] = nullptr;
+      if (r < R) {
+        const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
+        if (pos >= 0) {
+          mask |= 1u << r;
+          const int64_t row = r == p.rank ? p.own_base + pos : p.src_off[r] + pos;
+          src[r] = (r == p.rank ? p.x : p.st_x) + row * p.row_bytes;
+          if (p.w != nullptr) srcw[r] = (r == p.rank ? p.w : p.st_w) + row * p.num_topk;
+        }
+      }
+    }
+    for (int64_t base = 0; base < n; base += kUnroll * dev::kWarpSize) {
+      V v[kMaxRanks][kUnroll];
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) {
+        if (mask >> r & 1u) {
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int64_t i = base + u * dev::kWarpSize + lane;
+            if (i < n) v[r][u] = dev::ld_stream(reinterpret_cast<const V*>(src[r]) + i);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + u * dev::kWarpSize + lane;
+        if (i >= n) continue;
+        float acc[kPerVec];
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+          if (mask >> r & 1u) {
+            const raw* vals = reinterpret_cast<const raw*>(&v[r][u]);
+#pragma unroll
+            for (int e = 0; e < kPerVec; ++e) acc[e] += E::to_f(vals[e]);
+          }
+        }
+        const uint8_t* biases[2] = {p.bias0, p.bias1};
+#pragma unroll
+        for (int b = 0; b < 2; ++b) {
+          if (biases[b] != nullptr) {
+            const V bv = reinterpret_cast<const V*>(biases[b] + static_cast<int64_t>(t) * p.row_bytes)[i];
+            const raw* vals = reinterpret_cast<const raw*>(&bv);
+#pragma unroll
+            for (int e = 0; e < kPerVec; ++e) acc[e] += E::to_f(vals[e]);
+          }
+        }
+        V o;
+        raw* ov = reinterpret_cast<raw*>(&o);
+#pragma unroll
+        for (int e = 0; e < kPerVec; ++e) ov[e] = E::from_f(acc[e]);
+        reinterpret_cast<V*>(p.out + static_cast<int64_t>(t) * p.row_bytes)[i] = o;
+      }
+    }
+    if (p.out_w != nullptr) {
+      for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r)
+          if (mask >> r & 1u) acc += srcw[r][k];
+        p.out_w[static_cast<int64_t>(t) * p.num_topk + k] = acc;
+      }
+    }
+  }
+}
+
+struct HostPlan {
+  Peers peers;
+  int counts[kMaxRanks][kMaxRanks];
+  int64_t staging_rows;
+};
+
+HostPlan plan(const CombineArgs& a) {
+  UCCL_EP_CHECK_ARG(a.num_ranks >= 1 && a.num_ranks <= kMaxRanks, "num_ranks=", a.num_ranks, " is outside 1..",
+                    kMaxRanks);
+  UCCL_EP_CHECK_ARG(static_cast<int>(a.buffers.size()) == a.num_ranks, "got ", a.buffers.size(), " buffers for ",
+                    a.num_ranks, " ranks");
+  UCCL_EP_CHECK_ARG(static_cast<int>(a.rank_prefix.size()) == a.num_ranks * a.num_ranks, "rank_prefix has ",
+                    a.rank_prefix.size(), " entries, expected ", a.num_ranks * a.num_ranks);
+  UCCL_EP_CHECK_ARG(a.dtype >= 0 && a.dtype <= 2, "combine dtype code ", a.dtype, " is not bf16/fp16/fp32");
+  UCCL_EP_CHECK_ARG(a.num_topk <= kMaxTopk, "num_topk=", a.num_topk, " exceeds ", kMaxTopk);
+  HostPlan h{};
+  const int R = a.num_ranks;
+  for (int r = 0; r < R; ++r) h.peers.p[r] = reinterpret_cast<uint8_t*>(a.buffers[r]);
+  for (int s = 0; s < R; ++s)
+    for (int j = 0; j < R; ++j)
+      h.counts[s][j] = a.rank_prefix[s * R + j] - (s > 0 ? a.rank_prefix[(s - 1) * R + j] : 0);
+  h.staging_rows = 0;
+  for (int s = 0; s < R; ++s) {
+    int64_t rows = 0;
+    for (int j = 0; j < R; ++j)
+      if (j != s) rows += h.counts[s][j];
+    h.staging_rows = std::max(h.staging_rows, rows);
+  }
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * (a.dtype == 2 ? 4 : 2);
+  const int64_t need = combine_layout(h.staging_rows, row_bytes, a.num_topk).end;
+  UCCL_EP_CHECK_ARG(need <= a.buffer_bytes, "combine staging needs ", need, " bytes but the buffer has ",
+                    a.buffer_bytes);
+  return h;
+}
+
+}  // namespace
+
+int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk) {
+  return combine_layout(rows, row_bytes, num_topk).end;
+}
+
+void intranode_combine_push(const CombineArgs& a, intptr_t stream) {
+  const HostPlan h = plan(a);
+  const int R = a.num_ranks;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * (a.dtype == 2 ? 4 : 2);
+  PushParams p{};
+  p.bufs = h.peers;
+  p.rank = a.rank;
+  p.num_ranks = R;
+  p.x = reinterpret_cast<const uint8_t*>(a.x);
+  p.row_bytes = row_bytes;
+  p.w = reinterpret_cast<const float*>(a.topk_weights);
+  p.num_topk = a.num_topk;
+  p.num_recv = a.num_recv;
+  for (int s = 0; s <= R; ++s) p.recv_begin[s] = s > 0 ? a.rank_prefix[(s - 1) * R + a.rank] : 0;
+  for (int s = 0; s < R; ++s) {
+    int off = 0;
+    for (int j = 0; j < a.rank; ++j)
+      if (j != s) off += h.counts[s][j];
+    p.dst_off[s] = off;
+  }
+  p.w_offset = combine_layout(h.staging_rows, row_bytes, a.num_topk).w;
+  p.seq = a.seq_entry;
+  p.status = reinterpret_cast<int64_t*>(a.status);
+  p.timeout_ns = a.timeout_ns;
+  auto s = reinterpret_cast<gpuStream_t>(stream);
+  const int blocks = std::max(1, a.num_sms);
+  if (row_bytes % 16 == 0 && a.x % 16 == 0) {
+    push_kernel<int4, 8><<<blocks, kPushThreads, 0, s>>>(p);
+  } else {
+    push_kernel<uint8_t, 8><<<blocks, kPushThreads, 0, s>>>(p);
+  }
+  GPU_CHECK(gpuGetLastError());
+}
+
+void intranode_combine_reduce(const CombineArgs& a, intptr_t stream) {
+  const HostPlan h = plan(a);
+  const int R = a.num_ranks;
+  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * (a.dtype == 2 ? 4 : 2);
+  const CombineLayout l = combine_layout(h.staging_rows, row_bytes, a.num_topk);
+  ReduceParams p{};
+  p.bufs = h.peers;
+  p.rank = a.rank;
+  p.num_ranks = R;
+  p.num_tokens = a.num_tokens;
+  p.num_topk = a.num_topk;
+  p.hidden = a.hidden;
+  p.row_bytes = row_bytes;
+  p.x = reinterpret_cast<const uint8_t*>(a.x);
+  p.w = reinterpret_cast<const float*>(a.topk_weights);
+  p.send_pos = reinterpret_cast<const int*>(a.send_pos);
+  p.own_base = a.rank > 0 ? a.rank_prefix[(a.rank - 1) * R + a.rank] : 0;
+  int off = 0;
+  for (int r = 0; r < R; ++r) {
+    p.src_off[r] = off;
+    if (r != a.rank) off += h.counts[a.rank][r];
+  }
+  p.st_x = h.peers.p[a.rank] + l.x;
+  p.st_w = reinterpret_cast<const float*>(h.peers.p[a.rank] + l.w);
+  p.bias0 = reinterpret_cast<const uint8_t*>(a.bias0);
+  p.bias1 = reinterpret_cast<const uint8_t*>(a.bias1);
+  p.out = reinterpret_cast<uint8_t*>(a.out);
+  p.out_w = reinterpret_cast<float*>(a.out_weights);
+  p.seq = a.seq_done;
+  p.status = reinterpret_cast<int64_t*>(a.status);
+  p.timeout_ns = a.timeout_ns;
+  auto s = reinterpret_cast<gpuStream_t>(stream);
+  const int blocks = std::max(1, a.num_sms);
+  const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0 && a.out % 16 == 0 && a.bias0 % 16 == 0 && a.bias1 % 16 == 0;
+#define UCCL_EP_LAUNCH_REDUCE(DT)                                                    \
+  do {                                                                               \
+    if (vec) {                                                                       \
+      reduce_kernel<DT, true, 2><<<blocks, kReduceThreads, 0, s>>>(p);               \
+    } else {                                                                         \
+      reduce_kernel<DT, false, 2><<<blocks, kReduceThreads, 0, s>>>(p);              \
+    }                                                                                \
+  } while (0)
+  if (a.dtype == 0) {
+    UCCL_EP_LAUNCH_REDUCE(0);
+  } else if (a.dtype == 1) {
+    UCCL_EP_LAUNCH_REDUCE(1);
+  } else {
+    UCCL_EP_LAUNCH_REDUCE(2);
+  }
+#undef UCCL_EP_LAUNCH_REDUCE
+  GPU_CHECK(gpuGetLastError());
+}
+
+}  // namespace uccl_ep::kernels

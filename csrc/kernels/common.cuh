@@ -1,0 +1,109 @@
+// Pieces shared by the intranode kernels: the peer-buffer table, the cross-rank barrier with
+// its timeout, and the warp-wide row copy.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/device.cuh"
+#include "kernels/intranode.h"
+
+namespace uccl_ep::kernels {
+
+// Registered buffer base of every rank, passed by value (kernel parameter space).
+struct Peers {
+  uint8_t* p[kMaxRanks];
+};
+
+// Site codes reported in the status words (Python maps them to names).
+enum BarrierSite : int { kSiteNotify = 1, kSiteDispatchDone = 2, kSiteCombineEntry = 3, kSiteCombineDone = 4 };
+
+__device__ __forceinline__ uint64_t* flags_of(uint8_t* buf) {
+  return reinterpret_cast<uint64_t*>(buf + kFlagsOffset);
+}
+
+__device__ __forceinline__ bool status_set(const int64_t* status) {
+  return *reinterpret_cast<const volatile int64_t*>(status) != 0;
+}
+
+// Cross-rank barrier on monotonically increasing sequence numbers (never reset, so no
+// re-arming race): when `signal`, this block stores `seq` into slot [rank] of every peer's
+// flags after fencing its earlier writes; then threads 0..R-1 wait until peer `tid` has
+// stored a value >= seq into our slot [tid]. A peer can be at most one barrier ahead, which
+// `>=` absorbs. A wait that exceeds `timeout_ns` records (peer, seq, site) in the mapped host
+// status words and gives up, so the host raises instead of the GPU hanging. Returns false
+// when any wait of this rank has timed out (the caller must then skip its data movement).
+__device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int num_ranks, uint64_t seq,
+                                              bool signal, int64_t* status, int64_t timeout_ns, int site) {
+  __shared__ int s_failed;
+  const int tid = threadIdx.x;
+  if (tid == 0) s_failed = status_set(status) ? 1 : 0;
+  if (signal) {
+    dev::fence_system();
+    __syncthreads();
+    if (tid < num_ranks) dev::st_release_sys(flags_of(bufs.p[tid]) + rank, seq);
+  } else {
+    __syncthreads();
+  }
+  if (tid < num_ranks && !s_failed) {
+    const uint64_t* f = flags_of(bufs.p[rank]) + tid;
+    const uint64_t start = dev::global_timer_ns();
+    while (dev::ld_acquire_sys(f) < seq) {
+      if (status_set(status)) {
+        s_failed = 1;
+        break;
+      }
+      if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+        volatile int64_t* st = status;
+        st[1] = tid;
+        st[2] = static_cast<int64_t>(seq);
+        st[3] = site;
+        __threadfence_system();
+        st[0] = 1;
+        __threadfence_system();
+        s_failed = 1;
+        break;
+      }
+    }
+  }
+  __syncthreads();
+  return !s_failed;
+}
+
+// Warp-wide copy of one row of `nbytes` (a multiple of sizeof(V)) to every destination whose
+// bit is set in `mask`: the source is read once, kUnroll vectors per lane in flight before the
+// first store, so each warp keeps kUnroll*warp*sizeof(V) bytes moving over the link.
+template <typename V, int kUnroll>
+__device__ __forceinline__ void copy_row_multi(const uint8_t* src, int64_t nbytes, uint8_t* const (&dst)[kMaxRanks],
+                                               unsigned mask, int lane) {
+  const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
+  const V* s = reinterpret_cast<const V*>(src);
+  for (int64_t base = 0; base < n; base += kUnroll * dev::kWarpSize) {
+    V v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * dev::kWarpSize + lane;
+      if (i < n) v[u] = dev::ld_stream(s + i);
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (mask >> r & 1u) {
+        V* d = reinterpret_cast<V*>(dst[r]);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = base + u * dev::kWarpSize + lane;
+          if (i < n) d[i] = v[u];
+        }
+      }
+    }
+  }
+}
+
+template <typename V, int kUnroll>
+__device__ __forceinline__ void copy_row(const uint8_t* src, int64_t nbytes, uint8_t* dst, int lane) {
+  uint8_t* d[kMaxRanks] = {dst};
+  copy_row_multi<V, kUnroll>(src, nbytes, d, 1u, lane);
+}
+
+inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+}  // namespace uccl_ep::kernels

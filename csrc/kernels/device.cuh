@@ -1,0 +1,127 @@
+// Device-side shim for the intranode kernels: one source for CUDA (sm_80/sm_90) and HIP
+// (gfx90a/gfx942, wave64). Memory-ordering helpers use PTX on NVIDIA (explicit .sys scope,
+// which is what peers reading over NVLink need) and the clang __hip_atomic builtins on AMD.
+#pragma once
+
+#include <cstdint>
+
+#include "common/gpu.h"
+
+#if defined(UCCL_EP_DEVICE_HIP)
+#define UCCL_EP_WARP_SIZE 64
+using lane_mask_t = unsigned long long;
+#else
+#define UCCL_EP_WARP_SIZE 32
+using lane_mask_t = unsigned int;
+#endif
+
+namespace uccl_ep::dev {
+
+constexpr int kWarpSize = UCCL_EP_WARP_SIZE;
+
+// Ballot of the whole warp/wavefront; every lane must participate.
+__device__ __forceinline__ lane_mask_t warp_ballot(bool pred) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  return __ballot(pred);
+#else
+  return __ballot_sync(0xffffffffu, pred);
+#endif
+}
+
+__device__ __forceinline__ int popc_mask(lane_mask_t m) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  return __popcll(m);
+#else
+  return __popc(m);
+#endif
+}
+
+// Bits of lanes below the calling lane.
+__device__ __forceinline__ lane_mask_t lanemask_lt() {
+  const int lane = threadIdx.x % kWarpSize;
+#if defined(UCCL_EP_DEVICE_HIP)
+  return lane == 0 ? 0ull : (~0ull >> (64 - lane));
+#else
+  return (1u << lane) - 1u;
+#endif
+}
+
+__device__ __forceinline__ void warp_sync() {
+#if defined(UCCL_EP_DEVICE_HIP)
+  // Wavefronts execute in lockstep; the barrier only orders LDS traffic, which we don't rely on.
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
+#endif
+}
+
+// Nanoseconds from a clock that ticks the same on every SM (for timeouts only).
+__device__ __forceinline__ uint64_t global_timer_ns() {
+#if defined(UCCL_EP_DEVICE_HIP)
+#if defined(__HIP_DEVICE_COMPILE__)
+  // s_memrealtime ticks at a constant 100 MHz on gfx9 (CDNA), whatever the shader clock.
+  return __builtin_amdgcn_s_memrealtime() * 10ull;
+#else
+  return 0;
+#endif
+#else
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
+// Orders this thread's earlier stores (to local or peer memory) before its later ones, as
+// seen by every agent of the system (peer GPUs read our writes over NVLink/xGMI).
+__device__ __forceinline__ void fence_system() { __threadfence_system(); }
+
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#else
+  __threadfence_system();
+  *reinterpret_cast<volatile uint64_t*>(p) = v;
+#endif
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  uint64_t v = *reinterpret_cast<const volatile uint64_t*>(p);
+  __threadfence_system();
+  return v;
+#endif
+}
+
+// Streaming 16-byte load of data read exactly once (keeps L1 clean for metadata).
+template <typename T>
+__device__ __forceinline__ T ld_stream(const T* p) {
+#if defined(UCCL_EP_DEVICE_CUDA) && defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 16) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return *reinterpret_cast<T*>(&v);
+  } else {
+    return __ldg(p);
+  }
+#else
+  return *p;
+#endif
+}
+
+// Plain store; peer pointers are IPC mappings, so this is an NVLink/xGMI write when remote.
+template <typename T>
+__device__ __forceinline__ void st_plain(T* p, const T& v) {
+  *p = v;
+}
+
+}  // namespace uccl_ep::dev

@@ -1,0 +1,411 @@
+// Intranode dispatch: notify (count exchange + entry barrier), send (each row read once and
+// written to every destination rank at its final row index), finish (barrier + local copy of
+// staged peer rows into the fresh outputs, padding for num_worst_tokens).
+#include <algorithm>
+
+#include "kernels/common.cuh"
+
+namespace uccl_ep::kernels {
+
+// Byte offsets of the per-call staging sub-regions (identical on every rank for one call).
+struct StagingLayout {
+  int64_t x, scales, idx, w, src, end;
+};
+
+StagingLayout dispatch_staging_layout(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size) {
+  StagingLayout l;
+  l.x = static_cast<int64_t>(kDataOffset);
+  l.scales = align_up(l.x + rows * row_bytes, 256);
+  l.idx = align_up(l.scales + rows * num_scales * 4, 256);
+  l.w = align_up(l.idx + rows * num_topk * idx_size, 256);
+  l.src = align_up(l.w + rows * num_topk * 4, 256);
+  l.end = align_up(l.src + rows * 4, 256);
+  return l;
+}
+
+namespace {
+
+constexpr int kNotifyThreads = 256;
+constexpr int kSendThreads = 512;
+constexpr int kSendWarps = kSendThreads / dev::kWarpSize;
+constexpr int kFinishThreads = 512;
+
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
+                                                                const int* per_rank, const int* per_expert,
+                                                                int experts_per_rank, int alignment, uint64_t seq,
+                                                                int* prefix_out, int* info, int64_t* status,
+                                                                int64_t timeout_ns) {
+  const int tid = threadIdx.x;
+  const int R = num_ranks;
+  // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
+  for (int i = tid; i < R * R; i += blockDim.x) {
+    const int r = i / R, j = i % R;
+    reinterpret_cast<int*>(bufs.p[r] + kCountsOffset)[rank * kMaxRanks + j] = per_rank[j];
+  }
+  if (per_expert != nullptr) {
+    for (int i = tid; i < R * experts_per_rank; i += blockDim.x) {
+      const int r = i / experts_per_rank, e = i % experts_per_rank;
+      reinterpret_cast<int*>(bufs.p[r] + kExpertCountsOffset)[rank * kMaxLocalExperts + e] =
+          per_expert[r * experts_per_rank + e];
+    }
+  }
+  if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify)) return;
+
+  // Control data is read through volatile loads: peers wrote it, no L1 line may serve it.
+  const volatile int* counts = reinterpret_cast<const volatile int*>(bufs.p[rank] + kCountsOffset);
+  for (int i = tid; i < R * R; i += blockDim.x) {
+    const int s = i / R, j = i % R;
+    int sum = 0;
+    for (int s2 = 0; s2 <= s; ++s2) sum += counts[s2 * kMaxRanks + j];
+    prefix_out[i] = sum;
+    info[i] = sum;
+  }
+  if (per_expert != nullptr) {
+    const volatile int* ec = reinterpret_cast<const volatile int*>(bufs.p[rank] + kExpertCountsOffset);
+    for (int e = tid; e < experts_per_rank; e += blockDim.x) {
+      int sum = 0;
+      for (int s = 0; s < R; ++s) sum += ec[s * kMaxLocalExperts + e];
+      info[R * R + e] = (sum + alignment - 1) / alignment * alignment;
+    }
+  }
+}
+
+// Per-destination bases of the five row arrays: own outputs for d == rank, peer staging else.
+struct RowPtrs {
+  uint8_t* x[kMaxRanks];
+  float* scales[kMaxRanks];
+  uint8_t* idx[kMaxRanks];
+  float* w[kMaxRanks];
+  int* src[kMaxRanks];
+};
+
+struct SendParams {
+  RowPtrs dst;
+  int rank, num_ranks, num_tokens, experts_per_rank;
+  const uint8_t* x;
+  int64_t row_bytes;
+  const float* scales;
+  int num_scales;
+  const void* topk_idx;
+  bool idx_is_64;
+  const float* topk_weights;
+  int num_topk;
+  const bool* in_rank;
+  const int* prefix;
+  int* send_pos;
+  bool cached;
+  int64_t* status;
+};
+
+// Block b owns the contiguous token range [t0, t1). Unless cached, it first computes each
+// token's position among the tokens sent to rank r (an exclusive scan of column r of
+// is_token_in_rank): tokens before t0 are counted, then the range is scanned tile by tile
+// with warp ballots. Rows of one block to one rank are then consecutive in the receiver.
+template <typename V, int kUnroll>
+__global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
+  if (status_set(p.status)) return;
+  __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
+  __shared__ int s_running[kMaxRanks];
+  __shared__ int s_warp[kSendWarps][kMaxRanks];
+  const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
+  const int R = p.num_ranks;
+  const int per_block = (p.num_tokens + gridDim.x - 1) / gridDim.x;
+  const int t0 = min(p.num_tokens, static_cast<int>(blockIdx.x) * per_block);
+  const int t1 = min(p.num_tokens, t0 + per_block);
+  if (tid < R) {
+    s_prefix_row[tid] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + tid] : 0;
+    s_running[tid] = 0;
+  }
+  __syncthreads();
+
+  if (!p.cached) {
+    int before[kMaxRanks] = {0};
+    for (int t = tid; t < t0; t += blockDim.x) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (r < R) before[r] += p.in_rank[static_cast<int64_t>(t) * R + r];
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r)
+      if (r < R && before[r]) atomicAdd(&s_running[r], before[r]);
+    __syncthreads();
+    for (int tile = t0; tile < t1; tile += blockDim.x) {
+      const int t = tile + tid;
+      const bool valid = t < t1;
+      bool flag[kMaxRanks];
+      int lane_pos[kMaxRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) {
+        flag[r] = valid && r < R && p.in_rank[static_cast<int64_t>(t) * R + r];
+        const lane_mask_t b = dev::warp_ballot(flag[r]);
+        lane_pos[r] = dev::popc_mask(b & dev::lanemask_lt());
+        if (lane == 0 && r < R) s_warp[warp][r] = dev::popc_mask(b);
+      }
+      __syncthreads();
+      if (tid < R) {
+        int running = s_running[tid];
+        for (int w = 0; w < kSendWarps; ++w) {
+          const int v = s_warp[w][tid];
+          s_warp[w][tid] = running;
+          running += v;
+        }
+        s_running[tid] = running;
+      }
+      __syncthreads();
+      if (valid) {
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r)
+          if (r < R) p.send_pos[static_cast<int64_t>(t) * R + r] = flag[r] ? s_warp[warp][r] + lane_pos[r] : -1;
+      }
+      __syncthreads();
+    }
+  }
+
+  for (int t = t0 + warp; t < t1; t += kSendWarps) {
+    unsigned mask = 0;
+    int row[kMaxRanks];
+    uint8_t* dst_x[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      row[r] = 0;
+      dst_x[r] = nullptr;
+      if (r < R) {
+        const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
+        if (pos >= 0) {
+          mask |= 1u << r;
+          row[r] = s_prefix_row[r] + pos;
+          dst_x[r] = p.dst.x[r] + static_cast<int64_t>(row[r]) * p.row_bytes;
+        }
+      }
+    }
+    if (mask == 0) continue;
+    copy_row_multi<V, kUnroll>(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask, lane);
+
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      if (!(mask >> r & 1u)) continue;
+      const int64_t drow = row[r];
+      for (int s = lane; s < p.num_scales; s += dev::kWarpSize)
+        p.dst.scales[r][drow * p.num_scales + s] = p.scales[static_cast<int64_t>(t) * p.num_scales + s];
+      if (p.dst.src[r] != nullptr && lane == 0) p.dst.src[r][drow] = t;
+      if (p.topk_idx != nullptr) {
+        for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
+          const int64_t i = static_cast<int64_t>(t) * p.num_topk + k;
+          const int64_t e = p.idx_is_64 ? static_cast<const int64_t*>(p.topk_idx)[i]
+                                        : static_cast<int64_t>(static_cast<const int32_t*>(p.topk_idx)[i]);
+          const int64_t local = e - static_cast<int64_t>(r) * p.experts_per_rank;
+          const bool mine = e >= 0 && local >= 0 && local < p.experts_per_rank;
+          const int64_t o = drow * p.num_topk + k;
+          if (p.idx_is_64) {
+            reinterpret_cast<int64_t*>(p.dst.idx[r])[o] = mine ? local : -1;
+          } else {
+            reinterpret_cast<int32_t*>(p.dst.idx[r])[o] = mine ? static_cast<int32_t>(local) : -1;
+          }
+          p.dst.w[r][o] = mine ? p.topk_weights[i] : 0.0f;
+        }
+      }
+    }
+  }
+  // Make this thread's peer writes visible system-wide before the finishing barrier.
+  dev::fence_system();
+}
+
+struct FinishParams {
+  Peers bufs;
+  int rank, num_ranks;
+  // Own staging (local) and outputs.
+  const uint8_t* st_x;
+  const float* st_scales;
+  const uint8_t* st_idx;
+  const float* st_w;
+  const int* st_src;
+  uint8_t* out_x;
+  float* out_scales;
+  uint8_t* out_idx;
+  float* out_w;
+  int* out_src;
+  int64_t row_bytes;
+  int num_scales, num_topk, idx_size;
+  int num_recv, num_out_rows, own_begin, own_end;
+  uint64_t seq;
+  int64_t* status;
+  int64_t timeout_ns;
+};
+
+template <typename V, int kUnroll>
+__global__ void __launch_bounds__(kFinishThreads) finish_kernel(FinishParams p) {
+  if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
+                     kSiteDispatchDone))
+    return;
+  const int lane = threadIdx.x % dev::kWarpSize;
+  const int warps = blockDim.x / dev::kWarpSize;
+  const int gwarp = blockIdx.x * warps + threadIdx.x / dev::kWarpSize;
+  const int nwarps = gridDim.x * warps;
+  const int meta_idx_words = p.num_topk * p.idx_size / 4;
+  for (int i = gwarp; i < p.num_out_rows; i += nwarps) {
+    const int64_t r = i;
+    if (i >= p.own_begin && i < p.own_end) continue;  // the sender wrote these rows directly
+    if (i < p.num_recv) {
+      copy_row<V, kUnroll>(p.st_x + r * p.row_bytes, p.row_bytes, p.out_x + r * p.row_bytes, lane);
+      for (int s = lane; s < p.num_scales; s += dev::kWarpSize)
+        p.out_scales[r * p.num_scales + s] = p.st_scales[r * p.num_scales + s];
+      if (p.out_idx != nullptr) {
+        for (int k = lane; k < meta_idx_words; k += dev::kWarpSize)
+          reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] =
+              reinterpret_cast<const int*>(p.st_idx)[r * meta_idx_words + k];
+        for (int k = lane; k < p.num_topk; k += dev::kWarpSize) p.out_w[r * p.num_topk + k] = p.st_w[r * p.num_topk + k];
+      }
+      if (p.out_src != nullptr && lane == 0) p.out_src[r] = p.st_src[r];
+    } else {
+      // num_worst_tokens padding: zero rows, ids -1, weights 0.
+      const V zero{};
+      V* d = reinterpret_cast<V*>(p.out_x + r * p.row_bytes);
+      const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
+      for (int64_t j = lane; j < n; j += dev::kWarpSize) d[j] = zero;
+      for (int s = lane; s < p.num_scales; s += dev::kWarpSize) p.out_scales[r * p.num_scales + s] = 0.0f;
+      if (p.out_idx != nullptr) {
+        for (int k = lane; k < meta_idx_words; k += dev::kWarpSize)
+          reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] = -1;  // all-ones = -1 in int32 and int64
+        for (int k = lane; k < p.num_topk; k += dev::kWarpSize) p.out_w[r * p.num_topk + k] = 0.0f;
+      }
+    }
+  }
+}
+
+Peers make_peers(const std::vector<intptr_t>& buffers, int num_ranks) {
+  UCCL_EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks=", num_ranks,
+                    " is outside 1..", kMaxRanks, " (the intranode kernels serve one node)");
+  UCCL_EP_CHECK_ARG(static_cast<int>(buffers.size()) == num_ranks, "got ", buffers.size(), " buffers for ",
+                    num_ranks, " ranks");
+  Peers p{};
+  for (int r = 0; r < num_ranks; ++r) p.p[r] = reinterpret_cast<uint8_t*>(buffers[r]);
+  return p;
+}
+
+bool aligned16(intptr_t v) { return v % 16 == 0; }
+
+}  // namespace
+
+void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t num_tokens_per_rank,
+                      intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment, uint64_t seq,
+                      intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
+                      intptr_t stream) {
+  const Peers peers = make_peers(buffers, num_ranks);
+  UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
+                    " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
+  UCCL_EP_CHECK_ARG(expert_alignment >= 1, "expert_alignment=", expert_alignment, " must be >= 1");
+  notify_kernel<<<1, kNotifyThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
+      peers, rank, num_ranks, reinterpret_cast<const int*>(num_tokens_per_rank),
+      reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment, seq,
+      reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), reinterpret_cast<int64_t*>(status),
+      timeout_ns);
+  GPU_CHECK(gpuGetLastError());
+}
+
+int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size) {
+  return dispatch_staging_layout(rows, row_bytes, num_scales, num_topk, idx_size).end;
+}
+
+static void check_dispatch_args(const DispatchArgs& a) {
+  UCCL_EP_CHECK_ARG(a.num_topk <= kMaxTopk, "num_topk=", a.num_topk, " exceeds ", kMaxTopk);
+  UCCL_EP_CHECK_ARG(a.num_sms >= 1, "num_sms=", a.num_sms, " must be positive");
+  UCCL_EP_CHECK_ARG(a.num_recv <= a.staging_rows, "num_recv=", a.num_recv, " exceeds staging_rows=", a.staging_rows);
+  UCCL_EP_CHECK_ARG(a.num_out_rows >= a.num_recv, "num_out_rows=", a.num_out_rows, " < num_recv=", a.num_recv);
+  const int64_t need =
+      dispatch_staging_bytes(a.staging_rows, a.row_bytes, a.num_scales, a.num_topk, a.idx_is_64 ? 8 : 4);
+  UCCL_EP_CHECK_ARG(need <= a.buffer_bytes, "dispatch staging needs ", need, " bytes but the buffer has ",
+                    a.buffer_bytes);
+}
+
+void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
+  check_dispatch_args(a);
+  if (a.num_tokens == 0) return;
+  const Peers peers = make_peers(a.buffers, a.num_ranks);
+  const int idx_size = a.idx_is_64 ? 8 : 4;
+  const StagingLayout l = dispatch_staging_layout(a.staging_rows, a.row_bytes, a.num_scales, a.num_topk, idx_size);
+  SendParams p{};
+  for (int r = 0; r < a.num_ranks; ++r) {
+    if (r == a.rank) {
+      p.dst.x[r] = reinterpret_cast<uint8_t*>(a.recv_x);
+      p.dst.scales[r] = reinterpret_cast<float*>(a.recv_scales);
+      p.dst.idx[r] = reinterpret_cast<uint8_t*>(a.recv_topk_idx);
+      p.dst.w[r] = reinterpret_cast<float*>(a.recv_topk_weights);
+      p.dst.src[r] = reinterpret_cast<int*>(a.recv_src_idx);
+    } else {
+      uint8_t* b = peers.p[r];
+      p.dst.x[r] = b + l.x;
+      p.dst.scales[r] = reinterpret_cast<float*>(b + l.scales);
+      p.dst.idx[r] = b + l.idx;
+      p.dst.w[r] = reinterpret_cast<float*>(b + l.w);
+      p.dst.src[r] = a.recv_src_idx ? reinterpret_cast<int*>(b + l.src) : nullptr;
+    }
+  }
+  p.rank = a.rank;
+  p.num_ranks = a.num_ranks;
+  p.num_tokens = a.num_tokens;
+  p.experts_per_rank = a.experts_per_rank;
+  p.x = reinterpret_cast<const uint8_t*>(a.x);
+  p.row_bytes = a.row_bytes;
+  p.scales = reinterpret_cast<const float*>(a.x_scales);
+  p.num_scales = a.num_scales;
+  p.topk_idx = reinterpret_cast<const void*>(a.topk_idx);
+  p.idx_is_64 = a.idx_is_64;
+  p.topk_weights = reinterpret_cast<const float*>(a.topk_weights);
+  p.num_topk = a.num_topk;
+  p.in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
+  p.prefix = reinterpret_cast<const int*>(a.rank_prefix_matrix);
+  p.send_pos = reinterpret_cast<int*>(a.send_pos);
+  p.cached = a.cached;
+  p.status = reinterpret_cast<int64_t*>(a.status);
+  const int blocks = std::max(1, std::min(a.num_sms, a.num_tokens));
+  auto s = reinterpret_cast<gpuStream_t>(stream);
+  if (a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x)) {
+    send_kernel<int4, 8><<<blocks, kSendThreads, 0, s>>>(p);
+  } else {
+    send_kernel<uint8_t, 8><<<blocks, kSendThreads, 0, s>>>(p);
+  }
+  GPU_CHECK(gpuGetLastError());
+}
+
+void intranode_dispatch_finish(const DispatchArgs& a, intptr_t stream) {
+  check_dispatch_args(a);
+  const Peers peers = make_peers(a.buffers, a.num_ranks);
+  const int idx_size = a.idx_is_64 ? 8 : 4;
+  const StagingLayout l = dispatch_staging_layout(a.staging_rows, a.row_bytes, a.num_scales, a.num_topk, idx_size);
+  FinishParams p{};
+  p.bufs = peers;
+  p.rank = a.rank;
+  p.num_ranks = a.num_ranks;
+  uint8_t* b = peers.p[a.rank];
+  p.st_x = b + l.x;
+  p.st_scales = reinterpret_cast<const float*>(b + l.scales);
+  p.st_idx = b + l.idx;
+  p.st_w = reinterpret_cast<const float*>(b + l.w);
+  p.st_src = reinterpret_cast<const int*>(b + l.src);
+  p.out_x = reinterpret_cast<uint8_t*>(a.recv_x);
+  p.out_scales = reinterpret_cast<float*>(a.recv_scales);
+  p.out_idx = reinterpret_cast<uint8_t*>(a.recv_topk_idx);
+  p.out_w = reinterpret_cast<float*>(a.recv_topk_weights);
+  p.out_src = reinterpret_cast<int*>(a.recv_src_idx);
+  p.row_bytes = a.row_bytes;
+  p.num_scales = a.num_scales;
+  p.num_topk = a.num_topk;
+  p.idx_size = idx_size;
+  p.num_recv = a.num_recv;
+  p.num_out_rows = a.num_out_rows;
+  p.own_begin = a.own_begin;
+  p.own_end = a.own_end;
+  p.seq = a.seq;
+  p.status = reinterpret_cast<int64_t*>(a.status);
+  p.timeout_ns = a.timeout_ns;
+  const int blocks = std::max(1, a.num_sms);
+  auto s = reinterpret_cast<gpuStream_t>(stream);
+  if (a.row_bytes % 16 == 0 && aligned16(a.recv_x)) {
+    finish_kernel<int4, 4><<<blocks, kFinishThreads, 0, s>>>(p);
+  } else {
+    finish_kernel<uint8_t, 4><<<blocks, kFinishThreads, 0, s>>>(p);
+  }
+  GPU_CHECK(gpuGetLastError());
+}
+
+}  // namespace uccl_ep::kernels

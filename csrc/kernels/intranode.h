@@ -1,0 +1,123 @@
+// Host API of the intranode (NVLink / xGMI) kernels: plain functions taking raw device
+// pointers (as intptr_t), sizes and a stream handle, so the bindings need no GPU headers and
+// `_C` never links libtorch. Python (backends/kernels.py) allocates every tensor.
+//
+// Memory model. Every rank owns one registered buffer (`num_nvl_bytes`, cudaMalloc'd, IPC
+// shared with the node's other ranks):
+//   [0, kDataOffset)  control: barrier flags, the count matrix and per-expert counts that the
+//                     notify step writes into every peer;
+//   [kDataOffset, ..) staging: rows peers push to this rank, placed at their final row index
+//                     (dispatch) or at (expert rank, position) order (combine), so a sender
+//                     never waits for a receiver to free ring slots.
+// Rows a rank sends to itself go straight into its output tensors; only peer rows are staged
+// and then copied locally (HBM, ~12x cheaper than the link) into the fresh outputs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace uccl_ep::kernels {
+
+constexpr int kMaxRanks = 8;
+constexpr int kMaxLocalExperts = 4096;
+constexpr int kMaxTopk = 32;
+// Control-region layout (bytes from the buffer start).
+constexpr size_t kFlagsOffset = 0;                                   // uint64 [kMaxRanks]
+constexpr size_t kCountsOffset = 256;                                // int32 [kMaxRanks][kMaxRanks]
+constexpr size_t kExpertCountsOffset = 1024;                         // int32 [kMaxRanks][kMaxLocalExperts]
+constexpr size_t kDataOffset = 1024 + 4ull * kMaxRanks * kMaxLocalExperts + 64 * 1024;  // 197632
+// Status words in mapped host memory, set by the first wait that times out.
+constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
+
+// ---- memory / IPC -------------------------------------------------------------------------
+intptr_t device_alloc_zeroed(size_t bytes);
+void device_free(intptr_t ptr);
+std::string ipc_get_handle(intptr_t ptr);
+intptr_t ipc_open_handle(const std::string& handle);
+void ipc_close_handle(intptr_t ptr);
+// Pinned, device-mapped host words; returns the host pointer (also valid on the device: UVA).
+intptr_t host_status_alloc();
+void host_status_free(intptr_t ptr);
+
+// ---- layout -------------------------------------------------------------------------------
+void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int num_topk,
+                         int num_ranks, int num_experts, intptr_t num_tokens_per_rank,
+                         intptr_t num_tokens_per_expert, intptr_t is_token_in_rank, intptr_t stream);
+
+// ---- dispatch -----------------------------------------------------------------------------
+// Exchanges each rank's per-rank counts (and per-expert counts for the receiver's experts)
+// with every peer, then writes `out_info` = [rank_prefix_matrix (R*R) | aligned per-local-
+// expert counts (experts_per_rank)] and the same prefix matrix into `rank_prefix_matrix`.
+// Doubles as the entry barrier of a dispatch (peers write into our staging only after it).
+void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
+                      intptr_t num_tokens_per_rank, intptr_t num_tokens_per_expert,
+                      int experts_per_rank, int expert_alignment, uint64_t seq,
+                      intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
+                      int64_t timeout_ns, intptr_t stream);
+
+struct DispatchArgs {
+  std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
+  int rank = 0, num_ranks = 0, num_tokens = 0, experts_per_rank = 0;
+  intptr_t x = 0;                 // [T, row_bytes]
+  int64_t row_bytes = 0;
+  intptr_t x_scales = 0;          // [T, num_scales] float32 or 0
+  int num_scales = 0;
+  intptr_t topk_idx = 0;          // [T, K] int64 or int32, or 0
+  bool idx_is_64 = true;
+  intptr_t topk_weights = 0;      // [T, K] float32 or 0
+  int num_topk = 0;
+  intptr_t is_token_in_rank = 0;  // [T, R] bool
+  intptr_t rank_prefix_matrix = 0;  // device [R, R] int32
+  intptr_t send_pos = 0;          // [T, R] int32: written unless `cached`, read when cached
+  bool cached = false;
+  // Local outputs; recv_* rows are the final rows (staged peer rows are copied into them).
+  intptr_t recv_x = 0, recv_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
+  int num_recv = 0, num_out_rows = 0;  // rows received / rows of the outputs (num_worst_tokens)
+  int own_begin = 0, own_end = 0;  // rows this rank sends itself (written directly, not staged)
+  int64_t staging_rows = 0;       // capacity (rows) of every rank's staging this call
+  int64_t buffer_bytes = 0;       // size of every rank's registered buffer
+  int num_sms = 24;
+  uint64_t seq = 0;               // barrier sequence of the finishing barrier
+  intptr_t status = 0;
+  int64_t timeout_ns = 0;
+};
+// Bytes of registered buffer (control region included) a dispatch with these sizes needs.
+int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);
+// Sends every row to each destination rank (peer staging or own outputs).
+void intranode_dispatch(const DispatchArgs& a, intptr_t stream);
+// Barrier ("all rows that peers sent me have landed"), then copies staged rows into the
+// outputs and fills padding rows up to num_out_rows.
+void intranode_dispatch_finish(const DispatchArgs& a, intptr_t stream);
+
+// ---- combine ------------------------------------------------------------------------------
+struct CombineArgs {
+  std::vector<intptr_t> buffers;
+  int rank = 0, num_ranks = 0;
+  int dtype = 0;                   // 0 bf16, 1 fp16, 2 fp32
+  int hidden = 0;
+  intptr_t x = 0;                  // [num_recv(+padding), hidden] rows in dispatch's recv order
+  intptr_t topk_weights = 0;       // [.., K] float32 or 0
+  int num_topk = 0;
+  int num_recv = 0;
+  std::vector<int> rank_prefix;    // host copy of the [R, R] prefix matrix
+  intptr_t send_pos = 0;           // [T, R] int32 from dispatch
+  int num_tokens = 0;
+  intptr_t bias0 = 0, bias1 = 0;   // [T, hidden] of x's dtype or 0
+  intptr_t out = 0, out_weights = 0;
+  int64_t staging_rows = 0;
+  int64_t buffer_bytes = 0;
+  int num_sms = 24;
+  uint64_t seq_entry = 0, seq_done = 0;
+  intptr_t status = 0;
+  int64_t timeout_ns = 0;
+};
+// Bytes of registered buffer (control region included) a combine with these sizes needs.
+int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);
+// Entry barrier, then pushes each received row back to its source rank's staging.
+void intranode_combine_push(const CombineArgs& a, intptr_t stream);
+// Barrier, then sums each token's rows (own rows read locally) in rank order in fp32.
+void intranode_combine_reduce(const CombineArgs& a, intptr_t stream);
+
+}  // namespace uccl_ep::kernels
