@@ -267,6 +267,12 @@ def _env_exports(plan: LaunchPlan) -> str:
     return "\n".join(lines)
 
 
+def _quote(word: str) -> str:
+    """shlex.quote, plus quotes around commas (shellcheck reads bare ones in arrays as typos)."""
+    quoted = shlex.quote(word)
+    return f"'{word}'" if quoted == word and "," in word else quoted
+
+
 def _dq(value: str) -> str:
     """Escape for the inside of a double-quoted shell word."""
     return "".join("\\" + c if c in '"\\$`' else c for c in value)
@@ -303,7 +309,12 @@ def render(plan: LaunchPlan) -> str:
     extra = "\n".join(f"#SBATCH --{k}={v}" for k, v in plan.sbatch_options.items())
     if plan.program_array:
         name, items = plan.program_array
-        body = "\n".join(f"  {shlex.quote(a)}" for a in items)
+        lines, i = [], 0
+        while i < len(items):  # one "--flag value" pair per line, for a reader
+            pair = items[i : i + 2] if i + 1 < len(items) and not items[i + 1].startswith("--") else items[i : i + 1]
+            lines.append("  " + " ".join(_quote(a) for a in pair))
+            i += len(pair)
+        body = "\n".join(lines)
         array = f"{name}=(\n{body}\n)"
     else:
         array = "# (the program takes no argument array)"

@@ -344,7 +344,7 @@ class Recipe:
         env = {}
         if d.get("proxy_threads"):
             env["UCCL_EP_NUM_PROXY_THREADS"] = str(d["proxy_threads"])
-        if d.get("transport"):
+        if d.get("transport") and d["transport"] != "auto":
             env["UCCL_EP_TRANSPORT"] = str(d["transport"])
         if d.get("max_inflight_bytes") is not None:
             env["UCCL_IB_MAX_INFLIGHT_BYTES"] = str(d["max_inflight_bytes"])
