@@ -1,5 +1,11 @@
-"""uccl_ep_megatron: portable GPU-initiated expert-parallel dispatch/combine for Megatron-Core."""
+"""uccl_ep_megatron: portable GPU-initiated expert-parallel dispatch/combine for Megatron-Core.
 
+``from uccl_ep_megatron import Buffer`` is DeepEP's normal-mode ``Buffer`` API.
+"""
+
+from uccl_ep_megatron.backends.base import DispatchHandle
+from uccl_ep_megatron.buffer import Buffer
+from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import (
     BufferTooSmallError,
     CommTimeoutError,
@@ -9,12 +15,17 @@ from uccl_ep_megatron.errors import (
     UcclEpError,
     UnsupportedError,
 )
+from uccl_ep_megatron.event import EventOverlap
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Buffer",
     "BufferTooSmallError",
     "CommTimeoutError",
+    "Config",
+    "DispatchHandle",
+    "EventOverlap",
     "GpuError",
     "InvalidInputError",
     "TransportError",

@@ -1,0 +1,392 @@
+"""The Buffer contract on the reference backend, over 2, 3 and 4 gloo ranks.
+
+Functions named ``w_*`` run on every rank of a pool (see dist_utils.py); the ``test_*``
+functions send them. Expected values come from oracle.py, never from the backend under test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from oracle import MODES, expected_combine, expected_for, make_inputs  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+NUM_EXPERTS_PER_RANK = 4
+TOPK = 3
+
+
+def make_buffer(world: int, hidden: int, elem: int = 2, **kwargs):
+    from uccl_ep_megatron import Buffer
+
+    hidden_bytes = hidden * max(elem, 2)
+    nvl = max(
+        Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(hidden_bytes, world),
+        Buffer.get_combine_config(world).get_nvl_buffer_size_hint(hidden_bytes, world),
+    )
+    rdma = max(
+        Buffer.get_dispatch_config(world).get_rdma_buffer_size_hint(hidden_bytes, world),
+        Buffer.get_combine_config(world).get_rdma_buffer_size_hint(hidden_bytes, world),
+    )
+    return Buffer(None, nvl, rdma, backend="reference", **kwargs)
+
+
+def all_inputs(seed, world, tokens, hidden, mode, num_experts=None):
+    num_experts = num_experts or NUM_EXPERTS_PER_RANK * world
+    return [make_inputs(seed, r, world, tokens, hidden, num_experts, TOPK, mode) for r in range(world)]
+
+
+def layout_and_dispatch(buf, x, inp, num_experts, **kwargs):
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(inp.topk_idx, num_experts)
+    return buf.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=inp.topk_idx,
+        topk_weights=inp.topk_weights,
+        **kwargs,
+    )
+
+
+# ---- worker bodies ---------------------------------------------------------------------------
+def w_layout(rank, world, seed, mode):
+    hidden, num_experts = 32, NUM_EXPERTS_PER_RANK * world
+    inputs = all_inputs(seed, world, 9, hidden, mode)
+    exp = expected_for(rank, world, inputs, num_experts)
+    buf = make_buffer(world, hidden)
+    per_rank, per_rdma, per_expert, in_rank, event = buf.get_dispatch_layout(
+        inputs[rank].topk_idx, num_experts
+    )
+    assert per_rdma is None
+    assert per_rank.dtype == torch.int32 and per_expert.dtype == torch.int32
+    assert per_rank.tolist() == exp.num_tokens_per_rank
+    assert per_expert.tolist() == exp.num_tokens_per_expert
+    assert torch.equal(in_rank, exp.is_token_in_rank)
+    assert event.event is None
+
+
+def w_dispatch_combine(rank, world, seed, mode, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    hidden, num_experts = 64, NUM_EXPERTS_PER_RANK * world
+    inputs = all_inputs(seed, world, 11, hidden, mode)
+    # The oracle sees the values as the backend does: rounded to the wire dtype.
+    for inp in inputs:
+        inp.x = inp.x.to(dtype).float()
+    exp = expected_for(rank, world, inputs, num_experts)
+    buf = make_buffer(world, hidden, torch.empty(0, dtype=dtype).element_size())
+    inp = inputs[rank]
+    x = inp.x.to(dtype)
+    x_before = x.clone()
+    recv_x, recv_idx, recv_w, counts, handle, _ = layout_and_dispatch(buf, x, inp, num_experts)
+    assert torch.equal(x, x_before), "dispatch modified its input"
+    assert recv_x.dtype == dtype
+    assert torch.equal(recv_x.float(), exp.recv_x), "received rows differ from the oracle"
+    assert recv_idx.dtype == torch.int64
+    assert torch.equal(recv_idx, exp.recv_topk_idx)
+    assert torch.equal(recv_w, exp.recv_topk_weights)
+    assert counts == exp.per_expert
+    assert torch.equal(handle[0], exp.rank_prefix_matrix)
+    assert handle.recv_src_idx.tolist() == exp.recv_src_idx
+
+    # Each rank scales what it received by (rank + 1) and sends it back.
+    y = (recv_x.double() * (rank + 1)).to(dtype)
+    combined, combined_w, _ = buf.combine(y, handle, topk_weights=recv_w)
+    want, want_w = expected_combine(rank, world, inputs, num_experts)
+    assert combined.dtype == dtype and combined.shape == inp.x.shape
+    tol = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+    torch.testing.assert_close(combined.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(combined_w, want_w, rtol=1e-6, atol=1e-6)
+
+
+def w_self_verifying(rank, world, seed):
+    # x = rank, weights = rank: every received row names its sender.
+    hidden, num_experts = 16, NUM_EXPERTS_PER_RANK * world
+    inputs = all_inputs(seed, world, 10, hidden, "random")
+    inp = inputs[rank]
+    buf = make_buffer(world, hidden)
+    x = torch.full_like(inp.x, float(rank), dtype=torch.bfloat16)
+    inp.topk_weights = torch.full_like(inp.topk_weights, float(rank))
+    recv_x, recv_idx, recv_w, _, handle, _ = layout_and_dispatch(buf, x, inp, num_experts)
+    prefix = handle.rank_prefix_matrix[:, rank].tolist()
+    start = 0
+    for src, end in enumerate(prefix):
+        assert (recv_x[start:end] == src).all(), f"rows {start}:{end} should come from rank {src}"
+        assert ((recv_w[start:end] == src) | (recv_idx[start:end] < 0)).all()
+        start = end
+    assert start == recv_x.shape[0]
+
+
+def w_fp8(rank, world, seed):
+    hidden, num_experts = 256, NUM_EXPERTS_PER_RANK * world
+    inputs = all_inputs(seed, world, 8, hidden, "random")
+    scales_all = [torch.rand(i.x.shape[0], hidden // 128, generator=torch.Generator().manual_seed(r)) for r, i in enumerate(inputs)]
+    for inp in inputs:
+        inp.x = inp.x.to(torch.float8_e4m3fn).float()
+    exp = expected_for(rank, world, inputs, num_experts)
+    exp_scales = []
+    epr = num_experts // world
+    for s, i in enumerate(inputs):
+        for t in range(i.x.shape[0]):
+            if any(int(e) >= 0 and int(e) // epr == rank for e in i.topk_idx[t].tolist()):
+                exp_scales.append(scales_all[s][t])
+    buf = make_buffer(world, hidden, 1)
+    inp = inputs[rank]
+    x = (inp.x.to(torch.float8_e4m3fn), scales_all[rank])
+    (recv_x, recv_scales), recv_idx, _, _, handle, _ = layout_and_dispatch(buf, x, inp, num_experts)
+    assert recv_x.dtype == torch.float8_e4m3fn
+    assert torch.equal(recv_x.float(), exp.recv_x)
+    want_scales = torch.stack(exp_scales) if exp_scales else torch.empty(0, hidden // 128)
+    assert torch.equal(recv_scales, want_scales)
+    assert torch.equal(recv_idx, exp.recv_topk_idx)
+    # Cached dispatch of an FP8 tuple reproduces the layout.
+    (cached_x, cached_scales), *rest = buf.dispatch(x, handle=handle)
+    assert torch.equal(cached_x.float(), exp.recv_x) and torch.equal(cached_scales, want_scales)
+    assert rest[:4] == [None, None, None, None]
+
+
+def w_worst_tokens_and_alignment(rank, world, seed):
+    hidden, num_experts = 32, NUM_EXPERTS_PER_RANK * world
+    inputs = all_inputs(seed, world, 12, hidden, "skewed")
+    exp = expected_for(rank, world, inputs, num_experts)
+    inp = inputs[rank]
+    buf = make_buffer(world, hidden, 4)
+    worst = sum(i.x.shape[0] for i in inputs)
+    recv_x, recv_idx, recv_w, counts, handle, _ = layout_and_dispatch(
+        buf, inp.x, inp, num_experts, num_worst_tokens=worst
+    )
+    n = exp.recv_x.shape[0]
+    assert recv_x.shape[0] == worst and counts == []
+    assert torch.equal(recv_x[:n], exp.recv_x) and (recv_x[n:] == 0).all()
+    assert torch.equal(recv_idx[:n], exp.recv_topk_idx) and (recv_idx[n:] == -1).all()
+    assert (recv_w[n:] == 0).all()
+    combined, _, _ = buf.combine(recv_x, handle)
+    want, _ = expected_combine(rank, world, inputs, num_experts)
+    # expected_combine scales by (dest + 1); undo with an unscaled oracle sum instead.
+    epr = num_experts // world
+    plain = torch.stack(
+        [
+            inp.x[t] * len({int(e) // epr for e in inp.topk_idx[t].tolist() if e >= 0})
+            for t in range(inp.x.shape[0])
+        ]
+    ) if inp.x.shape[0] else inp.x
+    torch.testing.assert_close(combined, plain, rtol=1e-5, atol=1e-5)
+    assert want.shape == combined.shape
+    # Cached dispatch keeps the padding of the handle.
+    cached, *_ = buf.dispatch(inp.x * 2, handle=handle)
+    assert cached.shape[0] == worst and torch.equal(cached[:n], exp.recv_x * 2)
+
+    for align in (1, 4, 16):
+        _, _, _, counts, _, _ = layout_and_dispatch(buf, inp.x, inp, num_experts, expert_alignment=align)
+        assert counts == [(c + align - 1) // align * align for c in exp.per_expert]
+
+
+def w_round_trip_and_cached(rank, world, seed):
+    hidden, num_experts = 48, NUM_EXPERTS_PER_RANK * world
+    inputs = all_inputs(seed, world, 10, hidden, "random")
+    inp = inputs[rank]
+    buf = make_buffer(world, hidden, 4)
+    recv_x, _, _, _, handle, _ = layout_and_dispatch(buf, inp.x, inp, num_experts)
+    combined, _, _ = buf.combine(recv_x, handle)
+    epr = num_experts // world
+    fan_out = torch.tensor(
+        [len({int(e) // epr for e in row.tolist() if e >= 0}) for row in inp.topk_idx],
+        dtype=torch.float32,
+    )
+    torch.testing.assert_close(combined, inp.x * fan_out[:, None], rtol=1e-6, atol=1e-6)
+    # Cached dispatch of new data follows the same layout.
+    x2 = torch.randn_like(inp.x)
+    recv2, a, b, c, d, _ = buf.dispatch(x2, handle=handle)
+    assert (a, b, c, d) == (None, None, None, None)
+    combined2, _, _ = buf.combine(recv2, handle)
+    torch.testing.assert_close(combined2, x2 * fan_out[:, None], rtol=1e-6, atol=1e-6)
+
+
+def w_events(rank, world):
+    from uccl_ep_megatron import Buffer, EventOverlap
+
+    hidden, num_experts = 16, NUM_EXPERTS_PER_RANK * world
+    inp = all_inputs(5, world, 6, hidden, "random")[rank]
+    buf = make_buffer(world, hidden, 4)
+    prev = Buffer.capture()
+    assert isinstance(prev, EventOverlap)
+    per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(
+        inp.topk_idx, num_experts, previous_event=prev, async_finish=True, allocate_on_comm_stream=True
+    )
+    recv_x, _, recv_w, _, handle, ev = buf.dispatch(
+        inp.x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=inp.topk_idx,
+        topk_weights=inp.topk_weights,
+        previous_event=ev,
+        async_finish=True,
+        allocate_on_comm_stream=True,
+    )
+    with ev:
+        pass
+    ev.current_stream_wait()
+    combined, _, ev = buf.combine(recv_x, handle, previous_event=ev, async_finish=True)
+    ev.current_stream_wait()
+    assert buf.get_comm_stream() is None
+    assert combined.shape == inp.x.shape
+
+
+def w_virtual_nodes(rank, world):
+    # UCCL_EP_RANKS_PER_NODE=1 makes every rank its own node: internode arguments matter.
+    from uccl_ep_megatron import InvalidInputError
+
+    hidden, num_experts = 16, NUM_EXPERTS_PER_RANK * world
+    inputs = all_inputs(3, world, 8, hidden, "random")
+    exp = expected_for(rank, world, inputs, num_experts)
+    inp = inputs[rank]
+    buf = make_buffer(world, hidden, 4)
+    assert buf.num_rdma_ranks == world and buf.num_rdma_bytes > 0
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(inp.topk_idx, num_experts)
+    assert per_rdma is not None and torch.equal(per_rdma, per_rank)
+    try:
+        buf.dispatch(inp.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert, topk_idx=inp.topk_idx,
+                     topk_weights=inp.topk_weights)
+        raise AssertionError("dispatch without num_tokens_per_rdma_rank accepted on several nodes")
+    except InvalidInputError as e:
+        assert "num_tokens_per_rdma_rank" in str(e)
+    recv_x, *_ = layout_and_dispatch(buf, inp.x, inp, num_experts)
+    assert torch.equal(recv_x, exp.recv_x)
+
+
+def w_bad_inputs(rank, world):
+    from uccl_ep_megatron import Buffer, BufferTooSmallError, InvalidInputError, UnsupportedError
+
+    hidden, num_experts = 32, NUM_EXPERTS_PER_RANK * world
+    inp = all_inputs(1, world, 6, hidden, "random")[rank]
+    buf = make_buffer(world, hidden, 4)
+    layout = buf.get_dispatch_layout(inp.topk_idx, num_experts)[:4]
+    per_rank, per_rdma, per_expert, in_rank = layout
+    kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+              num_tokens_per_expert=per_expert, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights)
+
+    def expect(exc, needle, fn, *a, **k):
+        try:
+            fn(*a, **k)
+        except exc as e:
+            assert needle in str(e), f"{needle!r} not in {e!r}"
+            return
+        raise AssertionError(f"{fn.__name__} accepted bad input ({needle})")
+
+    bad = inp.topk_idx.clone()
+    if bad.numel():
+        bad[0, 0] = num_experts
+        expect(InvalidInputError, f"expert id {num_experts}", buf.get_dispatch_layout, bad, num_experts)
+        bad[0, 0] = -2
+        expect(InvalidInputError, "expert id -2", buf.get_dispatch_layout, bad, num_experts)
+    expect(InvalidInputError, "not divisible", buf.get_dispatch_layout, inp.topk_idx, num_experts + 1)
+    expect(InvalidInputError, "topk_idx.dtype", buf.get_dispatch_layout, inp.topk_idx.float(), num_experts)
+    expect(InvalidInputError, "x.dtype", buf.dispatch, inp.x.to(torch.int32), **kw)
+    expect(InvalidInputError, "2-D", buf.dispatch, inp.x.view(-1), **kw)
+    expect(InvalidInputError, "rows", buf.dispatch, torch.zeros(inp.x.shape[0] + 1, hidden), **kw)
+    expect(InvalidInputError, "get_dispatch_layout", buf.dispatch, inp.x, topk_idx=inp.topk_idx,
+           topk_weights=inp.topk_weights)
+    expect(InvalidInputError, "together", buf.dispatch, inp.x, **{**kw, "topk_weights": None})
+    expect(InvalidInputError, "topk_weights.dtype", buf.dispatch, inp.x,
+           **{**kw, "topk_weights": inp.topk_weights.double()})
+    expect(InvalidInputError, "FP8", buf.dispatch, (inp.x, torch.ones(inp.x.shape[0], 1)), **kw)
+    expect(InvalidInputError, "expert_alignment", buf.dispatch, inp.x, expert_alignment=0, **kw)
+    expect(InvalidInputError, "previous_event", buf.dispatch, inp.x, previous_event=object(), **kw)
+    small = Buffer(None, 1024, 0, backend="reference")
+    expect(BufferTooSmallError, "num_nvl_bytes", small.dispatch, inp.x, **kw)
+    expect(UnsupportedError, "low_latency_mode", Buffer, None, 0, 0, low_latency_mode=True)
+    expect(InvalidInputError, "backend", Buffer, None, 0, 0, backend="magic")
+    if torch.cuda.device_count() == 0:
+        expect(UnsupportedError, "kernels", Buffer, None, 0, 0, backend="kernels")
+
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(inp.x, **kw)
+    other = make_buffer(world, hidden, 4)
+    expect(InvalidInputError, "another Buffer", other.combine, recv_x, handle)
+    expect(InvalidInputError, "rows", buf.combine, torch.zeros(recv_x.shape[0] + 1, hidden), handle)
+    expect(InvalidInputError, "no topk_idx", buf.dispatch, inp.x, handle=handle, topk_idx=inp.topk_idx,
+           topk_weights=inp.topk_weights)
+    expect(InvalidInputError, "bias", buf.combine, recv_x, handle, bias=(inp.x, inp.x, inp.x))
+    combined, _, _ = buf.combine(recv_x, handle, bias=(inp.x, inp.x))
+    plain, _, _ = buf.combine(recv_x, handle)
+    torch.testing.assert_close(combined, plain + 2 * inp.x)
+    buf.destroy()
+    expect(Exception, "destroyed", buf.combine, recv_x, handle)
+
+
+def w_gradcheck(rank, world):
+    from uccl_ep_megatron import ops
+
+    hidden, num_experts = 6, NUM_EXPERTS_PER_RANK * world
+    inp = all_inputs(7, world, 5, hidden, "random")[rank]
+    buf = make_buffer(world, hidden, 8)
+    x = inp.x.double().requires_grad_(True)
+    w = inp.topk_weights.double().requires_grad_(True)
+
+    def through(x, w):
+        recv_x, recv_idx, recv_w, _, handle = ops.dispatch(buf, x, inp.topk_idx, w, num_experts)
+        # A per-rank nonlinearity of the received rows, weighted by the received weights.
+        scale = (recv_w.double().sum(1, keepdim=True) + 1.0) * (rank + 1)
+        out = ops.combine(buf, torch.tanh(recv_x) * scale, handle)
+        return out
+
+    # gradcheck perturbs inputs one at a time and re-runs the collectives on every rank in
+    # lockstep, so all ranks must make the same number of calls: they do, as shapes are fixed.
+    ok = torch.autograd.gradcheck(
+        # Weights travel as float32, so eps must dwarf float32 rounding of the weights.
+        lambda x, w: through(x, w.float()).sum(1), (x, w), eps=1e-3, atol=1e-3, rtol=1e-3,
+        nondet_tol=1e-6, fast_mode=True,
+    )
+    assert ok
+
+
+# ---- tests ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_layout(pool, mode):
+    pool.run(HERE, "w_layout", 11, mode)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_dispatch_combine_matches_oracle(pool, mode, dtype):
+    for seed in (0, 1):
+        pool.run(HERE, "w_dispatch_combine", seed, mode, dtype)
+
+
+def test_self_verifying_rows(pool):
+    pool.run(HERE, "w_self_verifying", 4)
+
+
+def test_fp8_tuple_and_cached(pool):
+    pool.run(HERE, "w_fp8", 2)
+
+
+def test_num_worst_tokens_and_alignment(pool):
+    pool.run(HERE, "w_worst_tokens_and_alignment", 6)
+
+
+def test_round_trip_and_cached_dispatch(pool):
+    pool.run(HERE, "w_round_trip_and_cached", 9)
+
+
+def test_async_and_previous_event(pool2):
+    pool2.run(HERE, "w_events")
+
+
+def test_virtual_nodes(pool):
+    pool.run(HERE, "w_virtual_nodes", env={"UCCL_EP_RANKS_PER_NODE": "1"})
+
+
+def test_bad_inputs(pool2):
+    pool2.run(HERE, "w_bad_inputs")
+
+
+def test_gradcheck_float64(pool2):
+    pool2.run(HERE, "w_gradcheck")

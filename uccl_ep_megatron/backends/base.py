@@ -1,0 +1,137 @@
+"""The seam between ``Buffer`` and the code that moves bytes.
+
+``Buffer`` validates every argument, manages streams/events and handle ownership, and then
+calls exactly one backend method on the communication stream. A backend only implements the
+data movement with the semantics documented here; it never re-validates user input.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from uccl_ep_megatron.config import Config
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this rank sits. Nodes are runs of ``ranks_per_node`` consecutive ranks."""
+
+    rank: int
+    num_ranks: int
+    ranks_per_node: int
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_ranks // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+
+class Layout(NamedTuple):
+    """Output of ``get_dispatch_layout`` (all on the device of ``topk_idx``)."""
+
+    num_tokens_per_rank: torch.Tensor  # [R] int32: tokens sent to each rank (deduplicated)
+    num_tokens_per_rdma_rank: torch.Tensor | None  # [nodes] int32, None on one node
+    num_tokens_per_expert: torch.Tensor  # [E] int32: tokens choosing each expert
+    is_token_in_rank: torch.Tensor  # [T, R] bool
+
+
+@dataclass
+class DispatchArgs:
+    """A validated dispatch request. ``cached`` is set for ``dispatch(x, handle=...)``."""
+
+    x: torch.Tensor  # [T, H]
+    x_scales: torch.Tensor | None  # [T, H/128] float32 for FP8 input, else None
+    topk_idx: torch.Tensor | None  # [T, K] int64/int32 global expert ids, -1 = none
+    topk_weights: torch.Tensor | None  # [T, K] float32
+    is_token_in_rank: torch.Tensor  # [T, R] bool
+    num_tokens_per_rank: torch.Tensor  # [R] int32
+    num_tokens_per_rdma_rank: torch.Tensor | None
+    num_tokens_per_expert: torch.Tensor | None  # [E] int32 (None when cached)
+    num_experts: int
+    expert_alignment: int
+    num_worst_tokens: int
+    config: Config
+    cached: DispatchHandle | None
+
+
+class DispatchResult(NamedTuple):
+    recv_x: torch.Tensor  # [N_recv or num_worst_tokens, H]
+    recv_x_scales: torch.Tensor | None
+    recv_topk_idx: torch.Tensor | None  # local expert ids, -1 elsewhere / on padding
+    recv_topk_weights: torch.Tensor | None  # 0.0 where the id is -1
+    num_recv_tokens_per_expert: list[int]  # aligned; [] when num_worst_tokens > 0
+    rank_prefix_matrix: torch.Tensor  # [R, R] int32, [i][r] = rows r gets from ranks 0..i
+    recv_src_idx: torch.Tensor  # [N_recv] int32: source token index of each received row
+    num_recv_tokens: int
+    state: Any  # backend-private data combine / cached dispatch need
+
+
+class DispatchHandle(NamedTuple):
+    """What ``dispatch`` returns as ``handle``; ``combine`` and cached dispatch take it back.
+
+    A tuple like DeepEP's: ``handle[0]`` is the rank prefix matrix. Treat it as opaque.
+    """
+
+    rank_prefix_matrix: torch.Tensor
+    is_token_in_rank: torch.Tensor  # [T, R] bool, sender side
+    num_tokens_per_rank: torch.Tensor  # [R] int32, sender side
+    recv_src_idx: torch.Tensor  # [N_recv] int32
+    num_recv_tokens: int
+    num_worst_tokens: int
+    num_topk: int  # K of the forward dispatch (0 without top-k)
+    state: Any
+    owner: int  # Buffer.uid of the Buffer that made it
+
+
+class Backend(abc.ABC):
+    """Moves the bytes for one ``Buffer``; runs on the stream current at call time."""
+
+    name: str
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        topology: Topology,
+        device: torch.device,
+        num_nvl_bytes: int,
+        num_rdma_bytes: int,
+    ) -> None:
+        self.group = group
+        self.topology = topology
+        self.device = device
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+
+    @abc.abstractmethod
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
+        """Counts per rank / node / expert and the token->rank mask, local computation only."""
+
+    @abc.abstractmethod
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        """Send each token once to every rank hosting one of its experts (see ``Buffer``)."""
+
+    @abc.abstractmethod
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sum each received row back into its source token (and top-k weights likewise)."""
+
+    def destroy(self) -> None:
+        """Release backend resources; the default holds none."""

@@ -1,0 +1,411 @@
+"""The ``kernels`` backend: our CUDA/HIP intranode kernels (``_C``) over NVLink / xGMI.
+
+Every rank allocates one registered buffer of ``num_nvl_bytes`` (cudaMalloc in ``_C``), and the
+ranks all-gather its IPC handle once, at ``Buffer`` creation, so each kernel can write into
+every peer's buffer directly. A dispatch is three launches on the communication stream:
+
+1. ``notify``: each rank writes its per-rank and per-expert counts into every peer's control
+   region and waits for theirs (the entry barrier). Outputs: ``rank_prefix_matrix`` and the
+   aligned per-local-expert counts; the host reads them once (one sync, as DeepEP does) to
+   size the outputs.
+2. ``send``: every token row is read once and written to each destination rank at its final
+   row index: straight into this rank's output tensors for rows it keeps, into the peer's
+   staging region otherwise. Top-k ids become local ids (-1 elsewhere), weights 0.0 there.
+3. ``finish``: a barrier (all peers' rows have landed), then staged rows are copied into the
+   freshly allocated outputs with a local HBM copy, and ``num_worst_tokens`` padding filled.
+
+Combine mirrors it: ``push`` sends each received row back to its source rank's staging and
+``reduce`` sums each token's rows in rank order in fp32 (rows kept locally read in place).
+Every wait has a deadline (``UCCL_EP_TIMEOUT_MS``); a timeout is recorded in mapped host
+memory and raised here as ``CommTimeoutError`` naming the stalled rank and barrier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from uccl_ep_megatron.backends.base import (
+    Backend,
+    DispatchArgs,
+    DispatchHandle,
+    DispatchResult,
+    Layout,
+    Topology,
+)
+from uccl_ep_megatron.config import Config
+from uccl_ep_megatron.errors import (
+    BufferTooSmallError,
+    CommTimeoutError,
+    InvalidInputError,
+    UcclEpError,
+    UnsupportedError,
+)
+
+_COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_SITES = {1: "dispatch notify", 2: "dispatch finish", 3: "combine entry", 4: "combine finish"}
+
+
+def _c():
+    from uccl_ep_megatron import _C
+
+    return _C
+
+
+@dataclass(frozen=True)
+class _State:
+    """What combine and cached dispatch need from a dispatch (kept in the handle)."""
+
+    prefix_host: tuple[int, ...]  # rank_prefix_matrix, row-major, on the host
+    send_pos: torch.Tensor  # [T, R] int32: position of token t among rows sent to rank r, -1
+
+
+class KernelsBackend(Backend):
+    """Intranode dispatch/combine kernels for ranks of one node (up to 8)."""
+
+    name = "kernels"
+    x_dtypes = frozenset(
+        {
+            torch.bfloat16,
+            torch.float16,
+            torch.float32,
+            torch.float8_e4m3fn,
+            torch.float8_e4m3fnuz,
+        }
+    )
+
+    @classmethod
+    def unsupported_reason(cls, topology: Topology, device: torch.device) -> str | None:
+        """Why these kernels cannot serve the group, or ``None`` when they can."""
+        c = _c()
+        if not c.kernels_built():
+            return "the _C extension was built without the GPU kernels"
+        if device.type != "cuda":
+            return f"tensors live on {device.type}"
+        if topology.num_nodes > 1:
+            return (
+                f"the group spans {topology.num_nodes} nodes; the kernels backend provides the "
+                "intranode (single-node) path only"
+            )
+        if topology.num_ranks > c.KERNELS_MAX_RANKS:
+            return f"{topology.num_ranks} ranks exceed the {c.KERNELS_MAX_RANKS} of one node"
+        return None
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        topology: Topology,
+        device: torch.device,
+        num_nvl_bytes: int,
+        num_rdma_bytes: int,
+    ) -> None:
+        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
+        reason = self.unsupported_reason(topology, device)
+        if reason is not None:
+            raise UnsupportedError(f"backend='kernels' is unavailable: {reason}")
+        c = _c()
+        self._c = c
+        self._buffers: list[int] = []
+        self._local = 0
+        self._status = 0
+        self._destroyed = False
+        # The control region is always there, so barriers work even before data fits.
+        nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
+        with torch.cuda.device(device):
+            self._local = c.device_alloc_zeroed(nbytes)
+            handle = c.ipc_get_handle(self._local)
+        gathered: list[tuple[bytes, int] | None] = [None] * topology.num_ranks
+        dist.all_gather_object(gathered, (handle, nbytes), group=group)
+        with torch.cuda.device(device):
+            for r, item in enumerate(gathered):
+                assert item is not None
+                self._buffers.append(
+                    self._local if r == topology.rank else c.ipc_open_handle(item[0])
+                )
+        # Staging must fit in every rank's buffer: the smallest one bounds a call.
+        self._buffer_bytes = min(item[1] for item in gathered if item is not None)
+        self._status = c.host_status_alloc()
+        self._seq = 0
+        from uccl_ep_megatron.config import effective_env
+
+        self._timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
+        self._timeout_ns = self._timeout_ms * 1_000_000
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _check_status(self) -> None:
+        if self._destroyed:
+            raise UcclEpError("the kernels backend was destroyed; create a new Buffer")
+        flag, peer, seq, site = self._c.host_status_read(self._status)
+        if flag:
+            raise CommTimeoutError(
+                f"rank {self.topology.rank}: timed out after {self._timeout_ms} ms at the "
+                f"{_SITES.get(site, f'site {site}')} barrier (#{seq}) waiting for rank {peer}; "
+                f"rank {peer} did not reach the same dispatch/combine call (crashed, or called a "
+                "different sequence of collectives). Raise UCCL_EP_TIMEOUT_MS if it is only "
+                "slow. This Buffer is unusable now; create a new one."
+            )
+
+    # ---- layout -------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
+        self._check_status()
+        topo = self.topology
+        topk_idx = topk_idx.contiguous()
+        num_tokens, num_topk = topk_idx.shape
+        dev = topk_idx.device
+        per_rank = torch.empty(topo.num_ranks, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        in_rank = torch.empty(num_tokens, topo.num_ranks, dtype=torch.bool, device=dev)
+        self._c.get_dispatch_layout(
+            topk_idx=topk_idx.data_ptr(),
+            idx_is_64=topk_idx.dtype == torch.int64,
+            num_tokens=num_tokens,
+            num_topk=num_topk,
+            num_ranks=topo.num_ranks,
+            num_experts=num_experts,
+            num_tokens_per_rank=per_rank.data_ptr(),
+            num_tokens_per_expert=per_expert.data_ptr(),
+            is_token_in_rank=in_rank.data_ptr(),
+            stream=self._stream(),
+        )
+        return Layout(per_rank, None, per_expert, in_rank)
+
+    # ---- dispatch -----------------------------------------------------------------------
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        self._check_status()
+        c = self._c
+        topo = self.topology
+        rank, num_ranks = topo.rank, topo.num_ranks
+        x = args.x.contiguous()
+        num_tokens, hidden = x.shape
+        dev = x.device
+        cached = args.cached
+        topk_idx = None if cached is not None else args.topk_idx
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        scales = args.x_scales
+        num_scales = 0 if scales is None else scales.shape[1]
+        experts_per_rank = 0 if cached is not None else args.num_experts // num_ranks
+        if experts_per_rank > c.KERNELS_MAX_LOCAL_EXPERTS:
+            raise UnsupportedError(
+                f"{experts_per_rank} experts per rank exceed the kernels' limit of "
+                f"{c.KERNELS_MAX_LOCAL_EXPERTS}; use the reference backend"
+            )
+        stream = self._stream()
+        per_rank = args.num_tokens_per_rank.to(torch.int32).contiguous()
+        per_expert = None
+        if cached is None:
+            per_expert = args.num_tokens_per_expert.to(torch.int32).contiguous()
+
+        prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=dev)
+        info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
+        c.intranode_notify(
+            buffers=self._buffers,
+            rank=rank,
+            num_ranks=num_ranks,
+            num_tokens_per_rank=per_rank.data_ptr(),
+            num_tokens_per_expert=0 if per_expert is None else per_expert.data_ptr(),
+            experts_per_rank=experts_per_rank,
+            expert_alignment=args.expert_alignment,
+            seq=self._next_seq(),
+            rank_prefix_matrix=prefix.data_ptr(),
+            out_info=info.data_ptr(),
+            status=self._status,
+            timeout_ns=self._timeout_ns,
+            stream=stream,
+        )
+        if cached is not None:
+            state: _State = cached.state
+            prefix_host = state.prefix_host
+            send_pos = state.send_pos
+            expert_counts: list[int] = []
+        else:
+            info_host = info.tolist()  # the one host sync: output sizes depend on it
+            self._check_status()
+            prefix_host = tuple(info_host[: num_ranks * num_ranks])
+            expert_counts = info_host[num_ranks * num_ranks :]
+            send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
+
+        def pm(i: int, r: int) -> int:
+            return prefix_host[i * num_ranks + r] if i >= 0 else 0
+
+        num_recv = pm(num_ranks - 1, rank)
+        staging_rows = max(pm(num_ranks - 1, r) for r in range(num_ranks))
+        row_bytes = hidden * x.element_size()
+        idx_size = topk_idx.element_size() if topk_idx is not None else 8
+        need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
+        if need > self._buffer_bytes:
+            raise BufferTooSmallError(
+                f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes needs "
+                f"num_nvl_bytes >= {need} with the kernels backend, but the Buffer has "
+                f"{self._buffer_bytes}; create the Buffer with more num_nvl_bytes (the kernels "
+                "stage a whole call's rows) or send fewer tokens per call"
+            )
+        rows_out = num_recv
+        if args.num_worst_tokens > 0:
+            if num_recv > args.num_worst_tokens:
+                raise InvalidInputError(
+                    f"num_worst_tokens={args.num_worst_tokens} but this rank receives "
+                    f"{num_recv} rows; pass num_worst_tokens >= {num_recv} (the worst case is "
+                    "num_tokens * num_ranks)"
+                )
+            rows_out = args.num_worst_tokens
+            expert_counts = []
+
+        recv_x = torch.empty(rows_out, hidden, dtype=x.dtype, device=dev)
+        recv_scales = None
+        if scales is not None:
+            recv_scales = torch.empty(rows_out, num_scales, dtype=torch.float32, device=dev)
+        recv_idx = recv_w = None
+        if topk_idx is not None:
+            recv_idx = torch.empty(rows_out, num_topk, dtype=topk_idx.dtype, device=dev)
+            recv_w = torch.empty(rows_out, num_topk, dtype=torch.float32, device=dev)
+        if cached is None:
+            recv_src = torch.empty(num_recv, dtype=torch.int32, device=dev)
+        else:
+            recv_src = cached.recv_src_idx
+
+        a = c.IntranodeDispatchArgs()
+        a.buffers = self._buffers
+        a.rank, a.num_ranks, a.num_tokens = rank, num_ranks, num_tokens
+        a.experts_per_rank = experts_per_rank
+        a.x, a.row_bytes = x.data_ptr(), row_bytes
+        a.x_scales, a.num_scales = (0 if scales is None else scales.data_ptr()), num_scales
+        if topk_idx is not None:
+            a.topk_idx = topk_idx.data_ptr()
+            a.idx_is_64 = topk_idx.dtype == torch.int64
+            a.topk_weights = args.topk_weights.data_ptr()
+            a.num_topk = num_topk
+            a.recv_topk_idx = recv_idx.data_ptr()
+            a.recv_topk_weights = recv_w.data_ptr()
+        a.is_token_in_rank = args.is_token_in_rank.data_ptr()
+        a.rank_prefix_matrix = prefix.data_ptr()
+        a.send_pos = send_pos.data_ptr()
+        a.cached = cached is not None
+        a.recv_x = recv_x.data_ptr()
+        a.recv_scales = 0 if recv_scales is None else recv_scales.data_ptr()
+        a.recv_src_idx = 0 if cached is not None else recv_src.data_ptr()
+        a.num_recv, a.num_out_rows = num_recv, rows_out
+        a.own_begin, a.own_end = pm(rank - 1, rank), pm(rank, rank)
+        a.staging_rows = staging_rows
+        a.buffer_bytes = self._buffer_bytes
+        a.num_sms = args.config.num_sms
+        a.status, a.timeout_ns = self._status, self._timeout_ns
+        c.intranode_dispatch(a, stream)
+        a.seq = self._next_seq()
+        c.intranode_dispatch_finish(a, stream)
+
+        return DispatchResult(
+            recv_x=recv_x,
+            recv_x_scales=recv_scales,
+            recv_topk_idx=recv_idx,
+            recv_topk_weights=recv_w,
+            num_recv_tokens_per_expert=expert_counts,
+            rank_prefix_matrix=prefix if cached is None else cached.rank_prefix_matrix,
+            recv_src_idx=recv_src,
+            num_recv_tokens=num_recv,
+            state=_State(prefix_host, send_pos) if cached is None else cached.state,
+        )
+
+    # ---- combine ------------------------------------------------------------------------
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._check_status()
+        c = self._c
+        topo = self.topology
+        rank, num_ranks = topo.rank, topo.num_ranks
+        if x.dtype not in _COMBINE_DTYPES:
+            raise InvalidInputError(
+                f"combine: x.dtype={x.dtype}; the kernels backend combines bfloat16, float16 or "
+                "float32 rows"
+            )
+        for i, b in enumerate(bias):
+            if b.dtype != x.dtype:
+                raise InvalidInputError(
+                    f"combine: bias[{i}].dtype={b.dtype} differs from x.dtype={x.dtype}; the "
+                    f"kernels backend adds bias in x's dtype: pass bias.to({x.dtype})"
+                )
+        state: _State = handle.state
+        x = x.contiguous()
+        num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
+        num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+        prefix_host = state.prefix_host
+
+        def pm(i: int, r: int) -> int:
+            return prefix_host[i * num_ranks + r] if i >= 0 else 0
+
+        staging_rows = max(
+            sum(pm(s, j) - pm(s - 1, j) for j in range(num_ranks) if j != s)
+            for s in range(num_ranks)
+        )
+        row_bytes = hidden * x.element_size()
+        need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
+        if need > self._buffer_bytes:
+            raise BufferTooSmallError(
+                f"combine of up to {staging_rows} returned rows of {row_bytes} bytes needs "
+                f"num_nvl_bytes >= {need} with the kernels backend, but the Buffer has "
+                f"{self._buffer_bytes}; create the Buffer with more num_nvl_bytes"
+            )
+        dev = x.device
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
+        out_w = None
+        weights = None
+        if topk_weights is not None:
+            weights = topk_weights.to(torch.float32).contiguous()
+            out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=dev)
+        biases = [b.contiguous() for b in bias]
+
+        a = c.IntranodeCombineArgs()
+        a.buffers = self._buffers
+        a.rank, a.num_ranks = rank, num_ranks
+        a.dtype = _COMBINE_DTYPES[x.dtype]
+        a.hidden = hidden
+        a.x = x.data_ptr()
+        a.topk_weights = 0 if weights is None else weights.data_ptr()
+        a.num_topk = num_topk
+        a.num_recv = handle.num_recv_tokens
+        a.rank_prefix = list(prefix_host)
+        a.send_pos = state.send_pos.data_ptr()
+        a.num_tokens = num_tokens
+        a.bias0 = biases[0].data_ptr() if len(biases) > 0 else 0
+        a.bias1 = biases[1].data_ptr() if len(biases) > 1 else 0
+        a.out = out.data_ptr()
+        a.out_weights = 0 if out_w is None else out_w.data_ptr()
+        a.staging_rows = staging_rows
+        a.buffer_bytes = self._buffer_bytes
+        a.num_sms = config.num_sms
+        a.seq_entry = self._next_seq()
+        a.seq_done = self._next_seq()
+        a.status, a.timeout_ns = self._status, self._timeout_ns
+        stream = self._stream()
+        c.intranode_combine_push(a, stream)
+        c.intranode_combine_reduce(a, stream)
+        return out, out_w
+
+    # ---- teardown -----------------------------------------------------------------------
+    def destroy(self) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        c = self._c
+        torch.cuda.synchronize(self.device)
+        with torch.cuda.device(self.device):
+            for r, ptr in enumerate(self._buffers):
+                if r != self.topology.rank:
+                    c.ipc_close_handle(ptr)
+            c.device_free(self._local)
+            c.host_status_free(self._status)
+        self._buffers = []

@@ -1,0 +1,705 @@
+"""``Buffer``: DeepEP's normal-mode (high-throughput) API on portable backends.
+
+A DeepEP user switches by changing ``from deep_ep import Buffer`` to
+``from uccl_ep_megatron import Buffer``. ``Buffer`` owns the group handshake, validates every
+argument once (clear errors naming the value and the fix), runs the backend on a dedicated
+communication stream, and hands back a ``handle`` that ``combine`` and cached ``dispatch``
+reuse. The backend (``kernels`` or ``reference``) only moves bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from uccl_ep_megatron.backends import create_backend
+from uccl_ep_megatron.backends.base import DispatchArgs, DispatchHandle, Layout, Topology
+from uccl_ep_megatron.config import (
+    MAX_TOPK,
+    Config,
+    default_combine_config,
+    default_dispatch_config,
+    env_ranks_per_node,
+)
+from uccl_ep_megatron.errors import (
+    BufferTooSmallError,
+    InvalidInputError,
+    UcclEpError,
+    UnsupportedError,
+)
+from uccl_ep_megatron.event import EventOverlap
+from uccl_ep_megatron.event import capture as _capture
+
+log = logging.getLogger(__name__)
+
+_TOPK_DTYPES = (torch.int64, torch.int32)
+_uids = itertools.count(1)
+
+XType = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class Buffer:
+    """Expert-parallel dispatch/combine over ``group`` (DeepEP normal-mode API).
+
+    Args:
+        group: the EP process group (``None`` = the default group). Every rank of it must
+            construct the ``Buffer`` (the constructor is collective).
+        num_nvl_bytes: NVLink/xGMI buffer bytes; at least
+            ``Buffer.get_dispatch_config(n).get_nvl_buffer_size_hint(hidden_bytes, n)``
+            (and the combine hint) for the largest hidden size used.
+        num_rdma_bytes: RDMA buffer bytes for multi-node groups (the RDMA size hints); 0 on
+            one node.
+        low_latency_mode: must be ``False``: only the high-throughput mode is provided.
+        num_qps_per_rank: accepted for DeepEP compatibility; RDMA queue pairs are configured
+            by the proxy (``UCCL_EP_NUM_PROXY_THREADS``).
+        allow_nvlink_for_low_latency_mode: accepted for DeepEP compatibility (unused).
+        allow_mnnvl: accepted for DeepEP compatibility (unused).
+        explicitly_destroy: when ``True`` the caller must call ``destroy()``; otherwise
+            resources are released when the object is garbage collected.
+        backend: ``"auto"``, ``"kernels"`` or ``"reference"``; ``None`` reads
+            ``UCCL_EP_BACKEND`` (default ``auto``: kernels when available, else reference).
+    """
+
+    num_sms: int = 24
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        explicitly_destroy: bool = False,
+        *,
+        backend: str | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidInputError(
+                "Buffer needs an initialized torch.distributed default group; call "
+                "torch.distributed.init_process_group(...) first"
+            )
+        if low_latency_mode:
+            raise UnsupportedError(
+                "low_latency_mode=True: uccl_ep_megatron provides only the high-throughput "
+                "(normal) mode; construct Buffer with low_latency_mode=False"
+            )
+        for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise InvalidInputError(f"{name}={value!r}: must be a non-negative int")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.explicitly_destroy = explicitly_destroy
+        self.uid = next(_uids)
+        self.device = _group_device(self.group)
+        self.topology = Topology(self.rank, self.group_size, _detect_ranks_per_node(self.group))
+        backend_name = backend or os.environ.get("UCCL_EP_BACKEND", "auto").strip() or "auto"
+        self._backend = create_backend(
+            backend_name, self.group, self.topology, self.device, num_nvl_bytes, num_rdma_bytes
+        )
+        self._comm_stream = (
+            torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        )
+        self._destroyed = False
+
+    # ---- properties and static helpers ---------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """Name of the backend in use (``kernels`` or ``reference``)."""
+        return self._backend.name
+
+    @property
+    def num_rdma_ranks(self) -> int:
+        """Number of (virtual) nodes in the group."""
+        return self.topology.num_nodes
+
+    @property
+    def num_nvl_ranks(self) -> int:
+        """Ranks per (virtual) node."""
+        return self.topology.ranks_per_node
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM budget of the default configs (even, as each channel uses two SMs)."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise InvalidInputError(f"set_num_sms({new_num_sms!r}): must be a positive even int")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """Recommended dispatch ``Config`` for a group of ``num_ranks``."""
+        return default_dispatch_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """Recommended combine ``Config`` for a group of ``num_ranks``."""
+        return default_combine_config(num_ranks, Buffer.num_sms)
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An ``EventOverlap`` recorded now on the current stream (for ``previous_event``)."""
+        return _capture()
+
+    def get_comm_stream(self) -> torch.cuda.Stream | None:
+        """The stream communication runs on; ``None`` for a CPU (gloo) group."""
+        self._check_alive()
+        return self._comm_stream
+
+    def destroy(self) -> None:
+        """Release backend resources. Idempotent; the ``Buffer`` is unusable afterwards."""
+        if not self._destroyed:
+            self._destroyed = True
+            self._backend.destroy()
+
+    def __del__(self) -> None:
+        if not getattr(self, "explicitly_destroy", True) and not getattr(self, "_destroyed", True):
+            try:
+                self.destroy()
+            except Exception:  # noqa: BLE001 - nothing sensible to do at interpreter teardown
+                pass
+
+    # ---- layout ----------------------------------------------------------------------------
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
+        """Counts per rank / node / expert and the token->rank mask for ``topk_idx``.
+
+        Args:
+            topk_idx: ``[num_tokens, num_topk]`` int64 (or int32) global expert ids; -1 = none.
+            num_experts: total experts, divisible by the group size.
+
+        Returns:
+            ``(num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank [nodes] int32 or None on
+            one node, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event)``.
+        """
+        self._check_alive()
+        self._check_num_experts(num_experts)
+        self._check_topk_idx(topk_idx, num_experts, None)
+        layout, event = self._run(
+            lambda: self._backend.get_dispatch_layout(topk_idx, num_experts),
+            (topk_idx,),
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+        )
+        return (*layout, event)
+
+    # ---- dispatch --------------------------------------------------------------------------
+    def dispatch(
+        self,
+        x: XType,
+        handle: DispatchHandle | None = None,
+        num_tokens_per_rank: torch.Tensor | None = None,
+        num_tokens_per_rdma_rank: torch.Tensor | None = None,
+        is_token_in_rank: torch.Tensor | None = None,
+        num_tokens_per_expert: torch.Tensor | None = None,
+        topk_idx: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[
+        XType,
+        torch.Tensor | None,
+        torch.Tensor | None,
+        list[int] | None,
+        DispatchHandle | None,
+        EventOverlap,
+    ]:
+        """Send each token once to every rank that hosts one of its experts.
+
+        Received rows are grouped by source rank in rank order, each group in the source's
+        token order. ``recv_topk_idx`` holds local expert ids (-1 for experts elsewhere) and
+        ``recv_topk_weights`` their weights (0.0 where the id is -1).
+
+        Args:
+            x: ``[T, H]`` tensor, or an FP8 tuple ``(x_e4m3 [T, H], scales float32 [T, H/128])``.
+            handle: a handle from this ``Buffer``'s earlier ``dispatch``: cached dispatch of a
+                new ``x`` with the same layout (no top-k arguments then).
+            num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert: the outputs of ``get_dispatch_layout``.
+            topk_idx, topk_weights: ``[T, K]`` global expert ids (int64/int32, -1 = none) and
+                float32 weights; both or neither.
+            expert_alignment: round each local expert's received count up to a multiple.
+            num_worst_tokens: when > 0, return exactly that many rows (padding: zero rows,
+                ids -1, weights 0) and an empty count list, avoiding a host sync in kernels.
+            config: chunking/SM config; default ``Buffer.get_dispatch_config(group size)``.
+            previous_event: wait for this event before starting instead of the current stream.
+            async_finish: return an event to wait on instead of joining the current stream.
+            allocate_on_comm_stream: accepted for DeepEP compatibility; outputs are always
+                made safe for use on the current stream.
+
+        Returns:
+            ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+            handle, event)``; for cached dispatch ``(recv_x, None, None, None, None, event)``.
+        """
+        self._check_alive()
+        config = self._check_config(config, "dispatch")
+        x_data, x_scales = self._split_x(x)
+        num_tokens, hidden = x_data.shape
+        self._check_buffer_size(x_data, hidden, config)
+        self._check_int("expert_alignment", expert_alignment, minimum=1)
+        self._check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+
+        if handle is not None:
+            self._check_handle(handle)
+            if topk_idx is not None or topk_weights is not None:
+                raise InvalidInputError(
+                    "cached dispatch (handle given) takes no topk_idx/topk_weights: the layout "
+                    "comes from the handle; drop them or dispatch without a handle"
+                )
+            if num_tokens != handle.is_token_in_rank.shape[0]:
+                raise InvalidInputError(
+                    f"cached dispatch: x has {num_tokens} tokens but the handle was made for "
+                    f"{handle.is_token_in_rank.shape[0]}"
+                )
+            args = DispatchArgs(
+                x=x_data,
+                x_scales=x_scales,
+                topk_idx=None,
+                topk_weights=None,
+                is_token_in_rank=handle.is_token_in_rank,
+                num_tokens_per_rank=handle.num_tokens_per_rank,
+                num_tokens_per_rdma_rank=None,
+                num_tokens_per_expert=None,
+                num_experts=0,
+                expert_alignment=expert_alignment,
+                num_worst_tokens=handle.num_worst_tokens,
+                config=config,
+                cached=handle,
+            )
+        else:
+            args = self._dispatch_args(
+                x_data,
+                x_scales,
+                num_tokens_per_rank,
+                num_tokens_per_rdma_rank,
+                is_token_in_rank,
+                num_tokens_per_expert,
+                topk_idx,
+                topk_weights,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+            )
+
+        inputs = [t for t in (x_data, x_scales, topk_idx, topk_weights) if t is not None]
+        result, event = self._run(
+            lambda: self._backend.dispatch(args),
+            inputs,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+        )
+        recv_x: XType = result.recv_x
+        if x_scales is not None:
+            recv_x = (result.recv_x, result.recv_x_scales)
+        if handle is not None:
+            return recv_x, None, None, None, None, event
+        new_handle = DispatchHandle(
+            rank_prefix_matrix=result.rank_prefix_matrix,
+            is_token_in_rank=args.is_token_in_rank,
+            num_tokens_per_rank=args.num_tokens_per_rank,
+            recv_src_idx=result.recv_src_idx,
+            num_recv_tokens=result.num_recv_tokens,
+            num_worst_tokens=num_worst_tokens,
+            num_topk=0 if topk_idx is None else topk_idx.shape[1],
+            state=result.state,
+            owner=self.uid,
+        )
+        return (
+            recv_x,
+            result.recv_topk_idx,
+            result.recv_topk_weights,
+            result.num_recv_tokens_per_expert,
+            new_handle,
+            event,
+        )
+
+    # ---- combine ---------------------------------------------------------------------------
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None = None,
+        bias: torch.Tensor | Sequence[torch.Tensor] | None = None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
+        """Sum the rows each destination rank returns back into the source token.
+
+        Args:
+            x: ``[N_recv, H]`` rows in ``dispatch``'s receive layout (or ``num_worst_tokens``
+                rows; padding rows are ignored).
+            handle: the ``handle`` returned by this ``Buffer``'s ``dispatch``.
+            topk_weights: ``[N_recv, K]`` float32 weights to sum likewise (optional).
+            bias: up to two ``[T, H]`` tensors added to the result.
+            config, previous_event, async_finish, allocate_on_comm_stream: as in ``dispatch``.
+
+        Returns:
+            ``(combined_x [T, H], combined_topk_weights [T, K] or None, event)``.
+        """
+        self._check_alive()
+        config = self._check_config(config, "combine")
+        self._check_handle(handle)
+        expected_rows = handle.num_worst_tokens or handle.num_recv_tokens
+        self._check_tensor("x", x, dims=2, rows=expected_rows)
+        if x.dtype not in self._backend.x_dtypes or x.dtype.itemsize == 1:
+            raise InvalidInputError(
+                f"combine: x.dtype={x.dtype} is not supported by the {self.backend} backend; "
+                f"use one of {sorted(str(d) for d in self._backend.x_dtypes if d.itemsize > 1)}"
+            )
+        self._check_buffer_size(x, x.shape[1], config)
+        if topk_weights is not None:
+            self._check_tensor("topk_weights", topk_weights, dims=2, rows=expected_rows)
+            _check_dtype("topk_weights", topk_weights, (torch.float32,))
+        num_tokens = handle.is_token_in_rank.shape[0]
+        biases: tuple[torch.Tensor, ...] = ()
+        if bias is not None:
+            biases = (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+            if len(biases) > 2:
+                raise InvalidInputError(f"combine: bias takes at most 2 tensors, got {len(biases)}")
+            for i, b in enumerate(biases):
+                self._check_tensor(f"bias[{i}]", b, dims=2, rows=num_tokens)
+                if b.shape[1] != x.shape[1]:
+                    raise InvalidInputError(
+                        f"combine: bias[{i}] has hidden {b.shape[1]}, x has {x.shape[1]}"
+                    )
+        x = x.contiguous()
+        inputs = [x, *biases] + ([topk_weights] if topk_weights is not None else [])
+        (combined, combined_weights), event = self._run(
+            lambda: self._backend.combine(x, handle, topk_weights, biases, config),
+            inputs,
+            previous_event,
+            async_finish,
+            allocate_on_comm_stream,
+        )
+        return combined, combined_weights, event
+
+    # ---- stream handling -------------------------------------------------------------------
+    def _run(
+        self,
+        fn: Callable[[], Any],
+        inputs: Sequence[torch.Tensor],
+        previous_event: EventOverlap | None,
+        async_finish: bool,
+        allocate_on_comm_stream: bool,
+    ) -> tuple[Any, EventOverlap]:
+        """Run ``fn`` on the comm stream, ordered after the caller's work.
+
+        Inputs are recorded on the comm stream and outputs on the caller's stream, so the
+        caching allocator never recycles memory one stream still uses.
+        """
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise InvalidInputError(
+                f"previous_event={previous_event!r}: pass an EventOverlap (e.g. Buffer.capture())"
+            )
+        if self._comm_stream is None:
+            return fn(), EventOverlap(None)
+        compute = torch.cuda.current_stream(self.device)
+        comm = self._comm_stream
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            out = fn()
+        for t in inputs:
+            if t.is_cuda:
+                t.record_stream(comm)
+        outputs = [t for t in _tensors(out) if t.is_cuda]
+        for t in outputs:
+            t.record_stream(compute)
+        if async_finish:
+            event = torch.cuda.Event()
+            event.record(comm)
+            return out, EventOverlap(event, [*inputs, *outputs])
+        compute.wait_stream(comm)
+        return out, EventOverlap(None)
+
+    # ---- validation --------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise UcclEpError("this Buffer was destroyed; create a new Buffer")
+
+    def _check_num_experts(self, num_experts: int) -> None:
+        self._check_int("num_experts", num_experts, minimum=1)
+        if num_experts % self.group_size:
+            raise InvalidInputError(
+                f"num_experts={num_experts} is not divisible by the {self.group_size} ranks of "
+                "the group; use a multiple of the EP size"
+            )
+
+    @staticmethod
+    def _check_int(name: str, value: Any, minimum: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise InvalidInputError(f"{name}={value!r}: must be an int >= {minimum}")
+
+    def _check_tensor(self, name: str, t: Any, dims: int, rows: int | None = None) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != self.device.type or (
+            self.device.type == "cuda" and t.device.index != self.device.index
+        ):
+            raise InvalidInputError(
+                f"{name} is on {t.device} but this Buffer's group runs on {self.device}; "
+                f"move it with .to({str(self.device)!r})"
+            )
+        if t.dim() != dims:
+            raise InvalidInputError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+        if rows is not None and t.shape[0] != rows:
+            raise InvalidInputError(
+                f"{name} has {t.shape[0]} rows (shape {tuple(t.shape)}), expected {rows}"
+            )
+
+    def _check_config(self, config: Config | None, op: str) -> Config:
+        if config is None:
+            if op == "dispatch":
+                return self.get_dispatch_config(self.group_size)
+            return self.get_combine_config(self.group_size)
+        if not isinstance(config, Config):
+            raise InvalidInputError(f"config={config!r}: pass a uccl_ep_megatron.Config or None")
+        return config
+
+    def _check_buffer_size(self, x: torch.Tensor, hidden: int, config: Config) -> None:
+        hidden_bytes = hidden * max(x.element_size(), 2)
+        need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        if self.num_nvl_bytes < need_nvl:
+            raise BufferTooSmallError(
+                f"Buffer has num_nvl_bytes={self.num_nvl_bytes} but hidden={hidden} "
+                f"({x.dtype}) with this config needs {need_nvl}; create the Buffer with "
+                f"num_nvl_bytes >= Config.get_nvl_buffer_size_hint({hidden_bytes}, "
+                f"{self.group_size})"
+            )
+        need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
+        if self.num_rdma_bytes < need_rdma:
+            raise BufferTooSmallError(
+                f"Buffer has num_rdma_bytes={self.num_rdma_bytes} but hidden={hidden} needs "
+                f"{need_rdma} across {self.num_rdma_ranks} nodes; create the Buffer with "
+                f"num_rdma_bytes >= Config.get_rdma_buffer_size_hint({hidden_bytes}, "
+                f"{self.group_size})"
+            )
+
+    def _check_handle(self, handle: Any) -> None:
+        if not isinstance(handle, DispatchHandle):
+            raise InvalidInputError(
+                f"handle must be the handle returned by Buffer.dispatch, got {type(handle).__name__}"
+            )
+        if handle.owner != self.uid:
+            raise InvalidInputError(
+                f"this handle was made by another Buffer (#{handle.owner}), not this one "
+                f"(#{self.uid}); pass the handle returned by this Buffer's dispatch"
+            )
+
+    def _split_x(self, x: XType) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scales = None
+        if isinstance(x, tuple | list):
+            if len(x) != 2:
+                raise InvalidInputError(
+                    f"FP8 x must be a pair (x_e4m3 [T, H], scales float32 [T, H/128]), got "
+                    f"{len(x)} items"
+                )
+            x, scales = x
+        self._check_tensor("x", x, dims=2)
+        if x.dtype not in self._backend.x_dtypes:
+            raise InvalidInputError(
+                f"x.dtype={x.dtype} is not supported by the {self.backend} backend; use one of "
+                f"{sorted(str(d) for d in self._backend.x_dtypes)} (FP8 as a (x, scales) tuple)"
+            )
+        is_fp8 = x.dtype.itemsize == 1
+        if is_fp8 != (scales is not None):
+            raise InvalidInputError(
+                "FP8 x must come as a tuple (x_e4m3, scales) and only FP8 x takes scales; "
+                f"got x.dtype={x.dtype} with{'out' if scales is None else ''} scales"
+            )
+        if scales is not None:
+            num_tokens, hidden = x.shape
+            if hidden % 128:
+                raise InvalidInputError(f"FP8 x needs hidden % 128 == 0, got hidden={hidden}")
+            self._check_tensor("scales", scales, dims=2, rows=num_tokens)
+            _check_dtype("scales", scales, (torch.float32,))
+            if scales.shape[1] != hidden // 128:
+                raise InvalidInputError(
+                    f"scales has shape {tuple(scales.shape)}, expected [{num_tokens}, {hidden // 128}] "
+                    "(one float32 per 128 elements)"
+                )
+            scales = scales.contiguous()
+        return x.contiguous(), scales
+
+    def _check_topk_idx(
+        self, topk_idx: Any, num_experts: int, num_tokens: int | None
+    ) -> None:
+        self._check_tensor("topk_idx", topk_idx, dims=2, rows=num_tokens)
+        _check_dtype("topk_idx", topk_idx, _TOPK_DTYPES)
+        if topk_idx.shape[1] > MAX_TOPK or topk_idx.shape[1] == 0:
+            raise InvalidInputError(
+                f"topk_idx has {topk_idx.shape[1]} columns; num_topk must be in 1..{MAX_TOPK}"
+            )
+        if topk_idx.numel():
+            lo, hi = (int(v) for v in torch.aminmax(topk_idx))
+            if lo < -1 or hi >= num_experts:
+                bad = lo if lo < -1 else hi
+                raise InvalidInputError(
+                    f"topk_idx contains expert id {bad}; ids must be in [0, {num_experts}) "
+                    "or -1 for an unused slot"
+                )
+
+    def _dispatch_args(
+        self,
+        x: torch.Tensor,
+        x_scales: torch.Tensor | None,
+        num_tokens_per_rank: torch.Tensor | None,
+        num_tokens_per_rdma_rank: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Config,
+    ) -> DispatchArgs:
+        num_tokens = x.shape[0]
+        missing = [
+            name
+            for name, t in (
+                ("num_tokens_per_rank", num_tokens_per_rank),
+                ("is_token_in_rank", is_token_in_rank),
+                ("num_tokens_per_expert", num_tokens_per_expert),
+            )
+            if t is None
+        ]
+        if missing:
+            raise InvalidInputError(
+                f"dispatch without a handle needs {', '.join(missing)}: pass the outputs of "
+                "Buffer.get_dispatch_layout(topk_idx, num_experts)"
+            )
+        self._check_tensor("is_token_in_rank", is_token_in_rank, dims=2, rows=num_tokens)
+        _check_dtype("is_token_in_rank", is_token_in_rank, (torch.bool,))
+        if is_token_in_rank.shape[1] != self.group_size:
+            raise InvalidInputError(
+                f"is_token_in_rank has {is_token_in_rank.shape[1]} columns but the group has "
+                f"{self.group_size} ranks; was the layout computed for another group?"
+            )
+        self._check_tensor("num_tokens_per_rank", num_tokens_per_rank, dims=1, rows=self.group_size)
+        self._check_tensor("num_tokens_per_expert", num_tokens_per_expert, dims=1)
+        num_experts = num_tokens_per_expert.shape[0]
+        self._check_num_experts(num_experts)
+        if self.num_rdma_ranks > 1:
+            if num_tokens_per_rdma_rank is None:
+                raise InvalidInputError(
+                    f"the group spans {self.num_rdma_ranks} nodes: pass num_tokens_per_rdma_rank "
+                    "from get_dispatch_layout"
+                )
+            self._check_tensor(
+                "num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dims=1, rows=self.num_rdma_ranks
+            )
+        if (topk_idx is None) != (topk_weights is None):
+            raise InvalidInputError("pass topk_idx and topk_weights together, or neither")
+        if topk_idx is not None:
+            self._check_topk_idx(topk_idx, num_experts, num_tokens)
+            self._check_tensor("topk_weights", topk_weights, dims=2, rows=num_tokens)
+            _check_dtype("topk_weights", topk_weights, (torch.float32,))
+            if topk_weights.shape != topk_idx.shape:
+                raise InvalidInputError(
+                    f"topk_weights shape {tuple(topk_weights.shape)} != topk_idx shape "
+                    f"{tuple(topk_idx.shape)}"
+                )
+            topk_idx = topk_idx.contiguous()
+            topk_weights = topk_weights.contiguous()
+        return DispatchArgs(
+            x=x,
+            x_scales=x_scales,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            is_token_in_rank=is_token_in_rank.contiguous(),
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            num_experts=num_experts,
+            expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens,
+            config=config,
+            cached=None,
+        )
+
+
+def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise InvalidInputError(
+            f"{name}.dtype={t.dtype}; expected {' or '.join(str(d) for d in allowed)}"
+        )
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples/lists/NamedTuples (outputs to record on a stream)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, tuple | list):
+        return [t for item in obj for t in _tensors(item)]
+    return []
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "gloo":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise InvalidInputError(
+            f"the group uses the {backend!r} backend but no GPU is visible; use a gloo group on CPU"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _detect_ranks_per_node(group: dist.ProcessGroup) -> int:
+    """Ranks per (virtual) node, checked against where the ranks really run.
+
+    ``UCCL_EP_RANKS_PER_NODE`` (virtual nodes) or ``LOCAL_WORLD_SIZE`` when set, else the
+    count of ranks sharing rank 0's host. Nodes must be runs of consecutive ranks.
+    """
+    size = dist.get_world_size(group)
+    hosts: list[str | None] = [None] * size
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    host_nodes = _contiguous_runs(hosts)
+    if host_nodes is None:
+        raise UnsupportedError(
+            f"ranks of one host are not consecutive in the group ({hosts}); launch with ranks "
+            "grouped by node (torchrun does this)"
+        )
+    from_env = env_ranks_per_node(size)
+    if from_env is not None:
+        if host_nodes % from_env:
+            raise InvalidInputError(
+                f"UCCL_EP_RANKS_PER_NODE/LOCAL_WORLD_SIZE={from_env} makes a node span two hosts "
+                f"(each host has {host_nodes} consecutive ranks); use a divisor of that"
+            )
+        return from_env
+    return host_nodes
+
+
+def _contiguous_runs(hosts: list[str | None]) -> int | None:
+    """Ranks per host when every host holds one run of equal length, else ``None``."""
+    runs = [len(list(g)) for _, g in itertools.groupby(hosts)]
+    if len(runs) != len(set(hosts)) or len(set(runs)) != 1:
+        return None
+    return runs[0]
