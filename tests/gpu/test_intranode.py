@@ -1,0 +1,279 @@
+"""Intranode kernels against the reference backend, on every GPU of the machine (NCCL).
+
+Each case runs on all ranks with the same inputs through two Buffers, one on the ``kernels``
+backend and one on the ``reference`` oracle, and compares: dispatch outputs and handles
+exactly (BF16 and FP8 bytes, ids, weights, counts, prefix matrix, source indices), combine
+within bf16 accumulation tolerance plus the self-verifying property that combining the
+dispatched rows unchanged gives x times the number of ranks the token reached. Outputs are
+allocated from poisoned memory so an unwritten element shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NVL_BYTES = 1 << 30
+
+_buffers: dict[str, object] = {}
+_keep: list[object] = []
+
+
+def _get_buffers():
+    """One kernels and one reference Buffer per process, reused by every case."""
+    from uccl_ep_megatron import Buffer
+
+    if not _buffers:
+        _buffers["kernels"] = Buffer(None, NVL_BYTES, 0, backend="kernels")
+        _buffers["reference"] = Buffer(None, NVL_BYTES, 0, backend="reference")
+    return _buffers["kernels"], _buffers["reference"]
+
+
+def _poison(buf) -> None:
+    """Fill free caching-allocator memory of the comm stream with 0xFF (NaN / -1 patterns)."""
+    with torch.cuda.stream(buf.get_comm_stream()):
+        p = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")
+        p.fill_(0xFF)
+        del p
+
+
+def _routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int, topk: int, gen):
+    scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
+    epr = num_experts // world
+    if kind == "skewed":
+        scores[:, 0] += 2.0  # expert 0 (rank 0) is chosen by every token
+        scores[: num_tokens // 2, epr * (world - 1)] += 1.5
+    elif kind == "local":
+        scores[:, rank * epr : (rank + 1) * epr] += 10.0  # no token leaves its rank
+    elif kind == "to_rank0":
+        scores[:, :epr] += 10.0  # every rank but 0 receives nothing
+    idx = scores.topk(topk, dim=1).indices
+    if kind in ("local", "to_rank0"):
+        assert topk <= epr
+    if kind == "holes":
+        holes = torch.rand(num_tokens, topk, generator=gen, device="cuda") < 0.3
+        idx = torch.where(holes, torch.full_like(idx, -1), idx)
+        idx[: max(1, num_tokens // 10)] = -1  # some tokens go nowhere
+    return idx
+
+
+def _assert_same(name: str, a, b) -> None:
+    if a is None or b is None:
+        assert a is None and b is None, f"{name}: {a is None=} {b is None=}"
+        return
+    if isinstance(a, list):
+        assert a == b, f"{name}: {a} != {b}"
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    if a.dtype.itemsize == 1 and a.is_floating_point():
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: mismatch at {bad} ({int((a != b).sum())} elements)")
+
+
+def _dispatch(buf, x, layout, topk_idx, topk_w, **kw):
+    per_rank, per_rdma, per_expert, in_rank = layout
+    return buf.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_w,
+        **kw,
+    )
+
+
+def case(rank: int, world: int, params: dict) -> int:
+    from uccl_ep_megatron import Buffer, Config
+
+    kb, rb = _get_buffers()
+    assert kb.backend == "kernels" and rb.backend == "reference"
+    num_tokens, hidden = params["tokens"], params["hidden"]
+    num_experts, topk = params.get("experts", 8 * world), params.get("topk", 4)
+    gen = torch.Generator(device="cuda").manual_seed(1000 * params["seed"] + rank)
+    idx = _routing(params["routing"], rank, world, num_tokens, num_experts, topk, gen)
+    idx = idx.to(params.get("idx_dtype", torch.int64))
+    w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    x_in = x
+    if params.get("fp8"):
+        x_in = (x.float().to(torch.float8_e4m3fn), torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda"))
+    config = Config(params.get("sms", 24))
+    kw = dict(
+        expert_alignment=params.get("align", 1),
+        num_worst_tokens=params.get("worst", 0) and params["worst"] * num_tokens * world,
+        config=config,
+    )
+
+    # Layout kernel vs reference.
+    klay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
+    for name, a, b in zip(("per_rank", "per_rdma", "per_expert", "in_rank"), klay, rlay):
+        _assert_same(f"layout.{name}", a, b)
+
+    _poison(kb)
+    async_mode = params.get("async", False)
+    if async_mode:
+        prev = Buffer.capture()
+        kout = _dispatch(kb, x_in, klay, idx, w, previous_event=prev, async_finish=True,
+                         allocate_on_comm_stream=True, **kw)
+        kout[-1].current_stream_wait()
+    else:
+        kout = _dispatch(kb, x_in, klay, idx, w, **kw)
+    rout = _dispatch(rb, x_in, rlay, idx, w, **kw)
+    krx, kidx, kw_, kcounts, kh, _ = kout
+    rrx, ridx, rw_, rcounts, rh, _ = rout
+    if params.get("fp8"):
+        _assert_same("recv_x", krx[0], rrx[0])
+        _assert_same("recv_scales", krx[1], rrx[1])
+    else:
+        _assert_same("recv_x", krx, rrx)
+    _assert_same("recv_topk_idx", kidx, ridx)
+    _assert_same("recv_topk_weights", kw_, rw_)
+    _assert_same("num_recv_tokens_per_expert", kcounts, rcounts)
+    _assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
+    _assert_same("recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
+    assert kh.num_recv_tokens == rh.num_recv_tokens
+
+    # Cached dispatch of a new x with the same layout.
+    x2 = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    _poison(kb)
+    kc = kb.dispatch(x2, handle=kh, config=config)[0]
+    rc = rb.dispatch(x2, handle=rh, config=config)[0]
+    _assert_same("cached recv_x", kc, rc)
+
+    if params.get("fp8"):
+        return kh.num_recv_tokens
+    # Combine: rows transformed per received row, plus weights and bias.
+    y = (krx.float() * 0.5 + 1.0).to(torch.bfloat16)
+    if kw["num_worst_tokens"]:
+        y[kh.num_recv_tokens :] = float("nan")  # padding rows must be ignored
+    bias = tuple(torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+                 for _ in range(params.get("bias", 0)))
+    _poison(kb)
+    kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_, bias=bias or None, config=config)
+    rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
+    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
+    if world == 2:
+        # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
+        _assert_same("combined_x", kcx, rcx)
+    torch.testing.assert_close(kcw, rcw, rtol=1e-6, atol=1e-6)
+    # Self-verifying property: combining the unchanged rows gives x * (ranks reached).
+    plain, _, _ = kb.combine(krx, kh, config=config)
+    reached = klay[3].sum(1, keepdim=True).float()
+    torch.testing.assert_close(plain.float(), (x.float() * reached).to(torch.bfloat16).float(),
+                               rtol=1e-2, atol=1e-2)
+    torch.cuda.synchronize()
+    return kh.num_recv_tokens
+
+
+def autograd_case(rank: int, world: int, seed: int) -> None:
+    from uccl_ep_megatron import ops
+
+    kb, rb = _get_buffers()
+    num_tokens, hidden, num_experts, topk = 96, 256, 4 * world, 2
+    gen = torch.Generator(device="cuda").manual_seed(seed * 10 + rank)
+    idx = torch.rand(num_tokens, num_experts, generator=gen, device="cuda").topk(topk, 1).indices
+    x0 = torch.randn(num_tokens, hidden, generator=gen, device="cuda")
+    w0 = torch.rand(num_tokens, topk, generator=gen, device="cuda")
+    g = torch.randn(num_tokens, hidden, generator=gen, device="cuda")
+    grads = []
+    for buf in (kb, rb):
+        x = x0.clone().requires_grad_(True)
+        w = w0.clone().requires_grad_(True)
+        recv_x, recv_idx, recv_w, _, handle = ops.dispatch(buf, x, idx, w, num_experts)
+        scale = recv_w.sum(1, keepdim=True) + 1.0
+        out = ops.combine(buf, recv_x * scale, handle)
+        (out * g).sum().backward()
+        grads.append((out.detach(), x.grad, w.grad))
+    (ko, kgx, kgw), (ro, rgx, rgw) = grads
+    torch.testing.assert_close(ko, ro, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kgx, rgx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kgw, rgw, rtol=1e-5, atol=1e-5)
+
+
+def timeout_case(rank: int, world: int) -> str:
+    """Rank 0 dispatches alone: its wait must end in CommTimeoutError naming rank 1."""
+    from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.errors import CommTimeoutError
+
+    import torch.distributed as dist
+
+    buf = Buffer(None, 1 << 24, 0, backend="kernels")
+    _keep.append(buf)  # peers may still write into it: never freed during the session
+    if rank != 0:
+        dist.barrier()
+        return "idle"
+    idx = torch.zeros(8, 1, dtype=torch.int64, device="cuda")
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, world)
+    x = torch.randn(8, 128, device="cuda").to(torch.bfloat16)
+    try:
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert, topk_idx=idx,
+                     topk_weights=torch.ones(8, 1, device="cuda"))
+    except CommTimeoutError as exc:
+        assert re.search(r"waiting for rank [1-9]", str(exc)), str(exc)
+        dist.barrier()
+        return "timeout"
+    raise AssertionError("dispatch without peers did not time out")
+
+
+CASES = {
+    "t1_h7168_random": dict(tokens=1, hidden=7168, routing="random", seed=1),
+    "t127_h2048_random_i32": dict(tokens=127, hidden=2048, routing="random", seed=2, idx_dtype=torch.int32),
+    "t4096_h7168_dsv3": dict(tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=3),
+    "t4096_h7168_dsv3_fp8": dict(tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=4, fp8=True),
+    "t8192_h4096_skewed": dict(tokens=8192, hidden=4096, routing="skewed", seed=5, bias=2),
+    "t1000_h4096_local": dict(tokens=1000, hidden=4096, routing="local", seed=6),
+    "t777_h2048_to_rank0": dict(tokens=777, hidden=2048, routing="to_rank0", seed=7, bias=1),
+    "t513_h7168_holes_align": dict(tokens=513, hidden=7168, routing="holes", seed=8, align=128),
+    "t300_h2048_worst": dict(tokens=300, hidden=2048, routing="holes", seed=9, worst=1),
+    "t300_h2048_worst_fp8": dict(tokens=300, hidden=2048, routing="random", seed=10, worst=1, fp8=True),
+    "t2048_h4096_async": dict(tokens=2048, hidden=4096, routing="random", seed=11, async_=True),
+    "t2000_h2048_4sms": dict(tokens=2000, hidden=2048, routing="random", seed=12, sms=4),
+    "t0_h2048": dict(tokens=0, hidden=2048, routing="random", seed=13),
+}
+for _p in CASES.values():
+    if _p.pop("async_", False):
+        _p["async"] = True
+
+
+@pytest.fixture(scope="module")
+def gpu_pool():
+    if NUM_GPUS < 2:
+        pytest.skip(f"needs >= 2 GPUs, found {NUM_GPUS}")
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+    from dist_utils import DistPool
+
+    pool = DistPool(NUM_GPUS, backend="nccl")
+    yield pool
+    pool.close()
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("name", list(CASES))
+def test_dispatch_combine_matches_reference(gpu_pool, name):
+    recv = gpu_pool.run(__file__, "case", CASES[name])
+    assert len(recv) == NUM_GPUS
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
+def test_autograd_matches_reference(gpu_pool):
+    gpu_pool.run(__file__, "autograd_case", 1)
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
+def test_wait_times_out_with_clear_error(gpu_pool):
+    out = gpu_pool.run(__file__, "timeout_case", env={"UCCL_EP_TIMEOUT_MS": "2000"})
+    assert out[0] == "timeout"

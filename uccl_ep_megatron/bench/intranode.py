@@ -1,0 +1,220 @@
+"""``uccl-ep-megatron bench intranode``: intranode dispatch/combine vs NCCL and the NVLink floor.
+
+Spawns one process per GPU (NCCL) and, in one run, times on the DeepSeek-V3 HT setting
+(default 4096 tokens/rank, hidden 7168, top-8 of 256 experts):
+
+- ``Buffer.dispatch`` BF16 and FP8 and ``Buffer.combine`` BF16 on the ``kernels`` backend;
+- NCCL ``all_to_all_single`` of the rank-deduplicated rows (the gather is not timed);
+- a peer copy (copy engine, every rank to its right neighbour at once): the NVLink bandwidth,
+  from which the floor = bytes that must cross the link / that bandwidth.
+
+Two times per op: ``e2e`` (device events around the call on the caller's stream: includes the
+dispatch's one host sync for output sizes) and ``kernel`` (sum of our kernels' device time from
+the profiler: DeepEP's metric). GB/s is DeepEP's: bytes of ``recv_x`` (BF16 equivalent for
+FP8: (1 + 4/128) / 2 of it) over the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``bench intranode`` (see README, cli-bench)."""
+    parser.add_argument("--num-gpus", type=int, default=0, help="ranks (GPUs); 0 = all visible")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=7168, help="hidden size")
+    parser.add_argument("--experts", type=int, default=256, help="routed experts in total")
+    parser.add_argument("--topk", type=int, default=8, help="experts per token")
+    parser.add_argument("--sms", default="24", help="comma-separated SM budgets to time (even)")
+    parser.add_argument("--iters", type=int, default=30, help="timed iterations per op")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per op")
+    parser.add_argument("--nvl-bytes", type=int, default=2 << 30, help="Buffer num_nvl_bytes")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+
+
+def register(subparsers: Any) -> None:
+    """Adds ``intranode`` to a ``bench`` subparser set (for commands/bench.py)."""
+    p = subparsers.add_parser("intranode", help="intranode dispatch/combine vs NCCL all-to-all")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Spawn one rank per GPU, time everything, print the table (rank 0)."""
+    world = args.num_gpus or torch.cuda.device_count()
+    if world < 2:
+        raise SystemExit(f"bench intranode needs >= 2 GPUs, found {torch.cuda.device_count()}")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.json")
+        torch.multiprocessing.spawn(
+            _worker, args=(world, os.path.join(d, "init"), vars(args), out), nprocs=world
+        )
+        with open(out) as f:
+            results = json.load(f)
+    _print(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+# ---- per-rank work ----------------------------------------------------------------------
+def _kernel_us(prof, needle: tuple[str, ...], iters: int) -> float:
+    total = 0.0
+    for e in prof.key_averages():
+        if any(n in e.key for n in needle):
+            total += getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+    return total / iters
+
+
+def _time(fn, iters: int, warmup: int, kernel_names: tuple[str, ...]) -> dict[str, float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            dist.barrier()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+    return {"e2e_us": statistics.median(times), "kernel_us": _kernel_us(prof, kernel_names, iters)}
+
+
+def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    from uccl_ep_megatron import Buffer, Config
+
+    T, H, E, K = a["tokens"], a["hidden"], a["experts"], a["topk"]
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    idx = torch.rand(T, E, generator=gen, device="cuda").topk(K, dim=1).indices
+    w = torch.rand(T, K, generator=gen, device="cuda")
+    x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    x_fp8 = (x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
+             torch.rand(T, H // 128, generator=gen, device="cuda"))
+    buf = Buffer(None, a["nvl_bytes"], 0, backend="kernels")
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=idx, topk_weights=w)
+    res: dict[str, Any] = {"world": world, "tokens": T, "hidden": H, "experts": E, "topk": K,
+                           "device": torch.cuda.get_device_name(), "rows": []}
+    ours = ("uccl_ep::kernels",)
+
+    # NCCL all-to-all of the deduplicated rows (gather done once, untimed).
+    order = in_rank.t().nonzero(as_tuple=True)[1]
+    send = x[order].contiguous()
+    send_counts = in_rank.sum(0).tolist()
+    counts = [torch.zeros(world, dtype=torch.int64, device="cuda") for _ in range(world)]
+    dist.all_gather(counts, torch.tensor(send_counts, device="cuda"))
+    recv_counts = [int(c[rank]) for c in counts]
+    recv = torch.empty(sum(recv_counts), H, dtype=x.dtype, device="cuda")
+
+    def a2a():
+        dist.all_to_all_single(recv, send, recv_counts, send_counts)
+
+    nccl = _time(a2a, a["iters"], a["warmup"], ("nccl",))
+    recv_bytes = sum(recv_counts) * H * 2
+    cross_bytes = (sum(recv_counts) - recv_counts[rank]) * H * 2
+
+    # NVLink bandwidth: every rank copies 256 MiB to its right neighbour at the same time.
+    peer = (rank + 1) % world
+    n = 256 << 20
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
+    dst = torch.empty(n, dtype=torch.uint8, device=f"cuda:{peer}")
+    copy = _time(lambda: dst.copy_(src, non_blocking=True), 10, 3, ("Memcpy", "memcpy"))
+    bw = n / (copy["e2e_us"] * 1e-6)
+    res.update(recv_bytes=recv_bytes, cross_bytes=cross_bytes, nvlink_GBps=bw / 1e9,
+               floor_us=cross_bytes / bw * 1e6, nccl=nccl)
+    del dst
+
+    for sms in [int(s) for s in a["sms"].split(",") if s]:
+        cfg = Config(sms)
+        state: dict[str, Any] = {}
+
+        def disp_bf16():
+            state["out"] = buf.dispatch(x, config=cfg, **layout)
+
+        def disp_fp8():
+            buf.dispatch(x_fp8, config=cfg, **layout)
+
+        def comb():
+            buf.combine(state["out"][0], state["out"][4], config=cfg)
+
+        def disp_cached():
+            buf.dispatch(x, handle=state["out"][4], config=cfg)
+
+        rows = {"dispatch_bf16": _time(disp_bf16, a["iters"], a["warmup"], ours)}
+        rows["dispatch_fp8"] = _time(disp_fp8, a["iters"], a["warmup"], ours)
+        rows["combine_bf16"] = _time(comb, a["iters"], a["warmup"], ours)
+        rows["dispatch_bf16_cached"] = _time(disp_cached, a["iters"], a["warmup"], ours)
+        for op, t in rows.items():
+            byts = recv_bytes * ((1 + 4 / 128) / 2 if "fp8" in op else 1.0)
+            t.update(op=op, sms=sms, GBps=byts / (t["kernel_us"] * 1e-6) / 1e9,
+                     e2e_GBps=byts / (t["e2e_us"] * 1e-6) / 1e9)
+            res["rows"].append(t)
+
+    # Rank 0 reports; the slowest rank's numbers are what a training step waits for.
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, res)
+    if rank == 0:
+        merged = gathered[0]
+        for i, row in enumerate(merged["rows"]):
+            for key in ("e2e_us", "kernel_us"):
+                row[key] = max(g["rows"][i][key] for g in gathered)
+            byts = merged["recv_bytes"] * ((1 + 4 / 128) / 2 if "fp8" in row["op"] else 1.0)
+            row["GBps"] = byts / (row["kernel_us"] * 1e-6) / 1e9
+            row["e2e_GBps"] = byts / (row["e2e_us"] * 1e-6) / 1e9
+        merged["nccl"] = {k: max(g["nccl"][k] for g in gathered) for k in ("e2e_us", "kernel_us")}
+        with open(out_path, "w") as f:
+            json.dump(merged, f)
+    buf.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _print(r: dict) -> None:
+    nccl = r["nccl"]["e2e_us"]
+    print(f"# bench intranode: {r['world']} x {r['device']}, {r['tokens']} tok/rank, hidden "
+          f"{r['hidden']}, top-{r['topk']} of {r['experts']} experts (max over ranks)")
+    print(f"# NVLink peer copy {r['nvlink_GBps']:.0f} GB/s; BF16 dispatch moves "
+          f"{r['cross_bytes'] / 1e6:.1f} MB across the link -> floor {r['floor_us']:.1f} us; "
+          f"recv_x {r['recv_bytes'] / 1e6:.1f} MB")
+    print(f"# NCCL all_to_all_single of dedup rows: {nccl:.1f} us e2e, "
+          f"{r['nccl']['kernel_us']:.1f} us kernel")
+    print(f"{'op':<22}{'SMs':>4}{'kernel us':>11}{'GB/s':>8}{'e2e us':>9}{'e2e GB/s':>9}"
+          f"{'NCCL/op':>9}{'op/floor':>9}")
+    for row in r["rows"]:
+        print(f"{row['op']:<22}{row['sms']:>4}{row['kernel_us']:>11.1f}{row['GBps']:>8.1f}"
+              f"{row['e2e_us']:>9.1f}{row['e2e_GBps']:>9.1f}{nccl / row['kernel_us']:>9.2f}"
+              f"{row['kernel_us'] / r['floor_us']:>9.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m uccl_ep_megatron.bench.intranode")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
