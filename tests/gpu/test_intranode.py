@@ -70,7 +70,9 @@ def _assert_same(name: str, a, b) -> None:
     if isinstance(a, list):
         assert a == b, f"{name}: {a} != {b}"
         return
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    assert a.dtype == b.dtype and a.shape == b.shape, (
+        f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
     if a.dtype.itemsize == 1 and a.is_floating_point():
         a, b = a.view(torch.uint8), b.view(torch.uint8)
     if not torch.equal(a, b):
@@ -106,7 +108,8 @@ def case(rank: int, world: int, params: dict) -> int:
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     x_in = x
     if params.get("fp8"):
-        x_in = (x.float().to(torch.float8_e4m3fn), torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda"))
+        scales = torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda")
+        x_in = (x.float().to(torch.float8_e4m3fn), scales)
     config = Config(params.get("sms", 24))
     kw = dict(
         expert_alignment=params.get("align", 1),
@@ -117,7 +120,8 @@ def case(rank: int, world: int, params: dict) -> int:
     # Layout kernel vs reference.
     klay = kb.get_dispatch_layout(idx, num_experts)[:4]
     rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
-    for name, a, b in zip(("per_rank", "per_rdma", "per_expert", "in_rank"), klay, rlay):
+    names = ("per_rank", "per_rdma", "per_expert", "in_rank")
+    for name, a, b in zip(names, klay, rlay, strict=True):
         _assert_same(f"layout.{name}", a, b)
 
     _poison(kb)
@@ -203,10 +207,10 @@ def autograd_case(rank: int, world: int, seed: int) -> None:
 
 def timeout_case(rank: int, world: int) -> str:
     """Rank 0 dispatches alone: its wait must end in CommTimeoutError naming rank 1."""
+    import torch.distributed as dist
+
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.errors import CommTimeoutError
-
-    import torch.distributed as dist
 
     buf = Buffer(None, 1 << 24, 0, backend="kernels")
     _keep.append(buf)  # peers may still write into it: never freed during the session
@@ -229,15 +233,23 @@ def timeout_case(rank: int, world: int) -> str:
 
 CASES = {
     "t1_h7168_random": dict(tokens=1, hidden=7168, routing="random", seed=1),
-    "t127_h2048_random_i32": dict(tokens=127, hidden=2048, routing="random", seed=2, idx_dtype=torch.int32),
-    "t4096_h7168_dsv3": dict(tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=3),
-    "t4096_h7168_dsv3_fp8": dict(tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=4, fp8=True),
+    "t127_h2048_random_i32": dict(
+        tokens=127, hidden=2048, routing="random", seed=2, idx_dtype=torch.int32
+    ),
+    "t4096_h7168_dsv3": dict(
+        tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=3
+    ),
+    "t4096_h7168_dsv3_fp8": dict(
+        tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=4, fp8=True
+    ),
     "t8192_h4096_skewed": dict(tokens=8192, hidden=4096, routing="skewed", seed=5, bias=2),
     "t1000_h4096_local": dict(tokens=1000, hidden=4096, routing="local", seed=6),
     "t777_h2048_to_rank0": dict(tokens=777, hidden=2048, routing="to_rank0", seed=7, bias=1),
     "t513_h7168_holes_align": dict(tokens=513, hidden=7168, routing="holes", seed=8, align=128),
     "t300_h2048_worst": dict(tokens=300, hidden=2048, routing="holes", seed=9, worst=1),
-    "t300_h2048_worst_fp8": dict(tokens=300, hidden=2048, routing="random", seed=10, worst=1, fp8=True),
+    "t300_h2048_worst_fp8": dict(
+        tokens=300, hidden=2048, routing="random", seed=10, worst=1, fp8=True
+    ),
     "t2048_h4096_async": dict(tokens=2048, hidden=4096, routing="random", seed=11, async_=True),
     "t2000_h2048_4sms": dict(tokens=2000, hidden=2048, routing="random", seed=12, sms=4),
     "t0_h2048": dict(tokens=0, hidden=2048, routing="random", seed=13),

@@ -119,7 +119,6 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
                   topk_idx=idx, topk_weights=w)
     res: dict[str, Any] = {"world": world, "tokens": T, "hidden": H, "experts": E, "topk": K,
                            "device": torch.cuda.get_device_name(), "rows": []}
-    ours = ("uccl_ep::kernels",)
 
     # NCCL all-to-all of the deduplicated rows (gather done once, untimed).
     order = in_rank.t().nonzero(as_tuple=True)[1]
@@ -146,33 +145,9 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
     bw = n / (copy["e2e_us"] * 1e-6)
     res.update(recv_bytes=recv_bytes, cross_bytes=cross_bytes, nvlink_GBps=bw / 1e9,
                floor_us=cross_bytes / bw * 1e6, nccl=nccl)
-    del dst
 
     for sms in [int(s) for s in a["sms"].split(",") if s]:
-        cfg = Config(sms)
-        state: dict[str, Any] = {}
-
-        def disp_bf16():
-            state["out"] = buf.dispatch(x, config=cfg, **layout)
-
-        def disp_fp8():
-            buf.dispatch(x_fp8, config=cfg, **layout)
-
-        def comb():
-            buf.combine(state["out"][0], state["out"][4], config=cfg)
-
-        def disp_cached():
-            buf.dispatch(x, handle=state["out"][4], config=cfg)
-
-        rows = {"dispatch_bf16": _time(disp_bf16, a["iters"], a["warmup"], ours)}
-        rows["dispatch_fp8"] = _time(disp_fp8, a["iters"], a["warmup"], ours)
-        rows["combine_bf16"] = _time(comb, a["iters"], a["warmup"], ours)
-        rows["dispatch_bf16_cached"] = _time(disp_cached, a["iters"], a["warmup"], ours)
-        for op, t in rows.items():
-            byts = recv_bytes * ((1 + 4 / 128) / 2 if "fp8" in op else 1.0)
-            t.update(op=op, sms=sms, GBps=byts / (t["kernel_us"] * 1e-6) / 1e9,
-                     e2e_GBps=byts / (t["e2e_us"] * 1e-6) / 1e9)
-            res["rows"].append(t)
+        res["rows"].extend(_bench_ops(buf, Config(sms), x, x_fp8, layout, a, recv_bytes))
 
     # Rank 0 reports; the slowest rank's numbers are what a training step waits for.
     gathered: list[Any] = [None] * world
@@ -191,6 +166,40 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
     buf.destroy()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _bench_ops(buf, cfg, x, x_fp8, layout: dict, a: dict, recv_bytes: int) -> list[dict]:
+    """Times BF16/FP8/cached dispatch and BF16 combine with one SM budget."""
+    ours = ("uccl_ep::kernels",)
+    state: dict[str, Any] = {}
+
+    def disp_bf16():
+        state["out"] = buf.dispatch(x, config=cfg, **layout)
+
+    def disp_fp8():
+        buf.dispatch(x_fp8, config=cfg, **layout)
+
+    def comb():
+        buf.combine(state["out"][0], state["out"][4], config=cfg)
+
+    def disp_cached():
+        buf.dispatch(x, handle=state["out"][4], config=cfg)
+
+    rows = {"dispatch_bf16": _time(disp_bf16, a["iters"], a["warmup"], ours)}
+    rows["dispatch_fp8"] = _time(disp_fp8, a["iters"], a["warmup"], ours)
+    rows["combine_bf16"] = _time(comb, a["iters"], a["warmup"], ours)
+    rows["dispatch_bf16_cached"] = _time(disp_cached, a["iters"], a["warmup"], ours)
+    out = []
+    for op, t in rows.items():
+        byts = recv_bytes * ((1 + 4 / 128) / 2 if "fp8" in op else 1.0)
+        t.update(
+            op=op,
+            sms=cfg.num_sms,
+            GBps=byts / (t["kernel_us"] * 1e-6) / 1e9,
+            e2e_GBps=byts / (t["e2e_us"] * 1e-6) / 1e9,
+        )
+        out.append(t)
+    return out
 
 
 def _print(r: dict) -> None:
