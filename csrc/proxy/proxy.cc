@@ -287,28 +287,28 @@ class Worker {
     }
   }
 
+  // A piggy-backed atomic is posted as a second message right after the write (stage 1), in the
+  // same stream, so a per-stream cap of one message (Thor-2 / Pollara presets) still works.
   Step step_write(ChannelState& ch, const TransferCmd& c) {
     const uint32_t peer = c.dst_rank();
     StreamTx& t = ch.tx[peer];
+    bool posted = false;
     if (ch.stage == 0) {
       check_write(ch, c);
-      const bool atomic = c.has_atomic();
-      if (atomic) check_atomic(ch, c);
-      const bool together = atomic && o_.ordering != Ordering::kSender;
-      if (!has_room(t, together ? 2 : 1, c.length())) return Step::kBlocked;
+      if (c.has_atomic()) check_atomic(ch, c);
+      if (!has_room(t, 1, c.length())) return Step::kBlocked;
       post(ch, peer, c.src_offset(), c.dst_offset(), c.length(), imm::write(t.next_seq), true);
       bump(stats_.writes_posted);
       bump(stats_.bytes_posted, c.length());
-      if (!atomic) return Step::kDone;
-      if (together) {
-        post(ch, peer, 0, 0, 0, imm::atomic(t.next_seq, c.atomic_index(), c.atomic_value()), false);
-        bump(stats_.atomics_posted);
-        return Step::kDone;
-      }
+      if (!c.has_atomic()) return Step::kDone;
       ch.stage = 1;
-      return Step::kAdvanced;
+      posted = true;
     }
-    return post_sender_side_atomic(ch, c);
+    if (o_.ordering == Ordering::kSender) return post_sender_side_atomic(ch, c);
+    if (!has_room(t, 1, 0)) return posted ? Step::kAdvanced : Step::kBlocked;
+    post(ch, peer, 0, 0, 0, imm::atomic(t.next_seq, c.atomic_index(), c.atomic_value()), false);
+    bump(stats_.atomics_posted);
+    return Step::kDone;
   }
 
   Step step_atomic(ChannelState& ch, const TransferCmd& c) {
@@ -449,8 +449,8 @@ Proxy::Proxy(const ProxyOptions& options, std::vector<FifoChannel*> channels, Tr
                     "rank=", options.rank, " world_size=", options.world_size);
   UCCL_EP_CHECK_ARG(options.num_threads >= 1 && options.num_threads <= 64, "num_threads=", options.num_threads,
                     " must be in [1, 64] (UCCL_EP_NUM_PROXY_THREADS)");
-  UCCL_EP_CHECK_ARG(options.max_inflight_per_stream >= 2 && options.max_inflight_per_stream <= imm::kSeqWindow,
-                    "max_inflight_per_stream=", options.max_inflight_per_stream, " must be in [2, ", imm::kSeqWindow,
+  UCCL_EP_CHECK_ARG(options.max_inflight_per_stream >= 1 && options.max_inflight_per_stream <= imm::kSeqWindow,
+                    "max_inflight_per_stream=", options.max_inflight_per_stream, " must be in [1, ", imm::kSeqWindow,
                     "] (7-bit sequence numbers)");
   UCCL_EP_CHECK_ARG(options.timeout_ms > 0, "timeout_ms must be positive");
   UCCL_EP_CHECK_ARG(options.batch >= 1, "batch must be >= 1");

@@ -190,6 +190,7 @@ std::string IpcTransport::local_info() const {
   f["threads"] = std::to_string(setup_.num_threads);
   f["inbox_cap"] = std::to_string(options_.inbox_capacity);
   f["inbox"] = kv::hex(inbox_->name());
+  f["inbox_ptr"] = std::to_string(reinterpret_cast<uint64_t>(inbox_->data()));
   f["ptr"] = std::to_string(reinterpret_cast<uint64_t>(setup_.region.base));
   f["bytes"] = std::to_string(setup_.region.bytes);
   f["gpu"] = std::to_string(setup_.region.gpu_device + 1);
@@ -219,6 +220,10 @@ void IpcTransport::connect(const std::vector<std::string>& infos) {
     const bool same_process = kv::get_u64(f, "pid", origin) == my_pid;
     if (r == setup_.rank) {
       p->inbox = inbox_->data();
+    } else if (same_process) {
+      // One mapping per segment and process: atomics on two aliases of one page would be the same
+      // memory to the CPU but not to ThreadSanitizer.
+      p->inbox = reinterpret_cast<void*>(kv::get_u64(f, "inbox_ptr", origin));
     } else {
       p->inbox_map = std::make_unique<SharedMemory>(kv::unhex(kv::get(f, "inbox", origin)), inbox_->bytes(), false);
       p->inbox = p->inbox_map->data();

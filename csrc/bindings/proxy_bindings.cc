@@ -1,0 +1,439 @@
+// FIFO channels, proxies, transports and the FIFO test/bench kernels. Pointers cross as ints.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "bindings/bindings.h"
+#include "common/env.h"
+#include "common/errors.h"
+#include "fifo/cmd_builder.h"
+#include "fifo/fifo.h"
+#include "proxy/proxy.h"
+#include "transport/ipc_transport.h"
+#ifdef UCCL_EP_WITH_VERBS
+#include "transport/verbs_transport.h"
+#endif
+#ifdef UCCL_EP_WITH_GPU
+#include "fifo/fifo_gpu.h"
+#include "transport/gpu_hooks.h"
+#endif
+
+namespace py = pybind11;
+
+namespace uccl_ep::bindings {
+namespace {
+
+py::tuple cmd_tuple(const TransferCmd& c) { return py::make_tuple(c.lo, c.hi); }
+TransferCmd cmd_from(uint64_t lo, uint64_t hi) { return TransferCmd{lo, hi}; }
+
+const GpuHooks* hooks_or_null() {
+#ifdef UCCL_EP_WITH_GPU
+  return gpu_hooks();
+#else
+  return nullptr;
+#endif
+}
+
+// Host memory a transport registers (heap for one process, shared memory across processes).
+class HostRegion {
+ public:
+  HostRegion(uint64_t bytes, bool shared) {
+    UCCL_EP_CHECK_ARG(bytes > 0, "region bytes must be positive");
+    if (shared) {
+      shm_ = std::make_unique<SharedHostRegion>(bytes);
+      ptr_ = shm_->data();
+    } else {
+      heap_.assign(bytes, 0);
+      ptr_ = heap_.data();
+    }
+    bytes_ = bytes;
+  }
+  uintptr_t ptr() const { return reinterpret_cast<uintptr_t>(ptr_); }
+  uint64_t bytes() const { return bytes_; }
+  std::string shm_name() const { return shm_ ? shm_->name() : ""; }
+  py::bytes read(uint64_t offset, uint64_t n) const {
+    UCCL_EP_CHECK_ARG(offset + n <= bytes_, "read [", offset, ", ", offset + n, ") outside ", bytes_, " bytes");
+    return py::bytes(static_cast<const char*>(ptr_) + offset, n);
+  }
+  void write(uint64_t offset, const std::string& data) {
+    UCCL_EP_CHECK_ARG(offset + data.size() <= bytes_, "write [", offset, ", ", offset + data.size(), ") outside ",
+                      bytes_, " bytes");
+    std::memcpy(static_cast<char*>(ptr_) + offset, data.data(), data.size());
+  }
+
+ private:
+  std::unique_ptr<SharedHostRegion> shm_;
+  std::vector<uint8_t> heap_;
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+// int64 software-atomic counters; mapped into GPUs in GPU builds so kernels can poll them.
+class Counters {
+ public:
+  Counters(uint32_t n, bool mapped) : n_(n) {
+    UCCL_EP_CHECK_ARG(n > 0 && n <= cmd_limits::kNumAtomicCounters, "counters n=", n, " must be in [1, ",
+                      cmd_limits::kNumAtomicCounters, "]");
+    if (mapped) {
+#ifdef UCCL_EP_WITH_GPU
+      gpu::MappedHost m = gpu::alloc_mapped(n * sizeof(int64_t));
+      host_ = static_cast<int64_t*>(m.host);
+      dev_ = static_cast<int64_t*>(m.dev);
+      mapped_ = true;
+      return;
+#else
+      UCCL_EP_THROW(Unsupported, "mapped counters need a GPU build of uccl_ep_megatron");
+#endif
+    }
+    heap_.assign(n, 0);
+    host_ = dev_ = heap_.data();
+  }
+  ~Counters() {
+#ifdef UCCL_EP_WITH_GPU
+    if (mapped_) gpu::free_mapped(host_);
+#endif
+  }
+  std::vector<int64_t> values() const {
+    std::vector<int64_t> v(n_);
+    for (uint32_t i = 0; i < n_; ++i) v[i] = __atomic_load_n(&host_[i], __ATOMIC_ACQUIRE);
+    return v;
+  }
+  void reset() {
+    for (uint32_t i = 0; i < n_; ++i) __atomic_store_n(&host_[i], 0, __ATOMIC_RELEASE);
+  }
+  int64_t* host() const { return host_; }
+  uintptr_t dev_ptr() const { return reinterpret_cast<uintptr_t>(dev_); }
+  uint32_t size() const { return n_; }
+
+ private:
+  uint32_t n_;
+  int64_t* host_ = nullptr;
+  int64_t* dev_ = nullptr;
+  bool mapped_ = false;
+  std::vector<int64_t> heap_;
+};
+
+py::dict stats_dict(const ProxyStats& s) {
+  py::dict d;
+  d["commands"] = s.commands;
+  d["writes_posted"] = s.writes_posted;
+  d["bytes_posted"] = s.bytes_posted;
+  d["atomics_posted"] = s.atomics_posted;
+  d["barriers"] = s.barriers;
+  d["drains"] = s.drains;
+  d["writes_received"] = s.writes_received;
+  d["atomics_applied"] = s.atomics_applied;
+  d["held_out_of_order"] = s.held_out_of_order;
+  return d;
+}
+
+std::vector<FifoDeviceHandle> handles_of(const std::vector<FifoChannel*>& chans) {
+  std::vector<FifoDeviceHandle> h;
+  for (auto* c : chans) h.push_back(c->device_handle());
+  return h;
+}
+
+}  // namespace
+
+void bind_proxy(py::module_& m) {
+  // ---- TransferCmd ----
+  m.def("cmd_write", [](uint32_t d, uint64_t s, uint64_t o, uint32_t n) { return cmd_tuple(build_write(d, s, o, n)); },
+        py::arg("dst_rank"), py::arg("src_offset"), py::arg("dst_offset"), py::arg("length"),
+        "Validated Write TransferCmd as (lo, hi).");
+  m.def(
+      "cmd_write_atomic",
+      [](uint32_t d, uint64_t s, uint64_t o, uint32_t n, uint32_t i, int32_t v) {
+        return cmd_tuple(build_write_atomic(d, s, o, n, i, v));
+      },
+      py::arg("dst_rank"), py::arg("src_offset"), py::arg("dst_offset"), py::arg("length"), py::arg("atomic_index"),
+      py::arg("atomic_value"), "Validated Write with a piggy-backed software atomic, as (lo, hi).");
+  m.def("cmd_atomic", [](uint32_t d, uint32_t i, int32_t v) { return cmd_tuple(build_atomic(d, i, v)); },
+        py::arg("dst_rank"), py::arg("atomic_index"), py::arg("atomic_value"), "Atomic TransferCmd as (lo, hi).");
+  m.def("cmd_drain", [](uint64_t upto) { return cmd_tuple(make_drain(upto)); }, py::arg("upto"),
+        "Drain up to FIFO index `upto`, as (lo, hi).");
+  m.def("cmd_drain_all", [] { return cmd_tuple(make_drain_all()); }, "Drain everything posted before it.");
+  m.def("cmd_barrier", [](bool same_rail) { return cmd_tuple(make_barrier(same_rail)); }, py::arg("same_rail") = false,
+        "Barrier over all peers (or same-rail peers), as (lo, hi).");
+  m.def(
+      "cmd_decode",
+      [](uint64_t lo, uint64_t hi) {
+        CmdFields f = decode_cmd(cmd_from(lo, hi));
+        py::dict d;
+        d["type"] = cmd_type_name(f.type);
+        d["dst_rank"] = f.dst_rank;
+        d["src_offset"] = f.src_offset;
+        d["dst_offset"] = f.dst_offset;
+        d["length"] = f.length;
+        d["has_atomic"] = f.has_atomic;
+        d["atomic_index"] = f.atomic_index;
+        d["atomic_value"] = f.atomic_value;
+        d["drain_all"] = f.drain_all;
+        d["drain_index_low32"] = f.drain_index_low32;
+        d["barrier_same_rail"] = f.barrier_same_rail;
+        return d;
+      },
+      py::arg("lo"), py::arg("hi"), "Decode a TransferCmd (lo, hi) into its fields.");
+  py::dict limits;
+  limits["max_ranks"] = cmd_limits::kMaxRanks;
+  limits["max_length"] = cmd_limits::kMaxLength;
+  limits["num_atomic_counters"] = cmd_limits::kNumAtomicCounters;
+  limits["min_atomic_value"] = cmd_limits::kMinAtomicValue;
+  limits["max_atomic_value"] = cmd_limits::kMaxAtomicValue;
+  limits["offset_align"] = cmd_limits::kOffsetAlign;
+  limits["max_src_offset"] = cmd_limits::kMaxSrcOffset;
+  limits["max_dst_offset"] = cmd_limits::kMaxDstOffset;
+  limits["seq_window"] = imm::kSeqWindow;
+  m.attr("cmd_limits") = limits;
+  m.attr("fifo_device_handle_bytes") = sizeof(FifoDeviceHandle);
+
+  // ---- FIFO channel ----
+  py::class_<FifoChannel>(m, "FifoChannel", "A GPU->CPU command ring (see csrc/fifo/fifo.h).")
+      .def_static("host", &FifoChannel::create_host, py::arg("channel"), py::arg("capacity"), py::arg("timeout_ms"),
+                  "A channel whose producers are CPU threads (all host memory).")
+      .def_static(
+          "gpu",
+          [](uint32_t channel, uint32_t capacity, uint64_t timeout_ms, int device) -> std::unique_ptr<FifoChannel> {
+#ifdef UCCL_EP_WITH_GPU
+            return gpu::create_fifo(channel, capacity, timeout_ms, device);
+#else
+            (void)channel, (void)capacity, (void)timeout_ms, (void)device;
+            UCCL_EP_THROW(Unsupported, "GPU FIFO channels need a GPU build (nvcc or hipcc at install time)");
+#endif
+          },
+          py::arg("channel"), py::arg("capacity"), py::arg("timeout_ms"), py::arg("device"),
+          "A channel whose producers are kernels on `device`.")
+      .def_property_readonly("channel", &FifoChannel::channel)
+      .def_property_readonly("capacity", &FifoChannel::capacity)
+      .def_property_readonly("head", &FifoChannel::head)
+      .def_property_readonly("published_head", &FifoChannel::published_head)
+      .def(
+          "poll",
+          [](const FifoChannel& f) -> py::object {
+            TransferCmd c;
+            if (!f.poll(&c)) return py::none();
+            return cmd_tuple(c);
+          },
+          "The command at head as (lo, hi) without dequeuing it, or None.")
+      .def("pop", &FifoChannel::pop, "Dequeue the command at head (consumer side).")
+      .def(
+          "push", [](FifoChannel& f, uint64_t lo, uint64_t hi) { return f.push(cmd_from(lo, hi)); },
+          py::arg("lo"), py::arg("hi"), py::call_guard<py::gil_scoped_release>(),
+          "Enqueue a command from the CPU; returns its FIFO index.")
+      .def("check_completion", &FifoChannel::check_completion, py::arg("index"))
+      .def("wait_completion", &FifoChannel::wait_completion, py::arg("index"),
+           py::call_guard<py::gil_scoped_release>(), "Block until `index` was popped (TimeoutError names it).")
+      .def("check_error", &FifoChannel::check_error, "Raise a failure a kernel producer recorded.")
+      .def("set_abort", &FifoChannel::set_abort, py::arg("abort"))
+      .def(
+          "device_handle_bytes",
+          [](const FifoChannel& f) {
+            FifoDeviceHandle h = f.device_handle();
+            return py::bytes(reinterpret_cast<const char*>(&h), sizeof(h));
+          },
+          "The FifoDeviceHandle kernels take, as raw bytes (copy into device memory).");
+
+  py::class_<HostRegion>(m, "HostRegion", "Host memory to register with a transport.")
+      .def(py::init<uint64_t, bool>(), py::arg("bytes"), py::arg("shared") = false)
+      .def_property_readonly("ptr", &HostRegion::ptr)
+      .def_property_readonly("bytes", &HostRegion::bytes)
+      .def_property_readonly("shm_name", &HostRegion::shm_name)
+      .def("read", &HostRegion::read, py::arg("offset"), py::arg("n"))
+      .def("write", &HostRegion::write, py::arg("offset"), py::arg("data"));
+
+  py::class_<Counters>(m, "Counters", "Software-atomic targets (int64), mapped into GPUs when mapped=True.")
+      .def(py::init<uint32_t, bool>(), py::arg("n"), py::arg("mapped") = false)
+      .def("values", &Counters::values)
+      .def("reset", &Counters::reset)
+      .def_property_readonly("dev_ptr", &Counters::dev_ptr)
+      .def("__len__", &Counters::size);
+
+  // ---- transports ----
+  py::class_<Transport>(m, "Transport")
+      .def_property_readonly("name", &Transport::name)
+      .def_property_readonly("ordered", &Transport::ordered)
+      .def("local_info", [](const Transport& t) { return py::bytes(t.local_info()); })
+      .def(
+          "connect",
+          [](Transport& t, const std::vector<std::string>& infos) { t.connect(infos); }, py::arg("infos"),
+          "Connect given every rank's local_info() (indexed by rank).")
+      .def("peer_region_bytes", &Transport::peer_region_bytes, py::arg("peer"));
+
+  py::class_<IpcTransport, Transport>(m, "IpcTransport", "Single-host transport with the reorder/delay injector.")
+      .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
+                       uint64_t bytes, int gpu_device, bool reorder, uint64_t seed, uint32_t max_delay_us,
+                       uint32_t inbox_capacity, const std::string& shm_name) {
+             TransportSetup s;
+             s.rank = rank;
+             s.world_size = world;
+             s.num_threads = threads;
+             s.num_channels = channels;
+             s.region = RegionInfo{reinterpret_cast<void*>(region), bytes, gpu_device};
+             IpcOptions o;
+             o.reorder = reorder;
+             o.seed = seed;
+             o.max_delay_us = max_delay_us;
+             o.inbox_capacity = inbox_capacity;
+             o.gpu = hooks_or_null();
+             return std::make_unique<IpcTransport>(s, o, shm_name);
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("num_threads"), py::arg("num_channels"),
+           py::arg("region_ptr"), py::arg("region_bytes"), py::arg("gpu_device") = -1, py::arg("reorder") = false,
+           py::arg("seed") = 0, py::arg("max_delay_us") = 50, py::arg("inbox_capacity") = 4096,
+           py::arg("shm_name") = "");
+
+#ifdef UCCL_EP_WITH_VERBS
+  py::class_<VerbsTransport, Transport>(m, "VerbsTransport", "RDMA transport: RC or EFA SRD over libibverbs.")
+      .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
+                       uint64_t bytes, int gpu_device, int local_index, const std::string& flavor) {
+             const Env e = Env::load();
+             TransportSetup s;
+             s.rank = rank;
+             s.world_size = world;
+             s.num_threads = threads;
+             s.num_channels = channels;
+             s.region = RegionInfo{reinterpret_cast<void*>(region), bytes, gpu_device};
+             VerbsOptions o;
+             o.hca = e.ib_hca;
+             o.local_index = local_index;
+             o.gid_index = static_cast<int>(e.ib_gid_index);
+             o.sl = e.ib_sl;
+             o.tc = e.ib_tc;
+             o.dmabuf = e.ib_dmabuf;
+             o.flavor = flavor;
+             o.gpu = hooks_or_null();
+             return std::make_unique<VerbsTransport>(s, o);
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("num_threads"), py::arg("num_channels"),
+           py::arg("region_ptr"), py::arg("region_bytes"), py::arg("gpu_device") = -1, py::arg("local_index") = 0,
+           py::arg("flavor") = "")
+      .def_property_readonly("device_name", &VerbsTransport::device_name);
+#endif
+
+  m.def(
+      "verbs_status",
+      [] {
+        py::dict d;
+#ifdef UCCL_EP_WITH_VERBS
+        const VerbsLib& v = VerbsLib::get();
+        d["built"] = true;
+        d["loaded"] = v.loaded;
+        d["error"] = v.error;
+        d["efa_loaded"] = v.efa_loaded;
+        d["dmabuf_reg"] = v.reg_dmabuf_mr != nullptr;
+#else
+        d["built"] = false;
+        d["loaded"] = false;
+        d["error"] = "built without infiniband/verbs.h (install libibverbs-dev and reinstall)";
+        d["efa_loaded"] = false;
+        d["dmabuf_reg"] = false;
+#endif
+        return d;
+      },
+      "Whether the verbs transport was built and libibverbs/libefa load here.");
+
+  m.def(
+      "list_rdma_devices",
+      []() {
+        py::list out;
+#ifdef UCCL_EP_WITH_VERBS
+        for (const auto& dev : list_rdma_devices()) {
+          py::dict d;
+          d["name"] = dev.name;
+          d["efa"] = dev.efa;
+          py::list ports;
+          for (const auto& p : dev.ports) {
+            py::dict pd;
+            pd["port"] = p.port;
+            pd["state"] = p.state;
+            pd["link_layer"] = p.link_layer;
+            pd["active_mtu"] = p.active_mtu;
+            py::list gids;
+            for (const auto& g : p.gids) {
+              if (gid_is_zero(g.gid)) continue;
+              gids.append(py::make_tuple(g.index, g.gid, g.type));
+            }
+            pd["gids"] = gids;
+            ports.append(pd);
+          }
+          d["ports"] = ports;
+          out.append(d);
+        }
+#else
+        UCCL_EP_THROW(Unsupported, "built without infiniband/verbs.h (install libibverbs-dev and reinstall)");
+#endif
+        return out;
+      },
+      "RDMA devices with port state, link layer, MTU and GIDs (index, gid, type).");
+
+  // ---- proxy ----
+  py::class_<Proxy>(m, "Proxy", "CPU proxy of one GPU (see csrc/proxy/proxy.h).")
+      .def(py::init([](uint32_t rank, uint32_t world, uint32_t ranks_per_node, uint32_t threads, uint64_t timeout_ms,
+                       const std::string& ordering, const std::vector<FifoChannel*>& channels, Transport* transport,
+                       Counters* counters, uint32_t max_inflight, uint64_t max_inflight_bytes,
+                       const std::vector<int>& cpus) {
+             ProxyOptions o;
+             o.rank = rank;
+             o.world_size = world;
+             o.ranks_per_node = ranks_per_node;
+             o.num_threads = threads;
+             o.timeout_ms = timeout_ms;
+             o.ordering = parse_ordering(ordering);
+             o.max_inflight_per_stream = max_inflight;
+             o.max_inflight_bytes_per_stream = max_inflight_bytes;
+             o.cpus = cpus;
+             return std::make_unique<Proxy>(o, channels, transport, counters ? counters->host() : nullptr,
+                                            counters ? counters->size() : 0);
+           }),
+           py::arg("rank"), py::arg("world_size"), py::arg("ranks_per_node"), py::arg("num_threads"),
+           py::arg("timeout_ms"), py::arg("ordering"), py::arg("channels"), py::arg("transport"),
+           py::arg("counters"), py::arg("max_inflight_per_stream") = imm::kSeqWindow,
+           py::arg("max_inflight_bytes_per_stream") = 0, py::arg("cpus") = std::vector<int>{},
+           // The proxy's threads use channels, transport and counters: keep them alive with it.
+           py::keep_alive<1, 8>(), py::keep_alive<1, 9>(), py::keep_alive<1, 10>())
+      .def("start", &Proxy::start)
+      .def("stop", &Proxy::stop, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("running", &Proxy::running)
+      .def("check", &Proxy::check, "Re-raise the first failure of a proxy thread.")
+      .def("stats", [](const Proxy& p) { return stats_dict(p.stats()); });
+
+  m.def("numa_cpus_of_pci", [](const std::string& bus) { return numa_cpus_of_pci(bus); }, py::arg("pci_bus_id"),
+        "CPUs of the NUMA node of a PCI device ([] when unknown).");
+
+  // ---- GPU helpers, test and bench kernels ----
+#ifdef UCCL_EP_WITH_GPU
+  m.def("gpu_device_count", &gpu::device_count);
+  m.def("gpu_pci_bus_id", &gpu::pci_bus_id, py::arg("device"));
+  m.def(
+      "fifo_launch_traffic",
+      [](const std::vector<FifoChannel*>& chans, uint32_t blocks, uint32_t warps_per_block, uint32_t msgs,
+         uint32_t len, uint32_t rank, uint32_t peer, uintptr_t region, int device, uintptr_t stream) {
+        gpu::launch_traffic_kernel(handles_of(chans), blocks, warps_per_block, msgs, len, rank, peer,
+                                   reinterpret_cast<void*>(region), device, stream);
+      },
+      py::arg("channels"), py::arg("blocks"), py::arg("warps_per_block"), py::arg("msgs"), py::arg("length"),
+      py::arg("rank"), py::arg("peer"), py::arg("region_ptr"), py::arg("device"), py::arg("stream"),
+      "Launch the GPU test's traffic kernel (see csrc/fifo/fifo_gpu.h).");
+  m.def(
+      "fifo_bench",
+      [](int device, uint32_t channels, uint32_t threads, uint32_t blocks, uint32_t warps_per_block,
+         uint32_t cmds_per_warp, uint32_t capacity, uint32_t latency_iters, uint64_t timeout_ms) {
+        gpu::FifoBenchResult r = gpu::run_fifo_bench(device, channels, threads, blocks, warps_per_block, cmds_per_warp,
+                                                     capacity, latency_iters, timeout_ms);
+        py::dict d;
+        d["commands"] = r.commands;
+        d["seconds"] = r.seconds;
+        d["kernel_seconds"] = r.kernel_seconds;
+        d["order_errors"] = r.order_errors;
+        d["latency_ns"] = r.latency_ns;
+        return d;
+      },
+      py::arg("device"), py::arg("channels"), py::arg("threads"), py::arg("blocks"), py::arg("warps_per_block"),
+      py::arg("cmds_per_warp"), py::arg("capacity"), py::arg("latency_iters"), py::arg("timeout_ms"),
+      py::call_guard<py::gil_scoped_release>(), "GPU->CPU command rate and push->pop latency of the FIFO.");
+#endif
+}
+
+}  // namespace uccl_ep::bindings

@@ -1,0 +1,325 @@
+#include <pthread.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "common/gpu.h"
+#include "fifo/fifo_device.cuh"
+#include "fifo/fifo_gpu.h"
+#include "proxy/proxy.h"
+
+#if defined(UCCL_EP_DEVICE_HIP)
+#define fifo_event_create hipEventCreate
+#define fifo_event_record hipEventRecord
+#define fifo_event_elapsed hipEventElapsedTime
+#define fifo_event_destroy hipEventDestroy
+#define fifo_host_alloc_portable hipHostMallocPortable
+#else
+#define fifo_event_create cudaEventCreate
+#define fifo_event_record cudaEventRecord
+#define fifo_event_elapsed cudaEventElapsedTime
+#define fifo_event_destroy cudaEventDestroy
+#define fifo_host_alloc_portable cudaHostAllocPortable
+#endif
+
+namespace uccl_ep::gpu {
+namespace {
+
+// Producer granularity is one lane per 32 threads on both vendors (a wave64 then pushes from two
+// lanes, each with its own sequence).
+constexpr int kWarp = 32;
+
+__global__ void push_kernel(const FifoDeviceHandle* handles, uint32_t num_channels, uint32_t cmds_per_warp) {
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
+  if (threadIdx.x % kWarp != 0) return;
+  const FifoDeviceHandle h = handles[warp % num_channels];
+  for (uint32_t i = 0; i < cmds_per_warp; ++i) {
+    if (fifo_push(h, make_write(warp, 0, 0, i)) == kFifoPushFailed) return;
+  }
+}
+
+__global__ void latency_kernel(FifoDeviceHandle h, uint32_t iters, uint64_t* out_ns) {
+  for (uint32_t i = 0; i < iters; ++i) {
+    uint64_t t0 = fifo_now_ns();
+    uint64_t idx = fifo_push(h, make_write(0, 0, 0, i));
+    if (idx == kFifoPushFailed || !fifo_wait_completion(h, idx)) return;
+    out_ns[i] = fifo_now_ns() - t0;
+  }
+}
+
+__device__ __forceinline__ uint8_t traffic_pattern(uint32_t rank, uint32_t warp, uint32_t k, uint32_t i) {
+  return static_cast<uint8_t>(rank * 131u + warp * 71u + k * 13u + i * 7u + 1u);
+}
+
+__global__ void traffic_kernel(const FifoDeviceHandle* handles, uint32_t num_channels, uint32_t msgs, uint32_t len,
+                               uint32_t rank, uint32_t peer, uint8_t* region, uint64_t area) {
+  const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
+  const uint32_t lane = threadIdx.x % kWarp;
+  const uint32_t ch = warp % num_channels;
+  const FifoDeviceHandle h = handles[ch];
+  bool ok = true;
+  for (uint32_t k = 0; k < msgs && ok; ++k) {
+    const uint64_t off = (uint64_t{warp} * msgs + k) * len;
+    for (uint32_t i = lane; i < len; i += kWarp) region[off + i] = traffic_pattern(rank, warp, k, i);
+    // The payload written by all lanes must be visible before lane 0 publishes the command.
+    __syncwarp();  // HIP: ROCm >= 6 provides __syncwarp
+    if (lane == 0) {
+      ok = fifo_push(h, make_write_atomic(peer, off, area + off, len, rank * num_channels + ch, 1)) != kFifoPushFailed;
+    }
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+  }
+  if (lane == 0 && ok) {
+    uint64_t d = fifo_push(h, make_drain_all());
+    if (d != kFifoPushFailed && fifo_wait_completion(h, d)) {
+      uint64_t b = fifo_push(h, make_barrier(false));
+      if (b != kFifoPushFailed) fifo_wait_completion(h, b);
+    }
+  }
+}
+
+FifoDeviceHandle* upload_handles(const std::vector<FifoDeviceHandle>& handles, gpuStream_t s) {
+  FifoDeviceHandle* d = nullptr;
+  GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&d), handles.size() * sizeof(FifoDeviceHandle)));
+  GPU_CHECK(gpuMemcpyAsync(d, handles.data(), handles.size() * sizeof(FifoDeviceHandle), gpuMemcpyHostToDevice, s));
+  return d;
+}
+
+void pin_to_gpu_numa(int device) {
+  std::vector<int> cpus = numa_cpus_of_pci(pci_bus_id(device));
+  if (cpus.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+}  // namespace
+
+std::unique_ptr<FifoChannel> create_fifo(uint32_t channel, uint32_t capacity, uint64_t timeout_ms, int device) {
+  UCCL_EP_CHECK_ARG(capacity >= 2 && (capacity & (capacity - 1)) == 0, "FIFO capacity=", capacity,
+                    " must be a power of two");
+  GPU_CHECK(gpuSetDevice(device));
+  MappedHost host = alloc_mapped(FifoChannel::host_bytes(capacity));
+  unsigned long long* dev = nullptr;
+  // tail and head cache on separate 128-byte lines: producers hammer tail with atomics.
+  GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&dev), 256));
+  GPU_CHECK(gpuMemsetAsync(dev, 0, 256, 0));
+  GPU_CHECK(gpuDeviceSynchronize());
+  FifoChannel::Memory mem;
+  mem.block_host = static_cast<FifoHostBlock*>(host.host);
+  mem.block_dev = static_cast<FifoHostBlock*>(host.dev);
+  mem.slots_host = reinterpret_cast<uint64_t*>(static_cast<char*>(host.host) + sizeof(FifoHostBlock));
+  mem.slots_dev = reinterpret_cast<uint64_t*>(static_cast<char*>(host.dev) + sizeof(FifoHostBlock));
+  mem.tail_dev = dev;
+  mem.head_cache_dev = dev + 16;
+  mem.host_producer = false;
+  void* h = host.host;
+  mem.release = [h, dev, device] {
+    (void)gpuSetDevice(device);
+    (void)gpuFree(dev);
+    (void)gpuFreeHost(h);
+  };
+  return std::make_unique<FifoChannel>(channel, capacity, timeout_ms, std::move(mem));
+}
+
+MappedHost alloc_mapped(size_t bytes) {
+  MappedHost m;
+  m.bytes = bytes;
+  GPU_CHECK(gpuHostAlloc(&m.host, bytes, gpuHostAllocMapped | fifo_host_alloc_portable));
+  std::memset(m.host, 0, bytes);
+  GPU_CHECK(gpuHostGetDevicePointer(&m.dev, m.host, 0));
+  return m;
+}
+
+void free_mapped(void* host) {
+  if (host) GPU_CHECK(gpuFreeHost(host));
+}
+
+std::string pci_bus_id(int device) {
+  char buf[64] = {};
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipDeviceGetPCIBusId(buf, sizeof(buf), device));
+#else
+  GPU_CHECK(cudaDeviceGetPCIBusId(buf, sizeof(buf), device));
+#endif
+  return buf;
+}
+
+int device_count() {
+  int n = 0;
+  if (gpuGetDeviceCount(&n) != gpuSuccess) return 0;
+  return n;
+}
+
+void launch_push_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_t blocks, uint32_t warps_per_block,
+                        uint32_t cmds_per_warp, int device, uintptr_t stream) {
+  UCCL_EP_CHECK_ARG(!handles.empty() && blocks > 0 && warps_per_block > 0 && warps_per_block <= 32,
+                    "push kernel: channels=", handles.size(), " blocks=", blocks, " warps_per_block=", warps_per_block);
+  UCCL_EP_CHECK_ARG(uint64_t{blocks} * warps_per_block <= cmd_limits::kMaxRanks, "push kernel encodes the warp in ",
+                    "dst_rank: at most ", cmd_limits::kMaxRanks, " warps");
+  GPU_CHECK(gpuSetDevice(device));
+  auto s = reinterpret_cast<gpuStream_t>(stream);
+  FifoDeviceHandle* d = upload_handles(handles, s);
+  push_kernel<<<blocks, warps_per_block * kWarp, 0, s>>>(d, static_cast<uint32_t>(handles.size()), cmds_per_warp);
+  GPU_CHECK(gpuGetLastError());
+  // Freed when the kernel is done: stream-ordered.
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipFreeAsync(d, s));
+#else
+  GPU_CHECK(cudaFreeAsync(d, s));
+#endif
+}
+
+void launch_traffic_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_t blocks, uint32_t warps_per_block,
+                           uint32_t msgs, uint32_t len, uint32_t rank, uint32_t peer, void* region, int device,
+                           uintptr_t stream) {
+  UCCL_EP_CHECK_ARG(!handles.empty() && blocks > 0 && warps_per_block > 0 && warps_per_block <= 32 && msgs > 0,
+                    "traffic kernel: channels=", handles.size(), " blocks=", blocks, " warps=", warps_per_block,
+                    " msgs=", msgs);
+  UCCL_EP_CHECK_ARG(len > 0 && len % 16 == 0, "traffic kernel: len=", len, " must be a positive multiple of 16");
+  GPU_CHECK(gpuSetDevice(device));
+  auto s = reinterpret_cast<gpuStream_t>(stream);
+  FifoDeviceHandle* d = upload_handles(handles, s);
+  const uint64_t area = uint64_t{blocks} * warps_per_block * msgs * len;
+  traffic_kernel<<<blocks, warps_per_block * kWarp, 0, s>>>(d, static_cast<uint32_t>(handles.size()), msgs, len, rank,
+                                                           peer, static_cast<uint8_t*>(region), area);
+  GPU_CHECK(gpuGetLastError());
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipFreeAsync(d, s));
+#else
+  GPU_CHECK(cudaFreeAsync(d, s));
+#endif
+}
+
+FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, uint32_t blocks,
+                               uint32_t warps_per_block, uint32_t cmds_per_warp, uint32_t capacity,
+                               uint32_t latency_iters, uint64_t timeout_ms) {
+  UCCL_EP_CHECK_ARG(channels >= 1 && threads >= 1 && threads <= channels, "bench fifo: channels=", channels,
+                    " threads=", threads, " (need 1 <= threads <= channels)");
+  GPU_CHECK(gpuSetDevice(device));
+  std::vector<std::unique_ptr<FifoChannel>> fifos;
+  std::vector<FifoDeviceHandle> handles;
+  for (uint32_t c = 0; c < channels; ++c) {
+    fifos.push_back(create_fifo(c, capacity, timeout_ms, device));
+    handles.push_back(fifos.back()->device_handle());
+  }
+  const uint32_t warps = blocks * warps_per_block;
+  FifoBenchResult res;
+  res.commands = uint64_t{warps} * cmds_per_warp;
+
+  gpuStream_t s;
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipStreamCreateWithFlags(&s, hipStreamNonBlocking));
+#else
+  GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+#endif
+  std::atomic<uint64_t> errors{0};
+  std::atomic<bool> timed_out{false};
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  // Consumer t drains channels c % threads == t and checks per-producer order.
+  auto consume = [&](uint32_t t, uint64_t expect) {
+    pin_to_gpu_numa(device);
+    std::vector<uint32_t> next(warps, 0);
+    uint64_t got = 0;
+    uint32_t spins = 0;
+    TransferCmd cmd;
+    while (got < expect) {
+      bool any = false;
+      for (uint32_t c = t; c < channels; c += threads) {
+        FifoChannel& f = *fifos[c];
+        while (f.poll(&cmd)) {
+          uint32_t w = cmd.dst_rank();
+          if (w >= warps || w % channels != c || cmd.length() != next[w]) {
+            errors.fetch_add(1);
+          } else {
+            ++next[w];
+          }
+          f.pop();
+          ++got;
+          any = true;
+        }
+      }
+      if (!any && (++spins & 0xFFFF) == 0 && std::chrono::steady_clock::now() > deadline) {
+        timed_out = true;
+        return;
+      }
+    }
+  };
+
+  // ---- throughput ----
+  std::vector<uint64_t> per_thread(threads, 0);
+  for (uint32_t w = 0; w < warps; ++w) per_thread[(w % channels) % threads] += cmds_per_warp;
+  gpuEvent_t e0, e1;
+  GPU_CHECK(fifo_event_create(&e0));
+  GPU_CHECK(fifo_event_create(&e1));
+  std::vector<std::thread> consumers;
+  for (uint32_t t = 0; t < threads; ++t) consumers.emplace_back(consume, t, per_thread[t]);
+  auto t0 = std::chrono::steady_clock::now();
+  GPU_CHECK(fifo_event_record(e0, s));
+  launch_push_kernel(handles, blocks, warps_per_block, cmds_per_warp, device, reinterpret_cast<uintptr_t>(s));
+  GPU_CHECK(fifo_event_record(e1, s));
+  for (auto& th : consumers) th.join();
+  auto t1 = std::chrono::steady_clock::now();
+  if (timed_out) {
+    for (auto& f : fifos) f->set_abort(true);
+    (void)gpuStreamSynchronize(s);
+    UCCL_EP_THROW(TimeoutError, "bench fifo: consumers did not receive all ", res.commands, " commands within ",
+                  timeout_ms, " ms on GPU ", device);
+  }
+  GPU_CHECK(gpuStreamSynchronize(s));
+  for (auto& f : fifos) f->check_error();
+  float ms = 0;
+  GPU_CHECK(fifo_event_elapsed(&ms, e0, e1));
+  res.kernel_seconds = ms / 1e3;
+  res.seconds = std::chrono::duration<double>(t1 - t0).count();
+  res.order_errors = errors.load();
+
+  // ---- latency: one pushing thread, one consumer, one command in flight ----
+  if (latency_iters > 0) {
+    uint64_t* d_ns = nullptr;
+    GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&d_ns), latency_iters * sizeof(uint64_t)));
+    GPU_CHECK(gpuMemsetAsync(d_ns, 0, latency_iters * sizeof(uint64_t), s));
+    // Fresh channel 0 state: the consumer continues from its current head.
+    std::thread consumer([&] {
+      pin_to_gpu_numa(device);
+      FifoChannel& f = *fifos[0];
+      TransferCmd cmd;
+      uint64_t got = 0;
+      uint32_t spins = 0;
+      while (got < latency_iters) {
+        if (f.poll(&cmd)) {
+          f.pop();
+          ++got;
+        } else if ((++spins & 0xFFFF) == 0 && std::chrono::steady_clock::now() > deadline) {
+          timed_out = true;
+          return;
+        }
+      }
+    });
+    latency_kernel<<<1, 1, 0, s>>>(handles[0], latency_iters, d_ns);
+    GPU_CHECK(gpuGetLastError());
+    consumer.join();
+    if (timed_out) {
+      fifos[0]->set_abort(true);
+      (void)gpuStreamSynchronize(s);
+      UCCL_EP_THROW(TimeoutError, "bench fifo latency: no pop of the ping within ", timeout_ms, " ms on GPU ", device);
+    }
+    GPU_CHECK(gpuStreamSynchronize(s));
+    fifos[0]->check_error();
+    res.latency_ns.resize(latency_iters);
+    GPU_CHECK(gpuMemcpy(res.latency_ns.data(), d_ns, latency_iters * sizeof(uint64_t), gpuMemcpyDeviceToHost));
+    GPU_CHECK(gpuFree(d_ns));
+  }
+  GPU_CHECK(fifo_event_destroy(e0));
+  GPU_CHECK(fifo_event_destroy(e1));
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipStreamDestroy(s));
+#else
+  GPU_CHECK(cudaStreamDestroy(s));
+#endif
+  return res;
+}
+
+}  // namespace uccl_ep::gpu

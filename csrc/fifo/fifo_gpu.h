@@ -1,0 +1,60 @@
+// Host-callable GPU side of the FIFO (defined in fifo_gpu.cu; only in GPU builds): channels whose
+// producers are kernels, mapped host memory for software-atomic counters, and the test/benchmark
+// kernels behind tests/gpu/test_fifo_gpu.py and `uccl-ep-megatron bench fifo`.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "fifo/fifo.h"
+
+namespace uccl_ep::gpu {
+
+// Slots and control block in pinned host memory mapped into every device (portable), tail and
+// head cache in `device` memory.
+std::unique_ptr<FifoChannel> create_fifo(uint32_t channel, uint32_t capacity, uint64_t timeout_ms, int device);
+
+// Pinned, zeroed host memory mapped into every device; `dev` is the pointer kernels use.
+struct MappedHost {
+  void* host = nullptr;
+  void* dev = nullptr;
+  size_t bytes = 0;
+};
+MappedHost alloc_mapped(size_t bytes);
+void free_mapped(void* host);
+
+std::string pci_bus_id(int device);
+int device_count();
+
+// Kernel: warps_per_block * blocks warps; lane 0 of warp w pushes cmds_per_warp Writes into
+// channel w % num_channels, encoding (producer w, sequence i) in (dst_rank, length) so the consumer
+// can check exactly-once, per-producer order. Returns after launch (async on `stream`).
+void launch_push_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_t blocks, uint32_t warps_per_block,
+                        uint32_t cmds_per_warp, int device, uintptr_t stream);
+
+// The proxy traffic of the GPU test: warp w of `rank` fills its slice of the send area with a
+// pattern, then pushes Write+atomic(+1 on counter rank*channels + channel) of `len` bytes into
+// `peer`'s receive area, msgs times; then Drain(all) and a Barrier on its channel, and waits for
+// both. Region layout: send area [0, S), receive area [S, 2S), S = warps*msgs*len, slice (w, k) at
+// (w*msgs + k)*len. Failed waits are recorded in the channels' error records.
+void launch_traffic_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_t blocks, uint32_t warps_per_block,
+                           uint32_t msgs, uint32_t len, uint32_t rank, uint32_t peer, void* region, int device,
+                           uintptr_t stream);
+
+struct FifoBenchResult {
+  uint64_t commands = 0;
+  double seconds = 0;        // first launch to last pop, host clock
+  double kernel_seconds = 0;  // GPU events around the kernel
+  uint64_t order_errors = 0;  // commands out of per-producer order or lost
+  std::vector<uint64_t> latency_ns;  // push -> completion visible to the pushing thread
+};
+
+// Throughput: `threads` CPU consumers (channel c served by thread c % threads, pinned to the GPU's
+// NUMA node) drain the push kernel's commands. Latency: one thread pushes and waits for each pop.
+FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, uint32_t blocks,
+                               uint32_t warps_per_block, uint32_t cmds_per_warp, uint32_t capacity,
+                               uint32_t latency_iters, uint64_t timeout_ms);
+
+}  // namespace uccl_ep::gpu
