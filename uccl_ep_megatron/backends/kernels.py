@@ -250,11 +250,14 @@ class KernelsBackend(Backend):
             )
         rows_out = num_recv
         if args.num_worst_tokens > 0:
-            if num_recv > args.num_worst_tokens:
+            # Checked against every rank's count (all know the matrix), so all ranks raise
+            # together instead of leaving the others waiting in the finishing barrier.
+            if staging_rows > args.num_worst_tokens:
+                worst_rank = max(range(num_ranks), key=lambda r: pm(num_ranks - 1, r))
                 raise InvalidInputError(
-                    f"num_worst_tokens={args.num_worst_tokens} but this rank receives "
-                    f"{num_recv} rows; pass num_worst_tokens >= {num_recv} (the worst case is "
-                    "num_tokens * num_ranks)"
+                    f"num_worst_tokens={args.num_worst_tokens} but rank {worst_rank} receives "
+                    f"{staging_rows} rows; pass num_worst_tokens >= {staging_rows} (the worst "
+                    "case is num_tokens * num_ranks)"
                 )
             rows_out = args.num_worst_tokens
             expert_counts = []
