@@ -1,0 +1,128 @@
+"""`uccl-ep-megatron train` on a machine without a GPU: the CPU smoke run, end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from uccl_ep_megatron.cli import main
+from uccl_ep_megatron.metrics import read_jsonl
+from uccl_ep_megatron.recipes import load_recipe
+from uccl_ep_megatron.train import NO_GPU_MESSAGE
+from uccl_ep_megatron.train_cpu import SmokeShapes, route, smoke_shapes
+
+KEYS = {
+    "loss", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu",
+    "dispatch_time_ms", "combine_time_ms", "dispatch_gbps", "combine_gbps",
+    "expert_load_imbalance",
+}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """One CLI run of the default recipe, shared by the checks below (it takes seconds)."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: train would not run the CPU smoke")
+    run_dir = tmp_path_factory.mktemp("smoke") / "run"
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["train", "--iters", "6", "--run-dir", str(run_dir)])
+    return rc, out.getvalue(), run_dir
+
+
+def test_smoke_says_training_needs_a_gpu(smoke_run):
+    rc, out, _ = smoke_run
+    assert rc == 0
+    assert NO_GPU_MESSAGE in out
+    assert "Training itself needs a GPU" in out
+
+
+def test_smoke_jsonl_metrics(smoke_run):
+    _, _, run_dir = smoke_run
+    records = read_jsonl(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    shapes = smoke_shapes(load_recipe().model)
+    for r in records:
+        assert KEYS <= set(r)
+        assert all(r[k] is not None and r[k] >= 0 for k in KEYS)
+        # tokens/s is consistent with the step time and the 2 ranks' tokens
+        expect = shapes.tokens_per_rank * 2 / r["step_time_s"]
+        assert r["tokens_per_s"] == pytest.approx(expect, rel=1e-6)
+        assert r["tokens_per_s_per_gpu"] == pytest.approx(r["tokens_per_s"] / 2, rel=1e-9)
+        assert r["tflops_per_gpu"] == pytest.approx(
+            3 * shapes.forward_flops_per_token() * r["tokens_per_s_per_gpu"] / 1e12, rel=1e-6
+        )
+        # max/mean of top-8 loads over 64 experts is >= 1 and bounded by 64 (all on one)
+        assert 1.0 <= r["expert_load_imbalance"] <= 64.0
+        assert r["dispatch_time_ms"] > 0 and r["combine_time_ms"] > 0
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["recipe"] == "deepseek-v3/proxy" and config["world_size"] == 2
+
+
+def test_smoke_offline_wandb_run_reads_back(smoke_run):
+    wandb = pytest.importorskip("wandb")
+    del wandb
+    from uccl_ep_megatron.metrics import read_wandb_offline
+
+    _, _, run_dir = smoke_run
+    (wandb_dir,) = sorted((run_dir / "wandb").glob("offline-run-*"))
+    stored = read_wandb_offline(wandb_dir)
+    records = read_jsonl(run_dir)
+    assert len(stored["history"]) == len(records)
+    for row, rec in zip(stored["history"], records, strict=True):
+        assert row["_step"] == rec["step"]
+        for key in KEYS:
+            assert row[key] == pytest.approx(rec[key], rel=1e-12), key
+    assert stored["config"]["recipe"] == "deepseek-v3/proxy"
+    assert stored["config"]["mode"] == "cpu-smoke"
+    assert stored["summary"]["backend"] == "reference"
+
+
+def test_route_is_group_limited_and_normalized():
+    s = SmokeShapes(
+        hidden=8, moe_ffn=4, shared_ffn=4, num_experts=16, topk=4, num_groups=4, group_topk=2,
+        score_function="sigmoid", topk_scaling=2.5, tokens_per_rank=5,
+    )
+    torch.manual_seed(0)
+    logits = torch.randn(50, 16)
+    idx, w = route(logits, torch.zeros(16), s)
+    groups = idx // 4
+    assert all(len(set(g.tolist())) <= 2 for g in groups)  # at most group_topk groups
+    assert torch.allclose(w.sum(-1), torch.full((50,), 2.5))
+    # Independent reference: best 2 groups by the sum of their top-2 sigmoid scores.
+    scores = torch.sigmoid(logits)
+    for t in range(50):
+        gsc = [sorted(scores[t, 4 * g : 4 * g + 4].tolist())[-2:] for g in range(4)]
+        best = sorted(range(4), key=lambda g: -sum(gsc[g]))[:2]
+        allowed = [e for g in best for e in range(4 * g, 4 * g + 4)]
+        want = sorted(allowed, key=lambda e: -scores[t, e].item())[:4]
+        assert set(idx[t].tolist()) == set(want)
+    # A large bias on one expert makes it selected everywhere, but its weight is unchanged.
+    bias = torch.zeros(16)
+    bias[5] = 100.0
+    idx_b, _ = route(logits, bias, s)
+    assert (idx_b == 5).any(-1).all()
+
+
+def test_bad_train_input(tmp_path, capsys):
+    assert main(["train", "--recipe", "nope/none"]) == 2
+    assert "unknown recipe" in capsys.readouterr().err
+    assert main(["train", "--data-path", str(tmp_path / "corpus_text_document")]) == 2
+    err = capsys.readouterr().err
+    assert "corpus_text_document.bin does not exist" in err
+    assert main(["train", "--set", "parallelism.expert_model_parallel_size=3"]) == 2
+    assert "does not divide num_experts 64" in capsys.readouterr().err
+    assert main(["train", "--iters", "0"]) == 2
+    assert "--iters 0" in capsys.readouterr().err
+
+
+def test_list_recipes(capsys):
+    assert main(["train", "--list-recipes"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("deepseek-v3/full "))
+    assert "671.03B" in line and "36.63B" in line
