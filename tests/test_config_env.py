@@ -1,0 +1,104 @@
+"""Config validation, buffer-size hints, the env registry and its documentation."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+import pytest
+
+from uccl_ep_megatron import Buffer, Config, InvalidInputError
+from uccl_ep_megatron.config import effective_env, env_registry, ranks_per_node
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(InvalidInputError, match="num_sms=3"):
+        Config(3)
+    with pytest.raises(InvalidInputError, match="num_max_nvl_chunked_recv_tokens"):
+        Config(24, 6, 0)
+    with pytest.raises(InvalidInputError, match="exceeds the NVL ring"):
+        Config(24, 300, 256)
+
+
+def test_size_hints_grow_with_hidden_and_ranks():
+    cfg = Config(24, 6, 256, 6, 128)
+    small = cfg.get_nvl_buffer_size_hint(2048 * 2, 2)
+    big = cfg.get_nvl_buffer_size_hint(7168 * 2, 2)
+    assert 0 < small < big
+    assert big % 128 == 0
+    # A ring holds num_max_nvl_chunked_recv_tokens full rows per (channel, peer).
+    assert big >= cfg.num_channels * 2 * 256 * 7168 * 2
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 8) == 0  # one node
+    assert cfg.get_rdma_buffer_size_hint(7168 * 2, 16) > 0  # two nodes of 8
+    with pytest.raises(InvalidInputError, match="hidden_bytes"):
+        cfg.get_nvl_buffer_size_hint(0, 2)
+
+
+def test_ranks_per_node_from_env(monkeypatch):
+    monkeypatch.delenv("UCCL_EP_RANKS_PER_NODE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert ranks_per_node(4) == 4
+    assert ranks_per_node(32) == 8
+    with pytest.raises(InvalidInputError, match="UCCL_EP_RANKS_PER_NODE"):
+        ranks_per_node(12)
+    monkeypatch.setenv("UCCL_EP_RANKS_PER_NODE", "2")
+    assert ranks_per_node(4) == 2
+    monkeypatch.setenv("UCCL_EP_RANKS_PER_NODE", "3")
+    with pytest.raises(InvalidInputError, match="does not divide"):
+        ranks_per_node(4)
+
+
+def test_default_configs_and_set_num_sms():
+    saved = Buffer.num_sms
+    try:
+        Buffer.set_num_sms(20)
+        assert Buffer.get_dispatch_config(8).num_sms == 20
+        assert Buffer.get_combine_config(16).num_sms == 20
+        with pytest.raises(InvalidInputError):
+            Buffer.set_num_sms(7)
+    finally:
+        Buffer.set_num_sms(saved)
+
+
+def test_env_registry_parses_current_environment(monkeypatch):
+    names = [p["name"] for p in env_registry()]
+    assert len(names) == len(set(names))
+    monkeypatch.setenv("UCCL_EP_NUM_PROXY_THREADS", "6")
+    assert effective_env()["UCCL_EP_NUM_PROXY_THREADS"] == 6
+    monkeypatch.setenv("UCCL_EP_NUM_PROXY_THREADS", "six")
+    with pytest.raises(InvalidInputError, match="UCCL_EP_NUM_PROXY_THREADS"):
+        effective_env()
+
+
+def test_readme_documents_every_env_var():
+    text = open(README).read()
+    missing = [p["name"] for p in env_registry() if p["name"] not in text]
+    assert not missing, f"README.md does not document: {missing}"
+
+
+def _walk(parser: argparse.ArgumentParser, prefix: str):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield f"{prefix} {name}".strip(), None
+                yield from _walk(sub, f"{prefix} {name}")
+        else:
+            for opt in action.option_strings:
+                if opt.startswith("--") and opt != "--help":
+                    yield prefix, opt
+
+
+def test_readme_documents_every_cli_command_and_flag():
+    from uccl_ep_megatron.cli import build_parser
+
+    text = open(README).read()
+    missing = []
+    for command, flag in _walk(build_parser(), ""):
+        if flag is None and not re.search(rf"uccl-ep-megatron {re.escape(command)}\b", text):
+            missing.append(command)
+        elif flag is not None and flag not in text:
+            missing.append(f"{command} {flag}")
+    assert not missing, f"README.md does not document: {missing}"
