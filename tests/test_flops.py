@@ -75,7 +75,9 @@ def test_small_config_flops_by_hand():
     assert training_flops_per_token(SMALL) == 3 * fwd
     # Attention grows with the sequence; nothing else does.
     assert forward_flops_per_token(SMALL, 64) - fwd == 4 * 2 * 4 * 20 * 16
-    assert tflops_per_gpu(SMALL, tokens_per_s=1e6, num_gpus=2) == pytest.approx(3 * fwd * 1e6 / 2 / 1e12)
+    assert tflops_per_gpu(SMALL, tokens_per_s=1e6, num_gpus=2) == pytest.approx(
+        3 * fwd * 1e6 / 2 / 1e12
+    )
     with pytest.raises(InvalidInputError, match="num_gpus"):
         tflops_per_gpu(SMALL, 1.0, 0)
 

@@ -36,7 +36,7 @@ def _exports(text: str) -> dict[str, str]:
     """NAME -> default value of every `export NAME="${NAME:-value}"` line."""
     out = {}
     for line in text.splitlines():
-        if line.startswith("export ") and ':-' in line and line.count("${") == 1:
+        if line.startswith("export ") and ":-" in line and line.count("${") == 1:
             name = line.split("=", 1)[0][len("export ") :]
             out[name] = line.split(":-", 1)[1].rsplit("}", 1)[0]
     return out
@@ -93,7 +93,15 @@ def test_platform_dry_run(capsys, tmp_path, recipe, nodes, preset, env):
         "--rdzv-endpoint=${MASTER_ADDR}:${MASTER_PORT}",
         "--rdzv-id=${SLURM_JOB_ID}",
     ]
-    assert words[6:13] == ["-m", "uccl_ep_megatron.cli", "train", "--recipe", recipe, "--dispatcher", "uccl_ep"]
+    assert words[6:13] == [
+        "-m",
+        "uccl_ep_megatron.cli",
+        "train",
+        "--recipe",
+        recipe,
+        "--dispatcher",
+        "uccl_ep",
+    ]
     assert 'MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)"' in text
 
 
@@ -108,8 +116,17 @@ def test_every_preset_renders_clean_shell(tmp_path):
 
 def test_megatron_target_runs_pretrain_gpt_through_the_plugin_runner(capsys, tmp_path):
     text = _dry_run(
-        capsys, "--recipe", "deepseek-v3/h200-efa", "--target", "megatron",
-        "--megatron-path", "/opt/Megatron-LM", "--nodes", "64", "--dispatcher", "alltoall",
+        capsys,
+        "--recipe",
+        "deepseek-v3/h200-efa",
+        "--target",
+        "megatron",
+        "--megatron-path",
+        "/opt/Megatron-LM",
+        "--nodes",
+        "64",
+        "--dispatcher",
+        "alltoall",
     )
     _check_shell(tmp_path, text)
     assert "#SBATCH --nodes=64\n" in text
@@ -123,10 +140,21 @@ def test_megatron_target_runs_pretrain_gpt_through_the_plugin_runner(capsys, tmp
 
 def test_primus_target_with_docker(capsys, tmp_path):
     text = _dry_run(
-        capsys, "--recipe", "deepseek-v3/mi300x-thor2", "--target", "primus",
-        "--primus-path", "/opt/Primus", "--primus-config", "exp.yaml",
-        "--container", "docker", "--container-image", "rocm/primus:latest",
-        "--container-mount", "/data:/data",
+        capsys,
+        "--recipe",
+        "deepseek-v3/mi300x-thor2",
+        "--target",
+        "primus",
+        "--primus-path",
+        "/opt/Primus",
+        "--primus-config",
+        "exp.yaml",
+        "--container",
+        "docker",
+        "--container-image",
+        "rocm/primus:latest",
+        "--container-mount",
+        "/data:/data",
     )
     _check_shell(tmp_path, text)
     assert "/opt/Primus/primus/cli/main.py train pretrain --config exp.yaml" in text
@@ -138,9 +166,21 @@ def test_primus_target_with_docker(capsys, tmp_path):
 
 def test_pyxis_and_sbatch_options(capsys, tmp_path):
     text = _dry_run(
-        capsys, "--recipe", "deepseek-v3/h100-cx7", "--container", "pyxis",
-        "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3", "--partition", "gpu",
-        "--time", "02:00:00", "--env", "NCCL_DEBUG=INFO", "--set", "training.train_iters=5",
+        capsys,
+        "--recipe",
+        "deepseek-v3/h100-cx7",
+        "--container",
+        "pyxis",
+        "--container-image",
+        "nvcr.io/nvidia/pytorch:25.01-py3",
+        "--partition",
+        "gpu",
+        "--time",
+        "02:00:00",
+        "--env",
+        "NCCL_DEBUG=INFO",
+        "--set",
+        "training.train_iters=5",
     )
     _check_shell(tmp_path, text)
     assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in text
@@ -150,12 +190,18 @@ def test_pyxis_and_sbatch_options(capsys, tmp_path):
 
 
 def test_scheduler_none_node_script(capsys, tmp_path):
-    text = _dry_run(capsys, "--recipe", "deepseek-v3/proxy", "--scheduler", "none", "--gpus-per-node", "2")
+    text = _dry_run(
+        capsys, "--recipe", "deepseek-v3/proxy", "--scheduler", "none", "--gpus-per-node", "2"
+    )
     _check_shell(tmp_path, text)
     words = shlex.split(_torchrun_block(text).replace("\\\n", " "))
     assert words[:6] == [
-        "torchrun", "--nnodes=1", "--nproc-per-node=2", "--node-rank=${NODE_RANK}",
-        "--master-addr=${MASTER_ADDR}", "--master-port=${MASTER_PORT}",
+        "torchrun",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--node-rank=${NODE_RANK}",
+        "--master-addr=${MASTER_ADDR}",
+        "--master-port=${MASTER_PORT}",
     ]
 
 
@@ -175,8 +221,15 @@ def test_write_without_dry_run(tmp_path, capsys):
         (["--recipe", "deepseek-v3/h200-efa", "--target", "megatron"], "--megatron-path"),
         (["--recipe", "deepseek-v3/mi300x-thor2", "--target", "primus"], "--primus-config"),
         (["--recipe", "deepseek-v3/h200-efa", "--container", "docker"], "needs an image"),
-        (["--recipe", "deepseek-v3/h200-efa", "--set", "parallelism.expert_model_parallel_size=7"],
-         "does not divide num_experts 256"),
+        (
+            [
+                "--recipe",
+                "deepseek-v3/h200-efa",
+                "--set",
+                "parallelism.expert_model_parallel_size=7",
+            ],
+            "does not divide num_experts 256",
+        ),
     ],
 )
 def test_bad_launch_input_fails_before_rendering(capsys, args, message):
@@ -189,5 +242,17 @@ def test_bad_launch_input_fails_before_rendering(capsys, args, message):
 def test_submit_without_sbatch_is_a_clear_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.chdir(tmp_path)
-    assert main(["launch", "--recipe", "deepseek-v3/h200-efa", "--submit", "--output-dir", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "launch",
+                "--recipe",
+                "deepseek-v3/h200-efa",
+                "--submit",
+                "--output-dir",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "sbatch is not on PATH" in capsys.readouterr().err

@@ -44,12 +44,20 @@ def test_deepseek_v3_architecture_matches_the_release():
     assert (m["q_lora_rank"], m["kv_lora_rank"]) == (1536, 512)
     assert (m["qk_head_dim"], m["qk_pos_emb_head_dim"], m["v_head_dim"]) == (128, 64, 128)
     assert (m["first_k_dense_layers"], m["ffn_hidden_size"]) == (3, 18432)
-    assert (m["num_experts"], m["moe_ffn_hidden_size"], m["moe_shared_expert_intermediate_size"]) == (
+    assert (
+        m["num_experts"],
+        m["moe_ffn_hidden_size"],
+        m["moe_shared_expert_intermediate_size"],
+    ) == (
         256,
         2048,
         2048,
     )
-    assert (m["moe_router_topk"], m["moe_router_num_groups"], m["moe_router_group_topk"]) == (8, 8, 4)
+    assert (m["moe_router_topk"], m["moe_router_num_groups"], m["moe_router_group_topk"]) == (
+        8,
+        8,
+        4,
+    )
     assert m["moe_router_score_function"] == "sigmoid" and m["moe_router_enable_expert_bias"]
     assert (m["mtp_num_layers"], m["vocab_size"], m["seq_length"]) == (1, 129280, 4096)
 
@@ -57,7 +65,11 @@ def test_deepseek_v3_architecture_matches_the_release():
 def test_platform_presets():
     thor = load_recipe("deepseek-v3/mi300x-thor2")
     assert thor.model["num_layers"] == 32 and thor.cluster["nic_preset"] == "thor2"
-    assert (thor.cluster["gpu"], thor.cluster["nodes"], thor.cluster["gpus_per_node"]) == ("MI300X", 16, 8)
+    assert (thor.cluster["gpu"], thor.cluster["nodes"], thor.cluster["gpus_per_node"]) == (
+        "MI300X",
+        16,
+        8,
+    )
     assert thor.dispatcher_env()["UCCL_IB_MAX_INFLIGHT_BYTES"] == "1572864"
     efa = load_recipe("deepseek-v3/h200-efa")
     assert (efa.cluster["gpu"], efa.cluster["nic_preset"]) == ("H200", "efa")
@@ -101,7 +113,9 @@ def _proxy_dict(**changes) -> dict:
 
 
 def test_unknown_recipe_names_the_known_ones():
-    with pytest.raises(InvalidInputError, match="unknown recipe 'deepseek-v3/prox'.*deepseek-v3/proxy"):
+    with pytest.raises(
+        InvalidInputError, match="unknown recipe 'deepseek-v3/prox'.*deepseek-v3/proxy"
+    ):
         load_recipe("deepseek-v3/prox")
 
 

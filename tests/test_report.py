@@ -17,7 +17,9 @@ pytest.importorskip("matplotlib")
 
 def _run(tmp_path, name: str, dispatcher: str, tok: float, steps: int = 6):
     run = tmp_path / name
-    with MetricsLogger(run, {"recipe": "deepseek-v3/proxy", "dispatcher": dispatcher}, use_wandb=False) as m:
+    with MetricsLogger(
+        run, {"recipe": "deepseek-v3/proxy", "dispatcher": dispatcher}, use_wandb=False
+    ) as m:
         for step in range(1, steps + 1):
             # Warm-up steps are slow; the table must leave them out.
             scale = 0.1 if step <= 2 else 1.0
@@ -60,7 +62,12 @@ def test_report_two_runs(tmp_path, capsys):
 
 
 def test_summarize_and_imbalance():
-    recs = [{"step": 1, "x": 100.0}, {"step": 2, "x": 1.0}, {"step": 3, "x": 3.0}, {"step": 4, "loss": 2.0}]
+    recs = [
+        {"step": 1, "x": 100.0},
+        {"step": 2, "x": 1.0},
+        {"step": 3, "x": 3.0},
+        {"step": 4, "loss": 2.0},
+    ]
     s = summarize(recs, warmup_steps=1)
     assert s["x"] == 2.0 and s["loss"] == 2.0
     assert expert_load_imbalance([1, 1, 4, 2]) == 2.0

@@ -14,8 +14,15 @@ from uccl_ep_megatron.train import NO_GPU_MESSAGE
 from uccl_ep_megatron.train_cpu import SmokeShapes, route, smoke_shapes
 
 KEYS = {
-    "loss", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu", "tflops_per_gpu",
-    "dispatch_time_ms", "combine_time_ms", "dispatch_gbps", "combine_gbps",
+    "loss",
+    "step_time_s",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+    "tflops_per_gpu",
+    "dispatch_time_ms",
+    "combine_time_ms",
+    "dispatch_gbps",
+    "combine_gbps",
     "expert_load_imbalance",
 }
 
@@ -85,8 +92,16 @@ def test_smoke_offline_wandb_run_reads_back(smoke_run):
 
 def test_route_is_group_limited_and_normalized():
     s = SmokeShapes(
-        hidden=8, moe_ffn=4, shared_ffn=4, num_experts=16, topk=4, num_groups=4, group_topk=2,
-        score_function="sigmoid", topk_scaling=2.5, tokens_per_rank=5,
+        hidden=8,
+        moe_ffn=4,
+        shared_ffn=4,
+        num_experts=16,
+        topk=4,
+        num_groups=4,
+        group_topk=2,
+        score_function="sigmoid",
+        topk_scaling=2.5,
+        tokens_per_rank=5,
     )
     torch.manual_seed(0)
     logits = torch.randn(50, 16)
@@ -124,5 +139,5 @@ def test_bad_train_input(tmp_path, capsys):
 def test_list_recipes(capsys):
     assert main(["train", "--list-recipes"]) == 0
     out = capsys.readouterr().out
-    line = next(l for l in out.splitlines() if l.startswith("deepseek-v3/full "))
+    line = next(x for x in out.splitlines() if x.startswith("deepseek-v3/full "))
     assert "671.03B" in line and "36.63B" in line

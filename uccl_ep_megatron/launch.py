@@ -213,7 +213,8 @@ def plan_launch(
         )
     if container_runtime is not None and container_runtime not in CONTAINER_RUNTIMES:
         raise InvalidInputError(
-            f"unknown container runtime {container_runtime!r}; use one of {list(CONTAINER_RUNTIMES)}"
+            f"unknown container runtime {container_runtime!r}; "
+            f"use one of {list(CONTAINER_RUNTIMES)}"
         )
     image = container_image or recipe.cluster.get("container_image")
     if container_runtime and not image:
@@ -284,7 +285,9 @@ def _container(plan: LaunchPlan) -> str:
     mounts = plan.container_mounts
     if plan.container_runtime == "pyxis":
         if plan.scheduler != "slurm":
-            raise InvalidInputError("--container pyxis needs --scheduler slurm (it is an srun plugin)")
+            raise InvalidInputError(
+                "--container pyxis needs --scheduler slurm (it is an srun plugin)"
+            )
         words = [f"--container-image={shlex.quote(plan.container_image)}"]
         if mounts:
             words.append("--container-mounts=" + shlex.quote(",".join(mounts)))
@@ -311,7 +314,11 @@ def render(plan: LaunchPlan) -> str:
         name, items = plan.program_array
         lines, i = [], 0
         while i < len(items):  # one "--flag value" pair per line, for a reader
-            pair = items[i : i + 2] if i + 1 < len(items) and not items[i + 1].startswith("--") else items[i : i + 1]
+            pair = (
+                items[i : i + 2]
+                if i + 1 < len(items) and not items[i + 1].startswith("--")
+                else items[i : i + 1]
+            )
             lines.append("  " + " ".join(_quote(a) for a in pair))
             i += len(pair)
         body = "\n".join(lines)
@@ -371,7 +378,9 @@ def submit(path: Path, timeout_s: float = 120.0) -> str:
     except subprocess.TimeoutExpired as exc:
         raise UnsupportedError(f"sbatch {path} did not answer within {timeout_s:.0f} s") from exc
     if proc.returncode != 0:
-        raise UnsupportedError(f"sbatch {path} failed (exit {proc.returncode}): {proc.stderr.strip()}")
+        raise UnsupportedError(
+            f"sbatch {path} failed (exit {proc.returncode}): {proc.stderr.strip()}"
+        )
     return proc.stdout.strip()
 
 

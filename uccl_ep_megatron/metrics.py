@@ -102,7 +102,9 @@ class MetricsLogger:
         if use_wandb:
             self._start_wandb(config, project, name)
 
-    def _start_wandb(self, config: Mapping[str, Any], project: str | None, name: str | None) -> None:
+    def _start_wandb(
+        self, config: Mapping[str, Any], project: str | None, name: str | None
+    ) -> None:
         try:
             import wandb
         except ImportError:

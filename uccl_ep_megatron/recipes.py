@@ -199,7 +199,8 @@ def _load_raw(name: str, chain: tuple[str, ...] = ()) -> tuple[dict[str, Any], P
         raise InvalidInputError(f"recipe {name!r} ({path}) is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidInputError(
-            f"recipe {name!r} ({path}) must be a YAML mapping of sections, got {type(data).__name__}"
+            f"recipe {name!r} ({path}) must be a YAML mapping of sections, "
+            f"got {type(data).__name__}"
         )
     base = data.pop("base", None)
     if base is None:
@@ -359,7 +360,8 @@ def _check_sections(name: str, data: dict[str, Any]) -> None:
             close = difflib.get_close_matches(str(key), _TOP_LEVEL, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise InvalidInputError(
-                f"recipe {name!r}: unknown section {key!r}{hint}; sections are {', '.join(_TOP_LEVEL)}"
+                f"recipe {name!r}: unknown section {key!r}{hint}; "
+                f"sections are {', '.join(_TOP_LEVEL)}"
             )
     for section, fields in _SCHEMA.items():
         values = data.get(section)
@@ -368,7 +370,7 @@ def _check_sections(name: str, data: dict[str, Any]) -> None:
                 f"recipe {name!r}: section {section!r} is missing or not a mapping; "
                 f"it needs at least: {', '.join(k for k, f in fields.items() if f[1])}"
             )
-        for key, value in values.items():
+        for key in values:
             if key not in fields:
                 close = difflib.get_close_matches(str(key), fields, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -491,7 +493,8 @@ def _check_parallelism(name: str, m: dict[str, Any], p: dict[str, Any]) -> None:
         )
     if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
         raise InvalidInputError(
-            f"{where}: first/last stage layers ({first}, {last}) do not add up to num_layers {layers}"
+            f"{where}: first/last stage layers ({first}, {last}) do not add up to "
+            f"num_layers {layers}"
         )
     if middle_stages and middle_layers % (middle_stages * vpp):
         raise InvalidInputError(

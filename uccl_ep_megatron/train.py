@@ -79,9 +79,7 @@ def load(opts: TrainOptions):
     from uccl_ep_megatron.recipes import load_recipe, parse_override
 
     if opts.dispatcher is not None and opts.dispatcher not in DISPATCHERS:
-        raise InvalidInputError(
-            f"--dispatcher {opts.dispatcher!r}: use one of {list(DISPATCHERS)}"
-        )
+        raise InvalidInputError(f"--dispatcher {opts.dispatcher!r}: use one of {list(DISPATCHERS)}")
     overrides: dict[str, dict[str, Any]] = {}
     for text in opts.overrides:
         for section, values in parse_override(text).items():

@@ -128,13 +128,17 @@ class SmokeMoE(torch.nn.Module):
         std = 0.02
         self.router = torch.nn.Parameter(torch.randn(s.num_experts, s.hidden, generator=g) * std)
         self.register_buffer("expert_bias", torch.zeros(s.num_experts))
-        self.shared_in = torch.nn.Parameter(torch.randn(s.hidden, 2 * s.shared_ffn, generator=g) * std)
+        self.shared_in = torch.nn.Parameter(
+            torch.randn(s.hidden, 2 * s.shared_ffn, generator=g) * std
+        )
         self.shared_out = torch.nn.Parameter(torch.randn(s.shared_ffn, s.hidden, generator=g) * std)
         ge = torch.Generator().manual_seed(seed + 1000 + rank)  # this rank's experts
         self.w_in = torch.nn.Parameter(
             torch.randn(self.local, s.hidden, 2 * s.moe_ffn, generator=ge) * std
         )
-        self.w_out = torch.nn.Parameter(torch.randn(self.local, s.moe_ffn, s.hidden, generator=ge) * std)
+        self.w_out = torch.nn.Parameter(
+            torch.randn(self.local, s.moe_ffn, s.hidden, generator=ge) * std
+        )
 
     def replicated_parameters(self) -> list[torch.nn.Parameter]:
         return [self.router, self.shared_in, self.shared_out]
@@ -217,7 +221,9 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
     torch.manual_seed(cfg["seed"] + rank)
     model = SmokeMoE(s, rank, world, cfg["seed"])
     # A fixed random linear teacher (same on every rank) gives the layer something to learn.
-    teacher = torch.randn(s.hidden, s.hidden, generator=torch.Generator().manual_seed(7)) / math.sqrt(s.hidden)
+    teacher = torch.randn(
+        s.hidden, s.hidden, generator=torch.Generator().manual_seed(7)
+    ) / math.sqrt(s.hidden)
     opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     metrics = MetricsLogger(
         cfg["run_dir"],
@@ -243,13 +249,19 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
                 dist.all_reduce(p.grad)
                 p.grad /= world
             opt.step()
-            # Auxiliary-loss-free balancing (DeepSeek-V3): nudge the bias of overloaded experts down.
+            # Auxiliary-loss-free balancing (DeepSeek-V3): overloaded experts get a lower bias.
             load = torch.bincount(topk_idx.flatten(), minlength=s.num_experts).float()
             dist.all_reduce(load)
             model.expert_bias -= cfg["bias_update_rate"] * torch.sign(load - load.mean())
             step_time = time.perf_counter() - t0
             stats = torch.tensor(
-                [loss.item(), step_time, timings["dispatch"], timings["combine"], timings["dispatch_bytes"]],
+                [
+                    loss.item(),
+                    step_time,
+                    timings["dispatch"],
+                    timings["combine"],
+                    timings["dispatch_bytes"],
+                ],
                 dtype=torch.float64,
             )
             dist.all_reduce(stats)
@@ -326,8 +338,11 @@ def run_cpu_smoke(
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         ctx = mp.start_processes(
-            _worker, args=(SMOKE_WORLD_SIZE, init_file, cfg), nprocs=SMOKE_WORLD_SIZE,
-            join=False, start_method="spawn",
+            _worker,
+            args=(SMOKE_WORLD_SIZE, init_file, cfg),
+            nprocs=SMOKE_WORLD_SIZE,
+            join=False,
+            start_method="spawn",
         )
         deadline = time.monotonic() + timeout_s
         try:

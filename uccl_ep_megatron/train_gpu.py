@@ -48,7 +48,7 @@ def transformer_config(recipe, par: dict[str, int], dispatcher: str):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    m, t = recipe.model, recipe.training
+    m = recipe.model
     dense = int(m.get("first_k_dense_layers") or 0)
     kwargs: dict[str, Any] = dict(
         num_layers=m["num_layers"],
@@ -221,7 +221,11 @@ def batches(
 def _forward_step(data_iterator, model):
     b = next(data_iterator)
     output = model(
-        b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"], loss_mask=b["loss_mask"]
+        b["tokens"],
+        b["position_ids"],
+        b["attention_mask"],
+        labels=b["labels"],
+        loss_mask=b["loss_mask"],
     )
     return output, functools.partial(_loss, b["loss_mask"])
 
@@ -377,7 +381,8 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
         from megatron.core.transformer.module import Float16Module
     except ImportError as exc:
         raise UnsupportedError(
-            f"training on GPUs needs megatron-core ({exc}): pip install 'uccl-ep-megatron[megatron]'"
+            f"training on GPUs needs megatron-core ({exc}): "
+            "pip install 'uccl-ep-megatron[megatron]'"
         ) from exc
     from uccl_ep_megatron.flops import param_counts, training_flops_per_token
     from uccl_ep_megatron.metrics import MetricsLogger
@@ -415,7 +420,9 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
     model = DistributedDataParallel(
         config,
         DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=use_dist_opt
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_dist_opt,
         ),
         Float16Module(config, gpt),
     )
@@ -539,7 +546,13 @@ class _Progress:
         self.bar = None
         if not enabled:
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
 
         self.bar = Progress(
             TextColumn("train"),
@@ -559,7 +572,9 @@ class _Progress:
             f"{m['tflops_per_gpu']:.1f} TFLOP/s/GPU"
         )
         if "dispatch_time_ms" in m:
-            info += f" | dispatch {m['dispatch_time_ms']:.2f} ms combine {m['combine_time_ms']:.2f} ms"
+            info += (
+                f" | dispatch {m['dispatch_time_ms']:.2f} ms combine {m['combine_time_ms']:.2f} ms"
+            )
         self.bar.update(self.task, completed=it, info=info)
         log.info("iter %d: %s", it, info)
 

@@ -51,7 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", help="run directory of the train target")
     p.add_argument("--wandb-project", help="wandb project (turns wandb online)")
     p.add_argument("--container", choices=["pyxis", "docker"], help="run inside a container")
-    p.add_argument("--container-image", help="image (default: the recipe's cluster.container_image)")
+    p.add_argument(
+        "--container-image", help="image (default: the recipe's cluster.container_image)"
+    )
     p.add_argument(
         "--container-mount", action="append", default=[], help="SRC:DST mount (repeatable)"
     )
@@ -59,7 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--account", help="#SBATCH --account")
     p.add_argument("--time", help="#SBATCH --time (e.g. 04:00:00)")
     p.add_argument(
-        "--env", action="append", type=_key_value, default=[], help="NAME=VALUE to export (repeatable)"
+        "--env",
+        action="append",
+        type=_key_value,
+        default=[],
+        help="NAME=VALUE to export (repeatable)",
     )
     p.add_argument(
         "--set",
@@ -93,10 +99,14 @@ def _handle(args: argparse.Namespace) -> int:
             overrides.setdefault(section, {}).update(values)
     recipe = recipes.load_recipe(args.recipe, overrides)
     sbatch_options = {
-        k: v for k, v in (("partition", args.partition), ("account", args.account), ("time", args.time)) if v
+        k: v
+        for k, v in (("partition", args.partition), ("account", args.account), ("time", args.time))
+        if v
     }
     if args.submit and args.scheduler != "slurm":
-        raise InvalidInputError("--submit needs --scheduler slurm; run node.sh on each node instead")
+        raise InvalidInputError(
+            "--submit needs --scheduler slurm; run node.sh on each node instead"
+        )
     plan = launch.plan_launch(
         recipe,
         nodes=args.nodes,
@@ -124,7 +134,9 @@ def _handle(args: argparse.Namespace) -> int:
         sys.stdout.write(launch.render(plan))
         return 0
     path = launch.write_script(plan, Path(args.output_dir))
-    print(f"wrote {path} ({plan.nodes} node(s) x {plan.gpus_per_node} GPU(s), target {plan.target})")
+    print(
+        f"wrote {path} ({plan.nodes} node(s) x {plan.gpus_per_node} GPU(s), target {plan.target})"
+    )
     if args.submit:
         Path(plan.log_dir).mkdir(parents=True, exist_ok=True)
         print(launch.submit(path))

@@ -49,7 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cpu-smoke", action="store_true", help="run the CPU smoke even when GPUs are present"
     )
     p.add_argument(
-        "--timeout", dest="timeout_s", type=float, default=300.0,
+        "--timeout",
+        dest="timeout_s",
+        type=float,
+        default=300.0,
         help="seconds the CPU smoke may take before its ranks are reported stalled (default 300)",
     )
     p.set_defaults(func=handle)
