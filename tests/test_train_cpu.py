@@ -141,3 +141,74 @@ def test_list_recipes(capsys):
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("deepseek-v3/full "))
     assert "671.03B" in line and "36.63B" in line
+
+
+# ---- the GPU job's CPU-testable parts (need megatron-core) ---------------------------------
+@pytest.mark.megatron
+def test_transformer_config_from_the_proxy_recipe():
+    pytest.importorskip("megatron.core")
+    from uccl_ep_megatron.train_gpu import transformer_config
+
+    r = load_recipe()
+    par = r.resolved_parallelism(2)
+    cfg = transformer_config(r, par, "alltoall")
+    m = r.model
+    assert type(cfg).__name__ == "MLATransformerConfig"
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads) == (6, 1024, 16)
+    assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_head_dim, cfg.v_head_dim) == (
+        m["q_lora_rank"],
+        m["kv_lora_rank"],
+        128,
+        128,
+    )
+    assert cfg.moe_layer_freq == [0, 1, 1, 1, 1, 1]
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_router_group_topk) == (64, 8, 4)
+    assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias
+    assert cfg.expert_model_parallel_size == 2 and cfg.mtp_num_layers == 1
+    assert cfg.moe_token_dispatcher_type == "alltoall" and cfg.gated_linear_unit
+
+
+@pytest.mark.megatron
+def test_token_windows_over_an_indexed_dataset(tmp_path):
+    pytest.importorskip("megatron.core")
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from uccl_ep_megatron.train import check_data_path
+    from uccl_ep_megatron.train_gpu import TokenWindows
+
+    prefix = str(tmp_path / "corpus_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 1000, size=n) for n in (5, 17, 1, 30, 9, 12)]
+    for d in docs:
+        builder.add_document(d, [len(d)])
+    builder.finalize(prefix + ".idx")
+    check_data_path(prefix)  # both files exist now
+    stream = np.concatenate(docs)
+    w = TokenWindows(prefix, seq_length=7)
+    assert len(w) == len(stream) // 8
+    for i in range(len(w) + 2):  # wraps around after the last full window
+        j = i % len(w)
+        assert np.array_equal(w[i], stream[8 * j : 8 * j + 8])
+
+
+@pytest.mark.megatron
+def test_synthetic_batches_are_per_rank_and_resumable():
+    pytest.importorskip("megatron.core")
+    from uccl_ep_megatron.train_gpu import batches
+
+    r = load_recipe(overrides={"model": {"seq_length": 16, "max_position_embeddings": 16}})
+    par = r.resolved_parallelism(2)  # DP 2, micro-batch 2, 4 micro-batches per rank
+    cpu = torch.device("cpu")
+    a = batches(r, par, 0, 0, None, cpu)
+    first = [next(a) for _ in range(par["num_microbatches"] + 1)]
+    b = first[0]
+    assert b["tokens"].shape == (2, 16) and b["labels"].shape == (2, 16)
+    assert b["attention_mask"].shape == (1, 1, 16, 16) and bool(b["attention_mask"][0, 0, 0, 1])
+    assert int(b["tokens"].max()) < r.model["vocab_size"]
+    assert torch.equal(b["labels"][:, :-1], b["tokens"][:, 1:])  # next-token targets
+    other = next(batches(r, par, 1, 0, None, cpu))
+    assert not torch.equal(other["tokens"], b["tokens"])  # data-parallel ranks differ
+    resumed = next(batches(r, par, 0, 1, None, cpu))  # starting at iteration 1
+    assert torch.equal(resumed["tokens"], first[par["num_microbatches"]]["tokens"])
