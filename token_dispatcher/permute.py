@@ -1,0 +1,109 @@
+"""Local permutation between the dispatch receive layout and per-expert order.
+
+``Buffer.dispatch`` returns each received token once, with the ids of the local experts it
+chose (``-1`` elsewhere). Megatron's experts want one contiguous segment per local expert
+(a token appears once per chosen local expert), segments in expert order, tokens inside a
+segment in receive order, with one routing probability per row. With padding for quantized
+GEMMs each segment is rounded up to a multiple of the alignment with zero rows (probability
+0) that ``unpermute`` drops again.
+
+Everything here is differentiable through plain indexing, so gradients reach the received
+rows and the received probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from uccl_ep_megatron.errors import InvalidInputError
+
+
+@dataclass
+class PermutePlan:
+    """Where each per-expert row comes from; made once per dispatch, used by both directions."""
+
+    src_row: torch.Tensor  # [rows] int64 source row in recv_x; num_recv for padding rows
+    dest: torch.Tensor  # [routed] int64 position of each routed (token, expert) pair
+    pair_row: torch.Tensor  # [routed] int64 received row of each pair
+    pair_slot: torch.Tensor  # [routed] int64 top-k slot of each pair
+    num_recv: int
+    tokens_per_expert: list[int]  # per local expert, padded when alignment > 1
+
+
+def make_plan(
+    recv_topk_idx: torch.Tensor, num_local_experts: int, align: int = 1
+) -> PermutePlan:
+    """Plan the per-expert order of ``recv_topk_idx`` ([N, K] local expert ids, -1 = none).
+
+    Args:
+        recv_topk_idx: local expert ids from ``Buffer.dispatch``.
+        num_local_experts: experts hosted on this rank.
+        align: round each expert's row count up to a multiple of this (1 = no padding).
+    """
+    if align < 1:
+        raise InvalidInputError(f"align={align}: must be >= 1")
+    num_recv, num_topk = recv_topk_idx.shape
+    device = recv_topk_idx.device
+    idx = recv_topk_idx.long()
+    if idx.numel() and int(idx.max()) >= num_local_experts:
+        raise InvalidInputError(
+            f"received local expert id {int(idx.max())} but this rank hosts "
+            f"{num_local_experts} experts; num_moe_experts must be divisible by the EP size"
+        )
+    valid = idx >= 0
+    pair_row, pair_slot = valid.nonzero(as_tuple=True)
+    expert = idx[pair_row, pair_slot]
+    # Sort pairs by (expert, received row): the stable key keeps receive order per expert.
+    order = torch.argsort(expert * max(num_recv, 1) + pair_row, stable=True)
+    pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
+
+    counts = torch.bincount(expert, minlength=num_local_experts)
+    padded = (counts + align - 1) // align * align if align > 1 else counts
+    padded_list = padded.tolist()
+    start_unpadded = torch.cumsum(counts, 0) - counts
+    start_padded = torch.cumsum(padded, 0) - padded
+    rank_in_expert = torch.arange(expert.numel(), device=device) - start_unpadded[expert]
+    dest = start_padded[expert] + rank_in_expert
+    total = int(sum(padded_list))
+    src_row = torch.full((total,), num_recv, dtype=torch.long, device=device)
+    src_row[dest] = pair_row
+    return PermutePlan(
+        src_row=src_row,
+        dest=dest,
+        pair_row=pair_row,
+        pair_slot=pair_slot,
+        num_recv=num_recv,
+        tokens_per_expert=padded_list,
+    )
+
+
+def permute(
+    plan: PermutePlan, recv_x: torch.Tensor, recv_probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows and probabilities in per-expert order (padding rows zero, probability 0)."""
+    total = plan.src_row.numel()
+    if total == plan.dest.numel():
+        rows = recv_x.index_select(0, plan.pair_row)
+    else:
+        padded_x = torch.cat([recv_x, recv_x.new_zeros(1, recv_x.shape[1])])
+        rows = padded_x.index_select(0, plan.src_row)
+    pair_probs = recv_probs[plan.pair_row, plan.pair_slot]
+    probs = pair_probs.new_zeros(total).index_copy(0, plan.dest, pair_probs)
+    return rows, probs
+
+
+def unpermute(plan: PermutePlan, expert_out: torch.Tensor) -> torch.Tensor:
+    """Sum each token's expert outputs back into its received row (padding rows dropped)."""
+    if expert_out.shape[0] != plan.src_row.numel():
+        raise InvalidInputError(
+            f"expert output has {expert_out.shape[0]} rows but dispatch produced "
+            f"{plan.src_row.numel()}; pass the experts' output for this dispatch"
+        )
+    # Accumulate in fp32: a token sums up to top-k expert outputs, bf16 sums would round twice.
+    acc_dtype = torch.float32 if expert_out.dtype in (torch.bfloat16, torch.float16) else None
+    src = expert_out if acc_dtype is None else expert_out.to(acc_dtype)
+    out = src.new_zeros(plan.num_recv + 1, expert_out.shape[1])
+    out = out.index_add(0, plan.src_row, src)[: plan.num_recv]
+    return out if acc_dtype is None else out.to(expert_out.dtype)
