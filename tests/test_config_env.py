@@ -79,6 +79,16 @@ def test_readme_documents_every_env_var():
     assert not missing, f"README.md does not document: {missing}"
 
 
+def test_readme_env_table_is_current():
+    from uccl_ep_megatron.config import env_markdown
+
+    text = open(README).read()
+    assert env_markdown() in text, (
+        "README.md's environment table is stale; regenerate it with "
+        "python -c 'from uccl_ep_megatron.config import env_markdown; print(env_markdown())'"
+    )
+
+
 def _walk(parser: argparse.ArgumentParser, prefix: str):
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

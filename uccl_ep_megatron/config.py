@@ -175,3 +175,12 @@ def effective_env() -> dict[str, object]:
     from uccl_ep_megatron import _C
 
     return dict(_C.env_effective())
+
+
+def env_markdown() -> str:
+    """The registry as the Markdown table the README's environment section holds."""
+    rows = ["| Variable | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
+    for p in env_registry():
+        default = p["default"] if p["default"] != "" else "(empty)"
+        rows.append(f"| `{p['name']}` | {p['type']} | `{default}` | {p['doc']} |")
+    return "\n".join(rows)
