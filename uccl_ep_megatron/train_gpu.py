@@ -415,6 +415,7 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
     model_parallel_cuda_manual_seed(seed)
     config = transformer_config(recipe, par, dispatcher)
     gpt = build_model(recipe, config).cuda()
+    built_params = _count_built_params(gpt, par)
     t = recipe.training
     use_dist_opt = bool(recipe.parallelism.get("use_distributed_optimizer"))
     model = DistributedDataParallel(
@@ -528,7 +529,26 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
             progress.update(it, step_metrics)
             if save_interval and (it % save_interval == 0 or it == iters):
                 save_checkpoint(ckpt_dir, it, gpt, optimizer, scheduler)
-        metrics.summary({"iterations": iters, "dispatcher": dispatcher, "world_size": world})
+        expected = counts.total + counts.mtp_params
+        if recipe.model.get("moe_router_enable_expert_bias"):
+            # megatron-core keeps the expert bias as a buffer, not a parameter.
+            moe_layers = recipe.num_moe_layers + int(recipe.model.get("mtp_num_layers") or 0)
+            expected -= moe_layers * int(recipe.model["num_experts"])
+        metrics.summary(
+            {
+                "iterations": iters,
+                "dispatcher": dispatcher,
+                "world_size": world,
+                "model_params_built": built_params,
+                "model_params_expected": expected,
+            }
+        )
+        if rank == 0 and built_params is not None:
+            print(
+                f"parameters: megatron-core model {built_params:,}, flops.py {expected:,} "
+                f"(main {counts.total:,} + MTP {counts.mtp_params:,} - expert-bias buffers)",
+                flush=True,
+            )
     finally:
         progress.close()
         metrics.close()
@@ -536,6 +556,25 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
+
+
+def _count_built_params(gpt: torch.nn.Module, par: dict[str, int]) -> int | None:
+    """Parameters of the whole model: replicated ones once, expert ones summed over EP ranks.
+
+    Only defined without tensor parallelism (TP shards would need their own bookkeeping).
+    """
+    from megatron.core import parallel_state
+
+    if par["tp"] != 1 or par["etp"] != 1:
+        return None
+    replicated = sum(p.numel() for p in gpt.parameters() if getattr(p, "allreduce", True))
+    expert = torch.tensor(
+        [sum(p.numel() for p in gpt.parameters() if not getattr(p, "allreduce", True))],
+        dtype=torch.float64,
+        device="cuda",
+    )
+    dist.all_reduce(expert, group=parallel_state.get_expert_model_parallel_group())
+    return int(replicated + expert.item())
 
 
 class _Progress:
