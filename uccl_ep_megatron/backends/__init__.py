@@ -2,7 +2,8 @@
 
 - ``reference``: pure torch.distributed, any device, any rank count (the oracle).
 - ``kernels``: our CUDA/HIP kernels (``_C``), selected when built with a GPU toolchain and the
-  group's tensors live on GPUs.
+  group's tensors live on GPUs: the intranode kernels when the group is one node, the
+  internode (FIFO -> proxy -> transport) kernels when it spans several (virtual) nodes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ log = logging.getLogger(__name__)
 BACKENDS = {
     "reference": "uccl_ep_megatron.backends.reference:ReferenceBackend",
     "kernels": "uccl_ep_megatron.backends.kernels:KernelsBackend",
+    "kernels_internode": "uccl_ep_megatron.backends.internode:InternodeBackend",
 }
+
+
+def _kernels_impl(topology: Topology) -> str:
+    return "kernels" if topology.num_nodes == 1 else "kernels_internode"
 
 
 def _load(name: str) -> type[Backend]:
@@ -38,7 +44,7 @@ def kernels_unsupported_reason(topology: Topology, device: torch.device) -> str 
     if device.type != "cuda":
         return f"the group's tensors live on {device.type}, the kernels need GPUs"
     try:
-        backend_cls = _load("kernels")
+        backend_cls = _load(_kernels_impl(topology))
     except ImportError as exc:
         return f"the kernels backend could not be imported ({exc})"
     return backend_cls.unsupported_reason(topology, device)
@@ -53,7 +59,7 @@ def create_backend(
     num_rdma_bytes: int,
 ) -> Backend:
     """Instantiate backend ``name`` (``auto``, ``kernels`` or ``reference``)."""
-    if name not in ("auto", *BACKENDS):
+    if name not in ("auto", "kernels", "reference"):
         raise InvalidInputError(
             f"backend={name!r} is unknown; use 'auto', 'kernels' or 'reference' "
             "(argument `backend=` or env UCCL_EP_BACKEND)"
@@ -61,7 +67,7 @@ def create_backend(
     if name in ("auto", "kernels"):
         reason = kernels_unsupported_reason(topology, device)
         if reason is None:
-            name = "kernels"
+            name = _kernels_impl(topology)
         elif name == "kernels":
             raise UnsupportedError(f"backend='kernels' is unavailable: {reason}")
         else:
