@@ -212,3 +212,32 @@ def test_synthetic_batches_are_per_rank_and_resumable():
     assert not torch.equal(other["tokens"], b["tokens"])  # data-parallel ranks differ
     resumed = next(batches(r, par, 0, 1, None, cpu))  # starting at iteration 1
     assert torch.equal(resumed["tokens"], first[par["num_microbatches"]]["tokens"])
+
+
+def test_gpu_relaunch_command_parses_back_to_the_same_options(tmp_path):
+    """`train` outside torchrun restarts itself under torch.distributed.run with these args."""
+    from uccl_ep_megatron.cli import build_parser
+    from uccl_ep_megatron.train import TrainOptions, _relaunch_args
+
+    opts = TrainOptions(
+        recipe="deepseek-v3/proxy",
+        overrides=["training.micro_batch_size=1"],
+        dispatcher="alltoall",
+        iters=9,
+        data_path="/data/c_text_document",
+        checkpoint_dir=str(tmp_path / "ck"),
+        save_interval=3,
+        resume=False,
+        use_wandb=False,
+    )
+    args = _relaunch_args(opts, tmp_path / "run")
+    assert args[:3] == ["-m", "uccl_ep_megatron.cli", "train"]
+    ns = build_parser().parse_args(args[2:])
+    assert (ns.recipe, ns.dispatcher, ns.iters, ns.save_interval) == (
+        "deepseek-v3/proxy",
+        "alltoall",
+        9,
+        3,
+    )
+    assert ns.overrides == ["training.micro_batch_size=1"] and ns.run_dir == str(tmp_path / "run")
+    assert ns.data_path == "/data/c_text_document" and not ns.resume and not ns.use_wandb
