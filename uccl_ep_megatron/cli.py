@@ -14,7 +14,7 @@ import logging
 import sys
 
 # Order is the order of `uccl-ep-megatron --help`.
-COMMAND_MODULES: tuple[str, ...] = ("train", "launch", "report")
+COMMAND_MODULES: tuple[str, ...] = ("train", "launch", "report", "bench", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -72,8 +72,12 @@ class ProxyConfig:
         """A copy with every ``None`` replaced by its environment value, validated."""
         e = _env()
         r = ProxyConfig(**self.__dict__)
-        r.num_threads = int(e["UCCL_EP_NUM_PROXY_THREADS"] if r.num_threads is None else r.num_threads)
-        r.fifo_capacity = int(e["UCCL_EP_FIFO_CAPACITY"] if r.fifo_capacity is None else r.fifo_capacity)
+        r.num_threads = int(
+            e["UCCL_EP_NUM_PROXY_THREADS"] if r.num_threads is None else r.num_threads
+        )
+        r.fifo_capacity = int(
+            e["UCCL_EP_FIFO_CAPACITY"] if r.fifo_capacity is None else r.fifo_capacity
+        )
         r.timeout_ms = int(e["UCCL_EP_TIMEOUT_MS"] if r.timeout_ms is None else r.timeout_ms)
         r.ordering = str(e["UCCL_EP_PROXY_ORDERING"] if r.ordering is None else r.ordering)
         r.transport = str(e["UCCL_EP_TRANSPORT"] if r.transport is None else r.transport)
@@ -89,15 +93,18 @@ class ProxyConfig:
             raise InvalidInputError(f"num_channels={r.num_channels} must be >= 1")
         if not 1 <= r.num_threads <= min(64, r.num_channels):
             raise InvalidInputError(
-                f"num_threads={r.num_threads} must be in [1, min(64, num_channels={r.num_channels})]"
-                " (UCCL_EP_NUM_PROXY_THREADS)"
+                f"num_threads={r.num_threads} must be in [1, min(64, "
+                f"num_channels={r.num_channels})] (UCCL_EP_NUM_PROXY_THREADS)"
             )
         if r.fifo_capacity < 2 or r.fifo_capacity & (r.fifo_capacity - 1):
             raise InvalidInputError(
-                f"fifo_capacity={r.fifo_capacity} must be a power of two >= 2 (UCCL_EP_FIFO_CAPACITY)"
+                f"fifo_capacity={r.fifo_capacity} must be a power of two >= 2 "
+                "(UCCL_EP_FIFO_CAPACITY)"
             )
         if r.timeout_ms <= 0:
-            raise InvalidInputError(f"timeout_ms={r.timeout_ms} must be positive (UCCL_EP_TIMEOUT_MS)")
+            raise InvalidInputError(
+                f"timeout_ms={r.timeout_ms} must be positive (UCCL_EP_TIMEOUT_MS)"
+            )
         if r.ordering not in _ORDERINGS:
             raise InvalidInputError(
                 f"ordering={r.ordering!r} must be one of {_ORDERINGS} (UCCL_EP_PROXY_ORDERING)"
@@ -118,7 +125,8 @@ def exchange(blob: bytes, group: Any = None) -> list[bytes]:
 
     if not dist.is_available() or not dist.is_initialized():
         raise InvalidInputError(
-            "the proxy bootstrap needs torch.distributed initialized (init_process_group, any backend)"
+            "the proxy bootstrap needs torch.distributed initialized "
+            "(init_process_group, any backend)"
         )
     out: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, blob, group=group)
@@ -143,8 +151,7 @@ def choose_transport(requested: str) -> str:
         return "verbs" if rdma_usable() else "ipc"
     if requested == "verbs" and not _C().verbs_status()["loaded"]:
         raise UnsupportedError(
-            "UCCL_EP_TRANSPORT=verbs but libibverbs is unavailable: "
-            + _C().verbs_status()["error"]
+            "UCCL_EP_TRANSPORT=verbs but libibverbs is unavailable: " + _C().verbs_status()["error"]
         )
     return requested
 
@@ -200,27 +207,45 @@ class ProxyEndpoint:
             )
         self.transport_kind = choose_transport(cfg.transport)
         gpu = -1 if device is None else int(device)
+        # Producers wait longer than the proxy: when a peer dies, the proxy times out first and
+        # records which rank and channel stalled, then aborts the producers' waits.
+        fifo_timeout = 2 * cfg.timeout_ms + 1000
         if gpu >= 0:
             self.channels = [
-                c.FifoChannel.gpu(i, cfg.fifo_capacity, cfg.timeout_ms, gpu)
+                c.FifoChannel.gpu(i, cfg.fifo_capacity, fifo_timeout, gpu)
                 for i in range(cfg.num_channels)
             ]
         else:
             self.channels = [
-                c.FifoChannel.host(i, cfg.fifo_capacity, cfg.timeout_ms)
+                c.FifoChannel.host(i, cfg.fifo_capacity, fifo_timeout)
                 for i in range(cfg.num_channels)
             ]
         self.counters = c.Counters(cfg.num_counters, gpu >= 0)
         if self.transport_kind == "verbs":
             local = int(os.environ.get("LOCAL_RANK", gpu if gpu >= 0 else 0))
             self.transport = c.VerbsTransport(
-                self.rank, self.world_size, cfg.num_threads, cfg.num_channels, region_ptr,
-                region_bytes, gpu, local,
+                self.rank,
+                self.world_size,
+                cfg.num_threads,
+                cfg.num_channels,
+                region_ptr,
+                region_bytes,
+                gpu,
+                local,
             )
         else:
             self.transport = c.IpcTransport(
-                self.rank, self.world_size, cfg.num_threads, cfg.num_channels, region_ptr,
-                region_bytes, gpu, cfg.ipc_reorder, cfg.ipc_seed, cfg.ipc_max_delay_us, 4096,
+                self.rank,
+                self.world_size,
+                cfg.num_threads,
+                cfg.num_channels,
+                region_ptr,
+                region_bytes,
+                gpu,
+                cfg.ipc_reorder,
+                cfg.ipc_seed,
+                cfg.ipc_max_delay_us,
+                4096,
                 shm_name,
             )
         self.proxy: Any = None
@@ -236,7 +261,9 @@ class ProxyEndpoint:
         if infos is None:
             infos = exchange(self.local_info, self.group)
         if len(infos) != self.world_size:
-            raise InvalidInputError(f"got {len(infos)} connection blobs for {self.world_size} ranks")
+            raise InvalidInputError(
+                f"got {len(infos)} connection blobs for {self.world_size} ranks"
+            )
         hosts = [b.split(b"\0", 1)[0].decode() for b in infos]
         if self.transport_kind == "ipc" and len(set(hosts)) > 1:
             raise UnsupportedError(
@@ -252,9 +279,18 @@ class ProxyEndpoint:
         if cpus is None and self.device is not None:
             cpus = self._c.numa_cpus_of_pci(self._c.gpu_pci_bus_id(self.device))
         self.proxy = self._c.Proxy(
-            self.rank, self.world_size, cfg.ranks_per_node, cfg.num_threads, cfg.timeout_ms,
-            cfg.ordering, self.channels, self.transport, self.counters, cap,
-            int(e["UCCL_IB_MAX_INFLIGHT_BYTES"]), list(cpus or []),
+            self.rank,
+            self.world_size,
+            cfg.ranks_per_node,
+            cfg.num_threads,
+            cfg.timeout_ms,
+            cfg.ordering,
+            self.channels,
+            self.transport,
+            self.counters,
+            cap,
+            int(e["UCCL_IB_MAX_INFLIGHT_BYTES"]),
+            list(cpus or []),
         )
         self.proxy.start()
 

@@ -57,6 +57,16 @@ __device__ __forceinline__ void fifo_record_error(const FifoDeviceHandle& h, uin
   }
 }
 
+// Waiting producers back off briefly so hundreds of stalled warps do not flood PCIe with reads
+// of the head while the proxy is draining the ring.
+__device__ __forceinline__ void fifo_backoff() {
+#if defined(UCCL_EP_DEVICE_HIP)
+  __builtin_amdgcn_s_sleep(1);
+#else
+  __nanosleep(64);
+#endif
+}
+
 // Refreshes the cached head from host memory (one PCIe read) and returns it.
 __device__ __forceinline__ uint64_t fifo_refresh_head(const FifoDeviceHandle& h) {
   uint64_t head = fifo_load_head(h.head);
@@ -83,6 +93,7 @@ __device__ __forceinline__ uint64_t fifo_push(const FifoDeviceHandle& h, const T
         fifo_record_error(h, kFifoPushTimeout, idx);
         return kFifoPushFailed;
       }
+      fifo_backoff();
     }
   }
   const uint64_t phase = ((idx / h.capacity) & 1u) ^ 1u;

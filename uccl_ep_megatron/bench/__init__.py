@@ -1,0 +1,5 @@
+"""Benchmarks behind ``uccl-ep-megatron bench <name>``, one module each.
+
+Every module exposes ``register(subparsers)`` (adds its parser, sets ``func``) and can also run
+as ``python -m uccl_ep_megatron.bench.<name>``. ``commands/bench.py`` lists the module names.
+"""

@@ -1,0 +1,140 @@
+"""``uccl-ep-megatron bench fifo``: GPU->CPU command rate and push->pop latency of the FIFO.
+
+Throughput: a kernel of ``--blocks x --warps-per-block`` warps; lane 0 of each warp pushes
+``--cmds-per-warp`` 16-byte TransferCmds into channel ``warp % channels``; ``threads`` CPU
+threads (the proxy's FIFO consumers, pinned to the GPU's NUMA node; channel c -> thread
+c % threads) poll and pop them and check exactly-once, per-producer order. Rate = commands /
+(host time from launch to the last pop).
+
+Latency: one GPU thread pushes a command and spins until it observes the pop (through the
+device-cached head, re-read from host memory over PCIe); the GPU's %globaltimer measures push
+-> pop visible on the GPU, an upper bound of push -> poll. p50/p99 over ``--latency-iters``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``bench fifo`` (see README, cli-bench)."""
+    parser.add_argument("--device", type=int, default=0, help="CUDA device")
+    parser.add_argument(
+        "--threads", default="1,2,4,8", help="comma-separated proxy thread counts to time"
+    )
+    parser.add_argument(
+        "--channels", type=int, default=0, help="FIFO channels; 0 = 2 x the largest thread count"
+    )
+    parser.add_argument("--blocks", type=int, default=66, help="pushing thread blocks")
+    parser.add_argument("--warps-per-block", type=int, default=8, help="pushing warps per block")
+    parser.add_argument("--cmds-per-warp", type=int, default=2000, help="commands per warp")
+    parser.add_argument(
+        "--capacity", type=int, default=1024, help="slots per channel (kMaxInflight)"
+    )
+    parser.add_argument("--latency-iters", type=int, default=2000, help="ping-pong samples")
+    parser.add_argument("--timeout-ms", type=int, default=60000, help="bound of every wait")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+
+
+def register(subparsers: Any) -> None:
+    """Adds ``fifo`` to the ``bench`` subcommands."""
+    p = subparsers.add_parser("fifo", help="GPU->CPU FIFO command rate and latency")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Runs every thread count; returns one row per count."""
+    from uccl_ep_megatron import _C
+
+    if not hasattr(_C, "fifo_bench"):
+        raise UnsupportedError("bench fifo needs a GPU build of uccl_ep_megatron (nvcc at install)")
+    if _C.gpu_device_count() <= args.device:
+        raise UnsupportedError(f"bench fifo: no CUDA device {args.device} on this machine")
+    try:
+        threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    except ValueError:
+        raise InvalidInputError(
+            f"--threads={args.threads!r} must be comma-separated integers"
+        ) from None
+    if not threads or min(threads) < 1:
+        raise InvalidInputError(f"--threads={args.threads!r} must list positive counts")
+    channels = args.channels or 2 * max(threads)
+    if channels < max(threads):
+        raise InvalidInputError(f"--channels={channels} must be >= every thread count {threads}")
+    rows = []
+    for t in threads:
+        r = _C.fifo_bench(
+            args.device,
+            channels,
+            t,
+            args.blocks,
+            args.warps_per_block,
+            args.cmds_per_warp,
+            args.capacity,
+            args.latency_iters,
+            args.timeout_ms,
+        )
+        lat_us = [x / 1e3 for x in r["latency_ns"]]
+        rows.append(
+            {
+                "threads": t,
+                "channels": channels,
+                "warps": args.blocks * args.warps_per_block,
+                "commands": r["commands"],
+                "mcmds_per_s": r["commands"] / r["seconds"] / 1e6,
+                "kernel_mcmds_per_s": r["commands"] / r["kernel_seconds"] / 1e6,
+                "order_errors": r["order_errors"],
+                "latency_p50_us": _percentile(lat_us, 0.5) if lat_us else float("nan"),
+                "latency_p99_us": _percentile(lat_us, 0.99) if lat_us else float("nan"),
+                "latency_mean_us": statistics.fmean(lat_us) if lat_us else float("nan"),
+            }
+        )
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One line per thread count."""
+    print(
+        f"{'threads':>7} {'channels':>8} {'warps':>6} {'Mcmd/s':>8} {'kernel Mcmd/s':>13} "
+        f"{'p50 us':>7} {'p99 us':>7} {'order errs':>10}"
+    )
+    for r in rows:
+        print(
+            f"{r['threads']:>7} {r['channels']:>8} {r['warps']:>6} {r['mcmds_per_s']:>8.2f} "
+            f"{r['kernel_mcmds_per_s']:>13.2f} {r['latency_p50_us']:>7.2f} "
+            f"{r['latency_p99_us']:>7.2f} {r['order_errors']:>10}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print, optionally write JSON; non-zero exit when commands were lost/reordered."""
+    rows = measure(args)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"bench": "fifo", "args": vars(args) | {"func": None}, "rows": rows}, f, indent=2
+            )
+    return 1 if any(r["order_errors"] for r in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m uccl_ep_megatron.bench.fifo")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
