@@ -46,7 +46,7 @@ WORKDIR /opt/uccl-ep-megatron
 COPY . .
 RUN python -m pip install --no-cache-dir "scikit-build-core>=0.10" "pybind11>=2.12" \
       "megatron-core==${MEGATRON_CORE_VERSION}" "wandb>=0.19" "matplotlib>=3.7" \
- && UCCL_EP_GPU=cuda python -m pip install --no-cache-dir --no-build-isolation --no-deps \
+ && UCCL_EP_GPU=cuda python -m pip install --no-cache-dir --no-build-isolation \
       -C build-dir=/tmp/uccl-ep-build -C "cmake.define.UCCL_EP_CUDA_ARCHS=${CUDA_ARCHS}" . \
  && rm -rf /tmp/uccl-ep-build \
  && python -c "import uccl_ep_megatron, megatron.core; print('uccl_ep_megatron', uccl_ep_megatron.__version__)"
@@ -65,7 +65,7 @@ WORKDIR /opt/uccl-ep-megatron
 COPY . .
 RUN python -m pip install --no-cache-dir "scikit-build-core>=0.10" "pybind11>=2.12" \
       "megatron-core==${MEGATRON_CORE_VERSION}" "wandb>=0.19" "matplotlib>=3.7" \
- && UCCL_EP_GPU=hip python -m pip install --no-cache-dir --no-build-isolation --no-deps \
+ && UCCL_EP_GPU=hip python -m pip install --no-cache-dir --no-build-isolation \
       -C build-dir=/tmp/uccl-ep-build -C "cmake.define.UCCL_EP_HIP_ARCHS=${HIP_ARCHS}" . \
  && rm -rf /tmp/uccl-ep-build \
  && python -c "import uccl_ep_megatron, megatron.core; print('uccl_ep_megatron', uccl_ep_megatron.__version__)"
