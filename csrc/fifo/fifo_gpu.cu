@@ -81,7 +81,12 @@ __global__ void traffic_kernel(const FifoDeviceHandle* handles, uint32_t num_cha
 
 FifoDeviceHandle* upload_handles(const std::vector<FifoDeviceHandle>& handles, gpuStream_t s) {
   FifoDeviceHandle* d = nullptr;
-  GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&d), handles.size() * sizeof(FifoDeviceHandle)));
+  // Stream-ordered allocation: freed with *FreeAsync once the kernel that reads it finished.
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipMallocAsync(reinterpret_cast<void**>(&d), handles.size() * sizeof(FifoDeviceHandle), s));
+#else
+  GPU_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&d), handles.size() * sizeof(FifoDeviceHandle), s));
+#endif
   GPU_CHECK(gpuMemcpyAsync(d, handles.data(), handles.size() * sizeof(FifoDeviceHandle), gpuMemcpyHostToDevice, s));
   return d;
 }
@@ -164,7 +169,6 @@ void launch_push_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_t b
   FifoDeviceHandle* d = upload_handles(handles, s);
   push_kernel<<<blocks, warps_per_block * kWarp, 0, s>>>(d, static_cast<uint32_t>(handles.size()), cmds_per_warp);
   GPU_CHECK(gpuGetLastError());
-  // Freed when the kernel is done: stream-ordered.
 #if defined(UCCL_EP_DEVICE_HIP)
   GPU_CHECK(hipFreeAsync(d, s));
 #else
