@@ -2,6 +2,7 @@
 // when they may hold arbitrary bytes).
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 
