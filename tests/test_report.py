@@ -88,3 +88,84 @@ def test_jsonl_roundtrip_keeps_non_finite_as_null(tmp_path):
     (rec,) = read_jsonl(tmp_path)
     assert rec["step"] == 3 and rec["loss"] is None and rec["tokens_per_s"] == 5.0
     assert json.loads((tmp_path / "config.json").read_text()) == {"k": 1}
+
+
+def test_megatron_lm_training_log_hook_logs_dispatch_metrics_at_the_iteration():
+    import torch
+
+    from uccl_ep_megatron import dispatch_metrics
+    from uccl_ep_megatron.megatron_lm_metrics import PREFIX, wrap_training_log
+
+    # Megatron-LM's training_log signature (core_r0.13+); the hook finds `iteration` by name.
+    calls = []
+
+    def training_log(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        decoupled_learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        num_zeros_in_grad,
+    ):
+        calls.append(iteration)
+        return "report_memory_flag"
+
+    class Writer:  # the wandb module's interface: log(dict, step)
+        def __init__(self):
+            self.logged = []
+
+        def log(self, values, step):
+            self.logged.append((step, values))
+
+    class Board:  # tensorboard SummaryWriter's interface
+        def __init__(self):
+            self.scalars = []
+
+        def add_scalar(self, key, value, step):
+            self.scalars.append((key, value, step))
+
+    rec = dispatch_metrics.DispatchMetricsRecorder()
+    rec.enabled = True
+    writer, board = Writer(), Board()
+    hooked = wrap_training_log(
+        training_log, lambda: [writer, board], lambda: rec.collect().summary()
+    )
+    cpu = torch.device("cpu")
+    rec.record(rec.start(cpu), 0, "dispatch", 4_000_000, [30, 10])
+    rec.record(rec.start(cpu), 0, "combine", 4_000_000)
+    out = hooked({}, {}, 1e-4, None, 7, 1.0, False, 0, 1.0, None, None)
+    assert out == "report_memory_flag" and calls == [7]
+    ((step, values),) = writer.logged
+    assert step == 7
+    assert values[PREFIX + "expert_load_imbalance"] == pytest.approx(30 / 20)
+    assert values[PREFIX + "dispatch_bytes"] == 4_000_000
+    assert values[PREFIX + "dispatch_time_ms"] >= 0
+    assert {k for k, _, s in board.scalars if s == 7} == set(values)
+    # keyword call, nothing recorded since: nothing logged
+    hooked(
+        {},
+        {},
+        1e-4,
+        None,
+        iteration=8,
+        loss_scale=1.0,
+        report_memory_flag=False,
+        skipped_iter=0,
+        grad_norm=1.0,
+        params_norm=None,
+        num_zeros_in_grad=None,
+    )
+    assert calls == [7, 8] and len(writer.logged) == 1
+
+
+def test_megatron_lm_hook_rejects_an_unknown_signature():
+    from uccl_ep_megatron.errors import UnsupportedError
+    from uccl_ep_megatron.megatron_lm_metrics import wrap_training_log
+
+    with pytest.raises(UnsupportedError, match="no 'iteration' parameter"):
+        wrap_training_log(lambda step: None, list, dict)
