@@ -24,6 +24,7 @@ void bind_kernels(py::module_& m) {
   m.attr("KERNELS_MAX_LOCAL_EXPERTS") = k::kMaxLocalExperts;
   m.attr("KERNELS_DATA_OFFSET") = static_cast<int64_t>(k::kDataOffset);
 
+  m.def("tma_supported", &k::tma_supported, "Whether the current GPU has bulk copies (TMA, sm_90+).");
   m.def("device_alloc_zeroed", &k::device_alloc_zeroed, py::arg("bytes"),
         "cudaMalloc/hipMalloc `bytes` on the current device, zeroed; returns the pointer.");
   m.def("device_free", &k::device_free, py::arg("ptr"));
@@ -90,6 +91,7 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("staging_rows", &k::DispatchArgs::staging_rows)
       .def_readwrite("buffer_bytes", &k::DispatchArgs::buffer_bytes)
       .def_readwrite("num_sms", &k::DispatchArgs::num_sms)
+      .def_readwrite("use_tma", &k::DispatchArgs::use_tma)
       .def_readwrite("seq", &k::DispatchArgs::seq)
       .def_readwrite("status", &k::DispatchArgs::status)
       .def_readwrite("timeout_ns", &k::DispatchArgs::timeout_ns);
@@ -117,6 +119,7 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("staging_rows", &k::CombineArgs::staging_rows)
       .def_readwrite("buffer_bytes", &k::CombineArgs::buffer_bytes)
       .def_readwrite("num_sms", &k::CombineArgs::num_sms)
+      .def_readwrite("use_tma", &k::CombineArgs::use_tma)
       .def_readwrite("seq_entry", &k::CombineArgs::seq_entry)
       .def_readwrite("seq_done", &k::CombineArgs::seq_done)
       .def_readwrite("status", &k::CombineArgs::status)

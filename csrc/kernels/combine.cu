@@ -35,6 +35,7 @@ struct PushParams {
   const uint8_t* x;
   int64_t row_bytes;
   const float* w;
+  bool has_w;
   int num_topk, num_recv;
   int recv_begin[kMaxRanks + 1];  // rows from source s are [recv_begin[s], recv_begin[s+1])
   int dst_off[kMaxRanks];         // first row of my region in source s's staging
@@ -44,7 +45,7 @@ struct PushParams {
   int64_t timeout_ns;
 };
 
-template <typename V, int kUnroll>
+template <typename V, int kUnroll, bool kTma>
 __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
   if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
                      kSiteCombineEntry))
@@ -52,20 +53,46 @@ __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
   const int lane = threadIdx.x % dev::kWarpSize;
   const int warps = blockDim.x / dev::kWarpSize;
   const int nwarps = gridDim.x * warps;
+#if UCCL_EP_HAS_TMA
+  constexpr int kWarps = kPushThreads / dev::kWarpSize;
+  extern __shared__ __align__(128) uint8_t s_tma[];
+  __shared__ uint64_t s_bar[kWarps];
+  const int warp = threadIdx.x / dev::kWarpSize;
+  uint32_t phase = 0;
+  int stage = 0;
+  if constexpr (kTma) {
+    if (lane == 0) dev::mbar_init(&s_bar[warp], 1);
+    __syncwarp();
+  }
+#endif
   for (int i = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; i < p.num_recv; i += nwarps) {
     int s = 0;
     while (s + 1 < p.num_ranks && p.recv_begin[s + 1] <= i) ++s;
     if (s == p.rank) continue;  // the source reads rows it kept for itself in place
     const int64_t drow = p.dst_off[s] + (i - p.recv_begin[s]);
     uint8_t* base = p.bufs.p[s];
-    copy_row<V, kUnroll>(p.x + static_cast<int64_t>(i) * p.row_bytes, p.row_bytes,
-                         base + kDataOffset + drow * p.row_bytes, lane);
-    if (p.w != nullptr) {
+    if constexpr (kTma) {
+#if UCCL_EP_HAS_TMA
+      uint8_t* d[kMaxRanks] = {base + kDataOffset + drow * p.row_bytes};
+      if (lane == 0)
+        tma_row_multi(p.x + static_cast<int64_t>(i) * p.row_bytes, p.row_bytes, d, 1u,
+                      s_tma + warp * kTmaStages * kTmaChunk, &s_bar[warp], phase, stage);
+#endif
+    } else {
+      copy_row<V, kUnroll>(p.x + static_cast<int64_t>(i) * p.row_bytes, p.row_bytes,
+                           base + kDataOffset + drow * p.row_bytes, lane);
+    }
+    if (p.has_w) {
       float* dw = reinterpret_cast<float*>(base + p.w_offset);
       for (int k = lane; k < p.num_topk; k += dev::kWarpSize)
         dw[drow * p.num_topk + k] = p.w[static_cast<int64_t>(i) * p.num_topk + k];
     }
   }
+#if UCCL_EP_HAS_TMA
+  if constexpr (kTma) {
+    if (lane == 0) dev::tma_wait_all();
+  }
+#endif
   dev::fence_system();
 }
 
@@ -144,7 +171,9 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
           mask |= 1u << r;
           const int64_t row = r == p.rank ? p.own_base + pos : p.src_off[r] + pos;
           src[r] = (r == p.rank ? p.x : p.st_x) + row * p.row_bytes;
-          if (p.w != nullptr) srcw[r] = (r == p.rank ? p.w : p.st_w) + row * p.num_topk;
+          // Decide by the output: this rank's own weight tensor is empty (null) when it
+          // received nothing, yet peers still return weights for its tokens.
+          if (p.out_w != nullptr) srcw[r] = (r == p.rank ? p.w : p.st_w) + row * p.num_topk;
         }
       }
     }
@@ -256,6 +285,7 @@ void intranode_combine_push(const CombineArgs& a, intptr_t stream) {
   p.x = reinterpret_cast<const uint8_t*>(a.x);
   p.row_bytes = row_bytes;
   p.w = reinterpret_cast<const float*>(a.topk_weights);
+  p.has_w = a.num_topk > 0 && a.topk_weights != 0;
   p.num_topk = a.num_topk;
   p.num_recv = a.num_recv;
   for (int s = 0; s <= R; ++s) p.recv_begin[s] = s > 0 ? a.rank_prefix[(s - 1) * R + a.rank] : 0;
@@ -271,10 +301,17 @@ void intranode_combine_push(const CombineArgs& a, intptr_t stream) {
   p.timeout_ns = a.timeout_ns;
   auto s = reinterpret_cast<gpuStream_t>(stream);
   const int blocks = std::max(1, a.num_sms);
-  if (row_bytes % 16 == 0 && a.x % 16 == 0) {
-    push_kernel<int4, 8><<<blocks, kPushThreads, 0, s>>>(p);
+  const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0;
+  if (vec && a.use_tma && tma_supported()) {
+#if defined(UCCL_EP_DEVICE_CUDA)
+    constexpr int smem = kPushThreads / dev::kWarpSize * kTmaStages * kTmaChunk;
+    GPU_CHECK(cudaFuncSetAttribute(push_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    push_kernel<int4, 8, true><<<blocks, kPushThreads, smem, s>>>(p);
+#endif
+  } else if (vec) {
+    push_kernel<int4, 8, false><<<blocks, kPushThreads, 0, s>>>(p);
   } else {
-    push_kernel<uint8_t, 8><<<blocks, kPushThreads, 0, s>>>(p);
+    push_kernel<uint8_t, 8, false><<<blocks, kPushThreads, 0, s>>>(p);
   }
   GPU_CHECK(gpuGetLastError());
 }

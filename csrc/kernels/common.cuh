@@ -109,3 +109,35 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, int64_t nbytes, uin
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
 }  // namespace uccl_ep::kernels
+
+namespace uccl_ep::kernels {
+
+// Bulk-copy staging per warp: two stages so a chunk's load overlaps the previous chunk's
+// stores. 16 warps x 2 x 4 KB = 128 KB of dynamic shared memory per block.
+constexpr int kTmaChunk = 4096;
+constexpr int kTmaStages = 2;
+
+#if UCCL_EP_HAS_TMA
+// Lane 0 only: copies one row (nbytes % 16 == 0, 16-byte aligned) to every destination in
+// `mask` through the warp's shared staging; stores stay in flight when it returns.
+__device__ __forceinline__ void tma_row_multi(const uint8_t* src, int64_t nbytes, uint8_t* const (&dst)[kMaxRanks],
+                                              unsigned mask, uint8_t* buf, uint64_t* bar, uint32_t& phase,
+                                              int& stage) {
+  for (int64_t off = 0; off < nbytes; off += kTmaChunk) {
+    const uint32_t n = static_cast<uint32_t>(nbytes - off < kTmaChunk ? nbytes - off : kTmaChunk);
+    uint8_t* sbuf = buf + stage * kTmaChunk;
+    dev::tma_wait_read<kTmaStages - 1>();  // the stores that last read this stage are done with it
+    dev::mbar_expect_tx(bar, n);
+    dev::tma_load(sbuf, src + off, n, bar);
+    dev::mbar_wait(bar, phase);
+    phase ^= 1u;
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r)
+      if (mask >> r & 1u) dev::tma_store(dst[r] + off, sbuf, n);
+    dev::tma_commit();
+    stage ^= 1;
+  }
+}
+#endif
+
+}  // namespace uccl_ep::kernels

@@ -101,7 +101,7 @@ struct SendParams {
 // token's position among the tokens sent to rank r (an exclusive scan of column r of
 // is_token_in_rank): tokens before t0 are counted, then the range is scanned tile by tile
 // with warp ballots. Rows of one block to one rank are then consecutive in the receiver.
-template <typename V, int kUnroll>
+template <typename V, int kUnroll, bool kTma>
 __global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
   if (status_set(p.status)) return;
   __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
@@ -161,6 +161,16 @@ __global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
     }
   }
 
+#if UCCL_EP_HAS_TMA
+  extern __shared__ __align__(128) uint8_t s_tma[];
+  __shared__ uint64_t s_bar[kSendWarps];
+  uint32_t phase = 0;
+  int stage = 0;
+  if constexpr (kTma) {
+    if (lane == 0) dev::mbar_init(&s_bar[warp], 1);
+    __syncwarp();
+  }
+#endif
   for (int t = t0 + warp; t < t1; t += kSendWarps) {
     unsigned mask = 0;
     int row[kMaxRanks];
@@ -179,7 +189,15 @@ __global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
       }
     }
     if (mask == 0) continue;
-    copy_row_multi<V, kUnroll>(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask, lane);
+    if constexpr (kTma) {
+#if UCCL_EP_HAS_TMA
+      if (lane == 0)
+        tma_row_multi(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask,
+                      s_tma + warp * kTmaStages * kTmaChunk, &s_bar[warp], phase, stage);
+#endif
+    } else {
+      copy_row_multi<V, kUnroll>(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask, lane);
+    }
 
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
@@ -206,6 +224,11 @@ __global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
       }
     }
   }
+#if UCCL_EP_HAS_TMA
+  if constexpr (kTma) {
+    if (lane == 0) dev::tma_wait_all();
+  }
+#endif
   // Make this thread's peer writes visible system-wide before the finishing barrier.
   dev::fence_system();
 }
@@ -286,6 +309,22 @@ bool aligned16(intptr_t v) { return v % 16 == 0; }
 
 }  // namespace
 
+// Bulk copies (TMA) exist on sm_90+ NVIDIA GPUs only.
+bool tma_supported() {
+#if defined(UCCL_EP_DEVICE_CUDA)
+  int dev = 0, major = 0;
+  GPU_CHECK(cudaGetDevice(&dev));
+  GPU_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  return major >= 9;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+}  // namespace
+
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t num_tokens_per_rank,
                       intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment, uint64_t seq,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
@@ -330,14 +369,16 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
       p.dst.scales[r] = reinterpret_cast<float*>(a.recv_scales);
       p.dst.idx[r] = reinterpret_cast<uint8_t*>(a.recv_topk_idx);
       p.dst.w[r] = reinterpret_cast<float*>(a.recv_topk_weights);
-      p.dst.src[r] = reinterpret_cast<int*>(a.recv_src_idx);
+      p.dst.src[r] = a.cached ? nullptr : reinterpret_cast<int*>(a.recv_src_idx);
     } else {
       uint8_t* b = peers.p[r];
       p.dst.x[r] = b + l.x;
       p.dst.scales[r] = reinterpret_cast<float*>(b + l.scales);
       p.dst.idx[r] = b + l.idx;
       p.dst.w[r] = reinterpret_cast<float*>(b + l.w);
-      p.dst.src[r] = a.recv_src_idx ? reinterpret_cast<int*>(b + l.src) : nullptr;
+      // Cached dispatch reuses the handle's source indices; a rank receiving nothing still has
+      // a null (empty) recv_src_idx, so decide by `cached`, not by the pointer.
+      p.dst.src[r] = a.cached ? nullptr : reinterpret_cast<int*>(b + l.src);
     }
   }
   p.rank = a.rank;
@@ -359,10 +400,17 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.status = reinterpret_cast<int64_t*>(a.status);
   const int blocks = std::max(1, std::min(a.num_sms, a.num_tokens));
   auto s = reinterpret_cast<gpuStream_t>(stream);
-  if (a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x)) {
-    send_kernel<int4, 8><<<blocks, kSendThreads, 0, s>>>(p);
+  const bool vec = a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
+  if (vec && a.use_tma && tma_supported()) {
+#if defined(UCCL_EP_DEVICE_CUDA)
+    constexpr int smem = kSendWarps * kTmaStages * kTmaChunk;
+    GPU_CHECK(cudaFuncSetAttribute(send_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    send_kernel<int4, 8, true><<<blocks, kSendThreads, smem, s>>>(p);
+#endif
+  } else if (vec) {
+    send_kernel<int4, 8, false><<<blocks, kSendThreads, 0, s>>>(p);
   } else {
-    send_kernel<uint8_t, 8><<<blocks, kSendThreads, 0, s>>>(p);
+    send_kernel<uint8_t, 8, false><<<blocks, kSendThreads, 0, s>>>(p);
   }
   GPU_CHECK(gpuGetLastError());
 }
@@ -386,7 +434,7 @@ void intranode_dispatch_finish(const DispatchArgs& a, intptr_t stream) {
   p.out_scales = reinterpret_cast<float*>(a.recv_scales);
   p.out_idx = reinterpret_cast<uint8_t*>(a.recv_topk_idx);
   p.out_w = reinterpret_cast<float*>(a.recv_topk_weights);
-  p.out_src = reinterpret_cast<int*>(a.recv_src_idx);
+  p.out_src = a.cached ? nullptr : reinterpret_cast<int*>(a.recv_src_idx);
   p.row_bytes = a.row_bytes;
   p.num_scales = a.num_scales;
   p.num_topk = a.num_topk;

@@ -41,6 +41,9 @@ void ipc_close_handle(intptr_t ptr);
 intptr_t host_status_alloc();
 void host_status_free(intptr_t ptr);
 
+// Whether the current GPU has bulk copies (TMA, sm_90+), used when `use_tma` is set.
+bool tma_supported();
+
 // ---- layout -------------------------------------------------------------------------------
 void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int num_topk,
                          int num_ranks, int num_experts, intptr_t num_tokens_per_rank,
@@ -79,6 +82,7 @@ struct DispatchArgs {
   int64_t staging_rows = 0;       // capacity (rows) of every rank's staging this call
   int64_t buffer_bytes = 0;       // size of every rank's registered buffer
   int num_sms = 24;
+  bool use_tma = true;            // bulk copies (TMA) for the rows when the GPU has them
   uint64_t seq = 0;               // barrier sequence of the finishing barrier
   intptr_t status = 0;
   int64_t timeout_ns = 0;
@@ -109,6 +113,7 @@ struct CombineArgs {
   int64_t staging_rows = 0;
   int64_t buffer_bytes = 0;
   int num_sms = 24;
+  bool use_tma = true;
   uint64_t seq_entry = 0, seq_done = 0;
   intptr_t status = 0;
   int64_t timeout_ns = 0;

@@ -25,14 +25,18 @@ _buffers: dict[str, object] = {}
 _keep: list[object] = []
 
 
-def _get_buffers():
-    """One kernels and one reference Buffer per process, reused by every case."""
+def _get_buffers(copy: str = "tma"):
+    """Kernels Buffers (bulk-copy and load/store row paths) and a reference Buffer per
+    process, reused by every case."""
     from uccl_ep_megatron import Buffer
 
     if not _buffers:
-        _buffers["kernels"] = Buffer(None, NVL_BYTES, 0, backend="kernels")
+        for name, flag in (("tma", "1"), ("ldst", "0")):
+            os.environ["UCCL_EP_INTRANODE_TMA"] = flag  # read when the backend is created
+            _buffers[name] = Buffer(None, NVL_BYTES, 0, backend="kernels")
+        os.environ.pop("UCCL_EP_INTRANODE_TMA")
         _buffers["reference"] = Buffer(None, NVL_BYTES, 0, backend="reference")
-    return _buffers["kernels"], _buffers["reference"]
+    return _buffers[copy], _buffers["reference"]
 
 
 def _poison(buf) -> None:
@@ -97,7 +101,7 @@ def _dispatch(buf, x, layout, topk_idx, topk_w, **kw):
 def case(rank: int, world: int, params: dict) -> int:
     from uccl_ep_megatron import Buffer, Config
 
-    kb, rb = _get_buffers()
+    kb, rb = _get_buffers(params.get("copy", "tma"))
     assert kb.backend == "kernels" and rb.backend == "reference"
     num_tokens, hidden = params["tokens"], params["hidden"]
     num_experts, topk = params.get("experts", 8 * world), params.get("topk", 4)
@@ -253,7 +257,16 @@ CASES = {
     "t2048_h4096_async": dict(tokens=2048, hidden=4096, routing="random", seed=11, async_=True),
     "t2000_h2048_4sms": dict(tokens=2000, hidden=2048, routing="random", seed=12, sms=4),
     "t0_h2048": dict(tokens=0, hidden=2048, routing="random", seed=13),
+    "t4096_h7168_dsv3_ldst": dict(
+        tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=14, copy="ldst"
+    ),
+    "t777_h2048_to_rank0_ldst": dict(
+        tokens=777, hidden=2048, routing="to_rank0", seed=15, bias=1, copy="ldst"
+    ),
+    "t100_h100_unaligned": dict(tokens=100, hidden=100, routing="holes", seed=16),
 }
+# A stalled case fails in 20 s instead of the 100 s default wait.
+ENV = {"UCCL_EP_TIMEOUT_MS": "20000"}
 for _p in CASES.values():
     if _p.pop("async_", False):
         _p["async"] = True
@@ -276,13 +289,13 @@ def gpu_pool():
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 @pytest.mark.parametrize("name", list(CASES))
 def test_dispatch_combine_matches_reference(gpu_pool, name):
-    recv = gpu_pool.run(__file__, "case", CASES[name])
+    recv = gpu_pool.run(__file__, "case", CASES[name], env=ENV)
     assert len(recv) == NUM_GPUS
 
 
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 def test_autograd_matches_reference(gpu_pool):
-    gpu_pool.run(__file__, "autograd_case", 1)
+    gpu_pool.run(__file__, "autograd_case", 1, env=ENV)
 
 
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")

@@ -130,7 +130,9 @@ class KernelsBackend(Backend):
         self._seq = 0
         from uccl_ep_megatron.config import effective_env
 
-        self._timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
+        env = effective_env()
+        self._timeout_ms = int(env["UCCL_EP_TIMEOUT_MS"])
+        self._use_tma = bool(env["UCCL_EP_INTRANODE_TMA"])
         self._timeout_ns = self._timeout_ms * 1_000_000
 
     # ---- helpers -----------------------------------------------------------------------
@@ -300,6 +302,7 @@ class KernelsBackend(Backend):
         a.staging_rows = staging_rows
         a.buffer_bytes = self._buffer_bytes
         a.num_sms = args.config.num_sms
+        a.use_tma = self._use_tma
         a.status, a.timeout_ns = self._status, self._timeout_ns
         c.intranode_dispatch(a, stream)
         a.seq = self._next_seq()
@@ -390,6 +393,7 @@ class KernelsBackend(Backend):
         a.staging_rows = staging_rows
         a.buffer_bytes = self._buffer_bytes
         a.num_sms = config.num_sms
+        a.use_tma = self._use_tma
         a.seq_entry = self._next_seq()
         a.seq_done = self._next_seq()
         a.status, a.timeout_ns = self._status, self._timeout_ns

@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -40,6 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=30, help="timed iterations per op")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per op")
     parser.add_argument("--nvl-bytes", type=int, default=2 << 30, help="Buffer num_nvl_bytes")
+    parser.add_argument(
+        "--copy",
+        choices=["both", "tma", "ldst"],
+        default="both",
+        help="row copy of the kernels: Hopper bulk copies (tma), 16-byte loads/stores, or both",
+    )
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
 
 
@@ -70,12 +77,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- per-rank work ----------------------------------------------------------------------
-def _kernel_us(prof, needle: tuple[str, ...], iters: int) -> float:
+def _kernel_us(prof, needle: tuple[str, ...], iters: int) -> tuple[float, dict[str, float]]:
+    """Device time per iteration of kernels whose name contains a needle, and per kernel."""
     total = 0.0
+    parts: dict[str, float] = {}
     for e in prof.key_averages():
         if any(n in e.key for n in needle):
-            total += getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-    return total / iters
+            dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            us = dev_us / iters
+            total += us
+            m = re.search(r"(\w+_kernel)", e.key)
+            name = m.group(1) if m else e.key[:24]
+            parts[name] = parts.get(name, 0.0) + us
+    return total, parts
 
 
 def _time(fn, iters: int, warmup: int, kernel_names: tuple[str, ...]) -> dict[str, float]:
@@ -95,7 +109,8 @@ def _time(fn, iters: int, warmup: int, kernel_names: tuple[str, ...]) -> dict[st
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e3)
-    return {"e2e_us": statistics.median(times), "kernel_us": _kernel_us(prof, kernel_names, iters)}
+    kernel_us, parts = _kernel_us(prof, kernel_names, iters)
+    return {"e2e_us": statistics.median(times), "kernel_us": kernel_us, "parts": parts}
 
 
 def _peer_copy_us(src: torch.Tensor, dst: torch.Tensor, rank: int, peer: int) -> float:
@@ -128,7 +143,14 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
     x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
     x_fp8 = (x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
              torch.rand(T, H // 128, generator=gen, device="cuda"))
-    buf = Buffer(None, a["nvl_bytes"], 0, backend="kernels")
+    variants = {"tma": "1", "ldst": "0"}
+    if a["copy"] != "both":
+        variants = {a["copy"]: variants[a["copy"]]}
+    bufs = {}
+    for name, flag in variants.items():
+        os.environ["UCCL_EP_INTRANODE_TMA"] = flag  # read once, when the backend is created
+        bufs[name] = Buffer(None, a["nvl_bytes"], 0, backend="kernels")
+    buf = next(iter(bufs.values()))
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
                   is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -162,7 +184,11 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
                floor_us=cross_bytes / bw * 1e6, nccl=nccl)
 
     for sms in [int(s) for s in a["sms"].split(",") if s]:
-        res["rows"].extend(_bench_ops(buf, Config(sms), x, x_fp8, layout, a, recv_bytes))
+        for name, b in bufs.items():
+            rows = _bench_ops(b, Config(sms), x, x_fp8, layout, a, recv_bytes)
+            for row in rows:
+                row["copy"] = name
+            res["rows"].extend(rows)
 
     # Rank 0 reports; the slowest rank's numbers are what a training step waits for.
     gathered: list[Any] = [None] * world
@@ -178,7 +204,8 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
         merged["nccl"] = {k: max(g["nccl"][k] for g in gathered) for k in ("e2e_us", "kernel_us")}
         with open(out_path, "w") as f:
             json.dump(merged, f)
-    buf.destroy()
+    for b in bufs.values():
+        b.destroy()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -226,12 +253,17 @@ def _print(r: dict) -> None:
           f"recv_x {r['recv_bytes'] / 1e6:.1f} MB")
     print(f"# NCCL all_to_all_single of dedup rows: {nccl:.1f} us e2e, "
           f"{r['nccl']['kernel_us']:.1f} us kernel")
-    print(f"{'op':<22}{'SMs':>4}{'kernel us':>11}{'GB/s':>8}{'e2e us':>9}{'e2e GB/s':>9}"
-          f"{'NCCL/op':>9}{'op/floor':>9}")
+    print(
+        f"{'op':<22}{'copy':>5}{'SMs':>4}{'kernel us':>10}{'GB/s':>7}{'e2e us':>8}"
+        f"{'e2e GB/s':>9}{'NCCL/op':>8}{'op/floor':>9}  per kernel (us)"
+    )
     for row in r["rows"]:
-        print(f"{row['op']:<22}{row['sms']:>4}{row['kernel_us']:>11.1f}{row['GBps']:>8.1f}"
-              f"{row['e2e_us']:>9.1f}{row['e2e_GBps']:>9.1f}{nccl / row['kernel_us']:>9.2f}"
-              f"{row['kernel_us'] / r['floor_us']:>9.2f}")
+        parts = " ".join(f"{k.replace('_kernel', '')}={v:.0f}" for k, v in row["parts"].items())
+        print(
+            f"{row['op']:<22}{row['copy']:>5}{row['sms']:>4}{row['kernel_us']:>10.1f}"
+            f"{row['GBps']:>7.1f}{row['e2e_us']:>8.1f}{row['e2e_GBps']:>9.1f}"
+            f"{nccl / row['kernel_us']:>8.2f}{row['kernel_us'] / r['floor_us']:>9.2f}  {parts}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,115 @@
+// Host API of the internode high-throughput (HT) kernels: GPU-initiated, proxy-executed,
+// node-deduplicated dispatch and hierarchical combine (UCCL-EP §3.3 on DeepEP's HT design).
+//
+// Who does what, for a token of source rank s = (node m, local l):
+//   - dispatch sender block (channel c of s): for every other node n that hosts one of the
+//     token's experts, packs the token once into the send ring (c, n) of s's registered RDMA
+//     region and, per chunk, pushes a 16-byte Write (+ software atomic "tail += k") into FIFO
+//     channel c % F; the CPU proxy posts it to rank (n, l), the same rail. Tokens for s's own
+//     node are forwarded directly over NVLink by the same block.
+//   - dispatch forwarder block (channel c of rank (n, l)): polls the tail counter the proxy
+//     bumps, copies each arrived token to every local rank hosting one of its experts, at the
+//     token's final row (carried in the slot), and returns ring slots with an Atomic "head += k".
+//   - combine forwarder (rank (n, l)): for each token it forwarded, sums the node's rows (the
+//     local ranks' combine inputs, over NVLink) into one partial and sends it back to s through
+//     the combine ring: one partial per (token, node) crosses the network.
+//   - combine receiver (s): for each token in order, adds its own node's rows and the partials
+//     of the other nodes, then the biases, and writes the output.
+// Flow control is per (channel, node) ring: head/tail are cumulative software-atomic counters
+// in the proxy's mapped host memory, the positions each side has reached live in device memory
+// (`state`), so calls need no reset. Every wait has a deadline; the first failure is written to
+// the mapped host status words and makes every other block give up.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/internode_layout.h"
+
+namespace uccl_ep::internode {
+
+// Status words (mapped host memory): [0] set, [1] peer rank, [2] waited-for value, [3] site,
+// [4] channel, [5] observed value.
+constexpr int kStatusWords = 6;
+enum Site : int {
+  kSiteDispatchSend = 11,     // sender waits for ring room at the forwarder
+  kSiteDispatchForward = 12,  // forwarder waits for tokens (or the end marker) from a source
+  kSiteCombineSend = 13,      // combine forwarder waits for ring room at the source
+  kSiteCombineRecv = 14,      // combine receiver waits for a node's partial sums
+  kSiteFifo = 15,             // a FIFO push failed (proxy stopped or stalled)
+  kSiteCombineOrder = 16,     // a partial arrived for another token than expected (corruption)
+  kSiteNvlBarrier = 17,       // NVLink barrier among the node's ranks ([1] = local index)
+};
+
+// Pinned, device-mapped status words; the host pointer is also the device pointer (UVA).
+intptr_t status_alloc();
+void status_free(intptr_t ptr);
+std::vector<int64_t> status_read(intptr_t ptr);
+
+// Fields shared by every launch.
+struct Common {
+  int rank = 0, num_ranks = 0, ranks_per_node = 1, num_channels = 1;
+  intptr_t fifo_handles = 0;  // FifoDeviceHandle[num_fifos] in device memory
+  int num_fifos = 0;
+  intptr_t counters = 0;  // int64[kNumCounters], the proxy's mapped host array (device pointer)
+  intptr_t state = 0;     // int64[kStateWords], device memory, zeroed once
+  intptr_t region = 0;    // registered RDMA region (device memory)
+  int64_t region_bytes = 0;
+  std::vector<intptr_t> nvl;  // NVLink buffers of the node's ranks (index = local rank)
+  int cap = 0;                // ring slots per (channel, node)
+  int chunk = 0;              // tokens per RDMA write
+  intptr_t status = 0;
+  int64_t timeout_ns = 0;
+};
+
+struct DispatchArgs {
+  Common common;
+  int num_tokens = 0, experts_per_rank = 0, num_topk = 0, num_scales = 0;
+  int64_t row_bytes = 0;
+  intptr_t x = 0, x_scales = 0, topk_idx = 0, topk_weights = 0;
+  bool idx_is_64 = true;
+  intptr_t dst_row = 0;     // int32 [T, R]: final row of token t at rank r, -1 when not sent
+  intptr_t lists = 0;       // int32 [N, T]: tokens of stream (c, n) at [n][range(c).begin ...)
+  intptr_t list_count = 0;  // int32 [C, N]
+  intptr_t recv_x = 0, recv_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
+  intptr_t plan = 0;  // int32 [N, plan_tokens, L]: rows of forwarded tokens (combine needs them)
+  int plan_tokens = 0;
+  int64_t stage_offset = 0;  // NVLink staging in every local rank's buffer
+  uint64_t epoch = 0;        // dispatch calls so far, this one included (end markers)
+};
+
+// Launches the sender/forwarder kernel (2 * num_channels blocks).
+void dispatch(const DispatchArgs& a, intptr_t stream);
+// L > 1: NVLink barrier of the node, then rows local peers staged here are copied into the
+// outputs. recv_prefix[s] = first output row from source s (s = 0..R, recv_prefix[R] = total).
+void dispatch_finish(const DispatchArgs& a, const std::vector<int>& recv_prefix, uint64_t barrier_seq,
+                     intptr_t stream);
+
+struct CombineArgs {
+  Common common;
+  int dtype = 0;  // 0 bf16, 1 fp16, 2 fp32
+  int hidden = 0, num_topk = 0, num_tokens = 0, num_recv = 0;
+  int64_t row_bytes = 0;
+  intptr_t x = 0, topk_weights = 0;  // this rank's combine input rows [num_recv] and weights
+  // forwarder side
+  intptr_t plan = 0;
+  int plan_tokens = 0;
+  intptr_t lists = 0;       // int32 [N, plan_tokens]: tokens of source (m, l) this node forwards
+  intptr_t list_count = 0;  // int32 [C, N]
+  std::vector<int> src_tokens;  // tokens of source (m, my local), per node m
+  // receiver side
+  intptr_t dst_row = 0;     // int32 [T, R] from the dispatch
+  intptr_t stream_cum = 0;  // int32 [T, N]: inclusive count of tokens to node n in t's channel
+  intptr_t bias0 = 0, bias1 = 0;
+  intptr_t out = 0, out_weights = 0;
+  int64_t stage_offset = 0;
+};
+
+// L > 1: copies x and weights into this rank's NVLink buffer, then a node barrier.
+void combine_prepare(const CombineArgs& a, uint64_t barrier_seq, intptr_t stream);
+void combine(const CombineArgs& a, intptr_t stream);
+// L > 1: node barrier so no peer still reads this rank's staging when the next call reuses it.
+void node_barrier(const Common& c, uint64_t barrier_seq, intptr_t stream);
+
+}  // namespace uccl_ep::internode
