@@ -67,6 +67,8 @@ def test_smoke_jsonl_metrics(smoke_run):
         # max/mean of top-8 loads over 64 experts is >= 1 and bounded by 64 (all on one)
         assert 1.0 <= r["expert_load_imbalance"] <= 64.0
         assert r["dispatch_time_ms"] > 0 and r["combine_time_ms"] > 0
+    # The MoE layer learns through dispatch -> experts -> combine and its autograd backward.
+    assert records[-1]["loss"] < 0.98 * records[0]["loss"]
     config = json.loads((run_dir / "config.json").read_text())
     assert config["recipe"] == "deepseek-v3/proxy" and config["world_size"] == 2
 

@@ -101,7 +101,10 @@ def route(
     if s.num_groups > 1:
         per_group = s.num_experts // s.num_groups
         grouped = select.view(-1, s.num_groups, per_group)
-        group_score = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)
+        # A group's score: the sum of its best topk/group_topk scores (2 for DeepSeek-V3), as
+        # in DeepSeek-V3 and megatron-core.
+        best = min(per_group, max(1, s.topk // s.group_topk))
+        group_score = grouped.topk(best, dim=-1).values.sum(-1)
         keep = group_score.topk(s.group_topk, dim=-1).indices
         mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
         select = select.masked_fill(~mask.repeat_interleave(per_group, dim=1), float("-inf"))
@@ -319,7 +322,7 @@ def run_cpu_smoke(
         "shapes": asdict(shapes),
         "steps": steps,
         "seed": int(recipe.training.get("seed") or 1234),
-        "lr": 3e-3,
+        "lr": 1e-2,
         "bias_update_rate": float(recipe.model.get("moe_router_bias_update_rate") or 1e-3),
         "run_dir": str(run_dir),
         "wandb_project": wandb_project,
