@@ -15,6 +15,7 @@ Every input is validated before anything starts: recipe, overrides, dataset file
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import subprocess
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +140,14 @@ def run(opts: TrainOptions) -> int:
     gpus = 0 if opts.cpu_smoke else _cuda_devices()
     if gpus == 0:
         return _run_cpu(recipe, opts)
+    if (
+        importlib.util.find_spec("megatron") is None
+        or importlib.util.find_spec("megatron.core") is None
+    ):
+        raise UnsupportedError(
+            f"{gpus} GPU(s) found, but training needs megatron-core, which is not installed: "
+            "pip install 'uccl-ep-megatron[megatron]' (or --cpu-smoke for the CPU run)"
+        )
     if "LOCAL_RANK" not in os.environ:
         # Not under torchrun: start one process per local GPU, with one shared run directory.
         nproc = opts.gpus or gpus
