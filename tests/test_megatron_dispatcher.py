@@ -28,7 +28,7 @@ TOPK = 2
 HIDDEN = 16
 
 
-# ---- helpers run on the ranks -----------------------------------------------------------------
+# ---- helpers run on the ranks ----------------------------------------------------------------
 def _groups(rank: int, world: int, tp: int):
     """Megatron's expert-side layout: tp fastest, then ep (rank = ep_rank * tp + tp_rank)."""
     import torch.distributed as dist
@@ -49,7 +49,6 @@ def _groups(rank: int, world: int, tp: int):
 
 def _make_dispatcher(rank, world, tp, groups=None, **config_overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
-
     from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher
 
     try:
@@ -98,21 +97,21 @@ def _inputs(seed: int, rank: int, world: int, tp: int, tokens: int, dtype):
 def _oracle(rank, world, tp, seed, tokens, dtype, align):
     """Expected per-expert rows/probs and counts on this rank, from every rank's inputs."""
     ep_slot = rank // tp
-    rows = {l: [] for l in range(LOCAL_EXPERTS)}
-    prob_rows = {l: [] for l in range(LOCAL_EXPERTS)}
+    rows = {le: [] for le in range(LOCAL_EXPERTS)}
+    prob_rows = {le: [] for le in range(LOCAL_EXPERTS)}
     for src in range(world):  # receive order: source rank, then source token order
         x, rm, p = _inputs(seed, src, world, tp, tokens, dtype)
         x = x.reshape(-1, HIDDEN)
-        for l in range(LOCAL_EXPERTS):
-            e = ep_slot * LOCAL_EXPERTS + l
+        for le in range(LOCAL_EXPERTS):
+            e = ep_slot * LOCAL_EXPERTS + le
             # A token is received once even if it picked several local experts; rows of an
             # expert keep the token's receive order.
-            rows[l].append(x[rm[:, e]])
-            prob_rows[l].append(p[rm[:, e], e])
+            rows[le].append(x[rm[:, e]])
+            prob_rows[le].append(p[rm[:, e], e])
     out_rows, out_probs, counts = [], [], []
-    for l in range(LOCAL_EXPERTS):
-        r = torch.cat(rows[l])
-        pr = torch.cat(prob_rows[l])
+    for le in range(LOCAL_EXPERTS):
+        r = torch.cat(rows[le])
+        pr = torch.cat(prob_rows[le])
         n = r.shape[0]
         padded = -(-n // align) * align
         out_rows += [r, torch.zeros(padded - n, HIDDEN, dtype=r.dtype)]
@@ -121,7 +120,7 @@ def _oracle(rank, world, tp, seed, tokens, dtype, align):
     return torch.cat(out_rows), torch.cat(out_probs), counts
 
 
-# ---- worker bodies --------------------------------------------------------------------------------
+# ---- worker bodies ---------------------------------------------------------------------------
 def w_round_trip(rank, world, tp, seed, dtype_name, align):
     dtype = getattr(torch, dtype_name)
     tokens = 10
@@ -203,7 +202,7 @@ def w_rejects(rank, world):
         _make_dispatcher(rank, world, 1, moe_router_topk=33, num_moe_experts=66)
 
 
-# ---- tests --------------------------------------------------------------------------------------
+# ---- tests -----------------------------------------------------------------------------------
 GRID = [(1, 2), (2, 1), (1, 3), (2, 2), (1, 4)]
 
 

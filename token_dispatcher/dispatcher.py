@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from uccl_ep_megatron.token_dispatcher.buffer_cache import buffers, hidden_bytes_of
+from uccl_ep_megatron.token_dispatcher.options import UcclEpOptions, get_options
+from uccl_ep_megatron.token_dispatcher.permute import PermutePlan, make_plan, permute, unpermute
 
 from uccl_ep_megatron import dispatch_metrics, ops
 from uccl_ep_megatron.buffer import Buffer
 from uccl_ep_megatron.config import MAX_TOPK
 from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
-from uccl_ep_megatron.token_dispatcher.buffer_cache import buffers, hidden_bytes_of
-from uccl_ep_megatron.token_dispatcher.options import UcclEpOptions, get_options
-from uccl_ep_megatron.token_dispatcher.permute import PermutePlan, make_plan, permute, unpermute
 
 # megatron-core 0.14 names the process-group argument ``model_comm_pgs``, 0.15+ ``pg_collection``.
 _PG_KWARG = (
@@ -84,7 +84,8 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         if pgs is None:
             raise InvalidInputError(
                 "UcclEpTokenDispatcher needs the process groups (ep, expt_tp, tp_ep): pass "
-                "pg_collection= (MoELayer does), e.g. ProcessGroupCollection.use_mpu_process_groups()"
+                "pg_collection= (MoELayer does), e.g. "
+                "ProcessGroupCollection.use_mpu_process_groups()"
             )
         super().__init__(config=config, **{_PG_KWARG: pgs})
         self.options = options if options is not None else get_options()
@@ -133,7 +134,8 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             raise UnsupportedError(
                 "moe_pad_expert_input_to_capacity is not supported by the uccl_ep dispatcher "
                 "(it is dropless; token dropping with --moe-expert-capacity-factor works); "
-                "drop --moe-pad-expert-input-to-capacity or use --moe-token-dispatcher-type alltoall"
+                "drop --moe-pad-expert-input-to-capacity or use "
+                "--moe-token-dispatcher-type alltoall"
             )
 
     def set_shared_experts(self, shared_experts: Any) -> None:

@@ -32,9 +32,7 @@ class PermutePlan:
     tokens_per_expert: list[int]  # per local expert, padded when alignment > 1
 
 
-def make_plan(
-    recv_topk_idx: torch.Tensor, num_local_experts: int, align: int = 1
-) -> PermutePlan:
+def make_plan(recv_topk_idx: torch.Tensor, num_local_experts: int, align: int = 1) -> PermutePlan:
     """Plan the per-expert order of ``recv_topk_idx`` ([N, K] local expert ids, -1 = none).
 
     Args:

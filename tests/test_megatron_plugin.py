@@ -1,0 +1,410 @@
+"""The ``uccl_ep`` plugin against the installed megatron-core (CI runs 0.14, 0.15 and 0.16).
+
+* the version check accepts exactly the supported releases and names them otherwise;
+* the flag parses the way Megatron-LM defines it (0.14/0.15: hard-coded ``choices``; 0.16:
+  ``Literal`` field type), with the dispatcher's own flags next to it;
+* ``MoELayer`` builds ``UcclEpTokenDispatcher`` (construction works on CPU), and the layer's
+  own experts run on what our dispatcher hands them, matching a reference that routes the
+  same tokens through the same experts without any dispatcher (forward and weight grads);
+* ``python -m uccl_ep_megatron.run`` runs unmodified scripts, also under ``torchrun -m``;
+* the opt-in ``deep_ep`` drop-in runs Megatron's own DeepEP path (``fused_a2a``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+pytestmark = pytest.mark.megatron
+
+from conftest import get_pool  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+SCRIPTS = os.path.join(os.path.dirname(HERE), "megatron_scripts")
+
+
+@pytest.fixture
+def plugin():
+    from uccl_ep_megatron.token_dispatcher import reset_options
+
+    from uccl_ep_megatron import megatron_plugin
+
+    megatron_plugin.install()
+    yield megatron_plugin
+    megatron_plugin.uninstall()
+    reset_options()
+
+
+def _run(cmd: list[str], timeout: int = 240, **env_extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop("UCCL_EP_BACKEND", None)
+    env.update(env_extra)
+    # A neutral working directory: `python -m` puts it first on sys.path, and the repo root
+    # holds the uninstalled source tree (without token_dispatcher inside the package).
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+        )
+
+
+# ---- version ---------------------------------------------------------------------------------
+def test_version_check_names_supported_versions():
+    from uccl_ep_megatron.errors import UnsupportedError
+    from uccl_ep_megatron.megatron_plugin import SUPPORTED_VERSIONS, check_version
+
+    assert check_version("0.14.0") == "0.14"
+    assert check_version("0.15.3") == "0.15"
+    assert check_version("0.16.1rc0") == "0.16"
+    for bad in ("0.13.1", "0.17.0", "1.0.0"):
+        with pytest.raises(UnsupportedError) as exc:
+            check_version(bad)
+        assert bad in str(exc.value)
+        assert all(v in str(exc.value) for v in SUPPORTED_VERSIONS)
+
+
+def test_install_refuses_unknown_megatron_version(monkeypatch):
+    from megatron.core import package_info
+
+    from uccl_ep_megatron import megatron_plugin
+    from uccl_ep_megatron.errors import UnsupportedError
+
+    monkeypatch.setattr(package_info, "__version__", "0.12.3")
+    try:
+        with pytest.raises(UnsupportedError, match=r"0\.12\.3.*supported: 0\.14, 0\.15, 0\.16"):
+            megatron_plugin.install()
+        assert not megatron_plugin.is_installed()
+    finally:
+        megatron_plugin.uninstall()
+
+
+def test_install_reports_the_installed_version(plugin):
+    from megatron.core import package_info
+
+    assert plugin.is_installed()
+    assert plugin.install() == package_info.__version__  # idempotent
+
+
+# ---- flag ------------------------------------------------------------------------------------
+def _megatron_lm_014_parser() -> argparse.ArgumentParser:
+    # What megatron/training/arguments.py (0.14/0.15) does.
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    group = parser.add_argument_group(title="moe")
+    group.add_argument(
+        "--moe-token-dispatcher-type",
+        type=str,
+        choices=["allgather", "alltoall", "flex"],
+        default="allgather",
+    )
+    return parser
+
+
+def test_hardcoded_choices_accept_uccl_ep_and_options(plugin):
+    from uccl_ep_megatron.token_dispatcher import get_options
+
+    args = _megatron_lm_014_parser().parse_args(
+        [
+            "--moe-token-dispatcher-type",
+            "uccl_ep",
+            "--moe-uccl-ep-num-sms",
+            "16",
+            "--moe-uccl-ep-backend",
+            "reference",
+            "--moe-uccl-ep-metrics",
+        ]
+    )
+    assert args.moe_token_dispatcher_type == "uccl_ep"
+    assert args.moe_uccl_ep_num_sms == 16
+    opts = get_options()
+    assert (opts.num_sms, opts.backend, opts.metrics) == (16, "reference", True)
+
+
+def test_bad_values_still_fail_to_parse(plugin, capsys):
+    parser = _megatron_lm_014_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-token-dispatcher-type", "nccl_magic"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--moe-uccl-ep-num-sms", "7"])
+    assert "positive even" in capsys.readouterr().err
+
+
+def test_without_install_the_flag_is_rejected():
+    from uccl_ep_megatron import megatron_plugin
+
+    megatron_plugin.uninstall()
+    with pytest.raises(SystemExit):
+        _megatron_lm_014_parser().parse_args(["--moe-token-dispatcher-type", "uccl_ep"])
+
+
+def test_config_field_accepts_uccl_ep(plugin):
+    import dataclasses
+    import typing
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field = {f.name: f for f in dataclasses.fields(TransformerConfig)}["moe_token_dispatcher_type"]
+    if typing.get_origin(field.type) is typing.Literal:  # 0.16+: choices come from here
+        assert {"allgather", "alltoall", "flex", "uccl_ep"} <= set(typing.get_args(field.type))
+    else:  # 0.14/0.15: a plain str field
+        assert field.type in (str, "str")
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=1,
+        num_moe_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=8,
+        add_bias_linear=False,
+        moe_token_dispatcher_type="uccl_ep",
+    )
+    assert cfg.moe_token_dispatcher_type == "uccl_ep"
+
+
+# ---- MoELayer --------------------------------------------------------------------------------
+def _moe_layer(config_kwargs):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        **{
+            "num_layers": 1,
+            "hidden_size": 16,
+            "num_attention_heads": 1,
+            "num_moe_experts": 4,
+            "moe_router_topk": 2,
+            "moe_ffn_hidden_size": 8,
+            "add_bias_linear": False,
+            "use_cpu_initialization": True,
+            "moe_router_dtype": "fp32",
+            **config_kwargs,
+        }
+    )
+    experts = ModuleSpec(
+        module=SequentialMLP,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+    )
+    return MoELayer(cfg, MoESubmodules(experts=experts), layer_number=3), cfg
+
+
+def w_moe_layer_runs_experts_on_our_dispatch(rank, world):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: F401
+    from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher, reset_options
+    from uccl_ep_megatron.token_dispatcher.buffer_cache import buffers
+
+    from uccl_ep_megatron import megatron_plugin
+
+    megatron_plugin.install(backend="reference")
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    try:
+        torch.manual_seed(100 + rank)  # different experts per rank
+        layer, cfg = _moe_layer(
+            {"moe_token_dispatcher_type": "uccl_ep", "num_moe_experts": 2 * world}
+        )
+        d = layer.token_dispatcher
+        assert isinstance(d, UcclEpTokenDispatcher), type(d)
+        assert cfg.moe_token_dispatcher_type == "uccl_ep", "config must be left as it was"
+        assert d.layer_number == 3
+        layer.set_layer_number(7)
+        assert d.layer_number == 7
+
+        num_experts, local = cfg.num_moe_experts, cfg.num_moe_experts // world
+        tokens, hidden = 6, cfg.hidden_size
+
+        def inputs(r):
+            g = torch.Generator().manual_seed(r)
+            x = torch.randn(tokens, 1, hidden, generator=g)
+            top = torch.rand(tokens, num_experts, generator=g).topk(2, dim=-1).indices
+            rm = torch.zeros(tokens, num_experts, dtype=torch.bool).scatter_(1, top, True)
+            p = torch.rand(tokens, num_experts, generator=g) * rm
+            return x, rm, p
+
+        x, rm, p = inputs(rank)
+        x.requires_grad_(True)
+        h, tp_ = d.dispatch_preprocess(x, rm, p)
+        rx, rp = d.token_dispatch(h, tp_)
+        rows, tpe, pp = d.dispatch_postprocess(rx, rp)
+        out, bias = layer.experts(rows, tpe, pp)
+        assert bias is None
+        y = d.combine_postprocess(d.token_combine(d.combine_preprocess(out)))
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(50 + rank))
+        (y * gy).sum().backward()
+        ours = [w.grad.clone() for w in layer.experts.parameters()]
+        layer.experts.zero_grad()
+
+        # Reference without any dispatcher: this rank's experts on every rank's tokens.
+        contrib = torch.zeros(world, tokens, hidden)
+        loss = 0.0
+        all_in = [inputs(r) for r in range(world)]
+        for le in range(local):
+            e = rank * local + le
+            for r, (xr, rmr, pr) in enumerate(all_in):
+                sel = rmr[:, e].nonzero().flatten()
+                if sel.numel() == 0:
+                    continue
+                o, _ = layer.experts.local_experts[le](xr.reshape(tokens, hidden)[sel], pr[sel, e])
+                contrib[r].index_add_(0, sel, o.detach())
+                gr = torch.randn(tokens, 1, hidden, generator=torch.Generator().manual_seed(50 + r))
+                loss = loss + (o * gr.reshape(tokens, hidden)[sel]).sum()
+        dist.all_reduce(contrib)
+        torch.testing.assert_close(
+            y.detach().reshape(tokens, hidden), contrib[rank], atol=1e-5, rtol=1e-5
+        )
+        loss.backward()
+        for a, b in zip(ours, (w.grad for w in layer.experts.parameters()), strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    finally:
+        ps.destroy_model_parallel()
+        megatron_plugin.uninstall()
+        reset_options()
+        buffers.clear()
+
+
+def test_moe_layer_builds_uccl_ep_and_its_experts_match_reference():
+    get_pool(2).run(HERE, "w_moe_layer_runs_experts_on_our_dispatch")
+
+
+def test_other_dispatcher_types_are_untouched(plugin):
+    from megatron.core.transformer.moe import moe_layer
+
+    assert moe_layer.MoEFlexTokenDispatcher.__name__ == "MoEFlexTokenDispatcher"
+    get_pool(2).run(HERE, "w_allgather_untouched")
+
+
+def w_allgather_untouched(rank, world):
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    from uccl_ep_megatron import megatron_plugin
+
+    megatron_plugin.install()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    try:
+        layer, _ = _moe_layer({"moe_token_dispatcher_type": "allgather"})
+        assert type(layer.token_dispatcher) is MoEAllGatherTokenDispatcher
+    finally:
+        ps.destroy_model_parallel()
+        megatron_plugin.uninstall()
+
+
+# ---- run entry point and DeepEP drop-in ------------------------------------------------------
+def test_run_entry_point_runs_megatron_lm_014_style_script():
+    script = os.path.join(SCRIPTS, "parse_args_014.py")
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "uccl_ep_megatron.run",
+            script,
+            "--moe-token-dispatcher-type",
+            "uccl_ep",
+            "--moe-uccl-ep-num-sms",
+            "20",
+            "--moe-uccl-ep-backend",
+            "reference",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "name": "__main__",
+        "argv0": script,
+        "dispatcher": "uccl_ep",
+        "num_sms": 20,
+        "options_num_sms": 20,
+        "options_backend": "reference",
+    }
+
+
+def test_run_entry_point_runs_megatron_lm_016_style_script():
+    import dataclasses
+    import typing
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    field = {f.name: f for f in dataclasses.fields(TransformerConfig)}["moe_token_dispatcher_type"]
+    script = os.path.join(SCRIPTS, "parse_args_016.py")
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "uccl_ep_megatron.run",
+            script,
+            "--moe-token-dispatcher-type",
+            "uccl_ep",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["dispatcher"] == "uccl_ep"
+    if typing.get_origin(field.type) is typing.Literal:
+        assert "uccl_ep" in seen["choices"]
+
+
+def test_run_entry_point_rejects_missing_script():
+    proc = _run([sys.executable, "-m", "uccl_ep_megatron.run", "/nonexistent/pretrain_gpt.py"])
+    assert proc.returncode != 0
+    assert "does not exist" in proc.stderr
+
+
+def test_deep_ep_module_is_off_by_default_and_opt_in():
+    from uccl_ep_megatron import Buffer, deep_ep_compat
+    from uccl_ep_megatron.errors import UnsupportedError
+    from uccl_ep_megatron.event import EventOverlap
+
+    assert not deep_ep_compat.is_installed()
+    if "megatron.core.transformer.moe.fused_a2a" in sys.modules:
+        # Imported (without DeepEP) by an earlier test: enabling now must refuse clearly.
+        with pytest.raises(UnsupportedError, match="before the deep_ep drop-in"):
+            deep_ep_compat.install()
+        return
+    mod = deep_ep_compat.install()
+    try:
+        import deep_ep
+        from deep_ep.utils import EventHandle
+        from deep_ep.utils import EventOverlap as EO
+
+        assert mod is deep_ep and deep_ep.Buffer is Buffer and EO is EventOverlap
+        assert EO(EventHandle()).event is None  # no CUDA here: nothing to wait for
+    finally:
+        deep_ep_compat.uninstall()
+
+
+def test_torchrun_deep_ep_compat_runs_megatron_fused_a2a(tmp_path):
+    script = os.path.join(SCRIPTS, "deepep_flex.py")
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "29561",
+            "-m",
+            "uccl_ep_megatron.run",
+            "--deep-ep-compat",
+            script,
+        ],
+        timeout=300,
+        RESULT_DIR=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["rank"] for r in results] == [0, 1] and all(r["ok"] for r in results)
+    assert all(sum(r["tokens_per_expert"]) > 0 for r in results)
