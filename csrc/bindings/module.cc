@@ -7,5 +7,6 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "uccl_ep_megatron core: FIFO channels, CPU proxies, transports and GPU kernels";
   uccl_ep::bindings::bind_common(m);
   uccl_ep::bindings::bind_kernels(m);
+  uccl_ep::bindings::bind_internode(m);
   uccl_ep::bindings::bind_proxy(m);
 }

@@ -76,7 +76,6 @@ struct DispatchArgs {
   intptr_t plan = 0;  // int32 [N, plan_tokens, L]: rows of forwarded tokens (combine needs them)
   int plan_tokens = 0;
   int64_t stage_offset = 0;  // NVLink staging in every local rank's buffer
-  uint64_t epoch = 0;        // dispatch calls so far, this one included (end markers)
 };
 
 // Launches the sender/forwarder kernel (2 * num_channels blocks).

@@ -36,8 +36,16 @@ UCCL_EP_HD int counter_index(int kind, int channel, int node) { return (kind * k
 
 // Persistent kernel state (int64, device memory), same (kind, channel, node) indexing, plus
 // one abort word the first failing block sets so every other block stops waiting.
-enum StateKind : int { kDispatchSent = 0, kDispatchConsumed = 1, kCombineSent = 2, kCombineConsumed = 3 };
-constexpr int kNumStateKinds = 4;
+// kDispatchCalls[c][m]: end markers of stream (c, source node m) seen so far; a channel's
+// forwarder is done when the marker count exceeds it (channels a call leaves idle stay in step).
+enum StateKind : int {
+  kDispatchSent = 0,
+  kDispatchConsumed = 1,
+  kCombineSent = 2,
+  kCombineConsumed = 3,
+  kDispatchCalls = 4
+};
+constexpr int kNumStateKinds = 5;
 constexpr int kStateAbortWord = kNumStateKinds * kMaxChannels * kMaxNodes;
 constexpr int kStateWords = kStateAbortWord + 1;
 UCCL_EP_HD int state_index(int kind, int channel, int node) { return (kind * kMaxChannels + channel) * kMaxNodes + node; }
