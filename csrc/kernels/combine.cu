@@ -93,7 +93,6 @@ __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
     if (lane == 0) dev::tma_wait_all();
   }
 #endif
-  dev::fence_system();
 }
 
 // Element conversions on raw bits (bf16 rounds to nearest even, like torch).
@@ -143,7 +142,9 @@ struct ReduceParams {
   int64_t timeout_ns;
 };
 
-template <int kDtype, bool kVec, int kUnroll>
+// kRanks bounds the rank loop (2 for EP2, else kMaxRanks) so the per-source load arrays stay
+// in registers: more loads in flight per warp is what a local reduce needs.
+template <int kDtype, bool kVec, int kUnroll, int kRanks>
 __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) {
   using E = Elt<kDtype>;
   using raw = typename E::raw;
@@ -158,11 +159,11 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
   const int R = p.num_ranks;
   const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
   for (int t = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; t < p.num_tokens; t += nwarps) {
-    const uint8_t* src[kMaxRanks];
-    const float* srcw[kMaxRanks];
+    const uint8_t* src[kRanks];
+    const float* srcw[kRanks];
     unsigned mask = 0;
 #pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
+    for (int r = 0; r < kRanks; ++r) {
       src[r] = nullptr;
       srcw[r] = nullptr;
       if (r < R) {
@@ -178,9 +179,9 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
       }
     }
     for (int64_t base = 0; base < n; base += kUnroll * dev::kWarpSize) {
-      V v[kMaxRanks][kUnroll];
+      V v[kRanks][kUnroll];
 #pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) {
+      for (int r = 0; r < kRanks; ++r) {
         if (mask >> r & 1u) {
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
@@ -197,7 +198,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
 #pragma unroll
         for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
 #pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) {
+        for (int r = 0; r < kRanks; ++r) {
           if (mask >> r & 1u) {
             const raw* vals = reinterpret_cast<const raw*>(&v[r][u]);
 #pragma unroll
@@ -225,7 +226,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
       for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
         float acc = 0.0f;
 #pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r)
+        for (int r = 0; r < kRanks; ++r)
           if (mask >> r & 1u) acc += srcw[r][k];
         p.out_w[static_cast<int64_t>(t) * p.num_topk + k] = acc;
       }
@@ -352,10 +353,12 @@ void intranode_combine_reduce(const CombineArgs& a, intptr_t stream) {
   const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0 && a.out % 16 == 0 && a.bias0 % 16 == 0 && a.bias1 % 16 == 0;
 #define UCCL_EP_LAUNCH_REDUCE(DT)                                                    \
   do {                                                                               \
-    if (vec) {                                                                       \
-      reduce_kernel<DT, true, 2><<<blocks, kReduceThreads, 0, s>>>(p);               \
+    if (vec && R <= 2) {                                                             \
+      reduce_kernel<DT, true, 4, 2><<<blocks, kReduceThreads, 0, s>>>(p);            \
+    } else if (vec) {                                                                \
+      reduce_kernel<DT, true, 2, kMaxRanks><<<blocks, kReduceThreads, 0, s>>>(p);    \
     } else {                                                                         \
-      reduce_kernel<DT, false, 2><<<blocks, kReduceThreads, 0, s>>>(p);              \
+      reduce_kernel<DT, false, 2, kMaxRanks><<<blocks, kReduceThreads, 0, s>>>(p);   \
     }                                                                                \
   } while (0)
   if (a.dtype == 0) {

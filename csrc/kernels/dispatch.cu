@@ -229,8 +229,8 @@ __global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
     if (lane == 0) dev::tma_wait_all();
   }
 #endif
-  // Make this thread's peer writes visible system-wide before the finishing barrier.
-  dev::fence_system();
+  // No per-thread system fence: the finishing barrier runs in the next kernel of the stream,
+  // after this kernel's writes are complete, and fences once before signalling.
 }
 
 struct FinishParams {
@@ -449,9 +449,9 @@ void intranode_dispatch_finish(const DispatchArgs& a, intptr_t stream) {
   const int blocks = std::max(1, a.num_sms);
   auto s = reinterpret_cast<gpuStream_t>(stream);
   if (a.row_bytes % 16 == 0 && aligned16(a.recv_x)) {
-    finish_kernel<int4, 4><<<blocks, kFinishThreads, 0, s>>>(p);
+    finish_kernel<int4, 8><<<blocks, kFinishThreads, 0, s>>>(p);
   } else {
-    finish_kernel<uint8_t, 4><<<blocks, kFinishThreads, 0, s>>>(p);
+    finish_kernel<uint8_t, 8><<<blocks, kFinishThreads, 0, s>>>(p);
   }
   GPU_CHECK(gpuGetLastError());
 }
