@@ -190,6 +190,41 @@ def w_two_layers_interleaved(rank, world, tp):
     buffers.clear()
 
 
+def w_metrics(rank, world):
+    """Per-layer records: bytes of received rows, unpadded tokens per local expert, times."""
+    from uccl_ep_megatron import dispatch_metrics
+
+    dispatch_metrics.collect()  # drop anything earlier tests left
+    dispatch_metrics.enable(True)
+    try:
+        d, _ = _make_dispatcher(rank, world, 1)
+        d.layer_number = 5
+        d.align = 4
+        x, rm, p = _inputs(21, rank, world, 1, 10, torch.float32)
+        h, tp_ = d.dispatch_preprocess(x, rm, p)
+        rx, rp = d.token_dispatch(h, tp_)
+        rows, _, pp = d.dispatch_postprocess(rx, rp)
+        d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * pp.unsqueeze(-1))))
+        step = dispatch_metrics.collect()
+    finally:
+        dispatch_metrics.enable(False)
+    assert list(step.layers) == [5]
+    m = step.layers[5]
+    received = rx.shape[0]
+    assert m.calls == 1
+    assert m.dispatch_bytes == m.combine_bytes == received * HIDDEN * 4
+    _, _, padded = _oracle(rank, world, 1, 21, 10, torch.float32, 1)  # align 1: true counts
+    assert m.tokens_per_local_expert == padded
+    assert m.dispatch_ms > 0 and m.combine_ms > 0
+    summary = step.summary()
+    assert summary["dispatch_time_ms"] == m.dispatch_ms
+    expected_imbalance = max(padded) / (sum(padded) / len(padded))
+    assert abs(summary["expert_load_imbalance"] - expected_imbalance) < 1e-9
+    assert abs(summary["dispatch_gbps"] - m.dispatch_bytes / m.dispatch_ms / 1e6) < 1e-9
+    assert "layer5/combine_gbps" in step.per_layer()
+    assert dispatch_metrics.collect().layers == {}, "collect() must reset"
+
+
 def w_rejects(rank, world):
     from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
 
@@ -226,6 +261,10 @@ def test_round_trip_with_quantization_padding(align):
 
 def test_layers_share_buffer_and_backprop_through_both():
     get_pool(4).run(HERE, "w_two_layers_interleaved", 2)
+
+
+def test_metrics_hooks_record_per_layer():
+    get_pool(2).run(HERE, "w_metrics")
 
 
 def test_bad_use_is_rejected():
