@@ -15,7 +15,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl > "$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
 export PYTHONPATH=/tmp/site
 t0=$(date +%s)
-timeout 170 python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
+timeout 150 python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
   -C cmake.define.UCCL_EP_CUDA_ARCHS=90 -C "cmake.define.CMAKE_CXX_FLAGS=-include cstdint" . \
   > "$OUT/build.log" 2>&1
 build_rc=$?

@@ -153,11 +153,6 @@ def w_equivalence(rank, world, backend, tokens):
         report["worst_param_grad"] = worst_param
         report["params_with_grad"] = grads_checked
 
-        # bf16 tolerance: relative Frobenius error of a bf16 GEMM chain (eps 2^-8 ~ 4e-3).
-        assert report["output"][1] < 1e-2, report
-        assert report["input_grad"][1] < 1e-2, report
-        assert worst_param[2] < 2e-2, report
-
         ref.zero_grad(set_to_none=True)
         ours.zero_grad(set_to_none=True)
         _tokens_per_s(ref, x, grad, tokens, world)  # warm-up
@@ -217,9 +212,15 @@ def test_deepseek_v3_moe_layer_alltoall_vs_uccl_ep(backend):
         with open(os.path.join(out_dir, f"megatron_gpu_{backend}.json"), "w") as f:
             f.write(line)
     r0 = reports[0]
-    assert r0["backend"] == backend
     print(
         f"{backend}: alltoall {r0['alltoall_tokens_per_s']:.0f} tok/s vs uccl_ep "
         f"{r0['uccl_ep_tokens_per_s']:.0f} tok/s; max rel diff out {r0['output'][1]:.2e} "
         f"dx {r0['input_grad'][1]:.2e} worst param {r0['worst_param_grad']}"
     )
+    for r in reports:
+        assert r["backend"] == backend, r
+        # bf16 tolerance: relative Frobenius error of a bf16 GEMM chain (eps 2^-8 ~ 4e-3).
+        assert r["output"][1] < 1e-2, r
+        assert r["input_grad"][1] < 1e-2, r
+        assert r["worst_param_grad"][2] < 2e-2, r
+        assert r["params_with_grad"] > 0, r
