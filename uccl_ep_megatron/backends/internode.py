@@ -219,7 +219,6 @@ class InternodeBackend(Backend):
         self._state = torch.zeros(int(c.internode.STATE_WORDS), dtype=torch.int64, device=device)
         self._status = c.internode.status_alloc()
         self._barrier_seq = 0
-        self._one = torch.ones(1, dtype=torch.int32, device=device)
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -323,7 +322,7 @@ class InternodeBackend(Backend):
     def _barrier(self) -> None:
         # Stream-ordered: every rank's previous kernels finished (all rings drained) before our
         # next kernel starts; the host does not wait.
-        dist.all_reduce(self._one, group=self.group)
+        dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=self.device), group=self.group)
 
     # ---- layout -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:

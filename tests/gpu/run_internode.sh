@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call for the internode kernels (issue 5): build for sm_90, run the GPU tests
+# (2 virtual nodes over the ipc transport, injector off and on) and the internode benchmark;
+# logs under $OUT, a short summary last.
+# Usage (device tool): bash tests/gpu/run_internode.sh [pytest -k expression]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CMAKE_BUILD_PARALLEL_LEVEL=32
+OUT=${OUT:-/tmp/out}
+REPO=$(pwd)
+mkdir -p "$OUT"
+t0=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
+  -C cmake.define.UCCL_EP_CUDA_ARCHS=90 -C "cmake.define.CMAKE_CXX_FLAGS=-include cstdint" . > "$OUT/build.log" 2>&1
+build_rc=$?
+t1=$(date +%s)
+echo "build rc=$build_rc ($((t1 - t0)) s)"
+if [ $build_rc -ne 0 ]; then tail -40 "$OUT/build.log"; exit 1; fi
+cd /tmp  # import the installed package, not the source tree
+K=${1:-}
+timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" \
+  "$REPO/tests/gpu/test_internode.py" ${K:+-k "$K"} > "$OUT/pytest.log" 2>&1
+test_rc=$?
+t2=$(date +%s)
+timeout ${BENCH_TIMEOUT:-60} python3 -m uccl_ep_megatron.bench.internode --iters ${BENCH_ITERS:-5} \
+  --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+bench_rc=$?
+t3=$(date +%s)
+echo "---- pytest (rc=$test_rc, $((t2 - t1)) s) ----"
+grep -E "passed|failed|Error|error|assert|mismatch|Timeout" "$OUT/pytest.log" | head -30
+tail -3 "$OUT/pytest.log"
+echo "---- bench (rc=$bench_rc, $((t3 - t2)) s) ----"
+tail -15 "$OUT/bench.log"
