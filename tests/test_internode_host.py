@@ -89,10 +89,12 @@ def test_atomic_steps_fit_the_immediate_and_sum_up(delta):
     assert all(1 <= v <= _C.cmd_limits["max_atomic_value"] for v in steps)
 
 
-@pytest.mark.parametrize("row_bytes,ns,k,l", [(14336, 0, 8, 1), (7168, 56, 8, 4), (2048, 0, 0, 8)])
-def test_slot_layouts_are_aligned_and_disjoint(row_bytes, ns, k, l):
-    d = IN.dispatch_slot(row_bytes, ns, k, l)
-    assert d["bytes"] % 16 == 0 and d["bytes"] >= d["rows"] + 4 * l
+@pytest.mark.parametrize(
+    "row_bytes,ns,k,lpn", [(14336, 0, 8, 1), (7168, 56, 8, 4), (2048, 0, 0, 8)]
+)
+def test_slot_layouts_are_aligned_and_disjoint(row_bytes, ns, k, lpn):
+    d = IN.dispatch_slot(row_bytes, ns, k, lpn)
+    assert d["bytes"] % 16 == 0 and d["bytes"] >= d["rows"] + 4 * lpn
     assert d["x"] == 0 and d["scales"] == row_bytes and d["gid"] == row_bytes + 4 * ns
     assert d["weights"] == d["gid"] + 4 * k and d["src"] == d["weights"] + 4 * k
     c = IN.combine_slot(row_bytes, k)
@@ -140,8 +142,12 @@ def test_ring_simulation_over_many_calls(cap, chunk):
                 for j, (start, n) in enumerate(((sent, n1), (sent + n1, n2))):
                     if n == 0:
                         continue
-                    src = IN.ring_slot_offset(False, False, region, channels, nodes, cap, slot, 2, 1, start)
-                    dst = IN.ring_slot_offset(False, True, region, channels, nodes, cap, slot, 2, 0, start)
+                    src = IN.ring_slot_offset(
+                        False, False, region, channels, nodes, cap, slot, 2, 1, start
+                    )
+                    dst = IN.ring_slot_offset(
+                        False, True, region, channels, nodes, cap, slot, 2, 0, start
+                    )
                     assert src % 16 == 0 and dst % 16 == 0
                     for q in range(n):
                         ring_owner[dst + q * slot] = tokens[i + (n1 if j else 0) + q]
@@ -157,7 +163,9 @@ def test_ring_simulation_over_many_calls(cap, chunk):
             avail = tail - consumed
             assert 0 <= avail <= cap
             for q in range(avail):
-                off = IN.ring_slot_offset(False, True, region, channels, nodes, cap, slot, 2, 0, consumed + q)
+                off = IN.ring_slot_offset(
+                    False, True, region, channels, nodes, cap, slot, 2, 0, consumed + q
+                )
                 assert ring_owner.pop(off) == consumed + q  # the token written there, in order
             consumed += avail
             head = consumed

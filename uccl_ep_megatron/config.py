@@ -101,8 +101,10 @@ class Config:
         if num_nodes <= 1:
             return 0
         per_node = self.num_max_rdma_chunked_recv_tokens * _token_bytes(hidden_bytes)
-        # Send and receive rings, plus head/tail counters per (channel, node).
-        return _align(self.num_channels * num_nodes * (2 * per_node + 64))
+        # The internode kernels split the region into a dispatch half and a combine half, each
+        # holding a send and a receive ring per (channel, node); head/tail counters live in the
+        # proxy's host memory. _token_bytes bounds both slot layouts (metadata for top-32).
+        return _align(2 * self.num_channels * num_nodes * 2 * per_node + 64)
 
 
 def _check_sizes(hidden_bytes: int, num_ranks: int) -> None:

@@ -19,7 +19,7 @@ if [ $build_rc -ne 0 ]; then tail -40 "$OUT/build.log"; exit 1; fi
 cd /tmp  # import the installed package, not the source tree
 K=${1:-}
 timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" \
-  "$REPO/tests/gpu/test_internode.py" ${K:+-k "$K"} > "$OUT/pytest.log" 2>&1
+  -x "$REPO/tests/gpu/test_internode.py" ${K:+-k "$K"} > "$OUT/pytest.log" 2>&1
 test_rc=$?
 t2=$(date +%s)
 timeout ${BENCH_TIMEOUT:-60} python3 -m uccl_ep_megatron.bench.internode --iters ${BENCH_ITERS:-5} \

@@ -38,7 +38,7 @@ def _env(reorder: bool, seed: int) -> dict[str, str]:
         "UCCL_EP_IPC_REORDER": "1" if reorder else "0",
         "UCCL_EP_IPC_REORDER_SEED": str(seed),
         "UCCL_EP_IPC_MAX_DELAY_US": "20",
-        "UCCL_EP_TIMEOUT_MS": "60000",
+        "UCCL_EP_TIMEOUT_MS": os.environ.get("UCCL_EP_TEST_KERNEL_TIMEOUT_MS", "20000"),
     }
 
 
@@ -133,7 +133,9 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
 
     klay = kb.get_dispatch_layout(idx, num_experts)[:4]
     rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
-    for name, a, b in zip(("per_rank", "per_rdma", "per_expert", "in_rank"), klay, rlay, strict=True):
+    for name, a, b in zip(
+        ("per_rank", "per_rdma", "per_expert", "in_rank"), klay, rlay, strict=True
+    ):
         _assert_same(f"layout.{name}", a, b)
 
     _poison(kb)
@@ -216,7 +218,9 @@ CASES = {
     "t127_h2048_random_i32": dict(
         tokens=127, hidden=2048, routing="random", seed=2, idx_dtype=torch.int32
     ),
-    "t4096_h7168_dsv3": dict(tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=3),
+    "t4096_h7168_dsv3": dict(
+        tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=3
+    ),
     "t4096_h7168_dsv3_fp8": dict(
         tokens=4096, hidden=7168, routing="random", experts=256, topk=8, seed=4, fp8=True
     ),

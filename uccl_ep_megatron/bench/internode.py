@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -105,6 +106,25 @@ def proxy_cpu_seconds() -> float:
     return total / tick
 
 
+def _dispatch(buf, layout, x, idx, w, config, state: dict) -> None:
+    per_rank, per_rdma, per_expert, in_rank = layout
+    out = buf.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+        config=config,
+    )
+    state["recv_x"], state["handle"], state["w"] = out[0], out[4], out[2]
+
+
+def _combine(buf, config, state: dict) -> None:
+    buf.combine(state["recv_x"], state["handle"], topk_weights=state["w"], config=config)
+
+
 def _worker(rank: int, world: int, init_file: str, a: dict, threads: list[int], out: str) -> None:
     local = world // 2
     os.environ["UCCL_EP_RANKS_PER_NODE"] = str(local)
@@ -134,21 +154,9 @@ def _worker(rank: int, world: int, init_file: str, a: dict, threads: list[int], 
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
         state: dict[str, Any] = {}
 
-        def do_dispatch() -> None:
-            out_ = buf.dispatch(
-                x,
-                num_tokens_per_rank=per_rank,
-                num_tokens_per_rdma_rank=per_rdma,
-                is_token_in_rank=in_rank,
-                num_tokens_per_expert=per_expert,
-                topk_idx=idx,
-                topk_weights=w,
-                config=config,
-            )
-            state["recv_x"], state["handle"], state["w"] = out_[0], out_[4], out_[2]
-
-        def do_combine() -> None:
-            buf.combine(state["recv_x"], state["handle"], topk_weights=state["w"], config=config)
+        layout = (per_rank, per_rdma, per_expert, in_rank)
+        do_dispatch = functools.partial(_dispatch, buf, layout, x, idx, w, config, state)
+        do_combine = functools.partial(_combine, buf, config, state)
 
         for name, fn in (("dispatch", do_dispatch), ("combine", do_combine)):
             for _ in range(a["warmup"]):
@@ -219,6 +227,7 @@ def _print(results: dict) -> None:
     for r in results["rows"]:
         keys.setdefault((r["op"], r["threads"]), []).append(r)
     for (op, nt), rs in sorted(keys.items(), key=lambda kv: (kv[0][0] != "dispatch", kv[0][1])):
+
         def avg(k: str, rs=rs) -> float:
             return sum(r[k] for r in rs) / len(rs)
 
