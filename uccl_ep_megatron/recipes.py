@@ -313,6 +313,9 @@ class Recipe:
             put("moe_layer_freq", f"([0]*{dense}+[1]*{moe})" if dense else 1)
         if model.pop("swiglu", False):
             put("swiglu", True)
+        if model.get("multi_latent_attention"):
+            # Megatron's MLA builds DeepSeek-V3's latent RMSNorms only with this flag.
+            put("qk_layernorm", True)
         for key, value in model.items():
             put(key, value)
         p = dict(self.parallelism)

@@ -108,6 +108,8 @@ def transformer_config(recipe, par: dict[str, int], dispatcher: str):
         return MLATransformerConfig(
             **kwargs,
             multi_latent_attention=True,
+            # For MLA this is DeepSeek-V3's RMSNorm on the q and kv latents (q_a/kv_a_layernorm).
+            qk_layernorm=True,
             q_lora_rank=m.get("q_lora_rank"),
             kv_lora_rank=m["kv_lora_rank"],
             qk_head_dim=m["qk_head_dim"],
@@ -119,6 +121,68 @@ def transformer_config(recipe, par: dict[str, int], dispatcher: str):
     return TransformerConfig(**kwargs)
 
 
+def _local_mla_core_attention():
+    """megatron-core's unfused ``DotProductAttention`` made to accept MLA's head dims.
+
+    Without Transformer Engine the local MLA spec pairs ``MLASelfAttention`` with
+    ``DotProductAttention``, which (megatron-core 0.16) rejects the ``k_channels`` /
+    ``v_channels`` MLA passes and sizes its output by ``kv_channels``. Its math already handles
+    q/k of ``qk_head_dim + qk_pos_emb_head_dim`` and v of ``v_head_dim``; this subclass takes the
+    two arguments, sizes the output by ``v_channels`` and makes the (split) inputs contiguous
+    for its ``view`` calls. The softmax scale comes from MLA (``softmax_scale``).
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels=None, v_channels=None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+        def forward(self, query, key, value, *args: Any, **kwargs: Any):
+            return super().forward(
+                query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs
+            )
+
+    return DotProductAttention, LocalMLACoreAttention
+
+
+def without_transformer_engine() -> bool:
+    """Make megatron-core 0.16's MoE and MLA code run where Transformer Engine is missing.
+
+    Two spots assume TE: ``moe_utils.router_gating_linear`` reads the module global
+    ``te_general_gemm``, which is only defined when TE imports (a ``NameError`` in every
+    router's forward otherwise); ``multi_latent_attention`` sets ``HAVE_TE`` when its TE
+    extension module imports (it does without TE, leaving ``TELinear`` None) and then calls
+    ``isinstance(x, None)``. Without TE both have a plain-PyTorch path; this selects it.
+
+    Returns:
+        ``True`` when TE is missing (and the two module globals were set), else ``False``.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return False
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    multi_latent_attention.HAVE_TE = False
+    return True
+
+
+def _patch_mla_core_attention(layer_specs) -> None:
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    plain, local_mla = _local_mla_core_attention()
+    for spec in layer_specs:
+        attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+        sub = getattr(attn, "submodules", None)
+        if attn is not None and attn.module is MLASelfAttention and sub.core_attention is plain:
+            sub.core_attention = local_mla
+
+
 def build_model(recipe, config):
     """``GPTModel`` with the local layer specs (and MTP when the recipe has it)."""
     from megatron.core.models.gpt import GPTModel
@@ -128,7 +192,10 @@ def build_model(recipe, config):
     )
 
     m = recipe.model
+    without_transformer_engine()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    if m.get("multi_latent_attention"):
+        _patch_mla_core_attention(block.layer_specs)
     mtp = None
     if m.get("mtp_num_layers"):
         mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
