@@ -54,7 +54,8 @@ void bind_kernels(py::module_& m) {
   m.def("intranode_notify", &k::intranode_notify, py::arg("buffers"), py::arg("rank"), py::arg("num_ranks"),
         py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"),
         py::arg("expert_alignment"), py::arg("seq"), py::arg("rank_prefix_matrix"), py::arg("out_info"),
-        py::arg("status"), py::arg("timeout_ns"), py::arg("stream"));
+        py::arg("status"), py::arg("timeout_ns"), py::arg("is_token_in_rank"), py::arg("num_tokens"),
+        py::arg("send_pos"), py::arg("stream"));
   m.def("dispatch_staging_bytes", &k::dispatch_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),

@@ -25,16 +25,58 @@ StagingLayout dispatch_staging_layout(int64_t rows, int64_t row_bytes, int num_s
 
 namespace {
 
-constexpr int kNotifyThreads = 256;
+constexpr int kNotifyThreads = 1024;
+constexpr int kNotifyWarps = kNotifyThreads / dev::kWarpSize;
 constexpr int kSendThreads = 512;
 constexpr int kSendWarps = kSendThreads / dev::kWarpSize;
 constexpr int kFinishThreads = 512;
+
+// send_pos[t][r] = position of token t among the tokens sent to rank r (an exclusive scan of
+// column r of is_token_in_rank), -1 where not sent; one block, tile by tile with warp ballots.
+__device__ void scan_send_pos(const bool* in_rank, int num_tokens, int R, int* send_pos) {
+  __shared__ int s_running[kMaxRanks];
+  __shared__ int s_warp[kNotifyWarps][kMaxRanks];
+  const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
+  if (tid < kMaxRanks) s_running[tid] = 0;
+  __syncthreads();
+  for (int tile = 0; tile < num_tokens; tile += blockDim.x) {
+    const int t = tile + tid;
+    const bool valid = t < num_tokens;
+    bool flag[kMaxRanks];
+    int lane_pos[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      flag[r] = valid && r < R && in_rank[static_cast<int64_t>(t) * R + r];
+      const lane_mask_t b = dev::warp_ballot(flag[r]);
+      lane_pos[r] = dev::popc_mask(b & dev::lanemask_lt());
+      if (lane == 0) s_warp[warp][r] = dev::popc_mask(b);
+    }
+    __syncthreads();
+    if (tid < R) {
+      int running = s_running[tid];
+      for (int w = 0; w < kNotifyWarps; ++w) {
+        const int v = s_warp[w][tid];
+        s_warp[w][tid] = running;
+        running += v;
+      }
+      s_running[tid] = running;
+    }
+    __syncthreads();
+    if (valid) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (r < R) send_pos[static_cast<int64_t>(t) * R + r] = flag[r] ? s_warp[warp][r] + lane_pos[r] : -1;
+    }
+    __syncthreads();
+  }
+}
 
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
                                                                 const int* per_rank, const int* per_expert,
                                                                 int experts_per_rank, int alignment, uint64_t seq,
                                                                 int* prefix_out, int* info, int64_t* status,
-                                                                int64_t timeout_ns) {
+                                                                int64_t timeout_ns, const bool* in_rank,
+                                                                int num_tokens, int* send_pos) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
   // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
@@ -50,6 +92,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     }
   }
   if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify)) return;
+  // After the barrier, so the scan (a few microseconds) never delays a peer's wait.
+  if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
 
   // Control data is read through volatile loads: peers wrote it, no L1 line may serve it.
   const volatile int* counts = reinterpret_cast<const volatile int*>(bufs.p[rank] + kCountsOffset);
@@ -97,69 +141,16 @@ struct SendParams {
   int64_t* status;
 };
 
-// Block b owns the contiguous token range [t0, t1). Unless cached, it first computes each
-// token's position among the tokens sent to rank r (an exclusive scan of column r of
-// is_token_in_rank): tokens before t0 are counted, then the range is scanned tile by tile
-// with warp ballots. Rows of one block to one rank are then consecutive in the receiver.
+// Each warp sends whole tokens: row read once, written to every destination at its final
+// row (send_pos from notify), then the small per-token metadata.
 template <typename V, int kUnroll, bool kTma>
 __global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
   if (status_set(p.status)) return;
   __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
-  __shared__ int s_running[kMaxRanks];
-  __shared__ int s_warp[kSendWarps][kMaxRanks];
   const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
   const int R = p.num_ranks;
-  const int per_block = (p.num_tokens + gridDim.x - 1) / gridDim.x;
-  const int t0 = min(p.num_tokens, static_cast<int>(blockIdx.x) * per_block);
-  const int t1 = min(p.num_tokens, t0 + per_block);
-  if (tid < R) {
-    s_prefix_row[tid] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + tid] : 0;
-    s_running[tid] = 0;
-  }
+  if (tid < R) s_prefix_row[tid] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + tid] : 0;
   __syncthreads();
-
-  if (!p.cached) {
-    int before[kMaxRanks] = {0};
-    for (int t = tid; t < t0; t += blockDim.x) {
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r)
-        if (r < R) before[r] += p.in_rank[static_cast<int64_t>(t) * R + r];
-    }
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r)
-      if (r < R && before[r]) atomicAdd(&s_running[r], before[r]);
-    __syncthreads();
-    for (int tile = t0; tile < t1; tile += blockDim.x) {
-      const int t = tile + tid;
-      const bool valid = t < t1;
-      bool flag[kMaxRanks];
-      int lane_pos[kMaxRanks];
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) {
-        flag[r] = valid && r < R && p.in_rank[static_cast<int64_t>(t) * R + r];
-        const lane_mask_t b = dev::warp_ballot(flag[r]);
-        lane_pos[r] = dev::popc_mask(b & dev::lanemask_lt());
-        if (lane == 0 && r < R) s_warp[warp][r] = dev::popc_mask(b);
-      }
-      __syncthreads();
-      if (tid < R) {
-        int running = s_running[tid];
-        for (int w = 0; w < kSendWarps; ++w) {
-          const int v = s_warp[w][tid];
-          s_warp[w][tid] = running;
-          running += v;
-        }
-        s_running[tid] = running;
-      }
-      __syncthreads();
-      if (valid) {
-#pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r)
-          if (r < R) p.send_pos[static_cast<int64_t>(t) * R + r] = flag[r] ? s_warp[warp][r] + lane_pos[r] : -1;
-      }
-      __syncthreads();
-    }
-  }
 
 #if UCCL_EP_HAS_TMA
   extern __shared__ __align__(128) uint8_t s_tma[];
@@ -171,7 +162,12 @@ __global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
     __syncwarp();
   }
 #endif
-  for (int t = t0 + warp; t < t1; t += kSendWarps) {
+  // Token t goes to global warp t % (all warps): at any moment the grid writes a compact
+  // window of consecutive destination rows (measured: one contiguous token range per block,
+  // i.e. 24-48 far-apart write streams into the peer, ran 2.5x slower and got slower with
+  // more SMs).
+  const int nwarps = gridDim.x * kSendWarps;
+  for (int t = blockIdx.x * kSendWarps + warp; t < p.num_tokens; t += nwarps) {
     unsigned mask = 0;
     int row[kMaxRanks];
     uint8_t* dst_x[kMaxRanks];
@@ -328,7 +324,7 @@ namespace {
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t num_tokens_per_rank,
                       intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment, uint64_t seq,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
-                      intptr_t stream) {
+                      intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream) {
   const Peers peers = make_peers(buffers, num_ranks);
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
                     " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
@@ -337,7 +333,7 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
       peers, rank, num_ranks, reinterpret_cast<const int*>(num_tokens_per_rank),
       reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment, seq,
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), reinterpret_cast<int64_t*>(status),
-      timeout_ns);
+      timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos));
   GPU_CHECK(gpuGetLastError());
 }
 

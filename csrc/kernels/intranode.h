@@ -54,11 +54,13 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // with every peer, then writes `out_info` = [rank_prefix_matrix (R*R) | aligned per-local-
 // expert counts (experts_per_rank)] and the same prefix matrix into `rank_prefix_matrix`.
 // Doubles as the entry barrier of a dispatch (peers write into our staging only after it).
+// When `send_pos` is non-zero it also scans is_token_in_rank [T, R] into send_pos [T, R].
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
                       intptr_t num_tokens_per_rank, intptr_t num_tokens_per_expert,
                       int experts_per_rank, int expert_alignment, uint64_t seq,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
-                      int64_t timeout_ns, intptr_t stream);
+                      int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
+                      intptr_t send_pos, intptr_t stream);
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
@@ -73,7 +75,7 @@ struct DispatchArgs {
   int num_topk = 0;
   intptr_t is_token_in_rank = 0;  // [T, R] bool
   intptr_t rank_prefix_matrix = 0;  // device [R, R] int32
-  intptr_t send_pos = 0;          // [T, R] int32: written unless `cached`, read when cached
+  intptr_t send_pos = 0;          // [T, R] int32 from notify (or the handle when cached)
   bool cached = false;
   // Local outputs; recv_* rows are the final rows (staged peer rows are copied into them).
   intptr_t recv_x = 0, recv_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;

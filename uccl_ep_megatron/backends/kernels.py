@@ -206,6 +206,10 @@ class KernelsBackend(Backend):
         if cached is None:
             per_expert = args.num_tokens_per_expert.to(torch.int32).contiguous()
 
+        if cached is not None:
+            send_pos = cached.state.send_pos
+        else:
+            send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
         prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=dev)
         info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
         c.intranode_notify(
@@ -221,6 +225,9 @@ class KernelsBackend(Backend):
             out_info=info.data_ptr(),
             status=self._status,
             timeout_ns=self._timeout_ns,
+            is_token_in_rank=args.is_token_in_rank.data_ptr(),
+            num_tokens=num_tokens,
+            send_pos=0 if cached is not None else send_pos.data_ptr(),
             stream=stream,
         )
         # Everything that does not depend on the received counts is set before the sync, so
@@ -243,10 +250,6 @@ class KernelsBackend(Backend):
         a.num_sms = args.config.num_sms
         a.use_tma = self._use_tma
         a.status, a.timeout_ns = self._status, self._timeout_ns
-        if cached is not None:
-            send_pos = cached.state.send_pos
-        else:
-            send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
         a.send_pos = send_pos.data_ptr()
         if cached is not None:
             state: _State = cached.state
