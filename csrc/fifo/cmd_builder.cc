@@ -96,15 +96,15 @@ const char* cmd_type_name(CmdType type) {
 }
 
 std::string describe_cmd(const TransferCmd& cmd) {
+  using std::to_string;
   CmdFields f = decode_cmd(cmd);
-  std::string s = detail::concat(cmd_type_name(f.type), "(dst_rank=", f.dst_rank);
+  std::string s = std::string(cmd_type_name(f.type)) + "(dst_rank=" + to_string(f.dst_rank);
   if (f.type == CmdType::kWrite) {
-    s += detail::concat(", src_offset=", f.src_offset, ", dst_offset=", f.dst_offset, ", length=", f.length);
+    s += ", src_offset=" + to_string(f.src_offset) + ", dst_offset=" + to_string(f.dst_offset) +
+         ", length=" + to_string(f.length);
   }
-  if (f.has_atomic) s += detail::concat(", atomic_index=", f.atomic_index, ", atomic_value=", f.atomic_value);
-  if (f.type == CmdType::kDrain) {
-    s += f.drain_all ? ", all" : detail::concat(", upto_low32=", f.drain_index_low32);
-  }
+  if (f.has_atomic) s += ", atomic_index=" + to_string(f.atomic_index) + ", atomic_value=" + to_string(f.atomic_value);
+  if (f.type == CmdType::kDrain) s += f.drain_all ? std::string(", all") : ", upto_low32=" + to_string(f.drain_index_low32);
   if (f.type == CmdType::kBarrier) s += f.barrier_same_rail ? ", same_rail" : ", all_peers";
   return s + ")";
 }

@@ -6,14 +6,13 @@
 #include <algorithm>
 #include <bitset>
 #include <chrono>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include "common/errors.h"
 #include "common/log.h"
 #include "fifo/cmd_builder.h"
 #include "proxy/reorder.h"
+#include "proxy/text_util.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -125,8 +124,9 @@ class Worker {
     peer_bytes_.resize(o.world_size);
     for (uint32_t r = 0; r < o.world_size; ++r) peer_bytes_[r] = transport.peer_region_bytes(r);
     local_bytes_ = peer_bytes_[o.rank];
+    // Barrier sets include this rank: its barrier message to itself is ordered after its own
+    // writes to itself, so a completed barrier fences those too.
     for (uint32_t r = 0; r < o.world_size; ++r) {
-      if (r == o.rank) continue;
       if (o.ranks_per_node == 0 || r % o.ranks_per_node == o.rank % o.ranks_per_node) same_rail_.push_back(r);
       all_peers_.push_back(r);
     }
@@ -283,7 +283,7 @@ class Worker {
         return step_barrier(ch, c);
       default:
         UCCL_EP_THROW(InvalidArgument, "proxy rank ", o_.rank, " channel ", ch.id, " FIFO index ", ch.idx,
-                      ": invalid command type ", static_cast<uint32_t>(type), " (lo=0x", std::hex, c.lo, ")");
+                      ": invalid command type ", static_cast<uint32_t>(type), " (lo=", text::hex64(c.lo), ")");
     }
   }
 
@@ -414,7 +414,7 @@ class Worker {
         ++rs.barriers;
         break;
       default:
-        UCCL_EP_THROW(TransportError, "proxy rank ", o_.rank, ": unknown immediate 0x", std::hex, v, std::dec,
+        UCCL_EP_THROW(TransportError, "proxy rank ", o_.rank, ": unknown immediate ", text::hex64(v),
                       " from rank ", peer, " channel ", channel);
     }
   }
@@ -524,7 +524,7 @@ ProxyStats Proxy::stats() const {
 }
 
 void Proxy::thread_main(uint32_t thread) {
-  std::string name = detail::concat("ueproxy", options_.rank, "t", thread).substr(0, 15);
+  std::string name = ("ueproxy" + std::to_string(options_.rank) + "t" + std::to_string(thread)).substr(0, 15);
   pthread_setname_np(pthread_self(), name.c_str());
   if (!options_.cpus.empty()) {
     cpu_set_t set;
@@ -554,26 +554,18 @@ void Proxy::thread_main(uint32_t thread) {
 
 std::vector<int> parse_cpulist(const std::string& s) {
   std::vector<int> out;
-  std::stringstream ss(s);
-  std::string part;
-  while (std::getline(ss, part, ',')) {
-    part.erase(std::remove_if(part.begin(), part.end(), ::isspace), part.end());
+  for (const std::string& raw : text::split(s, ',')) {
+    std::string part = text::strip(raw);
     if (part.empty()) continue;
     size_t dash = part.find('-');
-    try {
-      size_t used = 0;
-      int lo = std::stoi(part.substr(0, dash), &used);
-      UCCL_EP_CHECK_ARG(used == (dash == std::string::npos ? part.size() : dash), "bad cpulist entry '", part, "'");
-      int hi = lo;
-      if (dash != std::string::npos) {
-        hi = std::stoi(part.substr(dash + 1), &used);
-        UCCL_EP_CHECK_ARG(used == part.size() - dash - 1, "bad cpulist entry '", part, "'");
-      }
-      UCCL_EP_CHECK_ARG(lo >= 0 && hi >= lo, "bad cpulist range '", part, "'");
-      for (int c = lo; c <= hi; ++c) out.push_back(c);
-    } catch (const std::logic_error&) {
+    int lo = 0, hi = 0;
+    bool ok = text::parse_int(part.substr(0, dash), &lo);
+    hi = lo;
+    if (ok && dash != std::string::npos) ok = text::parse_int(part.substr(dash + 1), &hi);
+    if (!ok || lo < 0 || hi < lo) {
       UCCL_EP_THROW(InvalidArgument, "cpulist '", s, "' has a malformed entry '", part, "'");
     }
+    for (int c = lo; c <= hi; ++c) out.push_back(c);
   }
   return out;
 }
@@ -581,14 +573,16 @@ std::vector<int> parse_cpulist(const std::string& s) {
 std::vector<int> numa_cpus_of_pci(const std::string& pci_bus_id, const std::string& sysfs_root) {
   std::string id = pci_bus_id;
   for (auto& ch : id) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  // CUDA reports "00000000:3B:00.0"; sysfs uses a 4-digit domain.
+  // CUDA reports "00000000:3b:00.0"; sysfs uses a 4-digit domain.
   if (id.size() > 12 && id.find(':') == 8) id = id.substr(4);
-  std::ifstream nf(sysfs_root + "/bus/pci/devices/" + id + "/numa_node");
   int node = -1;
-  if (!(nf >> node) || node < 0) return {};
-  std::ifstream cf(sysfs_root + "/devices/system/node/node" + std::to_string(node) + "/cpulist");
-  std::string list;
-  if (!std::getline(cf, list)) return {};
+  if (!text::parse_int(text::strip(text::read_first_line(sysfs_root + "/bus/pci/devices/" + id + "/numa_node")),
+                       &node) ||
+      node < 0) {
+    return {};
+  }
+  std::string list = text::read_first_line(sysfs_root + "/devices/system/node/node" + std::to_string(node) + "/cpulist");
+  if (text::strip(list).empty()) return {};
   return parse_cpulist(list);
 }
 

@@ -59,7 +59,11 @@ class IpcTransport::IpcEndpoint : public Endpoint {
   void post_write(uint32_t peer, uint32_t channel, uint64_t src_offset, uint64_t dst_offset, uint32_t length,
                   uint32_t imm, uint64_t wr_id) override {
     UCCL_EP_CHECK_ARG(peer < t_.peers_.size(), "ipc post_write to rank ", peer, " of ", t_.peers_.size());
-    held_.push_back(Op{peer, channel, src_offset, dst_offset, length, imm, wr_id, Clock::now()});
+    auto now = Clock::now();
+    // Injector: every write gets its own random latency in [0, max_delay_us]; differing latencies
+    // are what reorders a stream (as packet spraying does on SRD).
+    auto due = t_.options_.reorder ? now + std::chrono::microseconds(rng_() % (t_.options_.max_delay_us + 1ull)) : now;
+    held_.push_back(Op{peer, channel, src_offset, dst_offset, length, imm, wr_id, due});
     progress();
   }
 
@@ -94,11 +98,11 @@ class IpcTransport::IpcEndpoint : public Endpoint {
     uint64_t src_offset, dst_offset;
     uint32_t length, imm;
     uint64_t wr_id;
-    Clock::time_point posted;
+    Clock::time_point due;  // earliest execution time
   };
 
-  // Executes held writes: all, in order, without the injector; otherwise a seeded random choice,
-  // forced when too many are held or the oldest exceeded max_delay_us.
+  // Executes held writes: all, in order, without the injector; with it, every write whose random
+  // latency elapsed (earliest first), and the earliest ones early when more than max_held wait.
   void progress() {
     if (!t_.options_.reorder) {
       size_t i = 0;
@@ -106,22 +110,15 @@ class IpcTransport::IpcEndpoint : public Endpoint {
       held_.erase(held_.begin(), held_.begin() + static_cast<ptrdiff_t>(i));
       return;
     }
-    const auto max_delay = std::chrono::microseconds(t_.options_.max_delay_us);
+    const auto now = Clock::now();
     while (!held_.empty()) {
-      size_t oldest = 0;
+      size_t first = 0;
       for (size_t i = 1; i < held_.size(); ++i) {
-        if (held_[i].posted < held_[oldest].posted) oldest = i;
+        if (held_[i].due < held_[first].due) first = i;
       }
-      size_t pick;
-      if (Clock::now() - held_[oldest].posted >= max_delay) {
-        pick = oldest;
-      } else if (held_.size() > t_.options_.max_held || (rng_() & 1u)) {
-        pick = rng_() % held_.size();
-      } else {
-        break;
-      }
-      if (!execute(held_[pick])) break;
-      held_[pick] = held_.back();
+      if (held_[first].due > now && held_.size() <= t_.options_.max_held) break;
+      if (!execute(held_[first])) break;
+      held_[first] = held_.back();
       held_.pop_back();
     }
   }
@@ -208,7 +205,7 @@ void IpcTransport::connect(const std::vector<std::string>& infos) {
   UCCL_EP_CHECK_ARG(peers_.empty(), "ipc transport of rank ", setup_.rank, " is already connected");
   const uint64_t my_pid = static_cast<uint64_t>(::getpid());
   for (uint32_t r = 0; r < infos.size(); ++r) {
-    const std::string origin = detail::concat("rank ", r);
+    const std::string origin = "rank " + std::to_string(r);
     auto f = kv::decode(infos[r]);
     UCCL_EP_CHECK_ARG(kv::get(f, "transport", origin) == "ipc", origin, " uses transport '",
                       kv::get(f, "transport", origin), "'; set UCCL_EP_TRANSPORT identically on all ranks");

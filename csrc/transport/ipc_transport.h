@@ -3,7 +3,7 @@
 // whole internode path run on one machine by splitting its GPUs into virtual nodes.
 //
 // Reorder/delay injector (seeded): instead of executing a posted write at once, the endpoint
-// holds it and later executes held writes in a random order after a random delay, so data and
+// gives it a random latency in [0, max_delay_us] and executes it when that elapsed, so data and
 // immediates of one stream land out of order, as on EFA SRD.
 #pragma once
 
@@ -23,8 +23,8 @@ struct IpcOptions {
   uint32_t inbox_capacity = 4096;  // immediates per (peer, thread) inbox ring; power of two
   bool reorder = false;            // enable the injector
   uint64_t seed = 0;               // injector seed (combined with rank and thread)
-  uint32_t max_delay_us = 50;      // a held write is executed at the latest this long after posting
-  uint32_t max_held = 32;          // at most this many writes held per endpoint
+  uint32_t max_delay_us = 50;      // largest injected latency of a write
+  uint32_t max_held = 256;         // more held writes than this: execute the earliest at once
   const GpuHooks* gpu = nullptr;   // required when the region is GPU memory
 };
 

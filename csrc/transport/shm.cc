@@ -47,7 +47,8 @@ SharedMemory::~SharedMemory() {
 
 std::string SharedMemory::unique_name(const std::string& tag) {
   static std::atomic<uint64_t> counter{0};
-  return detail::concat("/uccl_ep_", ::getpid(), "_", counter.fetch_add(1), "_", tag);
+  // Plain string building (no iostreams) on every success path of the core; see text_util.h.
+  return "/uccl_ep_" + std::to_string(::getpid()) + "_" + std::to_string(counter.fetch_add(1)) + "_" + tag;
 }
 
 }  // namespace uccl_ep

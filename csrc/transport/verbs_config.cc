@@ -5,21 +5,14 @@
 
 #include <climits>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "common/errors.h"
+#include "proxy/text_util.h"
 
 namespace uccl_ep {
 namespace {
 
-std::string read_line(const std::string& path) {
-  std::ifstream f(path);
-  std::string s;
-  if (!std::getline(f, s)) return "";
-  while (!s.empty() && (s.back() == '\n' || s.back() == ' ' || s.back() == '\r')) s.pop_back();
-  return s;
-}
+std::string read_line(const std::string& path) { return text::strip(text::read_first_line(path)); }
 
 bool exists(const std::string& path) {
   struct stat st;
@@ -30,9 +23,7 @@ bool exists(const std::string& path) {
 
 std::vector<HcaSpec> parse_hca_list(const std::string& s) {
   std::vector<HcaSpec> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
+  for (const std::string& item : text::split(s, ',')) {
     if (item.empty()) continue;
     HcaSpec h;
     size_t colon = item.find(':');

@@ -377,7 +377,7 @@ VerbsTransport::~VerbsTransport() {
 }
 
 std::string VerbsTransport::name() const {
-  return detail::concat(flavor_ == QpFlavor::kEfaSrd ? "verbs-efa-srd" : "verbs-rc", ":", device_name_);
+  return std::string(flavor_ == QpFlavor::kEfaSrd ? "verbs-efa-srd" : "verbs-rc") + ":" + device_name_;
 }
 
 std::string VerbsTransport::local_info() const {
@@ -403,7 +403,7 @@ void VerbsTransport::connect(const std::vector<std::string>& infos) {
   UCCL_EP_CHECK_ARG(!connected_, "verbs transport is already connected");
   remotes_.resize(world);
   for (uint32_t r = 0; r < world; ++r) {
-    const std::string origin = detail::concat("rank ", r);
+    const std::string origin = "rank " + std::to_string(r);
     auto f = kv::decode(infos[r]);
     const std::string mine = flavor_ == QpFlavor::kEfaSrd ? "verbs-efa" : "verbs-rc";
     UCCL_EP_CHECK_ARG(kv::get(f, "transport", origin) == mine, origin, " uses '", kv::get(f, "transport", origin),

@@ -267,8 +267,8 @@ TEST(Proxy, NoOrderingIsCaughtByTheChecker) {
     c.seed = seed;
     c.world = 2;
     c.channels = 2;
-    c.msgs = 100;
-    c.max_delay_us = 3000;
+    c.msgs = 60;
+    c.max_delay_us = 5000;
     c.ordering = Ordering::kNone;
     World w(c);
     violations += run_ring_traffic(w);
