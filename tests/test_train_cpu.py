@@ -243,3 +243,73 @@ def test_gpu_relaunch_command_parses_back_to_the_same_options(tmp_path):
     )
     assert ns.overrides == ["training.micro_batch_size=1"] and ns.run_dir == str(tmp_path / "run")
     assert ns.data_path == "/data/c_text_document" and not ns.resume and not ns.use_wandb
+
+
+_BUILD_ON_CPU = r"""
+import contextlib, json, os, sys, torch, torch.distributed as dist
+# megatron-core allocates on torch.cuda.current_device(); pointing it at the CPU lets this
+# CPU-only machine build and run the real model (nothing else is replaced).
+torch.cuda.current_device = lambda: "cpu"
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=0, world_size=1)
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+from uccl_ep_megatron.flops import param_counts
+from uccl_ep_megatron.recipes import load_recipe
+from uccl_ep_megatron.train_gpu import _forward_step, batches, build_model, transformer_config
+small = dict(hidden_size=256, num_attention_heads=4, kv_channels=64, num_layers=3,
+             ffn_hidden_size=512, num_experts=16, moe_ffn_hidden_size=64,
+             moe_shared_expert_intermediate_size=64, vocab_size=1000, seq_length=32,
+             max_position_embeddings=32)
+if sys.argv[1] == "deepseek-v3/proxy":
+    small.update(q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16,
+                 v_head_dim=32, first_k_dense_layers=1)
+r = load_recipe(sys.argv[1], {"model": small,
+                              "parallelism": {"pipeline_model_parallel_size": 1,
+                                              "decoder_first_pipeline_num_layers": None,
+                                              "decoder_last_pipeline_num_layers": None,
+                                              "expert_model_parallel_size": 1},
+                              "training": {"micro_batch_size": 1, "global_batch_size": 1},
+                              "cluster": {"nodes": 1, "gpus_per_node": 1}})
+par = r.resolved_parallelism(1)
+cfg = transformer_config(r, par, "allgather")
+cfg.use_cpu_initialization, cfg.params_dtype, cfg.bf16 = True, torch.float32, False
+cfg.pipeline_dtype = torch.float32
+model = build_model(r, cfg)
+out, loss_fn = _forward_step(batches(r, par, 0, 0, None, torch.device("cpu")), model)
+total, tokens, _ = loss_fn(out)
+total.backward()
+c = param_counts(r.model)
+print(json.dumps({
+    "built": sum(p.numel() for p in model.parameters()),
+    "flops_total": c.total, "flops_mtp": c.mtp_params,
+    "moe_layers": r.num_moe_layers + int(r.model.get("mtp_num_layers") or 0),
+    "experts": r.model["num_experts"], "loss": float(total / tokens),
+    "no_grad": sum(p.grad is None for p in model.parameters()),
+}))
+"""
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("recipe", ["deepseek-v3/proxy", "deepseek-v3/downscale-32l"])
+def test_megatron_core_model_matches_flops_counts(recipe, tmp_path):
+    """The model train builds (MLA or MHA, MoE, MTP) has exactly flops.py's parameters."""
+    pytest.importorskip("megatron.core")
+    import math
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD_ON_CPU, recipe, str(tmp_path / "pg_init")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # megatron-core keeps the expert-score bias as a buffer, flops.py counts it as a weight.
+    expected = got["flops_total"] + got["flops_mtp"] - got["moe_layers"] * got["experts"]
+    assert got["built"] == expected
+    assert got["no_grad"] == 0  # every parameter got a gradient (MTP and router included)
+    assert abs(got["loss"] - math.log(1000)) < 0.5  # untrained: about ln(vocab)
