@@ -21,6 +21,7 @@ __device__ __forceinline__ uint64_t* flags_of(uint8_t* buf) {
   return reinterpret_cast<uint64_t*>(buf + kFlagsOffset);
 }
 
+// A PCIe read of mapped host memory: call it from one thread per block, not from every thread.
 __device__ __forceinline__ bool status_set(const int64_t* status) {
   return *reinterpret_cast<const volatile int64_t*>(status) != 0;
 }
