@@ -49,7 +49,7 @@ def _groups(rank: int, world: int, tp: int):
 
 def _make_dispatcher(rank, world, tp, groups=None, **config_overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher
+    from uccl_ep_megatron.token_dispatcher import UcclEpOptions, UcclEpTokenDispatcher
 
     try:
         from megatron.core.process_groups_config import ProcessGroupCollection as PGs
@@ -75,7 +75,9 @@ def _make_dispatcher(rank, world, tp, groups=None, **config_overrides):
     pgs = PGs(ep=ep_group, expt_tp=tp_group, tp_ep=tp_ep_group)
     num_local = config.num_moe_experts // ep
     local = [(rank // tp) * num_local + i for i in range(num_local)]
-    return UcclEpTokenDispatcher(num_local, local, config, pgs), config
+    # The reference backend explicitly: these tests are about the dispatcher, on CPU.
+    options = UcclEpOptions(backend="reference")
+    return UcclEpTokenDispatcher(num_local, local, config, pgs, options=options), config
 
 
 def _inputs(seed: int, rank: int, world: int, tp: int, tokens: int, dtype):
