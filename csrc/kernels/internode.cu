@@ -343,8 +343,10 @@ __device__ void dispatch_sender(const DispatchDev& p, int ch) {
     s_cnt[tid] = p.list_count[ch * c.N + tid];
     s_sent[tid] = c.state[state_index(kDispatchSent, ch, tid)];
   }
+  if (tid == 0) s_round = kGo;
   __syncthreads();
   uint64_t last_progress = fifo_now_ns();
+  int round = kGo;
   for (;;) {
     if (tid == 0) {
       bool all_done = true, any = false;
@@ -368,7 +370,7 @@ __device__ void dispatch_sender(const DispatchDev& p, int ch) {
         any |= k > 0;
       }
       int st = all_done ? kDone : (any ? kGo : kWait);
-      if (aborted(c)) {
+      if (s_round == kStop || aborted(c)) {  // s_round: thread 0's own push failure
         st = kStop;
       } else if (st == kGo) {
         last_progress = fifo_now_ns();
@@ -383,7 +385,10 @@ __device__ void dispatch_sender(const DispatchDev& p, int ch) {
       s_round = st;
     }
     __syncthreads();
-    const int st = s_round;
+    round = s_round;
+    // Nobody reads s_round again until thread 0 rewrote it for the next round.
+    __syncthreads();
+    const int st = round;
     if (st == kDone || st == kStop) break;
     if (st == kGo) {
       int total = 0;
@@ -430,11 +435,10 @@ __device__ void dispatch_sender(const DispatchDev& p, int ch) {
         }
         if (!ok) s_round = kStop;
       }
-      __syncthreads();
-      if (s_round == kStop) break;
     }
   }
-  if (tid == 0 && s_round == kDone) {
+  __syncthreads();  // thread 0's last updates of the shared positions are visible
+  if (tid == 0 && round == kDone) {
     // End-of-stream markers: the forwarders learn this channel sent everything.
     for (int n = 0; n < c.N; ++n) {
       if (n == c.node) continue;
@@ -457,8 +461,10 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
     s_fin[tid] = tid == c.node;
     s_avail[tid] = 0;
   }
+  if (tid == 0) s_round = kGo;
   __syncthreads();
   uint64_t last_progress = fifo_now_ns();
+  int round = kGo;
   for (;;) {
     if (tid == 0) {
       bool all_done = true, any = false;
@@ -486,7 +492,7 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
         any |= avail > 0;
       }
       int st = all_done ? kDone : (any ? kGo : kWait);
-      if (aborted(c)) {
+      if (s_round == kStop || aborted(c)) {  // s_round: thread 0's own push failure
         st = kStop;
       } else if (st == kGo) {
         last_progress = fifo_now_ns();
@@ -501,7 +507,10 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
       s_round = st;
     }
     __syncthreads();
-    const int st = s_round;
+    round = s_round;
+    // Nobody reads s_round again until thread 0 rewrote it for the next round.
+    __syncthreads();
+    const int st = round;
     if (st == kDone || st == kStop) break;
     if (st != kGo) continue;
     int total = 0;
@@ -535,12 +544,11 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
         }
       }
     }
-    __syncthreads();
-    if (s_round == kStop) break;
   }
+  __syncthreads();  // thread 0's last updates of the shared positions are visible
   if (tid < c.N) {
     c.state[state_index(kDispatchConsumed, ch, tid)] = s_cons[tid];
-    if (s_round == kDone && tid != c.node) c.state[state_index(kDispatchCalls, ch, tid)] = s_calls[tid];
+    if (round == kDone && tid != c.node) c.state[state_index(kDispatchCalls, ch, tid)] = s_calls[tid];
   }
 }
 
@@ -693,8 +701,10 @@ __device__ void combine_forwarder(const CombineDev& p, int ch) {
     s_begin[tid] = channel_range(p.src_T[tid], c.C, ch).begin;
     s_sent[tid] = c.state[state_index(kCombineSent, ch, tid)];
   }
+  if (tid == 0) s_round = kGo;
   __syncthreads();
   uint64_t last_progress = fifo_now_ns();
+  int round = kGo;
   for (;;) {
     if (tid == 0) {
       bool all_done = true, any = false;
@@ -716,7 +726,7 @@ __device__ void combine_forwarder(const CombineDev& p, int ch) {
         any |= k > 0;
       }
       int st = all_done ? kDone : (any ? kGo : kWait);
-      if (aborted(c)) {
+      if (s_round == kStop || aborted(c)) {  // s_round: thread 0's own push failure
         st = kStop;
       } else if (st == kGo) {
         last_progress = fifo_now_ns();
@@ -731,7 +741,10 @@ __device__ void combine_forwarder(const CombineDev& p, int ch) {
       s_round = st;
     }
     __syncthreads();
-    const int st = s_round;
+    round = s_round;
+    // Nobody reads s_round again until thread 0 rewrote it for the next round.
+    __syncthreads();
+    const int st = round;
     if (st == kDone || st == kStop) break;
     if (st != kGo) continue;
     int total = 0;
@@ -756,9 +769,8 @@ __device__ void combine_forwarder(const CombineDev& p, int ch) {
       }
       if (!ok) s_round = kStop;
     }
-    __syncthreads();
-    if (s_round == kStop) break;
   }
+  __syncthreads();  // thread 0's last updates of the shared positions are visible
   if (tid < c.N) c.state[state_index(kCombineSent, ch, tid)] = s_sent[tid];
 }
 
@@ -776,6 +788,7 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
     s_base[tid] = c.state[state_index(kCombineConsumed, ch, tid)];
     s_prev[tid] = 0;
   }
+  if (tid == 0) s_round = kGo;
   __syncthreads();
   // A window never needs more partials from a node than its ring holds: the senders can
   // always deliver a whole window once the previous one was released.
@@ -784,7 +797,7 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
   for (int w0 = range.begin; w0 < range.end; w0 += window) {
     const int w1 = w0 + window < range.end ? w0 + window : range.end;
     if (tid == 0) {
-      int st = kGo;
+      int st = s_round == kStop ? kStop : kGo;  // thread 0's own push failure of the last window
       for (int n = 0; n < c.N && st == kGo; ++n) {
         if (n == c.node) continue;
         const int64_t need = s_base[n] + p.stream_cum[static_cast<int64_t>(w1 - 1) * c.N + n];
@@ -808,7 +821,9 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
       s_round = st;
     }
     __syncthreads();
-    if (s_round == kStop) break;
+    const int st = s_round;
+    __syncthreads();  // everyone read it before thread 0 may rewrite it
+    if (st == kStop) break;
     for (int t = w0 + warp; t < w1; t += kWarps) {
       // Which ring entry holds token t's partial from node n: its rank in the stream.
       int slot_of[kMaxNodes];
@@ -875,9 +890,8 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
         }
       }
     }
-    __syncthreads();
-    if (s_round == kStop) break;
   }
+  __syncthreads();  // thread 0's last updates of the shared positions are visible
   if (tid < c.N) c.state[state_index(kCombineConsumed, ch, tid)] = s_base[tid] + s_prev[tid];
 }
 

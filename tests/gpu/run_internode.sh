@@ -25,9 +25,13 @@ t2=$(date +%s)
 timeout ${BENCH_TIMEOUT:-60} python3 -m uccl_ep_megatron.bench.internode --iters ${BENCH_ITERS:-5} \
   --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
 bench_rc=$?
+timeout ${BENCH_TIMEOUT:-60} python3 -m uccl_ep_megatron.bench.internode --iters ${BENCH_ITERS:-5} \
+  --threads 4 --reorder --json "$OUT/bench_reorder.json" > "$OUT/bench_reorder.log" 2>&1
 t3=$(date +%s)
 echo "---- pytest (rc=$test_rc, $((t2 - t1)) s) ----"
 grep -E "passed|failed|Error|error|assert|mismatch|Timeout" "$OUT/pytest.log" | head -30
 tail -3 "$OUT/pytest.log"
 echo "---- bench (rc=$bench_rc, $((t3 - t2)) s) ----"
-tail -15 "$OUT/bench.log"
+tail -10 "$OUT/bench.log"
+echo "---- bench, injector on ----"
+tail -3 "$OUT/bench_reorder.log"

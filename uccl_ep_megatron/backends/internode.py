@@ -253,7 +253,8 @@ class InternodeBackend(Backend):
                 f"{peer} (node {peer // topo.ranks_per_node}), {detail}, within "
                 f"UCCL_EP_TIMEOUT_MS={self._timeout_ms}. Rank {peer} crashed, stopped calling "
                 "dispatch/combine in step with this rank, or its proxy stopped; raise "
-                "UCCL_EP_TIMEOUT_MS if it is only slow. This Buffer is unusable now."
+                "UCCL_EP_TIMEOUT_MS if it is only slow. This Buffer is unusable now. "
+                f"Proxy of this rank: {self._ep.stats()}"
             )
 
     def _common(self, config: Config) -> Any:
