@@ -16,7 +16,16 @@
 #define fifo_event_elapsed hipEventElapsedTime
 #define fifo_event_destroy hipEventDestroy
 #define fifo_host_alloc_portable hipHostMallocPortable
+// Sub-wave of 32 lanes: order the lanes' payload writes before lane 0's push, and broadcast.
+#define FIFO_SYNCWARP()                \
+  do {                                 \
+    __threadfence_block();             \
+    __builtin_amdgcn_wave_barrier();   \
+  } while (0)
+#define FIFO_SHFL0(v) __shfl((v), 0, 32)
 #else
+#define FIFO_SYNCWARP() __syncwarp()
+#define FIFO_SHFL0(v) __shfl_sync(0xffffffffu, (v), 0)
 #define fifo_event_create cudaEventCreate
 #define fifo_event_record cudaEventRecord
 #define fifo_event_elapsed cudaEventElapsedTime
@@ -64,11 +73,11 @@ __global__ void traffic_kernel(const FifoDeviceHandle* handles, uint32_t num_cha
     const uint64_t off = (uint64_t{warp} * msgs + k) * len;
     for (uint32_t i = lane; i < len; i += kWarp) region[off + i] = traffic_pattern(rank, warp, k, i);
     // The payload written by all lanes must be visible before lane 0 publishes the command.
-    __syncwarp();  // HIP: ROCm >= 6 provides __syncwarp
+    FIFO_SYNCWARP();
     if (lane == 0) {
       ok = fifo_push(h, make_write_atomic(peer, off, area + off, len, rank * num_channels + ch, 1)) != kFifoPushFailed;
     }
-    ok = __shfl_sync(0xffffffffu, ok, 0);
+    ok = FIFO_SHFL0(ok);
   }
   if (lane == 0 && ok) {
     uint64_t d = fifo_push(h, make_drain_all());
