@@ -100,6 +100,65 @@ def test_two_gpu_ipc_traffic(channels, threads, reorder):
             e.close()
 
 
+def _gpu_dist_body(rank: int, world: int, reorder: bool) -> dict:
+    """One process per GPU: regions reached through CUDA IPC, bootstrap over gloo."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    blocks, warps_per_block, msgs, length, channels = 4, 4, 8, 512, 4
+    warps = blocks * warps_per_block
+    area = warps * msgs * length
+    region = torch.zeros(2 * area, dtype=torch.uint8, device=f"cuda:{rank}")
+    torch.cuda.synchronize()
+    cfg = ProxyConfig(
+        num_channels=channels,
+        num_threads=2,
+        transport="ipc",
+        ipc_reorder=reorder,
+        ipc_seed=3,
+        timeout_ms=20000,
+        num_counters=world * channels,
+    )
+    ep = ProxyEndpoint(region.data_ptr(), 2 * area, device=rank, config=cfg)
+    ep.connect()
+    try:
+        stream = torch.cuda.Stream()
+        peer = (rank + 1) % world
+        _C.fifo_launch_traffic(
+            ep.channels, blocks, warps_per_block, msgs, length, rank, peer,
+            region.data_ptr(), rank, stream.cuda_stream,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not stream.query():
+            ep.check()
+            assert time.monotonic() < deadline, "kernel did not finish within 60 s"
+            time.sleep(0.001)
+        ep.check()
+        src = (rank - 1) % world
+        assert torch.equal(region[area:], _expected(src, warps, msgs, length, region.device))
+        return ep.stats()
+    finally:
+        dist.barrier()  # the peer may still copy into our region until it is done
+        ep.close()
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("reorder", [False, True], ids=["inorder", "reorder"])
+def test_two_processes_cuda_ipc(reorder):
+    import os
+
+    from dist_utils import DistPool
+
+    pool = DistPool(2)
+    try:
+        stats = pool.run(os.path.abspath(__file__), "_gpu_dist_body", reorder)
+    finally:
+        pool.close()
+    for st in stats:
+        assert st["writes_posted"] == 16 * 8 and st["atomics_applied"] == 16 * 8
+
+
 @pytest.mark.parametrize("channels,threads", [(1, 1), (4, 2), (8, 4)])
 def test_push_kernel_exactly_once_in_order(channels, threads):
     r = _C.fifo_bench(0, channels, threads, 16, 8, 500, 256, 100, 60000)
