@@ -116,3 +116,27 @@ def test_concurrent_producers_exactly_once():
 def test_bad_capacity():
     with pytest.raises(InvalidInputError, match="power of two"):
         _C.FifoChannel.host(0, 1000, 100)
+
+
+def test_bench_fifo_without_gpu_explains(capsys):
+    import torch
+
+    from uccl_ep_megatron import cli
+    from uccl_ep_megatron.errors import UnsupportedError
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; tests/gpu/test_fifo_gpu.py covers the benchmark")
+    with pytest.raises(UnsupportedError, match="bench fifo"):
+        cli.main(["bench", "fifo", "--threads", "1"])
+
+
+def test_bench_fifo_rejects_bad_threads():
+    import argparse
+
+    from uccl_ep_megatron.bench import fifo
+
+    if not hasattr(_C, "fifo_bench") or _C.gpu_device_count() == 0:
+        pytest.skip("argument checks run after the GPU check")
+    ns = argparse.Namespace(**{**vars(argparse.Namespace()), "device": 0, "threads": "x"})
+    with pytest.raises(InvalidInputError):
+        fifo.measure(ns)
