@@ -16,7 +16,7 @@ build_rc=$?
 t1=$(date +%s)
 echo "build rc=$build_rc ($((t1 - t0)) s)"
 if [ $build_rc -ne 0 ]; then tail -40 "$OUT/build.log"; exit 1; fi
-cd /tmp  # import the installed package, not the source tree
+cd /tmp || exit 1  # import the installed package, not the source tree
 timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" -rs \
   "$REPO/tests/gpu/test_fifo_gpu.py" > "$OUT/pytest.log" 2>&1
 test_rc=$?
