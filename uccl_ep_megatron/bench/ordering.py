@@ -1,0 +1,155 @@
+"""``uccl-ep-megatron bench ordering``: receiver- vs sender-side ordering (paper Figure 7), CPU.
+
+Two ranks in one process over the ipc transport with the reorder/delay injector imitating an
+unordered network with per-message latency up to ``--delay-us``. On every channel, a CPU producer
+(standing in for the GPU) pushes ``--msgs`` Writes of ``--bytes`` bytes, each carrying a software
+atomic (+1 on the peer's counter of that channel), as the HT kernels do per chunk. The time runs
+until every counter on both ranks reached ``--msgs``. With receiver-side ordering the sender
+streams writes and atomics back to back and the receiver holds early atomics; with sender-side
+ordering each atomic waits for the completion of the writes before it (one more network round
+trip per chunk), which is the cost the paper measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+from uccl_ep_megatron.errors import InvalidInputError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``bench ordering`` (see README, cli-bench)."""
+    parser.add_argument("--channels", type=int, default=2, help="FIFO channels per rank")
+    parser.add_argument("--threads", type=int, default=1, help="proxy threads per rank")
+    parser.add_argument("--msgs", type=int, default=2000, help="write+atomic per channel")
+    parser.add_argument("--bytes", type=int, default=4096, help="bytes per write")
+    parser.add_argument(
+        "--delay-us",
+        default="0,20,100",
+        help="comma-separated injected max latencies; 0 = no injector",
+    )
+    parser.add_argument("--seed", type=int, default=1, help="injector seed")
+    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+
+
+def register(subparsers: Any) -> None:
+    """Adds ``ordering`` to the ``bench`` subcommands."""
+    p = subparsers.add_parser("ordering", help="receiver- vs sender-side ordering (CPU, ipc)")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _one(args: argparse.Namespace, ordering: str, delay_us: int) -> dict[str, Any]:
+    from uccl_ep_megatron import _C
+    from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint, cmd_write_atomic
+
+    world, ch, n, nbytes = 2, args.channels, args.msgs, args.bytes
+    slot = (nbytes + 15) // 16 * 16
+    size = 2 * ch * slot  # one send and one receive slot per channel (content is not checked)
+    regions = [_C.HostRegion(size) for _ in range(world)]
+    cfg = ProxyConfig(
+        num_channels=ch,
+        num_threads=args.threads,
+        transport="ipc",
+        ordering=ordering,
+        ipc_reorder=delay_us > 0,
+        ipc_seed=args.seed,
+        ipc_max_delay_us=max(delay_us, 1),
+        num_counters=world * ch,
+        timeout_ms=60000,
+    )
+    eps = [
+        ProxyEndpoint(regions[r].ptr, size, rank=r, world_size=world, config=cfg)
+        for r in range(world)
+    ]
+    infos = [e.local_info for e in eps]
+    for e in eps:
+        e.connect(infos)
+    try:
+
+        def produce(r: int, c: int) -> None:
+            peer = 1 - r
+            cmd = cmd_write_atomic(peer, c * slot, (ch + c) * slot, nbytes, r * ch + c, 1)
+            for _ in range(n):
+                eps[r].push(c, cmd)
+
+        t0 = time.perf_counter()
+        producers = [
+            threading.Thread(target=produce, args=(r, c)) for r in range(world) for c in range(ch)
+        ]
+        for t in producers:
+            t.start()
+        deadline = t0 + 120
+        while True:
+            # Rank r's counters (1 - r) * ch + c count the chunks its peer sent on channel c.
+            got = [eps[r].counter_values()[(1 - r) * ch : (2 - r) * ch] for r in range(world)]
+            if all(v >= n for g in got for v in g):
+                break
+            for e in eps:
+                e.check()
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"bench ordering: counters stuck at {got}")
+            time.sleep(0.0002)
+        dt = time.perf_counter() - t0
+        for t in producers:
+            t.join()
+        held = sum(e.stats()["held_out_of_order"] for e in eps)
+    finally:
+        for e in eps:
+            e.close()
+    total = world * ch * n
+    return {
+        "ordering": ordering,
+        "delay_us": delay_us,
+        "chunks": total,
+        "seconds": dt,
+        "kchunks_per_s": total / dt / 1e3,
+        "us_per_chunk_per_channel": dt / n * 1e6,
+        "held_out_of_order": held,
+    }
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (delay, ordering) pair."""
+    try:
+        delays = [int(d) for d in args.delay_us.split(",") if d.strip()]
+    except ValueError:
+        raise InvalidInputError(f"--delay-us={args.delay_us!r} must be integers") from None
+    if not delays or min(delays) < 0 or args.msgs < 1 or args.bytes < 1:
+        raise InvalidInputError("--delay-us must be >= 0, --msgs and --bytes >= 1")
+    return [_one(args, o, d) for d in delays for o in ("receiver", "sender")]
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """One line per (delay, ordering)."""
+    print(f"{'delay us':>8} {'ordering':>9} {'Kchunks/s':>10} {'us/chunk/ch':>12} {'held':>7}")
+    for r in rows:
+        print(
+            f"{r['delay_us']:>8} {r['ordering']:>9} {r['kchunks_per_s']:>10.1f} "
+            f"{r['us_per_chunk_per_channel']:>12.2f} {r['held_out_of_order']:>7}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure, print, optionally write JSON."""
+    rows = measure(args)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"bench": "ordering", "rows": rows}, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m uccl_ep_megatron.bench.ordering")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
