@@ -87,8 +87,7 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("recv_src_idx", &k::DispatchArgs::recv_src_idx)
       .def_readwrite("num_recv", &k::DispatchArgs::num_recv)
       .def_readwrite("num_out_rows", &k::DispatchArgs::num_out_rows)
-      .def_readwrite("own_begin", &k::DispatchArgs::own_begin)
-      .def_readwrite("own_end", &k::DispatchArgs::own_end)
+      .def_readwrite("recv_begin", &k::DispatchArgs::recv_begin)
       .def_readwrite("staging_rows", &k::DispatchArgs::staging_rows)
       .def_readwrite("buffer_bytes", &k::DispatchArgs::buffer_bytes)
       .def_readwrite("num_sms", &k::DispatchArgs::num_sms)
@@ -97,7 +96,6 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("status", &k::DispatchArgs::status)
       .def_readwrite("timeout_ns", &k::DispatchArgs::timeout_ns);
   m.def("intranode_dispatch", &k::intranode_dispatch, py::arg("args"), py::arg("stream"));
-  m.def("intranode_dispatch_finish", &k::intranode_dispatch_finish, py::arg("args"), py::arg("stream"));
 
   py::class_<k::CombineArgs>(m, "IntranodeCombineArgs")
       .def(py::init<>())

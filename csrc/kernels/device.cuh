@@ -118,6 +118,19 @@ __device__ __forceinline__ T ld_stream(const T* p) {
 #endif
 }
 
+// Load that bypasses L1 (cached in L2 only): for data peers write while this kernel runs,
+// where a line fetched for a neighbouring row must not serve a later, not-yet-landed row.
+template <typename T>
+__device__ __forceinline__ T ld_cg(const T* p) {
+#if defined(UCCL_EP_DEVICE_CUDA) && defined(__CUDA_ARCH__)
+  return __ldcg(p);
+#else
+  // AMD: not yet exercised on hardware; a plain load (vL1D is write-through). Revisit with a
+  // glc load when the HIP path runs on MI300X.
+  return *p;
+#endif
+}
+
 // Plain store; peer pointers are IPC mappings, so this is an NVLink/xGMI write when remote.
 template <typename T>
 __device__ __forceinline__ void st_plain(T* p, const T& v) {

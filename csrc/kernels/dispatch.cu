@@ -1,6 +1,7 @@
-// Intranode dispatch: notify (count exchange + entry barrier), send (each row read once and
-// written to every destination rank at its final row index), finish (barrier + local copy of
-// staged peer rows into the fresh outputs, padding for num_worst_tokens).
+// Intranode dispatch: notify (count exchange, entry barrier, send positions), then one
+// pipelined kernel: sender blocks write each row once to every destination at its final row
+// index (own rows straight into the outputs, peer rows into the peer's staging) and publish
+// per-chunk progress; receiver blocks copy landed peer chunks into the fresh outputs.
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -29,7 +30,6 @@ constexpr int kNotifyThreads = 1024;
 constexpr int kNotifyWarps = kNotifyThreads / dev::kWarpSize;
 constexpr int kSendThreads = 512;
 constexpr int kSendWarps = kSendThreads / dev::kWarpSize;
-constexpr int kFinishThreads = 512;
 
 // send_pos[t][r] = position of token t among the tokens sent to rank r (an exclusive scan of
 // column r of is_token_in_rank), -1 where not sent; one block, tile by tile with warp ballots.
@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
                                                                 int num_tokens, int* send_pos) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
+  if (tid < R) reinterpret_cast<int*>(bufs.p[tid] + kTokensOffset)[rank] = num_tokens;
   // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int r = i / R, j = i % R;
@@ -124,6 +125,7 @@ struct RowPtrs {
 };
 
 struct SendParams {
+  Peers bufs;
   RowPtrs dst;
   int rank, num_ranks, num_tokens, experts_per_rank;
   const uint8_t* x;
@@ -134,109 +136,10 @@ struct SendParams {
   bool idx_is_64;
   const float* topk_weights;
   int num_topk;
-  const bool* in_rank;
   const int* prefix;
-  int* send_pos;
-  bool cached;
-  int64_t* status;
-};
-
-// Each warp sends whole tokens: row read once, written to every destination at its final
-// row (send_pos from notify), then the small per-token metadata.
-template <typename V, int kUnroll, bool kTma>
-__global__ void __launch_bounds__(kSendThreads) send_kernel(SendParams p) {
-  __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
-  __shared__ int s_failed;
-  const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
-  const int R = p.num_ranks;
-  // The status words are in host memory: one PCIe read per block, never one per thread
-  // (measured: 12K threads each reading it cost ~500 us and grew with the SM count).
-  if (tid == 0) s_failed = status_set(p.status) ? 1 : 0;
-  if (tid < R) s_prefix_row[tid] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + tid] : 0;
-  __syncthreads();
-  if (s_failed) return;
-
-#if UCCL_EP_HAS_TMA
-  extern __shared__ __align__(128) uint8_t s_tma[];
-  __shared__ uint64_t s_bar[kSendWarps];
-  uint32_t phase = 0;
-  int stage = 0;
-  if constexpr (kTma) {
-    if (lane == 0) dev::mbar_init(&s_bar[warp], 1);
-    __syncwarp();
-  }
-#endif
-  // Token t goes to global warp t % (all warps): at any moment the grid writes a compact
-  // window of consecutive destination rows (measured: one contiguous token range per block,
-  // i.e. 24-48 far-apart write streams into the peer, ran 2.5x slower and got slower with
-  // more SMs).
-  const int nwarps = gridDim.x * kSendWarps;
-  for (int t = blockIdx.x * kSendWarps + warp; t < p.num_tokens; t += nwarps) {
-    unsigned mask = 0;
-    int row[kMaxRanks];
-    uint8_t* dst_x[kMaxRanks];
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
-      row[r] = 0;
-      dst_x[r] = nullptr;
-      if (r < R) {
-        const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
-        if (pos >= 0) {
-          mask |= 1u << r;
-          row[r] = s_prefix_row[r] + pos;
-          dst_x[r] = p.dst.x[r] + static_cast<int64_t>(row[r]) * p.row_bytes;
-        }
-      }
-    }
-    if (mask == 0) continue;
-    if constexpr (kTma) {
-#if UCCL_EP_HAS_TMA
-      if (lane == 0)
-        tma_row_multi(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask,
-                      s_tma + warp * kTmaStages * kTmaChunk, &s_bar[warp], phase, stage);
-#endif
-    } else {
-      copy_row_multi<V, kUnroll>(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask, lane);
-    }
-
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
-      if (!(mask >> r & 1u)) continue;
-      const int64_t drow = row[r];
-      for (int s = lane; s < p.num_scales; s += dev::kWarpSize)
-        p.dst.scales[r][drow * p.num_scales + s] = p.scales[static_cast<int64_t>(t) * p.num_scales + s];
-      if (p.dst.src[r] != nullptr && lane == 0) p.dst.src[r][drow] = t;
-      if (p.topk_idx != nullptr) {
-        for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
-          const int64_t i = static_cast<int64_t>(t) * p.num_topk + k;
-          const int64_t e = p.idx_is_64 ? static_cast<const int64_t*>(p.topk_idx)[i]
-                                        : static_cast<int64_t>(static_cast<const int32_t*>(p.topk_idx)[i]);
-          const int64_t local = e - static_cast<int64_t>(r) * p.experts_per_rank;
-          const bool mine = e >= 0 && local >= 0 && local < p.experts_per_rank;
-          const int64_t o = drow * p.num_topk + k;
-          if (p.idx_is_64) {
-            reinterpret_cast<int64_t*>(p.dst.idx[r])[o] = mine ? local : -1;
-          } else {
-            reinterpret_cast<int32_t*>(p.dst.idx[r])[o] = mine ? static_cast<int32_t>(local) : -1;
-          }
-          p.dst.w[r][o] = mine ? p.topk_weights[i] : 0.0f;
-        }
-      }
-    }
-  }
-#if UCCL_EP_HAS_TMA
-  if constexpr (kTma) {
-    if (lane == 0) dev::tma_wait_all();
-  }
-#endif
-  // No per-thread system fence: the finishing barrier runs in the next kernel of the stream,
-  // after this kernel's writes are complete, and fences once before signalling.
-}
-
-struct FinishParams {
-  Peers bufs;
-  int rank, num_ranks;
-  // Own staging (local) and outputs.
+  const int* send_pos;
+  int num_send_blocks;
+  // Receive side: own staging (local) and outputs.
   const uint8_t* st_x;
   const float* st_scales;
   const uint8_t* st_idx;
@@ -247,50 +150,228 @@ struct FinishParams {
   uint8_t* out_idx;
   float* out_w;
   int* out_src;
-  int64_t row_bytes;
-  int num_scales, num_topk, idx_size;
-  int num_recv, num_out_rows, own_begin, own_end;
+  int idx_size;
+  int num_recv, num_out_rows;
+  int recv_begin[kMaxRanks + 1];  // rows from source s are [recv_begin[s], recv_begin[s+1])
   uint64_t seq;
   int64_t* status;
   int64_t timeout_ns;
 };
 
-template <typename V, int kUnroll>
-__global__ void __launch_bounds__(kFinishThreads) finish_kernel(FinishParams p) {
-  if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
-                     kSiteDispatchDone))
+__host__ __device__ inline int chunk_tokens(int num_tokens) {
+  const int per = (num_tokens + kMaxChunks - 1) / kMaxChunks;
+  return per > 64 ? per : 64;
+}
+
+__device__ __forceinline__ uint64_t* chunk_flag(uint8_t* buf, int src, int chunk) {
+  return reinterpret_cast<uint64_t*>(buf + kChunkFlagsOffset) + static_cast<int64_t>(src) * kMaxChunks + chunk;
+}
+
+__device__ __forceinline__ uint64_t pack_chunk(uint64_t seq, int first, int rows) {
+  return ((seq & 0xFFFFFFull) << 40) | (static_cast<uint64_t>(first) << 20) | static_cast<uint64_t>(rows);
+}
+
+// Sender blocks [0, num_send_blocks) take chunks of consecutive tokens round-robin; each warp
+// sends whole tokens (row read once, written to every destination at its final row), then
+// the chunk's row range is published to each peer with one release store. Receiver blocks
+// copy each peer's chunks out of staging as they land, so the local copy hides under the
+// NVLink transfer instead of following it.
+template <typename V, int kUnroll, bool kTma>
+__global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
+  __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
+  __shared__ int s_failed;
+  __shared__ uint64_t s_flag;
+  const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
+  const int R = p.num_ranks;
+  // The status words are in host memory: one PCIe read per block, never one per thread
+  // (measured: 12K threads each reading it cost ~500 us and grew with the SM count).
+  if (tid == 0) s_failed = status_set(p.status) ? 1 : 0;
+  if (tid < R) s_prefix_row[tid] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + tid] : 0;
+  __syncthreads();
+  if (s_failed) return;
+
+  if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+    // ---------------------------------------------------------------- sender
+#if UCCL_EP_HAS_TMA
+    extern __shared__ __align__(128) uint8_t s_tma[];
+    __shared__ uint64_t s_bar[kSendWarps];
+    uint32_t phase = 0;
+    int stage = 0;
+    if constexpr (kTma) {
+      if (lane == 0) dev::mbar_init(&s_bar[warp], 1);
+      __syncwarp();
+    }
+#endif
+    const int ct = chunk_tokens(p.num_tokens);
+    const int nchunks = (p.num_tokens + ct - 1) / ct;
+    for (int c = blockIdx.x; c < nchunks; c += p.num_send_blocks) {
+      const int t_begin = c * ct, t_end = min(p.num_tokens, t_begin + ct);
+      for (int t = t_begin + warp; t < t_end; t += kSendWarps) {
+        unsigned mask = 0;
+        int row[kMaxRanks];
+        uint8_t* dst_x[kMaxRanks];
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+          row[r] = 0;
+          dst_x[r] = nullptr;
+          if (r < R) {
+            const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
+            if (pos >= 0) {
+              mask |= 1u << r;
+              row[r] = s_prefix_row[r] + pos;
+              dst_x[r] = p.dst.x[r] + static_cast<int64_t>(row[r]) * p.row_bytes;
+            }
+          }
+        }
+        if (mask == 0) continue;
+        if constexpr (kTma) {
+#if UCCL_EP_HAS_TMA
+          if (lane == 0)
+            tma_row_multi(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask,
+                          s_tma + warp * kTmaStages * kTmaChunk, &s_bar[warp], phase, stage);
+#endif
+        } else {
+          copy_row_multi<V, kUnroll>(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask, lane);
+        }
+#pragma unroll
+        for (int r = 0; r < kMaxRanks; ++r) {
+          if (!(mask >> r & 1u)) continue;
+          const int64_t drow = row[r];
+          for (int s = lane; s < p.num_scales; s += dev::kWarpSize)
+            p.dst.scales[r][drow * p.num_scales + s] = p.scales[static_cast<int64_t>(t) * p.num_scales + s];
+          if (p.dst.src[r] != nullptr && lane == 0) p.dst.src[r][drow] = t;
+          if (p.topk_idx != nullptr) {
+            for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
+              const int64_t i = static_cast<int64_t>(t) * p.num_topk + k;
+              const int64_t e = p.idx_is_64 ? static_cast<const int64_t*>(p.topk_idx)[i]
+                                            : static_cast<int64_t>(static_cast<const int32_t*>(p.topk_idx)[i]);
+              const int64_t local = e - static_cast<int64_t>(r) * p.experts_per_rank;
+              const bool mine = e >= 0 && local >= 0 && local < p.experts_per_rank;
+              const int64_t o = drow * p.num_topk + k;
+              if (p.idx_is_64) {
+                reinterpret_cast<int64_t*>(p.dst.idx[r])[o] = mine ? local : -1;
+              } else {
+                reinterpret_cast<int32_t*>(p.dst.idx[r])[o] = mine ? static_cast<int32_t>(local) : -1;
+              }
+              p.dst.w[r][o] = mine ? p.topk_weights[i] : 0.0f;
+            }
+          }
+        }
+      }
+#if UCCL_EP_HAS_TMA
+      if constexpr (kTma) {
+        if (lane == 0) dev::tma_wait_all();  // this warp's bulk stores of the chunk have landed
+      }
+#endif
+      __syncthreads();
+      // Publish the chunk's rows to each peer: one system fence (cumulative over the block's
+      // stores, ordered by the barrier above) and one release store per peer.
+      if (tid < R && tid != p.rank) {
+        const int r = tid;
+        int first = -1, last = -1;
+        for (int t = t_begin; t < t_end; ++t) {
+          const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
+          if (pos >= 0) {
+            if (first < 0) first = pos;
+            last = pos;
+          }
+        }
+        dev::fence_system();
+        dev::st_release_sys(chunk_flag(p.bufs.p[r], p.rank, c),
+                            pack_chunk(p.seq, first < 0 ? 0 : first, first < 0 ? 0 : last - first + 1));
+      }
+    }
     return;
-  const int lane = threadIdx.x % dev::kWarpSize;
+  }
+
+  // ------------------------------------------------------------------ receiver
+  const int j = blockIdx.x - p.num_send_blocks;
+  const int nrecv = gridDim.x - p.num_send_blocks;
   const int warps = blockDim.x / dev::kWarpSize;
-  const int gwarp = blockIdx.x * warps + threadIdx.x / dev::kWarpSize;
-  const int nwarps = gridDim.x * warps;
   const int meta_idx_words = p.num_topk * p.idx_size / 4;
-  for (int i = gwarp; i < p.num_out_rows; i += nwarps) {
-    const int64_t r = i;
-    if (i >= p.own_begin && i < p.own_end) continue;  // the sender wrote these rows directly
-    if (i < p.num_recv) {
-      copy_row<V, kUnroll>(p.st_x + r * p.row_bytes, p.row_bytes, p.out_x + r * p.row_bytes, lane);
-      for (int s = lane; s < p.num_scales; s += dev::kWarpSize)
-        p.out_scales[r * p.num_scales + s] = p.st_scales[r * p.num_scales + s];
-      if (p.out_idx != nullptr) {
-        for (int k = lane; k < meta_idx_words; k += dev::kWarpSize)
-          reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] =
-              reinterpret_cast<const int*>(p.st_idx)[r * meta_idx_words + k];
-        for (int k = lane; k < p.num_topk; k += dev::kWarpSize) p.out_w[r * p.num_topk + k] = p.st_w[r * p.num_topk + k];
+  const volatile int* src_tokens = reinterpret_cast<const volatile int*>(p.bufs.p[p.rank] + kTokensOffset);
+  for (int s = 0; s < R; ++s) {
+    if (s == p.rank) continue;
+    const int ts = src_tokens[s];
+    const int ct = chunk_tokens(ts);
+    const int nchunks = (ts + ct - 1) / ct;
+    for (int c = j; c < nchunks; c += nrecv) {
+      if (tid == 0) {
+        const uint64_t* f = chunk_flag(p.bufs.p[p.rank], s, c);
+        const uint64_t start = dev::global_timer_ns();
+        uint64_t v = dev::ld_acquire_sys(f);
+        uint32_t iter = 0;
+        while ((v >> 40) != (p.seq & 0xFFFFFFull)) {
+          if ((++iter & 1023u) == 0 && status_set(p.status)) {
+            s_failed = 1;
+            break;
+          }
+          if (dev::global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
+            volatile int64_t* st = p.status;
+            st[1] = s;
+            st[2] = static_cast<int64_t>(p.seq);
+            st[3] = kSiteDispatchDone;
+            __threadfence_system();
+            st[0] = 1;
+            __threadfence_system();
+            s_failed = 1;
+            break;
+          }
+          v = dev::ld_acquire_sys(f);
+        }
+        s_flag = v;
       }
-      if (p.out_src != nullptr && lane == 0) p.out_src[r] = p.st_src[r];
-    } else {
-      // num_worst_tokens padding: zero rows, ids -1, weights 0.
-      const V zero{};
-      V* d = reinterpret_cast<V*>(p.out_x + r * p.row_bytes);
-      const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
-      for (int64_t j = lane; j < n; j += dev::kWarpSize) d[j] = zero;
-      for (int s = lane; s < p.num_scales; s += dev::kWarpSize) p.out_scales[r * p.num_scales + s] = 0.0f;
-      if (p.out_idx != nullptr) {
-        for (int k = lane; k < meta_idx_words; k += dev::kWarpSize)
-          reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] = -1;  // all-ones = -1 in int32 and int64
-        for (int k = lane; k < p.num_topk; k += dev::kWarpSize) p.out_w[r * p.num_topk + k] = 0.0f;
+      __syncthreads();
+      if (s_failed) return;
+      const uint64_t v = s_flag;
+      const int first = static_cast<int>((v >> 20) & 0xFFFFFu), rows = static_cast<int>(v & 0xFFFFFu);
+      const int64_t base = p.recv_begin[s] + first;
+      for (int i = warp; i < rows; i += warps) {
+        const int64_t r = base + i;
+        {
+          const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
+          const V* src = reinterpret_cast<const V*>(p.st_x + r * p.row_bytes);
+          V* dst = reinterpret_cast<V*>(p.out_x + r * p.row_bytes);
+          for (int64_t b0 = 0; b0 < n; b0 += kUnroll * dev::kWarpSize) {
+            V vv[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const int64_t q = b0 + u * dev::kWarpSize + lane;
+              if (q < n) vv[u] = dev::ld_cg(src + q);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const int64_t q = b0 + u * dev::kWarpSize + lane;
+              if (q < n) dst[q] = vv[u];
+            }
+          }
+        }
+        for (int k = lane; k < p.num_scales; k += dev::kWarpSize)
+          p.out_scales[r * p.num_scales + k] = dev::ld_cg(p.st_scales + r * p.num_scales + k);
+        if (p.out_idx != nullptr) {
+          for (int k = lane; k < meta_idx_words; k += dev::kWarpSize)
+            reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] =
+                dev::ld_cg(reinterpret_cast<const int*>(p.st_idx) + r * meta_idx_words + k);
+          for (int k = lane; k < p.num_topk; k += dev::kWarpSize)
+            p.out_w[r * p.num_topk + k] = dev::ld_cg(p.st_w + r * p.num_topk + k);
+        }
+        if (p.out_src != nullptr && lane == 0) p.out_src[r] = dev::ld_cg(p.st_src + r);
       }
+      __syncthreads();  // s_flag is rewritten for the next chunk
+    }
+  }
+  // num_worst_tokens padding: zero rows, ids -1, weights 0.
+  for (int64_t r = p.num_recv + static_cast<int64_t>(j) * warps + warp; r < p.num_out_rows;
+       r += static_cast<int64_t>(nrecv) * warps) {
+    const V zero{};
+    V* d = reinterpret_cast<V*>(p.out_x + r * p.row_bytes);
+    const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
+    for (int64_t q = lane; q < n; q += dev::kWarpSize) d[q] = zero;
+    for (int k = lane; k < p.num_scales; k += dev::kWarpSize) p.out_scales[r * p.num_scales + k] = 0.0f;
+    if (p.out_idx != nullptr) {
+      for (int k = lane; k < meta_idx_words; k += dev::kWarpSize)
+        reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] = -1;  // all-ones: -1 as int32 and int64
+      for (int k = lane; k < p.num_topk; k += dev::kWarpSize) p.out_w[r * p.num_topk + k] = 0.0f;
     }
   }
 }
@@ -358,11 +439,13 @@ static void check_dispatch_args(const DispatchArgs& a) {
 
 void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   check_dispatch_args(a);
-  if (a.num_tokens == 0) return;
+  UCCL_EP_CHECK_ARG(a.num_tokens < (1 << 20) && a.num_recv < (1 << 20), "num_tokens=", a.num_tokens,
+                    " / num_recv=", a.num_recv, " must stay below 2^20 (chunk flags hold 20-bit rows)");
   const Peers peers = make_peers(a.buffers, a.num_ranks);
   const int idx_size = a.idx_is_64 ? 8 : 4;
   const StagingLayout l = dispatch_staging_layout(a.staging_rows, a.row_bytes, a.num_scales, a.num_topk, idx_size);
   SendParams p{};
+  p.bufs = peers;
   for (int r = 0; r < a.num_ranks; ++r) {
     if (r == a.rank) {
       p.dst.x[r] = reinterpret_cast<uint8_t*>(a.recv_x);
@@ -393,65 +476,45 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.idx_is_64 = a.idx_is_64;
   p.topk_weights = reinterpret_cast<const float*>(a.topk_weights);
   p.num_topk = a.num_topk;
-  p.in_rank = reinterpret_cast<const bool*>(a.is_token_in_rank);
   p.prefix = reinterpret_cast<const int*>(a.rank_prefix_matrix);
-  p.send_pos = reinterpret_cast<int*>(a.send_pos);
-  p.cached = a.cached;
-  p.status = reinterpret_cast<int64_t*>(a.status);
-  const int blocks = std::max(1, std::min(a.num_sms, a.num_tokens));
-  auto s = reinterpret_cast<gpuStream_t>(stream);
-  const bool vec = a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
-  if (vec && a.use_tma && tma_supported()) {
-#if defined(UCCL_EP_DEVICE_CUDA)
-    constexpr int smem = kSendWarps * kTmaStages * kTmaChunk;
-    GPU_CHECK(cudaFuncSetAttribute(send_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    send_kernel<int4, 8, true><<<blocks, kSendThreads, smem, s>>>(p);
-#endif
-  } else if (vec) {
-    send_kernel<int4, 8, false><<<blocks, kSendThreads, 0, s>>>(p);
-  } else {
-    send_kernel<uint8_t, 8, false><<<blocks, kSendThreads, 0, s>>>(p);
-  }
-  GPU_CHECK(gpuGetLastError());
-}
-
-void intranode_dispatch_finish(const DispatchArgs& a, intptr_t stream) {
-  check_dispatch_args(a);
-  const Peers peers = make_peers(a.buffers, a.num_ranks);
-  const int idx_size = a.idx_is_64 ? 8 : 4;
-  const StagingLayout l = dispatch_staging_layout(a.staging_rows, a.row_bytes, a.num_scales, a.num_topk, idx_size);
-  FinishParams p{};
-  p.bufs = peers;
-  p.rank = a.rank;
-  p.num_ranks = a.num_ranks;
-  uint8_t* b = peers.p[a.rank];
-  p.st_x = b + l.x;
-  p.st_scales = reinterpret_cast<const float*>(b + l.scales);
-  p.st_idx = b + l.idx;
-  p.st_w = reinterpret_cast<const float*>(b + l.w);
-  p.st_src = reinterpret_cast<const int*>(b + l.src);
+  p.send_pos = reinterpret_cast<const int*>(a.send_pos);
+  uint8_t* own = peers.p[a.rank];
+  p.st_x = own + l.x;
+  p.st_scales = reinterpret_cast<const float*>(own + l.scales);
+  p.st_idx = own + l.idx;
+  p.st_w = reinterpret_cast<const float*>(own + l.w);
+  p.st_src = reinterpret_cast<const int*>(own + l.src);
   p.out_x = reinterpret_cast<uint8_t*>(a.recv_x);
   p.out_scales = reinterpret_cast<float*>(a.recv_scales);
   p.out_idx = reinterpret_cast<uint8_t*>(a.recv_topk_idx);
   p.out_w = reinterpret_cast<float*>(a.recv_topk_weights);
   p.out_src = a.cached ? nullptr : reinterpret_cast<int*>(a.recv_src_idx);
-  p.row_bytes = a.row_bytes;
-  p.num_scales = a.num_scales;
-  p.num_topk = a.num_topk;
   p.idx_size = idx_size;
   p.num_recv = a.num_recv;
   p.num_out_rows = a.num_out_rows;
-  p.own_begin = a.own_begin;
-  p.own_end = a.own_end;
+  UCCL_EP_CHECK_ARG(static_cast<int>(a.recv_begin.size()) == a.num_ranks + 1, "recv_begin has ",
+                    a.recv_begin.size(), " entries, expected ", a.num_ranks + 1);
+  for (int s = 0; s <= a.num_ranks; ++s) p.recv_begin[s] = a.recv_begin[s];
   p.seq = a.seq;
   p.status = reinterpret_cast<int64_t*>(a.status);
   p.timeout_ns = a.timeout_ns;
-  const int blocks = std::max(1, a.num_sms);
+  // A third of the SMs copy peer chunks out of staging (local HBM, ~12x the link's bandwidth
+  // per byte), the rest send; one block when the budget is 2 SMs.
+  const int blocks = std::max(2, a.num_sms);
+  const int recv_blocks = a.num_ranks > 1 || a.num_out_rows > a.num_recv ? std::max(1, blocks / 3) : 1;
+  p.num_send_blocks = blocks - recv_blocks;
   auto s = reinterpret_cast<gpuStream_t>(stream);
-  if (a.row_bytes % 16 == 0 && aligned16(a.recv_x)) {
-    finish_kernel<int4, 8><<<blocks, kFinishThreads, 0, s>>>(p);
+  const bool vec = a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
+  if (vec && a.use_tma && tma_supported()) {
+#if defined(UCCL_EP_DEVICE_CUDA)
+    constexpr int smem = kSendWarps * kTmaStages * kTmaChunk;
+    GPU_CHECK(cudaFuncSetAttribute(dispatch_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    dispatch_kernel<int4, 8, true><<<blocks, kSendThreads, smem, s>>>(p);
+#endif
+  } else if (vec) {
+    dispatch_kernel<int4, 8, false><<<blocks, kSendThreads, 0, s>>>(p);
   } else {
-    finish_kernel<uint8_t, 8><<<blocks, kFinishThreads, 0, s>>>(p);
+    dispatch_kernel<uint8_t, 8, false><<<blocks, kSendThreads, 0, s>>>(p);
   }
   GPU_CHECK(gpuGetLastError());
 }

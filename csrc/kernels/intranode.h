@@ -26,8 +26,12 @@ constexpr int kMaxTopk = 32;
 // Control-region layout (bytes from the buffer start).
 constexpr size_t kFlagsOffset = 0;                                   // uint64 [kMaxRanks]
 constexpr size_t kCountsOffset = 256;                                // int32 [kMaxRanks][kMaxRanks]
+constexpr size_t kTokensOffset = 512;                                // int32 [kMaxRanks]: each source's T
 constexpr size_t kExpertCountsOffset = 1024;                         // int32 [kMaxRanks][kMaxLocalExperts]
-constexpr size_t kDataOffset = 1024 + 4ull * kMaxRanks * kMaxLocalExperts + 64 * 1024;  // 197632
+// Dispatch progress: uint64 [kMaxRanks source][kMaxChunks], {seq:24 | first row:20 | rows:20}.
+constexpr int kMaxChunks = 4096;
+constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kMaxRanks * kMaxLocalExperts;
+constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
 // Status words in mapped host memory, set by the first wait that times out.
 constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
 
@@ -80,22 +84,22 @@ struct DispatchArgs {
   // Local outputs; recv_* rows are the final rows (staged peer rows are copied into them).
   intptr_t recv_x = 0, recv_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
   int num_recv = 0, num_out_rows = 0;  // rows received / rows of the outputs (num_worst_tokens)
-  int own_begin = 0, own_end = 0;  // rows this rank sends itself (written directly, not staged)
+  std::vector<int> recv_begin;    // [R + 1]: rows from source s are [recv_begin[s], recv_begin[s+1])
   int64_t staging_rows = 0;       // capacity (rows) of every rank's staging this call
   int64_t buffer_bytes = 0;       // size of every rank's registered buffer
   int num_sms = 24;
   bool use_tma = true;            // bulk copies (TMA) for the rows when the GPU has them
-  uint64_t seq = 0;               // barrier sequence of the finishing barrier
+  uint64_t seq = 0;               // sequence of this dispatch's notify (tags the chunk flags)
   intptr_t status = 0;
   int64_t timeout_ns = 0;
 };
 // Bytes of registered buffer (control region included) a dispatch with these sizes needs.
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);
-// Sends every row to each destination rank (peer staging or own outputs).
+// One pipelined kernel: sender blocks write every row to each destination rank (peer staging
+// or own outputs) chunk by chunk and publish each chunk's row range in the receiver's control
+// region; receiver blocks copy each peer chunk from staging into the outputs as soon as it
+// lands (overlapping the local copy with the NVLink transfer), then fill padding rows.
 void intranode_dispatch(const DispatchArgs& a, intptr_t stream);
-// Barrier ("all rows that peers sent me have landed"), then copies staged rows into the
-// outputs and fills padding rows up to num_out_rows.
-void intranode_dispatch_finish(const DispatchArgs& a, intptr_t stream);
 
 // ---- combine ------------------------------------------------------------------------------
 struct CombineArgs {

@@ -2,17 +2,19 @@
 
 Every rank allocates one registered buffer of ``num_nvl_bytes`` (cudaMalloc in ``_C``), and the
 ranks all-gather its IPC handle once, at ``Buffer`` creation, so each kernel can write into
-every peer's buffer directly. A dispatch is three launches on the communication stream:
+every peer's buffer directly. A dispatch is two launches on the communication stream:
 
 1. ``notify``: each rank writes its per-rank and per-expert counts into every peer's control
    region and waits for theirs (the entry barrier). Outputs: ``rank_prefix_matrix`` and the
    aligned per-local-expert counts; the host reads them once (one sync, as DeepEP does) to
    size the outputs.
-2. ``send``: every token row is read once and written to each destination rank at its final
+2. ``dispatch``: every token row is read once and written to each destination rank at its final
    row index: straight into this rank's output tensors for rows it keeps, into the peer's
    staging region otherwise. Top-k ids become local ids (-1 elsewhere), weights 0.0 there.
-3. ``finish``: a barrier (all peers' rows have landed), then staged rows are copied into the
-   freshly allocated outputs with a local HBM copy, and ``num_worst_tokens`` padding filled.
+   Each chunk of tokens is published to the receiver with one release store (its row range).
+3. In the same kernel, receiver blocks copy each peer chunk from staging into the freshly
+   allocated outputs as soon as it lands (local HBM copy hidden under the NVLink transfer),
+   and fill ``num_worst_tokens`` padding.
 
 Combine mirrors it: ``push`` sends each received row back to its source rank's staging and
 ``reduce`` sums each token's rows in rank order in fp32 (rows kept locally read in place).
@@ -45,7 +47,7 @@ from uccl_ep_megatron.errors import (
 )
 
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_SITES = {1: "dispatch notify", 2: "dispatch finish", 3: "combine entry", 4: "combine finish"}
+_SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "combine finish"}
 
 
 def _c():
@@ -211,6 +213,8 @@ class KernelsBackend(Backend):
         else:
             send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
         prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=dev)
+        # One sequence number per dispatch: the notify barrier and the chunk flags carry it.
+        seq = self._next_seq()
         info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
         c.intranode_notify(
             buffers=self._buffers,
@@ -220,7 +224,7 @@ class KernelsBackend(Backend):
             num_tokens_per_expert=0 if per_expert is None else per_expert.data_ptr(),
             experts_per_rank=experts_per_rank,
             expert_alignment=args.expert_alignment,
-            seq=self._next_seq(),
+            seq=seq,
             rank_prefix_matrix=prefix.data_ptr(),
             out_info=info.data_ptr(),
             status=self._status,
@@ -250,6 +254,7 @@ class KernelsBackend(Backend):
         a.num_sms = args.config.num_sms
         a.use_tma = self._use_tma
         a.status, a.timeout_ns = self._status, self._timeout_ns
+        a.seq = seq
         a.send_pos = send_pos.data_ptr()
         if cached is not None:
             state: _State = cached.state
@@ -310,11 +315,9 @@ class KernelsBackend(Backend):
         a.recv_scales = 0 if recv_scales is None else recv_scales.data_ptr()
         a.recv_src_idx = 0 if cached is not None else recv_src.data_ptr()
         a.num_recv, a.num_out_rows = num_recv, rows_out
-        a.own_begin, a.own_end = pm(rank - 1, rank), pm(rank, rank)
+        a.recv_begin = [pm(s - 1, rank) for s in range(num_ranks + 1)]
         a.staging_rows = staging_rows
         c.intranode_dispatch(a, stream)
-        a.seq = self._next_seq()
-        c.intranode_dispatch_finish(a, stream)
 
         return DispatchResult(
             recv_x=recv_x,
