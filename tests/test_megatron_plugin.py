@@ -94,6 +94,27 @@ def test_install_reports_the_installed_version(plugin):
     assert plugin.install() == package_info.__version__  # idempotent
 
 
+def test_router_gemm_runs_without_transformer_engine(plugin):
+    """megatron-core 0.16's router GEMM names a TE function even without TE; install fixes it."""
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", False) or "te_general_gemm" not in inspect.getsource(
+        moe_utils
+    ):
+        pytest.skip("Transformer Engine present, or this version's router GEMM does not use it")
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    if "bias" in inspect.signature(moe_utils.router_gating_linear).parameters:  # 0.15+
+        out = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    else:
+        out = moe_utils.router_gating_linear(x, w, torch.float32)
+    torch.testing.assert_close(out, x @ w.t())
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, x.detach().sum(0).expand(4, 8))
+
+
 # ---- flag ------------------------------------------------------------------------------------
 def _megatron_lm_014_parser() -> argparse.ArgumentParser:
     # What megatron/training/arguments.py (0.14/0.15) does.

@@ -13,6 +13,8 @@
 3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
    ``uccl_ep``. Its constructor branches on the type string and rejects unknown values, so
    for such a layer the ``flex`` branch is pointed at our class for the duration of the call.
+   On megatron-core 0.16 without Transformer Engine, the router GEMM's missing TE name is
+   defined as ``None`` so the router runs at all (see ``_define_missing_te_names``).
 
 Call it before Megatron parses arguments: ``python -m uccl_ep_megatron.run script.py ...``
 does, as does ``uccl-ep-megatron train``.
@@ -248,12 +250,28 @@ def _patch_moe_layer() -> None:
     moe_layer_cls.set_layer_number = set_layer_number
 
 
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16 without Transformer Engine: let the router's GEMM fall back to torch.
+
+    ``moe_utils`` imports ``te_general_gemm`` from Transformer Engine inside ``try`` but its
+    router GEMM (``router_gating_linear``) tests ``te_general_gemm is not None`` even when
+    the import failed, a ``NameError`` on every MoE router forward on GPU. Defining the name
+    as ``None`` selects megatron-core's own torch path; nothing changes when TE is present.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _state["te_general_gemm"] = moe_utils
+
+
 def _install_megatron() -> str:
     if "megatron_version" in _state:
         return _state["megatron_version"]
     version = megatron_core_version()
     check_version(version)
     _extend_literal_field()
+    _define_missing_te_names()
     _patch_moe_layer()
     _state["megatron_version"] = version
     log.info("uccl_ep plugin installed into megatron-core %s", version)
@@ -329,6 +347,8 @@ def uninstall() -> None:
             cls, init, set_layer_number = _state.pop("moe_layer")
             cls.__init__ = init
             cls.set_layer_number = set_layer_number
+        if "te_general_gemm" in _state:
+            delattr(_state.pop("te_general_gemm"), "te_general_gemm")
         _state.pop("megatron_version", None)
 
 
