@@ -89,6 +89,7 @@ struct ChannelState {
 struct RecvStream {
   StreamReorder reorder;
   uint64_t barriers = 0;
+  Clock::time_point gap_since;  // when the current gap (held messages, expected one missing) opened
 };
 
 struct OutEntry {
@@ -145,6 +146,7 @@ class Worker {
     }
     progress = n > 0;
     for (auto& ch : chans_) progress |= service(ch);
+    if (!progress && (++idle_passes_ & 1023u) == 0) check_gaps();
     return progress;
   }
 
@@ -386,11 +388,33 @@ class Worker {
     RecvStream& rs = rx_[comp.peer][local_of_[comp.channel]];
     auto apply = [&](uint32_t v) { apply_one(rs, comp.peer, comp.channel, v); };
     if (o_.ordering == Ordering::kReceiver) {
-      uint32_t held_before = rs.reorder.num_held();
+      const uint32_t held_before = rs.reorder.num_held();
+      const uint32_t expected_before = rs.reorder.expected();
       rs.reorder.deliver(comp.imm, apply, comp.peer, comp.channel);
       if (rs.reorder.num_held() > held_before) bump(stats_.held_out_of_order);
+      // A gap (re)opens when messages wait and the expected one has not just arrived.
+      if (rs.reorder.num_held() > 0 && (held_before == 0 || rs.reorder.expected() != expected_before)) {
+        rs.gap_since = Clock::now();
+      }
     } else {
       apply(comp.imm);
+    }
+  }
+
+  // A stream whose expected message has not arrived for the timeout while later ones wait: the
+  // message was lost or its sender died mid-stream. Checked only when idle, every 1024 passes.
+  void check_gaps() const {
+    const auto now = Clock::now();
+    for (uint32_t p = 0; p < rx_.size(); ++p) {
+      for (size_t l = 0; l < rx_[p].size(); ++l) {
+        const RecvStream& rs = rx_[p][l];
+        if (rs.reorder.num_held() > 0 && now - rs.gap_since > timeout_) {
+          UCCL_EP_THROW(TimeoutError, "proxy rank ", o_.rank, ": stream from rank ", p, " channel ", chans_[l].id,
+                        " has waited ", o_.timeout_ms, " ms for sequence ", rs.reorder.expected(), " (mod 128) while ",
+                        rs.reorder.num_held(), " later messages are held; a message was lost or rank ", p,
+                        " stopped mid-stream");
+        }
+      }
     }
   }
 
@@ -434,6 +458,7 @@ class Worker {
   std::vector<uint64_t> peer_bytes_;
   uint64_t local_bytes_;
   std::vector<uint32_t> same_rail_, all_peers_;
+  uint32_t idle_passes_ = 0;
   Completion comps_[kMaxComps];
 };
 

@@ -427,6 +427,103 @@ TEST(Proxy, RejectsBadOptions) {
   EXPECT_THROW(parse_ordering("fast"), InvalidArgument);
 }
 
+// A transport that silently loses one message (the sender still sees a completion), standing in
+// for a NIC or peer that failed mid-stream.
+class LosingTransport : public Transport {
+ public:
+  LosingTransport(std::unique_ptr<IpcTransport> inner, uint64_t lose_index)
+      : inner_(std::move(inner)), lose_(lose_index) {}
+  std::string name() const override { return "losing-" + inner_->name(); }
+  bool ordered() const override { return inner_->ordered(); }
+  std::string local_info() const override { return inner_->local_info(); }
+  void connect(const std::vector<std::string>& infos) override { inner_->connect(infos); }
+  uint64_t peer_region_bytes(uint32_t peer) const override { return inner_->peer_region_bytes(peer); }
+  Endpoint& endpoint(uint32_t thread) override {
+    if (!ep_) ep_ = std::make_unique<Ep>(inner_->endpoint(thread), lose_);
+    return *ep_;
+  }
+
+ private:
+  class Ep : public Endpoint {
+   public:
+    Ep(Endpoint& inner, uint64_t lose) : inner_(inner), lose_(lose) {}
+    void post_write(uint32_t peer, uint32_t channel, uint64_t src, uint64_t dst, uint32_t len, uint32_t imm,
+                    uint64_t wr_id) override {
+      if (count_++ == lose_) {
+        lost_.push_back(Completion{Completion::kSend, peer, channel, imm, len, wr_id});
+        return;
+      }
+      inner_.post_write(peer, channel, src, dst, len, imm, wr_id);
+    }
+    int poll(Completion* out, int max) override {
+      int n = 0;
+      while (n < max && !lost_.empty()) {
+        out[n++] = lost_.back();
+        lost_.pop_back();
+      }
+      return n + inner_.poll(out + n, max - n);
+    }
+
+   private:
+    Endpoint& inner_;
+    uint64_t lose_;
+    uint64_t count_ = 0;
+    std::vector<Completion> lost_;
+  };
+  std::unique_ptr<IpcTransport> inner_;
+  uint64_t lose_;
+  std::unique_ptr<Ep> ep_;
+};
+
+TEST(Proxy, LostMessageIsReportedByTheReceiver) {
+  std::vector<std::vector<uint8_t>> regions(2, std::vector<uint8_t>(4096));
+  std::vector<std::unique_ptr<FifoChannel>> fifos;
+  std::vector<std::unique_ptr<Transport>> transports;
+  std::vector<std::string> infos;
+  for (uint32_t r = 0; r < 2; ++r) {
+    fifos.push_back(FifoChannel::create_host(0, 64, 60000));
+    TransportSetup s;
+    s.rank = r;
+    s.world_size = 2;
+    s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
+    auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
+    infos.push_back(ipc->local_info());
+    if (r == 0) {
+      transports.push_back(std::make_unique<LosingTransport>(std::move(ipc), 3));
+    } else {
+      transports.push_back(std::move(ipc));
+    }
+  }
+  std::vector<std::unique_ptr<Proxy>> proxies;
+  std::vector<int64_t> counters(8, 0);
+  for (uint32_t r = 0; r < 2; ++r) {
+    transports[r]->connect(infos);
+    ProxyOptions o;
+    o.rank = r;
+    o.world_size = 2;
+    o.num_threads = 1;
+    o.timeout_ms = 300;
+    proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
+                                              counters.data(), 8));
+    proxies.back()->start();
+  }
+  for (int k = 0; k < 10; ++k) fifos[0]->push(build_write(1, 16 * k, 16 * k, 16));
+  for (int i = 0; i < 300; ++i) {
+    try {
+      proxies[1]->check();
+    } catch (const TimeoutError& e) {
+      std::string msg = e.what();
+      EXPECT_NE(msg.find("stream from rank 0 channel 0"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("sequence 3"), std::string::npos) << msg;
+      for (auto& p : proxies) p->stop();
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (auto& p : proxies) p->stop();
+  FAIL() << "the receiver never reported the lost message";
+}
+
 TEST(Numa, ParsesCpuLists) {
   EXPECT_EQ(parse_cpulist("0-3,8,10-11"), (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));
   EXPECT_EQ(parse_cpulist("5\n"), (std::vector<int>{5}));
