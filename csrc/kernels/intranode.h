@@ -88,7 +88,7 @@ struct DispatchArgs {
   int64_t staging_rows = 0;       // capacity (rows) of every rank's staging this call
   int64_t buffer_bytes = 0;       // size of every rank's registered buffer
   int num_sms = 24;
-  bool use_tma = true;            // bulk copies (TMA) for the rows when the GPU has them
+  bool use_tma = false;           // bulk copies (TMA) for the rows when the GPU has them
   uint64_t seq = 0;               // sequence of this dispatch's notify (tags the chunk flags)
   intptr_t status = 0;
   int64_t timeout_ns = 0;
@@ -119,7 +119,7 @@ struct CombineArgs {
   int64_t staging_rows = 0;
   int64_t buffer_bytes = 0;
   int num_sms = 24;
-  bool use_tma = true;
+  bool use_tma = false;
   uint64_t seq_entry = 0, seq_done = 0;
   intptr_t status = 0;
   int64_t timeout_ns = 0;
