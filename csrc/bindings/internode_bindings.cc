@@ -122,6 +122,7 @@ void bind_internode(py::module_& m) {
   sites[py::int_(static_cast<int>(in::kSiteFifo))] = "FIFO push (the proxy stopped or the channel stayed full)";
   sites[py::int_(static_cast<int>(in::kSiteCombineOrder))] = "combine order check (a partial for another token)";
   sites[py::int_(static_cast<int>(in::kSiteNvlBarrier))] = "NVLink barrier of the node";
+  sites[py::int_(static_cast<int>(in::kSiteDispatchRow))] = "dispatch row check (a slot named a row out of range)";
   s.attr("SITES") = sites;
   s.def("status_alloc", &in::status_alloc, "Mapped pinned status words (host pointer == device pointer).");
   s.def("status_free", &in::status_free, py::arg("ptr"));
@@ -155,7 +156,7 @@ void bind_internode(py::module_& m) {
       RW(DispatchArgs, idx_is_64) RW(DispatchArgs, dst_row) RW(DispatchArgs, lists) RW(DispatchArgs, list_count)
       RW(DispatchArgs, recv_x) RW(DispatchArgs, recv_scales) RW(DispatchArgs, recv_topk_idx)
       RW(DispatchArgs, recv_topk_weights) RW(DispatchArgs, recv_src_idx) RW(DispatchArgs, plan)
-      RW(DispatchArgs, plan_tokens) RW(DispatchArgs, stage_offset);
+      RW(DispatchArgs, plan_tokens) RW(DispatchArgs, stage_offset) RW(DispatchArgs, recv_rows);
   py::class_<in::CombineArgs>(s, "CombineArgs")
       .def(py::init<>())
       RW(CombineArgs, common) RW(CombineArgs, dtype) RW(CombineArgs, hidden) RW(CombineArgs, num_topk)

@@ -255,6 +255,7 @@ struct DispatchDev {
   int* plan;
   int plan_T;
   int64_t stage_off;
+  int recv_rows[kMaxLocal];  // output rows of each local rank: a slot's row must be below
 };
 
 // Where token data comes from: the caller's tensors (own-node tokens) or a ring slot.
@@ -275,6 +276,11 @@ __device__ void forward_token(const DispatchDev& p, const TokenIn& in, const int
   int nd = 0;
   for (int j = 0; j < c.L; ++j) {
     if (rows[j] < 0) continue;
+    if (rows[j] >= p.recv_rows[j]) {
+      // A corrupted slot must not turn into a wild write: report it and drop the token.
+      if (lane == 0) fail(c, kSiteDispatchRow, c.node * c.L + j, p.recv_rows[j], -1, rows[j]);
+      return;
+    }
     dst[nd++] = j == c.local ? p.recv_x + static_cast<int64_t>(rows[j]) * p.row_bytes
                              : c.nvl[j] + p.stage_off + static_cast<int64_t>(rows[j]) * p.ss.bytes + p.ss.x;
   }
@@ -1011,6 +1017,9 @@ DispatchDev make_dispatch(const DispatchArgs& a) {
   p.plan = reinterpret_cast<int*>(a.plan);
   p.plan_T = a.plan_tokens;
   p.stage_off = a.stage_offset;
+  UCCL_EP_CHECK_ARG(static_cast<int>(a.recv_rows.size()) == p.c.L, "recv_rows has ", a.recv_rows.size(),
+                    " entries for ", p.c.L, " local ranks");
+  for (int j = 0; j < p.c.L; ++j) p.recv_rows[j] = a.recv_rows[j];
   return p;
 }
 

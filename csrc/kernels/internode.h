@@ -40,6 +40,7 @@ enum Site : int {
   kSiteFifo = 15,             // a FIFO push failed (proxy stopped or stalled)
   kSiteCombineOrder = 16,     // a partial arrived for another token than expected (corruption)
   kSiteNvlBarrier = 17,       // NVLink barrier among the node's ranks ([1] = local index)
+  kSiteDispatchRow = 18,      // a ring slot named a row outside the receiver's output (corruption)
 };
 
 // Pinned, device-mapped status words; the host pointer is also the device pointer (UVA).
@@ -76,6 +77,7 @@ struct DispatchArgs {
   intptr_t plan = 0;  // int32 [N, plan_tokens, L]: rows of forwarded tokens (combine needs them)
   int plan_tokens = 0;
   int64_t stage_offset = 0;  // NVLink staging in every local rank's buffer
+  std::vector<int> recv_rows;  // rows each local rank of this node receives (bounds check)
 };
 
 // Launches the sender/forwarder kernel (2 * num_channels blocks).

@@ -491,6 +491,7 @@ class InternodeBackend(Backend):
         a.plan = 0 if cached is not None else plan.data_ptr()
         a.plan_tokens = plan_tokens
         a.stage_offset = _NVL_STAGE_OFFSET
+        a.recv_rows = [pm(num_ranks - 1, node0 + j) for j in range(local_n)]
         stream = self._stream()
         self._in.dispatch(a, stream)
         if local_n > 1:
