@@ -247,7 +247,8 @@ class InternodeBackend(Backend):
                 peer = topo.node * topo.ranks_per_node + peer
                 detail = f"barrier #{want}"
             else:
-                detail = f"channel {channel}, waited for {want}, saw {got}"
+                streams = self._stream_state(channel, peer)
+                detail = f"channel {channel}, waited for {want}, saw {got}; {streams}"
             raise CommTimeoutError(
                 f"rank {topo.rank} (node {topo.node}): internode {what} failed waiting for rank "
                 f"{peer} (node {peer // topo.ranks_per_node}), {detail}, within "
@@ -256,6 +257,23 @@ class InternodeBackend(Backend):
                 "UCCL_EP_TIMEOUT_MS if it is only slow. This Buffer is unusable now. "
                 f"Proxy of this rank: {self._ep.stats()}"
             )
+
+    def _stream_state(self, channel: int, peer: int) -> str:
+        """Counters and kernel positions of one channel toward a peer's node (diagnostics)."""
+        if not 0 <= channel < self._in.MAX_CHANNELS or not 0 <= peer < self.topology.num_ranks:
+            return "no stream state"
+        node = peer // self.topology.ranks_per_node
+        vals = self._ep.counter_values()
+        counters = {
+            k: vals[self._in.counter_index(v, channel, node)]
+            for k, v in self._in.COUNTER_KINDS.items()
+        }
+        words = self._state.tolist()
+        per_kind = self._in.MAX_CHANNELS * self._in.MAX_NODES
+        at = channel * self._in.MAX_NODES + node
+        names = ("dispatch_sent", "dispatch_consumed", "combine_sent", "combine_consumed", "calls")
+        state = {n: words[i * per_kind + at] for i, n in enumerate(names)}
+        return f"counters for node {node}: {counters}, kernel positions: {state}"
 
     def _common(self, config: Config) -> Any:
         topo = self.topology
