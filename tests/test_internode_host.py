@@ -90,7 +90,7 @@ def test_atomic_steps_fit_the_immediate_and_sum_up(delta):
 
 
 @pytest.mark.parametrize(
-    "row_bytes,ns,k,lpn", [(14336, 0, 8, 1), (7168, 56, 8, 4), (2048, 0, 0, 8)]
+    "row_bytes,ns,k,lpn", [(14336, 0, 8, 1), (7168, 56, 8, 4), (2048, 0, 0, 8), (896, 7, 3, 2)]
 )
 def test_slot_layouts_are_aligned_and_disjoint(row_bytes, ns, k, lpn):
     d = IN.dispatch_slot(row_bytes, ns, k, lpn)
@@ -100,7 +100,8 @@ def test_slot_layouts_are_aligned_and_disjoint(row_bytes, ns, k, lpn):
     c = IN.combine_slot(row_bytes, k)
     assert c["bytes"] % 16 == 0 and c["src"] == row_bytes + 4 * k
     s = IN.stage_slot(row_bytes, ns, k, 8)
-    assert s["bytes"] % 16 == 0 and s["weights"] % 16 == 0 and s["idx"] == row_bytes + 4 * ns
+    assert s["bytes"] % 16 == 0 and s["weights"] % 16 == 0 and s["idx"] % 16 == 0
+    assert row_bytes + 4 * ns <= s["idx"] < row_bytes + 4 * ns + 16
 
 
 def test_ring_layout_halves_never_overlap():

@@ -109,7 +109,7 @@ UCCL_EP_HD StageSlot stage_slot(int64_t row_bytes, int num_scales, int num_topk,
   StageSlot s{};
   s.x = 0;
   s.scales = row_bytes;
-  s.idx = s.scales + 4ll * num_scales;
+  s.idx = align16(s.scales + 4ll * num_scales);  // int64 ids need 8-byte alignment
   s.weights = align16(s.idx + static_cast<int64_t>(idx_bytes) * num_topk);
   s.src = s.weights + 4ll * num_topk;
   s.bytes = align16(s.src + 4);
