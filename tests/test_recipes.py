@@ -131,12 +131,17 @@ def test_unknown_recipe_names_the_known_ones():
         ({"cluster__nic_preset": "infinband"}, "nic_preset 'infinband' is unknown"),
         ({"parallelism__tensor_model_parallel_size": 3}, "does not divide num_attention_heads"),
         ({"model__hidden_size": "big"}, "must be a int"),
-        ({"cluster__gpus_per_node": 3}, "global_batch_size 16 is not divisible"),
     ],
 )
 def test_bad_recipes_fail_clearly(tmp_path, changes, message):
     with pytest.raises(InvalidInputError, match=message):
         load_recipe(_write(tmp_path, _proxy_dict(**changes)))
+
+
+def test_recipe_cluster_must_fit_when_resolved(tmp_path):
+    r = load_recipe(_write(tmp_path, _proxy_dict(cluster__gpus_per_node=3)))
+    with pytest.raises(InvalidInputError, match="global_batch_size 16 is not divisible"):
+        r.resolved_parallelism(r.world_size())
 
 
 def test_world_size_must_fit_the_parallelism():

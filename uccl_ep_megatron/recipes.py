@@ -549,8 +549,8 @@ def validate(name: str, data: dict[str, Any], source: Path) -> Recipe:
         cluster=dict(data["cluster"]),
         source=source,
     )
-    # The recipe's own cluster must fit its parallelism (catches e.g. EP not dividing the job).
-    recipe.resolved_parallelism(recipe.world_size())
+    # Whether a world size fits (the recipe's own cluster for `launch`, the GPUs present for
+    # `train`) is checked where the world size is known: resolved_parallelism().
     return recipe
 
 

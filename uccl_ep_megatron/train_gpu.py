@@ -516,7 +516,8 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
         init_lr=0.0,
         max_lr=float(t["lr"]),
         min_lr=float(t.get("min_lr") or 0.0),
-        lr_warmup_steps=int(t.get("lr_warmup_iters") or 0) * gb,
+        # Megatron needs warmup < decay; a short run (--iters) shortens the warmup with it.
+        lr_warmup_steps=min(int(t.get("lr_warmup_iters") or 0), iters - 1) * gb,
         lr_decay_steps=iters * gb,
         lr_decay_style=t.get("lr_decay_style") or "cosine",
         start_wd=float(t.get("weight_decay") or 0.0),
