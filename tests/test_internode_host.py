@@ -172,3 +172,22 @@ def test_ring_simulation_over_many_calls(cap, chunk):
             head = consumed
         assert consumed == sent == tail
     assert not ring_owner
+
+
+def test_backend_selection_reasons_on_this_host():
+    from uccl_ep_megatron.backends import _kernels_impl
+    from uccl_ep_megatron.backends.base import Topology
+    from uccl_ep_megatron.backends.internode import InternodeBackend
+
+    two_nodes = Topology(rank=0, num_ranks=4, ranks_per_node=2)
+    assert _kernels_impl(two_nodes) == "kernels_internode"
+    reason = InternodeBackend.unsupported_reason(two_nodes, torch.device("cpu"))
+    assert reason is not None  # no GPU build, or CPU tensors: never silently selected
+    if IN.built():
+        assert "cpu" in reason
+        one_node = Topology(rank=0, num_ranks=4, ranks_per_node=4)
+        assert "one node" in InternodeBackend.unsupported_reason(one_node, torch.device("cuda"))
+        too_wide = Topology(rank=0, num_ranks=32, ranks_per_node=16)
+        assert "16 ranks per node" in InternodeBackend.unsupported_reason(
+            too_wide, torch.device("cuda")
+        )
