@@ -10,8 +10,16 @@ OUT=${OUT:-/tmp/out}
 REPO=$(pwd)
 mkdir -p "$OUT"
 t0=$(date +%s)
+# Build the committed tree when git is there (other components' sources may be mid-edit in the
+# working tree); UCCL_EP_BUILD_FROM=worktree builds the working tree as it is.
+SRC=.
+if [ "${UCCL_EP_BUILD_FROM:-head}" = head ] && git rev-parse --verify -q HEAD > /dev/null 2>&1; then
+  SRC=/tmp/uccl_ep_src
+  rm -rf "$SRC" && mkdir -p "$SRC" && git archive HEAD | tar -x -C "$SRC"
+  echo "building commit $(git rev-parse --short HEAD)"
+fi
 python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
-  -C cmake.define.UCCL_EP_CUDA_ARCHS=90 -C "cmake.define.CMAKE_CXX_FLAGS=-include cstdint" . > "$OUT/build.log" 2>&1
+  -C cmake.define.UCCL_EP_CUDA_ARCHS=90 -C "cmake.define.CMAKE_CXX_FLAGS=-include cstdint" "$SRC" > "$OUT/build.log" 2>&1
 build_rc=$?
 t1=$(date +%s)
 echo "build rc=$build_rc ($((t1 - t0)) s)"
