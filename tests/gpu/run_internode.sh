@@ -13,12 +13,14 @@ t0=$(date +%s)
 # Build the committed tree when git is there (other components' sources may be mid-edit in the
 # working tree); UCCL_EP_BUILD_FROM=worktree builds the working tree as it is.
 SRC=.
+BUILD=/tmp/b
 if [ "${UCCL_EP_BUILD_FROM:-head}" = head ] && git rev-parse --verify -q HEAD > /dev/null 2>&1; then
   SRC=/tmp/uccl_ep_src
+  BUILD=/tmp/b_head  # a CMake cache belongs to one source directory
   rm -rf "$SRC" && mkdir -p "$SRC" && git archive HEAD | tar -x -C "$SRC"
   echo "building commit $(git rev-parse --short HEAD)"
 fi
-python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
+python3 -m pip install --no-build-isolation --no-deps -q -C build-dir="$BUILD" \
   -C cmake.define.UCCL_EP_CUDA_ARCHS=90 -C "cmake.define.CMAKE_CXX_FLAGS=-include cstdint" "$SRC" > "$OUT/build.log" 2>&1
 build_rc=$?
 t1=$(date +%s)
