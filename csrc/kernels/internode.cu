@@ -467,7 +467,20 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
     s_fin[tid] = tid == c.node;
     s_avail[tid] = 0;
   }
-  if (tid == 0) s_round = kGo;
+  if (tid == 0) {
+    s_round = kGo;
+    // Calls are separated by a barrier, so a source's end markers are at most this call's one
+    // ahead of what this channel has seen; anything else means corrupted state: fail now
+    // rather than wait for a marker that never comes.
+    for (int m = 0; m < c.N; ++m) {
+      if (m == c.node) continue;
+      const int64_t done = ld_counter(c.counters + counter_index(kDispatchDone, ch, m));
+      if (done < s_calls[m] - 1 || done > s_calls[m]) {
+        fail(c, kSiteDispatchForward, m * c.L + c.local, s_calls[m], ch, done);
+        s_round = kStop;
+      }
+    }
+  }
   __syncthreads();
   uint64_t last_progress = fifo_now_ns();
   int round = kGo;
