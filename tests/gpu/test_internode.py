@@ -18,6 +18,7 @@ from poisoned memory, so an unwritten element is a mismatch. Small-ring cases ma
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ NVL_BYTES = 1 << 30
 RDMA_BYTES = 1 << 30
 
 _buffers: dict[tuple, object] = {}
+_keep: list[object] = []
 
 
 def _env(reorder: bool, seed: int) -> dict[str, str]:
@@ -265,3 +267,42 @@ def test_internode_matches_reference(gpu_pool, name, reorder):
     if reorder and CASES[name]["tokens"] >= 1000:
         # The injector really delivered out of order, and the receivers re-ordered it.
         assert sum(o["held_out_of_order"] for o in out) > 0
+
+
+def dead_peer_case(rank: int, world: int) -> str:
+    """The last rank's proxy is stopped (a dead peer): every rank's dispatch must end in an
+    error that names a rank it waited for, instead of hanging."""
+    from uccl_ep_megatron import Buffer, Config
+    from uccl_ep_megatron.errors import UcclEpError
+
+    buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
+    _keep.append(buf)  # peers may still address its memory: never freed during the session
+    num_tokens, hidden, experts = 4096, 2048, 4 * world
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    idx = torch.rand(num_tokens, experts, generator=gen, device="cuda").topk(world, dim=1).indices
+    w = torch.rand(num_tokens, world, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    layout = buf.get_dispatch_layout(idx, experts)[:4]
+    if rank == world - 1:
+        buf._backend.proxy.close()
+    try:
+        _dispatch(buf, x, layout, idx, w, config=Config(24))
+        torch.cuda.synchronize()
+        buf._backend.check()
+    except UcclEpError as exc:
+        return str(exc)
+    # With several ranks per node, ranks off the dead rank's rail may finish (their NVLink
+    # barrier with it can complete once its kernel gave up); the test checks the rail.
+    return ""
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
+def test_dead_peer_times_out_naming_the_rank(gpu_pool):
+    env = _env(False, 0)
+    env["UCCL_EP_TIMEOUT_MS"] = "3000"
+    out = gpu_pool.run(__file__, "dead_peer_case", env=env)
+    dead = NUM_GPUS - 1
+    # The dead rank's rail partner waits for it; the dead rank waits for its partner.
+    partner = dead - NUM_GPUS // 2
+    assert re.search(rf"rank {dead}\b", out[partner]), out[partner]
+    assert re.search(r"waiting for rank \d+|rank \d+ has not acknowledged", out[dead]), out[dead]
