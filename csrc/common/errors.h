@@ -3,7 +3,10 @@
 // the user as a typed, catchable Python error with its context intact.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
+#include <cstring>
+#include <type_traits>
+#include <utility>
 #include <stdexcept>
 #include <string>
 
@@ -45,11 +48,32 @@ class Unsupported : public Error {
 };
 
 namespace detail {
+// Messages are built without iostreams: on the device image the extension runs beside another
+// libstdc++ and std::ostringstream crashed there, which would turn every error into a segfault.
+inline void append(std::string& out, const std::string& v) { out += v; }
+inline void append(std::string& out, const char* v) { out += v ? v : "(null)"; }
+inline void append(std::string& out, char v) { out += v; }
+inline void append(std::string& out, bool v) { out += v ? "true" : "false"; }
+inline void append(std::string& out, const void* v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%p", v);
+  out += buf;
+}
+template <typename T>
+inline std::enable_if_t<std::is_arithmetic_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>> append(
+    std::string& out, T v) {
+  out += std::to_string(v);
+}
+template <typename T>
+inline std::enable_if_t<std::is_enum_v<T>> append(std::string& out, T v) {
+  out += std::to_string(static_cast<std::underlying_type_t<T>>(v));
+}
+
 template <typename... Args>
 std::string concat(Args&&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string out;
+  (append(out, std::forward<Args>(args)), ...);
+  return out;
 }
 }  // namespace detail
 
