@@ -5,6 +5,7 @@ on CPU (gloo, reference backend). Checks dispatch -> combine of Megatron's Fused
 FusedCombine against the closed form and reports one JSON object per rank.
 """
 
+import datetime
 import json
 import os
 
@@ -12,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 os.environ.setdefault("UCCL_EP_BACKEND", "reference")
-dist.init_process_group("gloo")
+# A bounded timeout: a dead peer fails the run instead of hanging it.
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
 
 import deep_ep  # noqa: E402  served by uccl_ep_megatron
