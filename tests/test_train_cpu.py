@@ -365,7 +365,7 @@ def main():
         overrides=["model." + s for s in small]
         + ["training.global_batch_size=2", "training.micro_batch_size=2"],
     )
-    sys.exit(T.train_megatron(load(opts), opts, "allgather"))
+    sys.exit(T.train_megatron(load(opts), opts, sys.argv[3]))
 
 if __name__ == "__main__":
     main()
@@ -385,7 +385,7 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
     script.write_text(_TRAIN_ON_CPU)
     run = tmp_path / "run"
 
-    def train(iters: int) -> None:
+    def train(iters: int, dispatcher: str) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -401,7 +401,7 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
             LOCAL_RANK="0",
         )
         proc = subprocess.run(
-            [sys.executable, str(script), str(run), str(iters)],
+            [sys.executable, str(script), str(run), str(iters), dispatcher],
             capture_output=True,
             text=True,
             timeout=300,
@@ -410,7 +410,7 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "parameters: megatron-core model" in proc.stdout
 
-    train(2)  # saves at its last iteration
+    train(2, "allgather")  # megatron-core's own dispatcher; saves at its last iteration
     records = read_jsonl(run)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
@@ -422,7 +422,10 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["model_params_built"] == summary["model_params_expected"]
 
-    train(3)  # resumes from iteration 2
+    # Resume from iteration 2 with the uccl_ep dispatcher (plugin + Buffer, reference backend):
+    # the checkpoint does not depend on the dispatcher.
+    train(3, "uccl_ep")
     assert [r["step"] for r in read_jsonl(run)] == [1, 2, 3]
-    assert json.loads((run / "config.json").read_text())["start_iteration"] == 2
+    config = json.loads((run / "config.json").read_text())
+    assert config["start_iteration"] == 2 and config["dispatcher"] == "uccl_ep"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
