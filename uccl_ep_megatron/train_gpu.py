@@ -323,6 +323,16 @@ class MoEProbe:
             self.loads.append(load)
             layer.router.register_forward_hook(self._load_hook(load))
         self.num_layers = len(layers)
+        self.layers = layers
+
+    def buffer_backends(self) -> list[str]:
+        """Backends of the ``Buffer`` objects the MoE layers' dispatchers use (``uccl_ep``)."""
+        names = set()
+        for layer in self.layers:
+            buffer = getattr(layer.token_dispatcher, "buffer", None)
+            if buffer is not None and hasattr(buffer, "backend"):
+                names.add(str(buffer.backend))
+        return sorted(names)
 
     def _timed(self, kind: str, fn, out_bytes: bool):
         def wrapper(*args, **kwargs):
@@ -609,8 +619,11 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
                 "world_size": world,
                 "model_params_built": built_params,
                 "model_params_expected": expected,
+                "buffer_backends": ",".join(probe.buffer_backends()) or "none",
             }
         )
+        if rank == 0 and probe.buffer_backends():
+            print(f"uccl_ep Buffer backend: {', '.join(probe.buffer_backends())}", flush=True)
         if rank == 0 and built_params is not None:
             print(
                 f"parameters: megatron-core model {built_params:,}, flops.py {expected:,} "
