@@ -428,4 +428,5 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
     assert [r["step"] for r in read_jsonl(run)] == [1, 2, 3]
     config = json.loads((run / "config.json").read_text())
     assert config["start_iteration"] == 2 and config["dispatcher"] == "uccl_ep"
+    assert json.loads((run / "summary.json").read_text())["buffer_backends"] == "reference"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"

@@ -65,7 +65,7 @@ for d in ("alltoall", "uccl_ep"):
     s = json.loads(summary.read_text())
     built, expected = s["model_params_built"], s["model_params_expected"]
     print(f"{d}: megatron-core parameters {built:,} vs flops.py {expected:,}"
-          f" ({'match' if built == expected else 'MISMATCH'})")
+          f" ({'match' if built == expected else 'MISMATCH'}); Buffer backend: {s['buffer_backends']}")
 PY
 
 echo "=== side by side (means after 5 warm-up iterations)"
