@@ -256,3 +256,38 @@ def test_submit_without_sbatch_is_a_clear_error(tmp_path, capsys, monkeypatch):
         == 2
     )
     assert "sbatch is not on PATH" in capsys.readouterr().err
+
+
+def test_rendered_node_script_runs_the_train_job(tmp_path):
+    """The script launch writes really starts torchrun and the train job (here: its CPU smoke)."""
+    import socket
+    import sys
+
+    if shutil.which("torchrun") is None:
+        pytest.skip("torchrun is not on PATH")
+    run_dir = tmp_path / "run"
+    plan = plan_launch(
+        load_recipe("deepseek-v3/proxy"),
+        scheduler="none",
+        gpus_per_node=1,
+        run_dir=str(run_dir),
+    )
+    script = tmp_path / "node.sh"
+    script.write_text(render(plan))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NODE_RANK="0",
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+        WANDB_MODE="disabled",
+    )
+    proc = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "training the recipe needs a GPU" in proc.stdout
+    assert (run_dir / "metrics.jsonl").read_text().count("\n") == 12

@@ -208,6 +208,11 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.metrics import MetricsLogger, bandwidth_gbps, expert_load_imbalance
 
+    # These processes form their own one-host job: a launcher's variables inherited from the
+    # parent (torchrun's LOCAL_WORLD_SIZE=1, ...) would make the Buffer see one node per rank.
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
     torch.set_num_threads(1)
     logging.basicConfig(level=cfg["log_level"], format=f"[rank{rank}] %(levelname)s %(message)s")
     dist.init_process_group(
