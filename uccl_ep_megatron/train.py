@@ -176,6 +176,8 @@ def _run_cpu(recipe, opts: TrainOptions) -> int:
     from uccl_ep_megatron.train_cpu import run_cpu_smoke
 
     print(NO_GPU_MESSAGE, flush=True)
+    if opts.dispatcher == "alltoall":
+        print("(--dispatcher alltoall needs megatron-core's MoE layer: the CPU smoke runs Buffer)")
     counts = param_counts(recipe.model)
     run_dir = Path(opts.run_dir or default_run_dir(recipe.name, "uccl_ep", "cpu-smoke"))
     steps = opts.iters if opts.iters is not None else 12

@@ -63,6 +63,9 @@ for d in ("alltoall", "uccl_ep"):
         print(f"{d}: no summary.json (the run did not finish)")
         continue
     s = json.loads(summary.read_text())
+    if "model_params_built" not in s:
+        print(f"{d}: not a GPU run (summary {s})")
+        continue
     built, expected = s["model_params_built"], s["model_params_expected"]
     print(f"{d}: megatron-core parameters {built:,} vs flops.py {expected:,}"
           f" ({'match' if built == expected else 'MISMATCH'}); Buffer backend: {s['buffer_backends']}")
