@@ -123,7 +123,7 @@ def _oracle(rank, world, tp, seed, tokens, dtype, align):
 
 
 # ---- worker bodies ---------------------------------------------------------------------------
-def w_round_trip(rank, world, tp, seed, dtype_name, align):
+def w_round_trip(rank, world, tp, seed, dtype_name, align, sync=False):
     dtype = getattr(torch, dtype_name)
     tokens = 10
     dispatcher, _ = _make_dispatcher(rank, world, tp)
@@ -134,7 +134,11 @@ def w_round_trip(rank, world, tp, seed, dtype_name, align):
 
     h, token_probs = dispatcher.dispatch_preprocess(x, routing_map, probs)
     assert token_probs.dtype == torch.float32
-    recv_x, recv_probs = dispatcher.token_dispatch(h, token_probs)  # async defaults, as MoELayer
+    if sync:
+        flags = dict(async_finish=False, allocate_on_comm_stream=False)
+    else:
+        flags = {}  # MoELayer's call: the defaults async_finish=allocate_on_comm_stream=True
+    recv_x, recv_probs = dispatcher.token_dispatch(h, token_probs, **flags)
     rows, tokens_per_expert, permuted_probs = dispatcher.dispatch_postprocess(recv_x, recv_probs)
 
     exp_rows, exp_probs, exp_counts = _oracle(rank, world, tp, seed, tokens, dtype, align)
@@ -146,7 +150,7 @@ def w_round_trip(rank, world, tp, seed, dtype_name, align):
     # The experts: scale by the routing prob; each of the TP shards contributes 1/tp.
     expert_out = rows * permuted_probs.unsqueeze(-1).to(rows.dtype) / tp
     y = dispatcher.combine_preprocess(expert_out)
-    y = dispatcher.token_combine(y)
+    y = dispatcher.token_combine(y, **flags)
     y = dispatcher.combine_postprocess(y)
     assert y.shape == x.shape and y.dtype == x.dtype
 
@@ -253,6 +257,10 @@ def test_round_trip_fp32(tp, ep):
 @pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)], ids=["tp1-ep2", "tp2-ep2"])
 def test_round_trip_bf16(tp, ep):
     get_pool(tp * ep).run(HERE, "w_round_trip", tp, 5, "bfloat16", 1)
+
+
+def test_round_trip_synchronous_flags():
+    get_pool(2).run(HERE, "w_round_trip", 1, 13, "float32", 1, True)
 
 
 @pytest.mark.parametrize("align", [4, 16])
