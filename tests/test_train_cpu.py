@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -319,7 +320,7 @@ def test_megatron_core_model_matches_flops_counts(recipe, tmp_path):
 # metrics, dist-checkpoint save and resume) run on this CPU machine: megatron-core's CUDA
 # placement calls are pointed at the CPU and NCCL at gloo. Everything else is the real code.
 _TRAIN_ON_CPU = r"""
-import contextlib, sys, time, torch, torch.distributed as dist
+import contextlib, os, sys, time, torch, torch.distributed as dist
 torch.cuda.current_device = lambda: "cpu"
 torch.cuda.set_device = lambda *a, **k: None
 torch.cuda.synchronize = lambda *a, **k: None
@@ -346,7 +347,7 @@ torch.Tensor.type = _cuda_type
 _init = dist.init_process_group
 dist.init_process_group = lambda backend=None, **k: _init("gloo", **k)
 from megatron.core.tensor_parallel import random as R
-R.model_parallel_cuda_manual_seed = lambda *a, **k: None
+R.model_parallel_cuda_manual_seed = lambda seed, *a, **k: torch.manual_seed(seed)
 R.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
 def main():
@@ -354,16 +355,29 @@ def main():
     from uccl_ep_megatron.train import TrainOptions, load
     batches = T.batches
     T.batches = lambda r, p, d, s, dp, dev: batches(r, p, d, s, dp, torch.device("cpu"))
+    fp32 = len(sys.argv) > 4 and sys.argv[4] == "fp32"
+    if fp32:  # exact comparisons: no bf16 rounding anywhere
+        import megatron.core.transformer.module as module
+        module.Float16Module = lambda config, m: m
+        make_config = T.transformer_config
+        def transformer_config(*a, **k):
+            c = make_config(*a, **k)
+            c.bf16, c.params_dtype, c.pipeline_dtype = False, torch.float32, torch.float32
+            return c
+        T.transformer_config = transformer_config
     small = ["seq_length=32", "max_position_embeddings=32", "hidden_size=128",
              "num_attention_heads=4", "q_lora_rank=32", "kv_lora_rank=16", "qk_head_dim=16",
              "qk_pos_emb_head_dim=8", "v_head_dim=16", "kv_channels=16", "ffn_hidden_size=256",
              "moe_ffn_hidden_size=32", "moe_shared_expert_intermediate_size=32", "vocab_size=512",
              "num_layers=3", "num_experts=16", "moe_router_topk=4", "moe_router_num_groups=4",
              "moe_router_group_topk=2"]
+    dist_world = int(os.environ["WORLD_SIZE"])
+    dist_world = int(os.environ["WORLD_SIZE"])
     opts = TrainOptions(
         iters=int(sys.argv[2]), run_dir=sys.argv[1], use_wandb=False,
         overrides=["model." + s for s in small]
-        + ["training.global_batch_size=2", "training.micro_batch_size=2"],
+        + ["training.global_batch_size=%d" % (2 * dist_world), "training.micro_batch_size=2"]
+        + (["training.save_interval=0"] if fp32 else []),
     )
     sys.exit(T.train_megatron(load(opts), opts, sys.argv[3]))
 
@@ -430,3 +444,42 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
     assert config["start_iteration"] == 2 and config["dispatcher"] == "uccl_ep"
     assert json.loads((run / "summary.json").read_text())["buffer_backends"] == "reference"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
+
+
+@pytest.mark.megatron
+def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_path):
+    """EP=2 over 2 gloo ranks, fp32: the uccl_ep dispatcher (plugin + Buffer, reference
+    backend) gives the same losses as megatron-core's allgather dispatcher, step for step
+    (forward, backward through dispatch/combine, optimizer step), from the same init and data."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("uccl_ep_megatron.token_dispatcher")
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_on_cpu.py"
+    script.write_text(_TRAIN_ON_CPU)
+    losses = {}
+    for dispatcher in ("allgather", "uccl_ep"):
+        run = tmp_path / dispatcher
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                str(script),
+                str(run),
+                "2",
+                dispatcher,
+                "fp32",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        losses[dispatcher] = [r["loss"] for r in read_jsonl(run)]
+    assert len(losses["uccl_ep"]) == 2
+    assert losses["uccl_ep"] == pytest.approx(losses["allgather"], rel=1e-6, abs=1e-6)

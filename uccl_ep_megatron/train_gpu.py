@@ -489,6 +489,7 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
         expert_tensor_parallel_size=par["etp"],
     )
     seed = int(recipe.training.get("seed") or 1234)
+    torch.manual_seed(seed)  # host-side RNG; the CUDA ones are seeded per parallel rank below
     model_parallel_cuda_manual_seed(seed)
     config = transformer_config(recipe, par, dispatcher)
     gpt = build_model(recipe, config).cuda()
