@@ -38,10 +38,10 @@ suite() {  # name, time limit, log, command...
   note "$name rc=$rc ($((SECONDS - t)) s): $(grep -E '[0-9]+ (passed|failed)' "$OUT/$log" | tail -1)"
 }
 
-suite fifo 60 fifo.log "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
-suite megatron 70 megatron.log "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
+suite fifo 50 fifo.log "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
+suite megatron 60 megatron.log "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
 for d in alltoall uccl_ep; do
-  suite train 75 "train_$d.log" python3 -m uccl_ep_megatron.cli train --recipe deepseek-v3/proxy \
+  suite train 60 "train_$d.log" python3 -m uccl_ep_megatron.cli train --recipe deepseek-v3/proxy \
     --dispatcher "$d" --gpus 2 --iters "${TRAIN_ITERS:-8}" --save-interval 0 --no-wandb \
     --run-dir "/tmp/train_$d"
   cp "/tmp/train_$d/metrics.jsonl" "$OUT/train_${d}_metrics.jsonl" 2>/dev/null
@@ -49,9 +49,9 @@ done
 skip train || timeout 30 python3 -m uccl_ep_megatron.cli report /tmp/train_alltoall /tmp/train_uccl_ep \
   --out /tmp/report > "$OUT/train_report.log" 2>&1
 UCCL_EP_TEST_TIMEOUT_S=45 UCCL_EP_TEST_KERNEL_TIMEOUT_MS=8000 \
-  suite internode 70 internode.log "${PYTEST[@]}" -x "$REPO/tests/gpu/test_internode.py"
-suite bench-fifo 30 bench_fifo.log python3 -m uccl_ep_megatron.bench.fifo --json "$OUT/bench_fifo.json"
-suite intranode 60 intranode.log "${PYTEST[@]}" -x "$REPO/tests/gpu/test_intranode.py"
+  suite internode 60 internode.log "${PYTEST[@]}" -x "$REPO/tests/gpu/test_internode.py"
+suite bench-fifo 25 bench_fifo.log python3 -m uccl_ep_megatron.bench.fifo --json "$OUT/bench_fifo.json"
+suite intranode 50 intranode.log "${PYTEST[@]}" -x "$REPO/tests/gpu/test_intranode.py"
 
 echo "================ summary"
 printf '%s\n' "${summary[@]}"
