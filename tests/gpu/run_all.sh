@@ -26,7 +26,7 @@ rc=$?
 note "build rc=$rc ($((SECONDS - t0)) s)"
 if [ $rc -ne 0 ]; then tail -30 "$OUT/build.log"; exit 1; fi
 cd /tmp || exit 1  # import the installed package, not the source tree
-PYTEST=(python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" -rs)
+PYTEST=(python3 -X faulthandler -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" -rs)
 
 suite() {  # name, time limit, log, command...
   local name=$1 limit=$2 log=$3
@@ -53,11 +53,15 @@ UCCL_EP_TEST_TIMEOUT_S=45 UCCL_EP_TEST_KERNEL_TIMEOUT_MS=8000 \
 suite bench-fifo 25 bench_fifo.log python3 -m uccl_ep_megatron.bench.fifo --json "$OUT/bench_fifo.json"
 suite intranode 50 intranode.log "${PYTEST[@]}" -x "$REPO/tests/gpu/test_intranode.py"
 
+# The device tool returns at most 8 files: keep every log in one archive.
+(cd "$OUT" && mkdir -p /tmp/logs && mv -- *.log *.json *.jsonl /tmp/logs/ 2>/dev/null
+ tar -czf "$OUT/logs.tar.gz" -C /tmp logs)
+OUT_LOGS=/tmp/logs
 echo "================ summary"
 printf '%s\n' "${summary[@]}"
-echo "---- megatron layer"; grep -E "tok/s|rel|max" "$OUT/megatron.log" | tail -8
-echo "---- train"; tail -12 "$OUT/train_report.log" 2>/dev/null
-echo "---- bench fifo"; tail -8 "$OUT/bench_fifo.log"
+echo "---- megatron layer"; grep -E "tok/s|rel|max" "$OUT_LOGS/megatron.log" | tail -8
+echo "---- train"; tail -12 "$OUT_LOGS/train_report.log" 2>/dev/null
+echo "---- bench fifo"; tail -8 "$OUT_LOGS/bench_fifo.log"
 for f in fifo megatron internode intranode; do
-  grep -E "^(FAILED|ERROR)" "$OUT/$f.log" 2>/dev/null | head -5
+  grep -E "^(FAILED|ERROR)" "$OUT_LOGS/$f.log" 2>/dev/null | head -5
 done
