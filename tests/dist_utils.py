@@ -110,11 +110,13 @@ class DistPool:
             else:
                 failures.append(f"--- rank {rank} ---\n{out}")
         if failures:
-            raise AssertionError(f"{fn_name} failed on {len(failures)} rank(s):\n" + "\n".join(failures))
+            raise AssertionError(
+                f"{fn_name} failed on {len(failures)} rank(s):\n" + "\n".join(failures)
+            )
         return outs
 
     def close(self) -> None:
-        for q, p in zip(self._tasks, self._procs):
+        for q, p in zip(self._tasks, self._procs, strict=True):
             if p.is_alive():
                 q.put(None)
         for p in self._procs:

@@ -28,7 +28,14 @@ def num_tokens_of(rank: int, base: int, seed: int) -> int:
 
 
 def make_inputs(
-    seed: int, rank: int, world: int, base_tokens: int, hidden: int, num_experts: int, topk: int, mode: str
+    seed: int,
+    rank: int,
+    world: int,
+    base_tokens: int,
+    hidden: int,
+    num_experts: int,
+    topk: int,
+    mode: str,
 ) -> RankInputs:
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     t = num_tokens_of(rank, base_tokens, seed)
@@ -91,7 +98,12 @@ def expected_for(rank: int, world: int, all_inputs: list[RankInputs], num_expert
                     for e in inp.topk_idx[t].tolist()
                 ]
                 ids.append(local)
-                ws.append([w if l >= 0 else 0.0 for w, l in zip(inp.topk_weights[t].tolist(), local)])
+                ws.append(
+                    [
+                        w if e >= 0 else 0.0
+                        for w, e in zip(inp.topk_weights[t].tolist(), local, strict=True)
+                    ]
+                )
                 src.append(t)
     hidden = all_inputs[0].x.shape[1]
     k = all_inputs[0].topk_idx.shape[1]

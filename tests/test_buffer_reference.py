@@ -38,7 +38,9 @@ def make_buffer(world: int, hidden: int, elem: int = 2, **kwargs):
 
 def all_inputs(seed, world, tokens, hidden, mode, num_experts=None):
     num_experts = num_experts or NUM_EXPERTS_PER_RANK * world
-    return [make_inputs(seed, r, world, tokens, hidden, num_experts, TOPK, mode) for r in range(world)]
+    return [
+        make_inputs(seed, r, world, tokens, hidden, num_experts, TOPK, mode) for r in range(world)
+    ]
 
 
 def layout_and_dispatch(buf, x, inp, num_experts, **kwargs):
@@ -126,7 +128,10 @@ def w_self_verifying(rank, world, seed):
 def w_fp8(rank, world, seed):
     hidden, num_experts = 256, NUM_EXPERTS_PER_RANK * world
     inputs = all_inputs(seed, world, 8, hidden, "random")
-    scales_all = [torch.rand(i.x.shape[0], hidden // 128, generator=torch.Generator().manual_seed(r)) for r, i in enumerate(inputs)]
+    scales_all = [
+        torch.rand(i.x.shape[0], hidden // 128, generator=torch.Generator().manual_seed(r))
+        for r, i in enumerate(inputs)
+    ]
     for inp in inputs:
         inp.x = inp.x.to(torch.float8_e4m3fn).float()
     exp = expected_for(rank, world, inputs, num_experts)
@@ -170,12 +175,16 @@ def w_worst_tokens_and_alignment(rank, world, seed):
     want, _ = expected_combine(rank, world, inputs, num_experts)
     # expected_combine scales by (dest + 1); undo with an unscaled oracle sum instead.
     epr = num_experts // world
-    plain = torch.stack(
-        [
-            inp.x[t] * len({int(e) // epr for e in inp.topk_idx[t].tolist() if e >= 0})
-            for t in range(inp.x.shape[0])
-        ]
-    ) if inp.x.shape[0] else inp.x
+    plain = (
+        torch.stack(
+            [
+                inp.x[t] * len({int(e) // epr for e in inp.topk_idx[t].tolist() if e >= 0})
+                for t in range(inp.x.shape[0])
+            ]
+        )
+        if inp.x.shape[0]
+        else inp.x
+    )
     torch.testing.assert_close(combined, plain, rtol=1e-5, atol=1e-5)
     assert want.shape == combined.shape
     # Cached dispatch keeps the padding of the handle.
@@ -183,7 +192,9 @@ def w_worst_tokens_and_alignment(rank, world, seed):
     assert cached.shape[0] == worst and torch.equal(cached[:n], exp.recv_x * 2)
 
     for align in (1, 4, 16):
-        _, _, _, counts, _, _ = layout_and_dispatch(buf, inp.x, inp, num_experts, expert_alignment=align)
+        _, _, _, counts, _, _ = layout_and_dispatch(
+            buf, inp.x, inp, num_experts, expert_alignment=align
+        )
         assert counts == [(c + align - 1) // align * align for c in exp.per_expert]
 
 
@@ -217,7 +228,11 @@ def w_events(rank, world):
     prev = Buffer.capture()
     assert isinstance(prev, EventOverlap)
     per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(
-        inp.topk_idx, num_experts, previous_event=prev, async_finish=True, allocate_on_comm_stream=True
+        inp.topk_idx,
+        num_experts,
+        previous_event=prev,
+        async_finish=True,
+        allocate_on_comm_stream=True,
     )
     recv_x, _, recv_w, _, handle, ev = buf.dispatch(
         inp.x,
@@ -252,9 +267,14 @@ def w_virtual_nodes(rank, world):
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(inp.topk_idx, num_experts)
     assert per_rdma is not None and torch.equal(per_rdma, per_rank)
     try:
-        buf.dispatch(inp.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                     num_tokens_per_expert=per_expert, topk_idx=inp.topk_idx,
-                     topk_weights=inp.topk_weights)
+        buf.dispatch(
+            inp.x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=inp.topk_idx,
+            topk_weights=inp.topk_weights,
+        )
         raise AssertionError("dispatch without num_tokens_per_rdma_rank accepted on several nodes")
     except InvalidInputError as e:
         assert "num_tokens_per_rdma_rank" in str(e)
@@ -270,8 +290,13 @@ def w_bad_inputs(rank, world):
     buf = make_buffer(world, hidden, 4)
     layout = buf.get_dispatch_layout(inp.topk_idx, num_experts)[:4]
     per_rank, per_rdma, per_expert, in_rank = layout
-    kw = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-              num_tokens_per_expert=per_expert, topk_idx=inp.topk_idx, topk_weights=inp.topk_weights)
+    kw = dict(
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=inp.topk_idx,
+        topk_weights=inp.topk_weights,
+    )
 
     def expect(exc, needle, fn, *a, **k):
         try:
@@ -284,19 +309,40 @@ def w_bad_inputs(rank, world):
     bad = inp.topk_idx.clone()
     if bad.numel():
         bad[0, 0] = num_experts
-        expect(InvalidInputError, f"expert id {num_experts}", buf.get_dispatch_layout, bad, num_experts)
+        expect(
+            InvalidInputError, f"expert id {num_experts}", buf.get_dispatch_layout, bad, num_experts
+        )
         bad[0, 0] = -2
         expect(InvalidInputError, "expert id -2", buf.get_dispatch_layout, bad, num_experts)
-    expect(InvalidInputError, "not divisible", buf.get_dispatch_layout, inp.topk_idx, num_experts + 1)
-    expect(InvalidInputError, "topk_idx.dtype", buf.get_dispatch_layout, inp.topk_idx.float(), num_experts)
+    expect(
+        InvalidInputError, "not divisible", buf.get_dispatch_layout, inp.topk_idx, num_experts + 1
+    )
+    expect(
+        InvalidInputError,
+        "topk_idx.dtype",
+        buf.get_dispatch_layout,
+        inp.topk_idx.float(),
+        num_experts,
+    )
     expect(InvalidInputError, "x.dtype", buf.dispatch, inp.x.to(torch.int32), **kw)
     expect(InvalidInputError, "2-D", buf.dispatch, inp.x.view(-1), **kw)
     expect(InvalidInputError, "rows", buf.dispatch, torch.zeros(inp.x.shape[0] + 1, hidden), **kw)
-    expect(InvalidInputError, "get_dispatch_layout", buf.dispatch, inp.x, topk_idx=inp.topk_idx,
-           topk_weights=inp.topk_weights)
+    expect(
+        InvalidInputError,
+        "get_dispatch_layout",
+        buf.dispatch,
+        inp.x,
+        topk_idx=inp.topk_idx,
+        topk_weights=inp.topk_weights,
+    )
     expect(InvalidInputError, "together", buf.dispatch, inp.x, **{**kw, "topk_weights": None})
-    expect(InvalidInputError, "topk_weights.dtype", buf.dispatch, inp.x,
-           **{**kw, "topk_weights": inp.topk_weights.double()})
+    expect(
+        InvalidInputError,
+        "topk_weights.dtype",
+        buf.dispatch,
+        inp.x,
+        **{**kw, "topk_weights": inp.topk_weights.double()},
+    )
     expect(InvalidInputError, "FP8", buf.dispatch, (inp.x, torch.ones(inp.x.shape[0], 1)), **kw)
     expect(InvalidInputError, "expert_alignment", buf.dispatch, inp.x, expert_alignment=0, **kw)
     expect(InvalidInputError, "previous_event", buf.dispatch, inp.x, previous_event=object(), **kw)
@@ -311,8 +357,15 @@ def w_bad_inputs(rank, world):
     other = make_buffer(world, hidden, 4)
     expect(InvalidInputError, "another Buffer", other.combine, recv_x, handle)
     expect(InvalidInputError, "rows", buf.combine, torch.zeros(recv_x.shape[0] + 1, hidden), handle)
-    expect(InvalidInputError, "no topk_idx", buf.dispatch, inp.x, handle=handle, topk_idx=inp.topk_idx,
-           topk_weights=inp.topk_weights)
+    expect(
+        InvalidInputError,
+        "no topk_idx",
+        buf.dispatch,
+        inp.x,
+        handle=handle,
+        topk_idx=inp.topk_idx,
+        topk_weights=inp.topk_weights,
+    )
     expect(InvalidInputError, "bias", buf.combine, recv_x, handle, bias=(inp.x, inp.x, inp.x))
     combined, _, _ = buf.combine(recv_x, handle, bias=(inp.x, inp.x))
     plain, _, _ = buf.combine(recv_x, handle)
@@ -341,8 +394,13 @@ def w_gradcheck(rank, world):
     # lockstep, so all ranks must make the same number of calls: they do, as shapes are fixed.
     ok = torch.autograd.gradcheck(
         # Weights travel as float32, so eps must dwarf float32 rounding of the weights.
-        lambda x, w: through(x, w.float()).sum(1), (x, w), eps=1e-3, atol=1e-3, rtol=1e-3,
-        nondet_tol=1e-6, fast_mode=True,
+        lambda x, w: through(x, w.float()).sum(1),
+        (x, w),
+        eps=1e-3,
+        atol=1e-3,
+        rtol=1e-3,
+        nondet_tol=1e-6,
+        fast_mode=True,
     )
     assert ok
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends import create_backend
-from uccl_ep_megatron.backends.base import DispatchArgs, DispatchHandle, Layout, Topology
+from uccl_ep_megatron.backends.base import DispatchArgs, DispatchHandle, Topology
 from uccl_ep_megatron.config import (
     MAX_TOPK,
     Config,
@@ -504,7 +504,8 @@ class Buffer:
     def _check_handle(self, handle: Any) -> None:
         if not isinstance(handle, DispatchHandle):
             raise InvalidInputError(
-                f"handle must be the handle returned by Buffer.dispatch, got {type(handle).__name__}"
+                "handle must be the handle returned by Buffer.dispatch, got "
+                f"{type(handle).__name__}"
             )
         if handle.owner != self.uid:
             raise InvalidInputError(
@@ -541,15 +542,13 @@ class Buffer:
             _check_dtype("scales", scales, (torch.float32,))
             if scales.shape[1] != hidden // 128:
                 raise InvalidInputError(
-                    f"scales has shape {tuple(scales.shape)}, expected [{num_tokens}, {hidden // 128}] "
-                    "(one float32 per 128 elements)"
+                    f"scales has shape {tuple(scales.shape)}, expected "
+                    f"[{num_tokens}, {hidden // 128}] (one float32 per 128 elements)"
                 )
             scales = scales.contiguous()
         return x.contiguous(), scales
 
-    def _check_topk_idx(
-        self, topk_idx: Any, num_experts: int, num_tokens: int | None
-    ) -> None:
+    def _check_topk_idx(self, topk_idx: Any, num_experts: int, num_tokens: int | None) -> None:
         self._check_tensor("topk_idx", topk_idx, dims=2, rows=num_tokens)
         _check_dtype("topk_idx", topk_idx, _TOPK_DTYPES)
         if topk_idx.shape[1] > MAX_TOPK or topk_idx.shape[1] == 0:
@@ -612,7 +611,10 @@ class Buffer:
                     "from get_dispatch_layout"
                 )
             self._check_tensor(
-                "num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, dims=1, rows=self.num_rdma_ranks
+                "num_tokens_per_rdma_rank",
+                num_tokens_per_rdma_rank,
+                dims=1,
+                rows=self.num_rdma_ranks,
             )
         if (topk_idx is None) != (topk_weights is None):
             raise InvalidInputError("pass topk_idx and topk_weights together, or neither")

@@ -39,7 +39,9 @@ class _Dispatch(torch.autograd.Function):
         allocate_on_comm_stream: bool,
     ):
         per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(
-            topk_idx, num_experts, async_finish=async_finish,
+            topk_idx,
+            num_experts,
+            async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )
         recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
@@ -104,7 +106,9 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_combined: torch.Tensor):
-        grad_x, *_ = ctx.buffer.dispatch(grad_combined.contiguous(), handle=ctx.handle, config=ctx.config)
+        grad_x, *_ = ctx.buffer.dispatch(
+            grad_combined.contiguous(), handle=ctx.handle, config=ctx.config
+        )
         return grad_x, None, None, None, None, None
 
 

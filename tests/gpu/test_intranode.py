@@ -132,8 +132,17 @@ def case(rank: int, world: int, params: dict) -> int:
     async_mode = params.get("async", False)
     if async_mode:
         prev = Buffer.capture()
-        kout = _dispatch(kb, x_in, klay, idx, w, previous_event=prev, async_finish=True,
-                         allocate_on_comm_stream=True, **kw)
+        kout = _dispatch(
+            kb,
+            x_in,
+            klay,
+            idx,
+            w,
+            previous_event=prev,
+            async_finish=True,
+            allocate_on_comm_stream=True,
+            **kw,
+        )
         kout[-1].current_stream_wait()
     else:
         kout = _dispatch(kb, x_in, klay, idx, w, **kw)
@@ -165,8 +174,10 @@ def case(rank: int, world: int, params: dict) -> int:
     y = (krx.float() * 0.5 + 1.0).to(torch.bfloat16)
     if kw["num_worst_tokens"]:
         y[kh.num_recv_tokens :] = float("nan")  # padding rows must be ignored
-    bias = tuple(torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-                 for _ in range(params.get("bias", 0)))
+    bias = tuple(
+        torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        for _ in range(params.get("bias", 0))
+    )
     _poison(kb)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_, bias=bias or None, config=config)
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
@@ -178,8 +189,9 @@ def case(rank: int, world: int, params: dict) -> int:
     # Self-verifying property: combining the unchanged rows gives x * (ranks reached).
     plain, _, _ = kb.combine(krx, kh, config=config)
     reached = klay[3].sum(1, keepdim=True).float()
-    torch.testing.assert_close(plain.float(), (x.float() * reached).to(torch.bfloat16).float(),
-                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        plain.float(), (x.float() * reached).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
+    )
     torch.cuda.synchronize()
     return kh.num_recv_tokens
 
@@ -225,9 +237,14 @@ def timeout_case(rank: int, world: int) -> str:
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, world)
     x = torch.randn(8, 128, device="cuda").to(torch.bfloat16)
     try:
-        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                     num_tokens_per_expert=per_expert, topk_idx=idx,
-                     topk_weights=torch.ones(8, 1, device="cuda"))
+        buf.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idx,
+            topk_weights=torch.ones(8, 1, device="cuda"),
+        )
     except CommTimeoutError as exc:
         assert re.search(r"waiting for rank [1-9]", str(exc)), str(exc)
         dist.barrier()

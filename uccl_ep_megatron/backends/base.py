@@ -133,5 +133,5 @@ class Backend(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each received row back into its source token (and top-k weights likewise)."""
 
-    def destroy(self) -> None:
+    def destroy(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release backend resources; the default holds none."""

@@ -164,7 +164,12 @@ class ReferenceBackend(Backend):
         num_recv_per_expert = [(c + align - 1) // align * align for c in local_expert_counts]
         if args.num_worst_tokens > 0:
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights = _pad_rows(
-                args.num_worst_tokens, num_recv, recv_x, recv_scales, recv_topk_idx, recv_topk_weights
+                args.num_worst_tokens,
+                num_recv,
+                recv_x,
+                recv_scales,
+                recv_topk_idx,
+                recv_topk_weights,
             )
             num_recv_per_expert = []
         return DispatchResult(

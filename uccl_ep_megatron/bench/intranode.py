@@ -131,7 +131,10 @@ def _peer_copy_us(src: torch.Tensor, dst: torch.Tensor, rank: int, peer: int) ->
 def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group(
-        "nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        "nccl",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
     from uccl_ep_megatron import Buffer, Config
@@ -141,8 +144,10 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
     idx = torch.rand(T, E, generator=gen, device="cuda").topk(K, dim=1).indices
     w = torch.rand(T, K, generator=gen, device="cuda")
     x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
-    x_fp8 = (x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
-             torch.rand(T, H // 128, generator=gen, device="cuda"))
+    x_fp8 = (
+        x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
+        torch.rand(T, H // 128, generator=gen, device="cuda"),
+    )
     variants = {"tma": "1", "ldst": "0"}
     if a["copy"] != "both":
         variants = {a["copy"]: variants[a["copy"]]}
@@ -152,11 +157,23 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
         bufs[name] = Buffer(None, a["nvl_bytes"], 0, backend="kernels")
     buf = next(iter(bufs.values()))
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
-                  is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                  topk_idx=idx, topk_weights=w)
-    res: dict[str, Any] = {"world": world, "tokens": T, "hidden": H, "experts": E, "topk": K,
-                           "device": torch.cuda.get_device_name(), "rows": []}
+    layout = dict(
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+    )
+    res: dict[str, Any] = {
+        "world": world,
+        "tokens": T,
+        "hidden": H,
+        "experts": E,
+        "topk": K,
+        "device": torch.cuda.get_device_name(),
+        "rows": [],
+    }
 
     # NCCL all-to-all of the deduplicated rows (gather done once, untimed).
     order = in_rank.t().nonzero(as_tuple=True)[1]
@@ -180,8 +197,13 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
     src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
     dst = torch.empty(n, dtype=torch.uint8, device=f"cuda:{peer}")
     bw = n / (_peer_copy_us(src, dst, rank, peer) * 1e-6)
-    res.update(recv_bytes=recv_bytes, cross_bytes=cross_bytes, nvlink_GBps=bw / 1e9,
-               floor_us=cross_bytes / bw * 1e6, nccl=nccl)
+    res.update(
+        recv_bytes=recv_bytes,
+        cross_bytes=cross_bytes,
+        nvlink_GBps=bw / 1e9,
+        floor_us=cross_bytes / bw * 1e6,
+        nccl=nccl,
+    )
 
     for sms in [int(s) for s in a["sms"].split(",") if s]:
         for name, b in bufs.items():
@@ -246,13 +268,19 @@ def _bench_ops(buf, cfg, x, x_fp8, layout: dict, a: dict, recv_bytes: int) -> li
 
 def _print(r: dict) -> None:
     nccl = r["nccl"]["e2e_us"]
-    print(f"# bench intranode: {r['world']} x {r['device']}, {r['tokens']} tok/rank, hidden "
-          f"{r['hidden']}, top-{r['topk']} of {r['experts']} experts (max over ranks)")
-    print(f"# NVLink peer copy {r['nvlink_GBps']:.0f} GB/s; BF16 dispatch moves "
-          f"{r['cross_bytes'] / 1e6:.1f} MB across the link -> floor {r['floor_us']:.1f} us; "
-          f"recv_x {r['recv_bytes'] / 1e6:.1f} MB")
-    print(f"# NCCL all_to_all_single of dedup rows: {nccl:.1f} us e2e, "
-          f"{r['nccl']['kernel_us']:.1f} us kernel")
+    print(
+        f"# bench intranode: {r['world']} x {r['device']}, {r['tokens']} tok/rank, hidden "
+        f"{r['hidden']}, top-{r['topk']} of {r['experts']} experts (max over ranks)"
+    )
+    print(
+        f"# NVLink peer copy {r['nvlink_GBps']:.0f} GB/s; BF16 dispatch moves "
+        f"{r['cross_bytes'] / 1e6:.1f} MB across the link -> floor {r['floor_us']:.1f} us; "
+        f"recv_x {r['recv_bytes'] / 1e6:.1f} MB"
+    )
+    print(
+        f"# NCCL all_to_all_single of dedup rows: {nccl:.1f} us e2e, "
+        f"{r['nccl']['kernel_us']:.1f} us kernel"
+    )
     print(
         f"{'op':<22}{'copy':>5}{'SMs':>4}{'kernel us':>10}{'GB/s':>7}{'e2e us':>8}"
         f"{'e2e GB/s':>9}{'NCCL/op':>8}{'op/floor':>9}  per kernel (us)"
