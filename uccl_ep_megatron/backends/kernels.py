@@ -25,7 +25,6 @@ memory and raised here as ``CommTimeoutError`` naming the stalled rank and barri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,35 +54,6 @@ def _c():
     from uccl_ep_megatron import _C
 
     return _C
-
-
-def launch_dispatch_layout(
-    c: Any, topk_idx: torch.Tensor, num_experts: int, topology: Topology, stream: int
-) -> Layout:
-    """Run the layout kernel of ``_C`` on ``stream`` (shared by both GPU backends)."""
-    topk_idx = topk_idx.contiguous()
-    num_tokens, num_topk = topk_idx.shape
-    dev = topk_idx.device
-    per_rank = torch.empty(topology.num_ranks, dtype=torch.int32, device=dev)
-    per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    in_rank = torch.empty(num_tokens, topology.num_ranks, dtype=torch.bool, device=dev)
-    c.get_dispatch_layout(
-        topk_idx=topk_idx.data_ptr(),
-        idx_is_64=topk_idx.dtype == torch.int64,
-        num_tokens=num_tokens,
-        num_topk=num_topk,
-        num_ranks=topology.num_ranks,
-        num_experts=num_experts,
-        num_tokens_per_rank=per_rank.data_ptr(),
-        num_tokens_per_expert=per_expert.data_ptr(),
-        is_token_in_rank=in_rank.data_ptr(),
-        stream=stream,
-    )
-    per_rdma = None
-    if topology.num_nodes > 1:
-        per_node = in_rank.view(num_tokens, topology.num_nodes, topology.ranks_per_node).any(2)
-        per_rdma = per_node.sum(0, dtype=torch.int32)
-    return Layout(per_rank, per_rdma, per_expert, in_rank)
 
 
 @dataclass(frozen=True)
@@ -191,7 +161,26 @@ class KernelsBackend(Backend):
     # ---- layout -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
         self._check_status()
-        return launch_dispatch_layout(self._c, topk_idx, num_experts, self.topology, self._stream())
+        topo = self.topology
+        topk_idx = topk_idx.contiguous()
+        num_tokens, num_topk = topk_idx.shape
+        dev = topk_idx.device
+        per_rank = torch.empty(topo.num_ranks, dtype=torch.int32, device=dev)
+        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        in_rank = torch.empty(num_tokens, topo.num_ranks, dtype=torch.bool, device=dev)
+        self._c.get_dispatch_layout(
+            topk_idx=topk_idx.data_ptr(),
+            idx_is_64=topk_idx.dtype == torch.int64,
+            num_tokens=num_tokens,
+            num_topk=num_topk,
+            num_ranks=topo.num_ranks,
+            num_experts=num_experts,
+            num_tokens_per_rank=per_rank.data_ptr(),
+            num_tokens_per_expert=per_expert.data_ptr(),
+            is_token_in_rank=in_rank.data_ptr(),
+            stream=self._stream(),
+        )
+        return Layout(per_rank, None, per_expert, in_rank)
 
     # ---- dispatch -----------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
