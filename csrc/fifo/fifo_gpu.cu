@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "common/gpu.h"
 #include "fifo/fifo_device.cuh"
@@ -100,14 +102,47 @@ FifoDeviceHandle* upload_handles(const std::vector<FifoDeviceHandle>& handles, g
   return d;
 }
 
-void pin_to_gpu_numa(int device) {
-  std::vector<int> cpus = numa_cpus_of_pci(pci_bus_id(device));
+// `cpus` is looked up once by the calling thread (numa_cpus_of_pci / pci_bus_id may throw, and an
+// exception escaping a std::thread terminates the process). Pinning is best effort.
+void pin_to_cpus(const std::vector<int>& cpus) {
   if (cpus.empty()) return;
   cpu_set_t set;
   CPU_ZERO(&set);
-  for (int c : cpus) CPU_SET(c, &set);
-  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  for (int c : cpus) {
+    if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &set);
+  }
+  (void)pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 }
+
+// Joins the bench's consumer threads on every exit path: a joinable std::thread destroyed while
+// an exception unwinds calls std::terminate (the whole Python process would abort).
+class ConsumerGroup {
+ public:
+  ConsumerGroup(std::atomic<bool>& stop, std::vector<std::unique_ptr<FifoChannel>>& fifos, gpuStream_t stream)
+      : stop_(stop), fifos_(fifos), stream_(stream) {}
+  ~ConsumerGroup() {
+    if (threads_.empty()) return;  // joined: the normal path
+    stop_ = true;
+    for (auto& f : fifos_) f->set_abort(true);  // producers stuck on a full ring give up
+    join();
+    // The channels are freed next: let a launched kernel see the abort and finish first.
+    (void)gpuStreamSynchronize(stream_);
+  }
+  template <typename F>
+  void spawn(F&& f) {
+    threads_.emplace_back(std::forward<F>(f));
+  }
+  void join() {
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+  }
+
+ private:
+  std::atomic<bool>& stop_;
+  std::vector<std::unique_ptr<FifoChannel>>& fifos_;
+  gpuStream_t stream_;
+  std::vector<std::thread> threads_;
+};
 
 }  // namespace
 
@@ -212,6 +247,7 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
   UCCL_EP_CHECK_ARG(channels >= 1 && threads >= 1 && threads <= channels, "bench fifo: channels=", channels,
                     " threads=", threads, " (need 1 <= threads <= channels)");
   GPU_CHECK(gpuSetDevice(device));
+  const std::vector<int> numa_cpus = numa_cpus_of_pci(pci_bus_id(device));
   std::vector<std::unique_ptr<FifoChannel>> fifos;
   std::vector<FifoDeviceHandle> handles;
   for (uint32_t c = 0; c < channels; ++c) {
@@ -230,15 +266,16 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
 #endif
   std::atomic<uint64_t> errors{0};
   std::atomic<bool> timed_out{false};
+  std::atomic<bool> stop{false};  // set when the host side fails: consumers leave at once
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   // Consumer t drains channels c % threads == t and checks per-producer order.
   auto consume = [&](uint32_t t, uint64_t expect) {
-    pin_to_gpu_numa(device);
+    pin_to_cpus(numa_cpus);
     std::vector<uint32_t> next(warps, 0);
     uint64_t got = 0;
     uint32_t spins = 0;
     TransferCmd cmd;
-    while (got < expect) {
+    while (got < expect && !stop.load(std::memory_order_relaxed)) {
       bool any = false;
       for (uint32_t c = t; c < channels; c += threads) {
         FifoChannel& f = *fifos[c];
@@ -267,14 +304,17 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
   gpuEvent_t e0, e1;
   GPU_CHECK(fifo_event_create(&e0));
   GPU_CHECK(fifo_event_create(&e1));
-  std::vector<std::thread> consumers;
-  for (uint32_t t = 0; t < threads; ++t) consumers.emplace_back(consume, t, per_thread[t]);
-  auto t0 = std::chrono::steady_clock::now();
-  GPU_CHECK(fifo_event_record(e0, s));
-  launch_push_kernel(handles, blocks, warps_per_block, cmds_per_warp, device, reinterpret_cast<uintptr_t>(s));
-  GPU_CHECK(fifo_event_record(e1, s));
-  for (auto& th : consumers) th.join();
-  auto t1 = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point t0, t1;
+  {
+    ConsumerGroup consumers(stop, fifos, s);
+    for (uint32_t t = 0; t < threads; ++t) consumers.spawn([&consume, t, n = per_thread[t]] { consume(t, n); });
+    t0 = std::chrono::steady_clock::now();
+    GPU_CHECK(fifo_event_record(e0, s));
+    launch_push_kernel(handles, blocks, warps_per_block, cmds_per_warp, device, reinterpret_cast<uintptr_t>(s));
+    GPU_CHECK(fifo_event_record(e1, s));
+    consumers.join();
+    t1 = std::chrono::steady_clock::now();
+  }
   if (timed_out) {
     for (auto& f : fifos) f->set_abort(true);
     (void)gpuStreamSynchronize(s);
@@ -294,26 +334,29 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
     uint64_t* d_ns = nullptr;
     GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&d_ns), latency_iters * sizeof(uint64_t)));
     GPU_CHECK(gpuMemsetAsync(d_ns, 0, latency_iters * sizeof(uint64_t), s));
-    // Fresh channel 0 state: the consumer continues from its current head.
-    std::thread consumer([&] {
-      pin_to_gpu_numa(device);
-      FifoChannel& f = *fifos[0];
-      TransferCmd cmd;
-      uint64_t got = 0;
-      uint32_t spins = 0;
-      while (got < latency_iters) {
-        if (f.poll(&cmd)) {
-          f.pop();
-          ++got;
-        } else if ((++spins & 0xFFFF) == 0 && std::chrono::steady_clock::now() > deadline) {
-          timed_out = true;
-          return;
+    {
+      ConsumerGroup consumer(stop, fifos, s);
+      // Fresh channel 0 state: the consumer continues from its current head.
+      consumer.spawn([&] {
+        pin_to_cpus(numa_cpus);
+        FifoChannel& f = *fifos[0];
+        TransferCmd cmd;
+        uint64_t got = 0;
+        uint32_t spins = 0;
+        while (got < latency_iters && !stop.load(std::memory_order_relaxed)) {
+          if (f.poll(&cmd)) {
+            f.pop();
+            ++got;
+          } else if ((++spins & 0xFFFF) == 0 && std::chrono::steady_clock::now() > deadline) {
+            timed_out = true;
+            return;
+          }
         }
-      }
-    });
-    latency_kernel<<<1, 1, 0, s>>>(handles[0], latency_iters, d_ns);
-    GPU_CHECK(gpuGetLastError());
-    consumer.join();
+      });
+      latency_kernel<<<1, 1, 0, s>>>(handles[0], latency_iters, d_ns);
+      GPU_CHECK(gpuGetLastError());
+      consumer.join();
+    }
     if (timed_out) {
       fifos[0]->set_abort(true);
       (void)gpuStreamSynchronize(s);
