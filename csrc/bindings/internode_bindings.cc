@@ -176,6 +176,8 @@ void bind_internode(py::module_& m) {
   s.def("combine", &in::combine, py::arg("args"), py::arg("stream"), "Launch the combine kernel.");
   s.def("node_barrier", &in::node_barrier, py::arg("common"), py::arg("barrier_seq"), py::arg("stream"),
         "NVLink barrier of the node's ranks.");
+  s.def("preload_kernels", &in::preload_kernels,
+        "Load every internode kernel on the current device now (no lazy load while one waits).");
 #endif
 }
 

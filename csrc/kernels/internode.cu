@@ -12,6 +12,7 @@
 #if defined(__HIP_PLATFORM_AMD__) || defined(USE_ROCM) || defined(UCCL_EP_HIP)
 #include <hip/hip_fp16.h>
 #else
+#include <cuda.h>
 #include <cuda_fp16.h>
 #endif
 
@@ -1148,6 +1149,47 @@ void node_barrier(const Common& c, uint64_t barrier_seq, intptr_t stream) {
   node_barrier_kernel<<<1, kBarrierThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
       peers_of(d), d.local, d.L, barrier_seq, d.status, c.timeout_ns);
   GPU_CHECK(gpuGetLastError());
+}
+
+void preload_kernels() {
+#if !defined(UCCL_EP_DEVICE_HIP)
+  // cuFuncLoad (driver >= 12.4) loads a function explicitly; through the runtime's entry-point
+  // query, so the library needs no link against libcuda. Attribute queries also load it.
+  using FuncLoad = CUresult (*)(CUfunction);
+  static const FuncLoad func_load = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuFuncLoad", &fn, 12040, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return static_cast<FuncLoad>(nullptr);
+    }
+    return reinterpret_cast<FuncLoad>(fn);
+  }();
+#endif
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(dispatch_kernel),      reinterpret_cast<const void*>(dispatch_finish_kernel),
+      reinterpret_cast<const void*>(combine_kernel<0>),    reinterpret_cast<const void*>(combine_kernel<1>),
+      reinterpret_cast<const void*>(combine_kernel<2>),    reinterpret_cast<const void*>(combine_stage_kernel),
+      reinterpret_cast<const void*>(node_barrier_kernel),
+  };
+  for (const void* k : kernels) {
+#if defined(UCCL_EP_DEVICE_HIP)
+    hipFuncAttributes attr;
+    GPU_CHECK(hipFuncGetAttributes(&attr, k));
+#else
+    cudaFuncAttributes attr;
+    GPU_CHECK(cudaFuncGetAttributes(&attr, k));
+    if (func_load != nullptr) {
+      cudaFunction_t f = nullptr;
+      GPU_CHECK(cudaGetFuncBySymbol(&f, k));
+      const CUresult r = func_load(reinterpret_cast<CUfunction>(f));
+      if (r != CUDA_SUCCESS) {
+        UCCL_EP_THROW(GpuError, "cuFuncLoad of an internode kernel failed: CUresult ", static_cast<int>(r));
+      }
+    }
+#endif
+  }
 }
 
 }  // namespace uccl_ep::internode

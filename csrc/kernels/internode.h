@@ -113,4 +113,11 @@ void combine(const CombineArgs& a, intptr_t stream);
 // L > 1: node barrier so no peer still reads this rank's staging when the next call reuses it.
 void node_barrier(const Common& c, uint64_t barrier_seq, intptr_t stream);
 
+// Loads every internode kernel on the current device now. Under lazy module loading (the
+// CUDA 12.2+ and PyTorch default) a kernel's first launch loads it while holding the context
+// lock until the GPU drains; if that happens while a dispatch/combine kernel waits for the
+// proxies (e.g. dispatch_finish right after the first dispatch), the proxies' CUDA calls block
+// behind the lock and nothing moves until the kernels time out. Call once per Buffer, idle.
+void preload_kernels();
+
 }  // namespace uccl_ep::internode

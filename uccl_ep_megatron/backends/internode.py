@@ -186,6 +186,9 @@ class InternodeBackend(Backend):
         if topo.ranks_per_node > 1:
             nvl_bytes = max(int(num_nvl_bytes), _NVL_STAGE_OFFSET)
         with torch.cuda.device(dev_index):
+            # Load our kernels now, not lazily at a first launch while another of them waits
+            # for the proxies (that load would block the proxies' CUDA calls: a deadlock).
+            c.internode.preload_kernels()
             self._nvl_local = c.device_alloc_zeroed(nvl_bytes)
             self._region = c.device_alloc_zeroed(int(num_rdma_bytes))
             nvl_handle = c.ipc_get_handle(self._nvl_local)
@@ -511,17 +514,22 @@ class InternodeBackend(Backend):
         a.stage_offset = _NVL_STAGE_OFFSET
         a.recv_rows = [pm(num_ranks - 1, node0 + j) for j in range(local_n)]
         stream = self._stream()
-        self._in.dispatch(a, stream)
-        if local_n > 1:
-            recv_prefix = [pm(s - 1, rank) for s in range(num_ranks)] + [num_recv]
-            self._in.dispatch_finish(a, recv_prefix, self._next_barrier(), stream)
         if rows_out > num_recv:
+            # Padding rows are disjoint from the kernel's rows; fill them BEFORE the launch.
+            # Under CUDA lazy loading (PyTorch's default) the first launch of a kernel (e.g. the
+            # bf16 fill) loads it holding the context lock until the GPU drains; launched while
+            # the dispatch kernel waits for the proxies, it blocks their cudaMemcpyAsync (ipc
+            # transport) and deadlocks both until UCCL_EP_TIMEOUT_MS (bench/DEVICE_RUNS.md).
             recv_x[num_recv:].zero_()
             if recv_scales is not None:
                 recv_scales[num_recv:].zero_()
             if recv_idx is not None:
                 recv_idx[num_recv:].fill_(-1)
                 recv_w[num_recv:].zero_()
+        self._in.dispatch(a, stream)
+        if local_n > 1:
+            recv_prefix = [pm(s - 1, rank) for s in range(num_ranks)] + [num_recv]
+            self._in.dispatch_finish(a, recv_prefix, self._next_barrier(), stream)
 
         if cached is None:
             prefix_t = torch.tensor(prefix_host, dtype=torch.int32, device=dev).view(
