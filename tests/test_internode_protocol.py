@@ -126,6 +126,11 @@ class _Rank:
                     f"rank {me} call {call} stalled: sent={self.sent} consumed={self.consumed} "
                     f"counters={[v for v in self.counters() if v]}"
                 )
+            # The kernel's forwarder reads `done` before `tail` (the marker follows the stream's
+            # last tail update, so a tail read after it is final). One snapshot reads the counter
+            # array in index order, tail (kind 0) before done (kind 1): a marker could then be
+            # seen with a stale tail. Take the markers from an earlier snapshot.
+            dones = self.counters()
             vals = self.counters()
             for c in range(self.channels):
                 # ---- sender block ----
@@ -164,7 +169,7 @@ class _Rank:
                 for m in range(world):
                     if fin[c][m]:
                         continue
-                    done = vals[IN.counter_index(KIND["dispatch_done"], c, m)]
+                    done = dones[IN.counter_index(KIND["dispatch_done"], c, m)]
                     tail = vals[IN.counter_index(KIND["dispatch_tail"], c, m)]
                     avail = tail - self.consumed[c][m]
                     assert 0 <= avail <= self.cap, (avail, tail, self.consumed[c][m])
