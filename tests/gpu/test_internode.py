@@ -142,6 +142,10 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
 
     _poison(kb)
     kout = _dispatch(kb, x_in, klay, idx, w, **kw)
+    # The reference's kernels may be launched for the first time in this process: under lazy
+    # loading that must not happen while an internode kernel waits for the ipc proxies (README,
+    # "CUDA lazy loading and ipc"), so each reference call starts after the kernels finished.
+    torch.cuda.synchronize()
     rout = _dispatch(rb, x_in, rlay, idx, w, **kw)
     krx, kidx, kw_, kcounts, kh, _ = kout
     rrx, ridx, rw_, rcounts, rh, _ = rout
@@ -163,6 +167,7 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     x2 = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     _poison(kb)
     kc = kb.dispatch(x2, handle=kh, config=config)[0]
+    torch.cuda.synchronize()
     rc = rb.dispatch(x2, handle=rh, config=config)[0]
     torch.cuda.synchronize()
     kb._backend.check()
@@ -180,6 +185,7 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     )
     _poison(kb)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_, bias=bias or None, config=config)
+    torch.cuda.synchronize()
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
     torch.cuda.synchronize()
     kb._backend.check()
