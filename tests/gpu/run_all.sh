@@ -1,67 +1,124 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one device call (nvidia-h200-x2), for when the session's
-# device time allows only one: build once, then each suite under its own time limit, most
-# valuable first, so a hang in one costs only its own slot. Logs under $OUT, a summary last.
-#   run(kind="nvidia-h200-x2", carry=[".whl"], command="bash tests/gpu/run_all.sh")
+# Every GPU check of the project in one device call: build once, then each suite under its own
+# time limit (and a whole-call deadline), so a hang costs only its own slot. On 4+ GPUs the
+# 2-GPU suites run in two lanes at once (GPUs 0,1 and 2,3), then the 4-GPU runs (EP4
+# intranode, 2x2 virtual-node internode, EP4 training) follow. Logs go into $OUT/logs.tar.gz
+# (the device tool returns at most 8 files); a summary table is printed last.
+#   run(kind="nvidia-h200-x4", carry=[".whl"], command="bash tests/gpu/run_all.sh")
 # .whl/ holds megatron-core for Python 3.12 (see tests/gpu/run_megatron_gpu.sh).
-# Env: SKIP="fifo megatron train internode intranode" (names to leave out), TRAIN_ITERS (8).
+# Env: SKIP="fifo internode megatron train intranode bench ep4" (names to leave out),
+#      TRAIN_ITERS (50 on 2 GPUs; EP4 runs 20), DEADLINE_S (570: the call's own budget), PHASES ("1 2 3").
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CMAKE_BUILD_PARALLEL_LEVEL=32 PYTHONUNBUFFERED=1
+export CMAKE_BUILD_PARALLEL_LEVEL=64 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 REPO=$(pwd)
-mkdir -p "$OUT"
-summary=()
-note() { summary+=("$1"); echo "## $1"; }
+LOGS=/tmp/logs
+DEADLINE=$((SECONDS + ${DEADLINE_S:-570}))
+ITERS=${TRAIN_ITERS:-50}
+mkdir -p "$OUT" "$LOGS"
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 skip() { [[ " ${SKIP:-} " == *" $1 "* ]]; }
+phase() { [[ " ${PHASES:-1 2 3} " == *" $1 "* ]]; }
+echo "GPUs: $NGPU; commit $(git rev-parse --short HEAD 2>/dev/null)"
+nvidia-smi topo -m > "$LOGS/topo.log" 2>&1
 
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > "$OUT/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site
+    --target /tmp/site .whl/*.whl > "$LOGS/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site
 fi
 t0=$SECONDS
-timeout 120 python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
-  -C cmake.define.UCCL_EP_CUDA_ARCHS=90 . > "$OUT/build.log" 2>&1
+timeout 180 python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
+  -C cmake.define.UCCL_EP_CUDA_ARCHS=90 . > "$LOGS/build.log" 2>&1
 rc=$?
-note "build rc=$rc ($((SECONDS - t0)) s)"
-if [ $rc -ne 0 ]; then tail -30 "$OUT/build.log"; exit 1; fi
-cd /tmp || exit 1  # import the installed package, not the source tree
-PYTEST=(python3 -X faulthandler -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" -rs)
+echo "build rc=$rc ($((SECONDS - t0)) s)" | tee "$LOGS/summary_build.txt"
+if [ $rc -ne 0 ]; then tail -30 "$LOGS/build.log"; exit 1; fi
+cd /tmp || exit 1 # import the installed package, not the source tree
+PYTEST=(python3 -X faulthandler -m pytest -q -p no:cacheprovider --import-mode=importlib
+  -o addopts="" -o faulthandler_timeout=100 -rA --tb=short --durations=5)
 
-suite() {  # name, time limit, log, command...
-  local name=$1 limit=$2 log=$3
-  shift 3
-  if skip "$name"; then note "$name skipped"; return; fi
+# suite NAME GPUS LIMIT LOG CMD...: one line per suite in $LOGS/summary_<log>.txt
+suite() {
+  local name=$1 gpus=$2 limit=$3 log=$4
+  shift 4
+  if skip "$name"; then echo "$log skipped" > "$LOGS/summary_$log.txt"; return; fi
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 20 ]; then echo "$log not run (deadline)" > "$LOGS/summary_$log.txt"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$log" 2>&1
+  CUDA_VISIBLE_DEVICES=$gpus timeout -k 5 "$limit" "$@" > "$LOGS/$log.log" 2>&1
   local rc=$?
-  note "$name rc=$rc ($((SECONDS - t)) s): $(grep -E '[0-9]+ (passed|failed)' "$OUT/$log" | tail -1)"
+  printf '%-24s gpus=%-8s rc=%-3s %4ss  %s\n' "$log" "$gpus" "$rc" "$((SECONDS - t))" \
+    "$(grep -E '[0-9]+ (passed|failed|error)' "$LOGS/$log.log" | tail -1 | cut -c1-90)" \
+    > "$LOGS/summary_$log.txt"
+}
+train() {  # lane-gpus ngpu dispatcher tag
+  suite train "$1" 240 "train_$4" python3 -m uccl_ep_megatron.cli train --recipe deepseek-v3/proxy \
+    --dispatcher "$3" --gpus "$2" --iters "$ITERS" --save-interval 0 --no-wandb \
+    --run-dir "/tmp/train_$4"
+  cp "/tmp/train_$4/metrics.jsonl" "$LOGS/train_$4_metrics.jsonl" 2>/dev/null
 }
 
-suite fifo 50 fifo.log "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
-suite megatron 60 megatron.log "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
-for d in alltoall uccl_ep; do
-  suite train 60 "train_$d.log" python3 -m uccl_ep_megatron.cli train --recipe deepseek-v3/proxy \
-    --dispatcher "$d" --gpus 2 --iters "${TRAIN_ITERS:-8}" --save-interval 0 --no-wandb \
-    --run-dir "/tmp/train_$d"
-  cp "/tmp/train_$d/metrics.jsonl" "$OUT/train_${d}_metrics.jsonl" 2>/dev/null
-done
-skip train || timeout 30 python3 -m uccl_ep_megatron.cli report /tmp/train_alltoall /tmp/train_uccl_ep \
-  --out /tmp/report > "$OUT/train_report.log" 2>&1
-UCCL_EP_TEST_TIMEOUT_S=45 UCCL_EP_TEST_KERNEL_TIMEOUT_MS=8000 \
-  suite internode 60 internode.log "${PYTEST[@]}" -x "$REPO/tests/gpu/test_internode.py"
-suite bench-fifo 25 bench_fifo.log python3 -m uccl_ep_megatron.bench.fifo --json "$OUT/bench_fifo.json"
-suite intranode 50 intranode.log "${PYTEST[@]}" -x "$REPO/tests/gpu/test_intranode.py"
+if [ "$NGPU" -ge 4 ]; then A=0,1 B=2,3; else A=0,1 B=0,1; fi
+lane_a() {
+  suite bench 0 60 bench_fifo python3 -X faulthandler -m uccl_ep_megatron.bench.fifo \
+    --json "$LOGS/bench_fifo.json"
+  suite fifo $A 150 fifo "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
+  suite megatron $A 150 megatron "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py" -k kernels
+}
+lane_b() {
+  UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 suite internode $B 200 internode_2x1 "${PYTEST[@]}" \
+    "$REPO/tests/gpu/test_internode.py"
+  train $B 2 uccl_ep uccl_ep_2
+  train $B 2 alltoall alltoall_2
+}
+if phase 1; then
+  if [ "$NGPU" -ge 4 ]; then
+    lane_a & lane_b & wait
+  else
+    lane_a; lane_b
+  fi
+fi
+if phase 2 && [ "$NGPU" -ge 4 ] && ! skip ep4; then
+  ALL=0,1,2,3
+  suite intranode $ALL 90 intranode_4 "${PYTEST[@]}" "$REPO/tests/gpu/test_intranode.py"
+  UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 suite internode $ALL 150 internode_2x2 "${PYTEST[@]}" \
+    "$REPO/tests/gpu/test_internode.py"
+  suite bench $ALL 90 bench_intranode_4 python3 -m uccl_ep_megatron.cli bench intranode \
+    --sms 24 --json "$LOGS/bench_intranode_4.json"
+  ITERS=20 train $ALL 4 uccl_ep uccl_ep_4
+  ITERS=20 train $ALL 4 alltoall alltoall_4
+fi
+if phase 3; then
+  suite bench $A 90 bench_internode_2x1 python3 -m uccl_ep_megatron.bench.internode --iters 5 \
+    --json "$LOGS/bench_internode_2x1.json"
+fi
 
-# The device tool returns at most 8 files: keep every log in one archive.
-(cd "$OUT" && mkdir -p /tmp/logs && mv -- *.log *.json *.jsonl /tmp/logs/ 2>/dev/null
- tar -czf "$OUT/logs.tar.gz" -C /tmp logs)
-OUT_LOGS=/tmp/logs
-echo "================ summary"
-printf '%s\n' "${summary[@]}"
-echo "---- megatron layer"; grep -E "tok/s|rel|max" "$OUT_LOGS/megatron.log" | tail -8
-echo "---- train"; tail -12 "$OUT_LOGS/train_report.log" 2>/dev/null
-echo "---- bench fifo"; tail -8 "$OUT_LOGS/bench_fifo.log"
-for f in fifo megatron internode intranode; do
-  grep -E "^(FAILED|ERROR)" "$OUT_LOGS/$f.log" 2>/dev/null | head -5
+for n in 2 4; do # side-by-side table, and the loss curves step by step
+  a=/tmp/train_alltoall_$n u=/tmp/train_uccl_ep_$n
+  if [ ! -f "$a/metrics.jsonl" ] || [ ! -f "$u/metrics.jsonl" ]; then continue; fi
+  timeout 60 python3 -m uccl_ep_megatron.cli report "$a" "$u" --out "/tmp/report_$n" \
+    > "$LOGS/report_$n.log" 2>&1
+  python3 - "$a" "$u" >> "$LOGS/report_$n.log" 2>&1 << 'PY'
+import json, sys
+runs = [[json.loads(l) for l in open(f"{d}/metrics.jsonl") if l.strip()] for d in sys.argv[1:]]
+la, lu = ([r["loss"] for r in run if "loss" in r] for run in runs)
+d = [abs(x - y) for x, y in zip(la, lu)]
+print(f"loss steps {len(d)}: alltoall {la[0]:.4f}->{la[-1]:.4f} uccl_ep {lu[0]:.4f}->{lu[-1]:.4f}"
+      f" max|diff| {max(d):.4f} (step {d.index(max(d)) + 1}) mean|diff| {sum(d) / len(d):.4f}")
+PY
 done
+tar -czf "$OUT/logs.tar.gz" -C /tmp logs
+echo "================ summary (elapsed $SECONDS s)"
+cat "$LOGS"/summary_*.txt
+for f in "$LOGS"/*.log; do
+  grep -HE "^(FAILED|ERROR)|Error:|Timeout" "$f" 2>/dev/null | head -4 | cut -c1-300
+done
+echo "---- bench fifo"; tail -8 "$LOGS/bench_fifo.log" 2>/dev/null
+echo "---- megatron layer"; grep -E "tok/s" "$LOGS/megatron.log" 2>/dev/null | tail -2
+for r in "$LOGS"/report_*.log; do echo "---- $r"; tail -10 "$r"; done
+for t in uccl_ep_2 uccl_ep_4; do
+  echo "---- train_$t tail"; tail -4 "$LOGS/train_$t.log" 2>/dev/null | cut -c1-300
+done
+echo "---- bench intranode 4"; tail -8 "$LOGS/bench_intranode_4.log" 2>/dev/null
+echo "---- bench internode 2x1"; tail -6 "$LOGS/bench_internode_2x1.log" 2>/dev/null
