@@ -28,6 +28,8 @@ void bind_kernels(py::module_& m) {
   m.def("device_alloc_zeroed", &k::device_alloc_zeroed, py::arg("bytes"),
         "cudaMalloc/hipMalloc `bytes` on the current device, zeroed; returns the pointer.");
   m.def("device_free", &k::device_free, py::arg("ptr"));
+  m.def("device_copy", &k::device_copy, py::arg("dst"), py::arg("src"), py::arg("bytes"),
+        "Synchronous copy of `bytes` between two device allocations.");
   m.def(
       "ipc_get_handle", [](intptr_t ptr) { return py::bytes(k::ipc_get_handle(ptr)); }, py::arg("ptr"),
       "IPC handle (bytes) of an allocation from device_alloc_zeroed.");

@@ -38,6 +38,8 @@ constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, si
 // ---- memory / IPC -------------------------------------------------------------------------
 intptr_t device_alloc_zeroed(size_t bytes);
 void device_free(intptr_t ptr);
+// Synchronous device-to-device copy (a buffer regrow carries the control region over).
+void device_copy(intptr_t dst, intptr_t src, size_t bytes);
 std::string ipc_get_handle(intptr_t ptr);
 intptr_t ipc_open_handle(const std::string& handle);
 void ipc_close_handle(intptr_t ptr);

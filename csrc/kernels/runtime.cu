@@ -21,6 +21,11 @@ void device_free(intptr_t ptr) {
   if (ptr) GPU_CHECK(gpuFree(reinterpret_cast<void*>(ptr)));
 }
 
+void device_copy(intptr_t dst, intptr_t src, size_t bytes) {
+  if (bytes == 0) return;
+  GPU_CHECK(gpuMemcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes, gpuMemcpyDefault));
+}
+
 std::string ipc_get_handle(intptr_t ptr) {
   gpuIpcMemHandle_t h;
   GPU_CHECK(gpuIpcGetMemHandle(&h, reinterpret_cast<void*>(ptr)));

@@ -6,8 +6,9 @@
 # (the device tool returns at most 8 files); a summary table is printed last.
 #   run(kind="nvidia-h200-x4", carry=[".whl"], command="bash tests/gpu/run_all.sh")
 # .whl/ holds megatron-core for Python 3.12 (see tests/gpu/run_megatron_gpu.sh).
-# Env: SKIP="fifo internode megatron train intranode bench ep4" (names to leave out),
-#      TRAIN_ITERS (50 on 2 GPUs; EP4 runs 20), DEADLINE_S (570: the call's own budget), PHASES ("1 2 3").
+# Env: SKIP="fifo internode megatron train intranode bench" (names to leave out), PHASES
+#      ("1 2 3": 2-GPU correctness, all-GPU correctness, timings), TRAIN_ITERS (50, 2 GPUs),
+#      TRAIN_ITERS_ALL (20, all GPUs), BENCH_SMS (24), DEADLINE_S (570: the call's budget).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export CMAKE_BUILD_PARALLEL_LEVEL=64 PYTHONUNBUFFERED=1
@@ -60,17 +61,16 @@ train() {  # lane-gpus ngpu dispatcher tag
 }
 
 if [ "$NGPU" -ge 4 ]; then A=0,1 B=2,3; else A=0,1 B=0,1; fi
+ALL=$(seq -s, 0 $((NGPU - 1)))
+# Phase 1, correctness on 2 GPUs, in two lanes when there are 4+ GPUs.
 lane_a() {
-  suite bench 0 60 bench_fifo python3 -X faulthandler -m uccl_ep_megatron.bench.fifo \
-    --json "$LOGS/bench_fifo.json"
   suite fifo $A 150 fifo "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
-  suite megatron $A 150 megatron "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py" -k kernels
+  suite megatron $A 150 megatron "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
 }
 lane_b() {
+  suite intranode $B 90 intranode_2 "${PYTEST[@]}" "$REPO/tests/gpu/test_intranode.py"
   UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 suite internode $B 200 internode_2x1 "${PYTEST[@]}" \
     "$REPO/tests/gpu/test_internode.py"
-  train $B 2 uccl_ep uccl_ep_2
-  train $B 2 alltoall alltoall_2
 }
 if phase 1; then
   if [ "$NGPU" -ge 4 ]; then
@@ -79,22 +79,29 @@ if phase 1; then
     lane_a; lane_b
   fi
 fi
-if phase 2 && [ "$NGPU" -ge 4 ] && ! skip ep4; then
-  ALL=0,1,2,3
-  suite intranode $ALL 90 intranode_4 "${PYTEST[@]}" "$REPO/tests/gpu/test_intranode.py"
-  UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 suite internode $ALL 150 internode_2x2 "${PYTEST[@]}" \
-    "$REPO/tests/gpu/test_internode.py"
-  suite bench $ALL 90 bench_intranode_4 python3 -m uccl_ep_megatron.cli bench intranode \
-    --sms 24 --json "$LOGS/bench_intranode_4.json"
-  ITERS=20 train $ALL 4 uccl_ep uccl_ep_4
-  ITERS=20 train $ALL 4 alltoall alltoall_4
+# Phase 2, correctness on all GPUs (EP4 intranode, 2 x N/2 virtual nodes).
+if phase 2 && [ "$NGPU" -ge 4 ]; then
+  suite intranode "$ALL" 90 "intranode_$NGPU" "${PYTEST[@]}" "$REPO/tests/gpu/test_intranode.py"
+  UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 suite internode "$ALL" 150 "internode_2x$((NGPU / 2))" \
+    "${PYTEST[@]}" "$REPO/tests/gpu/test_internode.py"
 fi
+# Phase 3, timings, one at a time: training side by side, then the microbenchmarks.
 if phase 3; then
+  train $A 2 uccl_ep uccl_ep_2
+  train $A 2 alltoall alltoall_2
+  if [ "$NGPU" -ge 4 ]; then
+    ITERS=${TRAIN_ITERS_ALL:-20} train "$ALL" "$NGPU" uccl_ep "uccl_ep_$NGPU"
+    ITERS=${TRAIN_ITERS_ALL:-20} train "$ALL" "$NGPU" alltoall "alltoall_$NGPU"
+    suite bench "$ALL" 90 "bench_intranode_$NGPU" python3 -m uccl_ep_megatron.cli bench \
+      intranode --sms "${BENCH_SMS:-24}" --json "$LOGS/bench_intranode_$NGPU.json"
+  fi
+  suite bench 0 60 bench_fifo python3 -X faulthandler -m uccl_ep_megatron.bench.fifo \
+    --json "$LOGS/bench_fifo.json"
   suite bench $A 90 bench_internode_2x1 python3 -m uccl_ep_megatron.bench.internode --iters 5 \
     --json "$LOGS/bench_internode_2x1.json"
 fi
 
-for n in 2 4; do # side-by-side table, and the loss curves step by step
+for n in 2 "$NGPU"; do # side-by-side table, and the loss curves step by step
   a=/tmp/train_alltoall_$n u=/tmp/train_uccl_ep_$n
   if [ ! -f "$a/metrics.jsonl" ] || [ ! -f "$u/metrics.jsonl" ]; then continue; fi
   timeout 60 python3 -m uccl_ep_megatron.cli report "$a" "$u" --out "/tmp/report_$n" \
@@ -103,7 +110,9 @@ for n in 2 4; do # side-by-side table, and the loss curves step by step
 import json, sys
 runs = [[json.loads(l) for l in open(f"{d}/metrics.jsonl") if l.strip()] for d in sys.argv[1:]]
 la, lu = ([r["loss"] for r in run if "loss" in r] for run in runs)
-d = [abs(x - y) for x, y in zip(la, lu)]
+d = [abs(x - y) for x, y in zip(la, lu)] or [float("nan")]
+if not la or not lu:
+    sys.exit(f"no loss records: alltoall {len(la)}, uccl_ep {len(lu)}")
 print(f"loss steps {len(d)}: alltoall {la[0]:.4f}->{la[-1]:.4f} uccl_ep {lu[0]:.4f}->{lu[-1]:.4f}"
       f" max|diff| {max(d):.4f} (step {d.index(max(d)) + 1}) mean|diff| {sum(d) / len(d):.4f}")
 PY
@@ -117,8 +126,8 @@ done
 echo "---- bench fifo"; tail -8 "$LOGS/bench_fifo.log" 2>/dev/null
 echo "---- megatron layer"; grep -E "tok/s" "$LOGS/megatron.log" 2>/dev/null | tail -2
 for r in "$LOGS"/report_*.log; do echo "---- $r"; tail -10 "$r"; done
-for t in uccl_ep_2 uccl_ep_4; do
+for t in uccl_ep_2 "uccl_ep_$NGPU"; do
   echo "---- train_$t tail"; tail -4 "$LOGS/train_$t.log" 2>/dev/null | cut -c1-300
 done
-echo "---- bench intranode 4"; tail -8 "$LOGS/bench_intranode_4.log" 2>/dev/null
+echo "---- bench intranode $NGPU"; tail -12 "$LOGS/bench_intranode_$NGPU.log" 2>/dev/null
 echo "---- bench internode 2x1"; tail -6 "$LOGS/bench_internode_2x1.log" 2>/dev/null

@@ -275,6 +275,51 @@ def test_internode_matches_reference(gpu_pool, name, reorder):
         assert sum(o["held_out_of_order"] for o in out) > 0
 
 
+def grow_case(rank: int, world: int) -> dict:
+    """With several ranks per node, a Buffer sized by DeepEP's NVLink hint is too small for a
+    call whose rows all go to rank 0: the NVLink staging grows on every rank at that call and
+    the results still equal the reference backend's."""
+    from uccl_ep_megatron import Buffer
+
+    _, rb = _get_buffers(False)
+    num_tokens, hidden, num_experts = 4096, 7168, 8 * world
+    hint = max(
+        cfg.get_nvl_buffer_size_hint(hidden * 2, world)
+        for cfg in (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world))
+    )
+    kb = Buffer(None, hint, RDMA_BYTES, backend="kernels")
+    _keep.append(kb)
+    gen = torch.Generator(device="cuda").manual_seed(99 + rank)
+    scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
+    scores[:, :8] += 10.0  # rank 0's experts: rank 0 receives world x num_tokens rows
+    idx = scores.topk(4, dim=1).indices
+    w = torch.rand(num_tokens, 4, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    _poison(kb)
+    krx, kidx, _, _, kh, _ = _dispatch(kb, x, lay, idx, w)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    rrx, ridx, _, _, rh, _ = _dispatch(rb, x, lay, idx, w)
+    _assert_same("grown recv_x", krx, rrx)
+    _assert_same("grown recv_topk_idx", kidx, ridx)
+    kcx, _, _ = kb.combine(krx, kh)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    rcx, _, _ = rb.combine(rrx, rh)
+    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
+    ipc = kb._backend._ipc
+    return {"grows": ipc.grows, "sizes": list(ipc.sizes), "hint": hint}
+
+
+@pytest.mark.skipif(NUM_GPUS < 4, reason="needs >= 4 GPUs (2 virtual nodes x 2)")
+def test_nvl_staging_grows_collectively(gpu_pool):
+    out = gpu_pool.run(__file__, "grow_case", env=_env(True, 3))
+    assert all(o["grows"] >= 1 for o in out), out
+    assert len({tuple(o["sizes"]) for o in out}) == 1, out  # every rank knows every size
+    assert out[0]["sizes"][0] > out[0]["hint"], out
+
+
 def dead_peer_case(rank: int, world: int) -> str:
     """The last rank's proxy is stopped (a dead peer): every rank's dispatch must end in an
     error that names a rank it waited for, instead of hanging."""

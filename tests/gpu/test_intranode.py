@@ -252,6 +252,60 @@ def timeout_case(rank: int, world: int) -> str:
     raise AssertionError("dispatch without peers did not time out")
 
 
+def grow_case(rank: int, world: int) -> dict:
+    """A Buffer far smaller than a call stages grows at that call, on every rank, and the
+    results still equal the reference; with UCCL_EP_GROW_NVL_BUFFER=0 the call raises."""
+    from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.errors import BufferTooSmallError
+
+    _, rb = _get_buffers()
+    num_tokens, hidden, num_experts = 4096, 7168, 8 * world
+    # DeepEP's hint (what Megatron's DeepEP path allocates), while rank 0 receives every row:
+    # world x 4096 rows x ~14.4 KB is about 1.3x the hint.
+    small = max(
+        cfg.get_nvl_buffer_size_hint(hidden * 2, world)
+        for cfg in (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world))
+    )
+    kb = Buffer(None, small, 0, backend="kernels")
+    _keep.append(kb)
+    be = kb._backend
+    gen = torch.Generator(device="cuda").manual_seed(77 + rank)
+    idx = _routing("to_rank0", rank, world, num_tokens, num_experts, 4, gen)
+    w = torch.rand(num_tokens, 4, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    _poison(kb)
+    krx, kidx, kw_, kcounts, kh, _ = _dispatch(kb, x, lay, idx, w)
+    rrx, ridx, rw_, rcounts, rh, _ = _dispatch(rb, x, lay, idx, w)
+    grows_after_dispatch, size_after_dispatch = be._ipc.grows, min(be._ipc.sizes)
+    _assert_same("grown recv_x", krx, rrx)
+    _assert_same("grown recv_topk_idx", kidx, ridx)
+    _assert_same("grown recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
+    kcx, _, _ = kb.combine(krx, kh)
+    rcx, _, _ = rb.combine(rrx, rh)
+    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
+    # A second, identical call fits: no further regrow.
+    kb.dispatch(x, handle=kh)
+    kb.combine(krx, kh)
+    torch.cuda.synchronize()
+    assert be._ipc.grows == grows_after_dispatch, (be._ipc.grows, grows_after_dispatch)
+    assert size_after_dispatch > small
+    # Regrow off: a fresh small Buffer raises on every rank, naming the bytes it needs.
+    os.environ["UCCL_EP_GROW_NVL_BUFFER"] = "0"
+    try:
+        strict = Buffer(None, small, 0, backend="kernels")
+        _keep.append(strict)
+        try:
+            _dispatch(strict, x, lay, idx, w)
+        except BufferTooSmallError as exc:
+            assert "num_nvl_bytes >=" in str(exc) and "UCCL_EP_GROW_NVL_BUFFER" in str(exc), exc
+        else:
+            raise AssertionError("a too-small Buffer with UCCL_EP_GROW_NVL_BUFFER=0 did not raise")
+    finally:
+        os.environ.pop("UCCL_EP_GROW_NVL_BUFFER")
+    return {"grows": grows_after_dispatch, "bytes": size_after_dispatch, "small": small}
+
+
 CASES = {
     "t1_h7168_random": dict(tokens=1, hidden=7168, routing="random", seed=1),
     "t127_h2048_random_i32": dict(
@@ -308,6 +362,15 @@ def gpu_pool():
 def test_dispatch_combine_matches_reference(gpu_pool, name):
     recv = gpu_pool.run(__file__, "case", CASES[name], env=ENV)
     assert len(recv) == NUM_GPUS
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
+def test_small_buffer_grows_collectively(gpu_pool):
+    out = gpu_pool.run(__file__, "grow_case", env=ENV)
+    # Dispatch grew once, to the same size on every rank, big enough for its rows.
+    assert {o["grows"] for o in out} == {1}, out
+    assert len({o["bytes"] for o in out}) == 1, out
+    assert all(o["bytes"] >= NUM_GPUS * 4096 * 7168 * 2 > o["small"] for o in out), out
 
 
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")

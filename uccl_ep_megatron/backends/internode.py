@@ -38,6 +38,7 @@ from uccl_ep_megatron.backends.base import (
     Layout,
     Topology,
 )
+from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import (
     BufferTooSmallError,
@@ -189,22 +190,20 @@ class InternodeBackend(Backend):
             # Load our kernels now, not lazily at a first launch while another of them waits
             # for the proxies (that load would block the proxies' CUDA calls: a deadlock).
             c.internode.preload_kernels()
-            self._nvl_local = c.device_alloc_zeroed(nvl_bytes)
             self._region = c.device_alloc_zeroed(int(num_rdma_bytes))
-            nvl_handle = c.ipc_get_handle(self._nvl_local)
-        gathered: list[Any] = [None] * topo.num_ranks
-        dist.all_gather_object(gathered, (nvl_handle, nvl_bytes, int(num_rdma_bytes)), group=group)
         node0 = topo.node * topo.ranks_per_node
-        self._nvl: list[int] = []
-        with torch.cuda.device(dev_index):
-            for j in range(topo.ranks_per_node):
-                r = node0 + j
-                self._nvl.append(
-                    self._nvl_local if r == topo.rank else c.ipc_open_handle(gathered[r][0])
-                )
-        self._nvl_bytes = [gathered[node0 + j][1] for j in range(topo.ranks_per_node)]
+        self._ipc = IpcBuffers(
+            c,
+            group,
+            topo.rank,
+            dev_index,
+            nvl_bytes,
+            list(range(node0, node0 + topo.ranks_per_node)),
+            keep_bytes=_NVL_STAGE_OFFSET,
+            extra=int(num_rdma_bytes),
+        )
         # Rings are placed by this rank's formula at every peer: the smallest region bounds all.
-        self._region_bytes = min(int(g[2]) for g in gathered)
+        self._region_bytes = min(int(b) for b in self._ipc.extras)
         self._ep = ProxyEndpoint(
             self._region,
             int(num_rdma_bytes),
@@ -296,7 +295,7 @@ class InternodeBackend(Backend):
         cm.state = self._state.data_ptr()
         cm.region = self._region
         cm.region_bytes = self._region_bytes
-        cm.nvl = list(self._nvl)
+        cm.nvl = list(self._ipc.ptrs)
         cm.cap = config.num_max_rdma_chunked_recv_tokens
         cm.chunk = config.num_max_rdma_chunked_send_tokens
         cm.status = self._status
@@ -330,16 +329,15 @@ class InternodeBackend(Backend):
                 f" x {slot_bytes}-byte slots exceeds one RDMA write ({max_len} bytes); lower it"
             )
 
-    def _check_staging(self, rows_per_local: list[int], slot_bytes: int, op: str) -> None:
-        for j, rows in enumerate(rows_per_local):
-            need = _NVL_STAGE_OFFSET + rows * slot_bytes
-            if need > self._nvl_bytes[j]:
-                rank = self.topology.node * self.topology.ranks_per_node + j
-                raise BufferTooSmallError(
-                    f"{op}: rank {rank} stages {rows} rows of {slot_bytes} bytes over NVLink and "
-                    f"needs num_nvl_bytes >= {need}, but its Buffer has {self._nvl_bytes[j]}; "
-                    "create every Buffer with more num_nvl_bytes"
-                )
+    def _fit_staging(self, rows_of_rank: list[int], slot_bytes: int, op: str) -> None:
+        """Grow the NVLink buffers (collectively) when a rank stages more rows than they hold.
+
+        ``rows_of_rank`` comes from the all-gathered count matrix, identical on every rank.
+        """
+        if self.topology.ranks_per_node == 1:
+            return  # no NVLink staging: the buffer holds only barrier flags
+        needs = [_NVL_STAGE_OFFSET + rows * slot_bytes for rows in rows_of_rank]
+        self._ipc.grow(needs, f"{op} staging {max(rows_of_rank)} rows of {slot_bytes} bytes")
 
     def _barrier(self) -> None:
         # Stream-ordered: every rank's previous kernels finished (all rings drained) before our
@@ -464,11 +462,8 @@ class InternodeBackend(Backend):
         idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
         slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, local_n)["bytes"]
         self._check_rings(False, cfg, slot)
-        if local_n > 1:
-            stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
-            self._check_staging(
-                [pm(num_ranks - 1, node0 + j) for j in range(local_n)], stage, "dispatch"
-            )
+        stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
+        self._fit_staging([pm(num_ranks - 1, r) for r in range(num_ranks)], stage, "dispatch")
 
         node_mask = in_rank.view(num_tokens, num_nodes, local_n).any(2)
         lists, list_count, _ = stream_tables(node_mask, cfg.num_channels)
@@ -588,12 +583,10 @@ class InternodeBackend(Backend):
         dev = x.device
         num_recv = handle.num_recv_tokens
         prefix_host = state.prefix_host
-        node0 = topo.node * local_n
         slot = self._in.combine_slot(row_bytes, num_topk)["bytes"]
         self._check_rings(True, config, slot)
-        if local_n > 1:
-            recv_of = [prefix_host[(num_ranks - 1) * num_ranks + node0 + j] for j in range(local_n)]
-            self._check_staging(recv_of, slot, "combine")
+        recv_of = [prefix_host[(num_ranks - 1) * num_ranks + r] for r in range(num_ranks)]
+        self._fit_staging(recv_of, slot, "combine")
 
         self._barrier()
         cch = config.num_channels
@@ -662,15 +655,11 @@ class InternodeBackend(Backend):
         torch.cuda.synchronize(self.device)
         self._ep.close()
         with torch.cuda.device(self._dev_index):
-            for ptr in self._nvl:
-                if ptr != self._nvl_local:
-                    c.ipc_close_handle(ptr)
-            c.device_free(self._nvl_local)
+            self._ipc.close()
             # Every write into the region was consumed by this rank's kernels (synchronized
             # above), so no peer still targets it; peers' mappings keep their own reference.
             c.device_free(self._region)
         self._in.status_free(self._status)
-        self._nvl = []
 
 
 __all__ = ["InternodeBackend", "dst_rows", "stream_tables", "NUM_FIFO_CHANNELS"]

@@ -37,9 +37,9 @@ from uccl_ep_megatron.backends.base import (
     Layout,
     Topology,
 )
+from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import (
-    BufferTooSmallError,
     CommTimeoutError,
     InvalidInputError,
     UcclEpError,
@@ -109,25 +109,19 @@ class KernelsBackend(Backend):
             raise UnsupportedError(f"backend='kernels' is unavailable: {reason}")
         c = _c()
         self._c = c
-        self._buffers: list[int] = []
-        self._local = 0
         self._status = 0
         self._destroyed = False
         # The control region is always there, so barriers work even before data fits.
         nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
-        with torch.cuda.device(device):
-            self._local = c.device_alloc_zeroed(nbytes)
-            handle = c.ipc_get_handle(self._local)
-        gathered: list[tuple[bytes, int] | None] = [None] * topology.num_ranks
-        dist.all_gather_object(gathered, (handle, nbytes), group=group)
-        with torch.cuda.device(device):
-            for r, item in enumerate(gathered):
-                assert item is not None
-                self._buffers.append(
-                    self._local if r == topology.rank else c.ipc_open_handle(item[0])
-                )
-        # Staging must fit in every rank's buffer: the smallest one bounds a call.
-        self._buffer_bytes = min(item[1] for item in gathered if item is not None)
+        self._ipc = IpcBuffers(
+            c,
+            group,
+            topology.rank,
+            device.index if device.index is not None else torch.cuda.current_device(),
+            nbytes,
+            list(range(topology.num_ranks)),
+            keep_bytes=int(c.KERNELS_DATA_OFFSET),
+        )
         self._status = c.host_status_alloc()
         self._seq = 0
         from uccl_ep_megatron.config import effective_env
@@ -138,6 +132,19 @@ class KernelsBackend(Backend):
         self._timeout_ns = self._timeout_ms * 1_000_000
 
     # ---- helpers -----------------------------------------------------------------------
+    @property
+    def _buffers(self) -> list[int]:
+        return self._ipc.ptrs
+
+    @property
+    def _buffer_bytes(self) -> int:
+        # Staging must fit in every rank's buffer: the smallest one bounds a call.
+        return min(self._ipc.sizes)
+
+    def _fit(self, need: int, what: str) -> None:
+        """Grow every rank's buffer (collectively) when this call needs more than it holds."""
+        self._ipc.grow([need] * self.topology.num_ranks, what)
+
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
@@ -274,13 +281,9 @@ class KernelsBackend(Backend):
         row_bytes = hidden * x.element_size()
         idx_size = topk_idx.element_size() if topk_idx is not None else 8
         need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
-        if need > self._buffer_bytes:
-            raise BufferTooSmallError(
-                f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes needs "
-                f"num_nvl_bytes >= {need} with the kernels backend, but the Buffer has "
-                f"{self._buffer_bytes}; create the Buffer with more num_nvl_bytes (the kernels "
-                "stage a whole call's rows) or send fewer tokens per call"
-            )
+        # Every rank holds the same prefix matrix, so all decide the same here.
+        self._fit(need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes")
+        a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
         rows_out = num_recv
         if args.num_worst_tokens > 0:
             # Checked against every rank's count (all know the matrix), so all ranks raise
@@ -370,12 +373,7 @@ class KernelsBackend(Backend):
         )
         row_bytes = hidden * x.element_size()
         need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
-        if need > self._buffer_bytes:
-            raise BufferTooSmallError(
-                f"combine of up to {staging_rows} returned rows of {row_bytes} bytes needs "
-                f"num_nvl_bytes >= {need} with the kernels backend, but the Buffer has "
-                f"{self._buffer_bytes}; create the Buffer with more num_nvl_bytes"
-            )
+        self._fit(need, f"combine of up to {staging_rows} returned rows of {row_bytes} bytes")
         dev = x.device
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
         out_w = None
@@ -420,10 +418,6 @@ class KernelsBackend(Backend):
         self._destroyed = True
         c = self._c
         torch.cuda.synchronize(self.device)
+        self._ipc.close()
         with torch.cuda.device(self.device):
-            for r, ptr in enumerate(self._buffers):
-                if r != self.topology.rank:
-                    c.ipc_close_handle(ptr)
-            c.device_free(self._local)
             c.host_status_free(self._status)
-        self._buffers = []
