@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import assert_same, dispatch, poison  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -39,14 +43,6 @@ def _get_buffers(copy: str = "tma"):
     return _buffers[copy], _buffers["reference"]
 
 
-def _poison(buf) -> None:
-    """Fill free caching-allocator memory of the comm stream with 0xFF (NaN / -1 patterns)."""
-    with torch.cuda.stream(buf.get_comm_stream()):
-        p = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")
-        p.fill_(0xFF)
-        del p
-
-
 def _routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int, topk: int, gen):
     scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
     epr = num_experts // world
@@ -65,37 +61,6 @@ def _routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int
         idx = torch.where(holes, torch.full_like(idx, -1), idx)
         idx[: max(1, num_tokens // 10)] = -1  # some tokens go nowhere
     return idx
-
-
-def _assert_same(name: str, a, b) -> None:
-    if a is None or b is None:
-        assert a is None and b is None, f"{name}: {a is None=} {b is None=}"
-        return
-    if isinstance(a, list):
-        assert a == b, f"{name}: {a} != {b}"
-        return
-    assert a.dtype == b.dtype and a.shape == b.shape, (
-        f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    )
-    if a.dtype.itemsize == 1 and a.is_floating_point():
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    if not torch.equal(a, b):
-        bad = (a != b).nonzero()[:5].tolist()
-        raise AssertionError(f"{name}: mismatch at {bad} ({int((a != b).sum())} elements)")
-
-
-def _dispatch(buf, x, layout, topk_idx, topk_w, **kw):
-    per_rank, per_rdma, per_expert, in_rank = layout
-    return buf.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx,
-        topk_weights=topk_w,
-        **kw,
-    )
 
 
 def case(rank: int, world: int, params: dict) -> int:
@@ -126,13 +91,13 @@ def case(rank: int, world: int, params: dict) -> int:
     rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
     names = ("per_rank", "per_rdma", "per_expert", "in_rank")
     for name, a, b in zip(names, klay, rlay, strict=True):
-        _assert_same(f"layout.{name}", a, b)
+        assert_same(f"layout.{name}", a, b)
 
-    _poison(kb)
+    poison(kb)
     async_mode = params.get("async", False)
     if async_mode:
         prev = Buffer.capture()
-        kout = _dispatch(
+        kout = dispatch(
             kb,
             x_in,
             klay,
@@ -145,28 +110,28 @@ def case(rank: int, world: int, params: dict) -> int:
         )
         kout[-1].current_stream_wait()
     else:
-        kout = _dispatch(kb, x_in, klay, idx, w, **kw)
-    rout = _dispatch(rb, x_in, rlay, idx, w, **kw)
+        kout = dispatch(kb, x_in, klay, idx, w, **kw)
+    rout = dispatch(rb, x_in, rlay, idx, w, **kw)
     krx, kidx, kw_, kcounts, kh, _ = kout
     rrx, ridx, rw_, rcounts, rh, _ = rout
     if params.get("fp8"):
-        _assert_same("recv_x", krx[0], rrx[0])
-        _assert_same("recv_scales", krx[1], rrx[1])
+        assert_same("recv_x", krx[0], rrx[0])
+        assert_same("recv_scales", krx[1], rrx[1])
     else:
-        _assert_same("recv_x", krx, rrx)
-    _assert_same("recv_topk_idx", kidx, ridx)
-    _assert_same("recv_topk_weights", kw_, rw_)
-    _assert_same("num_recv_tokens_per_expert", kcounts, rcounts)
-    _assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
-    _assert_same("recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
+        assert_same("recv_x", krx, rrx)
+    assert_same("recv_topk_idx", kidx, ridx)
+    assert_same("recv_topk_weights", kw_, rw_)
+    assert_same("num_recv_tokens_per_expert", kcounts, rcounts)
+    assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
+    assert_same("recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
     assert kh.num_recv_tokens == rh.num_recv_tokens
 
     # Cached dispatch of a new x with the same layout.
     x2 = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    _poison(kb)
+    poison(kb)
     kc = kb.dispatch(x2, handle=kh, config=config)[0]
     rc = rb.dispatch(x2, handle=rh, config=config)[0]
-    _assert_same("cached recv_x", kc, rc)
+    assert_same("cached recv_x", kc, rc)
 
     if params.get("fp8"):
         return kh.num_recv_tokens
@@ -178,13 +143,13 @@ def case(rank: int, world: int, params: dict) -> int:
         torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         for _ in range(params.get("bias", 0))
     )
-    _poison(kb)
+    poison(kb)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_, bias=bias or None, config=config)
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
     torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
     if world == 2:
         # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
-        _assert_same("combined_x", kcx, rcx)
+        assert_same("combined_x", kcx, rcx)
     torch.testing.assert_close(kcw, rcw, rtol=1e-6, atol=1e-6)
     # Self-verifying property: combining the unchanged rows gives x * (ranks reached).
     plain, _, _ = kb.combine(krx, kh, config=config)
@@ -274,13 +239,13 @@ def grow_case(rank: int, world: int) -> dict:
     w = torch.rand(num_tokens, 4, generator=gen, device="cuda")
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     lay = kb.get_dispatch_layout(idx, num_experts)[:4]
-    _poison(kb)
-    krx, kidx, kw_, kcounts, kh, _ = _dispatch(kb, x, lay, idx, w)
-    rrx, ridx, rw_, rcounts, rh, _ = _dispatch(rb, x, lay, idx, w)
+    poison(kb)
+    krx, kidx, kw_, kcounts, kh, _ = dispatch(kb, x, lay, idx, w)
+    rrx, ridx, rw_, rcounts, rh, _ = dispatch(rb, x, lay, idx, w)
     grows_after_dispatch, size_after_dispatch = be._ipc.grows, min(be._ipc.sizes)
-    _assert_same("grown recv_x", krx, rrx)
-    _assert_same("grown recv_topk_idx", kidx, ridx)
-    _assert_same("grown recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
+    assert_same("grown recv_x", krx, rrx)
+    assert_same("grown recv_topk_idx", kidx, ridx)
+    assert_same("grown recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
     kcx, _, _ = kb.combine(krx, kh)
     rcx, _, _ = rb.combine(rrx, rh)
     torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
@@ -296,7 +261,7 @@ def grow_case(rank: int, world: int) -> dict:
         strict = Buffer(None, small, 0, backend="kernels")
         _keep.append(strict)
         try:
-            _dispatch(strict, x, lay, idx, w)
+            dispatch(strict, x, lay, idx, w)
         except BufferTooSmallError as exc:
             assert "num_nvl_bytes >=" in str(exc) and "UCCL_EP_GROW_NVL_BUFFER" in str(exc), exc
         else:
@@ -347,8 +312,6 @@ for _p in CASES.values():
 def gpu_pool():
     if NUM_GPUS < 2:
         pytest.skip(f"needs >= 2 GPUs, found {NUM_GPUS}")
-    import sys
-
     sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
     from dist_utils import DistPool
 

@@ -39,6 +39,7 @@ from uccl_ep_megatron.backends.base import (
     Topology,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
+from uccl_ep_megatron.backends.kernels import KernelsBackend, launch_layout
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import (
     BufferTooSmallError,
@@ -124,15 +125,7 @@ class InternodeBackend(Backend):
     """GPU-initiated, proxy-executed, node-deduplicated HT dispatch/combine."""
 
     name = "kernels_internode"
-    x_dtypes = frozenset(
-        {
-            torch.bfloat16,
-            torch.float16,
-            torch.float32,
-            torch.float8_e4m3fn,
-            torch.float8_e4m3fnuz,
-        }
-    )
+    x_dtypes = KernelsBackend.x_dtypes  # the same row formats as the intranode kernels
 
     @classmethod
     def unsupported_reason(cls, topology: Topology, device: torch.device) -> str | None:
@@ -348,24 +341,10 @@ class InternodeBackend(Backend):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
         self.check()
         topo = self.topology
-        topk_idx = topk_idx.contiguous()
-        num_tokens, num_topk = topk_idx.shape
-        dev = topk_idx.device
-        per_rank = torch.empty(topo.num_ranks, dtype=torch.int32, device=dev)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        in_rank = torch.empty(num_tokens, topo.num_ranks, dtype=torch.bool, device=dev)
-        self._c.get_dispatch_layout(
-            topk_idx=topk_idx.data_ptr(),
-            idx_is_64=topk_idx.dtype == torch.int64,
-            num_tokens=num_tokens,
-            num_topk=num_topk,
-            num_ranks=topo.num_ranks,
-            num_experts=num_experts,
-            num_tokens_per_rank=per_rank.data_ptr(),
-            num_tokens_per_expert=per_expert.data_ptr(),
-            is_token_in_rank=in_rank.data_ptr(),
-            stream=self._stream(),
+        per_rank, per_expert, in_rank = launch_layout(
+            self._c, topk_idx, num_experts, topo.num_ranks, self._stream()
         )
+        num_tokens = in_rank.shape[0]
         per_node = in_rank.view(num_tokens, topo.num_nodes, topo.ranks_per_node).any(2)
         per_rdma = per_node.sum(0, dtype=torch.int32)
         return Layout(per_rank, per_rdma, per_expert, in_rank)

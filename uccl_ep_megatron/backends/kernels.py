@@ -25,6 +25,7 @@ memory and raised here as ``CommTimeoutError`` naming the stalled rank and barri
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,31 @@ def _c():
     from uccl_ep_megatron import _C
 
     return _C
+
+
+def launch_layout(
+    c: Any, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, stream: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layout kernel: (tokens per rank, tokens per expert, is_token_in_rank [T, R])."""
+    topk_idx = topk_idx.contiguous()
+    num_tokens, num_topk = topk_idx.shape
+    dev = topk_idx.device
+    per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
+    per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev)
+    c.get_dispatch_layout(
+        topk_idx=topk_idx.data_ptr(),
+        idx_is_64=topk_idx.dtype == torch.int64,
+        num_tokens=num_tokens,
+        num_topk=num_topk,
+        num_ranks=num_ranks,
+        num_experts=num_experts,
+        num_tokens_per_rank=per_rank.data_ptr(),
+        num_tokens_per_expert=per_expert.data_ptr(),
+        is_token_in_rank=in_rank.data_ptr(),
+        stream=stream,
+    )
+    return per_rank, per_expert, in_rank
 
 
 @dataclass(frozen=True)
@@ -168,24 +194,8 @@ class KernelsBackend(Backend):
     # ---- layout -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
         self._check_status()
-        topo = self.topology
-        topk_idx = topk_idx.contiguous()
-        num_tokens, num_topk = topk_idx.shape
-        dev = topk_idx.device
-        per_rank = torch.empty(topo.num_ranks, dtype=torch.int32, device=dev)
-        per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        in_rank = torch.empty(num_tokens, topo.num_ranks, dtype=torch.bool, device=dev)
-        self._c.get_dispatch_layout(
-            topk_idx=topk_idx.data_ptr(),
-            idx_is_64=topk_idx.dtype == torch.int64,
-            num_tokens=num_tokens,
-            num_topk=num_topk,
-            num_ranks=topo.num_ranks,
-            num_experts=num_experts,
-            num_tokens_per_rank=per_rank.data_ptr(),
-            num_tokens_per_expert=per_expert.data_ptr(),
-            is_token_in_rank=in_rank.data_ptr(),
-            stream=self._stream(),
+        per_rank, per_expert, in_rank = launch_layout(
+            self._c, topk_idx, num_experts, self.topology.num_ranks, self._stream()
         )
         return Layout(per_rank, None, per_expert, in_rank)
 

@@ -24,17 +24,17 @@ forwarding) on this host, not network performance; there is no speed target on `
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
 import statistics
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from uccl_ep_megatron.bench.spawn import init_rank, routed_inputs, spawn_ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,13 +75,7 @@ def run(args: argparse.Namespace) -> int:
     threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
     if not threads or any(t < 1 or t > 8 for t in threads):
         raise SystemExit(f"--threads={args.threads!r}: give counts in 1..8, e.g. 1,2,4,8")
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "result.json")
-        torch.multiprocessing.spawn(
-            _worker, args=(world, os.path.join(d, "init"), vars(args), threads, out), nprocs=world
-        )
-        with open(out) as f:
-            results = json.load(f)
+    results = spawn_ranks(_worker, world, vars(args), threads)
     _print(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -130,21 +124,11 @@ def _worker(rank: int, world: int, init_file: str, a: dict, threads: list[int], 
     os.environ["UCCL_EP_RANKS_PER_NODE"] = str(local)
     os.environ["UCCL_EP_TRANSPORT"] = "ipc"
     os.environ["UCCL_EP_IPC_REORDER"] = "1" if a["reorder"] else "0"
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_rank(rank, world, init_file)
     from uccl_ep_megatron import Buffer, Config
 
     T, H, E, K = a["tokens"], a["hidden"], a["experts"], a["topk"]
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    idx = torch.rand(T, E, generator=gen, device="cuda").topk(K, dim=1).indices
-    w = torch.rand(T, K, generator=gen, device="cuda")
-    x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    idx, w, x = routed_inputs(a, rank)
     config = Config(a["sms"])
     rows = []
     for nt in threads:

@@ -17,17 +17,17 @@ FP8: (1 + 4/128) / 2 of it) over the time.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
 import statistics
-import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from uccl_ep_megatron.bench.spawn import init_rank, routed_inputs, spawn_ranks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,13 +62,7 @@ def run(args: argparse.Namespace) -> int:
     world = args.num_gpus or torch.cuda.device_count()
     if world < 2:
         raise SystemExit(f"bench intranode needs >= 2 GPUs, found {torch.cuda.device_count()}")
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "result.json")
-        torch.multiprocessing.spawn(
-            _worker, args=(world, os.path.join(d, "init"), vars(args), out), nprocs=world
-        )
-        with open(out) as f:
-            results = json.load(f)
+    results = spawn_ranks(_worker, world, vars(args))
     _print(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -129,24 +123,14 @@ def _peer_copy_us(src: torch.Tensor, dst: torch.Tensor, rank: int, peer: int) ->
 
 
 def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    init_rank(rank, world, init_file)
     from uccl_ep_megatron import Buffer, Config
 
     T, H, E, K = a["tokens"], a["hidden"], a["experts"], a["topk"]
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    idx = torch.rand(T, E, generator=gen, device="cuda").topk(K, dim=1).indices
-    w = torch.rand(T, K, generator=gen, device="cuda")
-    x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
+    idx, w, x = routed_inputs(a, rank)
     x_fp8 = (
         x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
-        torch.rand(T, H // 128, generator=gen, device="cuda"),
+        torch.rand(T, H // 128, device="cuda"),
     )
     variants = {"tma": "1", "ldst": "0"}
     if a["copy"] != "both":

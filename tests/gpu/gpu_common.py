@@ -1,0 +1,47 @@
+"""Helpers shared by the kernel tests (test_intranode.py, test_internode.py): poisoned
+allocations, exact comparison with a readable mismatch, and a dispatch call from a layout."""
+
+from __future__ import annotations
+
+import torch
+
+
+def poison(buf) -> None:
+    """Fill free caching-allocator memory of the comm stream with 0xFF (NaN / -1 patterns)."""
+    with torch.cuda.stream(buf.get_comm_stream()):
+        p = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")
+        p.fill_(0xFF)
+        del p
+
+
+def assert_same(name: str, a, b) -> None:
+    """``a`` and ``b`` are equal bit for bit (FP8 compared as bytes), or both None."""
+    if a is None or b is None:
+        assert a is None and b is None, f"{name}: {a is None=} {b is None=}"
+        return
+    if isinstance(a, list):
+        assert a == b, f"{name}: {a} != {b}"
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, (
+        f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    )
+    if a.dtype.itemsize == 1 and a.is_floating_point():
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    if not torch.equal(a, b):
+        bad = (a != b).nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: mismatch at {bad} ({int((a != b).sum())} elements)")
+
+
+def dispatch(buf, x, layout, topk_idx, topk_w, **kw):
+    """``buf.dispatch`` with the four layout tensors of ``get_dispatch_layout``."""
+    per_rank, per_rdma, per_expert, in_rank = layout
+    return buf.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_w,
+        **kw,
+    )
