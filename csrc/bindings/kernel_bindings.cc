@@ -91,6 +91,7 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("num_out_rows", &k::DispatchArgs::num_out_rows)
       .def_readwrite("recv_begin", &k::DispatchArgs::recv_begin)
       .def_readwrite("staging_rows", &k::DispatchArgs::staging_rows)
+      .def_readwrite("send_rows", &k::DispatchArgs::send_rows)
       .def_readwrite("buffer_bytes", &k::DispatchArgs::buffer_bytes)
       .def_readwrite("num_sms", &k::DispatchArgs::num_sms)
       .def_readwrite("use_tma", &k::DispatchArgs::use_tma)

@@ -265,17 +265,15 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
 #endif
       __syncthreads();
       // Publish the chunk's rows to each peer: one system fence (cumulative over the block's
-      // stores, ordered by the barrier above) and one release store per peer.
+      // stores, ordered by the barrier above) and one release store per peer. A token's
+      // position among the rows sent to r grows with t, so the chunk's range is given by its
+      // first and last token bound to r: scan in from both ends (usually one load each)
+      // instead of walking all of the chunk's tokens while the block waits.
       if (tid < R && tid != p.rank) {
         const int r = tid;
         int first = -1, last = -1;
-        for (int t = t_begin; t < t_end; ++t) {
-          const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
-          if (pos >= 0) {
-            if (first < 0) first = pos;
-            last = pos;
-          }
-        }
+        for (int t = t_begin; t < t_end && first < 0; ++t) first = p.send_pos[static_cast<int64_t>(t) * R + r];
+        for (int t = t_end - 1; first >= 0 && last < 0; --t) last = p.send_pos[static_cast<int64_t>(t) * R + r];
         dev::fence_system();
         dev::st_release_sys(chunk_flag(p.bufs.p[r], p.rank, c),
                             pack_chunk(p.seq, first < 0 ? 0 : first, first < 0 ? 0 : last - first + 1));
@@ -404,6 +402,22 @@ bool tma_supported() {
 
 namespace {
 
+// Receiver blocks copy the rows peers staged here into the outputs (read + write each row);
+// sender blocks read each token once and write it to every destination. Split the SMs in
+// proportion to those bytes, so neither side idles while the other finishes: with top-8 of 256
+// experts that is ~40% receivers on 2 ranks but ~55% on 4, where the fixed third used before
+// left the receivers with twice the bytes per SM of the senders (bench/NOTES.md).
+int dispatch_recv_blocks(const DispatchArgs& a, int blocks) {
+  if (a.num_ranks == 1) return 1;  // padding rows only
+  const int64_t own = a.recv_begin[a.rank + 1] - a.recv_begin[a.rank];
+  const int64_t remote = a.num_recv - own;
+  const int64_t send = a.num_tokens + (a.send_rows >= 0 ? a.send_rows : a.num_recv);
+  const int64_t recv = 2 * remote;
+  if (send + recv == 0) return 1;
+  const int64_t share = (static_cast<int64_t>(blocks) * recv + (send + recv) / 2) / (send + recv);
+  return static_cast<int>(std::min<int64_t>(blocks - 1, std::max<int64_t>(1, share)));
+}
+
 }  // namespace
 
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t num_tokens_per_rank,
@@ -498,11 +512,8 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.seq = a.seq;
   p.status = reinterpret_cast<int64_t*>(a.status);
   p.timeout_ns = a.timeout_ns;
-  // A third of the SMs copy peer chunks out of staging (local HBM, ~12x the link's bandwidth
-  // per byte), the rest send; one block when the budget is 2 SMs.
   const int blocks = std::max(2, a.num_sms);
-  const int recv_blocks = a.num_ranks > 1 || a.num_out_rows > a.num_recv ? std::max(1, blocks / 3) : 1;
-  p.num_send_blocks = blocks - recv_blocks;
+  p.num_send_blocks = blocks - dispatch_recv_blocks(a, blocks);
   auto s = reinterpret_cast<gpuStream_t>(stream);
   const bool vec = a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
   if (vec && a.use_tma && tma_supported()) {

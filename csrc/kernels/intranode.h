@@ -89,6 +89,7 @@ struct DispatchArgs {
   std::vector<int> recv_begin;    // [R + 1]: rows from source s are [recv_begin[s], recv_begin[s+1])
   int64_t staging_rows = 0;       // capacity (rows) of every rank's staging this call
   int64_t buffer_bytes = 0;       // size of every rank's registered buffer
+  int64_t send_rows = -1;         // rows this rank writes (all destinations); -1 = assume num_recv
   int num_sms = 24;
   bool use_tma = false;           // bulk copies (TMA) for the rows when the GPU has them
   uint64_t seq = 0;               // sequence of this dispatch's notify (tags the chunk flags)

@@ -330,6 +330,7 @@ class KernelsBackend(Backend):
         a.num_recv, a.num_out_rows = num_recv, rows_out
         a.recv_begin = [pm(s - 1, rank) for s in range(num_ranks + 1)]
         a.staging_rows = staging_rows
+        a.send_rows = sum(pm(rank, r) - pm(rank - 1, r) for r in range(num_ranks))
         c.intranode_dispatch(a, stream)
 
         return DispatchResult(
