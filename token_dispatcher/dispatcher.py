@@ -109,6 +109,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         self.buffer: Buffer | None = None
         self.handle = None
         self.recv_topk_idx: torch.Tensor | None = None
+        self.recv_counts: list[int] = []
         self.plan: PermutePlan | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
@@ -206,7 +207,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             self.tp_ep_group, hidden_bytes_of(hidden_states), self.options.backend
         )
         timer = dispatch_metrics.recorder.start(hidden_states.device)
-        recv_x, recv_idx, recv_probs, _, handle = ops.dispatch(
+        recv_x, recv_idx, recv_probs, counts, handle = ops.dispatch(
             self.buffer,
             hidden_states,
             self.token_indices,
@@ -220,6 +221,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         )
         self.handle = handle
         self.recv_topk_idx = recv_idx
+        self.recv_counts = list(counts)  # exact per local expert (alignment 1)
         return recv_x, recv_probs
 
     def dispatch_postprocess(
@@ -233,13 +235,11 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         """
         if self.recv_topk_idx is None:
             raise InvalidInputError("dispatch_postprocess called before token_dispatch")
-        self.plan = make_plan(self.recv_topk_idx, self.num_local_experts, self.align)
+        self.plan = make_plan(
+            self.recv_topk_idx, self.num_local_experts, self.align, counts=self.recv_counts
+        )
         if dispatch_metrics.is_enabled():
-            unpadded = torch.bincount(
-                self.recv_topk_idx[self.recv_topk_idx >= 0].long(),
-                minlength=self.num_local_experts,
-            )
-            dispatch_metrics.recorder.note_tokens(self.layer_number, unpadded.tolist())
+            dispatch_metrics.recorder.note_tokens(self.layer_number, self.recv_counts)
         rows, permuted_probs = permute(self.plan, hidden_states, probs)
         if self.router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)

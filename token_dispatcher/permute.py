@@ -32,37 +32,55 @@ class PermutePlan:
     tokens_per_expert: list[int]  # per local expert, padded when alignment > 1
 
 
-def make_plan(recv_topk_idx: torch.Tensor, num_local_experts: int, align: int = 1) -> PermutePlan:
+def make_plan(
+    recv_topk_idx: torch.Tensor,
+    num_local_experts: int,
+    align: int = 1,
+    counts: list[int] | None = None,
+) -> PermutePlan:
     """Plan the per-expert order of ``recv_topk_idx`` ([N, K] local expert ids, -1 = none).
 
     Args:
         recv_topk_idx: local expert ids from ``Buffer.dispatch``.
         num_local_experts: experts hosted on this rank.
         align: round each expert's row count up to a multiple of this (1 = no padding).
+        counts: routed rows per local expert, as ``Buffer.dispatch`` returns them
+            (``num_recv_tokens_per_expert_list`` with alignment 1). With them the plan is built
+            without a host sync; without them they are counted here (one sync per read-back).
     """
     if align < 1:
         raise InvalidInputError(f"align={align}: must be >= 1")
     num_recv, num_topk = recv_topk_idx.shape
     device = recv_topk_idx.device
     idx = recv_topk_idx.long()
-    if idx.numel() and int(idx.max()) >= num_local_experts:
+    if counts is None:
+        if idx.numel() and int(idx.max()) >= num_local_experts:
+            raise InvalidInputError(
+                f"received local expert id {int(idx.max())} but this rank hosts "
+                f"{num_local_experts} experts; num_moe_experts must be divisible by the EP size"
+            )
+        counts = torch.bincount(idx[idx >= 0], minlength=num_local_experts).tolist()
+    elif len(counts) != num_local_experts:
         raise InvalidInputError(
-            f"received local expert id {int(idx.max())} but this rank hosts "
-            f"{num_local_experts} experts; num_moe_experts must be divisible by the EP size"
+            f"counts has {len(counts)} entries but this rank hosts {num_local_experts} experts"
         )
-    valid = idx >= 0
-    pair_row, pair_slot = valid.nonzero(as_tuple=True)
-    expert = idx[pair_row, pair_slot]
+    routed = int(sum(counts))
+    # Routed (row, slot) pairs in row-major order; their number is known, so no sync.
+    flat = torch.nonzero_static((idx >= 0).reshape(-1), size=routed).reshape(-1)
+    pair_row, pair_slot = flat // max(num_topk, 1), flat % max(num_topk, 1)
+    expert = idx.reshape(-1)[flat]
     # Sort pairs by (expert, received row): the stable key keeps receive order per expert.
     order = torch.argsort(expert * max(num_recv, 1) + pair_row, stable=True)
     pair_row, pair_slot, expert = pair_row[order], pair_slot[order], expert[order]
 
-    counts = torch.bincount(expert, minlength=num_local_experts)
-    padded = (counts + align - 1) // align * align if align > 1 else counts
-    padded_list = padded.tolist()
-    start_unpadded = torch.cumsum(counts, 0) - counts
+    padded_list = [(c + align - 1) // align * align for c in counts]
+    # Segment starts on the device (a host list would need a copy the stream waits for).
+    count_t = torch.zeros(num_local_experts, dtype=torch.long, device=device)
+    count_t.index_add_(0, expert, torch.ones_like(expert))
+    padded = (count_t + align - 1) // align * align if align > 1 else count_t
+    start_unpadded = torch.cumsum(count_t, 0) - count_t
     start_padded = torch.cumsum(padded, 0) - padded
-    rank_in_expert = torch.arange(expert.numel(), device=device) - start_unpadded[expert]
+    rank_in_expert = torch.arange(routed, device=device) - start_unpadded[expert]
     dest = start_padded[expert] + rank_in_expert
     total = int(sum(padded_list))
     src_row = torch.full((total,), num_recv, dtype=torch.long, device=device)

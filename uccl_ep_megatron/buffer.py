@@ -20,7 +20,12 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends import create_backend
-from uccl_ep_megatron.backends.base import DispatchArgs, DispatchHandle, Topology
+from uccl_ep_megatron.backends.base import (
+    DispatchArgs,
+    DispatchHandle,
+    Topology,
+    check_expert_ids,
+)
 from uccl_ep_megatron.config import (
     MAX_TOPK,
     Config,
@@ -548,21 +553,22 @@ class Buffer:
             scales = scales.contiguous()
         return x.contiguous(), scales
 
-    def _check_topk_idx(self, topk_idx: Any, num_experts: int, num_tokens: int | None) -> None:
+    def _check_topk_idx(self, topk_idx: Any, num_experts: int, num_tokens: int | None) -> bool:
+        """Shape/dtype checks, and the id range now; returns True when the range is left to a
+        backend that checks it at its own host sync (``defers_id_check``)."""
         self._check_tensor("topk_idx", topk_idx, dims=2, rows=num_tokens)
         _check_dtype("topk_idx", topk_idx, _TOPK_DTYPES)
         if topk_idx.shape[1] > MAX_TOPK or topk_idx.shape[1] == 0:
             raise InvalidInputError(
                 f"topk_idx has {topk_idx.shape[1]} columns; num_topk must be in 1..{MAX_TOPK}"
             )
-        if topk_idx.numel():
-            lo, hi = (int(v) for v in torch.aminmax(topk_idx))
-            if lo < -1 or hi >= num_experts:
-                bad = lo if lo < -1 else hi
-                raise InvalidInputError(
-                    f"topk_idx contains expert id {bad}; ids must be in [0, {num_experts}) "
-                    "or -1 for an unused slot"
-                )
+        if not topk_idx.numel():
+            return False
+        if self._backend.defers_id_check:
+            return True  # no host sync here: the backend checks at the sync it makes anyway
+        lo, hi = torch.aminmax(topk_idx)
+        check_expert_ids(int(lo), int(hi), num_experts)
+        return False
 
     def _dispatch_args(
         self,
@@ -618,8 +624,9 @@ class Buffer:
             )
         if (topk_idx is None) != (topk_weights is None):
             raise InvalidInputError("pass topk_idx and topk_weights together, or neither")
+        check_ids = False
         if topk_idx is not None:
-            self._check_topk_idx(topk_idx, num_experts, num_tokens)
+            check_ids = self._check_topk_idx(topk_idx, num_experts, num_tokens)
             self._check_tensor("topk_weights", topk_weights, dims=2, rows=num_tokens)
             _check_dtype("topk_weights", topk_weights, (torch.float32,))
             if topk_weights.shape != topk_idx.shape:
@@ -643,6 +650,7 @@ class Buffer:
             num_worst_tokens=num_worst_tokens,
             config=config,
             cached=None,
+            check_ids=check_ids,
         )
 
 

@@ -29,7 +29,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(const void* topk
       const int64_t i = static_cast<int64_t>(t) * num_topk + k;
       const int64_t e = idx_is_64 ? static_cast<const int64_t*>(topk_idx)[i]
                                   : static_cast<int64_t>(static_cast<const int32_t*>(topk_idx)[i]);
-      if (e < 0) continue;
+      // Ids outside [0, E) count nowhere (the host raises for them at the dispatch's sync).
+      if (e < 0 || e >= num_experts) continue;
       atomicAdd(shared_experts ? &s_expert[e] : &per_expert[e], 1);
       mask |= 1u << static_cast<int>(e / experts_per_rank);
     }

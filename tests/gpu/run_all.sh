@@ -95,10 +95,16 @@ if phase 3; then
     suite bench "$ALL" 90 "bench_intranode_$NGPU" python3 -m uccl_ep_megatron.cli bench \
       intranode --sms "${BENCH_SMS:-24}" --json "$LOGS/bench_intranode_$NGPU.json"
   fi
+  suite bench $A 60 bench_intranode_2 python3 -m uccl_ep_megatron.cli bench intranode \
+    --sms "${BENCH_SMS:-24}" --json "$LOGS/bench_intranode_2.json"
   suite bench 0 60 bench_fifo python3 -X faulthandler -m uccl_ep_megatron.bench.fifo \
     --json "$LOGS/bench_fifo.json"
   suite bench $A 90 bench_internode_2x1 python3 -m uccl_ep_megatron.bench.internode --iters 5 \
     --json "$LOGS/bench_internode_2x1.json"
+  if [ "$NGPU" -ge 4 ]; then
+    suite bench "$ALL" 90 "bench_internode_2x$((NGPU / 2))" python3 -m \
+      uccl_ep_megatron.bench.internode --iters 5 --json "$LOGS/bench_internode_2x$((NGPU / 2)).json"
+  fi
 fi
 
 for n in 2 "$NGPU"; do # side-by-side table, and the loss curves step by step
@@ -129,5 +135,4 @@ for r in "$LOGS"/report_*.log; do echo "---- $r"; tail -10 "$r"; done
 for t in uccl_ep_2 "uccl_ep_$NGPU"; do
   echo "---- train_$t tail"; tail -4 "$LOGS/train_$t.log" 2>/dev/null | cut -c1-300
 done
-echo "---- bench intranode $NGPU"; tail -12 "$LOGS/bench_intranode_$NGPU.log" 2>/dev/null
-echo "---- bench internode 2x1"; tail -6 "$LOGS/bench_internode_2x1.log" 2>/dev/null
+for f in "$LOGS"/bench_in*.log; do echo "---- $f"; grep -vE "Warning|warn|return func" "$f" | tail -11; done

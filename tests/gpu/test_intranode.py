@@ -217,6 +217,39 @@ def timeout_case(rank: int, world: int) -> str:
     raise AssertionError("dispatch without peers did not time out")
 
 
+def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
+    """Expert ids out of range on every rank: the layout kernel ignores them (no stray
+    writes), dispatch raises InvalidInputError naming the id at its one host sync, and the
+    Buffer still dispatches correctly afterwards."""
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    kb, rb = _get_buffers()
+    num_tokens, hidden, num_experts = 64, 256, 4 * world
+    gen = torch.Generator(device="cuda").manual_seed(5 + rank)
+    idx = _routing("random", rank, world, num_tokens, num_experts, 2, gen)
+    w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    bad = idx.clone()
+    bad[3, 1] = bad_id
+    lay = kb.get_dispatch_layout(bad, num_experts)[:4]
+    dropped = bad.clone()
+    dropped[3, 1] = -1  # the bad id counts nowhere, as if the slot were unused
+    expected = rb.get_dispatch_layout(dropped, num_experts)[:4]
+    for i, (a, b) in enumerate(zip(lay, expected, strict=True)):
+        assert_same(f"layout[{i}] with a bad id", a, b)
+    ref = rb.get_dispatch_layout(idx, num_experts)[:4]
+    try:
+        dispatch(kb, x, lay, bad, w)
+    except InvalidInputError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"dispatch accepted expert id {bad_id}")
+    kout = dispatch(kb, x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
+    rout = dispatch(rb, x, ref, idx, w)
+    assert_same("recv_x after the error", kout[0], rout[0])
+    return message
+
+
 def grow_case(rank: int, world: int) -> dict:
     """A Buffer far smaller than a call stages grows at that call, on every rank, and the
     results still equal the reference; with UCCL_EP_GROW_NVL_BUFFER=0 the call raises."""
@@ -325,6 +358,14 @@ def gpu_pool():
 def test_dispatch_combine_matches_reference(gpu_pool, name):
     recv = gpu_pool.run(__file__, "case", CASES[name], env=ENV)
     assert len(recv) == NUM_GPUS
+
+
+@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
+@pytest.mark.parametrize("bad_id", [-2, "num_experts"])
+def test_bad_expert_id_raises_at_dispatch(gpu_pool, bad_id):
+    value = 4 * NUM_GPUS if bad_id == "num_experts" else bad_id
+    out = gpu_pool.run(__file__, "bad_ids_case", value, env=ENV)
+    assert all(f"expert id {value}" in m for m in out), out
 
 
 @pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.config import Config
+from uccl_ep_megatron.errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,9 @@ class DispatchArgs:
     num_worst_tokens: int
     config: Config
     cached: DispatchHandle | None
+    # The id range of topk_idx is still to be checked: by a backend that does it at its one
+    # host sync instead of syncing for it up front (``Backend.defers_id_check``).
+    check_ids: bool = False
 
 
 class DispatchResult(NamedTuple):
@@ -99,6 +103,10 @@ class Backend(abc.ABC):
     """Moves the bytes for one ``Buffer``; runs on the stream current at call time."""
 
     name: str
+    # True: ``Buffer`` leaves the id range of topk_idx to the backend, which reads its
+    # (min, max) with the host sync it makes anyway and raises ``check_expert_ids``; its
+    # kernels must ignore ids outside [0, E) until then.
+    defers_id_check: bool = False
 
     def __init__(
         self,
@@ -135,3 +143,19 @@ class Backend(abc.ABC):
 
     def destroy(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release backend resources; the default holds none."""
+
+
+def check_expert_ids(lo: int, hi: int, num_experts: int) -> None:
+    """Raise ``InvalidInputError`` unless every id lies in [-1, num_experts)."""
+    if lo < -1 or hi >= num_experts:
+        bad = lo if lo < -1 else hi
+        raise InvalidInputError(
+            f"topk_idx contains expert id {bad}; ids must be in [0, {num_experts}) or -1 for an "
+            "unused slot"
+        )
+
+
+def expert_id_bounds(topk_idx: torch.Tensor) -> torch.Tensor:
+    """(min, max) of ``topk_idx`` as an int64 device tensor, on the current stream (no sync)."""
+    lo, hi = torch.aminmax(topk_idx)
+    return torch.stack([lo, hi]).to(torch.int64)

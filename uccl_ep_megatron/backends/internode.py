@@ -37,6 +37,8 @@ from uccl_ep_megatron.backends.base import (
     DispatchResult,
     Layout,
     Topology,
+    check_expert_ids,
+    expert_id_bounds,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.backends.kernels import KernelsBackend, launch_layout
@@ -125,6 +127,7 @@ class InternodeBackend(Backend):
     """GPU-initiated, proxy-executed, node-deduplicated HT dispatch/combine."""
 
     name = "kernels_internode"
+    defers_id_check = True
     x_dtypes = KernelsBackend.x_dtypes  # the same row formats as the intranode kernels
 
     @classmethod
@@ -378,6 +381,8 @@ class InternodeBackend(Backend):
         if cached is None:
             num_experts = args.num_experts
             epr = num_experts // num_ranks
+            if args.check_ids:
+                bounds = expert_id_bounds(topk_idx)
             row = torch.cat(
                 [
                     args.num_tokens_per_rank.to(torch.int32),
@@ -390,6 +395,8 @@ class InternodeBackend(Backend):
             dist.all_gather_into_tensor(gathered, row, group=self.group)
             host = gathered.view(num_ranks, -1).tolist()  # the one host sync: output sizes
             self.check()
+            if args.check_ids:  # computed before the gather: ready, the read does not wait
+                check_expert_ids(*bounds.tolist(), num_experts)
             prefix: list[int] = []
             run = [0] * num_ranks
             for s in range(num_ranks):

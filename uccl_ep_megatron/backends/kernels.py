@@ -37,6 +37,8 @@ from uccl_ep_megatron.backends.base import (
     DispatchResult,
     Layout,
     Topology,
+    check_expert_ids,
+    expert_id_bounds,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.config import Config
@@ -94,6 +96,7 @@ class KernelsBackend(Backend):
     """Intranode dispatch/combine kernels for ranks of one node (up to 8)."""
 
     name = "kernels"
+    defers_id_check = True
     x_dtypes = frozenset(
         {
             torch.bfloat16,
@@ -220,6 +223,7 @@ class KernelsBackend(Backend):
                 f"{c.KERNELS_MAX_LOCAL_EXPERTS}; use the reference backend"
             )
         stream = self._stream()
+        bounds = expert_id_bounds(topk_idx) if args.check_ids else None
         per_rank = args.num_tokens_per_rank.to(torch.int32).contiguous()
         per_expert = None
         if cached is None:
@@ -278,8 +282,13 @@ class KernelsBackend(Backend):
             prefix_host = state.prefix_host
             expert_counts: list[int] = []
         else:
-            info_host = info.tolist()  # the one host sync: output sizes depend on it
+            # The one host sync (output sizes depend on it); the id range rides along.
+            read = info if bounds is None else torch.cat([info.to(torch.int64), bounds])
+            info_host = read.tolist()
             self._check_status()
+            if bounds is not None:
+                check_expert_ids(info_host[-2], info_host[-1], args.num_experts)
+                info_host = info_host[:-2]
             prefix_host = tuple(info_host[: num_ranks * num_ranks])
             expert_counts = info_host[num_ranks * num_ranks :]
 
