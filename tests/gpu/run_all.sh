@@ -6,7 +6,7 @@
 # (the device tool returns at most 8 files); a summary table is printed last.
 #   run(kind="nvidia-h200-x4", carry=[".whl"], command="bash tests/gpu/run_all.sh")
 # .whl/ holds megatron-core for Python 3.12 (see tests/gpu/run_megatron_gpu.sh).
-# Env: SKIP="fifo internode megatron train intranode bench" (names to leave out), PHASES
+# Env: SKIP="fifo internode megatron train intranode bench resume" (names to leave out), PHASES
 #      ("1 2 3": 2-GPU correctness, all-GPU correctness, timings), TRAIN_ITERS (50, 2 GPUs),
 #      TRAIN_ITERS_ALL (20, all GPUs), BENCH_SMS (24), DEADLINE_S (570: the call's budget).
 set -uo pipefail
@@ -104,6 +104,18 @@ if phase 3; then
   if [ "$NGPU" -ge 4 ]; then
     suite bench "$ALL" 90 "bench_internode_2x$((NGPU / 2))" python3 -m \
       uccl_ep_megatron.bench.internode --iters 5 --json "$LOGS/bench_internode_2x$((NGPU / 2)).json"
+  fi
+  # Checkpoint save and resume (Megatron distributed checkpointing): 6 iterations saving at 3
+  # and 6, then the same run directory continued to 9; the resumed run must log steps 7-9.
+  R=(python3 -m uccl_ep_megatron.cli train --recipe deepseek-v3/proxy --dispatcher uccl_ep
+    --gpus 2 --no-wandb --checkpoint-dir /tmp/ckpt/checkpoints)
+  suite resume $A 120 resume_save "${R[@]}" --iters 6 --save-interval 3 --run-dir /tmp/ckpt/a
+  suite resume $A 120 resume_load "${R[@]}" --iters 9 --save-interval 0 --run-dir /tmp/ckpt/b
+  if ! skip resume; then
+    python3 -c "import json, sys; s = [json.loads(l)['step'] for l in open(sys.argv[1])]; \
+print('resumed steps', s); sys.exit(s != [7, 8, 9])" /tmp/ckpt/b/metrics.jsonl \
+      > "$LOGS/resume_check.log" 2>&1
+    echo "resume check rc=$? $(tail -1 "$LOGS/resume_check.log")" > "$LOGS/summary_resume_check.txt"
   fi
 fi
 
