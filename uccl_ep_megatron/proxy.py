@@ -247,6 +247,9 @@ class ProxyEndpoint:
                 cfg.ipc_max_delay_us,
                 4096,
                 shm_name,
+                # A GPU copy that never runs is reported by the transport, naming it, before the
+                # proxy's generic timeout fires.
+                max(1, cfg.timeout_ms // 2),
             )
         self.proxy: Any = None
         self._host = socket.gethostname()

@@ -264,7 +264,7 @@ void bind_proxy(py::module_& m) {
   py::class_<IpcTransport, Transport>(m, "IpcTransport", "Single-host transport with the reorder/delay injector.")
       .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
                        uint64_t bytes, int gpu_device, bool reorder, uint64_t seed, uint32_t max_delay_us,
-                       uint32_t inbox_capacity, const std::string& shm_name) {
+                       uint32_t inbox_capacity, const std::string& shm_name, uint64_t copy_timeout_ms) {
              TransportSetup s;
              s.rank = rank;
              s.world_size = world;
@@ -276,13 +276,14 @@ void bind_proxy(py::module_& m) {
              o.seed = seed;
              o.max_delay_us = max_delay_us;
              o.inbox_capacity = inbox_capacity;
+             o.copy_timeout_ms = copy_timeout_ms;
              o.gpu = hooks_or_null();
              return std::make_unique<IpcTransport>(s, o, shm_name);
            }),
            py::arg("rank"), py::arg("world_size"), py::arg("num_threads"), py::arg("num_channels"),
            py::arg("region_ptr"), py::arg("region_bytes"), py::arg("gpu_device") = -1, py::arg("reorder") = false,
            py::arg("seed") = 0, py::arg("max_delay_us") = 50, py::arg("inbox_capacity") = 4096,
-           py::arg("shm_name") = "");
+           py::arg("shm_name") = "", py::arg("copy_timeout_ms") = 30000);
 
 #ifdef UCCL_EP_WITH_VERBS
   py::class_<VerbsTransport, Transport>(m, "VerbsTransport", "RDMA transport: RC or EFA SRD over libibverbs.")
@@ -434,6 +435,7 @@ void bind_proxy(py::module_& m) {
         d["kernel_seconds"] = r.kernel_seconds;
         d["order_errors"] = r.order_errors;
         d["latency_ns"] = r.latency_ns;
+        d["host_read_ns"] = r.host_read_ns;
         return d;
       },
       py::arg("device"), py::arg("channels"), py::arg("threads"), py::arg("blocks"), py::arg("warps_per_block"),

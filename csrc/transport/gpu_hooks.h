@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace uccl_ep {
@@ -14,8 +15,23 @@ struct GpuHooks {
   // Maps a handle from ipc_handle in this process; returns the pointer equal to the exporter's ptr.
   void* (*ipc_open)(const std::string& handle, int device) = nullptr;
   void (*ipc_close)(void* ptr, int device) = nullptr;
-  // Copies between any host/device pointers; returns after the bytes landed.
-  void (*copy)(void* dst, const void* src, size_t bytes, int device) = nullptr;
+  // Copy queue of one proxy endpoint: a stream on `device` and a ring of `depth` events, created
+  // up front (connect time, before kernels run) and used by one thread only. Nothing in it ever
+  // waits for the GPU: a proxy thread blocked inside a CUDA wait cannot time out or report, and
+  // a copy that cannot run while a kernel spins on that same proxy would hang both silently.
+  void* (*copy_queue_create)(int device, uint32_t depth) = nullptr;
+  // Waits for the queue's copies (teardown only) and frees it.
+  void (*copy_queue_destroy)(void* queue) = nullptr;
+  // Enqueues dst <- src (any host/device pointers); returns the copy's ticket (1, 2, ...). The
+  // caller keeps fewer than `depth` copies in flight (submitted - completed).
+  uint64_t (*copy_submit)(void* queue, void* dst, const void* src, size_t bytes) = nullptr;
+  // Tickets completed so far, in submission order (every ticket <= the value landed); polls the
+  // events, never blocks.
+  uint64_t (*copy_completed)(void* queue) = nullptr;
+  // Lets `device`'s copies write `peer_device` memory directly (NVLink / PCIe P2P). Without it a
+  // copy between two devices of one process is staged through host memory by the driver, which
+  // is slower and involves the peer's context. False when the pair cannot do P2P.
+  bool (*enable_peer_access)(int device, int peer_device) = nullptr;
   // A DMA-BUF file descriptor for [ptr, ptr+bytes) (verbs registration without peer-memory), or -1.
   int (*dmabuf_fd)(void* ptr, size_t bytes, size_t* offset) = nullptr;
 };

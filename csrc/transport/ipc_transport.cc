@@ -9,6 +9,7 @@
 #include <map>
 
 #include "common/errors.h"
+#include "common/log.h"
 #include "transport/kv.h"
 
 namespace uccl_ep {
@@ -56,6 +57,16 @@ class IpcTransport::IpcEndpoint : public Endpoint {
   IpcEndpoint(IpcTransport& t, uint32_t thread)
       : t_(t), thread_(thread), rng_(t.options_.seed * 0x9E3779B97F4A7C15ull + t.setup_.rank * 7919u + thread) {}
 
+  ~IpcEndpoint() override {
+    for (auto& kv : queues_) t_.options_.gpu->copy_queue_destroy(kv.second.handle);
+  }
+
+  // Connect time (before any kernel runs): one copy queue per device this endpoint copies with.
+  void add_copy_queue(int device) {
+    if (queues_.count(device)) return;
+    queues_[device].handle = t_.options_.gpu->copy_queue_create(device, t_.options_.copy_queue_depth);
+  }
+
   void post_write(uint32_t peer, uint32_t channel, uint64_t src_offset, uint64_t dst_offset, uint32_t length,
                   uint32_t imm, uint64_t wr_id) override {
     UCCL_EP_CHECK_ARG(peer < t_.peers_.size(), "ipc post_write to rank ", peer, " of ", t_.peers_.size());
@@ -101,58 +112,123 @@ class IpcTransport::IpcEndpoint : public Endpoint {
     Clock::time_point due;  // earliest execution time
   };
 
+  struct Queue {
+    void* handle = nullptr;
+    uint64_t submitted = 0;
+    uint64_t completed = 0;
+  };
+
+  // An executed op whose immediate is not published yet: its GPU copy may still be in flight.
+  struct Pending {
+    Op op;
+    Queue* queue;     // null: nothing to wait for (host copy done, or no payload)
+    uint64_t ticket;  // the copy's ticket in `queue`
+    Clock::time_point since;
+  };
+
   // Executes held writes: all, in order, without the injector; with it, every write whose random
   // latency elapsed (earliest first), and the earliest ones early when more than max_held wait.
+  // Then publishes, in execution order, the immediates of the executed writes whose bytes landed.
   void progress() {
     if (!t_.options_.reorder) {
       size_t i = 0;
       while (i < held_.size() && execute(held_[i])) ++i;
       held_.erase(held_.begin(), held_.begin() + static_cast<ptrdiff_t>(i));
-      return;
-    }
-    const auto now = Clock::now();
-    while (!held_.empty()) {
-      size_t first = 0;
-      for (size_t i = 1; i < held_.size(); ++i) {
-        if (held_[i].due < held_[first].due) first = i;
+    } else {
+      const auto now = Clock::now();
+      while (!held_.empty()) {
+        size_t first = 0;
+        for (size_t i = 1; i < held_.size(); ++i) {
+          if (held_[i].due < held_[first].due) first = i;
+        }
+        if (held_[first].due > now && held_.size() <= t_.options_.max_held) break;
+        if (!execute(held_[first])) break;
+        held_[first] = held_.back();
+        held_.pop_back();
       }
-      if (held_[first].due > now && held_.size() <= t_.options_.max_held) break;
-      if (!execute(held_[first])) break;
-      held_[first] = held_.back();
-      held_.pop_back();
     }
+    publish();
   }
 
-  // Copy, then publish the immediate (release), then complete locally: a receiver that sees the
-  // immediate sees the bytes, and a sender completion implies the peer can see the immediate.
+  Queue* queue_for(const Peer& p) {
+    const int dev = t_.setup_.region.gpu_device >= 0 ? t_.setup_.region.gpu_device : p.gpu_device;
+    auto it = queues_.find(dev);
+    if (it == queues_.end()) {
+      UCCL_EP_THROW(TransportError, "ipc rank ", t_.setup_.rank, " thread ", thread_, ": no copy queue for GPU ", dev,
+                    " (the transport was connected without it)");
+    }
+    return &it->second;
+  }
+
+  // Starts the op's copy (GPU copies are only enqueued) and queues the op for publication. False:
+  // try again later (the copy queue is full).
   bool execute(const Op& op) {
     Peer& p = *t_.peers_[op.peer];
-    const uint32_t world = t_.setup_.world_size;
-    const uint32_t cap = t_.options_.inbox_capacity;
-    RingHeader* r = ring_at(p.inbox, thread_, t_.setup_.rank, world, cap);
-    uint64_t tail = r->tail;
-    if (tail - __atomic_load_n(&r->head, __ATOMIC_ACQUIRE) >= cap) return false;  // peer not draining
+    Pending pend{op, nullptr, 0, Clock::now()};
     if (op.length > 0) {
       char* dst = p.region + op.dst_offset;
       const char* src = static_cast<const char*>(t_.setup_.region.base) + op.src_offset;
       if (p.region_gpu || t_.setup_.region.gpu_device >= 0) {
-        int dev = t_.setup_.region.gpu_device >= 0 ? t_.setup_.region.gpu_device : p.gpu_device;
-        t_.options_.gpu->copy(dst, src, op.length, dev);
+        Queue* q = queue_for(p);
+        if (q->submitted - q->completed >= t_.options_.copy_queue_depth) {
+          q->completed = t_.options_.gpu->copy_completed(q->handle);
+          if (q->submitted - q->completed >= t_.options_.copy_queue_depth) return false;
+        }
+        q->submitted = t_.options_.gpu->copy_submit(q->handle, dst, src, op.length);
+        pend.queue = q;
+        pend.ticket = q->submitted;
       } else {
         std::memcpy(dst, src, op.length);
       }
     }
-    ring_entries(r)[tail & (cap - 1)] = InboxEntry{op.imm, op.channel, op.length, 0};
-    __atomic_store_n(&r->tail, tail + 1, __ATOMIC_RELEASE);
-    done_.push_back(Completion{Completion::kSend, op.peer, op.channel, op.imm, op.length, op.wr_id});
+    pending_.push_back(pend);
     return true;
+  }
+
+  // Publishes the immediate (release) once the op's bytes landed, then completes locally: a
+  // receiver that sees the immediate sees the bytes, and a sender completion implies the peer can
+  // see the immediate. In execution order, so an ordered (injector-off) transport stays ordered.
+  void publish() {
+    const uint32_t world = t_.setup_.world_size;
+    const uint32_t cap = t_.options_.inbox_capacity;
+    while (!pending_.empty()) {
+      Pending& f = pending_.front();
+      if (f.queue && f.ticket > f.queue->completed) {
+        f.queue->completed = t_.options_.gpu->copy_completed(f.queue->handle);
+        if (f.ticket > f.queue->completed) {
+          check_stall(f);
+          return;
+        }
+      }
+      Peer& p = *t_.peers_[f.op.peer];
+      RingHeader* r = ring_at(p.inbox, thread_, t_.setup_.rank, world, cap);
+      uint64_t tail = r->tail;
+      if (tail - __atomic_load_n(&r->head, __ATOMIC_ACQUIRE) >= cap) return;  // peer not draining
+      ring_entries(r)[tail & (cap - 1)] = InboxEntry{f.op.imm, f.op.channel, f.op.length, 0};
+      __atomic_store_n(&r->tail, tail + 1, __ATOMIC_RELEASE);
+      done_.push_back(Completion{Completion::kSend, f.op.peer, f.op.channel, f.op.imm, f.op.length, f.op.wr_id});
+      pending_.pop_front();
+    }
+  }
+
+  // A GPU copy that does not finish is reported here, naming what it copies, rather than left to
+  // the proxy's generic "the transport stopped completing" (the proxy thread stays responsive).
+  void check_stall(const Pending& f) const {
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - f.since).count();
+    if (static_cast<uint64_t>(waited) <= t_.options_.copy_timeout_ms) return;
+    UCCL_EP_THROW(TransportError, "ipc rank ", t_.setup_.rank, " thread ", thread_, ": GPU copy of ", f.op.length,
+                  " bytes to rank ", f.op.peer, " (channel ", f.op.channel, ") has not completed after ", waited,
+                  " ms; the GPU never ran it (its copy stream is blocked, e.g. behind work that waits for this ",
+                  "proxy, or the device hung)");
   }
 
   IpcTransport& t_;
   uint32_t thread_;
   std::mt19937_64 rng_;
   std::vector<Op> held_;
+  std::deque<Pending> pending_;
   std::deque<Completion> done_;
+  std::map<int, Queue> queues_;
   uint32_t next_src_ = 0;
 };
 
@@ -165,6 +241,8 @@ IpcTransport::IpcTransport(const TransportSetup& setup, const IpcOptions& option
   UCCL_EP_CHECK_ARG(options.inbox_capacity >= 2 && (options.inbox_capacity & (options.inbox_capacity - 1)) == 0,
                     "ipc inbox_capacity=", options.inbox_capacity, " must be a power of two >= 2");
   UCCL_EP_CHECK_ARG(setup.region.base != nullptr && setup.region.bytes > 0, "ipc transport needs a region");
+  UCCL_EP_CHECK_ARG(options.copy_queue_depth >= 1 && options.copy_timeout_ms > 0, "ipc copy_queue_depth=",
+                    options.copy_queue_depth, " and copy_timeout_ms=", options.copy_timeout_ms, " must be positive");
   UCCL_EP_CHECK_ARG(setup.region.gpu_device < 0 || options.gpu != nullptr,
                     "the region is GPU memory (device ", setup.region.gpu_device,
                     ") but this build has no GPU support; rebuild with nvcc/hipcc");
@@ -248,6 +326,25 @@ void IpcTransport::connect(const std::vector<std::string>& infos) {
     peers_.push_back(std::move(p));
   }
   for (uint32_t t = 0; t < setup_.num_threads; ++t) endpoints_.push_back(std::make_unique<IpcEndpoint>(*this, t));
+  // GPU copies: the devices they are issued on (the local GPU; or each GPU peer's when the local
+  // region is host memory), and direct P2P to same-process GPU peers (IPC-opened peers enabled it
+  // lazily). Everything is set up here, before any kernel runs and not from the proxy threads.
+  std::vector<int> devices;
+  for (uint32_t r = 0; r < peers_.size(); ++r) {
+    const Peer& p = *peers_[r];
+    if (!p.region_gpu && setup_.region.gpu_device < 0) continue;
+    devices.push_back(setup_.region.gpu_device >= 0 ? setup_.region.gpu_device : p.gpu_device);
+    if (setup_.region.gpu_device >= 0 && p.region_gpu && !p.ipc_opened && p.gpu_device != setup_.region.gpu_device &&
+        !options_.gpu->enable_peer_access(setup_.region.gpu_device, p.gpu_device)) {
+      UCCL_EP_LOG(kWarn, "ipc rank ", setup_.rank, ": GPU ", setup_.region.gpu_device, " cannot access GPU ",
+                  p.gpu_device, " (rank ", r, ") peer-to-peer; copies are staged through host memory");
+    }
+  }
+  UCCL_EP_CHECK_ARG(devices.empty() || options_.gpu != nullptr, "ipc rank ", setup_.rank,
+                    " must copy to GPU memory but this build has no GPU support; rebuild with nvcc/hipcc");
+  for (int dev : devices) {
+    for (auto& ep : endpoints_) ep->add_copy_queue(dev);
+  }
 }
 
 Endpoint& IpcTransport::endpoint(uint32_t thread) {

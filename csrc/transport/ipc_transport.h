@@ -1,5 +1,6 @@
 // The single-host transport: no NIC. A proxy executes a write as a copy into the peer's mapped
-// region, then hands the immediate to the peer proxy through a shared-memory inbox. It lets the
+// region (GPU regions: enqueued on the endpoint's own stream and polled through events, never
+// waited on), then hands the immediate to the peer proxy through a shared-memory inbox. It lets the
 // whole internode path run on one machine by splitting its GPUs into virtual nodes.
 //
 // Reorder/delay injector (seeded): instead of executing a posted write at once, the endpoint
@@ -25,6 +26,8 @@ struct IpcOptions {
   uint64_t seed = 0;               // injector seed (combined with rank and thread)
   uint32_t max_delay_us = 50;      // largest injected latency of a write
   uint32_t max_held = 256;         // more held writes than this: execute the earliest at once
+  uint32_t copy_queue_depth = 256;  // GPU copies in flight per proxy thread (and device)
+  uint64_t copy_timeout_ms = 30000;  // a GPU copy pending longer: TransportError (keep < proxy timeout)
   const GpuHooks* gpu = nullptr;   // required when the region is GPU memory
 };
 

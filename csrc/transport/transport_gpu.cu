@@ -1,8 +1,10 @@
-// GpuHooks for the host-only transports: IPC handles of (interior) device pointers, copies on a
-// per-thread stream, DMA-BUF export for verbs registration.
+// GpuHooks for the host-only transports: IPC handles of (interior) device pointers, per-endpoint
+// copy queues (stream + events, polled, never waited on), P2P enabling, DMA-BUF export for verbs.
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <vector>
 
 #include "common/gpu.h"
 #include "transport/gpu_hooks.h"
@@ -88,21 +90,115 @@ void hook_ipc_close(void* ptr, int /*device*/) {
   (void)gpuIpcCloseMemHandle(base);
 }
 
-void hook_copy(void* dst, const void* src, size_t bytes, int device) {
-  // One non-blocking stream per proxy thread: copies never serialize behind the kernels that
-  // push the commands (those kernels wait for these copies).
-  thread_local std::map<int, gpuStream_t> streams;
+// One proxy endpoint's copies: its own non-blocking stream (copies never serialize behind the
+// kernels that push the commands; those kernels wait for these copies) and a ring of events,
+// one per copy in flight. Created and destroyed by the thread that connects the transport, used
+// by one proxy thread in between: no locking.
+struct CopyQueue {
+  int device = -1;
+  gpuStream_t stream = nullptr;
+  std::vector<gpuEvent_t> events;
+  uint64_t submitted = 0;
+  uint64_t completed = 0;
+};
+
+void* hook_copy_queue_create(int device, uint32_t depth) {
+  UCCL_EP_CHECK_ARG(depth >= 1, "copy queue depth must be >= 1");
   GPU_CHECK(gpuSetDevice(device));
-  gpuStream_t& s = streams[device];
-  if (!s) {
+  auto q = std::make_unique<CopyQueue>();
+  q->device = device;
 #if defined(UCCL_EP_DEVICE_HIP)
-    GPU_CHECK(hipStreamCreateWithFlags(&s, hipStreamNonBlocking));
+  GPU_CHECK(hipStreamCreateWithFlags(&q->stream, hipStreamNonBlocking));
 #else
-    GPU_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  GPU_CHECK(cudaStreamCreateWithFlags(&q->stream, cudaStreamNonBlocking));
+#endif
+  q->events.resize(depth, nullptr);
+  for (auto& e : q->events) {
+#if defined(UCCL_EP_DEVICE_HIP)
+    GPU_CHECK(hipEventCreateWithFlags(&e, hipEventDisableTiming));
+#else
+    GPU_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
 #endif
   }
-  GPU_CHECK(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, s));
-  GPU_CHECK(gpuStreamSynchronize(s));
+  return q.release();
+}
+
+void hook_copy_queue_destroy(void* queue) {
+  std::unique_ptr<CopyQueue> q(static_cast<CopyQueue*>(queue));
+  if (!q) return;
+  // Teardown: report nothing if the context is already gone.
+  (void)gpuSetDevice(q->device);
+  (void)gpuStreamSynchronize(q->stream);
+  for (auto& e : q->events) {
+#if defined(UCCL_EP_DEVICE_HIP)
+    (void)hipEventDestroy(e);
+#else
+    (void)cudaEventDestroy(e);
+#endif
+  }
+#if defined(UCCL_EP_DEVICE_HIP)
+  (void)hipStreamDestroy(q->stream);
+#else
+  (void)cudaStreamDestroy(q->stream);
+#endif
+}
+
+uint64_t hook_copy_submit(void* queue, void* dst, const void* src, size_t bytes) {
+  auto* q = static_cast<CopyQueue*>(queue);
+  UCCL_EP_CHECK_ARG(q->submitted - q->completed < q->events.size(), "copy queue of device ", q->device, " has ",
+                    q->events.size(), " copies in flight already");
+  GPU_CHECK(gpuSetDevice(q->device));
+  GPU_CHECK(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, q->stream));
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipEventRecord(q->events[q->submitted % q->events.size()], q->stream));
+#else
+  GPU_CHECK(cudaEventRecord(q->events[q->submitted % q->events.size()], q->stream));
+#endif
+  return ++q->submitted;
+}
+
+uint64_t hook_copy_completed(void* queue) {
+  auto* q = static_cast<CopyQueue*>(queue);
+  // One stream: events complete in submission order, so the first pending one bounds the rest.
+  while (q->completed < q->submitted) {
+#if defined(UCCL_EP_DEVICE_HIP)
+    hipError_t r = hipEventQuery(q->events[q->completed % q->events.size()]);
+    if (r == hipErrorNotReady) break;
+#else
+    cudaError_t r = cudaEventQuery(q->events[q->completed % q->events.size()]);
+    if (r == cudaErrorNotReady) break;
+#endif
+    GPU_CHECK(r);
+    ++q->completed;
+  }
+  return q->completed;
+}
+
+bool hook_enable_peer_access(int device, int peer_device) {
+  if (device == peer_device) return true;
+  int can = 0;
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipDeviceCanAccessPeer(&can, device, peer_device));
+#else
+  GPU_CHECK(cudaDeviceCanAccessPeer(&can, device, peer_device));
+#endif
+  if (!can) return false;
+  GPU_CHECK(gpuSetDevice(device));
+#if defined(UCCL_EP_DEVICE_HIP)
+  hipError_t r = hipDeviceEnablePeerAccess(peer_device, 0);
+  if (r == hipErrorPeerAccessAlreadyEnabled) {
+    (void)hipGetLastError();  // PyTorch (or an earlier transport) enabled it: fine
+    return true;
+  }
+#else
+  cudaError_t r = cudaDeviceEnablePeerAccess(peer_device, 0);
+  if (r == cudaErrorPeerAccessAlreadyEnabled) {
+    (void)cudaGetLastError();  // PyTorch (or an earlier transport) enabled it: fine
+    return true;
+  }
+#endif
+  GPU_CHECK(r);
+  return true;
 }
 
 int hook_dmabuf_fd(void* ptr, size_t bytes, size_t* offset) {
@@ -134,7 +230,11 @@ const GpuHooks kHooks = [] {
   h.ipc_handle = hook_ipc_handle;
   h.ipc_open = hook_ipc_open;
   h.ipc_close = hook_ipc_close;
-  h.copy = hook_copy;
+  h.copy_queue_create = hook_copy_queue_create;
+  h.copy_queue_destroy = hook_copy_queue_destroy;
+  h.copy_submit = hook_copy_submit;
+  h.copy_completed = hook_copy_completed;
+  h.enable_peer_access = hook_enable_peer_access;
   h.dmabuf_fd = hook_dmabuf_fd;
   return h;
 }();
