@@ -86,7 +86,13 @@ bool FifoChannel::poll(TransferCmd* out) const {
 
 void FifoChannel::pop() {
   ++head_;
-  // Release: the producer that reuses this slot must not see it free before our reads of it.
+  publish();
+}
+
+void FifoChannel::publish() {
+  if (published_ == head_) return;
+  published_ = head_;
+  // Release: the producer that reuses these slots must not see them free before our reads of them.
   __atomic_store_n(&mem_.block_host->head, head_, __ATOMIC_RELEASE);
 }
 

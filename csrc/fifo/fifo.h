@@ -90,6 +90,12 @@ class FifoChannel {
   // Dequeues the command at head; producers waiting on this index (back-pressure, completion)
   // see it after this store.
   void pop();
+  // pop() in two halves, for consumers that take several commands per visit: advance() dequeues
+  // privately, publish() makes every advance so far visible with one store. Each store of head
+  // pulls its cache line away from the GPU's PCIe reads of it (producers waiting for room or
+  // completion), so a busy consumer publishes once per batch, not once per command.
+  void advance() { ++head_; }
+  void publish();
   uint64_t head() const { return head_; }
 
   // ---- producer side, CPU threads (only channels from create_host) ----
@@ -114,7 +120,10 @@ class FifoChannel {
   uint32_t capacity_;
   uint64_t timeout_ms_;
   Memory mem_;
-  uint64_t head_ = 0;  // consumer's private copy of head
+  // The consumer's private copies, on their own cache line: each channel object is a separate
+  // heap allocation, and neighbouring channels usually belong to other proxy threads.
+  alignas(64) uint64_t head_ = 0;  // consumer's private copy of head
+  uint64_t published_ = 0;         // last head stored for producers
 };
 
 }  // namespace uccl_ep

@@ -42,10 +42,27 @@ namespace {
 // lanes, each with its own sequence).
 constexpr int kWarp = 32;
 
-__global__ void push_kernel(const FifoDeviceHandle* handles, uint32_t num_channels, uint32_t cmds_per_warp) {
+// The channels' handles as a kernel parameter (2 KiB at most). Passing them by value leaves
+// nothing behind the kernel in its stream: a stream-ordered free of an uploaded array is an
+// operation that waits for the kernel, and the kernels here wait for the proxies, whose ipc
+// copies must never queue behind such an operation.
+constexpr uint32_t kMaxKernelChannels = 32;
+struct HandleArray {
+  FifoDeviceHandle h[kMaxKernelChannels];
+};
+
+HandleArray handle_array(const std::vector<FifoDeviceHandle>& handles) {
+  UCCL_EP_CHECK_ARG(!handles.empty() && handles.size() <= kMaxKernelChannels, "the FIFO test/bench kernels take 1 to ",
+                    kMaxKernelChannels, " channels, got ", handles.size());
+  HandleArray a{};
+  for (size_t i = 0; i < handles.size(); ++i) a.h[i] = handles[i];
+  return a;
+}
+
+__global__ void push_kernel(const HandleArray handles, uint32_t num_channels, uint32_t cmds_per_warp) {
   const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
   if (threadIdx.x % kWarp != 0) return;
-  const FifoDeviceHandle h = handles[warp % num_channels];
+  const FifoDeviceHandle h = handles.h[warp % num_channels];
   for (uint32_t i = 0; i < cmds_per_warp; ++i) {
     if (fifo_push(h, make_write(warp, 0, 0, i)) == kFifoPushFailed) return;
   }
@@ -60,16 +77,32 @@ __global__ void latency_kernel(FifoDeviceHandle h, uint32_t iters, uint64_t* out
   }
 }
 
+// Time of one GPU read of the host-resident head (nothing changes it meanwhile): the floor of the
+// completion leg of latency_kernel's round trip, reported next to it.
+__global__ void host_read_kernel(FifoDeviceHandle h, uint32_t iters, uint64_t* out_ns) {
+  for (uint32_t i = 0; i < iters; ++i) {
+    uint64_t t0 = fifo_now_ns();
+    uint64_t v = fifo_load_head(h.head);
+    // Consume v before reading the clock again (a load only blocks at its first use).
+#if defined(UCCL_EP_DEVICE_HIP)
+    if (v == kFifoPushFailed) __builtin_trap();
+#else
+    asm volatile("{\n .reg .pred p;\n setp.eq.u64 p, %0, -1;\n @p trap;\n}" ::"l"(v) : "memory");
+#endif
+    out_ns[i] = fifo_now_ns() - t0;
+  }
+}
+
 __device__ __forceinline__ uint8_t traffic_pattern(uint32_t rank, uint32_t warp, uint32_t k, uint32_t i) {
   return static_cast<uint8_t>(rank * 131u + warp * 71u + k * 13u + i * 7u + 1u);
 }
 
-__global__ void traffic_kernel(const FifoDeviceHandle* handles, uint32_t num_channels, uint32_t msgs, uint32_t len,
+__global__ void traffic_kernel(const HandleArray handles, uint32_t num_channels, uint32_t msgs, uint32_t len,
                                uint32_t rank, uint32_t peer, uint8_t* region, uint64_t area) {
   const uint32_t warp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
   const uint32_t lane = threadIdx.x % kWarp;
   const uint32_t ch = warp % num_channels;
-  const FifoDeviceHandle h = handles[ch];
+  const FifoDeviceHandle h = handles.h[ch];
   bool ok = true;
   for (uint32_t k = 0; k < msgs && ok; ++k) {
     const uint64_t off = (uint64_t{warp} * msgs + k) * len;
@@ -90,16 +123,15 @@ __global__ void traffic_kernel(const FifoDeviceHandle* handles, uint32_t num_cha
   }
 }
 
-FifoDeviceHandle* upload_handles(const std::vector<FifoDeviceHandle>& handles, gpuStream_t s) {
-  FifoDeviceHandle* d = nullptr;
-  // Stream-ordered allocation: freed with *FreeAsync once the kernel that reads it finished.
-#if defined(UCCL_EP_DEVICE_HIP)
-  GPU_CHECK(hipMallocAsync(reinterpret_cast<void**>(&d), handles.size() * sizeof(FifoDeviceHandle), s));
+// Commands a bench consumer takes from a channel per visit (the proxy's ProxyOptions::batch).
+constexpr uint32_t kBatch = 32;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("pause" ::: "memory");
 #else
-  GPU_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&d), handles.size() * sizeof(FifoDeviceHandle), s));
+  std::atomic_signal_fence(std::memory_order_seq_cst);
 #endif
-  GPU_CHECK(gpuMemcpyAsync(d, handles.data(), handles.size() * sizeof(FifoDeviceHandle), gpuMemcpyHostToDevice, s));
-  return d;
 }
 
 // `cpus` is looked up once by the calling thread (numa_cpus_of_pci / pci_bus_id may throw, and an
@@ -208,16 +240,11 @@ void launch_push_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_t b
                     "push kernel: channels=", handles.size(), " blocks=", blocks, " warps_per_block=", warps_per_block);
   UCCL_EP_CHECK_ARG(uint64_t{blocks} * warps_per_block <= cmd_limits::kMaxRanks, "push kernel encodes the warp in ",
                     "dst_rank: at most ", cmd_limits::kMaxRanks, " warps");
+  const HandleArray a = handle_array(handles);
   GPU_CHECK(gpuSetDevice(device));
-  auto s = reinterpret_cast<gpuStream_t>(stream);
-  FifoDeviceHandle* d = upload_handles(handles, s);
-  push_kernel<<<blocks, warps_per_block * kWarp, 0, s>>>(d, static_cast<uint32_t>(handles.size()), cmds_per_warp);
+  push_kernel<<<blocks, warps_per_block * kWarp, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
+      a, static_cast<uint32_t>(handles.size()), cmds_per_warp);
   GPU_CHECK(gpuGetLastError());
-#if defined(UCCL_EP_DEVICE_HIP)
-  GPU_CHECK(hipFreeAsync(d, s));
-#else
-  GPU_CHECK(cudaFreeAsync(d, s));
-#endif
 }
 
 void launch_traffic_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_t blocks, uint32_t warps_per_block,
@@ -227,18 +254,12 @@ void launch_traffic_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_
                     "traffic kernel: channels=", handles.size(), " blocks=", blocks, " warps=", warps_per_block,
                     " msgs=", msgs);
   UCCL_EP_CHECK_ARG(len > 0 && len % 16 == 0, "traffic kernel: len=", len, " must be a positive multiple of 16");
+  const HandleArray a = handle_array(handles);
   GPU_CHECK(gpuSetDevice(device));
-  auto s = reinterpret_cast<gpuStream_t>(stream);
-  FifoDeviceHandle* d = upload_handles(handles, s);
   const uint64_t area = uint64_t{blocks} * warps_per_block * msgs * len;
-  traffic_kernel<<<blocks, warps_per_block * kWarp, 0, s>>>(d, static_cast<uint32_t>(handles.size()), msgs, len, rank,
-                                                           peer, static_cast<uint8_t*>(region), area);
+  traffic_kernel<<<blocks, warps_per_block * kWarp, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
+      a, static_cast<uint32_t>(handles.size()), msgs, len, rank, peer, static_cast<uint8_t*>(region), area);
   GPU_CHECK(gpuGetLastError());
-#if defined(UCCL_EP_DEVICE_HIP)
-  GPU_CHECK(hipFreeAsync(d, s));
-#else
-  GPU_CHECK(cudaFreeAsync(d, s));
-#endif
 }
 
 FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, uint32_t blocks,
@@ -279,18 +300,22 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
       bool any = false;
       for (uint32_t c = t; c < channels; c += threads) {
         FifoChannel& f = *fifos[c];
-        while (f.poll(&cmd)) {
+        // As the proxy does: up to kBatch commands per visit, head published once per visit.
+        for (uint32_t n = 0; n < kBatch && f.poll(&cmd); ++n) {
           uint32_t w = cmd.dst_rank();
           if (w >= warps || w % channels != c || cmd.length() != next[w]) {
             errors.fetch_add(1);
           } else {
             ++next[w];
           }
-          f.pop();
+          f.advance();
           ++got;
           any = true;
         }
+        f.publish();
       }
+      // Nothing anywhere: do not re-read the lines the GPU is writing right away.
+      if (!any) cpu_relax();
       if (!any && (++spins & 0xFFFF) == 0 && std::chrono::steady_clock::now() > deadline) {
         timed_out = true;
         return;
@@ -366,6 +391,11 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
     fifos[0]->check_error();
     res.latency_ns.resize(latency_iters);
     GPU_CHECK(gpuMemcpy(res.latency_ns.data(), d_ns, latency_iters * sizeof(uint64_t), gpuMemcpyDeviceToHost));
+    host_read_kernel<<<1, 1, 0, s>>>(handles[0], latency_iters, d_ns);
+    GPU_CHECK(gpuGetLastError());
+    GPU_CHECK(gpuStreamSynchronize(s));
+    res.host_read_ns.resize(latency_iters);
+    GPU_CHECK(gpuMemcpy(res.host_read_ns.data(), d_ns, latency_iters * sizeof(uint64_t), gpuMemcpyDeviceToHost));
     GPU_CHECK(gpuFree(d_ns));
   }
   GPU_CHECK(fifo_event_destroy(e0));

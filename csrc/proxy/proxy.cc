@@ -145,7 +145,11 @@ class Worker {
       }
     }
     progress = n > 0;
-    for (auto& ch : chans_) progress |= service(ch);
+    for (auto& ch : chans_) {
+      progress |= service(ch);
+      // One store of head per visit (up to `batch` commands), not per command: see advance().
+      ch.fifo->publish();
+    }
     if (!progress && (++idle_passes_ & 1023u) == 0) check_gaps();
     return progress;
   }
@@ -165,7 +169,7 @@ class Worker {
       }
       Step s = step(ch);
       if (s == Step::kDone) {
-        ch.fifo->pop();
+        ch.fifo->advance();
         ch.busy = false;
         bump(stats_.commands);
         progress = true;
