@@ -435,6 +435,7 @@ void bind_proxy(py::module_& m) {
         d["kernel_seconds"] = r.kernel_seconds;
         d["order_errors"] = r.order_errors;
         d["latency_ns"] = r.latency_ns;
+        d["push_ns"] = r.push_ns;
         d["host_read_ns"] = r.host_read_ns;
         return d;
       },

@@ -68,12 +68,16 @@ __global__ void push_kernel(const HandleArray handles, uint32_t num_channels, ui
   }
 }
 
+// out_ns[i]: push -> completion seen; out_ns[iters + i]: until fifo_push returned (the system-scope
+// release store was issued: the GPU-side part of the round trip).
 __global__ void latency_kernel(FifoDeviceHandle h, uint32_t iters, uint64_t* out_ns) {
   for (uint32_t i = 0; i < iters; ++i) {
     uint64_t t0 = fifo_now_ns();
     uint64_t idx = fifo_push(h, make_write(0, 0, 0, i));
+    uint64_t t1 = fifo_now_ns();
     if (idx == kFifoPushFailed || !fifo_wait_completion(h, idx)) return;
     out_ns[i] = fifo_now_ns() - t0;
+    out_ns[iters + i] = t1 - t0;
   }
 }
 
@@ -357,8 +361,8 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
   // ---- latency: one pushing thread, one consumer, one command in flight ----
   if (latency_iters > 0) {
     uint64_t* d_ns = nullptr;
-    GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&d_ns), latency_iters * sizeof(uint64_t)));
-    GPU_CHECK(gpuMemsetAsync(d_ns, 0, latency_iters * sizeof(uint64_t), s));
+    GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&d_ns), 2 * latency_iters * sizeof(uint64_t)));
+    GPU_CHECK(gpuMemsetAsync(d_ns, 0, 2 * latency_iters * sizeof(uint64_t), s));
     {
       ConsumerGroup consumer(stop, fifos, s);
       // Fresh channel 0 state: the consumer continues from its current head.
@@ -391,6 +395,9 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
     fifos[0]->check_error();
     res.latency_ns.resize(latency_iters);
     GPU_CHECK(gpuMemcpy(res.latency_ns.data(), d_ns, latency_iters * sizeof(uint64_t), gpuMemcpyDeviceToHost));
+    res.push_ns.resize(latency_iters);
+    GPU_CHECK(gpuMemcpy(res.push_ns.data(), d_ns + latency_iters, latency_iters * sizeof(uint64_t),
+                        gpuMemcpyDeviceToHost));
     host_read_kernel<<<1, 1, 0, s>>>(handles[0], latency_iters, d_ns);
     GPU_CHECK(gpuGetLastError());
     GPU_CHECK(gpuStreamSynchronize(s));

@@ -49,6 +49,7 @@ struct FifoBenchResult {
   double kernel_seconds = 0;  // GPU events around the kernel
   uint64_t order_errors = 0;  // commands out of per-producer order or lost
   std::vector<uint64_t> latency_ns;  // push -> completion visible to the pushing thread
+  std::vector<uint64_t> push_ns;       // until fifo_push returned (atomic, fence, slot store issued)
   std::vector<uint64_t> host_read_ns;  // one GPU read of the host-resident head (the return leg's floor)
 };
 

@@ -165,6 +165,10 @@ def test_push_kernel_exactly_once_in_order(channels, threads):
     assert r["commands"] == 16 * 8 * 500
     assert r["order_errors"] == 0
     assert len(r["latency_ns"]) == 100 and min(r["latency_ns"]) > 0
+    # The push is the first part of each round trip; a GPU read of host memory takes time too.
+    assert len(r["push_ns"]) == 100
+    assert all(0 <= p < t for p, t in zip(r["push_ns"], r["latency_ns"], strict=True))
+    assert len(r["host_read_ns"]) == 100 and min(r["host_read_ns"]) > 0
 
 
 def test_small_ring_back_pressure():

@@ -8,7 +8,8 @@ c % threads) poll and pop them and check exactly-once, per-producer order. Rate 
 
 Latency: one GPU thread pushes a command and spins until it observes the pop (re-reading the
 host-resident head over PCIe); the GPU's %globaltimer measures push -> pop visible on the GPU, a
-round trip and so an upper bound of push -> poll. p50/p99 over ``--latency-iters``. ``read us``
+round trip and so an upper bound of push -> poll. p50/p99 over ``--latency-iters``. ``push us``
+is the p50 of the push alone (until its release store was issued). ``read us``
 is the p50 of one GPU read of that head with nothing changing it: the floor of the return leg.
 The read that sees the pop reached host memory after the pop, about half a read before it
 returned, so push -> poll is about ``p50 us - read us / 2`` or less.
@@ -91,6 +92,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         lat_us = [x / 1e3 for x in r["latency_ns"]]
         read_us = [x / 1e3 for x in r.get("host_read_ns", [])]
+        push_us = [x / 1e3 for x in r.get("push_ns", [])]
         rows.append(
             {
                 "threads": t,
@@ -104,6 +106,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "latency_p99_us": _percentile(lat_us, 0.99) if lat_us else float("nan"),
                 "latency_mean_us": statistics.fmean(lat_us) if lat_us else float("nan"),
                 "host_read_p50_us": _percentile(read_us, 0.5) if read_us else float("nan"),
+                "push_p50_us": _percentile(push_us, 0.5) if push_us else float("nan"),
             }
         )
     return rows
@@ -113,13 +116,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per thread count."""
     print(
         f"{'threads':>7} {'channels':>8} {'warps':>6} {'Mcmd/s':>8} {'kernel Mcmd/s':>13} "
-        f"{'p50 us':>7} {'p99 us':>7} {'read us':>7} {'order errs':>10}"
+        f"{'p50 us':>7} {'p99 us':>7} {'push us':>7} {'read us':>7} {'order errs':>10}"
     )
     for r in rows:
         print(
             f"{r['threads']:>7} {r['channels']:>8} {r['warps']:>6} {r['mcmds_per_s']:>8.2f} "
             f"{r['kernel_mcmds_per_s']:>13.2f} {r['latency_p50_us']:>7.2f} "
-            f"{r['latency_p99_us']:>7.2f} {r['host_read_p50_us']:>7.2f} {r['order_errors']:>10}"
+            f"{r['latency_p99_us']:>7.2f} {r['push_p50_us']:>7.2f} {r['host_read_p50_us']:>7.2f} "
+            f"{r['order_errors']:>10}"
         )
 
 
