@@ -82,14 +82,19 @@ __device__ __forceinline__ uint64_t fifo_push(const FifoDeviceHandle& h, const T
   uint64_t head = *reinterpret_cast<volatile unsigned long long*>(h.head_cache);
   if (idx - head >= h.capacity) {
     const uint64_t start = fifo_now_ns();
-    for (uint32_t spin = 1;; ++spin) {
-      // One PCIe read per round; abort and the clock (another PCIe read, for abort) every 16th.
-      head = fifo_load_head(h.head);
-      if (idx - head < h.capacity) {
+    for (uint32_t spin = 0;; ++spin) {
+      // A full ring has up to (warps on the channel) waiters: each re-reads the host head over
+      // PCIe only every 8th round and otherwise the device-resident cache, which any waiter's
+      // read refreshes. That cuts the PCIe reads of the head line, which the consumer's stores
+      // also need, ~8x. Abort (a PCIe read) and the clock are checked every 16th round.
+      if ((spin & 7u) == 0) {
+        head = fifo_load_head(h.head);
         atomicMax(h.head_cache, static_cast<unsigned long long>(head));
-        break;
+      } else {
+        head = *reinterpret_cast<volatile unsigned long long*>(h.head_cache);
       }
-      if ((spin & 15u) == 0) {
+      if (idx - head < h.capacity) break;
+      if ((spin & 15u) == 15u) {
         if (*reinterpret_cast<const volatile uint32_t*>(h.abort)) {
           fifo_record_error(h, kFifoAborted, idx);
           return kFifoPushFailed;
