@@ -277,6 +277,7 @@ void bind_proxy(py::module_& m) {
              o.max_delay_us = max_delay_us;
              o.inbox_capacity = inbox_capacity;
              o.copy_timeout_ms = copy_timeout_ms;
+             o.peer_access = Env::load().ipc_peer_access;
              o.gpu = hooks_or_null();
              return std::make_unique<IpcTransport>(s, o, shm_name);
            }),

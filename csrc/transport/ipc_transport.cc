@@ -334,7 +334,8 @@ void IpcTransport::connect(const std::vector<std::string>& infos) {
     const Peer& p = *peers_[r];
     if (!p.region_gpu && setup_.region.gpu_device < 0) continue;
     devices.push_back(setup_.region.gpu_device >= 0 ? setup_.region.gpu_device : p.gpu_device);
-    if (setup_.region.gpu_device >= 0 && p.region_gpu && !p.ipc_opened && p.gpu_device != setup_.region.gpu_device &&
+    if (options_.peer_access && setup_.region.gpu_device >= 0 && p.region_gpu && !p.ipc_opened &&
+        p.gpu_device != setup_.region.gpu_device &&
         !options_.gpu->enable_peer_access(setup_.region.gpu_device, p.gpu_device)) {
       UCCL_EP_LOG(kWarn, "ipc rank ", setup_.rank, ": GPU ", setup_.region.gpu_device, " cannot access GPU ",
                   p.gpu_device, " (rank ", r, ") peer-to-peer; copies are staged through host memory");

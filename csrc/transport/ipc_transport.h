@@ -28,6 +28,7 @@ struct IpcOptions {
   uint32_t max_held = 256;         // more held writes than this: execute the earliest at once
   uint32_t copy_queue_depth = 256;  // GPU copies in flight per proxy thread (and device)
   uint64_t copy_timeout_ms = 30000;  // a GPU copy pending longer: TransportError (keep < proxy timeout)
+  bool peer_access = true;          // enable P2P to same-process GPU peers (UCCL_EP_IPC_PEER_ACCESS)
   const GpuHooks* gpu = nullptr;   // required when the region is GPU memory
 };
 

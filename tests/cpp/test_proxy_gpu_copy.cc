@@ -128,6 +128,7 @@ struct Shape {
   uint64_t copy_timeout_ms = 10000;
   uint64_t timeout_ms = 20000;
   Ordering ordering = Ordering::kReceiver;
+  bool peer_access = true;
 };
 
 // Ranks of one process, "GPU" r each (host memory), connected through the ipc transport.
@@ -161,6 +162,7 @@ struct GpuWorld {
       o.seed = s.seed;
       o.copy_queue_depth = s.copy_queue_depth;
       o.copy_timeout_ms = s.copy_timeout_ms;
+      o.peer_access = s.peer_access;
       o.gpu = fake_hooks();
       transports.push_back(std::make_unique<IpcTransport>(t, o));
       infos.push_back(transports.back()->local_info());
@@ -388,6 +390,18 @@ TEST(GpuCopyQueue, StalledCopyIsReportedNotHung) {
     EXPECT_NE(msg.find("ipc rank 0 thread 0"), std::string::npos) << msg;
   }
   FakeGpu::stall = false;  // let teardown drain
+}
+
+// UCCL_EP_IPC_PEER_ACCESS=0: no P2P enabling (the driver stages copies), everything else alike.
+TEST(GpuCopyQueue, PeerAccessCanBeLeftOff) {
+  Shape s;
+  s.channels = 2;
+  s.threads = 2;
+  s.peer_access = false;
+  FakeGpu::reset(0, false);
+  GpuWorld w(s);
+  EXPECT_EQ(FakeGpu::peer_enables.load(), 0);
+  EXPECT_EQ(FakeGpu::queues_created.load(), static_cast<int>(s.world * s.threads));
 }
 
 TEST(GpuCopyQueue, RejectsBadOptions) {
