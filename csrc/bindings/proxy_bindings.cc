@@ -421,14 +421,15 @@ void bind_proxy(py::module_& m) {
   m.def(
       "fifo_bench",
       [](int device, uint32_t channels, uint32_t threads, uint32_t blocks, uint32_t warps_per_block,
-         uint32_t cmds_per_warp, uint32_t capacity, uint32_t latency_iters, uint64_t timeout_ms) {
+         uint32_t cmds_per_warp, uint32_t capacity, uint32_t latency_iters, uint64_t timeout_ms,
+         uint32_t poll_backoff_ns) {
         gpu::FifoBenchResult r;
         {
           // Release the GIL only around the bench: the dict below is built with it held again
           // (creating Python objects without the GIL segfaulted the device run, rc 139).
           py::gil_scoped_release nogil;
           r = gpu::run_fifo_bench(device, channels, threads, blocks, warps_per_block, cmds_per_warp, capacity,
-                                  latency_iters, timeout_ms);
+                                  latency_iters, timeout_ms, poll_backoff_ns);
         }
         py::dict d;
         d["commands"] = r.commands;
@@ -442,6 +443,7 @@ void bind_proxy(py::module_& m) {
       },
       py::arg("device"), py::arg("channels"), py::arg("threads"), py::arg("blocks"), py::arg("warps_per_block"),
       py::arg("cmds_per_warp"), py::arg("capacity"), py::arg("latency_iters"), py::arg("timeout_ms"),
+      py::arg("poll_backoff_ns") = 0,
       "GPU->CPU command rate and push->pop latency of the FIFO (releases the GIL while it runs).");
 #endif
 }

@@ -268,7 +268,7 @@ void launch_traffic_kernel(const std::vector<FifoDeviceHandle>& handles, uint32_
 
 FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, uint32_t blocks,
                                uint32_t warps_per_block, uint32_t cmds_per_warp, uint32_t capacity,
-                               uint32_t latency_iters, uint64_t timeout_ms) {
+                               uint32_t latency_iters, uint64_t timeout_ms, uint32_t poll_backoff_ns) {
   UCCL_EP_CHECK_ARG(channels >= 1 && threads >= 1 && threads <= channels, "bench fifo: channels=", channels,
                     " threads=", threads, " (need 1 <= threads <= channels)");
   GPU_CHECK(gpuSetDevice(device));
@@ -297,15 +297,25 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
   auto consume = [&](uint32_t t, uint64_t expect) {
     pin_to_cpus(numa_cpus);
     std::vector<uint32_t> next(warps, 0);
+    // Per channel: no poll before this time (poll_backoff_ns after the channel was found empty).
+    // Every read of the line the GPU is still writing makes its next write to that line snoop
+    // this core: a consumer that sits at the write frontier slows the GPU's whole posted-write
+    // stream. The flag measures how much backing off from the frontier is worth.
+    using BenchClock = std::chrono::steady_clock;
+    std::vector<BenchClock::time_point> not_before(channels);
+    const auto backoff = std::chrono::nanoseconds(poll_backoff_ns);
     uint64_t got = 0;
     uint32_t spins = 0;
     TransferCmd cmd;
     while (got < expect && !stop.load(std::memory_order_relaxed)) {
       bool any = false;
+      const auto now = poll_backoff_ns ? BenchClock::now() : BenchClock::time_point{};
       for (uint32_t c = t; c < channels; c += threads) {
         FifoChannel& f = *fifos[c];
+        if (poll_backoff_ns && now < not_before[c]) continue;
         // As the proxy does: up to kBatch commands per visit, head published once per visit.
-        for (uint32_t n = 0; n < kBatch && f.poll(&cmd); ++n) {
+        uint32_t n = 0;
+        for (; n < kBatch && f.poll(&cmd); ++n) {
           uint32_t w = cmd.dst_rank();
           if (w >= warps || w % channels != c || cmd.length() != next[w]) {
             errors.fetch_add(1);
@@ -317,6 +327,7 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
           any = true;
         }
         f.publish();
+        if (poll_backoff_ns && n < kBatch) not_before[c] = now + backoff;
       }
       // Nothing anywhere: do not re-read the lines the GPU is writing right away.
       if (!any) cpu_relax();

@@ -54,9 +54,11 @@ struct FifoBenchResult {
 };
 
 // Throughput: `threads` CPU consumers (channel c served by thread c % threads, pinned to the GPU's
-// NUMA node) drain the push kernel's commands. Latency: one thread pushes and waits for each pop.
+// NUMA node) drain the push kernel's commands; a channel found empty (or drained below a full
+// batch) is not polled again for poll_backoff_ns (0: at once). Latency: one thread pushes and
+// waits for each pop.
 FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, uint32_t blocks,
                                uint32_t warps_per_block, uint32_t cmds_per_warp, uint32_t capacity,
-                               uint32_t latency_iters, uint64_t timeout_ms);
+                               uint32_t latency_iters, uint64_t timeout_ms, uint32_t poll_backoff_ns = 0);
 
 }  // namespace uccl_ep::gpu

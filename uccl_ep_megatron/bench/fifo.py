@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--capacity", type=int, default=1024, help="slots per channel (kMaxInflight)"
     )
     parser.add_argument("--latency-iters", type=int, default=2000, help="ping-pong samples")
+    parser.add_argument(
+        "--poll-backoff-ns",
+        type=int,
+        default=0,
+        help="throughput consumers skip a channel this long after finding it drained (0: never)",
+    )
     parser.add_argument("--timeout-ms", type=int, default=60000, help="bound of every wait")
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
 
@@ -72,6 +78,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise InvalidInputError(
             f"--threads={args.threads!r} must be comma-separated integers"
         ) from None
+    if not 0 <= args.poll_backoff_ns < 2**32:
+        raise InvalidInputError(f"--poll-backoff-ns={args.poll_backoff_ns} must be in [0, 2^32)")
     if not threads or min(threads) < 1:
         raise InvalidInputError(f"--threads={args.threads!r} must list positive counts")
     channels = args.channels or 2 * max(threads)
@@ -89,6 +97,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             args.capacity,
             args.latency_iters,
             args.timeout_ms,
+            args.poll_backoff_ns,
         )
         lat_us = [x / 1e3 for x in r["latency_ns"]]
         read_us = [x / 1e3 for x in r.get("host_read_ns", [])]
