@@ -47,11 +47,29 @@ char* allocation_base(void* ptr, size_t* size) {
 #endif
 }
 
+// Makes `device` current and restores the caller's device: connect-time hooks run on the user's
+// thread, whose current device (PyTorch's too) must not change under it.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (gpuGetDevice(&prev_) != gpuSuccess) prev_ = -1;
+    GPU_CHECK(gpuSetDevice(device));
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) (void)gpuSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = -1;
+};
+
 std::mutex g_mu;
 std::map<void*, void*> g_open_base;  // pointer returned by ipc_open -> mapped base
 
 std::string hook_ipc_handle(void* ptr, int device) {
-  GPU_CHECK(gpuSetDevice(device));
+  DeviceGuard guard(device);
   char* base = allocation_base(ptr, nullptr);
   gpuIpcMemHandle_t h;
   GPU_CHECK(gpuIpcGetMemHandle(&h, base));
@@ -68,7 +86,7 @@ void* hook_ipc_open(const std::string& handle, int device) {
   uint64_t offset;
   std::memcpy(&h, handle.data(), sizeof(h));
   std::memcpy(&offset, handle.data() + sizeof(h), sizeof(offset));
-  GPU_CHECK(gpuSetDevice(device));
+  DeviceGuard guard(device);
   void* base = nullptr;
   GPU_CHECK(gpuIpcOpenMemHandle(&base, h, gpuIpcMemLazyEnablePeerAccess));
   void* p = static_cast<char*>(base) + offset;
@@ -104,7 +122,7 @@ struct CopyQueue {
 
 void* hook_copy_queue_create(int device, uint32_t depth) {
   UCCL_EP_CHECK_ARG(depth >= 1, "copy queue depth must be >= 1");
-  GPU_CHECK(gpuSetDevice(device));
+  DeviceGuard guard(device);
   auto q = std::make_unique<CopyQueue>();
   q->device = device;
 #if defined(UCCL_EP_DEVICE_HIP)
@@ -127,6 +145,8 @@ void hook_copy_queue_destroy(void* queue) {
   std::unique_ptr<CopyQueue> q(static_cast<CopyQueue*>(queue));
   if (!q) return;
   // Teardown: report nothing if the context is already gone.
+  int prev = -1;
+  if (gpuGetDevice(&prev) != gpuSuccess) prev = -1;
   (void)gpuSetDevice(q->device);
   (void)gpuStreamSynchronize(q->stream);
   for (auto& e : q->events) {
@@ -141,6 +161,7 @@ void hook_copy_queue_destroy(void* queue) {
 #else
   (void)cudaStreamDestroy(q->stream);
 #endif
+  if (prev >= 0) (void)gpuSetDevice(prev);
 }
 
 uint64_t hook_copy_submit(void* queue, void* dst, const void* src, size_t bytes) {
@@ -183,7 +204,7 @@ bool hook_enable_peer_access(int device, int peer_device) {
   GPU_CHECK(cudaDeviceCanAccessPeer(&can, device, peer_device));
 #endif
   if (!can) return false;
-  GPU_CHECK(gpuSetDevice(device));
+  DeviceGuard guard(device);
 #if defined(UCCL_EP_DEVICE_HIP)
   hipError_t r = hipDeviceEnablePeerAccess(peer_device, 0);
   if (r == hipErrorPeerAccessAlreadyEnabled) {
