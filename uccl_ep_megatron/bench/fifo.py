@@ -3,8 +3,11 @@
 Throughput: a kernel of ``--blocks x --warps-per-block`` warps; lane 0 of each warp pushes
 ``--cmds-per-warp`` 16-byte TransferCmds into channel ``warp % channels``; ``threads`` CPU
 threads (the proxy's FIFO consumers, pinned to the GPU's NUMA node; channel c -> thread
-c % threads) poll and pop them and check exactly-once, per-producer order. Rate = commands /
-(host time from launch to the last pop).
+c % threads) poll and pop them (up to 32 per channel visit, head published once per visit, as
+the proxy does) and check exactly-once, per-producer order. Rate = commands / (host time from
+launch to the last pop). A consumer that drained a channel leaves it alone for
+``--poll-backoff-ns`` (0: polls at once): each re-read of the line the GPU is still writing makes
+the GPU's next write to that line snoop the CPU, which stalls the GPU's ordered posted writes.
 
 Latency: one GPU thread pushes a command and spins until it observes the pop (re-reading the
 host-resident head over PCIe); the GPU's %globaltimer measures push -> pop visible on the GPU, a
@@ -45,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--poll-backoff-ns",
         type=int,
-        default=0,
+        default=1000,
         help="throughput consumers skip a channel this long after finding it drained (0: never)",
     )
     parser.add_argument("--timeout-ms", type=int, default=60000, help="bound of every wait")
