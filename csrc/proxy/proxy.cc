@@ -44,6 +44,9 @@ const char* ordering_name(Ordering o) {
 struct Proxy::ThreadStats {
   std::atomic<uint64_t> commands{0}, writes_posted{0}, bytes_posted{0}, atomics_posted{0}, barriers{0}, drains{0},
       writes_received{0}, atomics_applied{0}, held_out_of_order{0};
+  // Passes of the thread's loop (its heartbeat for the watchdog in check()); own cache line, as
+  // check() reads it from another thread while the proxy thread bumps it every pass.
+  alignas(64) std::atomic<uint64_t> passes{0};
 };
 
 namespace {
@@ -505,6 +508,11 @@ void Proxy::start() {
   stats_.clear();
   for (uint32_t t = 0; t < options_.num_threads; ++t) stats_.push_back(std::make_unique<ThreadStats>());
   for (auto* ch : channels_) ch->set_abort(false);
+  {
+    std::lock_guard<std::mutex> lock(watch_mu_);
+    watch_passes_.assign(options_.num_threads, 0);
+    watch_since_.assign(options_.num_threads, std::chrono::steady_clock::now());
+  }
   running_ = true;
   for (uint32_t t = 0; t < options_.num_threads; ++t) threads_.emplace_back([this, t] { thread_main(t); });
 }
@@ -527,13 +535,37 @@ void Proxy::record_failure(std::exception_ptr e) {
   stop_ = true;
 }
 
-void Proxy::check() const {
+void Proxy::check() {
   std::exception_ptr e;
   {
     std::lock_guard<std::mutex> lock(error_mu_);
     e = error_;
   }
   if (e) std::rethrow_exception(e);
+  if (!running_ || stop_.load()) return;
+  // Watchdog: a proxy thread blocked inside a call cannot time out by itself.
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  const auto now = std::chrono::steady_clock::now();
+  for (uint32_t t = 0; t < stats_.size() && t < watch_passes_.size(); ++t) {
+    const uint64_t passes = stats_[t]->passes.load(std::memory_order_relaxed);
+    if (passes != watch_passes_[t]) {
+      watch_passes_[t] = passes;
+      watch_since_[t] = now;
+      continue;
+    }
+    const auto stuck_ms = std::chrono::duration_cast<std::chrono::milliseconds>(now - watch_since_[t]).count();
+    if (static_cast<uint64_t>(stuck_ms) <= options_.timeout_ms) continue;
+    try {
+      UCCL_EP_THROW(TimeoutError, "proxy rank ", options_.rank, " thread ", t, " (ueproxy", options_.rank, "t", t,
+                    ") has not come back from a call into transport '", transport_->name(), "' for ", stuck_ms,
+                    " ms (after ", passes, " passes): it is blocked, e.g. in a CUDA call that waits for kernels ",
+                    "which wait for this proxy; its channels (c % ", options_.num_threads, " == ", t,
+                    ") stopped moving");
+    } catch (...) {
+      record_failure(std::current_exception());
+      throw;
+    }
+  }
 }
 
 ProxyStats Proxy::stats() const {
@@ -566,8 +598,11 @@ void Proxy::thread_main(uint32_t thread) {
   try {
     Worker w(options_, thread, channels_, *transport_, counters_, num_counters_, *stats_[thread]);
     uint32_t idle = 0;
+    std::atomic<uint64_t>& passes = stats_[thread]->passes;
     while (!stop_.load(std::memory_order_relaxed)) {
-      if (w.run_once()) {
+      const bool moved = w.run_once();
+      passes.store(passes.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+      if (moved) {
         idle = 0;
       } else if (++idle < 64) {
         UCCL_EP_CPU_RELAX();

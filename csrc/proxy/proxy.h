@@ -9,6 +9,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -73,8 +74,10 @@ class Proxy {
   void stop();
   bool running() const { return running_; }
   // Re-raises the first failure of a proxy thread (same exception class, message names the rank,
-  // channel and peer).
-  void check() const;
+  // channel and peer). Also the watchdog: a thread that has not finished a pass of its loop for
+  // timeout_ms (blocked inside a transport call, e.g. a CUDA call that waits for kernels which
+  // wait for this proxy) becomes a TimeoutError naming it, and the producers are released.
+  void check();
   ProxyStats stats() const;
   const ProxyOptions& options() const { return options_; }
 
@@ -95,6 +98,10 @@ class Proxy {
   std::vector<std::unique_ptr<ThreadStats>> stats_;
   mutable std::mutex error_mu_;
   std::exception_ptr error_;
+  // Watchdog state of check(): each thread's pass count when it last changed, and since when.
+  std::mutex watch_mu_;
+  std::vector<uint64_t> watch_passes_;
+  std::vector<std::chrono::steady_clock::time_point> watch_since_;
 };
 
 // CPUs of the NUMA node a PCI device (e.g. "0000:3b:00.0") sits on; empty when unknown.

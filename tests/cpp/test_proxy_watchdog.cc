@@ -1,0 +1,150 @@
+// The proxy's watchdog: a proxy thread blocked inside a transport call (the device failure of
+// test_two_gpu_ipc_traffic[8-8-reorder] had every proxy thread inside a CUDA copy while the
+// kernels waited for them: no proxy timeout could fire, the kernels gave up after 41 s with
+// "the proxy thread owning this channel stalled") is reported by Proxy::check() as a
+// TimeoutError naming the thread, and the producers waiting on its channels are released.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/errors.h"
+#include "fifo/cmd_builder.h"
+#include "fifo/fifo.h"
+#include "proxy/proxy.h"
+#include "transport/ipc_transport.h"
+
+namespace uccl_ep {
+namespace {
+
+// Wraps an ipc transport; once armed, the first post_write of the endpoint blocks until released
+// (a copy call that never returns while the kernels spin).
+class BlockingTransport : public Transport {
+ public:
+  explicit BlockingTransport(std::unique_ptr<IpcTransport> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return "blocking-" + inner_->name(); }
+  bool ordered() const override { return inner_->ordered(); }
+  std::string local_info() const override { return inner_->local_info(); }
+  void connect(const std::vector<std::string>& infos) override { inner_->connect(infos); }
+  uint64_t peer_region_bytes(uint32_t peer) const override { return inner_->peer_region_bytes(peer); }
+  Endpoint& endpoint(uint32_t thread) override {
+    if (!ep_) ep_ = std::make_unique<Ep>(inner_->endpoint(thread), *this);
+    return *ep_;
+  }
+  void release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_ = true;
+    cv_.notify_all();
+  }
+  std::atomic<bool> blocked{false};
+
+ private:
+  class Ep : public Endpoint {
+   public:
+    Ep(Endpoint& inner, BlockingTransport& t) : inner_(inner), t_(t) {}
+    void post_write(uint32_t peer, uint32_t channel, uint64_t src, uint64_t dst, uint32_t len, uint32_t imm,
+                    uint64_t wr_id) override {
+      {
+        std::unique_lock<std::mutex> lock(t_.mu_);
+        t_.blocked = true;
+        t_.cv_.wait(lock, [&] { return t_.released_; });
+      }
+      inner_.post_write(peer, channel, src, dst, len, imm, wr_id);
+    }
+    int poll(Completion* out, int max) override { return inner_.poll(out, max); }
+
+   private:
+    Endpoint& inner_;
+    BlockingTransport& t_;
+  };
+  std::unique_ptr<IpcTransport> inner_;
+  std::unique_ptr<Ep> ep_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;
+};
+
+TEST(ProxyWatchdog, ThreadBlockedInTransportIsReportedAndProducersReleased) {
+  std::vector<std::vector<uint8_t>> regions(2, std::vector<uint8_t>(4096));
+  std::vector<std::unique_ptr<FifoChannel>> fifos;
+  std::vector<std::unique_ptr<Transport>> transports;
+  std::vector<std::string> infos;
+  BlockingTransport* blocking = nullptr;
+  for (uint32_t r = 0; r < 2; ++r) {
+    fifos.push_back(FifoChannel::create_host(0, 64, 60000));
+    TransportSetup s;
+    s.rank = r;
+    s.world_size = 2;
+    s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
+    auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
+    infos.push_back(ipc->local_info());
+    if (r == 0) {
+      auto b = std::make_unique<BlockingTransport>(std::move(ipc));
+      blocking = b.get();
+      transports.push_back(std::move(b));
+    } else {
+      transports.push_back(std::move(ipc));
+    }
+  }
+  std::vector<int64_t> counters(8, 0);
+  std::vector<std::unique_ptr<Proxy>> proxies;
+  for (uint32_t r = 0; r < 2; ++r) {
+    transports[r]->connect(infos);
+    ProxyOptions o;
+    o.rank = r;
+    o.world_size = 2;
+    o.num_threads = 1;
+    o.timeout_ms = 300;
+    proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
+                                              counters.data() + 4 * r, 4));
+    proxies.back()->start();
+  }
+  // A healthy proxy passes check() for longer than its timeout (the watchdog is quiet).
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(700)) {
+    for (auto& p : proxies) EXPECT_NO_THROW(p->check());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  // Rank 0's thread now blocks inside post_write; its producer waits on a drain.
+  std::atomic<bool> released_with_error{false};
+  std::thread producer([&] {
+    FifoChannel& f = *fifos[0];
+    f.push(build_write(1, 0, 0, 64));
+    try {
+      f.wait_completion(f.push(make_drain_all()));
+    } catch (const TimeoutError&) {
+      released_with_error = true;
+    }
+  });
+  std::string msg;
+  const auto t1 = std::chrono::steady_clock::now();
+  while (msg.empty() && std::chrono::steady_clock::now() - t1 < std::chrono::seconds(10)) {
+    try {
+      proxies[0]->check();
+    } catch (const TimeoutError& e) {
+      msg = e.what();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(blocking->blocked.load());
+  ASSERT_FALSE(msg.empty()) << "the blocked proxy thread was never reported";
+  EXPECT_NE(msg.find("proxy rank 0 thread 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("has not come back from a call into transport 'blocking-ipc'"), std::string::npos) << msg;
+  // The error sticks, and the producer was released by the abort instead of waiting 60 s.
+  EXPECT_THROW(proxies[0]->check(), TimeoutError);
+  producer.join();
+  EXPECT_TRUE(released_with_error.load());
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t1);
+  EXPECT_LT(waited.count(), 5000);
+  blocking->release();  // let the thread return so stop() can join it
+  for (auto& p : proxies) p->stop();
+}
+
+}  // namespace
+}  // namespace uccl_ep
