@@ -439,6 +439,8 @@ void bind_proxy(py::module_& m) {
         d["latency_ns"] = r.latency_ns;
         d["push_ns"] = r.push_ns;
         d["host_read_ns"] = r.host_read_ns;
+        d["push_to_poll_max_ns"] = r.push_to_poll_max_ns;
+        d["clock_read_ns"] = r.clock_read_ns;
         return d;
       },
       py::arg("device"), py::arg("channels"), py::arg("threads"), py::arg("blocks"), py::arg("warps_per_block"),

@@ -68,16 +68,33 @@ __global__ void push_kernel(const HandleArray handles, uint32_t num_channels, ui
   }
 }
 
-// out_ns[i]: push -> completion seen; out_ns[iters + i]: until fifo_push returned (the system-scope
-// release store was issued: the GPU-side part of the round trip).
-__global__ void latency_kernel(FifoDeviceHandle h, uint32_t iters, uint64_t* out_ns) {
+// Stops the thread until the load that produced v returned (a load only blocks at its first use).
+__device__ __forceinline__ void consume_u64(uint64_t v) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  if (v == kFifoPushFailed) __builtin_trap();
+#else
+  asm volatile("{\n .reg .pred p;\n setp.eq.u64 p, %0, -1;\n @p trap;\n}" ::"l"(v) : "memory");
+#endif
+}
+
+// Per iteration i: out_ns[i] push -> completion seen (GPU clock); out_ns[iters + i] until fifo_push
+// returned (the system-scope release store was issued); out_ns[2 * iters + i] the consumer's clock
+// read from host memory just before the push (host clock); out_ns[3 * iters + i] that read's round
+// trip (GPU clock). The clock value was sampled in host memory before the push began and at most
+// one read round trip before it: see FifoBenchResult::clock_ns.
+__global__ void latency_kernel(FifoDeviceHandle h, const uint64_t* host_clock, uint32_t iters, uint64_t* out_ns) {
   for (uint32_t i = 0; i < iters; ++i) {
-    uint64_t t0 = fifo_now_ns();
+    const uint64_t r0 = fifo_now_ns();
+    const uint64_t clock = fifo_load_head(host_clock);
+    consume_u64(clock);
+    const uint64_t t0 = fifo_now_ns();
     uint64_t idx = fifo_push(h, make_write(0, 0, 0, i));
     uint64_t t1 = fifo_now_ns();
     if (idx == kFifoPushFailed || !fifo_wait_completion(h, idx)) return;
     out_ns[i] = fifo_now_ns() - t0;
     out_ns[iters + i] = t1 - t0;
+    out_ns[2 * iters + i] = clock;
+    out_ns[3 * iters + i] = t0 - r0;
   }
 }
 
@@ -86,13 +103,7 @@ __global__ void latency_kernel(FifoDeviceHandle h, uint32_t iters, uint64_t* out
 __global__ void host_read_kernel(FifoDeviceHandle h, uint32_t iters, uint64_t* out_ns) {
   for (uint32_t i = 0; i < iters; ++i) {
     uint64_t t0 = fifo_now_ns();
-    uint64_t v = fifo_load_head(h.head);
-    // Consume v before reading the clock again (a load only blocks at its first use).
-#if defined(UCCL_EP_DEVICE_HIP)
-    if (v == kFifoPushFailed) __builtin_trap();
-#else
-    asm volatile("{\n .reg .pred p;\n setp.eq.u64 p, %0, -1;\n @p trap;\n}" ::"l"(v) : "memory");
-#endif
+    consume_u64(fifo_load_head(h.head));
     out_ns[i] = fifo_now_ns() - t0;
   }
 }
@@ -372,8 +383,19 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
   // ---- latency: one pushing thread, one consumer, one command in flight ----
   if (latency_iters > 0) {
     uint64_t* d_ns = nullptr;
-    GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&d_ns), 2 * latency_iters * sizeof(uint64_t)));
-    GPU_CHECK(gpuMemsetAsync(d_ns, 0, 2 * latency_iters * sizeof(uint64_t), s));
+    const size_t ns_bytes = 4 * size_t{latency_iters} * sizeof(uint64_t);
+    GPU_CHECK(gpuMalloc(reinterpret_cast<void**>(&d_ns), ns_bytes));
+    GPU_CHECK(gpuMemsetAsync(d_ns, 0, ns_bytes, s));
+    // The consumer's clock, on its own line in mapped host memory: rewritten on every empty poll.
+    MappedHost clock_word = alloc_mapped(128);
+    auto* clock_host = static_cast<uint64_t*>(clock_word.host);
+    const auto host_now_ns = [] {
+      return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                       std::chrono::steady_clock::now().time_since_epoch())
+                                       .count());
+    };
+    __atomic_store_n(clock_host, host_now_ns(), __ATOMIC_RELEASE);
+    std::vector<uint64_t> poll_ns(latency_iters, 0);
     {
       ConsumerGroup consumer(stop, fifos, s);
       // Fresh channel 0 state: the consumer continues from its current head.
@@ -385,15 +407,19 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
         uint32_t spins = 0;
         while (got < latency_iters && !stop.load(std::memory_order_relaxed)) {
           if (f.poll(&cmd)) {
+            poll_ns[got] = host_now_ns();
             f.pop();
             ++got;
-          } else if ((++spins & 0xFFFF) == 0 && std::chrono::steady_clock::now() > deadline) {
-            timed_out = true;
-            return;
+          } else {
+            __atomic_store_n(clock_host, host_now_ns(), __ATOMIC_RELAXED);
+            if ((++spins & 0xFFFF) == 0 && std::chrono::steady_clock::now() > deadline) {
+              timed_out = true;
+              return;
+            }
           }
         }
       });
-      latency_kernel<<<1, 1, 0, s>>>(handles[0], latency_iters, d_ns);
+      latency_kernel<<<1, 1, 0, s>>>(handles[0], static_cast<const uint64_t*>(clock_word.dev), latency_iters, d_ns);
       GPU_CHECK(gpuGetLastError());
       consumer.join();
     }
@@ -409,6 +435,22 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
     res.push_ns.resize(latency_iters);
     GPU_CHECK(gpuMemcpy(res.push_ns.data(), d_ns + latency_iters, latency_iters * sizeof(uint64_t),
                         gpuMemcpyDeviceToHost));
+    std::vector<uint64_t> clock_at_push(latency_iters);
+    GPU_CHECK(gpuMemcpy(clock_at_push.data(), d_ns + 2 * latency_iters, latency_iters * sizeof(uint64_t),
+                        gpuMemcpyDeviceToHost));
+    res.clock_read_ns.resize(latency_iters);
+    GPU_CHECK(gpuMemcpy(res.clock_read_ns.data(), d_ns + 3 * latency_iters, latency_iters * sizeof(uint64_t),
+                        gpuMemcpyDeviceToHost));
+    free_mapped(clock_word.host);
+    res.push_to_poll_max_ns.resize(latency_iters);
+    for (uint32_t i = 0; i < latency_iters; ++i) {
+      // Both on the host clock; the value was written before the push began, so this is >= 0.
+      if (poll_ns[i] < clock_at_push[i]) {
+        UCCL_EP_THROW(Error, "bench fifo: sample ", i, " was polled at ", poll_ns[i],
+                      " ns, before the clock value ", clock_at_push[i], " ns its push read");
+      }
+      res.push_to_poll_max_ns[i] = poll_ns[i] - clock_at_push[i];
+    }
     host_read_kernel<<<1, 1, 0, s>>>(handles[0], latency_iters, d_ns);
     GPU_CHECK(gpuGetLastError());
     GPU_CHECK(gpuStreamSynchronize(s));

@@ -51,6 +51,13 @@ struct FifoBenchResult {
   std::vector<uint64_t> latency_ns;  // push -> completion visible to the pushing thread
   std::vector<uint64_t> push_ns;       // until fifo_push returned (atomic, fence, slot store issued)
   std::vector<uint64_t> host_read_ns;  // one GPU read of the host-resident head (the return leg's floor)
+  // One-way push -> poll on the host clock alone. Before each push the GPU reads a host word that
+  // the consumer rewrites with its clock while it polls; the consumer stamps the poll that finds
+  // the command. The value was written before the read sampled it, and the push began after the
+  // read returned, so poll - value is an upper bound of push -> poll (by the read's return leg);
+  // minus the read's round trip (clock_read_ns, GPU clock) it is a lower bound.
+  std::vector<uint64_t> push_to_poll_max_ns;
+  std::vector<uint64_t> clock_read_ns;
 };
 
 // Throughput: `threads` CPU consumers (channel c served by thread c % threads, pinned to the GPU's

@@ -169,6 +169,13 @@ def test_push_kernel_exactly_once_in_order(channels, threads):
     assert len(r["push_ns"]) == 100
     assert all(0 <= p < t for p, t in zip(r["push_ns"], r["latency_ns"], strict=True))
     assert len(r["host_read_ns"]) == 100 and min(r["host_read_ns"]) > 0
+    # One-way push -> poll on the host clock: positive, and (the poll comes before the pop, the
+    # clock value was read at most one read before the push) within the round trip plus that
+    # read. Compared at the median: a consumer preempted mid-sample leaves a stale clock value.
+    hi, rd = r["push_to_poll_max_ns"], r["clock_read_ns"]
+    assert len(hi) == len(rd) == 100 and min(hi) > 0 and min(rd) > 0
+    bound = sorted(t + c for t, c in zip(r["latency_ns"], rd, strict=True))
+    assert sorted(hi)[50] <= bound[50] + 500, (sorted(hi)[50], bound[50])
 
 
 def test_small_ring_back_pressure():

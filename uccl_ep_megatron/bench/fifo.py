@@ -16,6 +16,12 @@ is the p50 of the push alone (until its release store was issued). ``read us``
 is the p50 of one GPU read of that head with nothing changing it: the floor of the return leg.
 The read that sees the pop reached host memory after the pop, about half a read before it
 returned, so push -> poll is about ``p50 us - read us / 2`` or less.
+
+One-way push -> poll, on the host clock alone: while it polls, the consumer keeps writing its
+clock into a mapped host word; the GPU reads that word just before each push, and the consumer
+stamps the poll that finds the command. The value read was written before the push began, so
+``poll - value`` is an upper bound of push -> poll (``poll hi us``, p50), too large by the read's
+return leg; minus the read's round trip (GPU clock) it is a lower bound (``poll lo us``, p50).
 """
 
 from __future__ import annotations
@@ -88,6 +94,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     channels = args.channels or 2 * max(threads)
     if channels < max(threads):
         raise InvalidInputError(f"--channels={channels} must be >= every thread count {threads}")
+    nan = float("nan")
     rows = []
     for t in threads:
         r = _C.fifo_bench(
@@ -105,6 +112,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         lat_us = [x / 1e3 for x in r["latency_ns"]]
         read_us = [x / 1e3 for x in r.get("host_read_ns", [])]
         push_us = [x / 1e3 for x in r.get("push_ns", [])]
+        hi_ns, read_ns = r["push_to_poll_max_ns"], r["clock_read_ns"]
+        poll_hi_us = [x / 1e3 for x in hi_ns]
+        poll_lo_us = [(hi - rd) / 1e3 for hi, rd in zip(hi_ns, read_ns, strict=True)]
         rows.append(
             {
                 "threads": t,
@@ -119,6 +129,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "latency_mean_us": statistics.fmean(lat_us) if lat_us else float("nan"),
                 "host_read_p50_us": _percentile(read_us, 0.5) if read_us else float("nan"),
                 "push_p50_us": _percentile(push_us, 0.5) if push_us else float("nan"),
+                "push_to_poll_hi_p50_us": _percentile(poll_hi_us, 0.5) if poll_hi_us else nan,
+                "push_to_poll_hi_p99_us": _percentile(poll_hi_us, 0.99) if poll_hi_us else nan,
+                "push_to_poll_lo_p50_us": _percentile(poll_lo_us, 0.5) if poll_lo_us else nan,
             }
         )
     return rows
@@ -128,13 +141,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per thread count."""
     print(
         f"{'threads':>7} {'channels':>8} {'warps':>6} {'Mcmd/s':>8} {'kernel Mcmd/s':>13} "
-        f"{'p50 us':>7} {'p99 us':>7} {'push us':>7} {'read us':>7} {'order errs':>10}"
+        f"{'p50 us':>7} {'p99 us':>7} {'push us':>7} {'read us':>7} {'poll hi us':>10} "
+        f"{'poll lo us':>10} {'order errs':>10}"
     )
     for r in rows:
         print(
             f"{r['threads']:>7} {r['channels']:>8} {r['warps']:>6} {r['mcmds_per_s']:>8.2f} "
             f"{r['kernel_mcmds_per_s']:>13.2f} {r['latency_p50_us']:>7.2f} "
             f"{r['latency_p99_us']:>7.2f} {r['push_p50_us']:>7.2f} {r['host_read_p50_us']:>7.2f} "
+            f"{r['push_to_poll_hi_p50_us']:>10.2f} {r['push_to_poll_lo_p50_us']:>10.2f} "
             f"{r['order_errors']:>10}"
         )
 
