@@ -41,7 +41,7 @@ from uccl_ep_megatron.backends.base import (
     expert_id_bounds,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
-from uccl_ep_megatron.backends.kernels import KernelsBackend, launch_layout
+from uccl_ep_megatron.backends.kernels import KernelsBackend, launch_layout, prepare_combine
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import (
     BufferTooSmallError,
@@ -51,7 +51,6 @@ from uccl_ep_megatron.errors import (
     UnsupportedError,
 )
 
-_COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # NVLink buffer: barrier flags first (kernels/common.cuh uses its first 64 bytes), staging after.
 _NVL_STAGE_OFFSET = 4096
 # FIFO channels per GPU: ring channel c uses FIFO channel c % this; proxy threads <= this.
@@ -544,22 +543,10 @@ class InternodeBackend(Backend):
         topo = self.topology
         num_ranks = topo.num_ranks
         num_nodes, local_n = topo.num_nodes, topo.ranks_per_node
-        if x.dtype not in _COMBINE_DTYPES:
-            raise InvalidInputError(
-                f"combine: x.dtype={x.dtype}; the internode kernels combine bfloat16, float16 or "
-                "float32 rows"
-            )
-        if len(bias) > 2:
-            raise InvalidInputError(f"combine: {len(bias)} bias tensors; at most 2 are supported")
-        for i, b in enumerate(bias):
-            if b.dtype != x.dtype:
-                raise InvalidInputError(
-                    f"combine: bias[{i}].dtype={b.dtype} differs from x.dtype={x.dtype}; pass "
-                    f"bias.to({x.dtype})"
-                )
+        num_tokens = handle.is_token_in_rank.shape[0]
+        t = prepare_combine(x, topk_weights, bias, num_tokens, "the internode kernels backend")
+        x, hidden = t.x, t.x.shape[1]
         state: _State = handle.state
-        x = x.contiguous()
-        num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
         row_bytes = hidden * x.element_size()
         if row_bytes % 16:
             raise UnsupportedError(
@@ -593,21 +580,13 @@ class InternodeBackend(Backend):
             lists[m, :tm] = lm[0]
             counts[:, m] = cm_[:, 0]
 
-        weights = None
-        out_w = None
-        if topk_weights is not None:
-            weights = topk_weights.to(torch.float32).contiguous()
-            out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=dev)
-        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
-        biases = [b.contiguous() for b in bias]
-
         a = self._in.CombineArgs()
         a.common = self._common(config)
-        a.dtype = _COMBINE_DTYPES[x.dtype]
+        a.dtype = t.dtype_code
         a.hidden, a.num_topk, a.num_tokens, a.num_recv = hidden, num_topk, num_tokens, num_recv
         a.row_bytes = row_bytes
         a.x = x.data_ptr()
-        a.topk_weights = 0 if weights is None else weights.data_ptr()
+        a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
         a.plan = state.plan.data_ptr()
         a.plan_tokens = plan_tokens
         a.lists = lists.data_ptr()
@@ -615,10 +594,10 @@ class InternodeBackend(Backend):
         a.src_tokens = src_tokens
         a.dst_row = state.dst_row.data_ptr()
         a.stream_cum = cum.data_ptr()
-        a.bias0 = biases[0].data_ptr() if len(biases) > 0 else 0
-        a.bias1 = biases[1].data_ptr() if len(biases) > 1 else 0
-        a.out = out.data_ptr()
-        a.out_weights = 0 if out_w is None else out_w.data_ptr()
+        a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
+        a.bias1 = t.biases[1].data_ptr() if len(t.biases) > 1 else 0
+        a.out = t.out.data_ptr()
+        a.out_weights = 0 if t.out_weights is None else t.out_weights.data_ptr()
         a.stage_offset = _NVL_STAGE_OFFSET
         stream = self._stream()
         if local_n > 1:
@@ -630,7 +609,7 @@ class InternodeBackend(Backend):
         # Keep the index tables alive until the kernels ran (the caching allocator is
         # stream-ordered, so freeing them after the launch on this stream is safe).
         del lists, counts, cum
-        return out, out_w
+        return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
     def destroy(self) -> None:

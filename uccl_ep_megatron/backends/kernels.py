@@ -59,6 +59,54 @@ def _c():
     return _C
 
 
+@dataclass
+class CombineTensors:
+    """A GPU combine's inputs made ready for the kernels and its freshly allocated outputs."""
+
+    x: torch.Tensor  # contiguous
+    dtype_code: int  # the kernels' code of x.dtype
+    weights: torch.Tensor | None  # top-k weights as contiguous float32
+    biases: list[torch.Tensor]  # contiguous, x's dtype, at most 2
+    out: torch.Tensor  # [num_tokens, hidden], x's dtype
+    out_weights: torch.Tensor | None  # [num_tokens, num_topk] float32
+
+
+def prepare_combine(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    bias: tuple[torch.Tensor, ...],
+    num_tokens: int,
+    who: str,
+) -> CombineTensors:
+    """Checks a combine's dtypes (``who`` names the backend in errors) and allocates its outputs."""
+    if x.dtype not in _COMBINE_DTYPES:
+        raise InvalidInputError(
+            f"combine: x.dtype={x.dtype}; {who} combines bfloat16, float16 or float32 rows"
+        )
+    if len(bias) > 2:
+        raise InvalidInputError(f"combine: {len(bias)} bias tensors; at most 2 are supported")
+    for i, b in enumerate(bias):
+        if b.dtype != x.dtype:
+            raise InvalidInputError(
+                f"combine: bias[{i}].dtype={b.dtype} differs from x.dtype={x.dtype}; {who} adds "
+                f"bias in x's dtype: pass bias.to({x.dtype})"
+            )
+    x = x.contiguous()
+    dev = x.device
+    weights = out_w = None
+    if topk_weights is not None:
+        weights = topk_weights.to(torch.float32).contiguous()
+        out_w = torch.empty(num_tokens, weights.shape[1], dtype=torch.float32, device=dev)
+    return CombineTensors(
+        x=x,
+        dtype_code=_COMBINE_DTYPES[x.dtype],
+        weights=weights,
+        biases=[b.contiguous() for b in bias],
+        out=torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=dev),
+        out_weights=out_w,
+    )
+
+
 def launch_layout(
     c: Any, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, stream: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -367,20 +415,10 @@ class KernelsBackend(Backend):
         c = self._c
         topo = self.topology
         rank, num_ranks = topo.rank, topo.num_ranks
-        if x.dtype not in _COMBINE_DTYPES:
-            raise InvalidInputError(
-                f"combine: x.dtype={x.dtype}; the kernels backend combines bfloat16, float16 or "
-                "float32 rows"
-            )
-        for i, b in enumerate(bias):
-            if b.dtype != x.dtype:
-                raise InvalidInputError(
-                    f"combine: bias[{i}].dtype={b.dtype} differs from x.dtype={x.dtype}; the "
-                    f"kernels backend adds bias in x's dtype: pass bias.to({x.dtype})"
-                )
+        num_tokens = handle.is_token_in_rank.shape[0]
+        t = prepare_combine(x, topk_weights, bias, num_tokens, "the kernels backend")
+        x, hidden = t.x, t.x.shape[1]
         state: _State = handle.state
-        x = x.contiguous()
-        num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
         prefix_host = state.prefix_host
 
@@ -394,31 +432,23 @@ class KernelsBackend(Backend):
         row_bytes = hidden * x.element_size()
         need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
         self._fit(need, f"combine of up to {staging_rows} returned rows of {row_bytes} bytes")
-        dev = x.device
-        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=dev)
-        out_w = None
-        weights = None
-        if topk_weights is not None:
-            weights = topk_weights.to(torch.float32).contiguous()
-            out_w = torch.empty(num_tokens, num_topk, dtype=torch.float32, device=dev)
-        biases = [b.contiguous() for b in bias]
 
         a = c.IntranodeCombineArgs()
         a.buffers = self._buffers
         a.rank, a.num_ranks = rank, num_ranks
-        a.dtype = _COMBINE_DTYPES[x.dtype]
+        a.dtype = t.dtype_code
         a.hidden = hidden
         a.x = x.data_ptr()
-        a.topk_weights = 0 if weights is None else weights.data_ptr()
+        a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
         a.num_topk = num_topk
         a.num_recv = handle.num_recv_tokens
         a.rank_prefix = list(prefix_host)
         a.send_pos = state.send_pos.data_ptr()
         a.num_tokens = num_tokens
-        a.bias0 = biases[0].data_ptr() if len(biases) > 0 else 0
-        a.bias1 = biases[1].data_ptr() if len(biases) > 1 else 0
-        a.out = out.data_ptr()
-        a.out_weights = 0 if out_w is None else out_w.data_ptr()
+        a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
+        a.bias1 = t.biases[1].data_ptr() if len(t.biases) > 1 else 0
+        a.out = t.out.data_ptr()
+        a.out_weights = 0 if t.out_weights is None else t.out_weights.data_ptr()
         a.staging_rows = staging_rows
         a.buffer_bytes = self._buffer_bytes
         a.num_sms = config.num_sms
@@ -429,7 +459,7 @@ class KernelsBackend(Backend):
         stream = self._stream()
         c.intranode_combine_push(a, stream)
         c.intranode_combine_reduce(a, stream)
-        return out, out_w
+        return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
     def destroy(self) -> None:
