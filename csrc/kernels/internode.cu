@@ -205,32 +205,63 @@ __device__ __forceinline__ void backoff() {
 #endif
 }
 
-// ---- element conversion (bf16 rounds to nearest even, like torch) ------------------------
-template <int kDtype>
-struct Elt;
-template <>
-struct Elt<0> {
-  using raw = uint16_t;
-  __device__ static float to_f(raw b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
-  __device__ static raw from_f(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<raw>((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<raw>(u >> 16);
+// Thread 0's decision for one round of a sender or forwarder loop: stop (prev == kStop marks
+// thread 0's own push failure; or another block failed), done, go, or wait (backing off; after
+// timeout_ns without progress it fails, naming the stalled peer, `want` and `got`, at `site`).
+__device__ int settle_round(const DevCommon& c, bool all_done, bool any, int prev, int site, int peer, int64_t want,
+                            int ch, int64_t got, uint64_t& last_progress) {
+  if (prev == kStop || aborted(c)) return kStop;
+  if (all_done) return kDone;
+  if (any) {
+    last_progress = fifo_now_ns();
+    return kGo;
   }
-};
-template <>
-struct Elt<1> {
-  using raw = uint16_t;
-  __device__ static float to_f(raw b) { return __half2float(__ushort_as_half(b)); }
-  __device__ static raw from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
-};
-template <>
-struct Elt<2> {
-  using raw = float;
-  __device__ static float to_f(raw b) { return b; }
-  __device__ static raw from_f(float f) { return f; }
-};
+  if (fifo_now_ns() - last_progress > c.timeout_ns) {
+    fail(c, site, peer, want, ch, got);
+    return kStop;
+  }
+  backoff();
+  return kWait;
+}
+
+// Every thread of the block gets the decision thread 0 wrote to s_round.
+__device__ __forceinline__ int broadcast_round(const int& s_round) {
+  __syncthreads();
+  const int round = s_round;
+  // Nobody reads s_round again until thread 0 rewrote it for the next round.
+  __syncthreads();
+  return round;
+}
+
+// Thread 0 of a sender block: the tokens for each node this round (s_k), at most a chunk and
+// the room left in node n's ring (head counter `head_kind`); the own node's rows need no ring.
+__device__ int plan_send_round(const DevCommon& c, int ch, int head_kind, int site, const int* s_cnt,
+                               const int* s_pos, const int64_t* s_sent, int* s_k, int prev,
+                               uint64_t& last_progress) {
+  bool all_done = true, any = false;
+  int blocked = -1;
+  int64_t want = 0, got = 0;
+  for (int n = 0; n < c.N; ++n) {
+    s_k[n] = 0;
+    const int remaining = s_cnt[n] - s_pos[n];
+    if (remaining <= 0) continue;
+    all_done = false;
+    int k = remaining < c.chunk ? remaining : c.chunk;
+    if (n != c.node) {
+      const int64_t head = ld_counter(c.counters + counter_index(head_kind, ch, n));
+      const int64_t room = c.cap - (s_sent[n] - head);
+      if (room < k) {
+        if (blocked < 0) blocked = n, want = s_sent[n] + k - c.cap, got = head;
+        k = room > 0 ? static_cast<int>(room) : 0;
+      }
+    }
+    s_k[n] = k;
+    any |= k > 0;
+  }
+  return settle_round(c, all_done, any, prev, site, blocked * c.L + c.local, want, ch, got, last_progress);
+}
+
+using kernels::Elt;
 
 // ==== dispatch ============================================================================
 struct DispatchDev {
@@ -356,45 +387,10 @@ __device__ void dispatch_sender(const DispatchDev& p, int ch) {
   int round = kGo;
   for (;;) {
     if (tid == 0) {
-      bool all_done = true, any = false;
-      int blocked_node = -1;
-      int64_t want = 0, got = 0;
-      for (int n = 0; n < c.N; ++n) {
-        const int remaining = s_cnt[n] - s_pos[n];
-        s_k[n] = 0;
-        if (remaining <= 0) continue;
-        all_done = false;
-        int k = remaining < c.chunk ? remaining : c.chunk;
-        if (n != c.node) {
-          const int64_t head = ld_counter(c.counters + counter_index(kDispatchHead, ch, n));
-          const int64_t room = c.cap - (s_sent[n] - head);
-          if (room < k) {
-            if (blocked_node < 0) blocked_node = n, want = s_sent[n] + k - c.cap, got = head;
-            k = room > 0 ? static_cast<int>(room) : 0;
-          }
-        }
-        s_k[n] = k;
-        any |= k > 0;
-      }
-      int st = all_done ? kDone : (any ? kGo : kWait);
-      if (s_round == kStop || aborted(c)) {  // s_round: thread 0's own push failure
-        st = kStop;
-      } else if (st == kGo) {
-        last_progress = fifo_now_ns();
-      } else if (st == kWait) {
-        if (fifo_now_ns() - last_progress > c.timeout_ns) {
-          fail(c, kSiteDispatchSend, blocked_node * c.L + c.local, want, ch, got);
-          st = kStop;
-        } else {
-          backoff();
-        }
-      }
-      s_round = st;
+      s_round = plan_send_round(c, ch, kDispatchHead, kSiteDispatchSend, s_cnt, s_pos, s_sent, s_k, s_round,
+                                last_progress);
     }
-    __syncthreads();
-    round = s_round;
-    // Nobody reads s_round again until thread 0 rewrote it for the next round.
-    __syncthreads();
+    round = broadcast_round(s_round);
     const int st = round;
     if (st == kDone || st == kStop) break;
     if (st == kGo) {
@@ -511,25 +507,10 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
         s_avail[m] = static_cast<int>(avail);
         any |= avail > 0;
       }
-      int st = all_done ? kDone : (any ? kGo : kWait);
-      if (s_round == kStop || aborted(c)) {  // s_round: thread 0's own push failure
-        st = kStop;
-      } else if (st == kGo) {
-        last_progress = fifo_now_ns();
-      } else if (st == kWait) {
-        if (fifo_now_ns() - last_progress > c.timeout_ns) {
-          fail(c, kSiteDispatchForward, waiting * c.L + c.local, want, ch, got);
-          st = kStop;
-        } else {
-          backoff();
-        }
-      }
-      s_round = st;
+      s_round = settle_round(c, all_done, any, s_round, kSiteDispatchForward, waiting * c.L + c.local, want, ch,
+                             got, last_progress);
     }
-    __syncthreads();
-    round = s_round;
-    // Nobody reads s_round again until thread 0 rewrote it for the next round.
-    __syncthreads();
+    round = broadcast_round(s_round);
     const int st = round;
     if (st == kDone || st == kStop) break;
     if (st != kGo) continue;
@@ -727,43 +708,10 @@ __device__ void combine_forwarder(const CombineDev& p, int ch) {
   int round = kGo;
   for (;;) {
     if (tid == 0) {
-      bool all_done = true, any = false;
-      int blocked = -1;
-      int64_t want = 0, got = 0;
-      for (int m = 0; m < c.N; ++m) {
-        s_k[m] = 0;
-        const int remaining = s_cnt[m] - s_pos[m];
-        if (remaining <= 0) continue;
-        all_done = false;
-        int k = remaining < c.chunk ? remaining : c.chunk;
-        const int64_t head = ld_counter(c.counters + counter_index(kCombineHead, ch, m));
-        const int64_t room = c.cap - (s_sent[m] - head);
-        if (room < k) {
-          if (blocked < 0) blocked = m, want = s_sent[m] + k - c.cap, got = head;
-          k = room > 0 ? static_cast<int>(room) : 0;
-        }
-        s_k[m] = k;
-        any |= k > 0;
-      }
-      int st = all_done ? kDone : (any ? kGo : kWait);
-      if (s_round == kStop || aborted(c)) {  // s_round: thread 0's own push failure
-        st = kStop;
-      } else if (st == kGo) {
-        last_progress = fifo_now_ns();
-      } else if (st == kWait) {
-        if (fifo_now_ns() - last_progress > c.timeout_ns) {
-          fail(c, kSiteCombineSend, blocked * c.L + c.local, want, ch, got);
-          st = kStop;
-        } else {
-          backoff();
-        }
-      }
-      s_round = st;
+      s_round = plan_send_round(c, ch, kCombineHead, kSiteCombineSend, s_cnt, s_pos, s_sent, s_k, s_round,
+                                last_progress);
     }
-    __syncthreads();
-    round = s_round;
-    // Nobody reads s_round again until thread 0 rewrote it for the next round.
-    __syncthreads();
+    round = broadcast_round(s_round);
     const int st = round;
     if (st == kDone || st == kStop) break;
     if (st != kGo) continue;
