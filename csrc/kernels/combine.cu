@@ -3,12 +3,6 @@
 // sums its rows in rank order in fp32; rows this rank kept for itself are read in place).
 #include <algorithm>
 
-#if defined(__HIP_PLATFORM_AMD__) || defined(USE_ROCM) || defined(UCCL_EP_HIP)
-#include <hip/hip_fp16.h>
-#else
-#include <cuda_fp16.h>
-#endif
-
 #include "kernels/common.cuh"
 
 namespace uccl_ep::kernels {
@@ -94,33 +88,6 @@ __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
   }
 #endif
 }
-
-// Element conversions on raw bits (bf16 rounds to nearest even, like torch).
-template <int kDtype>
-struct Elt;
-template <>
-struct Elt<0> {
-  using raw = uint16_t;
-  __device__ static float to_f(raw b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
-  __device__ static raw from_f(float f) {
-    uint32_t u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<raw>((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<raw>(u >> 16);
-  }
-};
-template <>
-struct Elt<1> {
-  using raw = uint16_t;
-  __device__ static float to_f(raw b) { return __half2float(__ushort_as_half(b)); }
-  __device__ static raw from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
-};
-template <>
-struct Elt<2> {
-  using raw = float;
-  __device__ static float to_f(raw b) { return b; }
-  __device__ static raw from_f(float f) { return f; }
-};
 
 struct ReduceParams {
   Peers bufs;

@@ -1,8 +1,14 @@
 // Pieces shared by the intranode kernels: the peer-buffer table, the cross-rank barrier with
-// its timeout, and the warp-wide row copy.
+// its timeout, and the warp-wide row copy; the combine element conversions (internode too).
 #pragma once
 
 #include <cstdint>
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(USE_ROCM) || defined(UCCL_EP_HIP)
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_fp16.h>
+#endif
 
 #include "kernels/device.cuh"
 #include "kernels/intranode.h"
@@ -114,6 +120,34 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, int64_t nbytes, uin
 }
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Element conversions on raw bits (bf16 rounds to nearest even, like torch); kDtype is the
+// combine dtype code (0 bf16, 1 fp16, 2 fp32).
+template <int kDtype>
+struct Elt;
+template <>
+struct Elt<0> {
+  using raw = uint16_t;
+  __device__ static float to_f(raw b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+  __device__ static raw from_f(float f) {
+    uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<raw>((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<raw>(u >> 16);
+  }
+};
+template <>
+struct Elt<1> {
+  using raw = uint16_t;
+  __device__ static float to_f(raw b) { return __half2float(__ushort_as_half(b)); }
+  __device__ static raw from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
+};
+template <>
+struct Elt<2> {
+  using raw = float;
+  __device__ static float to_f(raw b) { return b; }
+  __device__ static raw from_f(float f) { return f; }
+};
 
 }  // namespace uccl_ep::kernels
 
