@@ -81,11 +81,11 @@ __device__ __forceinline__ void consume_u64(uint64_t v) {
 // returned (the system-scope release store was issued); out_ns[2 * iters + i] the consumer's clock
 // read from host memory just before the push (host clock); out_ns[3 * iters + i] that read's round
 // trip (GPU clock). The clock value was sampled in host memory before the push began and at most
-// one read round trip before it: see FifoBenchResult::clock_ns.
+// one read round trip before it: see FifoBenchResult::push_to_poll_max_ns.
 __global__ void latency_kernel(FifoDeviceHandle h, const uint64_t* host_clock, uint32_t iters, uint64_t* out_ns) {
   for (uint32_t i = 0; i < iters; ++i) {
     const uint64_t r0 = fifo_now_ns();
-    const uint64_t clock = fifo_load_head(host_clock);
+    const uint64_t clock = fifo_load_head(host_clock);  // a system-scope load of a host word
     consume_u64(clock);
     const uint64_t t0 = fifo_now_ns();
     uint64_t idx = fifo_push(h, make_write(0, 0, 0, i));
@@ -388,6 +388,7 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
     GPU_CHECK(gpuMemsetAsync(d_ns, 0, ns_bytes, s));
     // The consumer's clock, on its own line in mapped host memory: rewritten on every empty poll.
     MappedHost clock_word = alloc_mapped(128);
+    std::unique_ptr<void, void (*)(void*)> clock_owner(clock_word.host, [](void* p) { (void)gpuFreeHost(p); });
     auto* clock_host = static_cast<uint64_t*>(clock_word.host);
     const auto host_now_ns = [] {
       return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -441,7 +442,6 @@ FifoBenchResult run_fifo_bench(int device, uint32_t channels, uint32_t threads, 
     res.clock_read_ns.resize(latency_iters);
     GPU_CHECK(gpuMemcpy(res.clock_read_ns.data(), d_ns + 3 * latency_iters, latency_iters * sizeof(uint64_t),
                         gpuMemcpyDeviceToHost));
-    free_mapped(clock_word.host);
     res.push_to_poll_max_ns.resize(latency_iters);
     for (uint32_t i = 0; i < latency_iters; ++i) {
       // Both on the host clock; the value was written before the push began, so this is >= 0.
