@@ -15,7 +15,7 @@ _pools: dict[int, DistPool] = {}
 def get_pool(world_size: int) -> DistPool:
     """A gloo pool of ``world_size`` ranks shared by every test of the session."""
     pool = _pools.get(world_size)
-    if pool is None or not all(p.is_alive() for p in pool._procs):
+    if pool is None or not pool.alive():
         pool = _pools[world_size] = DistPool(world_size)
     return pool
 

@@ -70,6 +70,10 @@ class Buffer:
             resources are released when the object is garbage collected.
         backend: ``"auto"``, ``"kernels"`` or ``"reference"``; ``None`` reads
             ``UCCL_EP_BACKEND`` (default ``auto``: kernels when available, else reference).
+        device: where the tensors live. ``None``: the current CUDA device for an NCCL group,
+            and for a gloo group asked for ``backend="kernels"`` (the shared-GPU mode: ranks
+            sharing a GPU under CUDA MPS, which NCCL refuses); the CPU for any other gloo
+            group.
     """
 
     num_sms: int = 24
@@ -86,6 +90,7 @@ class Buffer:
         explicitly_destroy: bool = False,
         *,
         backend: str | None = None,
+        device: torch.device | str | int | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise InvalidInputError(
@@ -107,12 +112,21 @@ class Buffer:
         self.num_rdma_bytes = num_rdma_bytes
         self.explicitly_destroy = explicitly_destroy
         self.uid = next(_uids)
-        self.device = _group_device(self.group)
-        self.topology = Topology(self.rank, self.group_size, _detect_ranks_per_node(self.group))
         backend_name = backend or os.environ.get("UCCL_EP_BACKEND", "auto").strip() or "auto"
+        self.device = _group_device(self.group, backend_name, device)
+        self.topology = Topology(self.rank, self.group_size, _detect_ranks_per_node(self.group))
         self._backend = create_backend(
             backend_name, self.group, self.topology, self.device, num_nvl_bytes, num_rdma_bytes
         )
+        if (
+            self._backend.name == "reference"
+            and self.device.type == "cuda"
+            and dist.get_backend(self.group) == "gloo"
+        ):
+            raise InvalidInputError(
+                f"the reference backend over a gloo group moves CPU tensors, not {self.device}; "
+                "pass device='cpu', use an NCCL group, or backend='kernels' for the GPU kernels"
+            )
         self._comm_stream = (
             torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         )
@@ -670,13 +684,35 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    backend = dist.get_backend(group)
-    if backend == "gloo":
+def _group_device(
+    group: dist.ProcessGroup, backend_name: str, device: torch.device | str | int | None
+) -> torch.device:
+    """The device of the Buffer's tensors: the caller's ``device``, else the current CUDA
+    device for NCCL groups and for gloo groups that ask for the GPU kernels (ranks sharing a
+    GPU), else the CPU."""
+    if device is not None:
+        try:
+            dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise InvalidInputError(f"device={device!r} is not a device ({exc})") from None
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise InvalidInputError(f"device={device!r} but no GPU is visible; pass 'cpu'")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        return dev
+    group_backend = dist.get_backend(group)
+    if group_backend == "gloo" and backend_name != "kernels":
         return torch.device("cpu")
     if not torch.cuda.is_available():
+        if group_backend == "gloo":
+            raise UnsupportedError(
+                "backend='kernels' is unavailable: no GPU is visible; use backend='reference' "
+                "on CPU"
+            )
         raise InvalidInputError(
-            f"the group uses the {backend!r} backend but no GPU is visible; use a gloo group on CPU"
+            f"the group uses the {group_backend!r} backend but no GPU is visible; use a gloo "
+            "group on CPU"
         )
     return torch.device("cuda", torch.cuda.current_device())
 
