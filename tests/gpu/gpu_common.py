@@ -1,9 +1,36 @@
-"""Helpers shared by the kernel tests (test_intranode.py, test_internode.py): poisoned
-allocations, exact comparison with a readable mismatch, and a dispatch call from a layout."""
+"""Helpers shared by the GPU tests: rank pools on one or more GPUs (ranks share a GPU under
+CUDA MPS when there are more ranks than GPUs), poisoned allocations, exact comparison with a
+readable mismatch, and a dispatch call from a layout."""
 
 from __future__ import annotations
 
+import os
+import sys
+
+import pytest
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def rank_counts(var: str, default: str) -> list[int]:
+    """Rank counts from env ``var`` (comma-separated), e.g. ``UCCL_EP_TEST_RANKS=2,4``."""
+    return [int(v) for v in os.environ.get(var, default).split(",") if v.strip()]
+
+
+def make_pool(world: int):
+    """A pool of ``world`` ranks on this machine's GPUs, or a skip saying what is missing."""
+    from dist_utils import DistPool
+
+    from uccl_ep_megatron.cluster.local import mps_available
+
+    if NUM_GPUS == 0:
+        pytest.skip("needs a GPU")
+    if world > NUM_GPUS and not mps_available():
+        pytest.skip(f"{world} ranks on {NUM_GPUS} GPU(s) share GPUs: needs CUDA MPS")
+    return DistPool(world, gpus=NUM_GPUS)
 
 
 def poison(buf) -> None:
@@ -22,6 +49,8 @@ def assert_same(name: str, a, b) -> None:
     if isinstance(a, list):
         assert a == b, f"{name}: {a} != {b}"
         return
+    if a.device != b.device:  # the oracle of a gloo pool hands back CPU tensors in handles
+        a, b = a.cpu(), b.cpu()
     assert a.dtype == b.dtype and a.shape == b.shape, (
         f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     )

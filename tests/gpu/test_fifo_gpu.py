@@ -1,9 +1,13 @@
 """GPU FIFO + proxy on the device: kernels push from many warps; the ipc transport moves real
-GPU bytes between two GPUs (one process drives both), with the reorder injector on and off.
-Verified byte-for-byte against the pattern each sending warp wrote, counters exact."""
+GPU bytes between two endpoints (one process drives both; on a one-GPU machine both live on
+GPU 0), or between two processes over CUDA IPC (sharing GPU 0 under MPS when there is one GPU),
+with the reorder injector on and off. Verified byte-for-byte against the pattern each sending
+warp wrote, counters exact."""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
@@ -11,6 +15,12 @@ import torch
 
 from uccl_ep_megatron import _C
 from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import NUM_GPUS, make_pool  # noqa: E402
+
+# The two endpoints' GPUs: two GPUs where there are, else both on GPU 0.
+GPUS = (0, 1 % max(NUM_GPUS, 1))
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,14 +39,13 @@ def _expected(rank: int, warps: int, msgs: int, length: int, device) -> torch.Te
 
 
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("reorder", [False, True], ids=["inorder", "reorder"])
 @pytest.mark.parametrize("channels,threads", [(1, 1), (2, 2), (4, 4), (8, 4), (8, 8)])
 def test_two_gpu_ipc_traffic(channels, threads, reorder):
     blocks, warps_per_block, msgs, length = 8, 4, 16, 1024
     warps = blocks * warps_per_block
     area = warps * msgs * length
-    regions = [torch.zeros(2 * area, dtype=torch.uint8, device=f"cuda:{g}") for g in range(2)]
+    regions = [torch.zeros(2 * area, dtype=torch.uint8, device=f"cuda:{GPUS[g]}") for g in range(2)]
     cfg = ProxyConfig(
         num_channels=channels,
         num_threads=threads,
@@ -47,15 +56,17 @@ def test_two_gpu_ipc_traffic(channels, threads, reorder):
         num_counters=2 * channels,
     )
     eps = [
-        ProxyEndpoint(regions[g].data_ptr(), 2 * area, device=g, rank=g, world_size=2, config=cfg)
+        ProxyEndpoint(
+            regions[g].data_ptr(), 2 * area, device=GPUS[g], rank=g, world_size=2, config=cfg
+        )
         for g in range(2)
     ]
     infos = [e.local_info for e in eps]
     for e in eps:
         e.connect(infos)
-    streams = [torch.cuda.Stream(device=g) for g in range(2)]
+    streams = [torch.cuda.Stream(device=GPUS[g]) for g in range(2)]
     for g in range(2):
-        torch.cuda.synchronize(g)  # the zero fill ran on the default stream
+        torch.cuda.synchronize(GPUS[g])  # the zero fill ran on the default stream
     try:
         for g in range(2):
             _C.fifo_launch_traffic(
@@ -67,7 +78,7 @@ def test_two_gpu_ipc_traffic(channels, threads, reorder):
                 g,
                 1 - g,
                 regions[g].data_ptr(),
-                g,
+                GPUS[g],
                 streams[g].cuda_stream,
             )
         deadline = time.monotonic() + 60
@@ -101,14 +112,15 @@ def test_two_gpu_ipc_traffic(channels, threads, reorder):
 
 
 def _gpu_dist_body(rank: int, world: int, reorder: bool) -> dict:
-    """One process per GPU: regions reached through CUDA IPC, bootstrap over gloo."""
+    """Two processes (own GPUs, or sharing GPU 0 under MPS): regions reached through CUDA IPC,
+    bootstrap over the pool's group (the launcher set this rank's device)."""
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
     blocks, warps_per_block, msgs, length, channels = 4, 4, 8, 512, 4
     warps = blocks * warps_per_block
     area = warps * msgs * length
-    region = torch.zeros(2 * area, dtype=torch.uint8, device=f"cuda:{rank}")
+    device = torch.cuda.current_device()
+    region = torch.zeros(2 * area, dtype=torch.uint8, device=device)
     torch.cuda.synchronize()
     cfg = ProxyConfig(
         num_channels=channels,
@@ -119,14 +131,14 @@ def _gpu_dist_body(rank: int, world: int, reorder: bool) -> dict:
         timeout_ms=20000,
         num_counters=world * channels,
     )
-    ep = ProxyEndpoint(region.data_ptr(), 2 * area, device=rank, config=cfg)
+    ep = ProxyEndpoint(region.data_ptr(), 2 * area, device=device, config=cfg)
     ep.connect()
     try:
         stream = torch.cuda.Stream()
         peer = (rank + 1) % world
         _C.fifo_launch_traffic(
             ep.channels, blocks, warps_per_block, msgs, length, rank, peer,
-            region.data_ptr(), rank, stream.cuda_stream,
+            region.data_ptr(), device, stream.cuda_stream,
         )  # fmt: skip
         deadline = time.monotonic() + 60
         while not stream.query():
@@ -143,14 +155,9 @@ def _gpu_dist_body(rank: int, world: int, reorder: bool) -> dict:
 
 
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("reorder", [False, True], ids=["inorder", "reorder"])
 def test_two_processes_cuda_ipc(reorder):
-    import os
-
-    from dist_utils import DistPool
-
-    pool = DistPool(2)
+    pool = make_pool(2)
     try:
         stats = pool.run(os.path.abspath(__file__), "_gpu_dist_body", reorder)
     finally:

@@ -1,7 +1,8 @@
 """Internode HT kernels (FIFO -> proxy -> ipc transport) against the reference backend.
 
-The machine's GPUs are split into 2 virtual nodes (``UCCL_EP_RANKS_PER_NODE = GPUs / 2``:
-2 x 1 on two GPUs, 2 x 2 on four, 2 x 4 on eight), so every token bound to the other GPU
+The ranks are split into 2 virtual nodes (``UCCL_EP_RANKS_PER_NODE``): 2 x 1, 2 x 2 and 2 x 4 by
+default (``UCCL_EP_TEST_RANKS_PER_NODE=1,2,4``), one rank per GPU where there are enough GPUs,
+else ranks sharing GPUs under CUDA MPS in a gloo group. Every token bound to the other node
 crosses the "network": a kernel pushes TransferCmds, the CPU proxy executes them over the
 ``ipc`` transport and the receiving proxy orders the software atomics. Each case runs with the
 ipc reorder/delay injector off and on (EFA-like: writes and immediates land out of order).
@@ -25,11 +26,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import assert_same, dispatch, poison  # noqa: E402
+from gpu_common import assert_same, dispatch, make_pool, poison, rank_counts  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+RANKS_PER_NODE = rank_counts("UCCL_EP_TEST_RANKS_PER_NODE", "1,2,4")
 NVL_BYTES = 1 << 30
 RDMA_BYTES = 1 << 30
 
@@ -37,9 +38,9 @@ _buffers: dict[tuple, object] = {}
 _keep: list[object] = []
 
 
-def _env(reorder: bool, seed: int) -> dict[str, str]:
+def _env(pool, reorder: bool, seed: int) -> dict[str, str]:
     return {
-        "UCCL_EP_RANKS_PER_NODE": str(max(1, NUM_GPUS // 2)),
+        "UCCL_EP_RANKS_PER_NODE": str(pool.world_size // 2),
         "UCCL_EP_TRANSPORT": "ipc",
         "UCCL_EP_IPC_REORDER": "1" if reorder else "0",
         "UCCL_EP_IPC_REORDER_SEED": str(seed),
@@ -51,11 +52,12 @@ def _env(reorder: bool, seed: int) -> dict[str, str]:
 def _get_buffers(reorder: bool):
     """One internode and one reference Buffer per (process, injector setting)."""
     from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.cluster.local import reference_oracle
 
     key = ("reorder" if reorder else "plain",)
     if key not in _buffers:
         kb = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
-        rb = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="reference")
+        rb = reference_oracle(None, NVL_BYTES)
         _buffers[key] = (kb, rb)
     return _buffers[key]
 
@@ -211,24 +213,18 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def gpu_pool():
-    if NUM_GPUS < 2 or NUM_GPUS % 2:
-        pytest.skip(f"needs an even number >= 2 of GPUs, found {NUM_GPUS}")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from dist_utils import DistPool
-
-    pool = DistPool(NUM_GPUS, backend="nccl")
+@pytest.fixture(scope="module", params=RANKS_PER_NODE, ids=lambda m: f"2x{m}")
+def gpu_pool(request):
+    pool = make_pool(2 * request.param)
     yield pool
     pool.close()
 
 
-@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 @pytest.mark.parametrize("reorder", [False, True], ids=["ordered", "reorder"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_internode_matches_reference(gpu_pool, name, reorder):
-    out = gpu_pool.run(__file__, "case", CASES[name], reorder, env=_env(reorder, 7))
-    assert len(out) == NUM_GPUS
+    out = gpu_pool.run(__file__, "case", CASES[name], reorder, env=_env(gpu_pool, reorder, 7))
+    assert len(out) == gpu_pool.world_size
     assert all(o["transport"] == "ipc" for o in out)
     if CASES[name]["tokens"] > 0:
         # Tokens crossed the virtual network through the proxies.
@@ -275,9 +271,10 @@ def grow_case(rank: int, world: int) -> dict:
     return {"grows": ipc.grows, "sizes": list(ipc.sizes), "hint": hint}
 
 
-@pytest.mark.skipif(NUM_GPUS < 4, reason="needs >= 4 GPUs (2 virtual nodes x 2)")
 def test_nvl_staging_grows_collectively(gpu_pool):
-    out = gpu_pool.run(__file__, "grow_case", env=_env(True, 3))
+    if gpu_pool.world_size < 4:
+        pytest.skip("needs 2 ranks per virtual node (NVLink staging)")
+    out = gpu_pool.run(__file__, "grow_case", env=_env(gpu_pool, True, 3))
     assert all(o["grows"] >= 1 for o in out), out
     assert len({tuple(o["sizes"]) for o in out}) == 1, out  # every rank knows every size
     assert out[0]["sizes"][0] > out[0]["hint"], out
@@ -310,13 +307,13 @@ def dead_peer_case(rank: int, world: int) -> str:
     return ""
 
 
-@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 def test_dead_peer_times_out_naming_the_rank(gpu_pool):
-    env = _env(False, 0)
+    env = _env(gpu_pool, False, 0)
     env["UCCL_EP_TIMEOUT_MS"] = "3000"
     out = gpu_pool.run(__file__, "dead_peer_case", env=env)
-    dead = NUM_GPUS - 1
+    world = gpu_pool.world_size
+    dead = world - 1
     # The dead rank's rail partner waits for it; the dead rank waits for its partner.
-    partner = dead - NUM_GPUS // 2
+    partner = dead - world // 2
     assert re.search(rf"rank {dead}\b", out[partner]), out[partner]
     assert re.search(r"waiting for rank \d+|rank \d+ has not acknowledged", out[dead]), out[dead]

@@ -1,4 +1,6 @@
-"""Intranode kernels against the reference backend, on every GPU of the machine (NCCL).
+"""Intranode kernels against the reference backend at 2, 4 and 8 ranks (``UCCL_EP_TEST_RANKS``):
+one rank per GPU over NCCL where there are enough GPUs, else ranks sharing GPUs under CUDA MPS
+in a gloo group, the oracle then running on CPU copies.
 
 Each case runs on all ranks with the same inputs through two Buffers, one on the ``kernels``
 backend and one on the ``reference`` oracle, and compares: dispatch outputs and handles
@@ -18,11 +20,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import assert_same, dispatch, poison  # noqa: E402
+from gpu_common import assert_same, dispatch, make_pool, poison, rank_counts  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+RANKS = rank_counts("UCCL_EP_TEST_RANKS", "2,4,8")
 NVL_BYTES = 1 << 30
 
 _buffers: dict[str, object] = {}
@@ -33,13 +35,14 @@ def _get_buffers(copy: str = "tma"):
     """Kernels Buffers (bulk-copy and load/store row paths) and a reference Buffer per
     process, reused by every case."""
     from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.cluster.local import reference_oracle
 
     if not _buffers:
         for name, flag in (("tma", "1"), ("ldst", "0")):
             os.environ["UCCL_EP_INTRANODE_TMA"] = flag  # read when the backend is created
             _buffers[name] = Buffer(None, NVL_BYTES, 0, backend="kernels")
         os.environ.pop("UCCL_EP_INTRANODE_TMA")
-        _buffers["reference"] = Buffer(None, NVL_BYTES, 0, backend="reference")
+        _buffers["reference"] = reference_oracle(None, NVL_BYTES)
     return _buffers[copy], _buffers["reference"]
 
 
@@ -341,48 +344,38 @@ for _p in CASES.values():
         _p["async"] = True
 
 
-@pytest.fixture(scope="module")
-def gpu_pool():
-    if NUM_GPUS < 2:
-        pytest.skip(f"needs >= 2 GPUs, found {NUM_GPUS}")
-    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-    from dist_utils import DistPool
-
-    pool = DistPool(NUM_GPUS, backend="nccl")
+@pytest.fixture(scope="module", params=RANKS, ids=lambda n: f"ranks{n}")
+def gpu_pool(request):
+    pool = make_pool(request.param)
     yield pool
     pool.close()
 
 
-@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 @pytest.mark.parametrize("name", list(CASES))
 def test_dispatch_combine_matches_reference(gpu_pool, name):
     recv = gpu_pool.run(__file__, "case", CASES[name], env=ENV)
-    assert len(recv) == NUM_GPUS
+    assert len(recv) == gpu_pool.world_size
 
 
-@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 @pytest.mark.parametrize("bad_id", [-2, "num_experts"])
 def test_bad_expert_id_raises_at_dispatch(gpu_pool, bad_id):
-    value = 4 * NUM_GPUS if bad_id == "num_experts" else bad_id
+    value = 4 * gpu_pool.world_size if bad_id == "num_experts" else bad_id
     out = gpu_pool.run(__file__, "bad_ids_case", value, env=ENV)
     assert all(f"expert id {value}" in m for m in out), out
 
 
-@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 def test_small_buffer_grows_collectively(gpu_pool):
     out = gpu_pool.run(__file__, "grow_case", env=ENV)
     # Dispatch grew once, to the same size on every rank, big enough for its rows.
     assert {o["grows"] for o in out} == {1}, out
     assert len({o["bytes"] for o in out}) == 1, out
-    assert all(o["bytes"] >= NUM_GPUS * 4096 * 7168 * 2 > o["small"] for o in out), out
+    assert all(o["bytes"] >= gpu_pool.world_size * 4096 * 7168 * 2 > o["small"] for o in out), out
 
 
-@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 def test_autograd_matches_reference(gpu_pool):
     gpu_pool.run(__file__, "autograd_case", 1, env=ENV)
 
 
-@pytest.mark.skipif(NUM_GPUS < 2, reason="needs >= 2 GPUs")
 def test_wait_times_out_with_clear_error(gpu_pool):
     out = gpu_pool.run(__file__, "timeout_case", env={"UCCL_EP_TIMEOUT_MS": "2000"})
     assert out[0] == "timeout"

@@ -1,10 +1,11 @@
 """``uccl-ep-megatron bench internode``: internode HT dispatch/combine on virtual nodes.
 
-Spawns one process per GPU (NCCL), splits them into 2 virtual nodes
-(``UCCL_EP_RANKS_PER_NODE = GPUs / 2``) and times, on the DeepSeek-V3 HT setting (default
-4096 tokens/rank, hidden 7168, top-8 of 256 experts, BF16), ``Buffer.dispatch`` and
-``Buffer.combine`` of the ``kernels_internode`` backend for each proxy thread count
-(``UCCL_EP_NUM_PROXY_THREADS`` 1, 2, 4, 8 by default). Per op it reports:
+Spawns ``--ranks`` ranks (default: one per visible GPU; ranks beyond the GPU count share GPUs
+under CUDA MPS in a gloo group, see ``uccl_ep_megatron.cluster.local``), splits them into
+virtual nodes of ``--ranks-per-node`` (default: half the ranks, so 2 nodes) and times, on the
+DeepSeek-V3 HT setting (default 4096 tokens/rank, hidden 7168, top-8 of 256 experts, BF16),
+``Buffer.dispatch`` and ``Buffer.combine`` of the ``kernels_internode`` backend for each proxy
+thread count (``UCCL_EP_NUM_PROXY_THREADS`` 1, 2, 4, 8 by default). Per op it reports:
 
 - ``us``: median device time of the call on the caller's stream (events; a dispatch includes
   its notify and the one host sync for output sizes);
@@ -15,8 +16,8 @@ Spawns one process per GPU (NCCL), splits them into 2 virtual nodes
 - ``cmds/s``: TransferCmds the proxy consumed per second of the timed calls;
 - ``proxy_cpu``: CPU time of the proxy threads over the wall time (1.0 = one core busy).
 
-What the numbers mean: the transport is ``ipc`` (each "RDMA write" is a synchronous
-cudaMemcpy into the peer GPU's IPC mapping, issued by a CPU proxy thread), not a NIC, so the
+What the numbers mean: the transport is ``ipc`` (each "RDMA write" is an asynchronous GPU copy
+into the peer's IPC mapping, issued by a CPU proxy thread on its copy queue), not a NIC, so the
 times measure the GPU-initiated protocol end to end (FIFO, proxy, ordering, flow control,
 forwarding) on this host, not network performance; there is no speed target on ``ipc``.
 """
@@ -34,12 +35,24 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.bench.spawn import init_rank, routed_inputs, spawn_ranks
+from uccl_ep_megatron.bench.inputs import routed_inputs
+from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``bench internode`` (see README, internode section)."""
-    parser.add_argument("--num-gpus", type=int, default=0, help="ranks (GPUs); 0 = all visible")
+    parser.add_argument(
+        "--ranks", type=int, default=0, help="ranks; 0 = one per visible GPU (at least 2)"
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=0,
+        help="ranks per virtual node (UCCL_EP_RANKS_PER_NODE); 0 = half the ranks",
+    )
+    parser.add_argument(
+        "--num-gpus", type=int, default=0, help="GPUs to place the ranks on; 0 = all visible"
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=7168, help="hidden size")
     parser.add_argument("--experts", type=int, default=256, help="routed experts in total")
@@ -59,23 +72,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def register(subparsers: Any) -> None:
     """Adds ``internode`` to a ``bench`` subparser set (for commands/bench.py)."""
     p = subparsers.add_parser(
-        "internode", help="internode HT dispatch/combine over 2 virtual nodes (ipc proxy)"
+        "internode", help="internode HT dispatch/combine over virtual nodes (ipc proxy)"
     )
     add_arguments(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Spawn one rank per GPU, time every thread count, print the table (rank 0)."""
-    world = args.num_gpus or torch.cuda.device_count()
-    if world < 2 or world % 2:
+    """Spawn the ranks, time every thread count, print the table."""
+    gpus = args.num_gpus or visible_gpus()
+    world = args.ranks or gpus
+    local = args.ranks_per_node or world // 2
+    if gpus < 1:
+        raise SystemExit("bench internode needs a GPU")
+    if world < 2 or local < 1 or world % local or world // local < 2:
         raise SystemExit(
-            f"bench internode needs an even number >= 2 of GPUs, found {torch.cuda.device_count()}"
+            f"--ranks={world} --ranks-per-node={local}: give at least 2 virtual nodes of equal "
+            "size, e.g. --ranks 4 --ranks-per-node 2"
         )
     threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
     if not threads or any(t < 1 or t > 8 for t in threads):
         raise SystemExit(f"--threads={args.threads!r}: give counts in 1..8, e.g. 1,2,4,8")
-    results = spawn_ranks(_worker, world, vars(args), threads)
+    with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
+        rows = pool.run(_worker, vars(args), local, threads)
+    meta = {
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "experts": args.experts,
+        "topk": args.topk,
+        "sms": args.sms,
+        "world": world,
+        "ranks_per_node": local,
+        "shared_gpu": pool.placement.shared,
+    }
+    results = {"meta": meta, "rows": [r for part in rows for r in part]}
     _print(results)
     if args.json:
         with open(args.json, "w") as f:
@@ -119,15 +149,13 @@ def _combine(buf, config, state: dict) -> None:
     buf.combine(state["recv_x"], state["handle"], topk_weights=state["w"], config=config)
 
 
-def _worker(rank: int, world: int, init_file: str, a: dict, threads: list[int], out: str) -> None:
-    local = world // 2
+def _worker(rank: int, world: int, a: dict, local: int, threads: list[int]) -> list[dict]:
     os.environ["UCCL_EP_RANKS_PER_NODE"] = str(local)
     os.environ["UCCL_EP_TRANSPORT"] = "ipc"
     os.environ["UCCL_EP_IPC_REORDER"] = "1" if a["reorder"] else "0"
-    init_rank(rank, world, init_file)
     from uccl_ep_megatron import Buffer, Config
 
-    T, H, E, K = a["tokens"], a["hidden"], a["experts"], a["topk"]
+    H, E = a["hidden"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
     config = Config(a["sms"])
     rows = []
@@ -184,21 +212,17 @@ def _worker(rank: int, world: int, init_file: str, a: dict, threads: list[int], 
                 }
             )
         buf.destroy()
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        flat = [r for part in gathered for r in part]
-        meta = {"tokens": T, "hidden": H, "experts": E, "topk": K, "sms": a["sms"], "world": world}
-        with open(out, "w") as f:
-            json.dump({"meta": meta, "rows": flat}, f)
     dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 def _print(results: dict) -> None:
     meta = results["meta"]
+    where = "ranks sharing GPUs under MPS" if meta["shared_gpu"] else "one rank per GPU"
+    nodes = meta["world"] // meta["ranks_per_node"]
     print(
-        f"internode HT on {meta['world']} GPUs as 2 virtual nodes (ipc transport): "
+        f"internode HT, {meta['world']} ranks ({where}) as {nodes} virtual nodes x "
+        f"{meta['ranks_per_node']} (ipc transport): "
         f"{meta['tokens']} tokens/rank, hidden {meta['hidden']}, top-{meta['topk']} of "
         f"{meta['experts']}, {meta['sms']} SMs; rank-averaged"
     )

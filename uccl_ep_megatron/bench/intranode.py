@@ -1,17 +1,26 @@
-"""``uccl-ep-megatron bench intranode``: intranode dispatch/combine vs NCCL and the NVLink floor.
+"""``uccl-ep-megatron bench intranode``: intranode dispatch/combine, ours beside DeepEP V1.
 
-Spawns one process per GPU (NCCL) and, in one run, times on the DeepSeek-V3 HT setting
-(default 4096 tokens/rank, hidden 7168, top-8 of 256 experts):
+For each rank count of ``--ranks`` (default: every visible GPU, or 2,4,8 ranks on a one-GPU
+machine) the launcher places the ranks round-robin on the GPUs: one rank per GPU over NCCL, or
+ranks sharing GPUs under CUDA MPS in a gloo group (peer traffic then crosses the GPU's own HBM,
+not NVLink: per-call overhead and kernel efficiency, not link bandwidth). On the DeepSeek-V3 HT
+setting (4096 tokens/rank, hidden 7168, top-8 of 256 experts) it times, with the same inputs
+and the same SM budget:
 
-- ``Buffer.dispatch`` BF16 and FP8 and ``Buffer.combine`` BF16 on the ``kernels`` backend;
-- NCCL ``all_to_all_single`` of the rank-deduplicated rows (the gather is not timed);
-- a peer copy (copy engine, every rank to its right neighbour at once): the NVLink bandwidth,
-  from which the floor = bytes that must cross the link / that bandwidth.
+- ``Buffer.dispatch`` BF16, FP8, cached BF16 and ``Buffer.combine`` BF16 of our ``kernels``
+  backend (bulk-copy and/or load/store row paths);
+- the same four calls of DeepEP V1's ``deep_ep.Buffer`` when ``deep_ep`` is importable
+  (``--deepep off`` to skip), after checking that both give the same received rows, ids,
+  weights, counts and combined output;
+- NCCL ``all_to_all_single`` of the rank-deduplicated rows where NCCL can run (own GPUs);
+- the floor: bytes that must move over the measured bandwidth (peer copy over NVLink with own
+  GPUs; one read plus one write of every received row through HBM when ranks share a GPU).
 
-Two times per op: ``e2e`` (device events around the call on the caller's stream: includes the
-dispatch's one host sync for output sizes) and ``kernel`` (sum of our kernels' device time from
-the profiler: DeepEP's metric). GB/s is DeepEP's: bytes of ``recv_x`` (BF16 equivalent for
-FP8: (1 + 4/128) / 2 of it) over the time.
+Per call and rank, ``device us`` is the time between CUDA events recorded on the caller's
+stream around the call (it includes any host sync inside the call) and ``host us`` the CPU time
+spent inside the call; each iteration takes the maximum over ranks, and the table shows the
+median over ``--iters`` iterations with min and max. GB/s is DeepEP's: bytes of ``recv_x``
+(BF16-equivalent for FP8: (1 + 4/128) / 2 of it) over the device time.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import time
 from typing import Any
@@ -27,43 +35,85 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.bench.spawn import init_rank, routed_inputs, spawn_ranks
+from uccl_ep_megatron.bench.inputs import routed_inputs
+from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
+
+OPS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``bench intranode`` (see README, cli-bench)."""
-    parser.add_argument("--num-gpus", type=int, default=0, help="ranks (GPUs); 0 = all visible")
+    parser.add_argument(
+        "--ranks",
+        default="",
+        help="comma-separated rank counts, e.g. 2,4,8; default: all visible GPUs (2,4,8 on one)",
+    )
+    parser.add_argument(
+        "--num-gpus", type=int, default=0, help="GPUs to place the ranks on; 0 = all visible"
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=7168, help="hidden size")
     parser.add_argument("--experts", type=int, default=256, help="routed experts in total")
     parser.add_argument("--topk", type=int, default=8, help="experts per token")
     parser.add_argument("--sms", default="24", help="comma-separated SM budgets to time (even)")
-    parser.add_argument("--iters", type=int, default=30, help="timed iterations per op")
+    parser.add_argument("--iters", type=int, default=30, help="timed iterations per op (>= 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per op")
     parser.add_argument("--nvl-bytes", type=int, default=2 << 30, help="Buffer num_nvl_bytes")
     parser.add_argument(
         "--copy",
         choices=["both", "tma", "ldst"],
-        default="both",
-        help="row copy of the kernels: Hopper bulk copies (tma), 16-byte loads/stores, or both",
+        default="tma",
+        help="row copy of our kernels: Hopper bulk copies (tma), 16-byte loads/stores, or both",
+    )
+    parser.add_argument(
+        "--deepep",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="time DeepEP V1 beside ours: auto = when deep_ep imports; on = fail without it",
     )
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
 
 
 def register(subparsers: Any) -> None:
     """Adds ``intranode`` to a ``bench`` subparser set (for commands/bench.py)."""
-    p = subparsers.add_parser("intranode", help="intranode dispatch/combine vs NCCL all-to-all")
+    p = subparsers.add_parser(
+        "intranode", help="intranode dispatch/combine vs DeepEP V1 and NCCL all-to-all"
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 
 
+def rank_counts(spec: str, num_gpus: int) -> list[int]:
+    """``--ranks`` as a list; the default is every GPU, or 2,4,8 ranks sharing one GPU."""
+    if not spec:
+        return [num_gpus] if num_gpus >= 2 else [2, 4, 8]
+    try:
+        counts = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"--ranks={spec!r}: give comma-separated integers, e.g. 2,4,8") from None
+    if not counts or any(c not in (2, 4, 8) for c in counts):
+        raise SystemExit(f"--ranks={spec!r}: intranode runs at 2, 4 or 8 ranks")
+    return counts
+
+
 def run(args: argparse.Namespace) -> int:
-    """Spawn one rank per GPU, time everything, print the table (rank 0)."""
-    world = args.num_gpus or torch.cuda.device_count()
-    if world < 2:
-        raise SystemExit(f"bench intranode needs >= 2 GPUs, found {torch.cuda.device_count()}")
-    results = spawn_ranks(_worker, world, vars(args))
-    _print(results)
+    """Time every rank count, print one table per count, optionally write JSON."""
+    gpus = args.num_gpus or visible_gpus()
+    if gpus < 1:
+        raise SystemExit("bench intranode needs a GPU")
+    if args.iters < 20:
+        raise SystemExit(f"--iters={args.iters}: take at least 20 timed iterations")
+    sms = [int(s) for s in str(args.sms).split(",") if s.strip()]
+    if not sms or any(s <= 0 or s % 2 for s in sms):
+        raise SystemExit(f"--sms={args.sms!r}: give positive even SM counts, e.g. 12,24")
+    if args.deepep == "on":
+        _import_deepep(required=True)
+    results = []
+    for world in rank_counts(args.ranks, gpus):
+        with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
+            per_rank = pool.run(_worker, vars(args), sms)
+            results.append(merge(per_rank, pool.placement.shared))
+        print_table(results[-1])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -71,75 +121,138 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- per-rank work ----------------------------------------------------------------------
-def _kernel_us(prof, needle: tuple[str, ...], iters: int) -> tuple[float, dict[str, float]]:
-    """Device time per iteration of kernels whose name contains a needle, and per kernel."""
-    total = 0.0
-    parts: dict[str, float] = {}
-    for e in prof.key_averages():
-        if any(n in e.key for n in needle):
-            dev_us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
-            us = dev_us / iters
-            total += us
-            m = re.search(r"(\w+_kernel)", e.key)
-            name = m.group(1) if m else e.key[:24]
-            parts[name] = parts.get(name, 0.0) + us
-    return total, parts
+def _import_deepep(required: bool = False):
+    try:
+        import deep_ep
+    except ImportError as exc:
+        if required:
+            raise SystemExit(f"--deepep on but deep_ep does not import ({exc})") from None
+        return None
+    return deep_ep
 
 
-def _time(fn, iters: int, warmup: int, kernel_names: tuple[str, ...]) -> dict[str, float]:
+def time_call(fn, iters: int, warmup: int) -> dict[str, list[float]]:
+    """Per-iteration device (events) and host (CPU inside ``fn``) microseconds on this rank;
+    every iteration starts together on all ranks (barrier after a device sync)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    from torch.profiler import ProfilerActivity, profile
+    dev, host = [], []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        dev.append(start.elapsed_time(end) * 1e3)
+        host.append((t1 - t0) * 1e6)
+    return {"device_us": dev, "host_us": host}
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
+
+def _calls(buf, cfgs: tuple[Any, Any], x, x_fp8, layout: dict, state: dict) -> dict:
+    """The four timed calls on one Buffer (ours or DeepEP's: same API)."""
+    dcfg, ccfg = cfgs
+
+    def disp_bf16():
+        state["out"] = buf.dispatch(x, config=dcfg, **layout)
+
+    def disp_fp8():
+        state["fp8"] = buf.dispatch(x_fp8, config=dcfg, **layout)
+
+    def disp_cached():
+        state["cached"] = buf.dispatch(x, handle=state["out"][4], config=dcfg)
+
+    def comb():
+        state["comb"] = buf.combine(state["out"][0], state["out"][4], config=ccfg)
+
+    return dict(zip(OPS, (disp_bf16, disp_fp8, disp_cached, comb), strict=True))
+
+
+def _compare(ours: dict, theirs: dict) -> dict[str, Any]:
+    """Ours vs DeepEP on the same inputs: received rows, ids, weights, counts exactly; FP8 bytes
+    and scales; the combined output (both sum in fp32; reported as max |diff|)."""
+    o, d = ours["out"], theirs["out"]
+    same = {
+        "recv_x": torch.equal(o[0], d[0]),
+        "recv_topk_idx": torch.equal(o[1].long(), d[1].long()),
+        "recv_topk_weights": torch.equal(o[2], d[2]),
+        "num_recv_tokens_per_expert": list(o[3]) == list(d[3]),
+        "recv_x_fp8": torch.equal(
+            ours["fp8"][0][0].view(torch.uint8), theirs["fp8"][0][0].view(torch.uint8)
+        ),
+        "recv_scales_fp8": torch.equal(ours["fp8"][0][1], theirs["fp8"][0][1]),
+        "cached_recv_x": torch.equal(ours["cached"][0], theirs["cached"][0]),
+    }
+    diff = (ours["comb"][0].float() - theirs["comb"][0].float()).abs()
+    same["combine_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
+    return same
+
+
+def _floor_bandwidth(rank: int, world: int, shared: bool) -> float:
+    """Bytes/s for the floor: NVLink peer copy (own GPUs, every rank to its right neighbour at
+    once) or HBM device-to-device copy counting read + write (shared GPU, rank 0 alone)."""
+    n = 256 << 20
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
+    if shared:
+        dst = torch.empty_like(src)
+        scale = 2.0  # read + write
+        if rank != 0:
             dist.barrier()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    kernel_us, parts = _kernel_us(prof, kernel_names, iters)
-    return {"e2e_us": statistics.median(times), "kernel_us": kernel_us, "parts": parts}
-
-
-def _peer_copy_us(src: torch.Tensor, dst: torch.Tensor, rank: int, peer: int) -> float:
-    """Median host-timed copy-engine copy to the peer GPU (both devices synchronized)."""
+            dist.barrier()
+            return 0.0
+    else:
+        dst = torch.empty(n, dtype=torch.uint8, device=f"cuda:{(rank + 1) % world}")
+        scale = 1.0
     times = []
     for i in range(13):
-        dist.barrier()
-        torch.cuda.synchronize(rank)
+        if not shared:
+            dist.barrier()
+        torch.cuda.synchronize()
         t = time.perf_counter()
         dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(rank)
-        torch.cuda.synchronize(peer)
+        torch.cuda.synchronize(dst.device)
+        torch.cuda.synchronize()
         if i >= 3:
-            times.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(times)
+            times.append(time.perf_counter() - t)
+    if shared:
+        dist.barrier()
+        dist.barrier()
+    return scale * n / statistics.median(times)
 
 
-def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> None:
-    init_rank(rank, world, init_file)
+def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     from uccl_ep_megatron import Buffer, Config
 
+    shared = dist.get_backend() == "gloo"
     T, H, E, K = a["tokens"], a["hidden"], a["experts"], a["topk"]
     idx, w, x = routed_inputs(a, rank)
     x_fp8 = (
         x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
-        torch.rand(T, H // 128, device="cuda"),
+        torch.rand(T, H // 128, device="cuda") + 0.5,
     )
-    variants = {"tma": "1", "ldst": "0"}
+    copies = {"tma": "1", "ldst": "0"}
     if a["copy"] != "both":
-        variants = {a["copy"]: variants[a["copy"]]}
-    bufs = {}
-    for name, flag in variants.items():
+        copies = {a["copy"]: copies[a["copy"]]}
+    ours = {}
+    for name, flag in copies.items():
         os.environ["UCCL_EP_INTRANODE_TMA"] = flag  # read once, when the backend is created
-        bufs[name] = Buffer(None, a["nvl_bytes"], 0, backend="kernels")
-    buf = next(iter(bufs.values()))
+        ours[name] = Buffer(None, a["nvl_bytes"], 0, backend="kernels", explicitly_destroy=True)
+    os.environ.pop("UCCL_EP_INTRANODE_TMA", None)
+    deep_ep = None if a["deepep"] == "off" else _import_deepep(a["deepep"] == "on")
+    # Every rank must agree on whether DeepEP runs (an import may fail on one rank only).
+    flags: list[Any] = [None] * world
+    dist.all_gather_object(flags, deep_ep is not None)
+    if not all(flags):
+        deep_ep = None
+    theirs = None
+    if deep_ep is not None:
+        theirs = deep_ep.Buffer(dist.group.WORLD, a["nvl_bytes"], 0, explicitly_destroy=True)
+
+    buf = next(iter(ours.values()))
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     layout = dict(
         num_tokens_per_rank=per_rank,
@@ -151,130 +264,179 @@ def _worker(rank: int, world: int, init_file: str, a: dict, out_path: str) -> No
     )
     res: dict[str, Any] = {
         "world": world,
+        "shared_gpu": shared,
         "tokens": T,
         "hidden": H,
         "experts": E,
         "topk": K,
         "device": torch.cuda.get_device_name(),
-        "rows": [],
+        "timings": [],
+        "deepep": theirs is not None,
+        "agreement": {},
     }
+    if theirs is not None:
+        d_layout = theirs.get_dispatch_layout(idx, E)[:4]
+        for i, name in ((0, "per_rank"), (2, "per_expert"), (3, "in_rank")):
+            res["agreement"][f"layout_{name}"] = torch.equal(
+                (per_rank, per_rdma, per_expert, in_rank)[i], d_layout[i]
+            )
 
-    # NCCL all-to-all of the deduplicated rows (gather done once, untimed).
-    order = in_rank.t().nonzero(as_tuple=True)[1]
-    send = x[order].contiguous()
-    send_counts = in_rank.sum(0).tolist()
-    counts = [torch.zeros(world, dtype=torch.int64, device="cuda") for _ in range(world)]
-    dist.all_gather(counts, torch.tensor(send_counts, device="cuda"))
-    recv_counts = [int(c[rank]) for c in counts]
-    recv = torch.empty(sum(recv_counts), H, dtype=x.dtype, device="cuda")
+    # Counts and bytes for GB/s and the floor.
+    recv_counts: list[Any] = [None] * world
+    dist.all_gather_object(recv_counts, in_rank.sum(0).tolist())
+    recv_rows = sum(c[rank] for c in recv_counts)
+    res["recv_bytes"] = recv_rows * H * 2
+    res["cross_bytes"] = (recv_rows - recv_counts[rank][rank]) * H * 2
 
-    def a2a():
-        dist.all_to_all_single(recv, send, recv_counts, send_counts)
-
-    nccl = _time(a2a, a["iters"], a["warmup"], ("SendRecv", "AllToAll"))
-    recv_bytes = sum(recv_counts) * H * 2
-    cross_bytes = (sum(recv_counts) - recv_counts[rank]) * H * 2
-
-    # NVLink bandwidth: every rank copies 256 MiB to its right neighbour at the same time.
-    peer = (rank + 1) % world
-    n = 256 << 20
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
-    dst = torch.empty(n, dtype=torch.uint8, device=f"cuda:{peer}")
-    bw = n / (_peer_copy_us(src, dst, rank, peer) * 1e-6)
-    res.update(
-        recv_bytes=recv_bytes,
-        cross_bytes=cross_bytes,
-        nvlink_GBps=bw / 1e9,
-        floor_us=cross_bytes / bw * 1e6,
-        nccl=nccl,
-    )
-
-    for sms in [int(s) for s in a["sms"].split(",") if s]:
-        for name, b in bufs.items():
-            rows = _bench_ops(b, Config(sms), x, x_fp8, layout, a, recv_bytes)
-            for row in rows:
-                row["copy"] = name
-            res["rows"].extend(rows)
-
-    # Rank 0 reports; the slowest rank's numbers are what a training step waits for.
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, res)
-    if rank == 0:
-        merged = gathered[0]
-        for i, row in enumerate(merged["rows"]):
-            for key in ("e2e_us", "kernel_us"):
-                row[key] = max(g["rows"][i][key] for g in gathered)
-            byts = merged["recv_bytes"] * ((1 + 4 / 128) / 2 if "fp8" in row["op"] else 1.0)
-            row["GBps"] = byts / (row["kernel_us"] * 1e-6) / 1e9
-            row["e2e_GBps"] = byts / (row["e2e_us"] * 1e-6) / 1e9
-        merged["nccl"] = {k: max(g["nccl"][k] for g in gathered) for k in ("e2e_us", "kernel_us")}
-        with open(out_path, "w") as f:
-            json.dump(merged, f)
-    for b in bufs.values():
-        b.destroy()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _bench_ops(buf, cfg, x, x_fp8, layout: dict, a: dict, recv_bytes: int) -> list[dict]:
-    """Times BF16/FP8/cached dispatch and BF16 combine with one SM budget."""
-    ours = ("uccl_ep::kernels",)
-    state: dict[str, Any] = {}
-
-    def disp_bf16():
-        state["out"] = buf.dispatch(x, config=cfg, **layout)
-
-    def disp_fp8():
-        buf.dispatch(x_fp8, config=cfg, **layout)
-
-    def comb():
-        buf.combine(state["out"][0], state["out"][4], config=cfg)
-
-    def disp_cached():
-        buf.dispatch(x, handle=state["out"][4], config=cfg)
-
-    rows = {"dispatch_bf16": _time(disp_bf16, a["iters"], a["warmup"], ours)}
-    rows["dispatch_fp8"] = _time(disp_fp8, a["iters"], a["warmup"], ours)
-    rows["combine_bf16"] = _time(comb, a["iters"], a["warmup"], ours)
-    rows["dispatch_bf16_cached"] = _time(disp_cached, a["iters"], a["warmup"], ours)
-    out = []
-    for op, t in rows.items():
-        byts = recv_bytes * ((1 + 4 / 128) / 2 if "fp8" in op else 1.0)
-        t.update(
-            op=op,
-            sms=cfg.num_sms,
-            GBps=byts / (t["kernel_us"] * 1e-6) / 1e9,
-            e2e_GBps=byts / (t["e2e_us"] * 1e-6) / 1e9,
+    if not shared:  # NCCL all-to-all of the deduplicated rows (gather done once, untimed)
+        order = in_rank.t().nonzero(as_tuple=True)[1]
+        send = x[order].contiguous()
+        send_counts = recv_counts[rank]
+        recv_split = [c[rank] for c in recv_counts]
+        recv = torch.empty(sum(recv_split), H, dtype=x.dtype, device="cuda")
+        res["nccl"] = time_call(
+            lambda: dist.all_to_all_single(recv, send, recv_split, send_counts),
+            a["iters"],
+            a["warmup"],
         )
-        out.append(t)
+    res["floor_Bps"] = _floor_bandwidth(rank, world, shared)
+
+    for sms in sms_list:
+        mine = (Config(sms), Config(sms))
+        timed = {}
+        for name, b in ours.items():
+            state: dict[str, Any] = {}
+            for op, fn in _calls(b, mine, x, x_fp8, layout, state).items():
+                timed[(op, "ours", name)] = time_call(fn, a["iters"], a["warmup"])
+            if name == next(iter(ours)):
+                ours_state = state
+        if theirs is not None:
+            deep_ep.Buffer.set_num_sms(sms)
+            cfgs = (
+                deep_ep.Buffer.get_dispatch_config(world),
+                deep_ep.Buffer.get_combine_config(world),
+            )
+            d_layout = theirs.get_dispatch_layout(idx, E)[:4]
+            d_kw = dict(
+                num_tokens_per_rank=d_layout[0],
+                num_tokens_per_rdma_rank=d_layout[1],
+                is_token_in_rank=d_layout[3],
+                num_tokens_per_expert=d_layout[2],
+                topk_idx=idx,
+                topk_weights=w,
+            )
+            dstate: dict[str, Any] = {}
+            for op, fn in _calls(theirs, cfgs, x, x_fp8, d_kw, dstate).items():
+                timed[(op, "deepep", "-")] = time_call(fn, a["iters"], a["warmup"])
+            torch.cuda.synchronize()
+            res["agreement"][f"sms{sms}"] = _compare(ours_state, dstate)
+        for (op, impl, copy), t in timed.items():
+            res["timings"].append({"op": op, "impl": impl, "copy": copy, "sms": sms, **t})
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    for b in ours.values():
+        b.destroy()
+    if theirs is not None:
+        theirs.destroy()
+    dist.barrier()
+    return res
+
+
+# ---- merging and printing (launching process) -------------------------------------------
+def _stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def merge(per_rank: list[dict], shared: bool) -> dict:
+    """One result for the rank count: per-iteration max over ranks, then median/min/max."""
+    r0 = per_rank[0]
+    world = r0["world"]
+    out = {k: r0[k] for k in ("world", "tokens", "hidden", "experts", "topk", "device", "deepep")}
+    out["shared_gpu"] = shared
+    out["recv_bytes"] = max(r["recv_bytes"] for r in per_rank)
+    if shared:
+        moved = 2 * sum(r["recv_bytes"] for r in per_rank)  # every row read once, written once
+        bw = r0["floor_Bps"]
+        out["floor"] = {"what": "HBM read+write of all ranks' rows", "GBps": bw / 1e9}
+    else:
+        moved = max(r["cross_bytes"] for r in per_rank)
+        bw = min(r["floor_Bps"] for r in per_rank)
+        out["floor"] = {"what": "peer copy of the rows crossing the link", "GBps": bw / 1e9}
+    out["floor"]["us"] = moved / bw * 1e6
+    out["agreement"] = [r["agreement"] for r in per_rank]
+    if "nccl" in r0:
+        out["nccl"] = _max_over_ranks([r["nccl"] for r in per_rank])
+    rows = []
+    for i, t0 in enumerate(r0["timings"]):
+        row = {k: t0[k] for k in ("op", "impl", "copy", "sms")}
+        row.update(_max_over_ranks([r["timings"][i] for r in per_rank]))
+        byts = out["recv_bytes"] * ((1 + 4 / 128) / 2 if "fp8" in row["op"] else 1.0)
+        row["GBps"] = byts / (row["device_us"]["median"] * 1e-6) / 1e9
+        rows.append(row)
+    out["rows"] = rows
+    for row in rows:
+        if row["impl"] != "ours":
+            continue
+        same = [
+            q
+            for q in rows
+            if q["impl"] == "deepep" and (q["op"], q["sms"]) == (row["op"], row["sms"])
+        ]
+        peer = same[0] if same else None
+        if peer is not None:
+            row["vs_deepep"] = row["device_us"]["median"] / peer["device_us"]["median"]
+    out["world"] = world
     return out
 
 
-def _print(r: dict) -> None:
-    nccl = r["nccl"]["e2e_us"]
-    nccl_kernel = r["nccl"]["kernel_us"]  # NCCL/op compares like with like: kernel time
+def _max_over_ranks(timings: list[dict]) -> dict[str, dict[str, float]]:
+    res = {}
+    for key in ("device_us", "host_us"):
+        per_iter = [max(vals) for vals in zip(*(t[key] for t in timings), strict=True)]
+        res[key] = _stats(per_iter)
+    return res
+
+
+def print_table(r: dict) -> None:
+    mode = "ranks sharing GPUs under MPS (gloo)" if r["shared_gpu"] else "one rank per GPU (NCCL)"
     print(
-        f"# bench intranode: {r['world']} x {r['device']}, {r['tokens']} tok/rank, hidden "
-        f"{r['hidden']}, top-{r['topk']} of {r['experts']} experts (max over ranks)"
+        f"# bench intranode: {r['world']} ranks, {mode}, {r['device']}; {r['tokens']} tok/rank, "
+        f"hidden {r['hidden']}, top-{r['topk']} of {r['experts']} (max over ranks per iteration)"
     )
+    f = r["floor"]
+    print(f"# floor: {f['what']} at {f['GBps']:.0f} GB/s -> {f['us']:.1f} us")
+    if "nccl" in r:
+        print(f"# NCCL all_to_all_single of dedup rows: {r['nccl']['device_us']['median']:.1f} us")
+    if r["deepep"]:
+        bad = [
+            (i, k, v)
+            for i, ag in enumerate(r["agreement"])
+            for k, v in _flat(ag)
+            if v is False or (k.endswith("max_abs_diff") and v > 0.05)
+        ]
+        print("# ours vs DeepEP V1 outputs: " + ("identical" if not bad else f"DIFFER {bad[:4]}"))
     print(
-        f"# NVLink peer copy {r['nvlink_GBps']:.0f} GB/s; BF16 dispatch moves "
-        f"{r['cross_bytes'] / 1e6:.1f} MB across the link -> floor {r['floor_us']:.1f} us; "
-        f"recv_x {r['recv_bytes'] / 1e6:.1f} MB"
-    )
-    print(f"# NCCL all_to_all_single of dedup rows: {nccl:.1f} us e2e, {nccl_kernel:.1f} us kernel")
-    print(
-        f"{'op':<22}{'copy':>5}{'SMs':>4}{'kernel us':>10}{'GB/s':>7}{'e2e us':>8}"
-        f"{'e2e GB/s':>9}{'NCCL/op':>8}{'op/floor':>9}  per kernel (us)"
+        f"{'op':<22}{'impl':>7}{'copy':>5}{'SMs':>4}{'device us':>10}{'(min-max)':>16}"
+        f"{'host us':>9}{'GB/s':>7}{'/floor':>7}{'/DeepEP':>8}"
     )
     for row in r["rows"]:
-        parts = " ".join(f"{k.replace('_kernel', '')}={v:.0f}" for k, v in row["parts"].items())
+        d, h = row["device_us"], row["host_us"]
+        ratio = f"{row['vs_deepep']:.2f}" if "vs_deepep" in row else "-"
+        spread = f"({d['min']:.0f}-{d['max']:.0f})"
         print(
-            f"{row['op']:<22}{row['copy']:>5}{row['sms']:>4}{row['kernel_us']:>10.1f}"
-            f"{row['GBps']:>7.1f}{row['e2e_us']:>8.1f}{row['e2e_GBps']:>9.1f}"
-            f"{nccl_kernel / row['kernel_us']:>8.2f}"
-            f"{row['kernel_us'] / r['floor_us']:>9.2f}  {parts}"
+            f"{row['op']:<22}{row['impl']:>7}{row['copy']:>5}{row['sms']:>4}{d['median']:>10.1f}"
+            f"{spread:>16}{h['median']:>9.1f}{row['GBps']:>7.1f}"
+            f"{d['median'] / r['floor']['us']:>7.2f}{ratio:>8}"
         )
+
+
+def _flat(ag: dict, prefix: str = ""):
+    for k, v in ag.items():
+        if isinstance(v, dict):
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
 
 
 def main(argv: list[str] | None = None) -> int:
