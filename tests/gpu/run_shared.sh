@@ -10,7 +10,7 @@
 #                         the file name): reused when csrc/ and the DeepEP source are unchanged.
 # Every call writes the extensions it built to $OUT/prebuilt.tar.gz; untar it into .prebuilt/.
 # Env: STEPS (default "intranode internode fifo megatron bench_intranode bench_internode"),
-#      RANKS (intranode, default 2,4,8), RPN (internode ranks per node, default 1,2,4),
+#      RANKS (intranode tests, default 2,4,8), BENCH_RANKS (bench intranode, default 2,4,8), RPN (internode ranks per node, default 1,2,4),
 #      BENCH_ARGS (extra bench intranode flags), PYTEST_K (-k filter), DEADLINE_S (default 570).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -72,7 +72,7 @@ build_deepep() {
     "$LOGS/deepep_build.log"; return 0; }
   f=$(ls .baselines/deepep-v1/deep_ep_cpp*.so)
   cp "$f" /tmp/deepep/
-  cp "$f" "/tmp/prebuilt/deep_ep_cpp.$h.${f##*/deep_ep_cpp}"
+  cp "$f" "/tmp/prebuilt/deep_ep_cpp.$h${f##*/deep_ep_cpp}"
   echo "deep_ep built in $((SECONDS - t)) s"
 }
 build_c & bc=$!
@@ -84,7 +84,8 @@ export PYTHONPATH=$SITE:/tmp/deepep:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 cd /tmp || exit 1 # import the installed package, not the source tree
 python3 -c "import uccl_ep_megatron._C as C; print('package ok', C.build_info)" || exit 1
 PYTEST=(python3 -X faulthandler -m pytest -q -p no:cacheprovider --import-mode=importlib
-  -o addopts="" -o faulthandler_timeout=120 -rA --tb=short --durations=8)
+  -o addopts="" -o faulthandler_timeout=170 --timeout=150 --maxfail="${MAXFAIL:-3}" -rA
+  --tb=short --durations=8)
 [ -n "${PYTEST_K:-}" ] && PYTEST+=(-k "$PYTEST_K")
 
 # step NAME LIMIT CMD...: one summary line per step.
@@ -117,8 +118,8 @@ want internode && UCCL_EP_TEST_RANKS_PER_NODE=${RPN:-1,2,4} UCCL_EP_TEST_KERNEL_
 want fifo && step fifo 120 "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
 want megatron && step megatron 150 "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
 # shellcheck disable=SC2086
-want bench_intranode && step bench_intranode 300 python3 -m uccl_ep_megatron.cli bench intranode \
-  --ranks "${RANKS:-2,4,8}" --json "$LOGS/bench_intranode.json" ${BENCH_ARGS:-}
+want bench_intranode && step bench_intranode 330 python3 -m uccl_ep_megatron.cli bench intranode \
+  --ranks "${BENCH_RANKS:-2,4,8}" --json "$LOGS/bench_intranode.json" ${BENCH_ARGS:-}
 want bench_internode && step bench_internode 150 python3 -m uccl_ep_megatron.cli bench internode \
   --ranks 4 --ranks-per-node 2 --threads 2,4 --iters 5 --json "$LOGS/bench_internode.json"
 

@@ -57,7 +57,7 @@ def _get_buffers(reorder: bool):
     key = ("reorder" if reorder else "plain",)
     if key not in _buffers:
         kb = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
-        rb = reference_oracle(None, NVL_BYTES)
+        rb = reference_oracle(None, NVL_BYTES, RDMA_BYTES)
         _buffers[key] = (kb, rb)
     return _buffers[key]
 

@@ -400,7 +400,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, num_gpus: int | None =
         return pool.run(fn, *args)
 
 
-def reference_oracle(group: Any = None, num_nvl_bytes: int = 0) -> Any:
+def reference_oracle(group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0) -> Any:
     """A ``reference`` Buffer usable with CUDA tensors in any pool.
 
     Over NCCL it runs on the GPU. Over gloo (shared GPUs) it runs on CPU copies: tensors go to
@@ -408,7 +408,7 @@ def reference_oracle(group: Any = None, num_nvl_bytes: int = 0) -> Any:
     kernels with the oracle the same way in both modes."""
     from uccl_ep_megatron import Buffer
 
-    buf = Buffer(group, num_nvl_bytes, 0, backend="reference")
+    buf = Buffer(group, num_nvl_bytes, num_rdma_bytes, backend="reference")
     return buf if buf.device.type == "cuda" else _CpuOracle(buf)
 
 
