@@ -9,6 +9,7 @@ reuse. The backend (``kernels`` or ``reference``) only moves bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -114,7 +115,12 @@ class Buffer:
         self.uid = next(_uids)
         backend_name = backend or os.environ.get("UCCL_EP_BACKEND", "auto").strip() or "auto"
         self.device = _group_device(self.group, backend_name, device)
-        self.topology = Topology(self.rank, self.group_size, _detect_ranks_per_node(self.group))
+        ranks_per_node, sharers = _detect_placement(self.group, self.device)
+        self.topology = Topology(self.rank, self.group_size, ranks_per_node)
+        # Ranks sharing this GPU (under CUDA MPS) run their kernels side by side, and the
+        # kernels of all ranks must be resident at once (they wait on each other).
+        self.gpu_sharers = sharers
+        self.max_num_sms = _sm_budget(self.device, sharers)
         self._backend = create_backend(
             backend_name, self.group, self.topology, self.device, num_nvl_bytes, num_rdma_bytes
         )
@@ -494,11 +500,22 @@ class Buffer:
 
     def _check_config(self, config: Config | None, op: str) -> Config:
         if config is None:
-            if op == "dispatch":
-                return self.get_dispatch_config(self.group_size)
-            return self.get_combine_config(self.group_size)
+            config = (
+                self.get_dispatch_config(self.group_size)
+                if op == "dispatch"
+                else self.get_combine_config(self.group_size)
+            )
+            if self.max_num_sms is not None and config.num_sms > self.max_num_sms:
+                config = dataclasses.replace(config, num_sms=self.max_num_sms)
+            return config
         if not isinstance(config, Config):
             raise InvalidInputError(f"config={config!r}: pass a uccl_ep_megatron.Config or None")
+        if self.max_num_sms is not None and config.num_sms > self.max_num_sms:
+            raise InvalidInputError(
+                f"{op}: Config.num_sms={config.num_sms} but {self.gpu_sharers} ranks share "
+                f"{self.device} and their kernels must all be resident at once: use num_sms <= "
+                f"{self.max_num_sms} (Buffer.max_num_sms)"
+            )
         return config
 
     def _check_buffer_size(self, x: torch.Tensor, hidden: int, config: Config) -> None:
@@ -717,15 +734,22 @@ def _group_device(
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _detect_ranks_per_node(group: dist.ProcessGroup) -> int:
-    """Ranks per (virtual) node, checked against where the ranks really run.
+def _detect_placement(group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
+    """Ranks per (virtual) node, checked against where the ranks really run, and how many
+    ranks of the group share this rank's GPU (1 unless ranks share GPUs under MPS).
 
-    ``UCCL_EP_RANKS_PER_NODE`` (virtual nodes) or ``LOCAL_WORLD_SIZE`` when set, else the
-    count of ranks sharing rank 0's host. Nodes must be runs of consecutive ranks.
+    Ranks per node: ``UCCL_EP_RANKS_PER_NODE`` (virtual nodes) or ``LOCAL_WORLD_SIZE`` when
+    set, else the count of ranks sharing rank 0's host. Nodes must be runs of consecutive ranks.
     """
     size = dist.get_world_size(group)
-    hosts: list[str | None] = [None] * size
-    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    gpu = None
+    if device.type == "cuda":
+        gpu = str(torch.cuda.get_device_properties(device).uuid)
+    places: list[tuple[str, str | None] | None] = [None] * size
+    dist.all_gather_object(places, (socket.gethostname(), gpu), group=group)
+    hosts = [p[0] for p in places]
+    me = places[dist.get_rank(group)]
+    sharers = sum(1 for p in places if p == me) if gpu is not None else 1
     host_nodes = _contiguous_runs(hosts)
     if host_nodes is None:
         raise UnsupportedError(
@@ -739,8 +763,17 @@ def _detect_ranks_per_node(group: dist.ProcessGroup) -> int:
                 f"UCCL_EP_RANKS_PER_NODE/LOCAL_WORLD_SIZE={from_env} makes a node span two hosts "
                 f"(each host has {host_nodes} consecutive ranks); use a divisor of that"
             )
-        return from_env
-    return host_nodes
+        return from_env, sharers
+    return host_nodes, sharers
+
+
+def _sm_budget(device: torch.device, sharers: int) -> int | None:
+    """The largest even SM count each of ``sharers`` ranks on one GPU may use; ``None`` when
+    the GPU is not shared (no limit beyond the device's own)."""
+    if device.type != "cuda" or sharers <= 1:
+        return None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(2, sms // sharers // 2 * 2)
 
 
 def _contiguous_runs(hosts: list[str | None]) -> int | None:

@@ -93,7 +93,8 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     if params.get("fp8"):
         scales = torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda")
         x_in = (x.float().to(torch.float8_e4m3fn), scales)
-    config = Config(*params.get("config", (24,)))
+    sms, *chunks = params.get("config", (24,))
+    config = Config(min(sms, kb.max_num_sms or sms), *chunks)
     kw = dict(
         expert_alignment=params.get("align", 1),
         num_worst_tokens=params.get("worst", 0) and params["worst"] * num_tokens * world,
@@ -297,7 +298,7 @@ def dead_peer_case(rank: int, world: int) -> str:
     if rank == world - 1:
         buf._backend.proxy.close()
     try:
-        dispatch(buf, x, layout, idx, w, config=Config(24))
+        dispatch(buf, x, layout, idx, w, config=Config(min(24, buf.max_num_sms or 24)))
         torch.cuda.synchronize()
         buf._backend.check()
     except UcclEpError as exc:

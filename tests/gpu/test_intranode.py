@@ -82,7 +82,7 @@ def case(rank: int, world: int, params: dict) -> int:
     if params.get("fp8"):
         scales = torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda")
         x_in = (x.float().to(torch.float8_e4m3fn), scales)
-    config = Config(params.get("sms", 24))
+    config = Config(min(params.get("sms", 24), kb.max_num_sms or 24))
     kw = dict(
         expert_alignment=params.get("align", 1),
         num_worst_tokens=params.get("worst", 0) and params["worst"] * num_tokens * world,

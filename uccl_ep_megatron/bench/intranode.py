@@ -301,7 +301,9 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         )
     res["floor_Bps"] = _floor_bandwidth(rank, world, shared)
 
-    for sms in sms_list:
+    for asked in sms_list:
+        # Ranks sharing a GPU must fit side by side (Buffer.max_num_sms); DeepEP gets the same.
+        sms = min(asked, buf.max_num_sms or asked)
         mine = (Config(sms), Config(sms))
         timed = {}
         for name, b in ours.items():

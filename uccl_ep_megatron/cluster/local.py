@@ -30,6 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
+# MPS clients share one pool of hardware work queues; with the default few per client, the ipc
+# transport's copy streams can land on the queue of a kernel that waits for those very copies
+# (seen: "the GPU never ran it" after 15 s with 2 ranks on one H200; 32 queues fixed it).
+SHARED_GPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 # Multi-GPU kinds must keep NVLink multicast off (see README, device runs); children inherit it.
 SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -281,11 +285,14 @@ class RankPool:
         )
         self._mps = (mps_daemon or _MPS) if self.placement.shared else None
         self._dir = tempfile.TemporaryDirectory(prefix="uccl_ep_ranks_")
-        saved = {k: os.environ.get(k) for k in SAFE_ENV}
+        child_env = dict(SAFE_ENV)
+        if self.placement.shared:
+            child_env.update({k: v for k, v in SHARED_GPU_ENV.items() if k not in os.environ})
+        saved = {k: os.environ.get(k) for k in child_env}
         try:
             if self._mps is not None:
                 self._mps.start()
-            os.environ.update(SAFE_ENV)  # inherited by the spawned ranks
+            os.environ.update(child_env)  # inherited by the spawned ranks
             ctx = mp.get_context("spawn")
             self._tasks = [ctx.Queue() for _ in range(world)]
             self._results = ctx.Queue()
