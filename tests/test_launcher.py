@@ -143,3 +143,10 @@ def test_shared_gpu_pool_stops_mps_when_ranks_fail(tmp_path, monkeypatch):
         pool.run(INFO)
     assert not mps.running
     assert open(log).read().splitlines()[-1] == "stdin=quit"
+
+
+def test_shared_gpu_env_splits_the_mps_queue_pool():
+    from uccl_ep_megatron.cluster.local import shared_gpu_env
+
+    got = [int(shared_gpu_env(n)["CUDA_DEVICE_MAX_CONNECTIONS"]) for n in (1, 2, 4, 8, 16)]
+    assert got == [32, 32, 16, 8, 8]

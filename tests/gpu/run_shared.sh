@@ -11,7 +11,8 @@
 # Every call writes the extensions it built to $OUT/prebuilt.tar.gz; untar it into .prebuilt/.
 # Env: STEPS (default "intranode internode fifo megatron bench_intranode bench_internode"),
 #      RANKS (intranode tests, default 2,4,8), BENCH_RANKS (bench intranode, default 2,4,8), RPN (internode ranks per node, default 1,2,4),
-#      BENCH_ARGS (extra bench intranode flags), PYTEST_K (-k filter), DEADLINE_S (default 570).
+#      BENCH_ARGS (extra bench intranode flags), PYTEST_K (-k filter), INTERNODE_K (-k filter of the
+#      internode suite), MAXFAIL (pytest --maxfail, default 3), DEADLINE_S (default 570).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 MAX_JOBS=16
@@ -114,7 +115,8 @@ fi
 want intranode && UCCL_EP_TEST_RANKS=${RANKS:-2,4,8} step intranode 300 "${PYTEST[@]}" \
   "$REPO/tests/gpu/test_intranode.py"
 want internode && UCCL_EP_TEST_RANKS_PER_NODE=${RPN:-1,2,4} UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 \
-  step internode 300 "${PYTEST[@]}" "$REPO/tests/gpu/test_internode.py"
+  step internode 300 "${PYTEST[@]}" ${INTERNODE_K:+-k "$INTERNODE_K"} \
+  "$REPO/tests/gpu/test_internode.py"
 want fifo && step fifo 120 "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
 want megatron && step megatron 150 "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
 # shellcheck disable=SC2086

@@ -30,10 +30,16 @@ from dataclasses import dataclass
 from typing import Any
 
 MPS_CONTROL = "nvidia-cuda-mps-control"
-# MPS clients share one pool of hardware work queues; with the default few per client, the ipc
+# MPS clients share one pool of hardware work queues. With the default 8 per client, the ipc
 # transport's copy streams can land on the queue of a kernel that waits for those very copies
-# (seen: "the GPU never ran it" after 15 s with 2 ranks on one H200; 32 queues fixed it).
-SHARED_GPU_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}
+# (seen on one H200: "the GPU never ran it" with 2 ranks; 32 queues each fixed it), but the pool
+# is finite (4 clients asking 32 each: "out of memory" creating the 4th context). So each rank
+# asks for an equal share of 64, at least the default 8 and at most 32.
+
+
+def shared_gpu_env(ranks_per_gpu: int) -> dict[str, str]:
+    """Environment of ranks that share a GPU ``ranks_per_gpu`` ways under MPS."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": str(max(8, min(32, 64 // max(ranks_per_gpu, 1))))}
 # Multi-GPU kinds must keep NVLink multicast off (see README, device runs); children inherit it.
 SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -287,7 +293,9 @@ class RankPool:
         self._dir = tempfile.TemporaryDirectory(prefix="uccl_ep_ranks_")
         child_env = dict(SAFE_ENV)
         if self.placement.shared:
-            child_env.update({k: v for k, v in SHARED_GPU_ENV.items() if k not in os.environ})
+            per_gpu = max(self.placement.gpus.count(g) for g in set(self.placement.gpus))
+            extra = shared_gpu_env(per_gpu)
+            child_env.update({k: v for k, v in extra.items() if k not in os.environ})
         saved = {k: os.environ.get(k) for k in child_env}
         try:
             if self._mps is not None:
