@@ -15,6 +15,7 @@ started), and is stopped on every exit path: ``close()``, an exception, interpre
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import importlib.util
 import os
@@ -40,6 +41,8 @@ MPS_CONTROL = "nvidia-cuda-mps-control"
 def shared_gpu_env(ranks_per_gpu: int) -> dict[str, str]:
     """Environment of ranks that share a GPU ``ranks_per_gpu`` ways under MPS."""
     return {"CUDA_DEVICE_MAX_CONNECTIONS": str(max(8, min(32, 64 // max(ranks_per_gpu, 1))))}
+
+
 # Multi-GPU kinds must keep NVLink multicast off (see README, device runs); children inherit it.
 SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -75,6 +78,25 @@ def place(world: int, num_gpus: int) -> Placement:
     if num_gpus == 0:
         return Placement(world)
     return Placement(world, tuple(r % num_gpus for r in range(world)))
+
+
+def _restore(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _environ(updates: dict[str, str]):
+    """``os.environ`` with ``updates`` inside the block, as it was after it."""
+    saved = {k: os.environ.get(k) for k in updates}
+    os.environ.update(updates)
+    try:
+        yield
+    finally:
+        _restore(saved)
 
 
 def mps_available(control: str = MPS_CONTROL) -> bool:
@@ -167,11 +189,7 @@ class Mps:
             )
         except (OSError, subprocess.TimeoutExpired):
             pass  # a daemon that does not answer dies with its pipe directory below
-        for k, v in self._saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _restore(self._saved)
         self._saved = {}
         shutil.rmtree(self.dir, ignore_errors=True)
         self.dir = None
@@ -236,18 +254,11 @@ def _worker(rank: int, placement: Placement, init_file: str, tasks, results, tim
         if task is None:
             break
         fn, args, env = task
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            results.put((rank, True, _resolve(fn)(rank, placement.world, *args)))
-        except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
-            results.put((rank, False, traceback.format_exc()))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with _environ(env):
+            try:
+                results.put((rank, True, _resolve(fn)(rank, placement.world, *args)))
+            except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+                results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
 
 
@@ -296,11 +307,9 @@ class RankPool:
             per_gpu = max(self.placement.gpus.count(g) for g in set(self.placement.gpus))
             extra = shared_gpu_env(per_gpu)
             child_env.update({k: v for k, v in extra.items() if k not in os.environ})
-        saved = {k: os.environ.get(k) for k in child_env}
         try:
             if self._mps is not None:
                 self._mps.start()
-            os.environ.update(child_env)  # inherited by the spawned ranks
             ctx = mp.get_context("spawn")
             self._tasks = [ctx.Queue() for _ in range(world)]
             self._results = ctx.Queue()
@@ -320,17 +329,12 @@ class RankPool:
                 )
                 for r in range(world)
             ]
-            for p in self._procs:
-                p.start()
+            with _environ(child_env):  # inherited by the spawned ranks
+                for p in self._procs:
+                    p.start()
         except BaseException:
             self.close()
             raise
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     @property
     def backend(self) -> str:
