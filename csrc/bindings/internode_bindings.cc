@@ -159,7 +159,7 @@ void bind_internode(py::module_& m) {
       RW(DispatchArgs, plan_tokens) RW(DispatchArgs, stage_offset) RW(DispatchArgs, recv_rows);
   py::class_<in::CombineArgs>(s, "CombineArgs")
       .def(py::init<>())
-      RW(CombineArgs, common) RW(CombineArgs, dtype) RW(CombineArgs, hidden) RW(CombineArgs, num_topk)
+      RW(CombineArgs, common) RW(CombineArgs, dtype) RW(CombineArgs, num_topk)
       RW(CombineArgs, num_tokens) RW(CombineArgs, num_recv) RW(CombineArgs, row_bytes) RW(CombineArgs, x)
       RW(CombineArgs, topk_weights) RW(CombineArgs, plan) RW(CombineArgs, plan_tokens) RW(CombineArgs, lists)
       RW(CombineArgs, list_count) RW(CombineArgs, src_tokens) RW(CombineArgs, dst_row)

@@ -583,7 +583,7 @@ class InternodeBackend(Backend):
         a = self._in.CombineArgs()
         a.common = self._common(config)
         a.dtype = t.dtype_code
-        a.hidden, a.num_topk, a.num_tokens, a.num_recv = hidden, num_topk, num_tokens, num_recv
+        a.num_topk, a.num_tokens, a.num_recv = num_topk, num_tokens, num_recv
         a.row_bytes = row_bytes
         a.x = x.data_ptr()
         a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
