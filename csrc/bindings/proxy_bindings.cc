@@ -396,7 +396,9 @@ void bind_proxy(py::module_& m) {
            // The proxy's threads use channels, transport and counters: keep them alive with it.
            py::keep_alive<1, 8>(), py::keep_alive<1, 9>(), py::keep_alive<1, 10>())
       .def("start", &Proxy::start)
-      .def("stop", &Proxy::stop, py::call_guard<py::gil_scoped_release>())
+      .def("stop", &Proxy::stop, py::arg("timeout_ms") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Stop and join the threads within timeout_ms (0: 5 s); TimeoutError names a thread stuck in a call.")
+      .def_static("live_threads", &Proxy::live_threads, "Proxy threads in this process that have not exited.")
       .def_property_readonly("running", &Proxy::running)
       .def("check", &Proxy::check, "Re-raise the first failure of a proxy thread.")
       .def("stats", [](const Proxy& p) { return stats_dict(p.stats()); });

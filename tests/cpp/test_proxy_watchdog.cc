@@ -146,5 +146,102 @@ TEST(ProxyWatchdog, ThreadBlockedInTransportIsReportedAndProducersReleased) {
   for (auto& p : proxies) p->stop();
 }
 
+// Two ranks over ipc, rank 0's transport blocking; rank 0's thread is inside post_write on return.
+struct StuckPair {
+  std::vector<std::vector<uint8_t>> regions{2, std::vector<uint8_t>(4096)};
+  std::vector<std::unique_ptr<FifoChannel>> fifos;
+  std::vector<std::unique_ptr<Transport>> transports;
+  BlockingTransport* blocking = nullptr;
+  std::vector<int64_t> counters = std::vector<int64_t>(8, 0);
+  std::vector<std::unique_ptr<Proxy>> proxies;
+
+  StuckPair() {
+    std::vector<std::string> infos;
+    for (uint32_t r = 0; r < 2; ++r) {
+      fifos.push_back(FifoChannel::create_host(0, 64, 60000));
+      TransportSetup s;
+      s.rank = r;
+      s.world_size = 2;
+      s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
+      auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
+      infos.push_back(ipc->local_info());
+      if (r == 0) {
+        auto b = std::make_unique<BlockingTransport>(std::move(ipc));
+        blocking = b.get();
+        transports.push_back(std::move(b));
+      } else {
+        transports.push_back(std::move(ipc));
+      }
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      transports[r]->connect(infos);
+      ProxyOptions o;
+      o.rank = r;
+      o.world_size = 2;
+      o.num_threads = 1;
+      o.timeout_ms = 60000;
+      o.stop_timeout_ms = 300;  // what the destructor waits
+      proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
+                                                counters.data() + 4 * r, 4));
+      proxies.back()->start();
+    }
+    fifos[0]->push(build_write(1, 0, 0, 64));
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!blocking->blocked.load() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+};
+
+void wait_for_live_threads(uint32_t n) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (Proxy::live_threads() > n && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+TEST(ProxyWatchdog, StopIsBoundedAndNamesTheThreadStuckInATransportCall) {
+  StuckPair p;
+  ASSERT_TRUE(p.blocking->blocked.load());
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string msg;
+  try {
+    p.proxies[0]->stop(200);
+  } catch (const TimeoutError& e) {
+    msg = e.what();
+  }
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  ASSERT_FALSE(msg.empty()) << "stop() returned although its thread is stuck";
+  EXPECT_GE(waited.count(), 190);
+  EXPECT_LT(waited.count(), 3000);
+  EXPECT_NE(msg.find("proxy rank 0: thread 0 (ueproxy0t0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("did not stop within 200 ms"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("transport 'blocking-ipc'"), std::string::npos) << msg;
+  // Still stopping: the proxy kept its thread, cannot be started again, and can be stopped later.
+  EXPECT_TRUE(p.proxies[0]->running());
+  EXPECT_THROW(p.proxies[0]->start(), InvalidArgument);
+  p.blocking->release();
+  EXPECT_NO_THROW(p.proxies[0]->stop(10000));
+  EXPECT_FALSE(p.proxies[0]->running());
+  p.proxies[1]->stop();
+}
+
+TEST(ProxyWatchdog, DestructorLeavesAStuckThreadBehindWithoutWaitingForIt) {
+  const uint32_t before = Proxy::live_threads();
+  StuckPair p;
+  ASSERT_TRUE(p.blocking->blocked.load());
+  const auto t0 = std::chrono::steady_clock::now();
+  p.proxies[0].reset();  // bounded by stop_timeout_ms, then the thread is detached
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  EXPECT_LT(waited.count(), 3000);
+  EXPECT_EQ(Proxy::live_threads(), before + 2);  // rank 0's stuck thread and rank 1's thread
+  // The detached thread returns into state the destructor left alive (TSAN/ASAN would object
+  // otherwise), then exits; the transport it used is still owned here.
+  p.blocking->release();
+  p.proxies[1]->stop();
+  wait_for_live_threads(before);
+  EXPECT_EQ(Proxy::live_threads(), before);
+}
+
 }  // namespace
 }  // namespace uccl_ep
