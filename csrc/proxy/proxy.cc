@@ -165,7 +165,10 @@ class Worker {
     bool progress = false;
     for (uint32_t budget = o_.batch; budget > 0; --budget) {
       if (!ch.busy) {
-        if (!ch.fifo->poll(&ch.cmd)) return progress;
+        if (!ch.fifo->poll(&ch.cmd)) {
+          ch.fifo->check_hole();  // a producer that gave up would stall this channel for good
+          return progress;
+        }
         ch.busy = true;
         ch.idx = ch.fifo->head();
         ch.stage = 0;

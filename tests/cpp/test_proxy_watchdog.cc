@@ -243,5 +243,41 @@ TEST(ProxyWatchdog, DestructorLeavesAStuckThreadBehindWithoutWaitingForIt) {
   EXPECT_EQ(Proxy::live_threads(), before);
 }
 
+// A producer that reserved a FIFO index and gave up leaves a slot the proxy waits for forever:
+// the proxy must report it (check() raises naming channel and index) instead of idling.
+TEST(ProxyWatchdog, ProxyReportsAHoleLeftByAFailedPush) {
+  std::vector<uint8_t> region(4096);
+  auto fifo = FifoChannel::create_host(0, 2, 50);
+  TransportSetup s;
+  s.rank = 0;
+  s.world_size = 1;
+  s.region = RegionInfo{region.data(), region.size(), -1};
+  IpcTransport ipc(s, IpcOptions{});
+  ipc.connect({ipc.local_info()});
+  fifo->push(build_write(0, 0, 1024, 64));
+  fifo->push(build_write(0, 0, 2048, 64));
+  EXPECT_THROW(fifo->push(build_write(0, 0, 3072, 64)), TimeoutError);  // nobody consumes yet
+  std::vector<int64_t> counters(4, 0);
+  ProxyOptions o;
+  o.num_threads = 1;
+  o.timeout_ms = 60000;
+  Proxy proxy(o, {fifo.get()}, &ipc, counters.data(), 4);
+  proxy.start();
+  std::string msg;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (msg.empty() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+    try {
+      proxy.check();
+    } catch (const TimeoutError& e) {
+      msg = e.what();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_FALSE(msg.empty()) << "the proxy waited for the hole without a word";
+  EXPECT_NE(msg.find("FIFO channel 0: the producer that reserved index 2 gave up"), std::string::npos) << msg;
+  EXPECT_EQ(fifo->published_head(), 2u);  // both real commands were executed first
+  proxy.stop();
+}
+
 }  // namespace
 }  // namespace uccl_ep
