@@ -82,8 +82,8 @@ def test_platform_dry_run(capsys, tmp_path, recipe, nodes, preset, env):
         assert exports[key] == value, key
     assert exports["UCCL_EP_TRANSPORT"] == "verbs"
     # UCCL-EP's own names default to the NCCL values the cluster already sets.
-    assert 'export UCCL_SOCKET_IFNAME="${UCCL_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}"' in text
     assert 'UCCL_IB_GID_INDEX="${UCCL_IB_GID_INDEX:-${NCCL_IB_GID_INDEX}}"' in text
+    assert "UCCL_SOCKET_IFNAME" not in text  # nothing reads it: the bootstrap is torch.distributed
     words = shlex.split(_torchrun_block(text).replace("\\\n", " "), comments=False)
     assert words[:6] == [
         "torchrun",

@@ -260,7 +260,6 @@ def _env_exports(plan: LaunchPlan) -> str:
     lines = [f'export {k}="${{{k}:-{_dq(v)}}}"' for k, v in plan.env.items()]
     # UCCL-EP's own names default to the NCCL values a cluster already has (DESIGN.md).
     lines += [
-        'export UCCL_SOCKET_IFNAME="${UCCL_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}"',
         'if [ -n "${NCCL_IB_GID_INDEX:-}" ]; then',
         '  export UCCL_IB_GID_INDEX="${UCCL_IB_GID_INDEX:-${NCCL_IB_GID_INDEX}}"',
         "fi",
@@ -298,7 +297,7 @@ def _container(plan: LaunchPlan) -> str:
         words += ["--device=/dev/kfd", "--device=/dev/dri", "--group-add=video"]
     else:
         words += ["--gpus=all"]
-    names = [*plan.env, "UCCL_SOCKET_IFNAME", "UCCL_IB_GID_INDEX", "MASTER_ADDR", "MASTER_PORT"]
+    names = [*plan.env, "UCCL_IB_GID_INDEX", "MASTER_ADDR", "MASTER_PORT"]
     words += [f"--env={n}" for n in names]
     words += [f"--volume={shlex.quote(m)}" for m in mounts]
     words.append(shlex.quote(plan.container_image))
