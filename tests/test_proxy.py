@@ -217,6 +217,26 @@ def test_bench_ordering_cli(tmp_path, capsys):
     assert "ordering" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--bytes", str(_C.cmd_limits["max_length"] + 1)], "exceeds what one write command"),
+        (["--threads", "3", "--channels", "2"], "--threads=3"),
+    ],
+)
+def test_bench_ordering_rejects_bad_arguments_at_once(argv, needle):
+    # An invalid length used to kill the producer threads silently and leave the bench polling
+    # the counters for two minutes before a misleading "counters stuck".
+    import time
+
+    from uccl_ep_megatron import cli
+
+    t0 = time.monotonic()
+    with pytest.raises(InvalidInputError, match=needle):
+        cli.main(["bench", "ordering", "--msgs", "10", "--delay-us", "0", *argv])
+    assert time.monotonic() - t0 < 10
+
+
 # ---- raw addresses crossing into _C are checked (a bad one used to segfault the process) ------
 def test_transport_rejects_a_region_that_no_allocation_backs():
     with pytest.raises(InvalidInputError, match="allocate it with _C.HostRegion"):

@@ -16,6 +16,7 @@ scheduler). Three targets:
 from __future__ import annotations
 
 import functools
+import re
 import shlex
 import shutil
 import subprocess
@@ -31,6 +32,22 @@ TARGETS = ("train", "megatron", "primus")
 SCHEDULERS = ("slurm", "none")
 CONTAINER_RUNTIMES = ("pyxis", "docker")
 DEFAULT_MASTER_PORT = 29500
+
+# What each `#SBATCH` option of plan_launch may hold. The value lands in a shell script
+# verbatim: anything else (a newline, a quote, `$(...)`) would change the script.
+_SLURM_NAMES = r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*"
+_SLURM_TIME = (
+    r"(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}"
+    r"|\d+-\d{1,2}:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)"
+)
+_SBATCH_OPTIONS = {
+    "partition": (_SLURM_NAMES, "partition names (letters, digits, _ . -), comma-separated"),
+    "account": (_SLURM_NAMES, "an account name (letters, digits, _ . -)"),
+    "time": (
+        _SLURM_TIME,
+        "a slurm time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED",
+    ),
+}
 
 
 def launch_dir() -> Path:
@@ -199,6 +216,14 @@ def plan_launch(
     """
     if target not in TARGETS:
         raise InvalidInputError(f"unknown launch target {target!r}; use one of {list(TARGETS)}")
+    for key, value in (sbatch_options or {}).items():
+        if key not in _SBATCH_OPTIONS:
+            raise InvalidInputError(
+                f"sbatch option {key!r} is not supported; use {', '.join(_SBATCH_OPTIONS)}"
+            )
+        pattern, what = _SBATCH_OPTIONS[key]
+        if not isinstance(value, str) or not re.fullmatch(pattern, value, re.IGNORECASE):
+            raise InvalidInputError(f"--{key}={value!r} must be {what}")
     if scheduler not in SCHEDULERS:
         raise InvalidInputError(f"unknown scheduler {scheduler!r}; use one of {list(SCHEDULERS)}")
     nodes = int(nodes if nodes is not None else recipe.cluster["nodes"])
