@@ -313,8 +313,12 @@ class Buffer:
             config: chunking/SM config; default ``Buffer.get_dispatch_config(group size)``.
             previous_event: wait for this event before starting instead of the current stream.
             async_finish: return an event to wait on instead of joining the current stream.
-            allocate_on_comm_stream: accepted for DeepEP compatibility; outputs are always
-                made safe for use on the current stream.
+            allocate_on_comm_stream: accepted and ignored (on every call of every backend):
+                outputs are always allocated while the communication stream is current and
+                recorded on the caller's stream, so they are safe to use and to free there.
+                That is what DeepEP does with ``True``; with ``False`` DeepEP allocates them on
+                the caller's stream instead, and it requires ``previous_event`` and
+                ``async_finish`` for ``True``, which this ``Buffer`` does not.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
@@ -626,7 +630,9 @@ class Buffer:
         """Run ``fn`` on the comm stream, ordered after the caller's work.
 
         Inputs are recorded on the comm stream and outputs on the caller's stream, so the
-        caching allocator never recycles memory one stream still uses.
+        caching allocator never recycles memory one stream still uses. ``fn`` allocates its
+        outputs with the comm stream current whatever ``allocate_on_comm_stream`` says (see
+        ``dispatch``).
         """
         self._check_event(previous_event)
         if self._comm_stream is None:

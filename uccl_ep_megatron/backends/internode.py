@@ -20,8 +20,10 @@ finished its previous kernels (every ring is drained before a call with another 
 dispatch that returns per-expert counts then all-gathers those. The bulk index tables (final
 rows, per-channel stream lists) are torch ops on the GPU.
 
-Virtual nodes: ``UCCL_EP_RANKS_PER_NODE`` splits one host's GPUs into nodes; the path is then
-the same except that the transport is ``ipc`` (a copy into the peer's IPC-mapped region).
+Virtual nodes: ``UCCL_EP_RANKS_PER_NODE`` splits one host's GPUs into nodes and the path is the
+same. The proxies' transport is chosen as on a cluster (``UCCL_EP_TRANSPORT``; ``auto`` is
+``verbs`` when an RDMA port is active, else ``ipc``, a copy into the peer's IPC-mapped region);
+only ``ipc`` has run, on hosts without a NIC, so set ``UCCL_EP_TRANSPORT=ipc`` for virtual nodes.
 """
 
 from __future__ import annotations
