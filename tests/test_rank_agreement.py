@@ -203,7 +203,15 @@ def w_one_rank_rejects(rank, world, case):
         idx = idx.clone()
         idx[0, 0] = 99
     exc = errors.BufferTooSmallError if case == "undersized" else errors.InvalidInputError
-    if case == "combine_rows":
+    if case == "previous_event":
+        ev = object() if rank == 1 else None
+        msg, dt = _raises(
+            exc,
+            lambda: _dispatch(
+                buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world, previous_event=ev
+            ),
+        )
+    elif case == "combine_rows":
         recv_x, _, _, _, handle, _ = _dispatch(
             buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world
         )
@@ -223,6 +231,7 @@ def w_one_rank_rejects(rank, world, case):
         ("bad_id", "dispatch #1", "topk_idx contains expert id 99"),
         ("combine_rows", "combine #2", "x has"),
         ("undersized", "dispatch #1", "num_nvl_bytes=1024"),
+        ("previous_event", "dispatch #1", "pass an EventOverlap"),
     ],
 )
 def test_an_error_on_one_rank_reaches_every_rank(pool, case, call, needle):

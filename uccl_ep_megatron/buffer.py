@@ -352,10 +352,9 @@ class Buffer:
             agreed = self._agree(kind, seq, prepared, error)
             return self._backend.dispatch(dataclasses.replace(prepared.args, agreed=agreed))
 
-        inputs = prepared.inputs if prepared is not None else []
-        result, event = self._run(
-            run, inputs, previous_event, async_finish, allocate_on_comm_stream
-        )
+        # After a failed check the event may be what failed: run() raises before it matters.
+        inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
+        result, event = self._run(run, inputs, event_in, async_finish, allocate_on_comm_stream)
         args = prepared.args
         recv_x: XType = result.recv_x
         if args.x_scales is not None:
@@ -508,9 +507,9 @@ class Buffer:
             x_, weights, biases, config_ = prepared.args
             return self._backend.combine(x_, handle, weights, biases, config_)
 
-        inputs = prepared.inputs if prepared is not None else []
+        inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
         (combined, combined_weights), event = self._run(
-            run, inputs, previous_event, async_finish, allocate_on_comm_stream
+            run, inputs, event_in, async_finish, allocate_on_comm_stream
         )
         return combined, combined_weights, event
 

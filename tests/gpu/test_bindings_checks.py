@@ -1,6 +1,7 @@
-"""Raw addresses that cross into ``_C`` on a GPU build: null, made-up, freed, of the wrong kind
-or too short must raise ``InvalidInputError`` (``host_status_read(0)`` used to segfault), and
-the CUDA context must still work afterwards (nothing reached a kernel or the driver)."""
+"""Raw addresses that cross into ``_C`` on a GPU: freed, interior, of the wrong kind or too
+short must raise ``InvalidInputError``, and the CUDA context must still work afterwards
+(nothing reached a kernel or the driver). Made-up addresses without any allocation are in
+``tests/test_bindings_checks.py``, which needs no GPU."""
 
 from __future__ import annotations
 
@@ -26,10 +27,6 @@ def _context_alive() -> None:
 
 
 def test_status_words():
-    with pytest.raises(InvalidInputError, match="null pointer"):
-        _C.host_status_read(0)
-    with pytest.raises(InvalidInputError, match="no live allocation"):
-        _C.host_status_read(0x1234)
     buf = _C.device_alloc_zeroed(1 << 20)
     with pytest.raises(InvalidInputError, match="must lie inside one status words"):
         _C.host_status_read(buf)  # a device buffer is not a status block
@@ -40,8 +37,6 @@ def test_status_words():
         _C.host_status_free(st)  # a second free
     with pytest.raises(InvalidInputError):
         _C.host_status_read(st)  # use after free
-    with pytest.raises(InvalidInputError, match="null pointer"):
-        _C.internode.status_read(0)
     _C.device_free(buf)
     _context_alive()
 
@@ -60,8 +55,6 @@ def test_device_buffers_and_ipc():
         _C.ipc_get_handle(buf + 16)
     with pytest.raises(InvalidInputError, match="not the start of a live IPC mapping"):
         _C.ipc_close_handle(buf)  # our own buffer is no mapping
-    with pytest.raises(InvalidInputError, match="pass what ipc_get_handle"):
-        _C.ipc_open_handle(b"1234")
     _C.device_free(other)
     _C.device_free(buf)
     with pytest.raises(InvalidInputError, match="not the start"):

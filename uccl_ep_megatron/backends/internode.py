@@ -180,6 +180,7 @@ class InternodeBackend(Backend):
         topo = topology
         self._timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
         self._call = ""
+        self._broken = ""
         dev_index = device.index if device.index is not None else torch.cuda.current_device()
         self._dev_index = dev_index
         # NVLink buffer (barrier flags + staging); one node rank alone needs only the flags.
@@ -239,6 +240,11 @@ class InternodeBackend(Backend):
         """Raise the first failure of a kernel wait, a FIFO push or a proxy thread."""
         if self._destroyed:
             raise UcclEpError("the internode backend was destroyed; create a new Buffer")
+        if self._broken:
+            raise UcclEpError(
+                f"this Buffer is unusable: {self._broken} (the collective may still be pending "
+                "on the group); create a new Buffer"
+            )
         self._ep.check()
         st = self._in.status_read(self._status)
         if st[0]:
@@ -345,10 +351,12 @@ class InternodeBackend(Backend):
         num_ranks = self.topology.num_ranks
         out = torch.empty(num_ranks * row.numel(), dtype=torch.int64, device=self.device)
         dist.all_gather_into_tensor(out, row.to(torch.int64).contiguous(), group=self.group)
-        wait_stream(
-            self._timeout_ms,
-            lambda: timeout_error(self.topology.rank, what, call, self._timeout_ms),
-        )
+
+        def expired() -> CommTimeoutError:
+            self._broken = f"{what} of {call} timed out"
+            return timeout_error(self.topology.rank, what, call, self._timeout_ms)
+
+        wait_stream(self._timeout_ms, expired)
         return out.view(num_ranks, -1).tolist()
 
     def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
