@@ -70,41 +70,63 @@ class BlockingTransport : public Transport {
   bool released_ = false;
 };
 
-TEST(ProxyWatchdog, ThreadBlockedInTransportIsReportedAndProducersReleased) {
-  std::vector<std::vector<uint8_t>> regions(2, std::vector<uint8_t>(4096));
+// Two proxies over ipc, rank 0's transport blocking (once armed by a write on its channel).
+struct BlockingPair {
+  std::vector<std::vector<uint8_t>> regions{2, std::vector<uint8_t>(4096)};
   std::vector<std::unique_ptr<FifoChannel>> fifos;
   std::vector<std::unique_ptr<Transport>> transports;
-  std::vector<std::string> infos;
   BlockingTransport* blocking = nullptr;
-  for (uint32_t r = 0; r < 2; ++r) {
-    fifos.push_back(FifoChannel::create_host(0, 64, 60000));
-    TransportSetup s;
-    s.rank = r;
-    s.world_size = 2;
-    s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
-    auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
-    infos.push_back(ipc->local_info());
-    if (r == 0) {
-      auto b = std::make_unique<BlockingTransport>(std::move(ipc));
-      blocking = b.get();
-      transports.push_back(std::move(b));
-    } else {
-      transports.push_back(std::move(ipc));
+  std::vector<int64_t> counters = std::vector<int64_t>(8, 0);
+  std::vector<std::unique_ptr<Proxy>> proxies;
+
+  BlockingPair(uint64_t timeout_ms, uint64_t stop_timeout_ms) {
+    std::vector<std::string> infos;
+    for (uint32_t r = 0; r < 2; ++r) {
+      fifos.push_back(FifoChannel::create_host(0, 64, 60000));
+      TransportSetup s;
+      s.rank = r;
+      s.world_size = 2;
+      s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
+      auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
+      infos.push_back(ipc->local_info());
+      if (r == 0) {
+        auto b = std::make_unique<BlockingTransport>(std::move(ipc));
+        blocking = b.get();
+        transports.push_back(std::move(b));
+      } else {
+        transports.push_back(std::move(ipc));
+      }
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      transports[r]->connect(infos);
+      ProxyOptions o;
+      o.rank = r;
+      o.world_size = 2;
+      o.num_threads = 1;
+      o.timeout_ms = timeout_ms;
+      o.stop_timeout_ms = stop_timeout_ms;  // what the destructor waits
+      proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
+                                                counters.data() + 4 * r, 4));
+      proxies.back()->start();
     }
   }
-  std::vector<int64_t> counters(8, 0);
-  std::vector<std::unique_ptr<Proxy>> proxies;
-  for (uint32_t r = 0; r < 2; ++r) {
-    transports[r]->connect(infos);
-    ProxyOptions o;
-    o.rank = r;
-    o.world_size = 2;
-    o.num_threads = 1;
-    o.timeout_ms = 300;
-    proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
-                                              counters.data() + 4 * r, 4));
-    proxies.back()->start();
+
+  // Makes rank 0's thread block inside post_write; true once it does.
+  bool block_rank0() {
+    fifos[0]->push(build_write(1, 0, 0, 64));
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!blocking->blocked.load() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return blocking->blocked.load();
   }
+};
+
+TEST(ProxyWatchdog, ThreadBlockedInTransportIsReportedAndProducersReleased) {
+  BlockingPair pair(300, 5000);
+  auto& proxies = pair.proxies;
+  auto& fifos = pair.fifos;
+  BlockingTransport* blocking = pair.blocking;
   // A healthy proxy passes check() for longer than its timeout (the watchdog is quiet).
   const auto t0 = std::chrono::steady_clock::now();
   while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(700)) {
@@ -146,53 +168,6 @@ TEST(ProxyWatchdog, ThreadBlockedInTransportIsReportedAndProducersReleased) {
   for (auto& p : proxies) p->stop();
 }
 
-// Two ranks over ipc, rank 0's transport blocking; rank 0's thread is inside post_write on return.
-struct StuckPair {
-  std::vector<std::vector<uint8_t>> regions{2, std::vector<uint8_t>(4096)};
-  std::vector<std::unique_ptr<FifoChannel>> fifos;
-  std::vector<std::unique_ptr<Transport>> transports;
-  BlockingTransport* blocking = nullptr;
-  std::vector<int64_t> counters = std::vector<int64_t>(8, 0);
-  std::vector<std::unique_ptr<Proxy>> proxies;
-
-  StuckPair() {
-    std::vector<std::string> infos;
-    for (uint32_t r = 0; r < 2; ++r) {
-      fifos.push_back(FifoChannel::create_host(0, 64, 60000));
-      TransportSetup s;
-      s.rank = r;
-      s.world_size = 2;
-      s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
-      auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
-      infos.push_back(ipc->local_info());
-      if (r == 0) {
-        auto b = std::make_unique<BlockingTransport>(std::move(ipc));
-        blocking = b.get();
-        transports.push_back(std::move(b));
-      } else {
-        transports.push_back(std::move(ipc));
-      }
-    }
-    for (uint32_t r = 0; r < 2; ++r) {
-      transports[r]->connect(infos);
-      ProxyOptions o;
-      o.rank = r;
-      o.world_size = 2;
-      o.num_threads = 1;
-      o.timeout_ms = 60000;
-      o.stop_timeout_ms = 300;  // what the destructor waits
-      proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
-                                                counters.data() + 4 * r, 4));
-      proxies.back()->start();
-    }
-    fifos[0]->push(build_write(1, 0, 0, 64));
-    const auto t0 = std::chrono::steady_clock::now();
-    while (!blocking->blocked.load() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-  }
-};
-
 void wait_for_live_threads(uint32_t n) {
   const auto t0 = std::chrono::steady_clock::now();
   while (Proxy::live_threads() > n && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
@@ -201,8 +176,8 @@ void wait_for_live_threads(uint32_t n) {
 }
 
 TEST(ProxyWatchdog, StopIsBoundedAndNamesTheThreadStuckInATransportCall) {
-  StuckPair p;
-  ASSERT_TRUE(p.blocking->blocked.load());
+  BlockingPair p(60000, 300);
+  ASSERT_TRUE(p.block_rank0());
   const auto t0 = std::chrono::steady_clock::now();
   std::string msg;
   try {
@@ -228,8 +203,8 @@ TEST(ProxyWatchdog, StopIsBoundedAndNamesTheThreadStuckInATransportCall) {
 
 TEST(ProxyWatchdog, DestructorLeavesAStuckThreadBehindWithoutWaitingForIt) {
   const uint32_t before = Proxy::live_threads();
-  StuckPair p;
-  ASSERT_TRUE(p.blocking->blocked.load());
+  BlockingPair p(60000, 300);
+  ASSERT_TRUE(p.block_rank0());
   const auto t0 = std::chrono::steady_clock::now();
   p.proxies[0].reset();  // bounded by stop_timeout_ms, then the thread is detached
   const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends.agreement import Agreement
-from uccl_ep_megatron.config import Config
+from uccl_ep_megatron.config import Config, effective_env
 from uccl_ep_megatron.errors import InvalidInputError
 
 
@@ -130,6 +130,8 @@ class Backend(abc.ABC):
         self.device = device
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
+        # Bound of every wait of this backend, read once (UCCL_EP_TIMEOUT_MS).
+        self.timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
 
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:

@@ -25,7 +25,6 @@ from uccl_ep_megatron.backends.base import (
     DispatchHandle,
     DispatchResult,
     Layout,
-    Topology,
 )
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import InvalidInputError, UcclEpError
@@ -68,20 +67,8 @@ class ReferenceBackend(Backend):
         }
     )
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        topology: Topology,
-        device: torch.device,
-        num_nvl_bytes: int,
-        num_rdma_bytes: int,
-    ) -> None:
-        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
-        from uccl_ep_megatron.config import effective_env
-
-        self._timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
-        self._broken = ""
-        self._call = ""
+    _broken = ""  # why this Buffer is unusable (a collective timed out), else ""
+    _call = ""  # the call whose header was exchanged last: names it in later errors
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
         topo = self.topology
@@ -109,13 +96,13 @@ class ReferenceBackend(Backend):
     def _wait(self, work: Any, what: str, call: str) -> None:
         def expired() -> UcclEpError:
             self._broken = f"{what} of {call} timed out"
-            return timeout_error(self.topology.rank, what, call, self._timeout_ms)
+            return timeout_error(self.topology.rank, what, call, self.timeout_ms)
 
         if self.device.type == "cuda":
             work.wait()  # NCCL: orders the current stream after the collective (host goes on)
-            wait_stream(self._timeout_ms, expired)
+            wait_stream(self.timeout_ms, expired)
         else:
-            wait_work(work, self._timeout_ms, expired)
+            wait_work(work, self.timeout_ms, expired)
 
     def _check_usable(self) -> None:
         if self._broken:
