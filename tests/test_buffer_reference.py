@@ -308,12 +308,23 @@ def w_bad_inputs(rank, world):
 
     bad = inp.topk_idx.clone()
     if bad.numel():
-        bad[0, 0] = num_experts
-        expect(
-            InvalidInputError, f"expert id {num_experts}", buf.get_dispatch_layout, bad, num_experts
-        )
-        bad[0, 0] = -2
-        expect(InvalidInputError, "expert id -2", buf.get_dispatch_layout, bad, num_experts)
+        # Layout counts an id outside [0, E) nowhere, as the kernels do; dispatch rejects it.
+        dropped = inp.topk_idx.clone()
+        dropped[0, 0] = -1
+        for wrong in (num_experts, -2):
+            bad[0, 0] = wrong
+            g_rank, _, g_expert, g_in_rank = buf.get_dispatch_layout(bad, num_experts)[:4]
+            w_rank, _, w_expert, w_in_rank = buf.get_dispatch_layout(dropped, num_experts)[:4]
+            assert torch.equal(g_rank, w_rank) and torch.equal(g_expert, w_expert)
+            assert torch.equal(g_in_rank, w_in_rank)
+            bad_kw = dict(
+                kw,
+                topk_idx=bad,
+                num_tokens_per_rank=g_rank,
+                num_tokens_per_expert=g_expert,
+                is_token_in_rank=g_in_rank,
+            )
+            expect(InvalidInputError, f"expert id {wrong}", buf.dispatch, inp.x, **bad_kw)
     expect(
         InvalidInputError, "not divisible", buf.get_dispatch_layout, inp.topk_idx, num_experts + 1
     )
@@ -448,3 +459,48 @@ def test_bad_inputs(pool2):
 
 def test_gradcheck_float64(pool2):
     pool2.run(HERE, "w_gradcheck")
+
+
+def w_deepep_constructor(rank, world):
+    import inspect
+
+    from uccl_ep_megatron import Buffer, UnsupportedError
+
+    deepep_v1 = [
+        "group",
+        "num_nvl_bytes",
+        "num_rdma_bytes",
+        "low_latency_mode",
+        "num_qps_per_rank",
+        "allow_nvlink_for_low_latency_mode",
+        "allow_mnnvl",
+        "use_fabric",
+        "explicitly_destroy",
+        "enable_shrink",
+        "comm",
+    ]
+    params = list(inspect.signature(Buffer).parameters)
+    assert params[: len(deepep_v1)] == deepep_v1, params
+    # Every argument positionally, in DeepEP V1's order (explicitly_destroy is the 9th).
+    buf = Buffer(
+        None, 1 << 20, 0, False, 24, True, True, False, True, False, None, backend="reference"
+    )
+    assert buf.explicitly_destroy is True
+    buf.destroy()
+    group = torch.distributed.group.WORLD
+    Buffer(group, 1 << 20, comm=object(), backend="reference").destroy()  # comm ignored with group
+    for kwargs, needle in (
+        ({"use_fabric": True}, "use_fabric=True"),
+        ({"enable_shrink": True}, "enable_shrink=True"),
+        ({"comm": object()}, "mpi4py"),
+    ):
+        try:
+            Buffer(None, 1 << 20, backend="reference", **kwargs)
+        except UnsupportedError as e:
+            assert needle in str(e), str(e)
+        else:
+            raise AssertionError(f"{kwargs} was accepted")
+
+
+def test_deepep_v1_constructor(pool2):
+    pool2.run(HERE, "w_deepep_constructor")

@@ -112,3 +112,33 @@ def test_readme_documents_every_cli_command_and_flag():
         elif flag is not None and flag not in text:
             missing.append(f"{command} {flag}")
     assert not missing, f"README.md does not document: {missing}"
+
+
+def test_every_registered_variable_is_read_somewhere():
+    # A variable in the registry (and so in doctor and the README) that no code reads promises
+    # a knob that does nothing (UCCL_SOCKET_IFNAME once did). "Read" means: its Env field is
+    # used by the C++ core, or its name appears in Python code other than the places that only
+    # print or export it.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    defs = open(os.path.join(root, "csrc", "common", "env_params.def")).read()
+    fields = dict(re.findall(r'^UCCL_EP_ENV_\w+\((\w+), "(\w+)"', defs, re.M))
+    assert len(fields) == len(env_registry())
+    cpp, py = [], []
+    for sub, exts, out in (
+        ("csrc", (".cc", ".cu", ".cuh", ".h"), cpp),
+        ("uccl_ep_megatron", (".py",), py),
+    ):
+        for dirpath, _, files in os.walk(os.path.join(root, sub)):
+            for f in files:
+                path = os.path.join(dirpath, f)
+                if f.endswith(exts) and not path.endswith(
+                    ("env.h", "env.cc", os.path.join("commands", "doctor.py"), "launch.py")
+                ):
+                    out.append(open(path).read())
+    cpp_text, py_text = "\n".join(cpp), "\n".join(py)
+    unread = [
+        name
+        for field, name in fields.items()
+        if not re.search(rf"[.>]{field}\b", cpp_text) and f'"{name}"' not in py_text
+    ]
+    assert not unread, f"registered but never read: {unread}"

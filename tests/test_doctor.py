@@ -71,3 +71,14 @@ def test_cli_prints_sections_and_json(tmp_path, capsys, monkeypatch):
     data = json.loads(out_json.read_text())
     assert data["env"]["UCCL_EP_NUM_PROXY_THREADS"]["value"] == 6
     assert data["env"]["UCCL_EP_NUM_PROXY_THREADS"]["set"] is True
+
+
+def test_doctor_diagnoses_a_value_that_does_not_parse(capsys, monkeypatch):
+    monkeypatch.setenv("UCCL_EP_TIMEOUT_MS", "ten seconds")
+    monkeypatch.setenv("UCCL_EP_IPC_REORDER", "maybe")
+    assert cli.main(["doctor"]) == 0
+    text = capsys.readouterr().out
+    assert "UCCL_EP_TIMEOUT_MS='ten seconds'  INVALID" in text
+    assert "is not an integer" in text
+    assert "UCCL_EP_IPC_REORDER='maybe'  INVALID" in text and "is not a boolean" in text
+    assert "UCCL_EP_NUM_PROXY_THREADS=4" in text  # the others are still reported

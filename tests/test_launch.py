@@ -82,8 +82,8 @@ def test_platform_dry_run(capsys, tmp_path, recipe, nodes, preset, env):
         assert exports[key] == value, key
     assert exports["UCCL_EP_TRANSPORT"] == "verbs"
     # UCCL-EP's own names default to the NCCL values the cluster already sets.
-    assert 'export UCCL_SOCKET_IFNAME="${UCCL_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}"' in text
     assert 'UCCL_IB_GID_INDEX="${UCCL_IB_GID_INDEX:-${NCCL_IB_GID_INDEX}}"' in text
+    assert "UCCL_SOCKET_IFNAME" not in text  # nothing reads it: the bootstrap is torch.distributed
     words = shlex.split(_torchrun_block(text).replace("\\\n", " "), comments=False)
     assert words[:6] == [
         "torchrun",
@@ -291,3 +291,30 @@ def test_rendered_node_script_runs_the_train_job(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "training the recipe needs a GPU" in proc.stdout
     assert (run_dir / "metrics.jsonl").read_text().count("\n") == 12
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--time", "04:00:00\n#SBATCH --wrap=rm -rf ~"),
+        ("--time", "4 hours"),
+        ("--time", "$(reboot)"),
+        ("--partition", 'gpu"; reboot; echo "'),
+        ("--partition", "gpu batch"),
+        ("--account", "team\n"),
+    ],
+)
+def test_sbatch_values_are_checked_before_they_reach_the_script(capsys, flag, value):
+    # These land in `#SBATCH --key=value` lines verbatim: a newline or shell text would change
+    # the job script.
+    assert main(["launch", "--recipe", "deepseek-v3/h200-efa", flag, value, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}={value!r} must be" in err
+
+
+@pytest.mark.parametrize("value", ["30", "04:00:00", "2-12", "1-00:30:00", "UNLIMITED"])
+def test_sbatch_time_forms_slurm_accepts(capsys, value):
+    text = _dry_run(
+        capsys, "--recipe", "deepseek-v3/h200-efa", "--time", value, "--partition", "gpu,hpc"
+    )
+    assert f"#SBATCH --time={value}\n" in text and "#SBATCH --partition=gpu,hpc\n" in text

@@ -225,7 +225,7 @@ def w_metrics(rank, world):
     summary = step.summary()
     assert summary["dispatch_time_ms"] == m.dispatch_ms
     expected_imbalance = max(padded) / (sum(padded) / len(padded))
-    assert abs(summary["expert_load_imbalance"] - expected_imbalance) < 1e-9
+    assert abs(summary["local_expert_load_imbalance"] - expected_imbalance) < 1e-9
     assert abs(summary["dispatch_gbps"] - m.dispatch_bytes / m.dispatch_ms / 1e6) < 1e-9
     assert "layer5/combine_gbps" in step.per_layer()
     assert dispatch_metrics.collect().layers == {}, "collect() must reset"

@@ -215,3 +215,51 @@ def test_bench_ordering_cli(tmp_path, capsys):
     assert rows[0]["held_out_of_order"] == 0
     assert rows[2]["held_out_of_order"] > 0
     assert "ordering" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--bytes", str(_C.cmd_limits["max_length"] + 1)], "exceeds what one write command"),
+        (["--threads", "3", "--channels", "2"], "--threads=3"),
+    ],
+)
+def test_bench_ordering_rejects_bad_arguments_at_once(argv, needle):
+    # An invalid length used to kill the producer threads silently and leave the bench polling
+    # the counters for two minutes before a misleading "counters stuck".
+    import time
+
+    from uccl_ep_megatron import cli
+
+    t0 = time.monotonic()
+    with pytest.raises(InvalidInputError, match=needle):
+        cli.main(["bench", "ordering", "--msgs", "10", "--delay-us", "0", *argv])
+    assert time.monotonic() - t0 < 10
+
+
+# ---- raw addresses crossing into _C are checked (a bad one used to segfault the process) ------
+def test_transport_rejects_a_region_that_no_allocation_backs():
+    with pytest.raises(InvalidInputError, match="allocate it with _C.HostRegion"):
+        _C.IpcTransport(0, 1, 1, 1, 0x1000, 4096)
+    with pytest.raises(InvalidInputError, match="null pointer"):
+        _C.IpcTransport(0, 1, 1, 1, 0, 4096)
+
+
+def test_proxy_endpoint_rejects_region_bytes_past_the_allocation():
+    region = _C.HostRegion(4096)
+    cfg = ProxyConfig(num_channels=1, num_threads=1, transport="ipc")
+    with pytest.raises(InvalidInputError, match=r"\[0x[0-9a-f]+, \+8192\) must lie inside one"):
+        ProxyEndpoint(region.ptr, 8192, rank=0, world_size=1, config=cfg)
+    with pytest.raises(InvalidInputError, match="at offset 2048"):
+        ProxyEndpoint(region.ptr + 2048, 4096, rank=0, world_size=1, config=cfg)
+    ep = ProxyEndpoint(region.ptr + 2048, 2048, rank=0, world_size=1, config=cfg)  # inside: fine
+    ep.connect([ep.local_info])
+    ep.close()
+
+
+def test_a_freed_host_region_is_no_longer_accepted():
+    region = _C.HostRegion(4096)
+    ptr = region.ptr
+    del region
+    with pytest.raises(InvalidInputError, match="no live allocation"):
+        _C.IpcTransport(0, 1, 1, 1, ptr, 4096)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,13 @@ def test_unknown_recipe_names_the_known_ones():
         ({"cluster__nic_preset": "infinband"}, "nic_preset 'infinband' is unknown"),
         ({"parallelism__tensor_model_parallel_size": 3}, "does not divide num_attention_heads"),
         ({"model__hidden_size": "big"}, "must be a int"),
+        ({"training__lr": float("nan")}, r"training.lr = nan must be a finite number"),
+        ({"training__lr": 0.0}, r"training.lr = 0.0 must be in \(0, 1\]"),
+        ({"training__adam_beta1": 7.5}, r"adam_beta1 = 7.5 must be in \[0, 1\)"),
+        ({"training__min_lr": 0.5}, "min_lr 0.5 exceeds lr"),
+        ({"model__norm_epsilon": float("inf")}, "must be a finite number"),
+        ({"dispatcher__num_sms": 3}, "num_sms = 3 must be an even number"),
+        ({"dispatcher__proxy_threads": 0}, r"proxy_threads = 0 must be in \[1, 64\]"),
     ],
 )
 def test_bad_recipes_fail_clearly(tmp_path, changes, message):
@@ -176,3 +184,35 @@ def test_overrides_and_recipe_path_env(tmp_path, monkeypatch):
     monkeypatch.setenv("UCCL_EP_RECIPE_PATH", str(tmp_path))
     assert "team/mine" in list_recipes()
     assert load_recipe("team/mine").description == "mine"
+
+
+def test_topk_beyond_what_uccl_ep_moves_is_rejected():
+    with pytest.raises(InvalidInputError, match="= 40 routed copies per token"):
+        load_recipe("deepseek-v3/full", {"model": {"moe_router_topk": 40}})
+    r = load_recipe(
+        "deepseek-v3/full", {"model": {"moe_router_topk": 40}, "dispatcher": {"type": "alltoall"}}
+    )
+    assert r.model["moe_router_topk"] == 40
+
+
+def test_overrides_get_the_same_checks():
+    for text, needle in (("training.lr=.nan", "finite"), ("training.adam_beta1=7.5", "[0, 1)")):
+        with pytest.raises(InvalidInputError, match=re.escape(needle)):
+            load_recipe("deepseek-v3/proxy", parse_override(text))
+
+
+def test_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    import time
+
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        prev, cur = chr(ord("a") + i - 1), chr(ord("a") + i)
+        levels.append(f"{cur}: &{cur} [" + ", ".join([f"*{prev}"] * 10) + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(levels) + "\n")
+    t0 = time.monotonic()
+    with pytest.raises(InvalidInputError, match="aliases"):
+        load_recipe(str(path))
+    with pytest.raises(InvalidInputError, match="aliases"):
+        parse_override("training.lr=[&a 1, *a]")
+    assert time.monotonic() - t0 < 5

@@ -142,7 +142,8 @@ def test_megatron_lm_training_log_hook_logs_dispatch_metrics_at_the_iteration():
     assert out == "report_memory_flag" and calls == [7]
     ((step, values),) = writer.logged
     assert step == 7
-    assert values[PREFIX + "expert_load_imbalance"] == pytest.approx(30 / 20)
+    assert values[PREFIX + "local_expert_load_imbalance"] == pytest.approx(30 / 20)
+    assert PREFIX + "expert_load_imbalance" not in values  # the global quantity has that name
     assert values[PREFIX + "dispatch_bytes"] == 4_000_000
     assert values[PREFIX + "dispatch_time_ms"] >= 0
     assert {k for k, _, s in board.scalars if s == 7} == set(values)
@@ -169,3 +170,42 @@ def test_megatron_lm_hook_rejects_an_unknown_signature():
 
     with pytest.raises(UnsupportedError, match="no 'iteration' parameter"):
         wrap_training_log(lambda step: None, list, dict)
+
+
+def test_table_keeps_global_and_local_imbalance_apart(tmp_path):
+    # Two different quantities (global experts, mean of layers vs. one rank's experts, worst
+    # layer) under two names: the table gives each its own row and never divides one by the
+    # other.
+    runs = []
+    for name, key, value in (
+        ("a", "expert_load_imbalance", 1.5),
+        ("b", "local_expert_load_imbalance", 3.0),
+    ):
+        d = tmp_path / name
+        with MetricsLogger(d, {"dispatcher": name}, use_wandb=False) as log:
+            for step in range(1, 5):
+                log.log(step, {key: value, "tokens_per_s": 100.0})
+        runs.append(d)
+    table = comparison_table(runs, warmup_steps=0)
+    rows = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+    glob = rows["expert load max/mean (global, mean of layers)"]
+    local = rows["expert load max/mean (local, worst layer)"]
+    assert glob.endswith("| 1.500 | - | - |"), glob
+    assert local.endswith("| - | 3.000 | - |"), local
+
+
+def test_report_reads_a_run_killed_mid_write(tmp_path, caplog):
+    run = tmp_path / "killed"
+    with MetricsLogger(run, {"dispatcher": "uccl_ep"}, use_wandb=False) as log:
+        for step in range(1, 4):
+            log.log(step, {"loss": 5.0 - step, "tokens_per_s": 100.0})
+    path = run / "metrics.jsonl"
+    text = path.read_text()
+    path.write_text(text + '{"step": 4, "loss": 1.2, "tokens_p')  # the write the kill cut short
+    assert [r["step"] for r in read_jsonl(run)] == [1, 2, 3]
+    assert "cut short" in caplog.text
+    assert "| final loss | 2.0000 |" in comparison_table([run], warmup_steps=0)
+    # Damage before the last line is not a killed run: say where it is.
+    path.write_text('{"step": 1}\n{"step": \n' + text)
+    with pytest.raises(InvalidInputError, match="line 2 is not a JSON object"):
+        read_jsonl(run)

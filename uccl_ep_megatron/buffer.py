@@ -21,11 +21,28 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends import create_backend
+from uccl_ep_megatron.backends.agreement import (
+    DTYPE_CODES,
+    KIND_CACHED,
+    KIND_COMBINE,
+    KIND_DISPATCH,
+    KIND_NAMES,
+    Agreement,
+    CallHeader,
+    describe_error,
+    describe_layout_bits,
+    encode_row,
+    error_code,
+    peer_error,
+)
 from uccl_ep_megatron.backends.base import (
     DispatchArgs,
     DispatchHandle,
+    DispatchResult,
+    Layout,
     Topology,
     check_expert_ids,
+    routing_check,
 )
 from uccl_ep_megatron.config import (
     MAX_TOPK,
@@ -51,6 +68,18 @@ _uids = itertools.count(1)
 XType = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """One rank's checked arguments of a dispatch/combine and its row of the call header."""
+
+    args: Any  # DispatchArgs, or combine's (x, topk_weights, biases, config)
+    header: CallHeader
+    checks: torch.Tensor | None  # routing_check() words still to be checked on every rank
+    counts: torch.Tensor | None  # [R] rows this rank sends to each rank (dispatch)
+    num_tokens: int
+    inputs: list[torch.Tensor]  # to record on the comm stream
+
+
 class Buffer:
     """Expert-parallel dispatch/combine over ``group`` (DeepEP normal-mode API).
 
@@ -63,12 +92,21 @@ class Buffer:
         num_rdma_bytes: RDMA buffer bytes for multi-node groups (the RDMA size hints); 0 on
             one node.
         low_latency_mode: must be ``False``: only the high-throughput mode is provided.
-        num_qps_per_rank: accepted for DeepEP compatibility; RDMA queue pairs are configured
-            by the proxy (``UCCL_EP_NUM_PROXY_THREADS``).
-        allow_nvlink_for_low_latency_mode: accepted for DeepEP compatibility (unused).
-        allow_mnnvl: accepted for DeepEP compatibility (unused).
+        num_qps_per_rank: a positive int, accepted and unused: the proxy sets up its RDMA
+            queue pairs itself (one per proxy thread, peer and channel group;
+            ``UCCL_EP_NUM_PROXY_THREADS``).
+        allow_nvlink_for_low_latency_mode: accepted and unused (low-latency mode only).
+        allow_mnnvl: permission to use multi-node NVLink, accepted and unused: there is no
+            MNNVL path, ranks on other nodes are reached through the internode path.
+        use_fabric: must be ``False``: buffers are ``cudaMalloc``'d and shared through CUDA
+            IPC handles within a node; fabric (MNNVL) memory handles are not implemented.
         explicitly_destroy: when ``True`` the caller must call ``destroy()``; otherwise
             resources are released when the object is garbage collected.
+        enable_shrink: must be ``False``: DeepEP's shrink mode (masking failed ranks) belongs
+            to its low-latency kernels, which are not provided.
+        comm: an mpi4py communicator, used by DeepEP only when ``group`` is ``None``; here
+            every collective runs over torch.distributed, so ``comm`` with ``group=None``
+            raises ``UnsupportedError`` and ``comm`` next to a ``group`` is ignored.
         backend: ``"auto"``, ``"kernels"`` or ``"reference"``; ``None`` reads
             ``UCCL_EP_BACKEND`` (default ``auto``: kernels when available, else reference).
         device: where the tensors live. ``None``: the current CUDA device for an NCCL group,
@@ -88,7 +126,10 @@ class Buffer:
         num_qps_per_rank: int = 24,
         allow_nvlink_for_low_latency_mode: bool = True,
         allow_mnnvl: bool = False,
+        use_fabric: bool = False,
         explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm: Any = None,
         *,
         backend: str | None = None,
         device: torch.device | str | int | None = None,
@@ -103,6 +144,24 @@ class Buffer:
                 "low_latency_mode=True: uccl_ep_megatron provides only the high-throughput "
                 "(normal) mode; construct Buffer with low_latency_mode=False"
             )
+        if use_fabric:
+            raise UnsupportedError(
+                "use_fabric=True: buffers are cudaMalloc'd and shared through CUDA IPC handles "
+                "within a node; fabric (MNNVL) memory handles are not implemented. Pass "
+                "use_fabric=False"
+            )
+        if enable_shrink:
+            raise UnsupportedError(
+                "enable_shrink=True: DeepEP's shrink mode (masking failed ranks) belongs to its "
+                "low-latency kernels, which uccl_ep_megatron does not provide; pass "
+                "enable_shrink=False"
+            )
+        if comm is not None and group is None:
+            raise UnsupportedError(
+                "comm (an mpi4py communicator) without a group: uccl_ep_megatron runs every "
+                "collective over torch.distributed; pass group= (e.g. the EP process group)"
+            )
+        self._check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or value < 0:
                 raise InvalidInputError(f"{name}={value!r}: must be a non-negative int")
@@ -137,6 +196,7 @@ class Buffer:
             torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         )
         self._destroyed = False
+        self._calls = 0  # dispatch/combine calls so far: the `seq` of the call header
 
     # ---- properties and static helpers ---------------------------------------------------
     @property
@@ -215,7 +275,9 @@ class Buffer:
         """
         self._check_alive()
         self._check_num_experts(num_experts)
-        self._check_topk_idx(topk_idx, num_experts, None)
+        # Shapes and dtypes only: the id range is checked by dispatch, in the exchange every
+        # rank takes part in, so a bad id on one rank is reported on all of them.
+        self._check_topk_idx(topk_idx, num_experts, None, check_range=False)
         layout, event = self._run(
             lambda: self._backend.get_dispatch_layout(topk_idx, num_experts),
             (topk_idx,),
@@ -270,21 +332,100 @@ class Buffer:
             config: chunking/SM config; default ``Buffer.get_dispatch_config(group size)``.
             previous_event: wait for this event before starting instead of the current stream.
             async_finish: return an event to wait on instead of joining the current stream.
-            allocate_on_comm_stream: accepted for DeepEP compatibility; outputs are always
-                made safe for use on the current stream.
+            allocate_on_comm_stream: accepted and ignored (on every call of every backend):
+                outputs are always allocated while the communication stream is current and
+                recorded on the caller's stream, so they are safe to use and to free there.
+                That is what DeepEP does with ``True``; with ``False`` DeepEP allocates them on
+                the caller's stream instead, and it requires ``previous_event`` and
+                ``async_finish`` for ``True``, which this ``Buffer`` does not.
 
         Returns:
             ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
             handle, event)``; for cached dispatch ``(recv_x, None, None, None, None, event)``.
         """
         self._check_alive()
+        kind = KIND_DISPATCH if handle is None else KIND_CACHED
+        seq = self._next_call()
+        prepared = None
+        try:
+            prepared = self._prepare_dispatch(
+                seq,
+                x,
+                handle,
+                num_tokens_per_rank,
+                num_tokens_per_rdma_rank,
+                is_token_in_rank,
+                num_tokens_per_expert,
+                topk_idx,
+                topk_weights,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+                previous_event,
+            )
+            error = None
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
+            error = exc
+
+        def run() -> DispatchResult:
+            agreed = self._agree(kind, seq, prepared, error)
+            return self._backend.dispatch(dataclasses.replace(prepared.args, agreed=agreed))
+
+        # After a failed check the event may be what failed: run() raises before it matters.
+        inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
+        result, event = self._run(run, inputs, event_in, async_finish, allocate_on_comm_stream)
+        args = prepared.args
+        recv_x: XType = result.recv_x
+        if args.x_scales is not None:
+            recv_x = (result.recv_x, result.recv_x_scales)
+        if handle is not None:
+            return recv_x, None, None, None, None, event
+        new_handle = DispatchHandle(
+            rank_prefix_matrix=result.rank_prefix_matrix,
+            is_token_in_rank=args.is_token_in_rank,
+            num_tokens_per_rank=args.num_tokens_per_rank,
+            recv_src_idx=result.recv_src_idx,
+            num_recv_tokens=result.num_recv_tokens,
+            num_worst_tokens=num_worst_tokens,
+            num_topk=0 if topk_idx is None else topk_idx.shape[1],
+            state=result.state,
+            owner=self.uid,
+            seq=seq,
+        )
+        return (
+            recv_x,
+            result.recv_topk_idx,
+            result.recv_topk_weights,
+            result.num_recv_tokens_per_expert,
+            new_handle,
+            event,
+        )
+
+    def _prepare_dispatch(
+        self,
+        seq: int,
+        x: XType,
+        handle: DispatchHandle | None,
+        num_tokens_per_rank: torch.Tensor | None,
+        num_tokens_per_rdma_rank: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Config | None,
+        previous_event: EventOverlap | None,
+    ) -> _Prepared:
+        """Every check of one rank's dispatch arguments, and its row of the call header."""
+        self._check_event(previous_event)
         config = self._check_config(config, "dispatch")
         x_data, x_scales = self._split_x(x)
         num_tokens, hidden = x_data.shape
         self._check_buffer_size(x_data, hidden, config)
         self._check_int("expert_alignment", expert_alignment, minimum=1)
         self._check_int("num_worst_tokens", num_worst_tokens, minimum=0)
-
+        checks = None
         if handle is not None:
             self._check_handle(handle)
             if topk_idx is not None or topk_weights is not None:
@@ -313,7 +454,7 @@ class Buffer:
                 cached=handle,
             )
         else:
-            args = self._dispatch_args(
+            args, checks = self._dispatch_args(
                 x_data,
                 x_scales,
                 num_tokens_per_rank,
@@ -326,39 +467,23 @@ class Buffer:
                 num_worst_tokens,
                 config,
             )
-
+        header = CallHeader(
+            kind=KIND_DISPATCH if handle is None else KIND_CACHED,
+            seq=seq,
+            dtype=DTYPE_CODES.get(x_data.dtype, 0),
+            hidden=hidden,
+            num_scales=0 if x_scales is None else x_scales.shape[1],
+            num_topk=0 if args.topk_idx is None else args.topk_idx.shape[1],
+            num_experts=args.num_experts,
+            handle_seq=0 if handle is None else handle.seq,
+            num_sms=config.num_sms,
+            rdma_send=config.num_max_rdma_chunked_send_tokens,
+            rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+            num_worst_tokens=args.num_worst_tokens,
+        )
+        counts = None if handle is not None else args.num_tokens_per_rank
         inputs = [t for t in (x_data, x_scales, topk_idx, topk_weights) if t is not None]
-        result, event = self._run(
-            lambda: self._backend.dispatch(args),
-            inputs,
-            previous_event,
-            async_finish,
-            allocate_on_comm_stream,
-        )
-        recv_x: XType = result.recv_x
-        if x_scales is not None:
-            recv_x = (result.recv_x, result.recv_x_scales)
-        if handle is not None:
-            return recv_x, None, None, None, None, event
-        new_handle = DispatchHandle(
-            rank_prefix_matrix=result.rank_prefix_matrix,
-            is_token_in_rank=args.is_token_in_rank,
-            num_tokens_per_rank=args.num_tokens_per_rank,
-            recv_src_idx=result.recv_src_idx,
-            num_recv_tokens=result.num_recv_tokens,
-            num_worst_tokens=num_worst_tokens,
-            num_topk=0 if topk_idx is None else topk_idx.shape[1],
-            state=result.state,
-            owner=self.uid,
-        )
-        return (
-            recv_x,
-            result.recv_topk_idx,
-            result.recv_topk_weights,
-            result.num_recv_tokens_per_expert,
-            new_handle,
-            event,
-        )
+        return _Prepared(args, header, checks, counts, num_tokens, inputs)
 
     # ---- combine ---------------------------------------------------------------------------
     def combine(
@@ -386,6 +511,39 @@ class Buffer:
             ``(combined_x [T, H], combined_topk_weights [T, K] or None, event)``.
         """
         self._check_alive()
+        seq = self._next_call()
+        prepared = None
+        try:
+            prepared = self._prepare_combine(
+                seq, x, handle, topk_weights, bias, config, previous_event
+            )
+            error = None
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
+            error = exc
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            self._agree(KIND_COMBINE, seq, prepared, error)
+            x_, weights, biases, config_ = prepared.args
+            return self._backend.combine(x_, handle, weights, biases, config_)
+
+        inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
+        (combined, combined_weights), event = self._run(
+            run, inputs, event_in, async_finish, allocate_on_comm_stream
+        )
+        return combined, combined_weights, event
+
+    def _prepare_combine(
+        self,
+        seq: int,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: torch.Tensor | Sequence[torch.Tensor] | None,
+        config: Config | None,
+        previous_event: EventOverlap | None,
+    ) -> _Prepared:
+        """Every check of one rank's combine arguments, and its row of the call header."""
+        self._check_event(previous_event)
         config = self._check_config(config, "combine")
         self._check_handle(handle)
         expected_rows = handle.num_worst_tokens or handle.num_recv_tokens
@@ -412,15 +570,71 @@ class Buffer:
                         f"combine: bias[{i}] has hidden {b.shape[1]}, x has {x.shape[1]}"
                     )
         x = x.contiguous()
-        inputs = [x, *biases] + ([topk_weights] if topk_weights is not None else [])
-        (combined, combined_weights), event = self._run(
-            lambda: self._backend.combine(x, handle, topk_weights, biases, config),
-            inputs,
-            previous_event,
-            async_finish,
-            allocate_on_comm_stream,
+        header = CallHeader(
+            kind=KIND_COMBINE,
+            seq=seq,
+            dtype=DTYPE_CODES.get(x.dtype, 0),
+            hidden=x.shape[1],
+            num_topk=0 if topk_weights is None else topk_weights.shape[1],
+            handle_seq=handle.seq,
+            num_bias=len(biases),
+            num_sms=config.num_sms,
+            rdma_send=config.num_max_rdma_chunked_send_tokens,
+            rdma_recv=config.num_max_rdma_chunked_recv_tokens,
         )
-        return combined, combined_weights, event
+        inputs = [x, *biases] + ([topk_weights] if topk_weights is not None else [])
+        return _Prepared((x, topk_weights, biases, config), header, None, None, num_tokens, inputs)
+
+    # ---- agreement between the ranks (backends/agreement.py) -----------------------------
+    def _next_call(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def _agree(
+        self,
+        kind: int,
+        seq: int,
+        prepared: _Prepared | None,
+        error: BaseException | None,
+    ) -> Agreement | None:
+        """Exchange this rank's call header; raise what every rank raises, or return the rows.
+
+        A rank whose own checks failed (``error``) still takes part, with the error flag set,
+        so that every rank raises that error now instead of waiting for it in a collective.
+        """
+        if not self._backend.agrees_per_call:
+            # Kernels that agree on counts inside their notify step (see DESIGN): nothing to
+            # exchange here, so a rank's own error stays its own.
+            if error is not None:
+                raise error
+            return None
+        call = f"{KIND_NAMES[kind]} #{seq}"
+        if prepared is None:
+            header = CallHeader(kind=kind, seq=seq, error=error_code(error))
+            row = encode_row(header, self.group_size, self.device)
+        else:
+            row = encode_row(
+                prepared.header,
+                self.group_size,
+                self.device,
+                prepared.checks,
+                prepared.counts,
+                prepared.num_tokens,
+            )
+        agreed = Agreement.decode(self._backend.exchange_header(row, call))
+        if agreed.failed_ranks:
+            texts = self._backend.gather_objects(
+                describe_error(error) if error is not None else None, call
+            )
+            shared = peer_error(call, agreed, texts)
+            if error is not None:
+                raise shared from error
+            raise shared
+        agreed.check(call)
+        if kind == KIND_DISPATCH:
+            agreed.check_routing(call)
+            agreed.check_worst_tokens(call)
+        return agreed
 
     # ---- stream handling -------------------------------------------------------------------
     def _run(
@@ -434,12 +648,11 @@ class Buffer:
         """Run ``fn`` on the comm stream, ordered after the caller's work.
 
         Inputs are recorded on the comm stream and outputs on the caller's stream, so the
-        caching allocator never recycles memory one stream still uses.
+        caching allocator never recycles memory one stream still uses. ``fn`` allocates its
+        outputs with the comm stream current whatever ``allocate_on_comm_stream`` says (see
+        ``dispatch``).
         """
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise InvalidInputError(
-                f"previous_event={previous_event!r}: pass an EventOverlap (e.g. Buffer.capture())"
-            )
+        self._check_event(previous_event)
         if self._comm_stream is None:
             return fn(), EventOverlap(None)
         compute = torch.cuda.current_stream(self.device)
@@ -467,6 +680,13 @@ class Buffer:
     def _check_alive(self) -> None:
         if self._destroyed:
             raise UcclEpError("this Buffer was destroyed; create a new Buffer")
+
+    @staticmethod
+    def _check_event(previous_event: Any) -> None:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise InvalidInputError(
+                f"previous_event={previous_event!r}: pass an EventOverlap (e.g. Buffer.capture())"
+            )
 
     def _check_num_experts(self, num_experts: int) -> None:
         self._check_int("num_experts", num_experts, minimum=1)
@@ -584,7 +804,9 @@ class Buffer:
             scales = scales.contiguous()
         return x.contiguous(), scales
 
-    def _check_topk_idx(self, topk_idx: Any, num_experts: int, num_tokens: int | None) -> bool:
+    def _check_topk_idx(
+        self, topk_idx: Any, num_experts: int, num_tokens: int | None, check_range: bool = True
+    ) -> bool:
         """Shape/dtype checks, and the id range now; returns True when the range is left to a
         backend that checks it at its own host sync (``defers_id_check``)."""
         self._check_tensor("topk_idx", topk_idx, dims=2, rows=num_tokens)
@@ -593,7 +815,7 @@ class Buffer:
             raise InvalidInputError(
                 f"topk_idx has {topk_idx.shape[1]} columns; num_topk must be in 1..{MAX_TOPK}"
             )
-        if not topk_idx.numel():
+        if not topk_idx.numel() or not check_range:
             return False
         if self._backend.defers_id_check:
             return True  # no host sync here: the backend checks at the sync it makes anyway
@@ -614,7 +836,9 @@ class Buffer:
         expert_alignment: int,
         num_worst_tokens: int,
         config: Config,
-    ) -> DispatchArgs:
+    ) -> tuple[DispatchArgs, torch.Tensor | None]:
+        """The checked ``DispatchArgs``, and the routing checks still to run on every rank
+        (``routing_check``) when the backend defers them to its call-header exchange."""
         num_tokens = x.shape[0]
         missing = [
             name
@@ -667,7 +891,28 @@ class Buffer:
                 )
             topk_idx = topk_idx.contiguous()
             topk_weights = topk_weights.contiguous()
-        return DispatchArgs(
+        checks = None
+        if self._backend.agrees_per_call:
+            # The layout tensors are checked against what topk_idx implies (or, without it,
+            # against is_token_in_rank): wrong ones misdeliver rows or size outputs wrongly.
+            given = Layout(
+                num_tokens_per_rank,
+                num_tokens_per_rdma_rank,
+                num_tokens_per_expert,
+                is_token_in_rank,
+            )
+            true = None
+            if topk_idx is not None:
+                true = self._backend.get_dispatch_layout(topk_idx, num_experts)
+            checks = routing_check(given, true, topk_idx, self.topology)
+            if self._backend.defers_id_check:
+                check_ids = False  # ids and layout travel in the call header
+            else:
+                bits = int(checks[2])
+                if bits:
+                    raise InvalidInputError(describe_layout_bits(bits))
+                checks = None
+        args = DispatchArgs(
             x=x,
             x_scales=x_scales,
             topk_idx=topk_idx,
@@ -683,6 +928,7 @@ class Buffer:
             cached=None,
             check_ids=check_ids,
         )
+        return args, checks
 
 
 def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

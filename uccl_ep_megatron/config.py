@@ -38,12 +38,22 @@ def _token_bytes(hidden_bytes: int) -> int:
 class Config:
     """SM budget and chunking of the dispatch/combine kernels.
 
+    What each field does here (DeepEP's meaning differs for the NVLink pair):
+
     Args:
-        num_sms: SMs (CUs on AMD) the kernels may occupy; even, as each channel uses two.
-        num_max_nvl_chunked_send_tokens: tokens a sender moves per NVLink chunk.
-        num_max_nvl_chunked_recv_tokens: ring-buffer capacity in tokens per (channel, peer).
-        num_max_rdma_chunked_send_tokens: tokens per RDMA chunk (internode).
-        num_max_rdma_chunked_recv_tokens: RDMA ring capacity in tokens per (channel, node).
+        num_sms: SMs (CUs on AMD) the dispatch/combine kernels may occupy; even. The knob that
+            matters on one node: the intranode dispatch splits these blocks between senders
+            and receivers, the combine push and reduce each launch this many, and the
+            internode kernels run ``num_sms / 2`` channels of two blocks.
+        num_max_nvl_chunked_send_tokens: validated and used only by
+            ``get_nvl_buffer_size_hint``: the NVLink paths here have no ring. They stage a
+            whole call in the receiver's buffer (``num_nvl_bytes``, grown on demand, see
+            ``UCCL_EP_GROW_NVL_BUFFER``) and publish chunks of ``max(64, tokens / 4096)``
+            tokens, so neither NVLink field changes what the kernels do.
+        num_max_nvl_chunked_recv_tokens: as above; sizes ``get_nvl_buffer_size_hint`` only.
+        num_max_rdma_chunked_send_tokens: tokens per RDMA write of the internode kernels.
+        num_max_rdma_chunked_recv_tokens: internode ring capacity in tokens per
+            (channel, node).
     """
 
     num_sms: int

@@ -12,7 +12,9 @@ every ``UcclEpTokenDispatcher`` records, per MoE layer and forward pass:
 Only forward passes are timed; the backward runs the same two collectives in reverse.
 ``collect()`` returns a ``StepDispatchMetrics`` and resets; ``StepDispatchMetrics.summary()``
 gives the metric names of ``uccl_ep_megatron.metrics`` (``dispatch_time_ms``,
-``combine_time_ms``, ``dispatch_gbps``, ``combine_gbps``, ``expert_load_imbalance``).
+``combine_time_ms``, ``dispatch_gbps``, ``combine_gbps``) plus
+``local_expert_load_imbalance``: the worst MoE layer's max / mean over this rank's local
+experts, which is not ``expert_load_imbalance`` (global experts, averaged over layers).
 """
 
 from __future__ import annotations
@@ -102,8 +104,9 @@ class StepDispatchMetrics:
             if m.tokens_per_local_expert
         ]
         if imbalances:
-            # The worst layer: one overloaded expert stalls its whole layer.
-            out["expert_load_imbalance"] = max(imbalances)
+            # The worst layer: one overloaded expert stalls its whole layer. Only this rank's
+            # experts: a different quantity from the global expert_load_imbalance, so another name.
+            out["local_expert_load_imbalance"] = max(imbalances)
         return out
 
     def per_layer(self) -> dict[str, float]:
@@ -115,7 +118,7 @@ class StepDispatchMetrics:
             out[f"layer{n}/dispatch_gbps"] = m.dispatch_gbps
             out[f"layer{n}/combine_gbps"] = m.combine_gbps
             if m.tokens_per_local_expert:
-                out[f"layer{n}/expert_load_imbalance"] = _imbalance(m.tokens_per_local_expert)
+                out[f"layer{n}/local_expert_load_imbalance"] = _imbalance(m.tokens_per_local_expert)
         return out
 
 

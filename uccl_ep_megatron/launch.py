@@ -16,6 +16,7 @@ scheduler). Three targets:
 from __future__ import annotations
 
 import functools
+import re
 import shlex
 import shutil
 import subprocess
@@ -31,6 +32,22 @@ TARGETS = ("train", "megatron", "primus")
 SCHEDULERS = ("slurm", "none")
 CONTAINER_RUNTIMES = ("pyxis", "docker")
 DEFAULT_MASTER_PORT = 29500
+
+# What each `#SBATCH` option of plan_launch may hold. The value lands in a shell script
+# verbatim: anything else (a newline, a quote, `$(...)`) would change the script.
+_SLURM_NAMES = r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*"
+_SLURM_TIME = (
+    r"(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}|\d+-\d{1,2}:\d{1,2}"
+    r"|\d+-\d{1,2}:\d{1,2}:\d{1,2}|UNLIMITED|INFINITE)"
+)
+_SBATCH_OPTIONS = {
+    "partition": (_SLURM_NAMES, "partition names (letters, digits, _ . -), comma-separated"),
+    "account": (_SLURM_NAMES, "an account name (letters, digits, _ . -)"),
+    "time": (
+        _SLURM_TIME,
+        "a slurm time limit: MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED",
+    ),
+}
 
 
 def launch_dir() -> Path:
@@ -199,6 +216,14 @@ def plan_launch(
     """
     if target not in TARGETS:
         raise InvalidInputError(f"unknown launch target {target!r}; use one of {list(TARGETS)}")
+    for key, value in (sbatch_options or {}).items():
+        if key not in _SBATCH_OPTIONS:
+            raise InvalidInputError(
+                f"sbatch option {key!r} is not supported; use {', '.join(_SBATCH_OPTIONS)}"
+            )
+        pattern, what = _SBATCH_OPTIONS[key]
+        if not isinstance(value, str) or not re.fullmatch(pattern, value, re.IGNORECASE):
+            raise InvalidInputError(f"--{key}={value!r} must be {what}")
     if scheduler not in SCHEDULERS:
         raise InvalidInputError(f"unknown scheduler {scheduler!r}; use one of {list(SCHEDULERS)}")
     nodes = int(nodes if nodes is not None else recipe.cluster["nodes"])
@@ -260,7 +285,6 @@ def _env_exports(plan: LaunchPlan) -> str:
     lines = [f'export {k}="${{{k}:-{_dq(v)}}}"' for k, v in plan.env.items()]
     # UCCL-EP's own names default to the NCCL values a cluster already has (DESIGN.md).
     lines += [
-        'export UCCL_SOCKET_IFNAME="${UCCL_SOCKET_IFNAME:-${NCCL_SOCKET_IFNAME:-}}"',
         'if [ -n "${NCCL_IB_GID_INDEX:-}" ]; then',
         '  export UCCL_IB_GID_INDEX="${UCCL_IB_GID_INDEX:-${NCCL_IB_GID_INDEX}}"',
         "fi",
@@ -298,7 +322,7 @@ def _container(plan: LaunchPlan) -> str:
         words += ["--device=/dev/kfd", "--device=/dev/dri", "--group-add=video"]
     else:
         words += ["--gpus=all"]
-    names = [*plan.env, "UCCL_SOCKET_IFNAME", "UCCL_IB_GID_INDEX", "MASTER_ADDR", "MASTER_PORT"]
+    names = [*plan.env, "UCCL_IB_GID_INDEX", "MASTER_ADDR", "MASTER_PORT"]
     words += [f"--env={n}" for n in names]
     words += [f"--volume={shlex.quote(m)}" for m in mounts]
     words.append(shlex.quote(plan.container_image))

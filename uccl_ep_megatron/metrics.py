@@ -18,7 +18,10 @@ Metric names (all optional per record; ``step`` always present):
 ``combine_time_ms``             same for combine
 ``dispatch_gbps``               bytes of received token rows / dispatch time (DeepEP metric)
 ``combine_gbps``                the same bytes / combine time
-``expert_load_imbalance``       max / mean tokens per expert (1.0 = perfectly balanced)
+``expert_load_imbalance``       max / mean tokens per expert over every expert of the model
+                                (all ranks), averaged over MoE layers; 1.0 = balanced
+``local_expert_load_imbalance`` the worst MoE layer's max / mean over one rank's local experts
+                                (``dispatch_metrics``; not comparable with the one above)
 ``proxy_cmds_per_s``            proxy commands per second, when the backend reports them
 ==============================  =============================================================
 """
@@ -163,15 +166,33 @@ class MetricsLogger:
 def read_jsonl(run_dir: str | Path) -> list[dict[str, Any]]:
     """The records of ``RUN_DIR/metrics.jsonl`` in order.
 
+    A last line cut short (what a killed run leaves) is dropped with a warning.
+
     Raises:
-        InvalidInputError: the run directory has no ``metrics.jsonl``.
+        InvalidInputError: the run directory has no ``metrics.jsonl``, or a line before the
+            last is not a JSON object.
     """
     path = Path(run_dir) / JSONL_NAME
     if not path.is_file():
         raise InvalidInputError(
             f"{path} does not exist: pass the run directory of a `uccl-ep-megatron train` run"
         )
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a {type(record).__name__}, not an object")
+        except ValueError as exc:
+            if i == len(lines) - 1:
+                log.warning("%s: ignoring its last line %d, cut short (%s)", path, n, exc)
+                break
+            raise InvalidInputError(
+                f"{path} line {n} is not a JSON object ({exc}); the file is damaged"
+            ) from exc
+        records.append(record)
+    return records
 
 
 # wandb's transaction log (``run-*.wandb``) uses LevelDB's log framing: a 7-byte file header

@@ -20,10 +20,13 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.errors import CommTimeoutError, InvalidInputError, UnsupportedError
 
 _ORDERINGS = ("receiver", "sender", "none")
 _TRANSPORTS = ("auto", "verbs", "ipc")
+# Pieces of endpoints whose proxy could not stop (a thread stuck in a transport call): that
+# thread may still use them when the call returns, so they are never freed.
+_STUCK: list[tuple[Any, ...]] = []
 
 
 def _C() -> Any:
@@ -331,10 +334,21 @@ class ProxyEndpoint:
         """Current software-atomic counters of this rank."""
         return list(self.counters.values())
 
-    def close(self) -> None:
-        """Stop the proxy threads (idempotent); the transport is released with this object."""
-        if self.proxy is not None:
-            self.proxy.stop()
+    def close(self, timeout_ms: int = 0) -> None:
+        """Stop the proxy threads (idempotent); the transport is released with this object.
+
+        Waits at most ``timeout_ms`` (0: 5 s) for each thread. A thread stuck inside a transport
+        call raises ``CommTimeoutError`` naming it; the proxy, transport, channels and counters
+        are then kept alive for the rest of the process (the thread may still use them), and
+        ``close()`` may be called again.
+        """
+        if self.proxy is None:
+            return
+        try:
+            self.proxy.stop(timeout_ms)
+        except CommTimeoutError:
+            _STUCK.append((self.proxy, self.transport, self.channels, self.counters))
+            raise
 
     def __enter__(self) -> ProxyEndpoint:
         return self

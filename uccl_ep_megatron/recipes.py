@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -137,6 +138,44 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[Any, ...] | Non
 }
 _TOP_LEVEL = ("description", "base", *_SCHEMA)
 
+# section.key -> (low, high, low excluded, high excluded) of numbers the schema types allow but
+# training cannot use (None: unbounded). Every float must also be finite.
+_RANGES: dict[tuple[str, str], tuple[float | None, float | None, bool, bool]] = {
+    ("model", "norm_epsilon"): (0, 1, True, True),
+    ("model", "init_method_std"): (0, 1, True, False),
+    ("model", "moe_router_bias_update_rate"): (0, 1, False, False),
+    ("model", "moe_router_topk_scaling_factor"): (0, None, True, False),
+    ("model", "moe_aux_loss_coeff"): (0, None, False, False),
+    ("model", "mtp_loss_scaling_factor"): (0, None, False, False),
+    ("training", "lr"): (0, 1, True, False),
+    ("training", "min_lr"): (0, 1, False, False),
+    ("training", "weight_decay"): (0, 1, False, False),
+    ("training", "adam_beta1"): (0, 1, False, True),
+    ("training", "adam_beta2"): (0, 1, False, True),
+    ("training", "clip_grad"): (0, None, False, False),
+    ("dispatcher", "proxy_threads"): (1, 64, False, False),
+}
+
+
+class _RecipeLoader(yaml.SafeLoader):
+    """``SafeLoader`` without aliases: a few lines of nested aliases (a "billion laughs" file)
+    expand to billions of nodes; recipes share values through ``base:`` instead."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                "YAML aliases (*name) are not allowed in recipes; inherit with base: instead",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_RecipeLoader)  # a SafeLoader subclass: no arbitrary objects
+
 
 def recipe_dirs() -> list[Path]:
     """Folders searched for recipes, in order.
@@ -194,7 +233,7 @@ def _load_raw(name: str, chain: tuple[str, ...] = ()) -> tuple[dict[str, Any], P
             "remove the cycle."
         )
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _load_yaml(path.read_text())
     except yaml.YAMLError as exc:
         raise InvalidInputError(f"recipe {name!r} ({path}) is not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -399,6 +438,22 @@ def _check_sections(name: str, data: dict[str, Any]) -> None:
                 raise InvalidInputError(f"{where} = {value!r} must be one of {list(allowed)}")
             if isinstance(value, int) and not isinstance(value, bool) and value < 0:
                 raise InvalidInputError(f"{where} = {value} must be >= 0")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise InvalidInputError(f"{where} = {value} must be a finite number")
+            bounds = _RANGES.get((section, key))
+            if bounds is not None and not isinstance(value, bool):
+                _check_range(where, value, *bounds)
+
+
+def _check_range(
+    where: str, value: float, low: float | None, high: float | None, low_open: bool, high_open: bool
+) -> None:
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+        lo = "(-inf" if low is None else ("(" if low_open else "[") + str(low)
+        hi = "inf)" if high is None else str(high) + (")" if high_open else "]")
+        raise InvalidInputError(f"{where} = {value} must be in {lo}, {hi}")
 
 
 def _positive(name: str, section: str, values: dict[str, Any], keys: Iterable[str]) -> None:
@@ -509,10 +564,32 @@ def _check_parallelism(name: str, m: dict[str, Any], p: dict[str, Any]) -> None:
 
 def _check_training(name: str, t: dict[str, Any]) -> None:
     _positive(name, "training", t, ("micro_batch_size", "global_batch_size", "train_iters"))
+    if t.get("min_lr") is not None and t["min_lr"] > t["lr"]:
+        raise InvalidInputError(
+            f"recipe {name!r}: training.min_lr {t['min_lr']} exceeds lr {t['lr']}"
+        )
     if t["global_batch_size"] % t["micro_batch_size"]:
         raise InvalidInputError(
             f"recipe {name!r}: training.global_batch_size {t['global_batch_size']} is not a "
             f"multiple of micro_batch_size {t['micro_batch_size']}"
+        )
+
+
+def _check_dispatcher(name: str, d: dict[str, Any], m: dict[str, Any], p: dict[str, Any]) -> None:
+    from uccl_ep_megatron.config import MAX_TOPK
+
+    sms = d.get("num_sms")
+    if sms is not None and (sms < 2 or sms % 2):
+        raise InvalidInputError(
+            f"recipe {name!r}: dispatcher.num_sms = {sms} must be an even number >= 2 (each "
+            "channel of the kernels uses a send and a receive SM)"
+        )
+    copies = int(m.get("moe_router_topk") or 0) * int(p.get("expert_tensor_parallel_size") or 1)
+    if d["type"] == "uccl_ep" and copies > MAX_TOPK:
+        raise InvalidInputError(
+            f"recipe {name!r}: model.moe_router_topk x parallelism.expert_tensor_parallel_size "
+            f"= {copies} routed copies per token; the uccl_ep dispatcher moves at most "
+            f"{MAX_TOPK}: lower them or use dispatcher.type alltoall"
         )
 
 
@@ -538,6 +615,7 @@ def validate(name: str, data: dict[str, Any], source: Path) -> Recipe:
     _check_model(name, data["model"])
     _check_parallelism(name, data["model"], data["parallelism"])
     _check_training(name, data["training"])
+    _check_dispatcher(name, data["dispatcher"], data["model"], data["parallelism"])
     _check_cluster(name, data["cluster"])
     recipe = Recipe(
         name=name,
@@ -586,7 +664,7 @@ def parse_override(text: str) -> dict[str, Any]:
     dotted, raw = text.split("=", 1)
     section, key = dotted.split(".", 1)
     try:
-        value = yaml.safe_load(raw)
+        value = _load_yaml(raw)
     except yaml.YAMLError as exc:
         raise InvalidInputError(f"override {text!r}: value is not valid YAML: {exc}") from exc
     return {section: {key: value}}

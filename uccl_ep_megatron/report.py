@@ -39,7 +39,8 @@ TABLE_METRICS: tuple[tuple[str, str, str], ...] = (
     ("combine (ms)", "combine_time_ms", "{:.3f}"),
     ("dispatch GB/s", "dispatch_gbps", "{:.2f}"),
     ("combine GB/s", "combine_gbps", "{:.2f}"),
-    ("expert load max/mean", "expert_load_imbalance", "{:.3f}"),
+    ("expert load max/mean (global, mean of layers)", "expert_load_imbalance", "{:.3f}"),
+    ("expert load max/mean (local, worst layer)", "local_expert_load_imbalance", "{:.3f}"),
     ("proxy cmds/s", "proxy_cmds_per_s", "{:.0f}"),
     ("final loss", "loss", "{:.4f}"),
 )

@@ -50,10 +50,21 @@ void bind_common(py::module_& m) {
       "Every environment variable the core reads: name, type, default and doc.");
 
   m.def(
-      "env_effective",
+      "env_problems",
       [] {
+        std::vector<std::pair<std::string, std::string>> problems;
+        (void)Env::load(&problems);
+        py::dict d;
+        for (const auto& [name, msg] : problems) d[py::str(name)] = msg;
+        return d;
+      },
+      "Variables set to a value that does not parse, each with the error the core would raise.");
+  m.def(
+      "env_effective",
+      [](bool lenient) {
         // Re-read now so Python sees the current environment, not the cached first read.
-        Env e = Env::load();
+        std::vector<std::pair<std::string, std::string>> problems;
+        Env e = Env::load(lenient ? &problems : nullptr);
         py::dict d;
 #define UCCL_EP_ENV_INT(field, name, def, doc) d[name] = e.field;
 #define UCCL_EP_ENV_STR(field, name, def, doc) d[name] = e.field;
@@ -64,7 +75,9 @@ void bind_common(py::module_& m) {
 #undef UCCL_EP_ENV_BOOL
         return d;
       },
-      "Effective values of the registry's variables, parsed from the current environment.");
+      py::arg("lenient") = false,
+      "Effective values of the registry's variables, parsed from the current environment "
+      "(lenient: a value that does not parse shows its default instead of raising).");
 
   py::dict build;
 #ifdef UCCL_EP_WITH_CUDA

@@ -7,6 +7,12 @@
 #include "bindings/bindings.h"
 
 #ifdef UCCL_EP_WITH_GPU
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/registry.h"
 #include "kernels/intranode.h"
 #endif
 
@@ -14,34 +20,173 @@ namespace py = pybind11;
 
 namespace uccl_ep::bindings {
 
+#ifdef UCCL_EP_WITH_GPU
+namespace {
+
+namespace k = uccl_ep::kernels;
+constexpr uint64_t kStatusBytes = k::kStatusWords * sizeof(int64_t);
+
+// Every raw address a kernel launch gets from Python is checked here, before anything runs on
+// the GPU: a bad one must raise, never fault the process or the CUDA context. Buffers and
+// status words must be `_C`'s own live allocations of the right size; tensor pointers (torch
+// owns them) must be non-null wherever the sizes say the kernels touch them.
+void check_buffers(const std::vector<intptr_t>& buffers, int num_ranks, int64_t bytes, const char* what) {
+  UCCL_EP_CHECK_ARG(static_cast<int>(buffers.size()) == num_ranks, what, ": got ", buffers.size(),
+                    " buffers for ", num_ranks, " ranks");
+  UCCL_EP_CHECK_ARG(bytes > 0, what, ": buffer_bytes=", bytes, " must be positive");
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const std::string name = detail::concat(what, ": buffers[", i, "]");
+    AllocRegistry::get().check(static_cast<uintptr_t>(buffers[i]), static_cast<uint64_t>(bytes),
+                               {AllocKind::kDeviceBuffer, AllocKind::kIpcMapping}, name.c_str());
+  }
+}
+
+void check_status(intptr_t status, const char* what) {
+  AllocRegistry::get().check(static_cast<uintptr_t>(status), kStatusBytes, {AllocKind::kHostStatus}, what);
+}
+
+void check_ptr(intptr_t ptr, bool used, const char* what) {
+  if (used && ptr == 0) UCCL_EP_THROW(InvalidArgument, what, " is a null pointer but the sizes say it is used");
+}
+
+void check_dispatch(const k::DispatchArgs& a) {
+  UCCL_EP_CHECK_ARG(a.num_tokens >= 0 && a.num_recv >= 0 && a.num_out_rows >= 0 && a.num_topk >= 0 &&
+                        a.num_scales >= 0 && a.row_bytes > 0,
+                    "dispatch sizes must be non-negative (row_bytes positive): num_tokens=", a.num_tokens,
+                    " num_recv=", a.num_recv, " num_out_rows=", a.num_out_rows, " num_topk=", a.num_topk,
+                    " num_scales=", a.num_scales, " row_bytes=", a.row_bytes);
+  check_buffers(a.buffers, a.num_ranks, a.buffer_bytes, "intranode_dispatch");
+  check_status(a.status, "intranode_dispatch: status");
+  const bool send = a.num_tokens > 0, out = a.num_out_rows > 0;
+  check_ptr(a.x, send, "intranode_dispatch: x");
+  check_ptr(a.is_token_in_rank, send, "intranode_dispatch: is_token_in_rank");
+  check_ptr(a.send_pos, send, "intranode_dispatch: send_pos");
+  check_ptr(a.rank_prefix_matrix, true, "intranode_dispatch: rank_prefix_matrix");
+  check_ptr(a.recv_x, out, "intranode_dispatch: recv_x");
+  check_ptr(a.x_scales, send && a.num_scales > 0, "intranode_dispatch: x_scales");
+  check_ptr(a.recv_scales, out && a.num_scales > 0, "intranode_dispatch: recv_scales");
+  const bool topk = a.num_topk > 0 && !a.cached;
+  check_ptr(a.topk_idx, send && topk, "intranode_dispatch: topk_idx");
+  check_ptr(a.topk_weights, send && topk, "intranode_dispatch: topk_weights");
+  check_ptr(a.recv_topk_idx, out && topk, "intranode_dispatch: recv_topk_idx");
+  check_ptr(a.recv_topk_weights, out && topk, "intranode_dispatch: recv_topk_weights");
+  check_ptr(a.recv_src_idx, a.num_recv > 0 && !a.cached, "intranode_dispatch: recv_src_idx");
+}
+
+void check_combine(const k::CombineArgs& a, const char* what) {
+  UCCL_EP_CHECK_ARG(a.num_tokens >= 0 && a.num_recv >= 0 && a.num_topk >= 0 && a.hidden > 0,
+                    what, ": sizes must be non-negative (hidden positive): num_tokens=", a.num_tokens,
+                    " num_recv=", a.num_recv, " num_topk=", a.num_topk, " hidden=", a.hidden);
+  check_buffers(a.buffers, a.num_ranks, a.buffer_bytes, what);
+  const std::string at = std::string(what) + ": ";
+  check_status(a.status, (at + "status").c_str());
+  check_ptr(a.x, a.num_recv > 0, (at + "x").c_str());
+  check_ptr(a.send_pos, a.num_tokens > 0, (at + "send_pos").c_str());
+  check_ptr(a.out, a.num_tokens > 0, (at + "out").c_str());
+  check_ptr(a.topk_weights, a.num_recv > 0 && a.num_topk > 0, (at + "topk_weights").c_str());
+  check_ptr(a.out_weights, a.num_tokens > 0 && a.num_topk > 0, (at + "out_weights").c_str());
+}
+
+}  // namespace
+#endif
+
 void bind_kernels(py::module_& m) {
 #ifndef UCCL_EP_WITH_GPU
   m.def("kernels_built", [] { return false; }, "Whether the intranode GPU kernels were compiled into _C.");
 #else
-  namespace k = uccl_ep::kernels;
   m.def("kernels_built", [] { return true; }, "Whether the intranode GPU kernels were compiled into _C.");
   m.attr("KERNELS_MAX_RANKS") = k::kMaxRanks;
   m.attr("KERNELS_MAX_LOCAL_EXPERTS") = k::kMaxLocalExperts;
   m.attr("KERNELS_DATA_OFFSET") = static_cast<int64_t>(k::kDataOffset);
 
   m.def("tma_supported", &k::tma_supported, "Whether the current GPU has bulk copies (TMA, sm_90+).");
-  m.def("device_alloc_zeroed", &k::device_alloc_zeroed, py::arg("bytes"),
-        "cudaMalloc/hipMalloc `bytes` on the current device, zeroed; returns the pointer.");
-  m.def("device_free", &k::device_free, py::arg("ptr"));
-  m.def("device_copy", &k::device_copy, py::arg("dst"), py::arg("src"), py::arg("bytes"),
-        "Synchronous copy of `bytes` between two device allocations.");
   m.def(
-      "ipc_get_handle", [](intptr_t ptr) { return py::bytes(k::ipc_get_handle(ptr)); }, py::arg("ptr"),
-      "IPC handle (bytes) of an allocation from device_alloc_zeroed.");
+      "device_alloc_zeroed",
+      [](size_t bytes) {
+        const intptr_t p = k::device_alloc_zeroed(bytes);
+        try {
+          AllocRegistry::get().add(static_cast<uintptr_t>(p), bytes, AllocKind::kDeviceBuffer);
+        } catch (...) {
+          k::device_free(p);
+          throw;
+        }
+        return p;
+      },
+      py::arg("bytes"), "cudaMalloc/hipMalloc `bytes` on the current device, zeroed; returns the pointer.");
   m.def(
-      "ipc_open_handle", [](py::bytes h) { return k::ipc_open_handle(std::string(h)); }, py::arg("handle"),
-      "Maps a peer's allocation into this process; returns the local pointer.");
-  m.def("ipc_close_handle", &k::ipc_close_handle, py::arg("ptr"));
-  m.def("host_status_alloc", &k::host_status_alloc, "Mapped pinned host words the kernels report timeouts in.");
-  m.def("host_status_free", &k::host_status_free, py::arg("ptr"));
+      "device_free",
+      [](intptr_t ptr) {
+        AllocRegistry::get().remove(static_cast<uintptr_t>(ptr), AllocKind::kDeviceBuffer, "device_free");
+        k::device_free(ptr);
+      },
+      py::arg("ptr"), "Frees a pointer device_alloc_zeroed returned (anything else raises).");
+  m.def(
+      "device_copy",
+      [](intptr_t dst, intptr_t src, size_t bytes) {
+        const auto kinds = {AllocKind::kDeviceBuffer, AllocKind::kIpcMapping};
+        AllocRegistry::get().check(static_cast<uintptr_t>(dst), bytes, kinds, "device_copy: dst");
+        AllocRegistry::get().check(static_cast<uintptr_t>(src), bytes, kinds, "device_copy: src");
+        k::device_copy(dst, src, bytes);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("bytes"),
+      "Synchronous copy of `bytes` between two device allocations of _C (buffers or IPC mappings).");
+  m.def(
+      "ipc_get_handle",
+      [](intptr_t ptr) {
+        // The allocation's size travels with the handle, so the mapping is bounds-checked too.
+        const uint64_t bytes =
+            AllocRegistry::get().size_of(static_cast<uintptr_t>(ptr), AllocKind::kDeviceBuffer, "ipc_get_handle");
+        std::string h = k::ipc_get_handle(ptr);
+        h.append(reinterpret_cast<const char*>(&bytes), sizeof(bytes));
+        return py::bytes(h);
+      },
+      py::arg("ptr"), "IPC handle (bytes, with the size) of an allocation from device_alloc_zeroed.");
+  m.def(
+      "ipc_open_handle",
+      [](py::bytes blob) {
+        std::string h(blob);
+        UCCL_EP_CHECK_ARG(h.size() > sizeof(uint64_t), "IPC handle has ", h.size(),
+                          " bytes; pass what ipc_get_handle of this build returned");
+        uint64_t bytes = 0;
+        std::memcpy(&bytes, h.data() + h.size() - sizeof(bytes), sizeof(bytes));
+        h.resize(h.size() - sizeof(bytes));
+        UCCL_EP_CHECK_ARG(bytes > 0, "IPC handle names an empty allocation");
+        const intptr_t p = k::ipc_open_handle(h);
+        try {
+          AllocRegistry::get().add(static_cast<uintptr_t>(p), bytes, AllocKind::kIpcMapping);
+        } catch (...) {
+          k::ipc_close_handle(p);
+          throw;
+        }
+        return p;
+      },
+      py::arg("handle"), "Maps a peer's allocation into this process; returns the local pointer.");
+  m.def(
+      "ipc_close_handle",
+      [](intptr_t ptr) {
+        AllocRegistry::get().remove(static_cast<uintptr_t>(ptr), AllocKind::kIpcMapping, "ipc_close_handle");
+        k::ipc_close_handle(ptr);
+      },
+      py::arg("ptr"), "Unmaps a pointer ipc_open_handle returned (anything else raises).");
+  m.def(
+      "host_status_alloc",
+      [] {
+        const intptr_t p = k::host_status_alloc();
+        AllocRegistry::get().add(static_cast<uintptr_t>(p), kStatusBytes, AllocKind::kHostStatus);
+        return p;
+      },
+      "Mapped pinned host words the kernels report timeouts in.");
+  m.def(
+      "host_status_free",
+      [](intptr_t ptr) {
+        AllocRegistry::get().remove(static_cast<uintptr_t>(ptr), AllocKind::kHostStatus, "host_status_free");
+        k::host_status_free(ptr);
+      },
+      py::arg("ptr"));
   m.def(
       "host_status_read",
       [](intptr_t ptr) {
+        check_status(ptr, "host_status_read");
         const volatile int64_t* w = reinterpret_cast<const volatile int64_t*>(ptr);
         py::list out;
         for (int i = 0; i < k::kStatusWords; ++i) out.append(static_cast<int64_t>(w[i]));
@@ -49,15 +194,44 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("ptr"), "Status words: [set, stalled peer rank, barrier sequence, site code].");
 
-  m.def("get_dispatch_layout", &k::get_dispatch_layout, py::arg("topk_idx"), py::arg("idx_is_64"),
-        py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_ranks"), py::arg("num_experts"),
-        py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("is_token_in_rank"),
-        py::arg("stream"));
-  m.def("intranode_notify", &k::intranode_notify, py::arg("buffers"), py::arg("rank"), py::arg("num_ranks"),
-        py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"),
-        py::arg("expert_alignment"), py::arg("seq"), py::arg("rank_prefix_matrix"), py::arg("out_info"),
-        py::arg("status"), py::arg("timeout_ns"), py::arg("is_token_in_rank"), py::arg("num_tokens"),
-        py::arg("send_pos"), py::arg("stream"));
+  m.def(
+      "get_dispatch_layout",
+      [](intptr_t topk_idx, bool idx_is_64, int num_tokens, int num_topk, int num_ranks, int num_experts,
+         intptr_t per_rank, intptr_t per_expert, intptr_t in_rank, intptr_t stream) {
+        UCCL_EP_CHECK_ARG(num_tokens >= 0 && num_topk >= 0 && num_experts > 0, "get_dispatch_layout: num_tokens=",
+                          num_tokens, " num_topk=", num_topk, " num_experts=", num_experts);
+        const bool any = num_tokens > 0 && num_topk > 0;
+        check_ptr(topk_idx, any, "get_dispatch_layout: topk_idx");
+        check_ptr(in_rank, num_tokens > 0, "get_dispatch_layout: is_token_in_rank");
+        check_ptr(per_rank, true, "get_dispatch_layout: num_tokens_per_rank");
+        check_ptr(per_expert, true, "get_dispatch_layout: num_tokens_per_expert");
+        k::get_dispatch_layout(topk_idx, idx_is_64, num_tokens, num_topk, num_ranks, num_experts, per_rank,
+                               per_expert, in_rank, stream);
+      },
+      py::arg("topk_idx"), py::arg("idx_is_64"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_ranks"),
+      py::arg("num_experts"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"),
+      py::arg("is_token_in_rank"), py::arg("stream"));
+  m.def(
+      "intranode_notify",
+      [](const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t per_rank, intptr_t per_expert,
+         int experts_per_rank, int expert_alignment, uint64_t seq, intptr_t prefix, intptr_t out_info,
+         intptr_t status, int64_t timeout_ns, intptr_t in_rank, int num_tokens, intptr_t send_pos, intptr_t stream) {
+        UCCL_EP_CHECK_ARG(num_tokens >= 0 && experts_per_rank >= 0, "intranode_notify: num_tokens=", num_tokens,
+                          " experts_per_rank=", experts_per_rank);
+        check_buffers(buffers, num_ranks, static_cast<int64_t>(k::kDataOffset), "intranode_notify");
+        check_status(status, "intranode_notify: status");
+        check_ptr(per_rank, true, "intranode_notify: num_tokens_per_rank");
+        check_ptr(per_expert, experts_per_rank > 0, "intranode_notify: num_tokens_per_expert");
+        check_ptr(prefix, true, "intranode_notify: rank_prefix_matrix");
+        check_ptr(out_info, true, "intranode_notify: out_info");
+        check_ptr(in_rank, send_pos != 0 && num_tokens > 0, "intranode_notify: is_token_in_rank");
+        k::intranode_notify(buffers, rank, num_ranks, per_rank, per_expert, experts_per_rank, expert_alignment, seq,
+                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream);
+      },
+      py::arg("buffers"), py::arg("rank"), py::arg("num_ranks"), py::arg("num_tokens_per_rank"),
+      py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"), py::arg("expert_alignment"), py::arg("seq"),
+      py::arg("rank_prefix_matrix"), py::arg("out_info"), py::arg("status"), py::arg("timeout_ns"),
+      py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("send_pos"), py::arg("stream"));
   m.def("dispatch_staging_bytes", &k::dispatch_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
@@ -98,7 +272,13 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("seq", &k::DispatchArgs::seq)
       .def_readwrite("status", &k::DispatchArgs::status)
       .def_readwrite("timeout_ns", &k::DispatchArgs::timeout_ns);
-  m.def("intranode_dispatch", &k::intranode_dispatch, py::arg("args"), py::arg("stream"));
+  m.def(
+      "intranode_dispatch",
+      [](const k::DispatchArgs& a, intptr_t stream) {
+        check_dispatch(a);
+        k::intranode_dispatch(a, stream);
+      },
+      py::arg("args"), py::arg("stream"));
 
   py::class_<k::CombineArgs>(m, "IntranodeCombineArgs")
       .def(py::init<>())
@@ -126,8 +306,20 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("seq_done", &k::CombineArgs::seq_done)
       .def_readwrite("status", &k::CombineArgs::status)
       .def_readwrite("timeout_ns", &k::CombineArgs::timeout_ns);
-  m.def("intranode_combine_push", &k::intranode_combine_push, py::arg("args"), py::arg("stream"));
-  m.def("intranode_combine_reduce", &k::intranode_combine_reduce, py::arg("args"), py::arg("stream"));
+  m.def(
+      "intranode_combine_push",
+      [](const k::CombineArgs& a, intptr_t stream) {
+        check_combine(a, "intranode_combine_push");
+        k::intranode_combine_push(a, stream);
+      },
+      py::arg("args"), py::arg("stream"));
+  m.def(
+      "intranode_combine_reduce",
+      [](const k::CombineArgs& a, intptr_t stream) {
+        check_combine(a, "intranode_combine_reduce");
+        k::intranode_combine_reduce(a, stream);
+      },
+      py::arg("args"), py::arg("stream"));
 #endif
 }
 

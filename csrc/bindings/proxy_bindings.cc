@@ -9,6 +9,7 @@
 #include "bindings/bindings.h"
 #include "common/env.h"
 #include "common/errors.h"
+#include "common/registry.h"
 #include "fifo/cmd_builder.h"
 #include "fifo/fifo.h"
 #include "proxy/proxy.h"
@@ -37,6 +38,31 @@ const GpuHooks* hooks_or_null() {
 #endif
 }
 
+// The region a transport registers and writes into: a HostRegion, a device buffer of `_C`, or
+// (GPU builds, gpu_device >= 0) any allocation on that device, e.g. a torch tensor.
+void check_region(uintptr_t ptr, uint64_t bytes, int gpu_device) {
+  AllocRegistry& reg = AllocRegistry::get();
+  if (ptr != 0 && reg.contains(ptr, bytes, {AllocKind::kHostRegion, AllocKind::kDeviceBuffer})) return;
+  const GpuHooks* hooks = hooks_or_null();
+  if (ptr != 0 && gpu_device >= 0 && hooks != nullptr && hooks->address_range != nullptr) {
+    uintptr_t base = 0;
+    size_t size = 0;
+    if (!hooks->address_range(reinterpret_cast<const void*>(ptr), gpu_device, &base, &size)) {
+      UCCL_EP_THROW(InvalidArgument, "region_ptr=", ptr, " is not device memory of GPU ", gpu_device,
+                    " in this process; pass a tensor's data_ptr() on that GPU or _C.device_alloc_zeroed");
+    }
+    if (bytes > size - (ptr - base)) {
+      UCCL_EP_THROW(InvalidArgument, "region_bytes=", bytes, " runs past the end of the device allocation holding ",
+                    "region_ptr (", size - (ptr - base), " bytes from region_ptr to its end); pass the size of the ",
+                    "memory the region really has");
+    }
+    return;
+  }
+  reg.check(ptr, bytes, {AllocKind::kHostRegion, AllocKind::kDeviceBuffer},
+            gpu_device >= 0 ? "region (region_ptr, region_bytes)"
+                            : "host region (region_ptr, region_bytes; allocate it with _C.HostRegion)");
+}
+
 // Host memory a transport registers (heap for one process, shared memory across processes).
 class HostRegion {
  public:
@@ -50,7 +76,13 @@ class HostRegion {
       ptr_ = heap_.data();
     }
     bytes_ = bytes;
+    AllocRegistry::get().add(reinterpret_cast<uintptr_t>(ptr_), bytes_, AllocKind::kHostRegion);
   }
+  ~HostRegion() {
+    if (ptr_) AllocRegistry::get().remove(reinterpret_cast<uintptr_t>(ptr_), AllocKind::kHostRegion, "~HostRegion");
+  }
+  HostRegion(const HostRegion&) = delete;
+  HostRegion& operator=(const HostRegion&) = delete;
   uintptr_t ptr() const { return reinterpret_cast<uintptr_t>(ptr_); }
   uint64_t bytes() const { return bytes_; }
   std::string shm_name() const { return shm_ ? shm_->name() : ""; }
@@ -83,6 +115,7 @@ class Counters {
       host_ = static_cast<int64_t*>(m.host);
       dev_ = static_cast<int64_t*>(m.dev);
       mapped_ = true;
+      AllocRegistry::get().add(dev_ptr(), n_ * sizeof(int64_t), AllocKind::kMappedCounters);
       return;
 #else
       UCCL_EP_THROW(Unsupported, "mapped counters need a GPU build of uccl_ep_megatron");
@@ -90,12 +123,16 @@ class Counters {
     }
     heap_.assign(n, 0);
     host_ = dev_ = heap_.data();
+    AllocRegistry::get().add(dev_ptr(), n_ * sizeof(int64_t), AllocKind::kMappedCounters);
   }
   ~Counters() {
+    AllocRegistry::get().remove(dev_ptr(), AllocKind::kMappedCounters, "~Counters");
 #ifdef UCCL_EP_WITH_GPU
     if (mapped_) gpu::free_mapped(host_);
 #endif
   }
+  Counters(const Counters&) = delete;
+  Counters& operator=(const Counters&) = delete;
   std::vector<int64_t> values() const {
     std::vector<int64_t> v(n_);
     for (uint32_t i = 0; i < n_; ++i) v[i] = __atomic_load_n(&host_[i], __ATOMIC_ACQUIRE);
@@ -265,6 +302,7 @@ void bind_proxy(py::module_& m) {
       .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
                        uint64_t bytes, int gpu_device, bool reorder, uint64_t seed, uint32_t max_delay_us,
                        uint32_t inbox_capacity, const std::string& shm_name, uint64_t copy_timeout_ms) {
+             check_region(region, bytes, gpu_device);
              TransportSetup s;
              s.rank = rank;
              s.world_size = world;
@@ -290,6 +328,7 @@ void bind_proxy(py::module_& m) {
   py::class_<VerbsTransport, Transport>(m, "VerbsTransport", "RDMA transport: RC or EFA SRD over libibverbs.")
       .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
                        uint64_t bytes, int gpu_device, int local_index, const std::string& flavor) {
+             check_region(region, bytes, gpu_device);
              const Env e = Env::load();
              TransportSetup s;
              s.rank = rank;
@@ -396,7 +435,9 @@ void bind_proxy(py::module_& m) {
            // The proxy's threads use channels, transport and counters: keep them alive with it.
            py::keep_alive<1, 8>(), py::keep_alive<1, 9>(), py::keep_alive<1, 10>())
       .def("start", &Proxy::start)
-      .def("stop", &Proxy::stop, py::call_guard<py::gil_scoped_release>())
+      .def("stop", &Proxy::stop, py::arg("timeout_ms") = 0, py::call_guard<py::gil_scoped_release>(),
+           "Stop and join the threads within timeout_ms (0: 5 s); TimeoutError names a thread stuck in a call.")
+      .def_static("live_threads", &Proxy::live_threads, "Proxy threads in this process that have not exited.")
       .def_property_readonly("running", &Proxy::running)
       .def("check", &Proxy::check, "Re-raise the first failure of a proxy thread.")
       .def("stats", [](const Proxy& p) { return stats_dict(p.stats()); });

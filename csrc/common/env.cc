@@ -29,14 +29,23 @@ bool parse_bool(const char* name, const char* raw) {
 
 }  // namespace
 
-Env Env::load() {
+Env Env::load(std::vector<std::pair<std::string, std::string>>* problems) {
   Env e;
+  // Strict by default; with `problems` a bad value is recorded and its default kept.
+  auto parse = [problems](const char* name, auto fn, auto& field) {
+    try {
+      field = fn();
+    } catch (const InvalidArgument& err) {
+      if (!problems) throw;
+      problems->emplace_back(name, err.what());
+    }
+  };
 #define UCCL_EP_ENV_INT(field, name, def, doc) \
-  if (const char* v = std::getenv(name)) e.field = parse_int(name, v);
+  if (const char* v = std::getenv(name)) parse(name, [&] { return parse_int(name, v); }, e.field);
 #define UCCL_EP_ENV_STR(field, name, def, doc) \
   if (const char* v = std::getenv(name)) e.field = v;
 #define UCCL_EP_ENV_BOOL(field, name, def, doc) \
-  if (const char* v = std::getenv(name)) e.field = parse_bool(name, v);
+  if (const char* v = std::getenv(name)) parse(name, [&] { return parse_bool(name, v); }, e.field);
 #include "common/env_params.def"
 #undef UCCL_EP_ENV_INT
 #undef UCCL_EP_ENV_STR

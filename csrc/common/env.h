@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace uccl_ep {
@@ -17,8 +18,9 @@ struct Env {
 #undef UCCL_EP_ENV_BOOL
 
   // Parses the current process environment; throws InvalidArgument naming the variable
-  // when a value does not parse as its declared type.
-  static Env load();
+  // when a value does not parse as its declared type. With `problems`, a value that does not
+  // parse keeps its default and its error is appended there instead (diagnostics: doctor).
+  static Env load(std::vector<std::pair<std::string, std::string>>* problems = nullptr);
 };
 
 // The process-wide values, loaded on first use. Tests that change the environment call

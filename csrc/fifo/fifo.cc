@@ -103,6 +103,17 @@ uint64_t FifoChannel::push(const TransferCmd& cmd) {
     UCCL_EP_THROW(Unsupported, "FIFO channel ", channel_,
                   " lives in GPU memory; push from a kernel (fifo_device.cuh), not from the CPU");
   }
+  // Refuse before reserving an index: a reservation that is never written would be a new hole.
+  if (fifo_error_is_hole(__atomic_load_n(&mem_.block_host->error.code, __ATOMIC_ACQUIRE))) {
+    UCCL_EP_THROW(TimeoutError, "FIFO channel ", channel_, " is unusable: index ",
+                  __atomic_load_n(&mem_.block_host->error.index, __ATOMIC_ACQUIRE),
+                  " was reserved by a push that gave up, so nothing pushed after it can be consumed; "
+                  "stop the proxy and create a new channel (a new Buffer)");
+  }
+  if (__atomic_load_n(&mem_.block_host->abort, __ATOMIC_ACQUIRE)) {
+    UCCL_EP_THROW(TimeoutError, "FIFO channel ", channel_,
+                  ": push refused because the proxy aborted (see the proxy's error); nothing was reserved");
+  }
   const uint64_t idx = __atomic_fetch_add(mem_.tail_dev, 1ull, __ATOMIC_RELAXED);
   unsigned long long cached = __atomic_load_n(mem_.head_cache_dev, __ATOMIC_RELAXED);
   if (idx - cached >= capacity_) {
@@ -117,14 +128,13 @@ uint64_t FifoChannel::push(const TransferCmd& cmd) {
       }
       if (idx - h < capacity_) break;
       if (__atomic_load_n(&mem_.block_host->abort, __ATOMIC_ACQUIRE)) {
-        UCCL_EP_THROW(TimeoutError, "FIFO channel ", channel_, ": push of index ", idx,
-                      " abandoned because the proxy aborted (see the proxy's error)");
+        fail_push(kFifoPushAborted, idx, "was abandoned because the proxy aborted (see the proxy's error)");
       }
       if ((++spins & 1023u) == 0) {
         if (Clock::now() > deadline) {
-          UCCL_EP_THROW(TimeoutError, "FIFO channel ", channel_, ": push of index ", idx, " waited ", timeout_ms_,
-                        " ms for the proxy to pop index ", idx - capacity_, " (head=", h,
-                        "); is the proxy running and consuming this channel?");
+          fail_push(kFifoPushTimeout, idx,
+                    detail::concat("waited ", timeout_ms_, " ms for the proxy to pop index ", idx - capacity_,
+                                   " (head=", h, "); is the proxy running and consuming this channel?"));
         }
         std::this_thread::yield();
       }
@@ -136,6 +146,35 @@ uint64_t FifoChannel::push(const TransferCmd& cmd) {
   __atomic_store_n(slot + 1, c.hi, __ATOMIC_RELAXED);
   __atomic_store_n(slot, c.lo, __ATOMIC_RELEASE);
   return idx;
+}
+
+void FifoChannel::fail_push(uint32_t code, uint64_t idx, const std::string& why) {
+  FifoErrorRecord& rec = mem_.block_host->error;
+  uint32_t expected = kFifoOk;
+  if (__atomic_compare_exchange_n(&rec.code, &expected, kFifoErrorPending, false, __ATOMIC_ACQ_REL,
+                                  __ATOMIC_ACQUIRE)) {
+    __atomic_store_n(&rec.channel, channel_, __ATOMIC_RELAXED);
+    __atomic_store_n(&rec.index, idx, __ATOMIC_RELAXED);
+    __atomic_store_n(&rec.code, code, __ATOMIC_RELEASE);
+  }
+  UCCL_EP_THROW(TimeoutError, "FIFO channel ", channel_, ": push of index ", idx, " ", why, ". The index stays ",
+                "reserved and is never written, so nothing pushed after it can be consumed: the channel is ",
+                "unusable now (stop the proxy and create a new channel, i.e. a new Buffer)");
+}
+
+void FifoChannel::check_hole() {
+  const FifoErrorRecord& rec = mem_.block_host->error;
+  const uint32_t code = __atomic_load_n(&rec.code, __ATOMIC_ACQUIRE);
+  if (!fifo_error_is_hole(code)) return;
+  const uint64_t index = __atomic_load_n(&rec.index, __ATOMIC_RELAXED);
+  if (index != head_) return;
+  TransferCmd cmd;
+  if (poll(&cmd)) return;
+  publish();
+  UCCL_EP_THROW(TimeoutError, "FIFO channel ", channel_, ": the producer that reserved index ", index, " gave up (",
+                code == kFifoPushTimeout ? "its push timed out waiting for room" : "the proxy had aborted",
+                ") without writing it; the consumer cannot go past it, so the channel is unusable (create a new "
+                "Buffer)");
 }
 
 bool FifoChannel::check_completion(uint64_t index) const {
@@ -165,16 +204,18 @@ void FifoChannel::set_abort(bool abort) {
 }
 
 void FifoChannel::check_error() const {
-  FifoErrorRecord rec;
-  rec.code = __atomic_load_n(&mem_.block_host->error.code, __ATOMIC_ACQUIRE);
-  if (rec.code == kFifoOk) return;
-  rec.channel = mem_.block_host->error.channel;
-  rec.index = mem_.block_host->error.index;
-  const char* what = rec.code == kFifoPushTimeout         ? "a push waited too long for free space at index "
-                     : rec.code == kFifoCompletionTimeout ? "a completion wait timed out at index "
-                                                          : "a producer gave up (proxy aborted) at index ";
-  UCCL_EP_THROW(TimeoutError, "FIFO channel ", rec.channel, ": ", what, rec.index, " (timeout ", timeout_ms_,
-                " ms; the proxy thread owning this channel stalled or stopped)");
+  const FifoErrorRecord& r = mem_.block_host->error;
+  const uint32_t code = __atomic_load_n(&r.code, __ATOMIC_ACQUIRE);
+  if (code == kFifoOk || code == kFifoErrorPending) return;
+  const uint32_t channel = __atomic_load_n(&r.channel, __ATOMIC_RELAXED);
+  const uint64_t index = __atomic_load_n(&r.index, __ATOMIC_RELAXED);
+  const char* what = code == kFifoPushTimeout         ? "a push waited too long for free space at index "
+                     : code == kFifoCompletionTimeout ? "a completion wait timed out at index "
+                     : code == kFifoPushAborted       ? "a push gave up (proxy aborted) at index "
+                                                      : "a producer gave up (proxy aborted) at index ";
+  UCCL_EP_THROW(TimeoutError, "FIFO channel ", channel, ": ", what, index, " (timeout ", timeout_ms_,
+                " ms; the proxy thread owning this channel stalled or stopped)",
+                fifo_error_is_hole(code) ? "; that index was never written, so the channel is unusable now" : "");
 }
 
 }  // namespace uccl_ep

@@ -28,7 +28,20 @@ struct FifoErrorRecord {
   uint32_t channel;  // channel that stalled
   uint64_t index;    // FIFO index that was waited on
 };
-enum FifoErrorCode : uint32_t { kFifoOk = 0, kFifoPushTimeout = 1, kFifoCompletionTimeout = 2, kFifoAborted = 3 };
+enum FifoErrorCode : uint32_t {
+  kFifoOk = 0,
+  kFifoPushTimeout = 1,       // a push reserved `index` and gave up waiting for room: a hole
+  kFifoCompletionTimeout = 2,
+  kFifoAborted = 3,           // a completion wait gave up because the host aborted
+  kFifoPushAborted = 4,       // a push reserved `index` and gave up because the host aborted: a hole
+};
+// A producer that gave up after reserving its index never writes that slot, and the consumer
+// takes slots strictly in order: nothing pushed after the hole can ever be consumed. Such a
+// channel is unusable for good; both sides raise that instead of waiting.
+// The first failing producer claims the record with this code, writes channel and index, then
+// stores its real code: readers never see a code with a stale index.
+constexpr uint32_t kFifoErrorPending = 0xFFFFFFFFu;
+inline bool fifo_error_is_hole(uint32_t code) { return code == kFifoPushTimeout || code == kFifoPushAborted; }
 
 // Host-resident control block, one per channel, followed by the slots (64-byte aligned).
 struct FifoHostBlock {
@@ -90,6 +103,10 @@ class FifoChannel {
   // Dequeues the command at head; producers waiting on this index (back-pressure, completion)
   // see it after this store.
   void pop();
+  // Throws TimeoutError when the slot at head belongs to a producer that gave up after
+  // reserving it (see fifo_error_is_hole): the consumer would wait for it forever. Publishes the
+  // commands consumed before it first, so their producers see them completed.
+  void check_hole();
   // pop() in two halves, for consumers that take several commands per visit: advance() dequeues
   // privately, publish() makes every advance so far visible with one store. Each store of head
   // pulls its cache line away from the GPU's PCIe reads of it (producers waiting for room or
@@ -100,7 +117,8 @@ class FifoChannel {
 
   // ---- producer side, CPU threads (only channels from create_host) ----
   // Returns the command's FIFO index; throws TimeoutError naming channel and index when the ring
-  // stays full for timeout_ms.
+  // stays full for timeout_ms or the proxy aborted. A push that gives up after reserving its
+  // index records the hole, and every later push fails at once without reserving anything.
   uint64_t push(const TransferCmd& cmd);
   // True once the command at `index` was popped.
   bool check_completion(uint64_t index) const;
@@ -119,6 +137,7 @@ class FifoChannel {
   uint32_t channel_;
   uint32_t capacity_;
   uint64_t timeout_ms_;
+  [[noreturn]] void fail_push(uint32_t code, uint64_t idx, const std::string& why);
   Memory mem_;
   // The consumer's private copies, on their own cache line: each channel object is a separate
   // heap allocation, and neighbouring channels usually belong to other proxy threads.

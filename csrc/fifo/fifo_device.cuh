@@ -50,9 +50,13 @@ __device__ __forceinline__ void fifo_store_slot(uint64_t* slot, uint64_t lo, uin
 
 __device__ __forceinline__ void fifo_record_error(const FifoDeviceHandle& h, uint32_t code, uint64_t index) {
   // First failure wins; the host raises it (FifoChannel::check_error) naming channel and index.
-  if (atomicCAS(reinterpret_cast<unsigned int*>(&h.error->code), 0u, code) == 0u) {
+  // Claim, fill, then publish the code, so the host never pairs the code with a stale index.
+  unsigned int* code_word = reinterpret_cast<unsigned int*>(&h.error->code);
+  if (atomicCAS(code_word, 0u, kFifoErrorPending) == 0u) {
     h.error->channel = h.channel;
     h.error->index = index;
+    __threadfence_system();
+    atomicExch(code_word, code);
     __threadfence_system();
   }
 }
@@ -75,7 +79,10 @@ __device__ __forceinline__ uint64_t fifo_refresh_head(const FifoDeviceHandle& h)
 }
 
 // Enqueues `cmd`; returns its FIFO index, or kFifoPushFailed after timeout_ns (error recorded) or
-// when the host aborted. Called by one thread; many threads may push into the same channel.
+// when the host aborted. Called by one thread; many threads may push into the same channel. A
+// failed push leaves its reserved index unwritten (a hole, fifo.h): the proxy then fails with an
+// error naming it and aborts the channel's other producers, so the caller must treat the channel
+// as dead (the kernels record a status and give up).
 __device__ __forceinline__ uint64_t fifo_push(const FifoDeviceHandle& h, const TransferCmd& cmd) {
   const uint64_t idx = atomicAdd(h.tail, 1ull);
   // Common case: the device-resident cached head proves there is room; no PCIe round trip.
@@ -96,7 +103,7 @@ __device__ __forceinline__ uint64_t fifo_push(const FifoDeviceHandle& h, const T
       if (idx - head < h.capacity) break;
       if ((spin & 15u) == 15u) {
         if (*reinterpret_cast<const volatile uint32_t*>(h.abort)) {
-          fifo_record_error(h, kFifoAborted, idx);
+          fifo_record_error(h, kFifoPushAborted, idx);
           return kFifoPushFailed;
         }
         if (fifo_now_ns() - start > h.timeout_ns) {

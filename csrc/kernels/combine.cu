@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
 
 struct ReduceParams {
   Peers bufs;
-  int rank, num_ranks, num_tokens, num_topk, hidden;
+  int rank, num_ranks, num_tokens, num_topk;
   int64_t row_bytes;
   const uint8_t* x;  // local combine input (rows this rank received)
   const float* w;
@@ -295,7 +295,6 @@ void intranode_combine_reduce(const CombineArgs& a, intptr_t stream) {
   p.num_ranks = R;
   p.num_tokens = a.num_tokens;
   p.num_topk = a.num_topk;
-  p.hidden = a.hidden;
   p.row_bytes = row_bytes;
   p.x = reinterpret_cast<const uint8_t*>(a.x);
   p.w = reinterpret_cast<const float*>(a.topk_weights);

@@ -577,7 +577,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_finish_kernel(FinishDev f) 
   const int lane = threadIdx.x % dev::kWarpSize;
   const int gw = blockIdx.x * kWarps + threadIdx.x / dev::kWarpSize, nw = gridDim.x * kWarps;
   const int total = f.recv_prefix[f.num_ranks];
-  const int idx_bytes = p.idx64 ? 8 : 4;
   const uint8_t* stage = f.d.c.nvl[f.local] + p.stage_off;
   for (int r = gw; r < total; r += nw) {
     int s = 0;
@@ -599,7 +598,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_finish_kernel(FinishDev f) 
       p.recv_w[static_cast<int64_t>(r) * p.K + k] = ld_cg(reinterpret_cast<const float*>(row + p.ss.weights) + k);
     }
     if (p.recv_src != nullptr && lane == 0) p.recv_src[r] = ld_cg(reinterpret_cast<const int*>(row + p.ss.src));
-    (void)idx_bytes;
   }
 }
 
@@ -608,7 +606,7 @@ struct CombineDev {
   DevCommon c;
   RingLayout rl;
   CombineSlot cs;  // ring slot and NVLink staging row share this layout
-  int dtype, hidden, K, T, num_recv;
+  int dtype, K, T;
   int64_t row_bytes;
   const uint8_t* x;
   const float* w;
@@ -1030,10 +1028,8 @@ CombineDev make_combine(const CombineArgs& a) {
                     " bytes but half the RDMA region is ", region_half_bytes(a.common.region_bytes));
   UCCL_EP_CHECK_ARG(static_cast<int64_t>(p.c.chunk) * p.cs.bytes <= cmd_limits::kMaxLength, "combine chunk too large");
   p.dtype = a.dtype;
-  p.hidden = a.hidden;
   p.K = a.num_topk;
   p.T = a.num_tokens;
-  p.num_recv = a.num_recv;
   p.row_bytes = a.row_bytes;
   p.x = reinterpret_cast<const uint8_t*>(a.x);
   p.w = reinterpret_cast<const float*>(a.topk_weights);

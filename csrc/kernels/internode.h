@@ -90,7 +90,7 @@ void dispatch_finish(const DispatchArgs& a, const std::vector<int>& recv_prefix,
 struct CombineArgs {
   Common common;
   int dtype = 0;  // 0 bf16, 1 fp16, 2 fp32
-  int hidden = 0, num_topk = 0, num_tokens = 0, num_recv = 0;
+  int num_topk = 0, num_tokens = 0, num_recv = 0;
   int64_t row_bytes = 0;
   intptr_t x = 0, topk_weights = 0;  // this rank's combine input rows [num_recv] and weights
   // forwarder side

@@ -44,6 +44,7 @@ struct ProxyOptions {
   uint64_t max_inflight_bytes_per_stream = 0;          // 0: no cap; UCCL_IB_MAX_INFLIGHT_BYTES
   uint32_t batch = 32;                                 // commands taken from a channel per visit
   std::vector<int> cpus;                               // pin threads here (GPU's NUMA node); empty: no pin
+  uint64_t stop_timeout_ms = 5000;                     // bound of stop()'s wait for each thread to exit
 };
 
 struct ProxyStats {
@@ -70,9 +71,17 @@ class Proxy {
   Proxy& operator=(const Proxy&) = delete;
 
   void start();
-  // Stops and joins the threads; raises nothing (call check() for a recorded failure).
-  void stop();
+  // Stops and joins the threads, waiting at most `timeout_ms` (0: options().stop_timeout_ms) for
+  // them to leave their loop. A thread still inside a transport call then (e.g. a CUDA call that
+  // waits for kernels which wait for this proxy) makes stop() throw TimeoutError naming it; the
+  // proxy keeps that thread and everything it uses, running() stays true, and stop() may be
+  // called again once the call returned. The channels, transport and counters must outlive the
+  // threads. A failure the threads recorded is not raised here (call check()).
+  void stop(uint64_t timeout_ms = 0);
   bool running() const { return running_; }
+  // Proxy threads of every Proxy in this process that have not exited yet (threads a destructor
+  // had to leave behind included).
+  static uint32_t live_threads();
   // Re-raises the first failure of a proxy thread (same exception class, message names the rank,
   // channel and peer). Also the watchdog: a thread that has not finished a pass of its loop for
   // timeout_ms (blocked inside a transport call, e.g. a CUDA call that waits for kernels which
@@ -82,22 +91,15 @@ class Proxy {
   const ProxyOptions& options() const { return options_; }
 
   struct ThreadStats;
+  // What the threads use. Shared with them, so a thread that ~Proxy had to leave behind (stuck
+  // in a transport call past the stop bound) never touches freed proxy memory.
+  struct State;
 
  private:
-  void thread_main(uint32_t thread);
-  void record_failure(std::exception_ptr e);
-
   ProxyOptions options_;
-  std::vector<FifoChannel*> channels_;
-  Transport* transport_;
-  int64_t* counters_;
-  uint32_t num_counters_;
-  std::atomic<bool> stop_{false};
+  std::shared_ptr<State> st_;
   bool running_ = false;
   std::vector<std::thread> threads_;
-  std::vector<std::unique_ptr<ThreadStats>> stats_;
-  mutable std::mutex error_mu_;
-  std::exception_ptr error_;
   // Watchdog state of check(): each thread's pass count when it last changed, and since when.
   std::mutex watch_mu_;
   std::vector<uint64_t> watch_passes_;

@@ -34,6 +34,10 @@ struct GpuHooks {
   bool (*enable_peer_access)(int device, int peer_device) = nullptr;
   // A DMA-BUF file descriptor for [ptr, ptr+bytes) (verbs registration without peer-memory), or -1.
   int (*dmabuf_fd)(void* ptr, size_t bytes, size_t* offset) = nullptr;
+  // Base and size of the device allocation holding `ptr` (with `device` current); false when ptr
+  // is not device memory of this process. Lets the bindings bounds-check a region they did not
+  // allocate (e.g. a torch tensor) before a transport writes into it.
+  bool (*address_range)(const void* ptr, int device, uintptr_t* base, size_t* bytes) = nullptr;
 };
 
 // The hooks of the GPU library when it was built, else nullptr. Defined in transport_gpu.cu;

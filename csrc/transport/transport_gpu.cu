@@ -246,6 +246,19 @@ int hook_dmabuf_fd(void* ptr, size_t bytes, size_t* offset) {
 #endif
 }
 
+bool hook_address_range(const void* ptr, int device, uintptr_t* base, size_t* bytes) {
+  DeviceGuard guard(device);
+  size_t size = 0;
+  try {
+    *base = reinterpret_cast<uintptr_t>(allocation_base(const_cast<void*>(ptr), &size));
+  } catch (const Error&) {
+    (void)gpuGetLastError();  // a failed query leaves nothing behind for the next runtime call
+    return false;
+  }
+  *bytes = size;
+  return size > 0;
+}
+
 const GpuHooks kHooks = [] {
   GpuHooks h;
   h.ipc_handle = hook_ipc_handle;
@@ -257,6 +270,7 @@ const GpuHooks kHooks = [] {
   h.copy_completed = hook_copy_completed;
   h.enable_peer_access = hook_enable_peer_access;
   h.dmabuf_fd = hook_dmabuf_fd;
+  h.address_range = hook_address_range;
   return h;
 }();
 

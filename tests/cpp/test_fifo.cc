@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -123,6 +125,53 @@ TEST(Fifo, ConcurrentProducersConsumerExactlyOnceInPerProducerOrder) {
   for (auto& t : producers) t.join();
   EXPECT_FALSE(ch->poll(&c));
   for (int p = 0; p < kProducers; ++p) EXPECT_EQ(next[p], kPerProducer);
+}
+
+// A push that gives up after reserving its index leaves a hole the consumer can never pass: the
+// channel must say so on both sides at once instead of accepting pushes nobody will consume.
+TEST(Fifo, PushFailureAfterReservationMakesTheChannelFailFastOnBothSides) {
+  auto ch = FifoChannel::create_host(7, 2, 50);
+  ch->push(make_barrier(false));
+  ch->push(make_barrier(false));
+  EXPECT_THROW(ch->push(make_barrier(false)), TimeoutError);  // index 2 reserved, never written
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    ch->push(make_barrier(false));
+    FAIL() << "a push after a hole was accepted";
+  } catch (const TimeoutError& e) {
+    std::string msg = e.what();
+    EXPECT_NE(msg.find("channel 7 is unusable: index 2"), std::string::npos) << msg;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(40)) << "it waited for room";
+  try {
+    ch->check_error();
+    FAIL() << "check_error() did not report the failed push";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("never written"), std::string::npos) << e.what();
+  }
+  // The consumer takes the two real commands, then reports the hole instead of waiting for it.
+  TransferCmd c;
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NO_THROW(ch->check_hole());
+    ASSERT_TRUE(ch->poll(&c));
+    ch->pop();
+  }
+  EXPECT_FALSE(ch->poll(&c));
+  try {
+    ch->check_hole();
+    FAIL() << "the consumer was not told about the hole at its head";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("reserved index 2 gave up"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Fifo, AbortRefusesAPushBeforeReservingAnIndex) {
+  auto ch = FifoChannel::create_host(1, 4, 60000);
+  ch->set_abort(true);
+  EXPECT_THROW(ch->push(make_barrier(false)), TimeoutError);
+  ch->set_abort(false);
+  EXPECT_EQ(ch->push(make_barrier(false)), 0u) << "the refused push reserved an index";
+  EXPECT_NO_THROW(ch->check_error());
 }
 
 TEST(Fifo, DeviceHandleDescribesHostMemory) {

@@ -70,41 +70,63 @@ class BlockingTransport : public Transport {
   bool released_ = false;
 };
 
-TEST(ProxyWatchdog, ThreadBlockedInTransportIsReportedAndProducersReleased) {
-  std::vector<std::vector<uint8_t>> regions(2, std::vector<uint8_t>(4096));
+// Two proxies over ipc, rank 0's transport blocking (once armed by a write on its channel).
+struct BlockingPair {
+  std::vector<std::vector<uint8_t>> regions{2, std::vector<uint8_t>(4096)};
   std::vector<std::unique_ptr<FifoChannel>> fifos;
   std::vector<std::unique_ptr<Transport>> transports;
-  std::vector<std::string> infos;
   BlockingTransport* blocking = nullptr;
-  for (uint32_t r = 0; r < 2; ++r) {
-    fifos.push_back(FifoChannel::create_host(0, 64, 60000));
-    TransportSetup s;
-    s.rank = r;
-    s.world_size = 2;
-    s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
-    auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
-    infos.push_back(ipc->local_info());
-    if (r == 0) {
-      auto b = std::make_unique<BlockingTransport>(std::move(ipc));
-      blocking = b.get();
-      transports.push_back(std::move(b));
-    } else {
-      transports.push_back(std::move(ipc));
+  std::vector<int64_t> counters = std::vector<int64_t>(8, 0);
+  std::vector<std::unique_ptr<Proxy>> proxies;
+
+  BlockingPair(uint64_t timeout_ms, uint64_t stop_timeout_ms) {
+    std::vector<std::string> infos;
+    for (uint32_t r = 0; r < 2; ++r) {
+      fifos.push_back(FifoChannel::create_host(0, 64, 60000));
+      TransportSetup s;
+      s.rank = r;
+      s.world_size = 2;
+      s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
+      auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
+      infos.push_back(ipc->local_info());
+      if (r == 0) {
+        auto b = std::make_unique<BlockingTransport>(std::move(ipc));
+        blocking = b.get();
+        transports.push_back(std::move(b));
+      } else {
+        transports.push_back(std::move(ipc));
+      }
+    }
+    for (uint32_t r = 0; r < 2; ++r) {
+      transports[r]->connect(infos);
+      ProxyOptions o;
+      o.rank = r;
+      o.world_size = 2;
+      o.num_threads = 1;
+      o.timeout_ms = timeout_ms;
+      o.stop_timeout_ms = stop_timeout_ms;  // what the destructor waits
+      proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
+                                                counters.data() + 4 * r, 4));
+      proxies.back()->start();
     }
   }
-  std::vector<int64_t> counters(8, 0);
-  std::vector<std::unique_ptr<Proxy>> proxies;
-  for (uint32_t r = 0; r < 2; ++r) {
-    transports[r]->connect(infos);
-    ProxyOptions o;
-    o.rank = r;
-    o.world_size = 2;
-    o.num_threads = 1;
-    o.timeout_ms = 300;
-    proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
-                                              counters.data() + 4 * r, 4));
-    proxies.back()->start();
+
+  // Makes rank 0's thread block inside post_write; true once it does.
+  bool block_rank0() {
+    fifos[0]->push(build_write(1, 0, 0, 64));
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!blocking->blocked.load() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return blocking->blocked.load();
   }
+};
+
+TEST(ProxyWatchdog, ThreadBlockedInTransportIsReportedAndProducersReleased) {
+  BlockingPair pair(300, 5000);
+  auto& proxies = pair.proxies;
+  auto& fifos = pair.fifos;
+  BlockingTransport* blocking = pair.blocking;
   // A healthy proxy passes check() for longer than its timeout (the watchdog is quiet).
   const auto t0 = std::chrono::steady_clock::now();
   while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(700)) {
@@ -144,6 +166,92 @@ TEST(ProxyWatchdog, ThreadBlockedInTransportIsReportedAndProducersReleased) {
   EXPECT_LT(waited.count(), 5000);
   blocking->release();  // let the thread return so stop() can join it
   for (auto& p : proxies) p->stop();
+}
+
+void wait_for_live_threads(uint32_t n) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (Proxy::live_threads() > n && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+TEST(ProxyWatchdog, StopIsBoundedAndNamesTheThreadStuckInATransportCall) {
+  BlockingPair p(60000, 300);
+  ASSERT_TRUE(p.block_rank0());
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string msg;
+  try {
+    p.proxies[0]->stop(200);
+  } catch (const TimeoutError& e) {
+    msg = e.what();
+  }
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  ASSERT_FALSE(msg.empty()) << "stop() returned although its thread is stuck";
+  EXPECT_GE(waited.count(), 190);
+  EXPECT_LT(waited.count(), 3000);
+  EXPECT_NE(msg.find("proxy rank 0: thread 0 (ueproxy0t0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("did not stop within 200 ms"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("transport 'blocking-ipc'"), std::string::npos) << msg;
+  // Still stopping: the proxy kept its thread, cannot be started again, and can be stopped later.
+  EXPECT_TRUE(p.proxies[0]->running());
+  EXPECT_THROW(p.proxies[0]->start(), InvalidArgument);
+  p.blocking->release();
+  EXPECT_NO_THROW(p.proxies[0]->stop(10000));
+  EXPECT_FALSE(p.proxies[0]->running());
+  p.proxies[1]->stop();
+}
+
+TEST(ProxyWatchdog, DestructorLeavesAStuckThreadBehindWithoutWaitingForIt) {
+  const uint32_t before = Proxy::live_threads();
+  BlockingPair p(60000, 300);
+  ASSERT_TRUE(p.block_rank0());
+  const auto t0 = std::chrono::steady_clock::now();
+  p.proxies[0].reset();  // bounded by stop_timeout_ms, then the thread is detached
+  const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0);
+  EXPECT_LT(waited.count(), 3000);
+  EXPECT_EQ(Proxy::live_threads(), before + 2);  // rank 0's stuck thread and rank 1's thread
+  // The detached thread returns into state the destructor left alive (TSAN/ASAN would object
+  // otherwise), then exits; the transport it used is still owned here.
+  p.blocking->release();
+  p.proxies[1]->stop();
+  wait_for_live_threads(before);
+  EXPECT_EQ(Proxy::live_threads(), before);
+}
+
+// A producer that reserved a FIFO index and gave up leaves a slot the proxy waits for forever:
+// the proxy must report it (check() raises naming channel and index) instead of idling.
+TEST(ProxyWatchdog, ProxyReportsAHoleLeftByAFailedPush) {
+  std::vector<uint8_t> region(4096);
+  auto fifo = FifoChannel::create_host(0, 2, 50);
+  TransportSetup s;
+  s.rank = 0;
+  s.world_size = 1;
+  s.region = RegionInfo{region.data(), region.size(), -1};
+  IpcTransport ipc(s, IpcOptions{});
+  ipc.connect({ipc.local_info()});
+  fifo->push(build_write(0, 0, 1024, 64));
+  fifo->push(build_write(0, 0, 2048, 64));
+  EXPECT_THROW(fifo->push(build_write(0, 0, 3072, 64)), TimeoutError);  // nobody consumes yet
+  std::vector<int64_t> counters(4, 0);
+  ProxyOptions o;
+  o.num_threads = 1;
+  o.timeout_ms = 60000;
+  Proxy proxy(o, {fifo.get()}, &ipc, counters.data(), 4);
+  proxy.start();
+  std::string msg;
+  const auto t0 = std::chrono::steady_clock::now();
+  while (msg.empty() && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10)) {
+    try {
+      proxy.check();
+    } catch (const TimeoutError& e) {
+      msg = e.what();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  ASSERT_FALSE(msg.empty()) << "the proxy waited for the hole without a word";
+  EXPECT_NE(msg.find("FIFO channel 0: the producer that reserved index 2 gave up"), std::string::npos) << msg;
+  EXPECT_EQ(fifo->published_head(), 2u);  // both real commands were executed first
+  proxy.stop();
 }
 
 }  // namespace

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.config import Config
+from uccl_ep_megatron.backends.agreement import Agreement
+from uccl_ep_megatron.config import Config, effective_env
 from uccl_ep_megatron.errors import InvalidInputError
 
 
@@ -68,6 +69,9 @@ class DispatchArgs:
     # The id range of topk_idx is still to be checked: by a backend that does it at its one
     # host sync instead of syncing for it up front (``Backend.defers_id_check``).
     check_ids: bool = False
+    # Every rank's call header, checks and counts (``agreement.py``), when the backend
+    # exchanges them (``Backend.agrees_per_call``); the counts are the ones it needs.
+    agreed: Agreement | None = None
 
 
 class DispatchResult(NamedTuple):
@@ -97,6 +101,7 @@ class DispatchHandle(NamedTuple):
     num_topk: int  # K of the forward dispatch (0 without top-k)
     state: Any
     owner: int  # Buffer.uid of the Buffer that made it
+    seq: int = 0  # the Buffer's number of the dispatch call that made it
 
 
 class Backend(abc.ABC):
@@ -107,6 +112,10 @@ class Backend(abc.ABC):
     # (min, max) with the host sync it makes anyway and raises ``check_expert_ids``; its
     # kernels must ignore ids outside [0, E) until then.
     defers_id_check: bool = False
+    # True: ``exchange_header`` all-gathers the per-call rows of ``agreement.py`` before every
+    # dispatch/combine, so ranks that disagree (or one rank whose checks failed) all raise the
+    # same error; a deferred id check then travels in that row too.
+    agrees_per_call: bool = False
 
     def __init__(
         self,
@@ -121,6 +130,8 @@ class Backend(abc.ABC):
         self.device = device
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
+        # Bound of every wait of this backend, read once (UCCL_EP_TIMEOUT_MS).
+        self.timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
 
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
@@ -141,6 +152,15 @@ class Backend(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each received row back into its source token (and top-k weights likewise)."""
 
+    def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]] | None:
+        """Every rank's ``row`` (rank order) on the host, bounded by ``UCCL_EP_TIMEOUT_MS``;
+        ``None`` when this backend has no host-side exchange to carry it."""
+        return None
+
+    def gather_objects(self, obj: Any, call: str) -> list[Any]:
+        """Every rank's picklable ``obj`` (the error path of the header exchange)."""
+        raise NotImplementedError(f"{self.name} exchanges no call headers")
+
     def destroy(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release backend resources; the default holds none."""
 
@@ -153,6 +173,65 @@ def check_expert_ids(lo: int, hi: int, num_experts: int) -> None:
             f"topk_idx contains expert id {bad}; ids must be in [0, {num_experts}) or -1 for an "
             "unused slot"
         )
+
+
+def routing_check(
+    given: Layout,
+    true: Layout | None,
+    topk_idx: torch.Tensor | None,
+    topology: Topology,
+) -> torch.Tensor:
+    """``[id min, id max, layout bits]`` (int64, on the tensors' device, no host sync).
+
+    ``given`` is the caller's layout, ``true`` the one ``get_dispatch_layout(topk_idx, E)``
+    computes for the same ids (``None`` without ``topk_idx``: then only what
+    ``is_token_in_rank`` fixes is compared, and per-expert counts only for sign and against
+    the rank counts). Bits as in ``agreement.LAYOUT_BITS``; (0, -1) bounds when there are no
+    ids. Valid ids are assumed for the comparison: callers check the bounds first.
+    """
+    dev = given.is_token_in_rank.device
+
+    def differ(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        if a is None or b is None:
+            return torch.zeros((), dtype=torch.bool, device=dev)
+        return (a.to(torch.int64) != b.to(torch.int64)).any()
+
+    if topk_idx is not None and topk_idx.numel():
+        lo, hi = torch.aminmax(topk_idx.to(torch.int64))
+    else:
+        lo = torch.zeros((), dtype=torch.int64, device=dev)
+        hi = torch.full((), -1, dtype=torch.int64, device=dev)
+    in_rank = given.is_token_in_rank
+    if true is not None:
+        mismatch = [
+            differ(given.num_tokens_per_rank, true.num_tokens_per_rank),
+            differ(given.num_tokens_per_rdma_rank, true.num_tokens_per_rdma_rank),
+            differ(given.num_tokens_per_expert, true.num_tokens_per_expert),
+            differ(given.is_token_in_rank, true.is_token_in_rank),
+        ]
+        dup = torch.zeros((), dtype=torch.bool, device=dev)
+        if topk_idx is not None and topk_idx.shape[1] > 1 and topk_idx.numel():
+            s = topk_idx.sort(dim=1).values
+            dup = ((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()
+        mismatch.append(dup)
+    else:
+        per_rank = in_rank.sum(0, dtype=torch.int64)
+        rdma = None
+        if topology.num_nodes > 1:
+            per_node = in_rank.view(-1, topology.num_nodes, topology.ranks_per_node).any(2)
+            rdma = per_node.sum(0, dtype=torch.int64)
+        per_expert = given.num_tokens_per_expert.to(torch.int64)
+        groups = per_expert.view(topology.num_ranks, -1).sum(1)
+        mismatch = [
+            differ(given.num_tokens_per_rank, per_rank),
+            differ(given.num_tokens_per_rdma_rank, rdma),
+            (per_expert < 0).any() | (groups < per_rank).any(),
+            torch.zeros((), dtype=torch.bool, device=dev),
+            torch.zeros((), dtype=torch.bool, device=dev),
+        ]
+    weights = torch.tensor([1, 2, 4, 8, 16], dtype=torch.int64, device=dev)
+    bits = (torch.stack(mismatch).to(torch.int64) * weights).sum()
+    return torch.stack([lo.to(torch.int64), hi.to(torch.int64), bits])
 
 
 def expert_id_bounds(topk_idx: torch.Tensor) -> torch.Tensor:

@@ -11,15 +11,19 @@ there copy the token over NVLink to every local rank hosting one of its experts.
 backwards and hierarchically: each node sums its rows of a token into one partial, one partial
 per (token, node) crosses the network, and the source adds them up (``csrc/kernels/internode.h``).
 
-Per call, a few small collectives on the group (NCCL) stay on the host side: the dispatch
-notify (an all-gather of per-rank / per-expert counts, from which every rank knows every row's
-final position; the host reads it once to size the outputs, as DeepEP does) and, before cached
-dispatches and combines, a stream-ordered all-reduce of one integer that makes sure every rank
-finished its previous kernels (so every ring is drained before a call with another layout).
-The bulk index tables (final rows, per-channel stream lists) are torch ops on the GPU.
+Per call, a few small collectives on the group (NCCL) stay on the host side. Every call starts
+with the all-gather of the call header (``agreement.py``), which carries the per-rank counts
+and the expert-id / layout checks, so ranks that disagree or reject their arguments all raise
+the same error before any kernel runs; the host reads it once (for a dispatch that read sizes
+the outputs, as DeepEP's notify does). Being stream-ordered, it also makes sure every rank
+finished its previous kernels (every ring is drained before a call with another layout). A
+dispatch that returns per-expert counts then all-gathers those. The bulk index tables (final
+rows, per-channel stream lists) are torch ops on the GPU.
 
-Virtual nodes: ``UCCL_EP_RANKS_PER_NODE`` splits one host's GPUs into nodes; the path is then
-the same except that the transport is ``ipc`` (a copy into the peer's IPC-mapped region).
+Virtual nodes: ``UCCL_EP_RANKS_PER_NODE`` splits one host's GPUs into nodes and the path is the
+same. The proxies' transport is chosen as on a cluster (``UCCL_EP_TRANSPORT``; ``auto`` is
+``verbs`` when an RDMA port is active, else ``ipc``, a copy into the peer's IPC-mapped region);
+only ``ipc`` has run, on hosts without a NIC, so set ``UCCL_EP_TRANSPORT=ipc`` for virtual nodes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from uccl_ep_megatron.backends.agreement import timeout_error, wait_stream
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -37,8 +42,6 @@ from uccl_ep_megatron.backends.base import (
     DispatchResult,
     Layout,
     Topology,
-    check_expert_ids,
-    expert_id_bounds,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.backends.kernels import KernelsBackend, launch_layout, prepare_combine
@@ -127,6 +130,7 @@ class InternodeBackend(Backend):
 
     name = "kernels_internode"
     defers_id_check = True
+    agrees_per_call = True
     x_dtypes = KernelsBackend.x_dtypes  # the same row formats as the intranode kernels
 
     @classmethod
@@ -175,6 +179,8 @@ class InternodeBackend(Backend):
         self._destroyed = False
         topo = topology
         self._timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
+        self._call = ""
+        self._broken = ""
         dev_index = device.index if device.index is not None else torch.cuda.current_device()
         self._dev_index = dev_index
         # NVLink buffer (barrier flags + staging); one node rank alone needs only the flags.
@@ -234,6 +240,11 @@ class InternodeBackend(Backend):
         """Raise the first failure of a kernel wait, a FIFO push or a proxy thread."""
         if self._destroyed:
             raise UcclEpError("the internode backend was destroyed; create a new Buffer")
+        if self._broken:
+            raise UcclEpError(
+                f"this Buffer is unusable: {self._broken} (the collective may still be pending "
+                "on the group); create a new Buffer"
+            )
         self._ep.check()
         st = self._in.status_read(self._status)
         if st[0]:
@@ -334,10 +345,31 @@ class InternodeBackend(Backend):
         needs = [_NVL_STAGE_OFFSET + rows * slot_bytes for rows in rows_of_rank]
         self._ipc.grow(needs, f"{op} staging {max(rows_of_rank)} rows of {slot_bytes} bytes")
 
-    def _barrier(self) -> None:
+    # ---- the call header (agreement.py) --------------------------------------------------
+    def _gather(self, row: torch.Tensor, what: str, call: str) -> list[list[int]]:
+        """All-gather of one int64 row per rank, read on the host within UCCL_EP_TIMEOUT_MS."""
+        num_ranks = self.topology.num_ranks
+        out = torch.empty(num_ranks * row.numel(), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(out, row.to(torch.int64).contiguous(), group=self.group)
+
+        def expired() -> CommTimeoutError:
+            self._broken = f"{what} of {call} timed out"
+            return timeout_error(self.topology.rank, what, call, self._timeout_ms)
+
+        wait_stream(self._timeout_ms, expired)
+        return out.view(num_ranks, -1).tolist()
+
+    def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
+        self.check()
+        self._call = call
         # Stream-ordered: every rank's previous kernels finished (all rings drained) before our
-        # next kernel starts; the host does not wait.
-        dist.all_reduce(torch.zeros(1, dtype=torch.int32, device=self.device), group=self.group)
+        # next kernel starts.
+        return self._gather(row, "the call-header exchange", call)
+
+    def gather_objects(self, obj: Any, call: str) -> list[Any]:
+        out: list[Any] = [None] * self.topology.num_ranks
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     # ---- layout -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
@@ -378,38 +410,29 @@ class InternodeBackend(Backend):
         in_rank = args.is_token_in_rank.contiguous()
 
         if cached is None:
+            # The counts came with the call header (the notify; its read sized the outputs).
+            agreed = args.agreed
             num_experts = args.num_experts
             epr = num_experts // num_ranks
-            if args.check_ids:
-                bounds = expert_id_bounds(topk_idx)
-            row = torch.cat(
-                [
-                    args.num_tokens_per_rank.to(torch.int32),
-                    args.num_tokens_per_expert.to(torch.int32),
-                    torch.full((1,), num_tokens, dtype=torch.int32, device=dev),
-                ]
-            )
-            gathered = torch.empty(num_ranks * row.numel(), dtype=torch.int32, device=dev)
-            # The notify: also the entry barrier (a rank contributes after its earlier kernels).
-            dist.all_gather_into_tensor(gathered, row, group=self.group)
-            host = gathered.view(num_ranks, -1).tolist()  # the one host sync: output sizes
-            self.check()
-            if args.check_ids:  # computed before the gather: ready, the read does not wait
-                check_expert_ids(*bounds.tolist(), num_experts)
             prefix: list[int] = []
             run = [0] * num_ranks
             for s in range(num_ranks):
-                run = [run[r] + host[s][r] for r in range(num_ranks)]
+                run = [run[r] + agreed.counts[s][r] for r in range(num_ranks)]
                 prefix.extend(run)
             prefix_host = tuple(prefix)
-            src_tokens = tuple(host[s][num_ranks + num_experts] for s in range(num_ranks))
-            align = args.expert_alignment
+            src_tokens = tuple(agreed.num_tokens)
             expert_counts = []
-            for e in range(epr):
-                n = sum(host[s][num_ranks + rank * epr + e] for s in range(num_ranks))
-                expert_counts.append((n + align - 1) // align * align)
+            if args.num_worst_tokens == 0:
+                per_expert = self._gather(
+                    args.num_tokens_per_expert,
+                    "the all-gather of per-expert counts",
+                    self._call,
+                )
+                align = args.expert_alignment
+                for e in range(epr):
+                    n = sum(per_expert[s][rank * epr + e] for s in range(num_ranks))
+                    expert_counts.append((n + align - 1) // align * align)
         else:
-            self._barrier()
             state: _State = cached.state
             prefix_host = state.prefix_host
             src_tokens = state.src_tokens
@@ -433,14 +456,7 @@ class InternodeBackend(Backend):
 
         rows_out = num_recv
         if args.num_worst_tokens > 0:
-            worst = max(pm(num_ranks - 1, r) for r in range(num_ranks))
-            if worst > args.num_worst_tokens:
-                worst_rank = max(range(num_ranks), key=lambda r: pm(num_ranks - 1, r))
-                raise InvalidInputError(
-                    f"num_worst_tokens={args.num_worst_tokens} but rank {worst_rank} receives "
-                    f"{worst} rows; pass num_worst_tokens >= {worst} (the worst case is "
-                    "num_tokens * num_ranks)"
-                )
+            # Every rank's value was checked against its rows with the call header.
             rows_out = args.num_worst_tokens
             expert_counts = []
 
@@ -561,7 +577,6 @@ class InternodeBackend(Backend):
         recv_of = [prefix_host[(num_ranks - 1) * num_ranks + r] for r in range(num_ranks)]
         self._fit_staging(recv_of, slot, "combine")
 
-        self._barrier()
         cch = config.num_channels
         node_mask = handle.is_token_in_rank.view(num_tokens, num_nodes, local_n).any(2)
         _, _, cum = stream_tables(node_mask, cch)
@@ -583,7 +598,7 @@ class InternodeBackend(Backend):
         a = self._in.CombineArgs()
         a.common = self._common(config)
         a.dtype = t.dtype_code
-        a.hidden, a.num_topk, a.num_tokens, a.num_recv = hidden, num_topk, num_tokens, num_recv
+        a.num_topk, a.num_tokens, a.num_recv = num_topk, num_tokens, num_recv
         a.row_bytes = row_bytes
         a.x = x.data_ptr()
         a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()

@@ -83,11 +83,6 @@ class IpcBuffers:
                 if r != self._rank:
                     self._c.ipc_close_handle(ptr)
 
-    @property
-    def peer_sizes(self) -> list[int]:
-        """Bytes of each mapped buffer, in ``peers`` order."""
-        return [self.sizes[r] for r in self._peers]
-
     def grow(self, needs: list[int], what: str) -> bool:
         """Grow every buffer whose rank needs more bytes; collective over the group.
 

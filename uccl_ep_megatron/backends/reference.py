@@ -2,18 +2,23 @@
 
 It is the correctness oracle of every kernel test and a portable fallback (gloo on CPU, NCCL
 on GPU). It produces exactly the contract outputs of ``Buffer`` (ordering, handle, local
-expert ids, weights) with the fewest collectives: one all-gather of counts and one
-all-to-all of packed rows per dispatch, one all-to-all per combine. Rows travel as raw bytes
-so every dtype (BF16, FP8, float64 for gradcheck) takes the same path on every process group.
+expert ids, weights) with few collectives: every call starts with the all-gather of the call
+header (``agreement.py``), which also carries the per-rank counts, then a dispatch gathers the
+per-expert counts (only when it returns them) and moves packed rows with one all-to-all; a
+combine is one all-to-all. Rows travel as raw bytes so every dtype (BF16, FP8, float64 for
+gradcheck) takes the same path on every process group. Every collective is bounded by
+``UCCL_EP_TIMEOUT_MS``: a rank that never arrives makes the others raise ``CommTimeoutError``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from uccl_ep_megatron.backends.agreement import timeout_error, wait_stream, wait_work
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -22,7 +27,7 @@ from uccl_ep_megatron.backends.base import (
     Layout,
 )
 from uccl_ep_megatron.config import Config
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.errors import InvalidInputError, UcclEpError
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -50,6 +55,7 @@ class ReferenceBackend(Backend):
     """Pure torch.distributed implementation of the ``Buffer`` contract."""
 
     name = "reference"
+    agrees_per_call = True
     x_dtypes = frozenset(
         {
             torch.bfloat16,
@@ -61,12 +67,16 @@ class ReferenceBackend(Backend):
         }
     )
 
+    _broken = ""  # why this Buffer is unusable (a collective timed out), else ""
+    _call = ""  # the call whose header was exchanged last: names it in later errors
+
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
         topo = self.topology
         num_tokens = topk_idx.shape[0]
         experts_per_rank = num_experts // topo.num_ranks
         ids = topk_idx.long()
-        valid = ids >= 0
+        # As in the kernels, ids outside [0, E) count nowhere; dispatch reports them.
+        valid = (ids >= 0) & (ids < num_experts)
         num_tokens_per_expert = torch.bincount(ids[valid], minlength=num_experts).int()
         # Invalid entries land in a spare column that is dropped afterwards.
         dst = torch.where(valid, ids // experts_per_rank, topo.num_ranks)
@@ -82,23 +92,55 @@ class ReferenceBackend(Backend):
             num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
         )
 
-    # ---- collectives ---------------------------------------------------------------------
-    def _all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+    # ---- collectives, each bounded by UCCL_EP_TIMEOUT_MS ----------------------------------
+    def _wait(self, work: Any, what: str, call: str) -> None:
+        def expired() -> UcclEpError:
+            self._broken = f"{what} of {call} timed out"
+            return timeout_error(self.topology.rank, what, call, self.timeout_ms)
+
+        if self.device.type == "cuda":
+            work.wait()  # NCCL: orders the current stream after the collective (host goes on)
+            wait_stream(self.timeout_ms, expired)
+        else:
+            wait_work(work, self.timeout_ms, expired)
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise UcclEpError(
+                f"this Buffer is unusable: {self._broken} (a collective may still be pending on "
+                "its group); create a new Buffer"
+            )
+
+    def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
+        self._check_usable()
+        self._call = call  # names the call in the errors of its later collectives
+        rows = self._all_gather_rows(row, "the call-header exchange", call)
+        return rows.cpu().tolist()
+
+    def gather_objects(self, obj: Any, call: str) -> list[Any]:
+        out: list[Any] = [None] * self.topology.num_ranks
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _all_gather_rows(self, row: torch.Tensor, what: str, call: str) -> torch.Tensor:
         parts = [torch.empty_like(row) for _ in range(self.topology.num_ranks)]
-        dist.all_gather(parts, row.contiguous(), group=self.group)
+        work = dist.all_gather(parts, row.contiguous(), group=self.group, async_op=True)
+        self._wait(work, what, call)
         return torch.stack(parts)
 
     def _all_to_all(
-        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]
+        self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], call: str
     ) -> torch.Tensor:
         recv = torch.empty(sum(recv_counts), send.shape[1], dtype=send.dtype, device=send.device)
-        dist.all_to_all_single(
+        work = dist.all_to_all_single(
             recv,
             send.contiguous(),
             output_split_sizes=recv_counts,
             input_split_sizes=send_counts,
             group=self.group,
+            async_op=True,
         )
+        self._wait(work, "the all-to-all of rows", call)
         return recv
 
     # ---- dispatch ------------------------------------------------------------------------
@@ -107,19 +149,25 @@ class ReferenceBackend(Backend):
         rank = topo.rank
         x = args.x
         num_tokens, hidden = x.shape
+        call = self._call
         order = _send_order(args.is_token_in_rank)
         send_counts = args.is_token_in_rank.sum(0, dtype=torch.int64)
 
         if args.cached is None:
-            # One all-gather carries both the rank counts and the per-expert counts.
-            row = torch.cat([send_counts, args.num_tokens_per_expert.to(torch.int64)])
-            gathered = self._all_gather_rows(row)
-            counts = gathered[:, : topo.num_ranks]
-            experts_per_rank = args.num_experts // topo.num_ranks
-            per_expert = gathered[:, topo.num_ranks :].sum(0)
-            local_expert_counts = per_expert[
-                rank * experts_per_rank : (rank + 1) * experts_per_rank
-            ].tolist()
+            # The rank counts came with the call header; the per-expert counts only when the
+            # caller gets them (num_worst_tokens == 0).
+            counts = torch.tensor(args.agreed.counts, dtype=torch.int64, device=x.device)
+            local_expert_counts = []
+            if args.num_worst_tokens == 0:
+                experts_per_rank = args.num_experts // topo.num_ranks
+                per_expert = self._all_gather_rows(
+                    args.num_tokens_per_expert.to(torch.int64),
+                    "the all-gather of per-expert counts",
+                    call,
+                ).sum(0)
+                local_expert_counts = per_expert[
+                    rank * experts_per_rank : (rank + 1) * experts_per_rank
+                ].tolist()
             rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
         else:
             rank_prefix_matrix = args.cached.rank_prefix_matrix
@@ -138,7 +186,7 @@ class ReferenceBackend(Backend):
                 pieces.append(_as_bytes(args.topk_weights.to(torch.float32)))
         widths = [p.shape[1] for p in pieces]
         send = torch.cat(pieces, dim=1)[order] if pieces else None
-        recv = self._all_to_all(send, send_counts.tolist(), recv_counts)
+        recv = self._all_to_all(send, send_counts.tolist(), recv_counts, call)
         cols = list(torch.split(recv, widths, dim=1))
 
         recv_x = _from_bytes(cols.pop(0), x.dtype, hidden)
@@ -194,6 +242,7 @@ class ReferenceBackend(Backend):
         config: Config,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rank = self.topology.rank
+        self._check_usable()
         num_recv = handle.num_recv_tokens
         column = handle.rank_prefix_matrix[:, rank].to(torch.int64)
         back_counts = torch.diff(column, prepend=column.new_zeros(1)).tolist()
@@ -203,7 +252,7 @@ class ReferenceBackend(Backend):
         if topk_weights is not None:
             pieces.append(_as_bytes(topk_weights[:num_recv].to(torch.float32)))
         widths = [p.shape[1] for p in pieces]
-        recv = self._all_to_all(torch.cat(pieces, dim=1), back_counts, sent_counts)
+        recv = self._all_to_all(torch.cat(pieces, dim=1), back_counts, sent_counts, self._call)
         cols = torch.split(recv, widths, dim=1)
 
         num_tokens, hidden = handle.is_token_in_rank.shape[0], x.shape[1]

@@ -77,10 +77,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Runs every thread count; returns one row per count."""
     from uccl_ep_megatron import _C
 
-    if not hasattr(_C, "fifo_bench"):
-        raise UnsupportedError("bench fifo needs a GPU build of uccl_ep_megatron (nvcc at install)")
-    if _C.gpu_device_count() <= args.device:
-        raise UnsupportedError(f"bench fifo: no CUDA device {args.device} on this machine")
+    # Arguments first, so a typo is reported the same way with or without a GPU.
     try:
         threads = [int(t) for t in args.threads.split(",") if t.strip()]
     except ValueError:
@@ -94,6 +91,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     channels = args.channels or 2 * max(threads)
     if channels < max(threads):
         raise InvalidInputError(f"--channels={channels} must be >= every thread count {threads}")
+    if not hasattr(_C, "fifo_bench"):
+        raise UnsupportedError("bench fifo needs a GPU build of uccl_ep_megatron (nvcc at install)")
+    if _C.gpu_device_count() <= args.device:
+        raise UnsupportedError(f"bench fifo: no CUDA device {args.device} on this machine")
     nan = float("nan")
     rows = []
     for t in threads:

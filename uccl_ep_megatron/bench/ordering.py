@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.errors import CommTimeoutError, InvalidInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +63,12 @@ def _one(args: argparse.Namespace, ordering: str, delay_us: int) -> dict[str, An
         num_counters=world * ch,
         timeout_ms=60000,
     )
+    # Built here, so a command the limits reject fails now, not inside a producer thread.
+    cmds = {
+        (r, c): cmd_write_atomic(1 - r, c * slot, (ch + c) * slot, nbytes, r * ch + c, 1)
+        for r in range(world)
+        for c in range(ch)
+    }
     eps = [
         ProxyEndpoint(regions[r].ptr, size, rank=r, world_size=world, config=cfg)
         for r in range(world)
@@ -70,13 +76,15 @@ def _one(args: argparse.Namespace, ordering: str, delay_us: int) -> dict[str, An
     infos = [e.local_info for e in eps]
     for e in eps:
         e.connect(infos)
+    errors: list[BaseException] = []
     try:
 
         def produce(r: int, c: int) -> None:
-            peer = 1 - r
-            cmd = cmd_write_atomic(peer, c * slot, (ch + c) * slot, nbytes, r * ch + c, 1)
-            for _ in range(n):
-                eps[r].push(c, cmd)
+            try:
+                for _ in range(n):
+                    eps[r].push(c, cmds[r, c])
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the waiting thread
+                errors.append(exc)
 
         t0 = time.perf_counter()
         producers = [
@@ -90,10 +98,15 @@ def _one(args: argparse.Namespace, ordering: str, delay_us: int) -> dict[str, An
             got = [eps[r].counter_values()[(1 - r) * ch : (2 - r) * ch] for r in range(world)]
             if all(v >= n for g in got for v in g):
                 break
+            if errors:
+                raise errors[0]
             for e in eps:
                 e.check()
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"bench ordering: counters stuck at {got}")
+                raise CommTimeoutError(
+                    f"bench ordering: counters stuck at {got} after 120 s (want {n} each) with "
+                    f"proxy stats {[e.stats() for e in eps]}"
+                )
             time.sleep(0.0002)
         dt = time.perf_counter() - t0
         for t in producers:
@@ -116,12 +129,23 @@ def _one(args: argparse.Namespace, ordering: str, delay_us: int) -> dict[str, An
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (delay, ordering) pair."""
+    from uccl_ep_megatron import _C
+
     try:
         delays = [int(d) for d in args.delay_us.split(",") if d.strip()]
     except ValueError:
         raise InvalidInputError(f"--delay-us={args.delay_us!r} must be integers") from None
     if not delays or min(delays) < 0 or args.msgs < 1 or args.bytes < 1:
         raise InvalidInputError("--delay-us must be >= 0, --msgs and --bytes >= 1")
+    max_len = _C.cmd_limits["max_length"]
+    if args.bytes > max_len:
+        raise InvalidInputError(
+            f"--bytes={args.bytes} exceeds what one write command carries ({max_len} bytes)"
+        )
+    if args.channels < 1 or not 1 <= args.threads <= args.channels:
+        raise InvalidInputError(
+            f"--channels={args.channels} must be >= 1 and --threads={args.threads} in [1, channels]"
+        )
     return [_one(args, o, d) for d in delays for o in ("receiver", "sender")]
 
 

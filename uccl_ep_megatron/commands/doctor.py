@@ -137,12 +137,19 @@ def collect(sysfs_root: str = SYSFS, proc_root: str = "/proc") -> dict[str, Any]
     if _C is not None:
         from uccl_ep_megatron.proxy import choose_transport
 
-        env = dict(_C.env_effective())
+        # A value that does not parse is diagnosed here; the library would raise on it.
+        problems = dict(_C.env_problems())
+        env = dict(_C.env_effective(lenient=True))
         report["env"] = {
             p["name"]: {
                 "value": env[p["name"]],
                 "default": p["default"],
                 "set": p["name"] in os.environ,
+                **(
+                    {"raw": os.environ.get(p["name"]), "error": problems[p["name"]]}
+                    if p["name"] in problems
+                    else {}
+                ),
             }
             for p in _C.env_registry()
         }
@@ -198,6 +205,11 @@ def render(r: dict[str, Any]) -> str:
     if "env" in r:
         lines.append("== environment (effective)")
         for name, x in r["env"].items():
+            if "error" in x:
+                lines.append(
+                    f"  {name}={x['raw']!r}  INVALID: every use of the library raises: {x['error']}"
+                )
+                continue
             lines.append(f"  {name}={x['value']}" + ("" if x["set"] else "  (default)"))
     return "\n".join(lines)
 

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from uccl_ep_megatron.errors import UcclEpError
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse type of --timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive, finite number of seconds")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--timeout",
         dest="timeout_s",
-        type=float,
+        type=_seconds,
         default=300.0,
         help="seconds the CPU smoke may take before its ranks are reported stalled (default 300)",
     )

@@ -1,0 +1,82 @@
+"""Raw addresses that cross into ``_C``'s GPU entry points are checked before any CUDA call.
+
+Runs wherever ``_C`` was built with the GPU kernels (CI builds them when nvcc is present), GPU
+or not: every case here must raise ``InvalidInputError`` from the binding's own checks, which
+come before the driver is touched (``host_status_read(0)`` used to segfault). The lifecycle
+cases that need real allocations are in ``tests/gpu/test_bindings_checks.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from uccl_ep_megatron import _C
+from uccl_ep_megatron.errors import InvalidInputError
+
+pytestmark = pytest.mark.skipif(
+    not _C.kernels_built(), reason="_C was built without the GPU kernels (no nvcc/hipcc)"
+)
+
+MADE_UP = 0x7F00_0000_1000
+
+
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda: _C.host_status_read(0), "host_status_read is a null pointer"),
+        (lambda: _C.host_status_read(MADE_UP), "lies in no live allocation"),
+        (lambda: _C.host_status_free(MADE_UP), "not the start of a live status words"),
+        (lambda: _C.device_free(MADE_UP), "not the start of a live device buffer"),
+        (lambda: _C.device_copy(MADE_UP, MADE_UP + 64, 8), "device_copy: dst"),
+        (lambda: _C.ipc_get_handle(MADE_UP), "ipc_get_handle"),
+        (lambda: _C.ipc_close_handle(MADE_UP), "not the start of a live IPC mapping"),
+        (lambda: _C.ipc_open_handle(b"12"), "IPC handle has 2 bytes"),
+        (lambda: _C.internode.status_read(0), "internode.status_read is a null pointer"),
+        (lambda: _C.internode.status_free(MADE_UP), "not the start of a live status words"),
+    ],
+)
+def test_made_up_addresses_raise(call, needle):
+    with pytest.raises(InvalidInputError, match=needle):
+        call()
+
+
+def test_kernel_launches_check_their_buffers_first():
+    with pytest.raises(InvalidInputError, match=r"intranode_notify: buffers\[0\]"):
+        _C.intranode_notify(
+            buffers=[MADE_UP, MADE_UP + 4096],
+            rank=0,
+            num_ranks=2,
+            num_tokens_per_rank=MADE_UP,
+            num_tokens_per_expert=0,
+            experts_per_rank=0,
+            expert_alignment=1,
+            seq=1,
+            rank_prefix_matrix=MADE_UP,
+            out_info=MADE_UP,
+            status=0,
+            timeout_ns=1,
+            is_token_in_rank=0,
+            num_tokens=0,
+            send_pos=0,
+            stream=0,
+        )
+    a = _C.IntranodeDispatchArgs()
+    a.buffers, a.num_ranks, a.buffer_bytes, a.row_bytes = [MADE_UP], 1, 1 << 20, 16
+    with pytest.raises(InvalidInputError, match=r"intranode_dispatch: buffers\[0\]"):
+        _C.intranode_dispatch(a, 0)
+    a.row_bytes = -16
+    with pytest.raises(InvalidInputError, match="row_bytes=-16"):
+        _C.intranode_dispatch(a, 0)
+    c = _C.IntranodeCombineArgs()
+    c.buffers, c.num_ranks, c.buffer_bytes, c.hidden = [MADE_UP], 1, 1 << 20, 64
+    with pytest.raises(InvalidInputError, match=r"intranode_combine_push: buffers\[0\]"):
+        _C.intranode_combine_push(c, 0)
+    common = _C.internode.Common()
+    common.num_ranks, common.ranks_per_node, common.nvl = 2, 1, [MADE_UP]
+    common.region, common.region_bytes = MADE_UP, 1 << 20
+    with pytest.raises(InvalidInputError, match="internode node_barrier: region"):
+        _C.internode.node_barrier(common, 1, 0)
+    d = _C.internode.DispatchArgs()
+    d.common, d.row_bytes = common, 16
+    with pytest.raises(InvalidInputError, match="internode dispatch: region"):
+        _C.internode.dispatch(d, 0)

@@ -1,0 +1,352 @@
+"""Ranks that disagree, or one rank whose arguments are wrong (reference backend, gloo).
+
+Before the per-call header (``uccl_ep_megatron/backends/agreement.py``) these cases crashed one
+process (gloo SIGABRT on mismatched all-to-all sizes), returned garbage on the others (a bf16
+1.0 read as fp16 is 1.875), or left every other rank waiting for the process-group timeout.
+Now every rank must raise the same clear error, naming the rank, the call and the reason,
+quickly, and the Buffer must still work for the next, correct call. A rank that never arrives
+must make the others raise ``CommTimeoutError`` within ``UCCL_EP_TIMEOUT_MS``.
+
+Functions named ``w_*`` run on every rank of a pool (see dist_utils.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from oracle import expected_for, make_inputs  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+EPR, TOPK, HIDDEN = 4, 3, 32
+FAST_S = 10.0  # a disagreement is found in one exchange: far below any timeout
+
+
+def _buffer(world, hidden=HIDDEN, nvl=None):
+    from uccl_ep_megatron import Buffer
+
+    if nvl is None:
+        nvl = Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(hidden * 4, world)
+    return Buffer(None, nvl, 0, backend="reference")
+
+
+def _inputs(rank, world, seed=1, hidden=HIDDEN, topk=TOPK, num_experts=None):
+    num_experts = num_experts or EPR * world
+    return make_inputs(seed, rank, world, 9, hidden, num_experts, topk, "random")
+
+
+def _dispatch(buf, x, idx, w, num_experts, **kw):
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    return buf.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+        **kw,
+    )
+
+
+def _raises(exc_type, fn):
+    """Run ``fn``; return (message, seconds) of the exception it must raise."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except exc_type as e:
+        return str(e), time.monotonic() - t0
+    raise AssertionError(f"no {exc_type.__name__} was raised")
+
+
+def _still_works(buf, rank, world, seed=7):
+    """A correct round trip after the failed call: nothing of it is left in the group."""
+    num_experts = EPR * world
+    inputs = [_inputs(r, world, seed) for r in range(world)]
+    exp = expected_for(rank, world, inputs, num_experts)
+    inp = inputs[rank]
+    recv_x, recv_idx, recv_w, counts, handle, _ = _dispatch(
+        buf, inp.x, inp.topk_idx, inp.topk_weights, num_experts
+    )
+    assert torch.equal(recv_x, exp.recv_x) and counts == exp.per_expert
+    combined, _, _ = buf.combine(recv_x, handle)
+    assert combined.shape == inp.x.shape
+
+
+# ---- ranks that disagree ---------------------------------------------------------------------
+def w_disagree(rank, world, case):
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    buf = _buffer(world, hidden=256)
+    num_experts = EPR * world
+    odd = rank == world - 1  # the rank that differs
+    hidden = 256 if not (odd and case == "hidden") else 128
+    topk = TOPK + 1 if (odd and case == "topk") else TOPK
+    experts = 2 * num_experts if (odd and case == "num_experts") else num_experts
+    inp = _inputs(rank, world, hidden=hidden, topk=topk, num_experts=num_experts)
+    x = inp.x.to(torch.bfloat16)
+    if odd and case == "fp16":
+        x = inp.x.to(torch.float16)
+    if odd and case == "fp32":
+        x = inp.x.float()
+    if odd and case == "fp8":
+        x = (inp.x.to(torch.float8_e4m3fn), torch.ones(inp.x.shape[0], hidden // 128))
+    msg, dt = _raises(
+        InvalidInputError,
+        lambda: _dispatch(buf, x, inp.topk_idx, inp.topk_weights, experts),
+    )
+    assert dt < FAST_S, dt
+    _still_works(buf, rank, world)
+    return msg
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("hidden", r"the hidden size of x: 256 on ranks? 0.*128 on rank {last}"),
+        ("topk", r"the top-k columns \(0 = none passed\): 3 on .*4 on rank {last}"),
+        ("num_experts", r"num_experts: {e} on .*{e2} on rank {last}"),
+        ("fp16", r"the dtype of x: bfloat16 on .*float16 on rank {last}"),
+        ("fp32", r"the dtype of x: bfloat16 on .*float32 on rank {last}"),
+        ("fp8", r"the dtype of x: bfloat16 on .*float8_e4m3fn on rank {last}.*FP8 scales"),
+    ],
+)
+def test_ranks_that_disagree_all_raise_the_same_error(pool, case, needle):
+    import re
+
+    world = pool.world_size
+    msgs = pool.run(HERE, "w_disagree", case)
+    assert len(set(msgs)) == 1, msgs  # the same error on every rank
+    pattern = needle.format(last=world - 1, e=EPR * world, e2=2 * EPR * world)
+    assert msgs[0].startswith("dispatch #1: ranks disagree on "), msgs[0]
+    assert re.search(pattern, msgs[0]), msgs[0]
+
+
+def w_combine_weights_on_one_rank(rank, world):
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    buf = _buffer(world)
+    inp = _inputs(rank, world)
+    recv_x, _, recv_w, _, handle, _ = _dispatch(
+        buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world
+    )
+    weights = recv_w if rank == 0 else None
+    msg, dt = _raises(InvalidInputError, lambda: buf.combine(recv_x, handle, topk_weights=weights))
+    assert dt < FAST_S
+    _still_works(buf, rank, world)
+    return msg
+
+
+def test_topk_weights_on_one_rank_only(pool2):
+    msgs = pool2.run(HERE, "w_combine_weights_on_one_rank")
+    assert msgs[0] == msgs[1]
+    assert msgs[0].startswith("combine #2: ranks disagree on the top-k columns"), msgs[0]
+    assert f"{TOPK} on rank 0, 0 on rank 1" in msgs[0], msgs[0]
+
+
+def w_handle_of_another_dispatch(rank, world):
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    buf = _buffer(world)
+    inp = _inputs(rank, world)
+    first = _dispatch(buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world)
+    second = _dispatch(buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world)
+    recv_x, handle = (first if rank == 0 else second)[0], (first if rank == 0 else second)[4]
+    msg, _ = _raises(InvalidInputError, lambda: buf.combine(recv_x, handle))
+    return msg
+
+
+def test_combine_with_handles_of_different_dispatches(pool2):
+    msgs = pool2.run(HERE, "w_handle_of_another_dispatch")
+    assert msgs[0] == msgs[1]
+    assert "the handle (number of the dispatch that made it): 1 on rank 0, 2 on rank 1" in msgs[0]
+
+
+def w_different_calls(rank, world):
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    buf = _buffer(world)
+    inp = _inputs(rank, world)
+    recv_x, _, _, _, handle, _ = _dispatch(buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world)
+    if rank == 0:
+        call = lambda: _dispatch(buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world)  # noqa: E731
+    else:
+        call = lambda: buf.combine(recv_x, handle)  # noqa: E731
+    msg, dt = _raises(InvalidInputError, call)
+    assert dt < FAST_S
+    return msg
+
+
+def test_rank_in_dispatch_while_another_is_in_combine(pool2):
+    msgs = pool2.run(HERE, "w_different_calls")
+    assert msgs[0] == msgs[1]
+    assert "rank 0 in dispatch #2, rank 1 in combine #2" in msgs[0], msgs[0]
+
+
+# ---- a validation error on one rank ----------------------------------------------------------
+def w_one_rank_rejects(rank, world, case):
+    from uccl_ep_megatron import errors
+
+    nvl = None
+    if case == "undersized" and rank == 1:
+        nvl = 1024
+    buf = _buffer(world, nvl=nvl)
+    inp = _inputs(rank, world)
+    idx = inp.topk_idx
+    if case == "bad_id" and rank == 1:
+        idx = idx.clone()
+        idx[0, 0] = 99
+    exc = errors.BufferTooSmallError if case == "undersized" else errors.InvalidInputError
+    if case == "previous_event":
+        ev = object() if rank == 1 else None
+        msg, dt = _raises(
+            exc,
+            lambda: _dispatch(
+                buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world, previous_event=ev
+            ),
+        )
+    elif case == "combine_rows":
+        recv_x, _, _, _, handle, _ = _dispatch(
+            buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world
+        )
+        x = recv_x[:-1] if rank == 1 else recv_x
+        msg, dt = _raises(exc, lambda: buf.combine(x, handle))
+    else:
+        msg, dt = _raises(exc, lambda: _dispatch(buf, inp.x, idx, inp.topk_weights, EPR * world))
+    assert dt < FAST_S, dt
+    if case != "undersized":
+        _still_works(buf, rank, world)
+    return msg
+
+
+@pytest.mark.parametrize(
+    "case, call, needle",
+    [
+        ("bad_id", "dispatch #1", "topk_idx contains expert id 99"),
+        ("combine_rows", "combine #2", "x has"),
+        ("undersized", "dispatch #1", "num_nvl_bytes=1024"),
+        ("previous_event", "dispatch #1", "pass an EventOverlap"),
+    ],
+)
+def test_an_error_on_one_rank_reaches_every_rank(pool, case, call, needle):
+    msgs = pool.run(HERE, "w_one_rank_rejects", case)
+    assert len(set(msgs)) == 1, msgs
+    assert msgs[0].startswith(f"{call}: rank 1 rejected its arguments ("), msgs[0]
+    assert needle in msgs[0], msgs[0]
+
+
+def w_worst_tokens_on_one_rank(rank, world):
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    buf = _buffer(world)
+    inp = _inputs(rank, world)
+    nwt = 1 if rank == 1 else 1000
+    msg, _ = _raises(
+        InvalidInputError,
+        lambda: _dispatch(
+            buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world, num_worst_tokens=nwt
+        ),
+    )
+    return msg
+
+
+def test_num_worst_tokens_too_small_on_one_rank(pool2):
+    msgs = pool2.run(HERE, "w_worst_tokens_on_one_rank")
+    assert msgs[0] == msgs[1]
+    assert "rank 1 passed num_worst_tokens=1 but receives" in msgs[0], msgs[0]
+
+
+# ---- a rank that never arrives: bounded by UCCL_EP_TIMEOUT_MS ------------------------------
+def w_absent_rank(rank, world, case):
+    from uccl_ep_megatron.errors import CommTimeoutError
+
+    buf = _buffer(world)
+    inp = _inputs(rank, world)
+    recv_x, _, _, _, handle, _ = _dispatch(buf, inp.x, inp.topk_idx, inp.topk_weights, EPR * world)
+    if rank == 1:  # destroys its Buffer, or skips the backward combine the others run
+        if case == "destroy":
+            buf.destroy()
+        return None
+    msg, dt = _raises(CommTimeoutError, lambda: buf.combine(recv_x, handle))
+    return msg, dt
+
+
+@pytest.mark.parametrize("case", ["destroy", "backward_on_some_ranks"])
+def test_a_rank_that_never_arrives_times_out_in_bounded_time(case):
+    from dist_utils import DistPool
+
+    pool = DistPool(2)  # its own ranks: rank 0's abandoned collective must not meet other tests
+    try:
+        outs = pool.run(HERE, "w_absent_rank", case, env={"UCCL_EP_TIMEOUT_MS": "1500"})
+    finally:
+        pool.close()
+    msg, dt = outs[0]
+    assert 1.4 < dt < 10, dt
+    assert msg.startswith("rank 0: the call-header exchange of combine #2 did not complete "), msg
+    assert "UCCL_EP_TIMEOUT_MS=1500" in msg
+
+
+# ---- layout tensors are checked against topk_idx --------------------------------------------
+def w_bad_layout(rank, world, case):
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    buf = _buffer(world)
+    num_experts = EPR * world
+    inp = _inputs(rank, world)
+    idx = inp.topk_idx
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    odd = rank == world - 1
+    if odd and case == "per_expert_x100":
+        per_expert = per_expert * 100
+    if odd and case == "per_expert_negative":
+        per_expert = per_expert - 1
+    if odd and case == "per_expert_2e":
+        per_expert = torch.cat([per_expert, per_expert])
+    if odd and case == "in_rank_of_other_tokens":
+        in_rank = torch.roll(in_rank, 1, dims=0) if in_rank.shape[0] > 1 else ~in_rank
+        in_rank[0] = ~in_rank[0]
+    if odd and case == "per_rank":
+        per_rank = per_rank + 1
+    if odd and case == "duplicate_ids":
+        idx = idx.clone()
+        idx[:, 1] = idx[:, 0].clamp(min=0)
+        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+
+    def call():
+        return buf.dispatch(
+            inp.x,
+            num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idx,
+            topk_weights=inp.topk_weights,
+        )
+
+    msg, _ = _raises(InvalidInputError, call)
+    _still_works(buf, rank, world)
+    return msg
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("per_expert_x100", "num_tokens_per_expert disagrees with topk_idx"),
+        ("per_expert_negative", "num_tokens_per_expert disagrees with topk_idx"),
+        ("per_expert_2e", "num_tokens_per_expert, is_token_in_rank disagree with topk_idx"),
+        ("in_rank_of_other_tokens", "is_token_in_rank disagrees with topk_idx"),
+        ("per_rank", "num_tokens_per_rank disagrees with topk_idx"),
+        ("duplicate_ids", "the same expert twice in one token"),
+    ],
+)
+def test_layout_tensors_that_disagree_with_topk_idx(pool2, case, needle):
+    msgs = pool2.run(HERE, "w_bad_layout", case)
+    assert msgs[0] == msgs[1], msgs
+    assert "rank 1 rejected its arguments" in msgs[0], msgs[0]
+    assert needle in msgs[0], msgs[0]
