@@ -178,7 +178,7 @@ def w_equivalence(rank, world, backend, tokens):
             uccl_ep_combine_ms_per_step=step.get("combine_time_ms", 0.0) / ITERS,
             uccl_ep_dispatch_gbps=step.get("dispatch_gbps", 0.0),
             uccl_ep_combine_gbps=step.get("combine_gbps", 0.0),
-            expert_load_imbalance=step.get("expert_load_imbalance", 0.0),
+            expert_load_imbalance=step.get("local_expert_load_imbalance", 0.0),
         )
         dist.barrier()
         return report
