@@ -9,7 +9,8 @@
 #   .prebuilt/            _C and deep_ep extensions an earlier call built (their source hash in
 #                         the file name): reused when csrc/ and the DeepEP source are unchanged.
 # Every call writes the extensions it built to $OUT/prebuilt.tar.gz; untar it into .prebuilt/.
-# Env: STEPS (default "intranode internode fifo megatron bench_intranode bench_internode"),
+# Env: STEPS (default "intranode internode fifo others megatron bench_intranode bench_internode";
+#      also mps_probe),
 #      RANKS (intranode tests, default 2,4,8), BENCH_RANKS (bench intranode, default 2,4,8), RPN (internode ranks per node, default 1,2,4),
 #      BENCH_ARGS (extra bench intranode flags), PYTEST_K (-k filter), INTERNODE_K (-k filter of the
 #      internode suite), MAXFAIL (pytest --maxfail, default 3), DEADLINE_S (default 570).
@@ -21,7 +22,7 @@ REPO=$(pwd)
 LOGS=/tmp/logs
 SITE=/tmp/uccl
 DEADLINE=$((SECONDS + ${DEADLINE_S:-570}))
-STEPS=${STEPS:-intranode internode fifo megatron bench_intranode bench_internode}
+STEPS=${STEPS:-intranode internode fifo others megatron bench_intranode bench_internode}
 mkdir -p "$OUT" "$LOGS" "$SITE/uccl_ep_megatron" /tmp/prebuilt
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/gpu.txt"
@@ -118,6 +119,11 @@ want internode && UCCL_EP_TEST_RANKS_PER_NODE=${RPN:-1,2,4} UCCL_EP_TEST_KERNEL_
   step internode 300 "${PYTEST[@]}" ${INTERNODE_K:+-k "$INTERNODE_K"} \
   "$REPO/tests/gpu/test_internode.py"
 want fifo && step fifo 120 "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
+if want others; then # every other GPU test file, and the CPU tests that need a GPU build
+  others=$(ls "$REPO"/tests/gpu/test_*.py | grep -vE "test_(intranode|internode|fifo_gpu|megatron_gpu)\.py")
+  # shellcheck disable=SC2086
+  step others 200 "${PYTEST[@]}" $others "$REPO/tests/test_bindings_checks.py"
+fi
 want megatron && step megatron 150 "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
 # shellcheck disable=SC2086
 want bench_intranode && step bench_intranode 330 python3 -m uccl_ep_megatron.cli bench intranode \
