@@ -195,6 +195,15 @@ void bind_kernels(py::module_& m) {
       py::arg("ptr"), "Status words: [set, stalled peer rank, barrier sequence, site code].");
 
   m.def(
+      "poison_if_failed",
+      [](intptr_t status, const std::vector<intptr_t>& ptrs, const std::vector<int64_t>& bytes,
+         const std::vector<uint64_t>& patterns, intptr_t stream) {
+        check_status(status, "poison_if_failed: status");
+        k::poison_if_failed(status, ptrs, bytes, patterns, stream);
+      },
+      py::arg("status"), py::arg("ptrs"), py::arg("bytes"), py::arg("patterns"), py::arg("stream"),
+      "On the stream: when the status word is set, fill each region with its 8-byte pattern.");
+  m.def(
       "get_dispatch_layout",
       [](intptr_t topk_idx, bool idx_is_64, int num_tokens, int num_topk, int num_ranks, int num_experts,
          intptr_t per_rank, intptr_t per_expert, intptr_t in_rank, intptr_t stream) {

@@ -46,6 +46,13 @@ void ipc_close_handle(intptr_t ptr);
 // Pinned, device-mapped host words; returns the host pointer (also valid on the device: UVA).
 intptr_t host_status_alloc();
 void host_status_free(intptr_t ptr);
+// When the status word is set (a wait of this call timed out, so its kernels skipped their data
+// movement), fills each region [ptrs[i], ptrs[i] + bytes[i]) with the 8-byte `patterns[i]`
+// (little-endian, repeated; regions start 8-byte aligned); otherwise does nothing. Launched on
+// the call's stream after its last kernel, so outputs are never left uninitialised.
+constexpr int kMaxPoisonRegions = 8;
+void poison_if_failed(intptr_t status, const std::vector<intptr_t>& ptrs, const std::vector<int64_t>& bytes,
+                      const std::vector<uint64_t>& patterns, intptr_t stream);
 
 // Whether the current GPU has bulk copies (TMA, sm_90+), used when `use_tma` is set.
 bool tma_supported();

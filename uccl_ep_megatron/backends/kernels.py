@@ -24,6 +24,7 @@ memory and raised here as ``CommTimeoutError`` naming the stalled rank and barri
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +106,45 @@ def prepare_combine(
         out=torch.empty(num_tokens, x.shape[1], dtype=x.dtype, device=dev),
         out_weights=out_w,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _fill_pattern(dtype: torch.dtype, value: str) -> int:
+    """``float(value)`` in ``dtype``, its bytes repeated to 8 (little-endian): the kernel's
+    word. ``value`` is text ("nan", "-1", "0") so the cache can key on it (NaN != NaN)."""
+    raw = torch.tensor([float(value)], dtype=dtype).view(torch.uint8).tolist()
+    return int.from_bytes(bytes(raw * (8 // len(raw))), "little")
+
+
+def poison_on_timeout(
+    c: Any, status: int, stream: int, *fills: tuple[torch.Tensor | None, str]
+) -> None:
+    """After a call's last kernel, on its stream: when a wait of the call timed out (the
+    kernels then skipped their data movement), fill each ``(tensor, value)`` with ``value``
+    (NaN for rows, -1 for ids, 0 for dispatched weights), so no caller reads uninitialised
+    memory before the next call raises ``CommTimeoutError``. Tensors are fresh contiguous
+    outputs; a ``None`` or empty one is skipped."""
+    live = [(t, v) for t, v in fills if t is not None and t.numel() > 0]
+    if not live:
+        return
+    c.poison_if_failed(
+        status=status,
+        ptrs=[t.data_ptr() for t, _ in live],
+        bytes=[t.numel() * t.element_size() for t, _ in live],
+        patterns=[_fill_pattern(t.dtype, v) for t, v in live],
+        stream=stream,
+    )
+
+
+def warm_poison(c: Any, status: int, device: torch.device) -> None:
+    """Loads the poison kernel now (a no-op launch: the status is clear). Under CUDA lazy
+    loading a kernel's first launch holds the context lock until the GPU drains; first
+    launched behind a kernel that waits on proxies' copies, it would stall them."""
+    with torch.cuda.device(device):
+        probe = torch.empty(1, dtype=torch.int64, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        poison_on_timeout(c, status, stream, (probe, "-1"))
+        torch.cuda.synchronize(device)
 
 
 def launch_layout(
@@ -200,6 +240,7 @@ class KernelsBackend(Backend):
             keep_bytes=int(c.KERNELS_DATA_OFFSET),
         )
         self._status = c.host_status_alloc()
+        warm_poison(c, self._status, device)
         self._seq = 0
         from uccl_ep_megatron.config import effective_env
 
@@ -389,6 +430,17 @@ class KernelsBackend(Backend):
         a.staging_rows = staging_rows
         a.send_rows = sum(pm(rank, r) - pm(rank - 1, r) for r in range(num_ranks))
         c.intranode_dispatch(a, stream)
+        # A timeout inside this call is raised at the next one; until then the outputs say so.
+        poison_on_timeout(
+            c,
+            self._status,
+            stream,
+            (recv_x, "nan"),
+            (recv_scales, "nan"),
+            (recv_idx, "-1"),
+            (recv_w, "0"),
+            (recv_src if cached is None else None, "-1"),
+        )
 
         return DispatchResult(
             recv_x=recv_x,
@@ -459,15 +511,17 @@ class KernelsBackend(Backend):
         stream = self._stream()
         c.intranode_combine_push(a, stream)
         c.intranode_combine_reduce(a, stream)
+        poison_on_timeout(c, self._status, stream, (t.out, "nan"), (t.out_weights, "nan"))
         return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
-    def destroy(self) -> None:
+    def destroy(self, collective: bool = True) -> None:
         if self._destroyed:
             return
         self._destroyed = True
         c = self._c
-        torch.cuda.synchronize(self.device)
-        self._ipc.close()
-        with torch.cuda.device(self.device):
-            c.host_status_free(self._status)
+        try:
+            self._ipc.close(collective, self._timeout_ms)
+        finally:
+            with torch.cuda.device(self.device):
+                c.host_status_free(self._status)
