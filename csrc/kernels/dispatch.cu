@@ -71,6 +71,18 @@ __device__ void scan_send_pos(const bool* in_rank, int num_tokens, int R, int* s
   }
 }
 
+// The control slot (kNotifySlots) of the notify with sequence `seq`, and its arrays there.
+__device__ __forceinline__ int notify_slot(uint64_t seq) { return static_cast<int>(seq % kNotifySlots); }
+__device__ __forceinline__ int* tokens_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kTokensOffset) + slot * kMaxRanks;
+}
+__device__ __forceinline__ int* counts_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kCountsOffset) + slot * kMaxRanks * kMaxRanks;
+}
+__device__ __forceinline__ int* expert_counts_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kExpertCountsOffset) + static_cast<int64_t>(slot) * kMaxRanks * kMaxLocalExperts;
+}
+
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
                                                                 const int* per_rank, const int* per_expert,
                                                                 int experts_per_rank, int alignment, uint64_t seq,
@@ -79,17 +91,17 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
                                                                 int num_tokens, int* send_pos) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
-  if (tid < R) reinterpret_cast<int*>(bufs.p[tid] + kTokensOffset)[rank] = num_tokens;
+  const int slot = notify_slot(seq);
+  if (tid < R) tokens_of(bufs.p[tid], slot)[rank] = num_tokens;
   // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int r = i / R, j = i % R;
-    reinterpret_cast<int*>(bufs.p[r] + kCountsOffset)[rank * kMaxRanks + j] = per_rank[j];
+    counts_of(bufs.p[r], slot)[rank * kMaxRanks + j] = per_rank[j];
   }
   if (per_expert != nullptr) {
     for (int i = tid; i < R * experts_per_rank; i += blockDim.x) {
       const int r = i / experts_per_rank, e = i % experts_per_rank;
-      reinterpret_cast<int*>(bufs.p[r] + kExpertCountsOffset)[rank * kMaxLocalExperts + e] =
-          per_expert[r * experts_per_rank + e];
+      expert_counts_of(bufs.p[r], slot)[rank * kMaxLocalExperts + e] = per_expert[r * experts_per_rank + e];
     }
   }
   if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify)) return;
@@ -97,7 +109,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
   if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
 
   // Control data is read through volatile loads: peers wrote it, no L1 line may serve it.
-  const volatile int* counts = reinterpret_cast<const volatile int*>(bufs.p[rank] + kCountsOffset);
+  const volatile int* counts = counts_of(bufs.p[rank], slot);
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int s = i / R, j = i % R;
     int sum = 0;
@@ -106,7 +118,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     info[i] = sum;
   }
   if (per_expert != nullptr) {
-    const volatile int* ec = reinterpret_cast<const volatile int*>(bufs.p[rank] + kExpertCountsOffset);
+    const volatile int* ec = expert_counts_of(bufs.p[rank], slot);
     for (int e = tid; e < experts_per_rank; e += blockDim.x) {
       int sum = 0;
       for (int s = 0; s < R; ++s) sum += ec[s * kMaxLocalExperts + e];
@@ -287,7 +299,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   const int nrecv = gridDim.x - p.num_send_blocks;
   const int warps = blockDim.x / dev::kWarpSize;
   const int meta_idx_words = p.num_topk * p.idx_size / 4;
-  const volatile int* src_tokens = reinterpret_cast<const volatile int*>(p.bufs.p[p.rank] + kTokensOffset);
+  const volatile int* src_tokens = tokens_of(p.bufs.p[p.rank], notify_slot(p.seq));
   for (int s = 0; s < R; ++s) {
     if (s == p.rank) continue;
     const int ts = src_tokens[s];

@@ -24,13 +24,21 @@ constexpr int kMaxRanks = 8;
 constexpr int kMaxLocalExperts = 4096;
 constexpr int kMaxTopk = 32;
 // Control-region layout (bytes from the buffer start).
-constexpr size_t kFlagsOffset = 0;                                   // uint64 [kMaxRanks]
-constexpr size_t kCountsOffset = 256;                                // int32 [kMaxRanks][kMaxRanks]
-constexpr size_t kTokensOffset = 512;                                // int32 [kMaxRanks]: each source's T
-constexpr size_t kExpertCountsOffset = 1024;                         // int32 [kMaxRanks][kMaxLocalExperts]
+// Notify writes counts into peers BEFORE its barrier, while a peer may still be reading the
+// previous dispatch's (its receivers read the source token counts; a peer sending it nothing
+// never waits for it). So those words are double-buffered by the notify's sequence parity:
+// consecutive dispatches get consecutive sequence numbers, and any call between them (a
+// combine, a regrow) is itself a barrier after which the older slot is no longer read.
+constexpr int kNotifySlots = 2;
+constexpr size_t kFlagsOffset = 0;            // uint64 [kMaxRanks]
+constexpr size_t kCountsOffset = 256;         // int32 [kNotifySlots][kMaxRanks][kMaxRanks]
+constexpr size_t kTokensOffset = 768;         // int32 [kNotifySlots][kMaxRanks]: each source's T
+constexpr size_t kExpertCountsOffset = 1024;  // int32 [kNotifySlots][kMaxRanks][kMaxLocalExperts]
 // Dispatch progress: uint64 [kMaxRanks source][kMaxChunks], {seq:24 | first row:20 | rows:20}.
 constexpr int kMaxChunks = 4096;
-constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kMaxRanks * kMaxLocalExperts;
+static_assert(kCountsOffset + 4 * kNotifySlots * kMaxRanks * kMaxRanks <= kTokensOffset, "control overlap");
+static_assert(kTokensOffset + 4 * kNotifySlots * kMaxRanks <= kExpertCountsOffset, "control overlap");
+constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kNotifySlots * kMaxRanks * kMaxLocalExperts;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
 // Status words in mapped host memory, set by the first wait that times out.
 constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}

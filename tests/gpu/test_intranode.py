@@ -189,6 +189,40 @@ def autograd_case(rank: int, world: int, seed: int) -> None:
     torch.testing.assert_close(kgw, rgw, rtol=1e-5, atol=1e-5)
 
 
+def back_to_back_case(rank: int, world: int, second: str) -> list[int]:
+    """Two non-cached dispatches in a row, no combine or sync between, the second with other
+    per-rank token counts: the first sends every row to rank 0 (its receivers copy for long)
+    while the others, receiving nothing, finish and run the second notify, which writes their
+    new token counts into rank 0's control region. Both must equal the reference exactly."""
+    from uccl_ep_megatron import Config
+
+    kb, rb = _get_buffers()
+    hidden, num_experts, topk = 7168, 8 * world, 4
+    t1 = 4096
+    t2 = t1 // 3 + 97 * rank if second == "fewer" else t1 + 1000 + 97 * rank
+    gen = torch.Generator(device="cuda").manual_seed(4242 + rank)
+    calls = []
+    for num_tokens, routing in ((t1, "to_rank0"), (t2, "random")):
+        idx = _routing(routing, rank, world, num_tokens, num_experts, topk, gen)
+        w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
+        x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        calls.append((x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w))
+    # Few SMs: fewer receiver blocks on rank 0, so its copy of the first call lasts longer.
+    config = Config(min(4, kb.max_num_sms or 4))
+    poison(kb)
+    kouts = [dispatch(kb, x, lay, idx, w, config=config) for x, lay, idx, w in calls]
+    torch.cuda.synchronize()
+    recv = []
+    for n, ((x, lay, idx, w), kout) in enumerate(zip(calls, kouts, strict=True)):
+        rout = dispatch(rb, x, lay, idx, w, config=config)
+        for name, i in (("recv_x", 0), ("recv_topk_idx", 1), ("recv_topk_weights", 2)):
+            assert_same(f"dispatch {n + 1}: {name}", kout[i], rout[i])
+        assert_same(f"dispatch {n + 1}: counts", kout[3], rout[3])
+        assert_same(f"dispatch {n + 1}: recv_src_idx", kout[4].recv_src_idx, rout[4].recv_src_idx)
+        recv.append(kout[4].num_recv_tokens)
+    return recv
+
+
 def timeout_case(rank: int, world: int) -> str:
     """Rank 0 dispatches alone: its wait must end in CommTimeoutError naming rank 1."""
     import torch.distributed as dist
@@ -374,6 +408,13 @@ def test_small_buffer_grows_collectively(gpu_pool):
 
 def test_autograd_matches_reference(gpu_pool):
     gpu_pool.run(__file__, "autograd_case", 1, env=ENV)
+
+
+@pytest.mark.parametrize("second", ["fewer", "more"])
+def test_back_to_back_dispatches_with_new_counts(gpu_pool, second):
+    out = gpu_pool.run(__file__, "back_to_back_case", second, env=ENV)
+    # Rank 0 received every row of the first call: each rank's 4096 tokens.
+    assert out[0][0] == 4096 * gpu_pool.world_size, out
 
 
 def test_wait_times_out_with_clear_error(gpu_pool):
