@@ -47,6 +47,7 @@ from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.backends.kernels import (
     KernelsBackend,
     launch_layout,
+    poison_dispatch,
     poison_on_timeout,
     prepare_combine,
     warm_poison,
@@ -533,16 +534,8 @@ class InternodeBackend(Backend):
         if local_n > 1:
             recv_prefix = [pm(s - 1, rank) for s in range(num_ranks)] + [num_recv]
             self._in.dispatch_finish(a, recv_prefix, self._next_barrier(), stream)
-        poison_on_timeout(
-            self._c,
-            self._status,
-            stream,
-            (recv_x, "nan"),
-            (recv_scales, "nan"),
-            (recv_idx, "-1"),
-            (recv_w, "0"),
-            (recv_src if cached is None else None, "-1"),
-        )
+        outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
+        poison_dispatch(self._c, self._status, stream, *outs)
 
         if cached is None:
             prefix_t = torch.tensor(prefix_host, dtype=torch.int32, device=dev).view(

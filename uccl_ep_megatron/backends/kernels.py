@@ -108,7 +108,7 @@ def prepare_combine(
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fill_pattern(dtype: torch.dtype, value: str) -> int:
     """``float(value)`` in ``dtype``, its bytes repeated to 8 (little-endian): the kernel's
     word. ``value`` is text ("nan", "-1", "0") so the cache can key on it (NaN != NaN)."""
@@ -134,6 +134,12 @@ def poison_on_timeout(
         patterns=[_fill_pattern(t.dtype, v) for t, v in live],
         stream=stream,
     )
+
+
+def poison_dispatch(c: Any, status: int, stream: int, *outs: torch.Tensor | None) -> None:
+    """``poison_on_timeout`` of a dispatch's outputs: recv_x, scales, topk ids, topk weights
+    and source indices (``None`` where the call did not allocate it)."""
+    poison_on_timeout(c, status, stream, *zip(outs, ("nan", "nan", "-1", "0", "-1"), strict=True))
 
 
 def warm_poison(c: Any, status: int, device: torch.device) -> None:
@@ -431,16 +437,8 @@ class KernelsBackend(Backend):
         a.send_rows = sum(pm(rank, r) - pm(rank - 1, r) for r in range(num_ranks))
         c.intranode_dispatch(a, stream)
         # A timeout inside this call is raised at the next one; until then the outputs say so.
-        poison_on_timeout(
-            c,
-            self._status,
-            stream,
-            (recv_x, "nan"),
-            (recv_scales, "nan"),
-            (recv_idx, "-1"),
-            (recv_w, "0"),
-            (recv_src if cached is None else None, "-1"),
-        )
+        outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
+        poison_dispatch(c, self._status, stream, *outs)
 
         return DispatchResult(
             recv_x=recv_x,
