@@ -31,10 +31,12 @@ def _c():
 
 
 def _zero_free_memory(stream) -> None:
-    """Zero free caching-allocator memory of ``stream``: fresh outputs then start as 0."""
+    """Zero free caching-allocator memory of ``stream``, in its large-block pool and in its
+    small-block pool (allocations up to 1 MiB), so fresh outputs start as 0."""
     with torch.cuda.stream(stream):
-        p = torch.zeros(1 << 26, dtype=torch.uint8, device="cuda")
-        del p
+        large = torch.zeros(1 << 26, dtype=torch.uint8, device="cuda")
+        small = [torch.zeros(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
+        del large, small
     torch.cuda.synchronize()
 
 
@@ -80,7 +82,7 @@ def poison_case(rank: int, world: int, op: str) -> str:
 
     buf = Buffer(None, 1 << 24, 0, backend="kernels")
     _keep.append(buf)  # peers may still write into it: never freed during the session
-    num_tokens, hidden = 64, 256
+    num_tokens, hidden = 512, 4096
     idx = (torch.arange(num_tokens, device="cuda") % world).view(-1, 1)  # every rank gets rows
     w = torch.rand(num_tokens, 1, device="cuda")
     x = torch.randn(num_tokens, hidden, device="cuda").to(torch.bfloat16)
