@@ -224,7 +224,8 @@ void bind_kernels(py::module_& m) {
       "intranode_notify",
       [](const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t per_rank, intptr_t per_expert,
          int experts_per_rank, int expert_alignment, uint64_t seq, intptr_t prefix, intptr_t out_info,
-         intptr_t status, int64_t timeout_ns, intptr_t in_rank, int num_tokens, intptr_t send_pos, intptr_t stream) {
+         intptr_t status, int64_t timeout_ns, intptr_t in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
+         intptr_t id_bounds, intptr_t out_bounds) {
         UCCL_EP_CHECK_ARG(num_tokens >= 0 && experts_per_rank >= 0, "intranode_notify: num_tokens=", num_tokens,
                           " experts_per_rank=", experts_per_rank);
         check_buffers(buffers, num_ranks, static_cast<int64_t>(k::kDataOffset), "intranode_notify");
@@ -235,12 +236,14 @@ void bind_kernels(py::module_& m) {
         check_ptr(out_info, true, "intranode_notify: out_info");
         check_ptr(in_rank, send_pos != 0 && num_tokens > 0, "intranode_notify: is_token_in_rank");
         k::intranode_notify(buffers, rank, num_ranks, per_rank, per_expert, experts_per_rank, expert_alignment, seq,
-                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream);
+                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream, id_bounds,
+                            out_bounds);
       },
       py::arg("buffers"), py::arg("rank"), py::arg("num_ranks"), py::arg("num_tokens_per_rank"),
       py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"), py::arg("expert_alignment"), py::arg("seq"),
       py::arg("rank_prefix_matrix"), py::arg("out_info"), py::arg("status"), py::arg("timeout_ns"),
-      py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("send_pos"), py::arg("stream"));
+      py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("send_pos"), py::arg("stream"),
+      py::arg("id_bounds") = 0, py::arg("out_bounds") = 0);
   m.def("dispatch_staging_bytes", &k::dispatch_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),

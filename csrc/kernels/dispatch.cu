@@ -83,16 +83,26 @@ __device__ __forceinline__ int* expert_counts_of(uint8_t* buf, int slot) {
   return reinterpret_cast<int*>(buf + kExpertCountsOffset) + static_cast<int64_t>(slot) * kMaxRanks * kMaxLocalExperts;
 }
 
+__device__ __forceinline__ int64_t* id_bounds_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * 2;
+}
+
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
                                                                 const int* per_rank, const int* per_expert,
                                                                 int experts_per_rank, int alignment, uint64_t seq,
                                                                 int* prefix_out, int* info, int64_t* status,
                                                                 int64_t timeout_ns, const bool* in_rank,
-                                                                int num_tokens, int* send_pos) {
+                                                                int num_tokens, int* send_pos,
+                                                                const int64_t* id_bounds, int64_t* out_bounds) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
   const int slot = notify_slot(seq);
-  if (tid < R) tokens_of(bufs.p[tid], slot)[rank] = num_tokens;
+  if (tid < R) {
+    tokens_of(bufs.p[tid], slot)[rank] = num_tokens;
+    int64_t* b = id_bounds_of(bufs.p[tid], slot) + 2 * rank;
+    b[0] = id_bounds != nullptr ? id_bounds[0] : -1;
+    b[1] = id_bounds != nullptr ? id_bounds[1] : -1;
+  }
   // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int r = i / R, j = i % R;
@@ -105,6 +115,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     }
   }
   if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify)) return;
+  if (out_bounds != nullptr && tid < 2 * R)
+    out_bounds[tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
   // After the barrier, so the scan (a few microseconds) never delays a peer's wait.
   if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
 
@@ -435,7 +447,8 @@ int dispatch_recv_blocks(const DispatchArgs& a, int blocks) {
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t num_tokens_per_rank,
                       intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment, uint64_t seq,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
-                      intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream) {
+                      intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
+                      intptr_t id_bounds, intptr_t out_bounds) {
   const Peers peers = make_peers(buffers, num_ranks);
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
                     " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
@@ -444,7 +457,8 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
       peers, rank, num_ranks, reinterpret_cast<const int*>(num_tokens_per_rank),
       reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment, seq,
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), reinterpret_cast<int64_t*>(status),
-      timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos));
+      timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos),
+      reinterpret_cast<const int64_t*>(id_bounds), reinterpret_cast<int64_t*>(out_bounds));
   GPU_CHECK(gpuGetLastError());
 }
 

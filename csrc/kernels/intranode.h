@@ -39,7 +39,11 @@ constexpr int kMaxChunks = 4096;
 static_assert(kCountsOffset + 4 * kNotifySlots * kMaxRanks * kMaxRanks <= kTokensOffset, "control overlap");
 static_assert(kTokensOffset + 4 * kNotifySlots * kMaxRanks <= kExpertCountsOffset, "control overlap");
 constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kNotifySlots * kMaxRanks * kMaxLocalExperts;
+// Each source's expert-id bounds (min, max of its topk_idx; (-1, -1) when not checked), written
+// by notify like the counts: int64 [kNotifySlots][kMaxRanks][2], in the spare 64 KiB.
+constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
+static_assert(kIdBoundsOffset + 16 * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out.
 constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
 
@@ -76,12 +80,16 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // expert counts (experts_per_rank)] and the same prefix matrix into `rank_prefix_matrix`.
 // Doubles as the entry barrier of a dispatch (peers write into our staging only after it).
 // When `send_pos` is non-zero it also scans is_token_in_rank [T, R] into send_pos [T, R].
+// `id_bounds` (device int64 [2] or 0) travels to every rank with the counts; `out_bounds`
+// (device int64 [R, 2] or 0) receives every rank's, so all ranks see a bad id of any rank at
+// the host read that sizes the outputs, and raise together before any row moves.
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
                       intptr_t num_tokens_per_rank, intptr_t num_tokens_per_expert,
                       int experts_per_rank, int expert_alignment, uint64_t seq,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
-                      intptr_t send_pos, intptr_t stream);
+                      intptr_t send_pos, intptr_t stream, intptr_t id_bounds = 0,
+                      intptr_t out_bounds = 0);
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)

@@ -287,6 +287,40 @@ def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
     return message
 
 
+def bad_id_one_rank_case(rank: int, world: int) -> str:
+    """An out-of-range expert id on the last rank only: every rank raises InvalidInputError
+    naming that rank and the id at the same dispatch, at once (the ids travel with notify's
+    counts), not after UCCL_EP_TIMEOUT_MS; the Buffer then still dispatches correctly."""
+    import time
+
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    kb, rb = _get_buffers()
+    num_tokens, hidden, num_experts = 64, 256, 4 * world
+    gen = torch.Generator(device="cuda").manual_seed(17 + rank)
+    idx = _routing("random", rank, world, num_tokens, num_experts, 2, gen)
+    w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    bad = idx.clone()
+    if rank == world - 1:
+        bad[5, 0] = num_experts
+    lay = kb.get_dispatch_layout(bad, num_experts)[:4]
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    try:
+        dispatch(kb, x, lay, bad, w)
+    except InvalidInputError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: dispatch accepted rank {world - 1}'s bad expert id")
+    elapsed = time.monotonic() - start
+    assert elapsed < 5.0, f"rank {rank} raised after {elapsed:.1f} s (a timeout, not notify)"
+    kout = dispatch(kb, x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
+    rout = dispatch(rb, x, rb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
+    assert_same("recv_x after the error", kout[0], rout[0])
+    return message
+
+
 def grow_case(rank: int, world: int) -> dict:
     """A Buffer far smaller than a call stages grows at that call, on every rank, and the
     results still equal the reference; with UCCL_EP_GROW_NVL_BUFFER=0 the call raises."""
@@ -396,6 +430,12 @@ def test_bad_expert_id_raises_at_dispatch(gpu_pool, bad_id):
     value = 4 * gpu_pool.world_size if bad_id == "num_experts" else bad_id
     out = gpu_pool.run(__file__, "bad_ids_case", value, env=ENV)
     assert all(f"expert id {value}" in m for m in out), out
+
+
+def test_bad_expert_id_on_one_rank_raises_on_every_rank(gpu_pool):
+    out = gpu_pool.run(__file__, "bad_id_one_rank_case", env=ENV)
+    last, experts = gpu_pool.world_size - 1, 4 * gpu_pool.world_size
+    assert all(f"rank {last}:" in m and f"expert id {experts}" in m for m in out), out
 
 
 def test_small_buffer_grows_collectively(gpu_pool):

@@ -178,6 +178,17 @@ def launch_layout(
     return per_rank, per_expert, in_rank
 
 
+def _check_all_ids(bounds: list[int], num_experts: int) -> None:
+    """Raise the first rank's bad expert id on every rank: ``bounds`` holds each rank's
+    (min, max) of topk_idx from notify, identical everywhere, so all ranks raise together
+    at the same call instead of the others waiting for that rank's rows until the timeout."""
+    for r in range(len(bounds) // 2):
+        try:
+            check_expert_ids(bounds[2 * r], bounds[2 * r + 1], num_experts)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"rank {r}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class _State:
     """What combine and cached dispatch need from a dispatch (kept in the handle)."""
@@ -332,6 +343,10 @@ class KernelsBackend(Backend):
         # One sequence number per dispatch: the notify barrier and the chunk flags carry it.
         seq = self._next_seq()
         info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
+        # Every rank's expert-id bounds come back with the counts (see _check_all_ids).
+        all_bounds = None
+        if cached is None:
+            all_bounds = torch.empty(num_ranks * 2, dtype=torch.int64, device=dev)
         c.intranode_notify(
             buffers=self._buffers,
             rank=rank,
@@ -349,6 +364,8 @@ class KernelsBackend(Backend):
             num_tokens=num_tokens,
             send_pos=0 if cached is not None else send_pos.data_ptr(),
             stream=stream,
+            id_bounds=0 if bounds is None else bounds.data_ptr(),
+            out_bounds=0 if all_bounds is None else all_bounds.data_ptr(),
         )
         # Everything that does not depend on the received counts is set before the sync, so
         # the GPU idles as briefly as possible between notify and send.
@@ -377,13 +394,11 @@ class KernelsBackend(Backend):
             prefix_host = state.prefix_host
             expert_counts: list[int] = []
         else:
-            # The one host sync (output sizes depend on it); the id range rides along.
-            read = info if bounds is None else torch.cat([info.to(torch.int64), bounds])
-            info_host = read.tolist()
+            # The one host sync (output sizes depend on it); every rank's id range rides along.
+            info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
             self._check_status()
-            if bounds is not None:
-                check_expert_ids(info_host[-2], info_host[-1], args.num_experts)
-                info_host = info_host[:-2]
+            _check_all_ids(info_host[-2 * num_ranks :], args.num_experts)
+            info_host = info_host[: -2 * num_ranks]
             prefix_host = tuple(info_host[: num_ranks * num_ranks])
             expert_counts = info_host[num_ranks * num_ranks :]
 
