@@ -84,7 +84,7 @@ __device__ __forceinline__ int* expert_counts_of(uint8_t* buf, int slot) {
 }
 
 __device__ __forceinline__ int64_t* id_bounds_of(uint8_t* buf, int slot) {
-  return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * 2;
+  return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * kCheckWords;
 }
 
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
@@ -97,11 +97,36 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
   const int tid = threadIdx.x;
   const int R = num_ranks;
   const int slot = notify_slot(seq);
+  // Tokens is_token_in_rank sends to each rank; the outputs are sized from num_tokens_per_rank,
+  // so the two must agree. Before the barrier (a few microseconds for T*R flags), so every rank
+  // learns of a mismatch with the counts.
+  __shared__ int s_sent[kMaxRanks];
+  if (tid < kMaxRanks) s_sent[tid] = 0;
+  __syncthreads();
+  if (send_pos != nullptr) {
+    int local[kMaxRanks] = {};
+    for (int t = tid; t < num_tokens; t += blockDim.x) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (r < R) local[r] += in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r)
+      if (r < R && local[r] != 0) atomicAdd(&s_sent[r], local[r]);
+  }
+  __syncthreads();
   if (tid < R) {
     tokens_of(bufs.p[tid], slot)[rank] = num_tokens;
-    int64_t* b = id_bounds_of(bufs.p[tid], slot) + 2 * rank;
+    int bad = -1;
+    for (int r = 0; send_pos != nullptr && r < R && bad < 0; ++r)
+      if (s_sent[r] != per_rank[r]) bad = r;
+    int64_t* b = id_bounds_of(bufs.p[tid], slot) + kCheckWords * rank;
     b[0] = id_bounds != nullptr ? id_bounds[0] : -1;
     b[1] = id_bounds != nullptr ? id_bounds[1] : -1;
+    b[2] = bad;
+    b[3] = bad >= 0 ? per_rank[bad] : 0;
+    b[4] = bad >= 0 ? s_sent[bad] : 0;
+    b[5] = 0;
   }
   // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
   for (int i = tid; i < R * R; i += blockDim.x) {
@@ -115,7 +140,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     }
   }
   if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify)) return;
-  if (out_bounds != nullptr && tid < 2 * R)
+  if (out_bounds != nullptr && tid < kCheckWords * R)
     out_bounds[tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
   // After the barrier, so the scan (a few microseconds) never delays a peer's wait.
   if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);

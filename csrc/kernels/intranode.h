@@ -39,11 +39,14 @@ constexpr int kMaxChunks = 4096;
 static_assert(kCountsOffset + 4 * kNotifySlots * kMaxRanks * kMaxRanks <= kTokensOffset, "control overlap");
 static_assert(kTokensOffset + 4 * kNotifySlots * kMaxRanks <= kExpertCountsOffset, "control overlap");
 constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kNotifySlots * kMaxRanks * kMaxLocalExperts;
-// Each source's expert-id bounds (min, max of its topk_idx; (-1, -1) when not checked), written
-// by notify like the counts: int64 [kNotifySlots][kMaxRanks][2], in the spare 64 KiB.
+// Each source's input checks, written by notify like the counts: int64
+// [kNotifySlots][kMaxRanks][kCheckWords] = {min id, max id ((-1, -1) when not checked), first
+// rank d whose num_tokens_per_rank[d] differs from is_token_in_rank's column sum (-1: none),
+// that num_tokens_per_rank[d], that column sum, 0}; in the spare 64 KiB.
+constexpr int kCheckWords = 6;
 constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
-static_assert(kIdBoundsOffset + 16 * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
+static_assert(kIdBoundsOffset + 8 * kCheckWords * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out.
 constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
 
@@ -80,9 +83,11 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // expert counts (experts_per_rank)] and the same prefix matrix into `rank_prefix_matrix`.
 // Doubles as the entry barrier of a dispatch (peers write into our staging only after it).
 // When `send_pos` is non-zero it also scans is_token_in_rank [T, R] into send_pos [T, R].
-// `id_bounds` (device int64 [2] or 0) travels to every rank with the counts; `out_bounds`
-// (device int64 [R, 2] or 0) receives every rank's, so all ranks see a bad id of any rank at
-// the host read that sizes the outputs, and raise together before any row moves.
+// `id_bounds` (device int64 [2] or 0) and, when `send_pos` is set, the check of
+// num_tokens_per_rank against is_token_in_rank (a mismatch would place rows past the outputs)
+// travel to every rank with the counts; `out_bounds` (device int64 [R, kCheckWords] or 0)
+// receives every rank's, so all ranks see a bad input of any rank at the host read that sizes
+// the outputs, and raise together before any row moves.
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
                       intptr_t num_tokens_per_rank, intptr_t num_tokens_per_expert,
                       int experts_per_rank, int expert_alignment, uint64_t seq,

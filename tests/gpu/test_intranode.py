@@ -287,10 +287,12 @@ def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
     return message
 
 
-def bad_id_one_rank_case(rank: int, world: int) -> str:
-    """An out-of-range expert id on the last rank only: every rank raises InvalidInputError
-    naming that rank and the id at the same dispatch, at once (the ids travel with notify's
-    counts), not after UCCL_EP_TIMEOUT_MS; the Buffer then still dispatches correctly."""
+def bad_input_one_rank_case(rank: int, world: int, kind: str) -> str:
+    """A bad input on the last rank only (``kind``: an out-of-range expert id, or a
+    num_tokens_per_rank that disagrees with is_token_in_rank, which would place rows past the
+    outputs): every rank raises InvalidInputError naming that rank at the same dispatch, at
+    once (the checks travel with notify's counts), not after UCCL_EP_TIMEOUT_MS; the Buffer
+    then still dispatches correctly."""
     import time
 
     from uccl_ep_megatron.errors import InvalidInputError
@@ -302,9 +304,13 @@ def bad_id_one_rank_case(rank: int, world: int) -> str:
     w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     bad = idx.clone()
-    if rank == world - 1:
+    if rank == world - 1 and kind == "id":
         bad[5, 0] = num_experts
     lay = kb.get_dispatch_layout(bad, num_experts)[:4]
+    if rank == world - 1 and kind == "layout":
+        per_rank = lay[0].clone()
+        per_rank[0] -= 1  # one token fewer than is_token_in_rank sends to rank 0
+        lay = (per_rank, *lay[1:])
     torch.cuda.synchronize()
     start = time.monotonic()
     try:
@@ -312,7 +318,7 @@ def bad_id_one_rank_case(rank: int, world: int) -> str:
     except InvalidInputError as exc:
         message = str(exc)
     else:
-        raise AssertionError(f"rank {rank}: dispatch accepted rank {world - 1}'s bad expert id")
+        raise AssertionError(f"rank {rank}: dispatch accepted rank {world - 1}'s bad {kind}")
     elapsed = time.monotonic() - start
     assert elapsed < 5.0, f"rank {rank} raised after {elapsed:.1f} s (a timeout, not notify)"
     kout = dispatch(kb, x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
@@ -432,10 +438,12 @@ def test_bad_expert_id_raises_at_dispatch(gpu_pool, bad_id):
     assert all(f"expert id {value}" in m for m in out), out
 
 
-def test_bad_expert_id_on_one_rank_raises_on_every_rank(gpu_pool):
-    out = gpu_pool.run(__file__, "bad_id_one_rank_case", env=ENV)
+@pytest.mark.parametrize("kind", ["id", "layout"])
+def test_bad_input_on_one_rank_raises_on_every_rank(gpu_pool, kind):
+    out = gpu_pool.run(__file__, "bad_input_one_rank_case", kind, env=ENV)
     last, experts = gpu_pool.world_size - 1, 4 * gpu_pool.world_size
-    assert all(f"rank {last}:" in m and f"expert id {experts}" in m for m in out), out
+    want = f"expert id {experts}" if kind == "id" else "num_tokens_per_rank[0]="
+    assert all(f"rank {last}:" in m and want in m for m in out), out
 
 
 def test_small_buffer_grows_collectively(gpu_pool):

@@ -178,15 +178,28 @@ def launch_layout(
     return per_rank, per_expert, in_rank
 
 
-def _check_all_ids(bounds: list[int], num_experts: int) -> None:
-    """Raise the first rank's bad expert id on every rank: ``bounds`` holds each rank's
-    (min, max) of topk_idx from notify, identical everywhere, so all ranks raise together
-    at the same call instead of the others waiting for that rank's rows until the timeout."""
-    for r in range(len(bounds) // 2):
+_CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
+
+
+def _check_all_ranks(rows: list[int], num_experts: int) -> None:
+    """Raise the first bad input of any rank, on every rank. ``rows`` holds each rank's notify
+    checks (id min, id max, first rank whose ``num_tokens_per_rank`` entry differs from
+    ``is_token_in_rank``'s column, that entry, that column's sum), identical everywhere, so all
+    ranks raise together at the same call instead of the others waiting for that rank's rows
+    until the timeout, or rows landing past outputs sized from the wrong count."""
+    w = _CHECK_WORDS
+    for r in range(len(rows) // w):
+        lo, hi, dest, given, actual = rows[r * w : r * w + 5]
         try:
-            check_expert_ids(bounds[2 * r], bounds[2 * r + 1], num_experts)
+            check_expert_ids(lo, hi, num_experts)
         except InvalidInputError as exc:
             raise InvalidInputError(f"rank {r}: {exc}") from None
+        if dest >= 0:
+            raise InvalidInputError(
+                f"rank {r}: num_tokens_per_rank[{dest}]={given} but is_token_in_rank marks "
+                f"{actual} tokens for rank {dest}; pass the layout tensors that "
+                "get_dispatch_layout(topk_idx) returns"
+            )
 
 
 @dataclass(frozen=True)
@@ -343,10 +356,10 @@ class KernelsBackend(Backend):
         # One sequence number per dispatch: the notify barrier and the chunk flags carry it.
         seq = self._next_seq()
         info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
-        # Every rank's expert-id bounds come back with the counts (see _check_all_ids).
+        # Every rank's input checks come back with the counts (see _check_all_ranks).
         all_bounds = None
         if cached is None:
-            all_bounds = torch.empty(num_ranks * 2, dtype=torch.int64, device=dev)
+            all_bounds = torch.empty(num_ranks * _CHECK_WORDS, dtype=torch.int64, device=dev)
         c.intranode_notify(
             buffers=self._buffers,
             rank=rank,
@@ -394,11 +407,12 @@ class KernelsBackend(Backend):
             prefix_host = state.prefix_host
             expert_counts: list[int] = []
         else:
-            # The one host sync (output sizes depend on it); every rank's id range rides along.
+            # The one host sync (output sizes depend on it); every rank's checks ride along.
             info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
             self._check_status()
-            _check_all_ids(info_host[-2 * num_ranks :], args.num_experts)
-            info_host = info_host[: -2 * num_ranks]
+            checks = info_host[-_CHECK_WORDS * num_ranks :]
+            _check_all_ranks(checks, args.num_experts)
+            info_host = info_host[: -_CHECK_WORDS * num_ranks]
             prefix_host = tuple(info_host[: num_ranks * num_ranks])
             expert_counts = info_host[num_ranks * num_ranks :]
 
