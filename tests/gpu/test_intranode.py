@@ -254,18 +254,33 @@ def timeout_case(rank: int, world: int) -> str:
     raise AssertionError("dispatch without peers did not time out")
 
 
+def _small_inputs(rank: int, world: int, seed: int):
+    """(num_experts, topk_idx, topk_weights, x) of a small random top-2 dispatch."""
+    num_tokens, hidden, num_experts = 64, 256, 4 * world
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    idx = _routing("random", rank, world, num_tokens, num_experts, 2, gen)
+    w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    return num_experts, idx, w, x
+
+
+def _rejected(kb, x, lay, idx, w, what: str) -> str:
+    """The InvalidInputError message of a dispatch that must reject ``what``."""
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    try:
+        dispatch(kb, x, lay, idx, w)
+    except InvalidInputError as exc:
+        return str(exc)
+    raise AssertionError(f"dispatch accepted {what}")
+
+
 def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
     """Expert ids out of range on every rank: the layout kernel ignores them (no stray
     writes), dispatch raises InvalidInputError naming the id at its one host sync, and the
     Buffer still dispatches correctly afterwards."""
-    from uccl_ep_megatron.errors import InvalidInputError
-
     kb, rb = _get_buffers()
-    num_tokens, hidden, num_experts = 64, 256, 4 * world
-    gen = torch.Generator(device="cuda").manual_seed(5 + rank)
-    idx = _routing("random", rank, world, num_tokens, num_experts, 2, gen)
-    w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    num_experts, idx, w, x = _small_inputs(rank, world, 5 + rank)
     bad = idx.clone()
     bad[3, 1] = bad_id
     lay = kb.get_dispatch_layout(bad, num_experts)[:4]
@@ -275,12 +290,7 @@ def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
     for i, (a, b) in enumerate(zip(lay, expected, strict=True)):
         assert_same(f"layout[{i}] with a bad id", a, b)
     ref = rb.get_dispatch_layout(idx, num_experts)[:4]
-    try:
-        dispatch(kb, x, lay, bad, w)
-    except InvalidInputError as exc:
-        message = str(exc)
-    else:
-        raise AssertionError(f"dispatch accepted expert id {bad_id}")
+    message = _rejected(kb, x, lay, bad, w, f"expert id {bad_id}")
     kout = dispatch(kb, x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
     rout = dispatch(rb, x, ref, idx, w)
     assert_same("recv_x after the error", kout[0], rout[0])
@@ -295,14 +305,8 @@ def bad_input_one_rank_case(rank: int, world: int, kind: str) -> str:
     then still dispatches correctly."""
     import time
 
-    from uccl_ep_megatron.errors import InvalidInputError
-
     kb, rb = _get_buffers()
-    num_tokens, hidden, num_experts = 64, 256, 4 * world
-    gen = torch.Generator(device="cuda").manual_seed(17 + rank)
-    idx = _routing("random", rank, world, num_tokens, num_experts, 2, gen)
-    w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    num_experts, idx, w, x = _small_inputs(rank, world, 17 + rank)
     bad = idx.clone()
     if rank == world - 1 and kind == "id":
         bad[5, 0] = num_experts
@@ -313,12 +317,7 @@ def bad_input_one_rank_case(rank: int, world: int, kind: str) -> str:
         lay = (per_rank, *lay[1:])
     torch.cuda.synchronize()
     start = time.monotonic()
-    try:
-        dispatch(kb, x, lay, bad, w)
-    except InvalidInputError as exc:
-        message = str(exc)
-    else:
-        raise AssertionError(f"rank {rank}: dispatch accepted rank {world - 1}'s bad {kind}")
+    message = _rejected(kb, x, lay, bad, w, f"rank {world - 1}'s bad {kind}")
     elapsed = time.monotonic() - start
     assert elapsed < 5.0, f"rank {rank} raised after {elapsed:.1f} s (a timeout, not notify)"
     kout = dispatch(kb, x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
