@@ -242,15 +242,21 @@ class Buffer:
         return self._comm_stream
 
     def destroy(self) -> None:
-        """Release backend resources. Idempotent; the ``Buffer`` is unusable afterwards."""
+        """Release backend resources; collective: every rank of the group calls it (as with
+        DeepEP), so no rank frees memory a peer still maps. Idempotent; the ``Buffer`` is
+        unusable afterwards."""
+        self._release(collective=True)
+
+    def _release(self, collective: bool) -> None:
         if not self._destroyed:
             self._destroyed = True
-            self._backend.destroy()
+            self._backend.destroy(collective)
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True) and not getattr(self, "_destroyed", True):
             try:
-                self.destroy()
+                # Peers may be anywhere (or gone): no collective here; see IpcBuffers.close.
+                self._release(collective=False)
             except Exception:  # noqa: BLE001 - nothing sensible to do at interpreter teardown
                 pass
 

@@ -5,6 +5,7 @@
 #include "bindings/bindings.h"
 #include "common/env.h"
 #include "common/errors.h"
+#include "common/registry.h"
 
 namespace py = pybind11;
 
@@ -33,6 +34,21 @@ void bind_common(py::module_& m) {
     }
   });
 
+  m.def(
+      "live_allocations",
+      [] {
+        py::dict out;
+        const std::pair<AllocKind, const char*> kinds[] = {
+            {AllocKind::kDeviceBuffer, "device_buffer"}, {AllocKind::kIpcMapping, "ipc_mapping"},
+            {AllocKind::kHostStatus, "host_status"},     {AllocKind::kHostRegion, "host_region"},
+            {AllocKind::kMappedCounters, "mapped_counters"}};
+        for (const auto& [kind, name] : kinds) {
+          const auto [count, bytes] = AllocRegistry::get().live(kind);
+          out[name] = py::make_tuple(count, bytes);
+        }
+        return out;
+      },
+      "{kind: (count, bytes)} of the allocations _C has handed out and not yet freed.");
   m.def(
       "env_registry",
       [] {

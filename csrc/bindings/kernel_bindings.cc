@@ -195,6 +195,15 @@ void bind_kernels(py::module_& m) {
       py::arg("ptr"), "Status words: [set, stalled peer rank, barrier sequence, site code].");
 
   m.def(
+      "poison_if_failed",
+      [](intptr_t status, const std::vector<intptr_t>& ptrs, const std::vector<int64_t>& bytes,
+         const std::vector<uint64_t>& patterns, intptr_t stream) {
+        check_status(status, "poison_if_failed: status");
+        k::poison_if_failed(status, ptrs, bytes, patterns, stream);
+      },
+      py::arg("status"), py::arg("ptrs"), py::arg("bytes"), py::arg("patterns"), py::arg("stream"),
+      "On the stream: when the status word is set, fill each region with its 8-byte pattern.");
+  m.def(
       "get_dispatch_layout",
       [](intptr_t topk_idx, bool idx_is_64, int num_tokens, int num_topk, int num_ranks, int num_experts,
          intptr_t per_rank, intptr_t per_expert, intptr_t in_rank, intptr_t stream) {
@@ -215,7 +224,8 @@ void bind_kernels(py::module_& m) {
       "intranode_notify",
       [](const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t per_rank, intptr_t per_expert,
          int experts_per_rank, int expert_alignment, uint64_t seq, intptr_t prefix, intptr_t out_info,
-         intptr_t status, int64_t timeout_ns, intptr_t in_rank, int num_tokens, intptr_t send_pos, intptr_t stream) {
+         intptr_t status, int64_t timeout_ns, intptr_t in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
+         intptr_t id_bounds, intptr_t out_bounds) {
         UCCL_EP_CHECK_ARG(num_tokens >= 0 && experts_per_rank >= 0, "intranode_notify: num_tokens=", num_tokens,
                           " experts_per_rank=", experts_per_rank);
         check_buffers(buffers, num_ranks, static_cast<int64_t>(k::kDataOffset), "intranode_notify");
@@ -226,12 +236,14 @@ void bind_kernels(py::module_& m) {
         check_ptr(out_info, true, "intranode_notify: out_info");
         check_ptr(in_rank, send_pos != 0 && num_tokens > 0, "intranode_notify: is_token_in_rank");
         k::intranode_notify(buffers, rank, num_ranks, per_rank, per_expert, experts_per_rank, expert_alignment, seq,
-                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream);
+                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream, id_bounds,
+                            out_bounds);
       },
       py::arg("buffers"), py::arg("rank"), py::arg("num_ranks"), py::arg("num_tokens_per_rank"),
       py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"), py::arg("expert_alignment"), py::arg("seq"),
       py::arg("rank_prefix_matrix"), py::arg("out_info"), py::arg("status"), py::arg("timeout_ns"),
-      py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("send_pos"), py::arg("stream"));
+      py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("send_pos"), py::arg("stream"),
+      py::arg("id_bounds") = 0, py::arg("out_bounds") = 0);
   m.def("dispatch_staging_bytes", &k::dispatch_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),

@@ -110,4 +110,15 @@ void AllocRegistry::check(uintptr_t ptr, uint64_t bytes, std::initializer_list<A
                 describe(ptr));
 }
 
+std::pair<uint64_t, uint64_t> AllocRegistry::live(AllocKind kind) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t count = 0, bytes = 0;
+  for (const auto& kv : by_base_) {
+    if (kv.second.kind != kind) continue;
+    ++count;
+    bytes += kv.second.bytes;
+  }
+  return {count, bytes};
+}
+
 }  // namespace uccl_ep

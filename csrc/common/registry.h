@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 
 namespace uccl_ep {
 
@@ -40,6 +41,8 @@ class AllocRegistry {
   uint64_t size_of(uintptr_t base, AllocKind kind, const char* what) const;
   // Whether [ptr, ptr + bytes) lies inside a recorded allocation of one of `kinds`.
   bool contains(uintptr_t ptr, uint64_t bytes, std::initializer_list<AllocKind> kinds) const;
+  // Live allocations of `kind`: {count, bytes} (a teardown that leaks shows up here).
+  std::pair<uint64_t, uint64_t> live(AllocKind kind) const;
 
  private:
   struct Entry {

@@ -71,33 +71,82 @@ __device__ void scan_send_pos(const bool* in_rank, int num_tokens, int R, int* s
   }
 }
 
+// The control slot (kNotifySlots) of the notify with sequence `seq`, and its arrays there.
+__device__ __forceinline__ int notify_slot(uint64_t seq) { return static_cast<int>(seq % kNotifySlots); }
+__device__ __forceinline__ int* tokens_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kTokensOffset) + slot * kMaxRanks;
+}
+__device__ __forceinline__ int* counts_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kCountsOffset) + slot * kMaxRanks * kMaxRanks;
+}
+__device__ __forceinline__ int* expert_counts_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kExpertCountsOffset) + static_cast<int64_t>(slot) * kMaxRanks * kMaxLocalExperts;
+}
+
+__device__ __forceinline__ int64_t* id_bounds_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * kCheckWords;
+}
+
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
                                                                 const int* per_rank, const int* per_expert,
                                                                 int experts_per_rank, int alignment, uint64_t seq,
                                                                 int* prefix_out, int* info, int64_t* status,
                                                                 int64_t timeout_ns, const bool* in_rank,
-                                                                int num_tokens, int* send_pos) {
+                                                                int num_tokens, int* send_pos,
+                                                                const int64_t* id_bounds, int64_t* out_bounds) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
-  if (tid < R) reinterpret_cast<int*>(bufs.p[tid] + kTokensOffset)[rank] = num_tokens;
+  const int slot = notify_slot(seq);
+  // Tokens is_token_in_rank sends to each rank; the outputs are sized from num_tokens_per_rank,
+  // so the two must agree. Before the barrier (a few microseconds for T*R flags), so every rank
+  // learns of a mismatch with the counts.
+  __shared__ int s_sent[kMaxRanks];
+  if (tid < kMaxRanks) s_sent[tid] = 0;
+  __syncthreads();
+  if (send_pos != nullptr) {
+    int local[kMaxRanks] = {};
+    for (int t = tid; t < num_tokens; t += blockDim.x) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (r < R) local[r] += in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r)
+      if (r < R && local[r] != 0) atomicAdd(&s_sent[r], local[r]);
+  }
+  __syncthreads();
+  if (tid < R) {
+    tokens_of(bufs.p[tid], slot)[rank] = num_tokens;
+    int bad = -1;
+    for (int r = 0; send_pos != nullptr && r < R && bad < 0; ++r)
+      if (s_sent[r] != per_rank[r]) bad = r;
+    int64_t* b = id_bounds_of(bufs.p[tid], slot) + kCheckWords * rank;
+    b[0] = id_bounds != nullptr ? id_bounds[0] : -1;
+    b[1] = id_bounds != nullptr ? id_bounds[1] : -1;
+    b[2] = bad;
+    b[3] = bad >= 0 ? per_rank[bad] : 0;
+    b[4] = bad >= 0 ? s_sent[bad] : 0;
+    b[5] = 0;
+  }
   // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int r = i / R, j = i % R;
-    reinterpret_cast<int*>(bufs.p[r] + kCountsOffset)[rank * kMaxRanks + j] = per_rank[j];
+    counts_of(bufs.p[r], slot)[rank * kMaxRanks + j] = per_rank[j];
   }
   if (per_expert != nullptr) {
     for (int i = tid; i < R * experts_per_rank; i += blockDim.x) {
       const int r = i / experts_per_rank, e = i % experts_per_rank;
-      reinterpret_cast<int*>(bufs.p[r] + kExpertCountsOffset)[rank * kMaxLocalExperts + e] =
-          per_expert[r * experts_per_rank + e];
+      expert_counts_of(bufs.p[r], slot)[rank * kMaxLocalExperts + e] = per_expert[r * experts_per_rank + e];
     }
   }
   if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify)) return;
+  if (out_bounds != nullptr && tid < kCheckWords * R)
+    out_bounds[tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
   // After the barrier, so the scan (a few microseconds) never delays a peer's wait.
   if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
 
   // Control data is read through volatile loads: peers wrote it, no L1 line may serve it.
-  const volatile int* counts = reinterpret_cast<const volatile int*>(bufs.p[rank] + kCountsOffset);
+  const volatile int* counts = counts_of(bufs.p[rank], slot);
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int s = i / R, j = i % R;
     int sum = 0;
@@ -106,7 +155,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     info[i] = sum;
   }
   if (per_expert != nullptr) {
-    const volatile int* ec = reinterpret_cast<const volatile int*>(bufs.p[rank] + kExpertCountsOffset);
+    const volatile int* ec = expert_counts_of(bufs.p[rank], slot);
     for (int e = tid; e < experts_per_rank; e += blockDim.x) {
       int sum = 0;
       for (int s = 0; s < R; ++s) sum += ec[s * kMaxLocalExperts + e];
@@ -287,7 +336,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   const int nrecv = gridDim.x - p.num_send_blocks;
   const int warps = blockDim.x / dev::kWarpSize;
   const int meta_idx_words = p.num_topk * p.idx_size / 4;
-  const volatile int* src_tokens = reinterpret_cast<const volatile int*>(p.bufs.p[p.rank] + kTokensOffset);
+  const volatile int* src_tokens = tokens_of(p.bufs.p[p.rank], notify_slot(p.seq));
   for (int s = 0; s < R; ++s) {
     if (s == p.rank) continue;
     const int ts = src_tokens[s];
@@ -423,7 +472,8 @@ int dispatch_recv_blocks(const DispatchArgs& a, int blocks) {
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t num_tokens_per_rank,
                       intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment, uint64_t seq,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
-                      intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream) {
+                      intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
+                      intptr_t id_bounds, intptr_t out_bounds) {
   const Peers peers = make_peers(buffers, num_ranks);
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
                     " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
@@ -432,7 +482,8 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
       peers, rank, num_ranks, reinterpret_cast<const int*>(num_tokens_per_rank),
       reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment, seq,
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), reinterpret_cast<int64_t*>(status),
-      timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos));
+      timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos),
+      reinterpret_cast<const int64_t*>(id_bounds), reinterpret_cast<int64_t*>(out_bounds));
   GPU_CHECK(gpuGetLastError());
 }
 

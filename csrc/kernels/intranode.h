@@ -24,14 +24,29 @@ constexpr int kMaxRanks = 8;
 constexpr int kMaxLocalExperts = 4096;
 constexpr int kMaxTopk = 32;
 // Control-region layout (bytes from the buffer start).
-constexpr size_t kFlagsOffset = 0;                                   // uint64 [kMaxRanks]
-constexpr size_t kCountsOffset = 256;                                // int32 [kMaxRanks][kMaxRanks]
-constexpr size_t kTokensOffset = 512;                                // int32 [kMaxRanks]: each source's T
-constexpr size_t kExpertCountsOffset = 1024;                         // int32 [kMaxRanks][kMaxLocalExperts]
+// Notify writes counts into peers BEFORE its barrier, while a peer may still be reading the
+// previous dispatch's (its receivers read the source token counts; a peer sending it nothing
+// never waits for it). So those words are double-buffered by the notify's sequence parity:
+// consecutive dispatches get consecutive sequence numbers, and any call between them (a
+// combine, a regrow) is itself a barrier after which the older slot is no longer read.
+constexpr int kNotifySlots = 2;
+constexpr size_t kFlagsOffset = 0;            // uint64 [kMaxRanks]
+constexpr size_t kCountsOffset = 256;         // int32 [kNotifySlots][kMaxRanks][kMaxRanks]
+constexpr size_t kTokensOffset = 768;         // int32 [kNotifySlots][kMaxRanks]: each source's T
+constexpr size_t kExpertCountsOffset = 1024;  // int32 [kNotifySlots][kMaxRanks][kMaxLocalExperts]
 // Dispatch progress: uint64 [kMaxRanks source][kMaxChunks], {seq:24 | first row:20 | rows:20}.
 constexpr int kMaxChunks = 4096;
-constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kMaxRanks * kMaxLocalExperts;
+static_assert(kCountsOffset + 4 * kNotifySlots * kMaxRanks * kMaxRanks <= kTokensOffset, "control overlap");
+static_assert(kTokensOffset + 4 * kNotifySlots * kMaxRanks <= kExpertCountsOffset, "control overlap");
+constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kNotifySlots * kMaxRanks * kMaxLocalExperts;
+// Each source's input checks, written by notify like the counts: int64
+// [kNotifySlots][kMaxRanks][kCheckWords] = {min id, max id ((-1, -1) when not checked), first
+// rank d whose num_tokens_per_rank[d] differs from is_token_in_rank's column sum (-1: none),
+// that num_tokens_per_rank[d], that column sum, 0}; in the spare 64 KiB.
+constexpr int kCheckWords = 6;
+constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
+static_assert(kIdBoundsOffset + 8 * kCheckWords * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out.
 constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
 
@@ -46,6 +61,13 @@ void ipc_close_handle(intptr_t ptr);
 // Pinned, device-mapped host words; returns the host pointer (also valid on the device: UVA).
 intptr_t host_status_alloc();
 void host_status_free(intptr_t ptr);
+// When the status word is set (a wait of this call timed out, so its kernels skipped their data
+// movement), fills each region [ptrs[i], ptrs[i] + bytes[i]) with the 8-byte `patterns[i]`
+// (little-endian, repeated; regions start 8-byte aligned); otherwise does nothing. Launched on
+// the call's stream after its last kernel, so outputs are never left uninitialised.
+constexpr int kMaxPoisonRegions = 8;
+void poison_if_failed(intptr_t status, const std::vector<intptr_t>& ptrs, const std::vector<int64_t>& bytes,
+                      const std::vector<uint64_t>& patterns, intptr_t stream);
 
 // Whether the current GPU has bulk copies (TMA, sm_90+), used when `use_tma` is set.
 bool tma_supported();
@@ -61,12 +83,18 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // expert counts (experts_per_rank)] and the same prefix matrix into `rank_prefix_matrix`.
 // Doubles as the entry barrier of a dispatch (peers write into our staging only after it).
 // When `send_pos` is non-zero it also scans is_token_in_rank [T, R] into send_pos [T, R].
+// `id_bounds` (device int64 [2] or 0) and, when `send_pos` is set, the check of
+// num_tokens_per_rank against is_token_in_rank (a mismatch would place rows past the outputs)
+// travel to every rank with the counts; `out_bounds` (device int64 [R, kCheckWords] or 0)
+// receives every rank's, so all ranks see a bad input of any rank at the host read that sizes
+// the outputs, and raise together before any row moves.
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
                       intptr_t num_tokens_per_rank, intptr_t num_tokens_per_expert,
                       int experts_per_rank, int expert_alignment, uint64_t seq,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
-                      intptr_t send_pos, intptr_t stream);
+                      intptr_t send_pos, intptr_t stream, intptr_t id_bounds = 0,
+                      intptr_t out_bounds = 0);
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)

@@ -2,8 +2,10 @@
 // peers' mappings and the mapped host status words.
 #include <cstring>
 
+#include <algorithm>
+
 #include "common/gpu.h"
-#include "kernels/intranode.h"
+#include "kernels/common.cuh"
 
 namespace uccl_ep::kernels {
 
@@ -55,6 +57,63 @@ intptr_t host_status_alloc() {
 
 void host_status_free(intptr_t ptr) {
   if (ptr) GPU_CHECK(gpuFreeHost(reinterpret_cast<void*>(ptr)));
+}
+
+namespace {
+
+struct PoisonRegions {
+  uint8_t* p[kMaxPoisonRegions];
+  int64_t n[kMaxPoisonRegions];
+  uint64_t pattern[kMaxPoisonRegions];
+  int count;
+};
+
+constexpr int kPoisonThreads = 256;
+
+__global__ void __launch_bounds__(kPoisonThreads) poison_kernel(const int64_t* status, PoisonRegions r) {
+  __shared__ int s_set;
+  if (threadIdx.x == 0) s_set = status_set(status) ? 1 : 0;  // one PCIe read per block
+  __syncthreads();
+  if (!s_set) return;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int i = 0; i < r.count; ++i) {
+    const int64_t words = r.n[i] / 8;
+    uint64_t* w = reinterpret_cast<uint64_t*>(r.p[i]);
+    for (int64_t q = tid; q < words; q += stride) w[q] = r.pattern[i];
+    for (int64_t b = words * 8 + tid; b < r.n[i]; b += stride)
+      r.p[i][b] = static_cast<uint8_t>(r.pattern[i] >> (8 * (b % 8)));
+  }
+}
+
+}  // namespace
+
+void poison_if_failed(intptr_t status, const std::vector<intptr_t>& ptrs, const std::vector<int64_t>& bytes,
+                      const std::vector<uint64_t>& patterns, intptr_t stream) {
+  UCCL_EP_CHECK_ARG(ptrs.size() == bytes.size() && ptrs.size() == patterns.size(), "poison_if_failed: ",
+                    ptrs.size(), " pointers, ", bytes.size(), " sizes and ", patterns.size(),
+                    " patterns must be as many");
+  UCCL_EP_CHECK_ARG(ptrs.size() <= static_cast<size_t>(kMaxPoisonRegions), "poison_if_failed: ", ptrs.size(),
+                    " regions exceed ", kMaxPoisonRegions);
+  PoisonRegions r{};
+  int64_t total = 0;
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    if (bytes[i] == 0) continue;
+    UCCL_EP_CHECK_ARG(bytes[i] > 0 && ptrs[i] != 0 && ptrs[i] % 8 == 0, "poison_if_failed: region ", i, " at ",
+                      ptrs[i], " of ", bytes[i], " bytes must be non-null, 8-byte aligned and non-negative");
+    r.p[r.count] = reinterpret_cast<uint8_t*>(ptrs[i]);
+    r.n[r.count] = bytes[i];
+    r.pattern[r.count] = patterns[i];
+    ++r.count;
+    total += bytes[i];
+  }
+  if (r.count == 0) return;
+  // Few blocks: on the common path (status clear) each only reads the status word and exits.
+  const int64_t per_block = static_cast<int64_t>(kPoisonThreads) * 8 * 16;
+  const int blocks = static_cast<int>(std::min<int64_t>(64, std::max<int64_t>(1, (total + per_block - 1) / per_block)));
+  poison_kernel<<<blocks, kPoisonThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
+      reinterpret_cast<const int64_t*>(status), r);
+  GPU_CHECK(gpuGetLastError());
 }
 
 }  // namespace uccl_ep::kernels

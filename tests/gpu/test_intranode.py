@@ -189,6 +189,40 @@ def autograd_case(rank: int, world: int, seed: int) -> None:
     torch.testing.assert_close(kgw, rgw, rtol=1e-5, atol=1e-5)
 
 
+def back_to_back_case(rank: int, world: int, second: str) -> list[int]:
+    """Two non-cached dispatches in a row, no combine or sync between, the second with other
+    per-rank token counts: the first sends every row to rank 0 (its receivers copy for long)
+    while the others, receiving nothing, finish and run the second notify, which writes their
+    new token counts into rank 0's control region. Both must equal the reference exactly."""
+    from uccl_ep_megatron import Config
+
+    kb, rb = _get_buffers()
+    hidden, num_experts, topk = 7168, 8 * world, 4
+    t1 = 4096
+    t2 = t1 // 3 + 97 * rank if second == "fewer" else t1 + 1000 + 97 * rank
+    gen = torch.Generator(device="cuda").manual_seed(4242 + rank)
+    calls = []
+    for num_tokens, routing in ((t1, "to_rank0"), (t2, "random")):
+        idx = _routing(routing, rank, world, num_tokens, num_experts, topk, gen)
+        w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
+        x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        calls.append((x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w))
+    # Few SMs: fewer receiver blocks on rank 0, so its copy of the first call lasts longer.
+    config = Config(min(4, kb.max_num_sms or 4))
+    poison(kb)
+    kouts = [dispatch(kb, x, lay, idx, w, config=config) for x, lay, idx, w in calls]
+    torch.cuda.synchronize()
+    recv = []
+    for n, ((x, lay, idx, w), kout) in enumerate(zip(calls, kouts, strict=True)):
+        rout = dispatch(rb, x, lay, idx, w, config=config)
+        for name, i in (("recv_x", 0), ("recv_topk_idx", 1), ("recv_topk_weights", 2)):
+            assert_same(f"dispatch {n + 1}: {name}", kout[i], rout[i])
+        assert_same(f"dispatch {n + 1}: counts", kout[3], rout[3])
+        assert_same(f"dispatch {n + 1}: recv_src_idx", kout[4].recv_src_idx, rout[4].recv_src_idx)
+        recv.append(kout[4].num_recv_tokens)
+    return recv
+
+
 def timeout_case(rank: int, world: int) -> str:
     """Rank 0 dispatches alone: its wait must end in CommTimeoutError naming rank 1."""
     import torch.distributed as dist
@@ -220,18 +254,33 @@ def timeout_case(rank: int, world: int) -> str:
     raise AssertionError("dispatch without peers did not time out")
 
 
+def _small_inputs(rank: int, world: int, seed: int):
+    """(num_experts, topk_idx, topk_weights, x) of a small random top-2 dispatch."""
+    num_tokens, hidden, num_experts = 64, 256, 4 * world
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    idx = _routing("random", rank, world, num_tokens, num_experts, 2, gen)
+    w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    return num_experts, idx, w, x
+
+
+def _rejected(kb, x, lay, idx, w, what: str) -> str:
+    """The InvalidInputError message of a dispatch that must reject ``what``."""
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    try:
+        dispatch(kb, x, lay, idx, w)
+    except InvalidInputError as exc:
+        return str(exc)
+    raise AssertionError(f"dispatch accepted {what}")
+
+
 def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
     """Expert ids out of range on every rank: the layout kernel ignores them (no stray
     writes), dispatch raises InvalidInputError naming the id at its one host sync, and the
     Buffer still dispatches correctly afterwards."""
-    from uccl_ep_megatron.errors import InvalidInputError
-
     kb, rb = _get_buffers()
-    num_tokens, hidden, num_experts = 64, 256, 4 * world
-    gen = torch.Generator(device="cuda").manual_seed(5 + rank)
-    idx = _routing("random", rank, world, num_tokens, num_experts, 2, gen)
-    w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    num_experts, idx, w, x = _small_inputs(rank, world, 5 + rank)
     bad = idx.clone()
     bad[3, 1] = bad_id
     lay = kb.get_dispatch_layout(bad, num_experts)[:4]
@@ -241,14 +290,38 @@ def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
     for i, (a, b) in enumerate(zip(lay, expected, strict=True)):
         assert_same(f"layout[{i}] with a bad id", a, b)
     ref = rb.get_dispatch_layout(idx, num_experts)[:4]
-    try:
-        dispatch(kb, x, lay, bad, w)
-    except InvalidInputError as exc:
-        message = str(exc)
-    else:
-        raise AssertionError(f"dispatch accepted expert id {bad_id}")
+    message = _rejected(kb, x, lay, bad, w, f"expert id {bad_id}")
     kout = dispatch(kb, x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
     rout = dispatch(rb, x, ref, idx, w)
+    assert_same("recv_x after the error", kout[0], rout[0])
+    return message
+
+
+def bad_input_one_rank_case(rank: int, world: int, kind: str) -> str:
+    """A bad input on the last rank only (``kind``: an out-of-range expert id, or a
+    num_tokens_per_rank that disagrees with is_token_in_rank, which would place rows past the
+    outputs): every rank raises InvalidInputError naming that rank at the same dispatch, at
+    once (the checks travel with notify's counts), not after UCCL_EP_TIMEOUT_MS; the Buffer
+    then still dispatches correctly."""
+    import time
+
+    kb, rb = _get_buffers()
+    num_experts, idx, w, x = _small_inputs(rank, world, 17 + rank)
+    bad = idx.clone()
+    if rank == world - 1 and kind == "id":
+        bad[5, 0] = num_experts
+    lay = kb.get_dispatch_layout(bad, num_experts)[:4]
+    if rank == world - 1 and kind == "layout":
+        per_rank = lay[0].clone()
+        per_rank[0] -= 1  # one token fewer than is_token_in_rank sends to rank 0
+        lay = (per_rank, *lay[1:])
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    message = _rejected(kb, x, lay, bad, w, f"rank {world - 1}'s bad {kind}")
+    elapsed = time.monotonic() - start
+    assert elapsed < 5.0, f"rank {rank} raised after {elapsed:.1f} s (a timeout, not notify)"
+    kout = dispatch(kb, x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
+    rout = dispatch(rb, x, rb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
     assert_same("recv_x after the error", kout[0], rout[0])
     return message
 
@@ -364,6 +437,14 @@ def test_bad_expert_id_raises_at_dispatch(gpu_pool, bad_id):
     assert all(f"expert id {value}" in m for m in out), out
 
 
+@pytest.mark.parametrize("kind", ["id", "layout"])
+def test_bad_input_on_one_rank_raises_on_every_rank(gpu_pool, kind):
+    out = gpu_pool.run(__file__, "bad_input_one_rank_case", kind, env=ENV)
+    last, experts = gpu_pool.world_size - 1, 4 * gpu_pool.world_size
+    want = f"expert id {experts}" if kind == "id" else "num_tokens_per_rank[0]="
+    assert all(f"rank {last}:" in m and want in m for m in out), out
+
+
 def test_small_buffer_grows_collectively(gpu_pool):
     out = gpu_pool.run(__file__, "grow_case", env=ENV)
     # Dispatch grew once, to the same size on every rank, big enough for its rows.
@@ -374,6 +455,13 @@ def test_small_buffer_grows_collectively(gpu_pool):
 
 def test_autograd_matches_reference(gpu_pool):
     gpu_pool.run(__file__, "autograd_case", 1, env=ENV)
+
+
+@pytest.mark.parametrize("second", ["fewer", "more"])
+def test_back_to_back_dispatches_with_new_counts(gpu_pool, second):
+    out = gpu_pool.run(__file__, "back_to_back_case", second, env=ENV)
+    # Rank 0 received every row of the first call: each rank's 4096 tokens.
+    assert out[0][0] == 4096 * gpu_pool.world_size, out
 
 
 def test_wait_times_out_with_clear_error(gpu_pool):

@@ -161,8 +161,9 @@ class Backend(abc.ABC):
         """Every rank's picklable ``obj`` (the error path of the header exchange)."""
         raise NotImplementedError(f"{self.name} exchanges no call headers")
 
-    def destroy(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
-        """Release backend resources; the default holds none."""
+    def destroy(self, collective: bool = True) -> None:  # noqa: B027 - optional hook
+        """Release backend resources; the default holds none. ``collective``: every rank calls
+        it together (``Buffer.destroy()``); ``False`` from ``__del__``, where peers may not."""
 
 
 def check_expert_ids(lo: int, hi: int, num_experts: int) -> None:

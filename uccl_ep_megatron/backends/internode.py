@@ -44,7 +44,14 @@ from uccl_ep_megatron.backends.base import (
     Topology,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
-from uccl_ep_megatron.backends.kernels import KernelsBackend, launch_layout, prepare_combine
+from uccl_ep_megatron.backends.kernels import (
+    KernelsBackend,
+    launch_layout,
+    poison_dispatch,
+    poison_on_timeout,
+    prepare_combine,
+    warm_poison,
+)
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import (
     BufferTooSmallError,
@@ -221,6 +228,7 @@ class InternodeBackend(Backend):
         self._fifo_handles = torch.frombuffer(bytearray(handles), dtype=torch.uint8).to(device)
         self._state = torch.zeros(int(c.internode.STATE_WORDS), dtype=torch.int64, device=device)
         self._status = c.internode.status_alloc()
+        warm_poison(c, self._status, device)
         self._barrier_seq = 0
 
     # ---- helpers -----------------------------------------------------------------------
@@ -526,6 +534,8 @@ class InternodeBackend(Backend):
         if local_n > 1:
             recv_prefix = [pm(s - 1, rank) for s in range(num_ranks)] + [num_recv]
             self._in.dispatch_finish(a, recv_prefix, self._next_barrier(), stream)
+        outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
+        poison_dispatch(self._c, self._status, stream, *outs)
 
         if cached is None:
             prefix_t = torch.tensor(prefix_host, dtype=torch.int32, device=dev).view(
@@ -621,13 +631,14 @@ class InternodeBackend(Backend):
         if local_n > 1:
             # Peers read this rank's staging until here; the next call may overwrite it.
             self._in.node_barrier(a.common, self._next_barrier(), stream)
+        poison_on_timeout(self._c, self._status, stream, (t.out, "nan"), (t.out_weights, "nan"))
         # Keep the index tables alive until the kernels ran (the caching allocator is
         # stream-ordered, so freeing them after the launch on this stream is safe).
         del lists, counts, cum
         return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
-    def destroy(self) -> None:
+    def destroy(self, collective: bool = True) -> None:
         if self._destroyed:
             return
         self._destroyed = True
@@ -635,7 +646,7 @@ class InternodeBackend(Backend):
         torch.cuda.synchronize(self.device)
         self._ep.close()
         with torch.cuda.device(self._dev_index):
-            self._ipc.close()
+            self._ipc.close(collective, self._timeout_ms)
             # Every write into the region was consumed by this rank's kernels (synchronized
             # above), so no peer still targets it; peers' mappings keep their own reference.
             c.device_free(self._region)

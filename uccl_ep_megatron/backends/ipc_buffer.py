@@ -15,6 +15,7 @@ which hold monotonically increasing sequence numbers) over to the new buffer.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -159,13 +160,62 @@ class IpcBuffers:
             )
         return True
 
-    def close(self) -> None:
-        """Close the peer mappings and free this rank's buffer (after a device sync)."""
-        self._close_peers()
+    def close(self, collective: bool = True, timeout_ms: int | None = None) -> None:
+        """Close the peer mappings, then free this rank's buffer once no peer maps it.
+
+        ``collective`` (``Buffer.destroy()``; every rank of the group must call it, as with
+        DeepEP): sync the device, close the mappings, wait for every rank to have closed
+        theirs (a barrier bounded by ``timeout_ms``), then free. Otherwise (``Buffer.__del__``,
+        interpreter exit, or no usable process group), where a collective could hang or fail,
+        only the mappings are closed and the own buffer is left allocated (the driver reclaims
+        it at process exit): freeing it while a peer still maps it is undefined in CUDA. When
+        the barrier times out the buffer is likewise kept and ``CommTimeoutError`` raised.
+        """
+        if not self.ptrs:
+            return
+        alone = all(r == self._rank for r in self._peers)
+        usable = collective and not sys.is_finalizing() and dist.is_initialized()
+        with torch.cuda.device(self._device):
+            torch.cuda.synchronize(self._device)  # no kernel of ours still uses a mapping
+            self._close_peers()
+        self.ptrs = []
+        if not alone and not usable:
+            self._leak("no collective teardown (Buffer.__del__ or interpreter exit)")
+            return
+        if not alone:
+            from uccl_ep_megatron.backends.agreement import timeout_error, wait_work
+            from uccl_ep_megatron.config import effective_env
+
+            if timeout_ms is None:
+                timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
+            rank = dist.get_rank(self._group)
+
+            def expired() -> Exception:
+                self._leak("the teardown barrier timed out")
+                return timeout_error(rank, "the teardown barrier", "destroy()", timeout_ms)
+
+            with torch.cuda.device(self._device):
+                work = dist.barrier(group=self._group, async_op=True)
+            wait_work(work, timeout_ms, expired)
         with torch.cuda.device(self._device):
             self._c.device_free(self.local)
-        self.ptrs = []
         self.local = 0
+
+    def _leak(self, why: str) -> None:
+        global leaked_bytes
+        leaked_bytes += self.sizes[self._rank]
+        log.warning(
+            "rank %d: %s: keeping this rank's %d-byte NVLink buffer allocated (peers may still "
+            "map it) until the process exits; call Buffer.destroy() on every rank to free it",
+            self._rank,
+            why,
+            self.sizes[self._rank],
+        )
+        self.local = 0
+
+
+# Bytes of own buffers kept allocated by non-collective teardowns in this process.
+leaked_bytes = 0
 
 
 __all__ = ["IpcBuffers", "grown_size"]

@@ -24,6 +24,7 @@ memory and raised here as ``CommTimeoutError`` naming the stalled rank and barri
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +108,51 @@ def prepare_combine(
     )
 
 
+@functools.cache
+def _fill_pattern(dtype: torch.dtype, value: str) -> int:
+    """``float(value)`` in ``dtype``, its bytes repeated to 8 (little-endian): the kernel's
+    word. ``value`` is text ("nan", "-1", "0") so the cache can key on it (NaN != NaN)."""
+    raw = torch.tensor([float(value)], dtype=dtype).view(torch.uint8).tolist()
+    return int.from_bytes(bytes(raw * (8 // len(raw))), "little")
+
+
+def poison_on_timeout(
+    c: Any, status: int, stream: int, *fills: tuple[torch.Tensor | None, str]
+) -> None:
+    """After a call's last kernel, on its stream: when a wait of the call timed out (the
+    kernels then skipped their data movement), fill each ``(tensor, value)`` with ``value``
+    (NaN for rows, -1 for ids, 0 for dispatched weights), so no caller reads uninitialised
+    memory before the next call raises ``CommTimeoutError``. Tensors are fresh contiguous
+    outputs; a ``None`` or empty one is skipped."""
+    live = [(t, v) for t, v in fills if t is not None and t.numel() > 0]
+    if not live:
+        return
+    c.poison_if_failed(
+        status=status,
+        ptrs=[t.data_ptr() for t, _ in live],
+        bytes=[t.numel() * t.element_size() for t, _ in live],
+        patterns=[_fill_pattern(t.dtype, v) for t, v in live],
+        stream=stream,
+    )
+
+
+def poison_dispatch(c: Any, status: int, stream: int, *outs: torch.Tensor | None) -> None:
+    """``poison_on_timeout`` of a dispatch's outputs: recv_x, scales, topk ids, topk weights
+    and source indices (``None`` where the call did not allocate it)."""
+    poison_on_timeout(c, status, stream, *zip(outs, ("nan", "nan", "-1", "0", "-1"), strict=True))
+
+
+def warm_poison(c: Any, status: int, device: torch.device) -> None:
+    """Loads the poison kernel now (a no-op launch: the status is clear). Under CUDA lazy
+    loading a kernel's first launch holds the context lock until the GPU drains; first
+    launched behind a kernel that waits on proxies' copies, it would stall them."""
+    with torch.cuda.device(device):
+        probe = torch.empty(1, dtype=torch.int64, device=device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        poison_on_timeout(c, status, stream, (probe, "-1"))
+        torch.cuda.synchronize(device)
+
+
 def launch_layout(
     c: Any, topk_idx: torch.Tensor, num_experts: int, num_ranks: int, stream: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -130,6 +176,30 @@ def launch_layout(
         stream=stream,
     )
     return per_rank, per_expert, in_rank
+
+
+_CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
+
+
+def _check_all_ranks(rows: list[int], num_experts: int) -> None:
+    """Raise the first bad input of any rank, on every rank. ``rows`` holds each rank's notify
+    checks (id min, id max, first rank whose ``num_tokens_per_rank`` entry differs from
+    ``is_token_in_rank``'s column, that entry, that column's sum), identical everywhere, so all
+    ranks raise together at the same call instead of the others waiting for that rank's rows
+    until the timeout, or rows landing past outputs sized from the wrong count."""
+    w = _CHECK_WORDS
+    for r in range(len(rows) // w):
+        lo, hi, dest, given, actual = rows[r * w : r * w + 5]
+        try:
+            check_expert_ids(lo, hi, num_experts)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"rank {r}: {exc}") from None
+        if dest >= 0:
+            raise InvalidInputError(
+                f"rank {r}: num_tokens_per_rank[{dest}]={given} but is_token_in_rank marks "
+                f"{actual} tokens for rank {dest}; pass the layout tensors that "
+                "get_dispatch_layout(topk_idx) returns"
+            )
 
 
 @dataclass(frozen=True)
@@ -200,6 +270,7 @@ class KernelsBackend(Backend):
             keep_bytes=int(c.KERNELS_DATA_OFFSET),
         )
         self._status = c.host_status_alloc()
+        warm_poison(c, self._status, device)
         self._seq = 0
         from uccl_ep_megatron.config import effective_env
 
@@ -285,6 +356,10 @@ class KernelsBackend(Backend):
         # One sequence number per dispatch: the notify barrier and the chunk flags carry it.
         seq = self._next_seq()
         info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
+        # Every rank's input checks come back with the counts (see _check_all_ranks).
+        all_bounds = None
+        if cached is None:
+            all_bounds = torch.empty(num_ranks * _CHECK_WORDS, dtype=torch.int64, device=dev)
         c.intranode_notify(
             buffers=self._buffers,
             rank=rank,
@@ -302,6 +377,8 @@ class KernelsBackend(Backend):
             num_tokens=num_tokens,
             send_pos=0 if cached is not None else send_pos.data_ptr(),
             stream=stream,
+            id_bounds=0 if bounds is None else bounds.data_ptr(),
+            out_bounds=0 if all_bounds is None else all_bounds.data_ptr(),
         )
         # Everything that does not depend on the received counts is set before the sync, so
         # the GPU idles as briefly as possible between notify and send.
@@ -330,13 +407,12 @@ class KernelsBackend(Backend):
             prefix_host = state.prefix_host
             expert_counts: list[int] = []
         else:
-            # The one host sync (output sizes depend on it); the id range rides along.
-            read = info if bounds is None else torch.cat([info.to(torch.int64), bounds])
-            info_host = read.tolist()
+            # The one host sync (output sizes depend on it); every rank's checks ride along.
+            info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
             self._check_status()
-            if bounds is not None:
-                check_expert_ids(info_host[-2], info_host[-1], args.num_experts)
-                info_host = info_host[:-2]
+            checks = info_host[-_CHECK_WORDS * num_ranks :]
+            _check_all_ranks(checks, args.num_experts)
+            info_host = info_host[: -_CHECK_WORDS * num_ranks]
             prefix_host = tuple(info_host[: num_ranks * num_ranks])
             expert_counts = info_host[num_ranks * num_ranks :]
 
@@ -389,6 +465,9 @@ class KernelsBackend(Backend):
         a.staging_rows = staging_rows
         a.send_rows = sum(pm(rank, r) - pm(rank - 1, r) for r in range(num_ranks))
         c.intranode_dispatch(a, stream)
+        # A timeout inside this call is raised at the next one; until then the outputs say so.
+        outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
+        poison_dispatch(c, self._status, stream, *outs)
 
         return DispatchResult(
             recv_x=recv_x,
@@ -459,15 +538,17 @@ class KernelsBackend(Backend):
         stream = self._stream()
         c.intranode_combine_push(a, stream)
         c.intranode_combine_reduce(a, stream)
+        poison_on_timeout(c, self._status, stream, (t.out, "nan"), (t.out_weights, "nan"))
         return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
-    def destroy(self) -> None:
+    def destroy(self, collective: bool = True) -> None:
         if self._destroyed:
             return
         self._destroyed = True
         c = self._c
-        torch.cuda.synchronize(self.device)
-        self._ipc.close()
-        with torch.cuda.device(self.device):
-            c.host_status_free(self._status)
+        try:
+            self._ipc.close(collective, self._timeout_ms)
+        finally:
+            with torch.cuda.device(self.device):
+                c.host_status_free(self._status)

@@ -1,0 +1,130 @@
+"""A call whose wait times out never hands back uninitialised outputs: the kernels skip their
+data movement, and a fill kernel on the call's stream then writes NaN rows, -1 ids and 0
+dispatched weights (``poison_if_failed``), until the next call raises ``CommTimeoutError``.
+
+Outputs are allocated from zeroed memory here, so an output the fill missed reads 0, not NaN
+(the other GPU tests poison with 0xFF, which would already look like NaN)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import dispatch, make_pool  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+
+_keep: list[object] = []
+
+
+def _c():
+    from uccl_ep_megatron import _C
+
+    if not torch.cuda.is_available() or not _C.kernels_built():
+        pytest.skip("needs a GPU and a GPU build of uccl_ep_megatron")
+    return _C
+
+
+def _zero_free_memory(stream) -> None:
+    """Zero free caching-allocator memory of ``stream``, in its large-block pool and in its
+    small-block pool (allocations up to 1 MiB), so fresh outputs start as 0."""
+    with torch.cuda.stream(stream):
+        large = torch.zeros(1 << 26, dtype=torch.uint8, device="cuda")
+        small = [torch.zeros(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
+        del large, small
+    torch.cuda.synchronize()
+
+
+def test_poison_fills_only_when_status_is_set():
+    from uccl_ep_megatron.backends.kernels import poison_on_timeout
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    c = _c()
+    st = c.host_status_alloc()
+    try:
+        stream = torch.cuda.current_stream().cuda_stream
+        rows = torch.ones(37, 129, dtype=torch.bfloat16, device="cuda")  # odd byte count: tail
+        fp8 = torch.ones(5, 7, device="cuda").to(torch.float8_e4m3fn)
+        ids = torch.arange(12, dtype=torch.int64, device="cuda").view(4, 3)
+        ids32 = torch.arange(12, dtype=torch.int32, device="cuda")
+        w = torch.ones(4, 3, dtype=torch.float32, device="cuda")
+        fills = ((rows, "nan"), (fp8, "nan"), (ids, "-1"), (ids32, "-1"), (w, "0"))
+        saved = [t.clone() for t, _ in fills]
+        poison_on_timeout(c, st, stream, *fills)
+        torch.cuda.synchronize()
+        for (t, _), s in zip(fills, saved, strict=True):
+            assert torch.equal(t.view(torch.uint8), s.view(torch.uint8)), "filled while clear"
+        ctypes.c_int64.from_address(st).value = 1  # what a timed-out wait records
+        poison_on_timeout(c, st, stream, *fills)
+        torch.cuda.synchronize()
+        assert rows.isnan().all()
+        assert fp8.float().isnan().all()
+        assert (ids == -1).all() and (ids32 == -1).all()
+        assert (w == 0).all()
+        with pytest.raises(InvalidInputError, match="8-byte aligned"):
+            c.poison_if_failed(st, [rows.data_ptr() + 2], [8], [0], stream)
+    finally:
+        c.host_status_free(st)
+
+
+def poison_case(rank: int, world: int, op: str) -> str:
+    """All ranks dispatch once; then rank 0 alone runs ``op`` (cached dispatch or combine),
+    times out, and must get poisoned outputs; its next call raises CommTimeoutError."""
+    import torch.distributed as dist
+
+    from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.errors import CommTimeoutError
+
+    buf = Buffer(None, 1 << 24, 0, backend="kernels")
+    _keep.append(buf)  # peers may still write into it: never freed during the session
+    num_tokens, hidden = 512, 4096
+    idx = (torch.arange(num_tokens, device="cuda") % world).view(-1, 1)  # every rank gets rows
+    w = torch.rand(num_tokens, 1, device="cuda")
+    x = torch.randn(num_tokens, hidden, device="cuda").to(torch.bfloat16)
+    lay = buf.get_dispatch_layout(idx, world)[:4]
+    recv_x, _, recv_w, _, handle, _ = dispatch(buf, x, lay, idx, w)
+    torch.cuda.synchronize()
+    assert not recv_x.isnan().any()
+    dist.barrier()
+    if rank != 0:
+        dist.barrier()
+        return "idle"
+    _zero_free_memory(buf.get_comm_stream())
+    _zero_free_memory(torch.cuda.current_stream())
+    if op == "cached_dispatch":
+        out = buf.dispatch(x, handle=handle)[0]
+        outs = [out]
+    else:
+        out, out_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+        outs = [out, out_w]
+    torch.cuda.synchronize()
+    for t in outs:
+        assert t.numel() > 0 and t.float().isnan().all(), f"{op}: output not poisoned: {t}"
+    try:
+        buf.get_dispatch_layout(idx, world)
+    except CommTimeoutError as exc:
+        assert "waiting for rank" in str(exc), str(exc)
+    else:
+        raise AssertionError(f"the call after a timed-out {op} did not raise")
+    dist.barrier()
+    return "poisoned"
+
+
+@pytest.fixture(scope="module")
+def gpu_pool():
+    _c()
+    pool = make_pool(2)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("op", ["cached_dispatch", "combine"])
+def test_timed_out_call_returns_poisoned_outputs(gpu_pool, op):
+    out = gpu_pool.run(__file__, "poison_case", op, env={"UCCL_EP_TIMEOUT_MS": "2000"})
+    assert out == ["poisoned", "idle"], out
