@@ -20,6 +20,18 @@ def rank_counts(var: str, default: str) -> list[int]:
     return [int(v) for v in os.environ.get(var, default).split(",") if v.strip()]
 
 
+def nvl_bytes_for(world: int, hidden: int, element_size: int = 2) -> int:
+    """The smallest ``num_nvl_bytes`` a Buffer of ``world`` ranks accepts for this hidden size
+    with the default configs (DeepEP's size hints)."""
+    from uccl_ep_megatron import Buffer
+
+    hidden_bytes = hidden * max(element_size, 2)
+    return max(
+        cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
+        for cfg in (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world))
+    )
+
+
 def make_pool(world: int):
     """A pool of ``world`` ranks on this machine's GPUs, or a skip saying what is missing."""
     from dist_utils import DistPool

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import dispatch, make_pool  # noqa: E402
+from gpu_common import dispatch, make_pool, nvl_bytes_for  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 CYCLES = int(os.environ.get("UCCL_EP_TEST_TEARDOWN_CYCLES", "1000"))
 BATCH = 50  # cycles per pool call, well inside one call's time limit
-NVL_BYTES = 1 << 20  # the control region fits; each cycle stays cheap
+HIDDEN = 256  # small rows keep each cycle cheap; the Buffer gets the hint for them
 # Free device memory may move by allocator and driver noise; a leak of one 2 MiB-granular
 # buffer per cycle per rank would exceed this many times over.
 FREE_TOLERANCE = 256 << 20
@@ -36,7 +36,7 @@ def _registry() -> dict:
 
 def _round_trip(buf, rank: int, world: int) -> None:
     """A dispatch and combine on ``buf``: every token goes to one rank, so combine gives x."""
-    num_tokens, hidden = 32, 256
+    num_tokens, hidden = 32, HIDDEN
     idx = ((torch.arange(num_tokens, device="cuda") + rank) % world).view(-1, 1)
     x = torch.full((num_tokens, hidden), float(rank + 1), device="cuda").to(torch.bfloat16)
     x += torch.arange(num_tokens, device="cuda").to(torch.bfloat16).view(-1, 1)
@@ -65,7 +65,9 @@ def cycles_case(rank: int, world: int, n: int) -> None:
     from uccl_ep_megatron import Buffer
 
     for i in range(n):
-        buf = Buffer(None, NVL_BYTES, 0, backend="kernels", explicitly_destroy=True)
+        buf = Buffer(
+            None, nvl_bytes_for(world, HIDDEN), 0, backend="kernels", explicitly_destroy=True
+        )
         if i == 0:
             _round_trip(buf, rank, world)
         buf.destroy()
@@ -78,7 +80,7 @@ def del_case(rank: int, world: int) -> dict:
     from uccl_ep_megatron.backends import ipc_buffer
 
     before, leaked = _registry(), ipc_buffer.leaked_bytes
-    buf = Buffer(None, NVL_BYTES, 0, backend="kernels")
+    buf = Buffer(None, nvl_bytes_for(world, HIDDEN), 0, backend="kernels")
     size = buf._backend._ipc.sizes[rank]
     _round_trip(buf, rank, world)
     del buf
@@ -127,4 +129,4 @@ def test_create_destroy_cycles_leak_nothing(gpu_pool):
 
 def test_del_keeps_own_buffer_and_closes_mappings(gpu_pool):
     out = gpu_pool.run(__file__, "del_case", env={"UCCL_EP_TIMEOUT_MS": "20000"})
-    assert all(o["size"] >= NVL_BYTES for o in out), out
+    assert all(o["size"] >= nvl_bytes_for(gpu_pool.world_size, HIDDEN) for o in out), out

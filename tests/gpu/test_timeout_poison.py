@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import dispatch, make_pool  # noqa: E402
+from gpu_common import dispatch, make_pool, nvl_bytes_for  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
 
@@ -80,7 +80,7 @@ def poison_case(rank: int, world: int, op: str) -> str:
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.errors import CommTimeoutError
 
-    buf = Buffer(None, 1 << 24, 0, backend="kernels")
+    buf = Buffer(None, nvl_bytes_for(world, 4096), 0, backend="kernels")
     _keep.append(buf)  # peers may still write into it: never freed during the session
     num_tokens, hidden = 512, 4096
     idx = (torch.arange(num_tokens, device="cuda") % world).view(-1, 1)  # every rank gets rows
