@@ -486,6 +486,25 @@ def test_run_entry_point_runs_megatron_lm_016_style_script():
         assert "uccl_ep" in seen["choices"]
 
 
+def test_run_without_a_usable_plugin_still_serves_the_drop_in(tmp_path):
+    """--deep-ep-compat needs none of the plugin's hooks: a megatron-core it cannot patch (here:
+    none importable at all) is reported and the script runs; without the option it fails."""
+    script = tmp_path / "entry.py"
+    script.write_text("import deep_ep\nprint('drop-in:', 'uccl_ep_megatron' in deep_ep.__doc__)\n")
+    wrapper = (
+        "import sys\n"
+        "sys.modules['megatron'] = None\n"
+        "from uccl_ep_megatron import run\n"
+        "run.main(sys.argv[1:])\n"
+    )
+    proc = _run([sys.executable, "-c", wrapper, "--deep-ep-compat", str(script)])
+    assert proc.returncode == 0, proc.stderr
+    assert "drop-in: True" in proc.stdout
+    assert "uccl_ep is unavailable" in proc.stderr and "not importable" in proc.stderr
+    proc = _run([sys.executable, "-c", wrapper, str(script)])
+    assert proc.returncode != 0 and "not importable" in proc.stderr
+
+
 def test_run_entry_point_rejects_missing_script():
     proc = _run([sys.executable, "-m", "uccl_ep_megatron.run", "/nonexistent/pretrain_gpt.py"])
     assert proc.returncode != 0

@@ -276,9 +276,8 @@ def _megatron_api(version: str) -> dict[str, Any]:
         raise _missing(f"TransformerConfig field {_DEST!r}", version)
     if not hasattr(moe_layer, "MoEFlexTokenDispatcher"):
         raise _missing("megatron.core.transformer.moe.moe_layer.MoEFlexTokenDispatcher", version)
-    moe_layer_cls = getattr(moe_layer, "MoELayer", None)
-    if moe_layer_cls is None or not hasattr(moe_layer_cls, "set_layer_number"):
-        raise _missing("MoELayer.set_layer_number", version)
+    if getattr(moe_layer, "MoELayer", None) is None:
+        raise _missing("megatron.core.transformer.moe.moe_layer.MoELayer", version)
     if not callable(getattr(MoETokenDispatcher, "token_dispatch", None)):
         raise _missing("MoETokenDispatcher.token_dispatch", version)
     return {"config_cls": TransformerConfig, "field": field, "moe_layer": moe_layer}
@@ -316,7 +315,8 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
     moe_layer_module = api["moe_layer"]
     moe_layer_cls = moe_layer_module.MoELayer
     original_init = moe_layer_cls.__init__
-    original_set_layer_number = moe_layer_cls.set_layer_number
+    # Only labels our metrics by layer: a release without it loses the labels, nothing else.
+    original_set_layer_number = getattr(moe_layer_cls, "set_layer_number", None)
 
     @functools.wraps(original_init)
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
@@ -341,14 +341,17 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
         if self.layer_number is not None:
             self.token_dispatcher.layer_number = self.layer_number
 
+    _state["moe_layer"] = (moe_layer_cls, original_init, original_set_layer_number)
+    moe_layer_cls.__init__ = __init__
+    if original_set_layer_number is None:
+        return
+
     @functools.wraps(original_set_layer_number)
     def set_layer_number(self, layer_number: int) -> None:
         original_set_layer_number(self, layer_number)
         if hasattr(self.token_dispatcher, "options"):  # ours: label its metrics by layer
             self.token_dispatcher.layer_number = layer_number
 
-    _state["moe_layer"] = (moe_layer_cls, original_init, original_set_layer_number)
-    moe_layer_cls.__init__ = __init__
     moe_layer_cls.set_layer_number = set_layer_number
 
 
@@ -396,7 +399,8 @@ def _undo(keys: set[str]) -> None:
     if "moe_layer" in keys:
         cls, init, set_layer_number = _state.pop("moe_layer")
         cls.__init__ = init
-        cls.set_layer_number = set_layer_number
+        if set_layer_number is not None:
+            cls.set_layer_number = set_layer_number
     if "te_general_gemm" in keys:
         delattr(_state.pop("te_general_gemm"), "te_general_gemm")
     if "megatron_version" in keys:
