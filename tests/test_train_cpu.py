@@ -239,6 +239,39 @@ def test_transformer_config_from_the_proxy_recipe():
 
 
 @pytest.mark.megatron
+def test_expert_path_choice_and_config():
+    pytest.importorskip("megatron.core")
+    import dataclasses
+    import importlib.util
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+    from uccl_ep_megatron.train_gpu import expert_config, expert_path, transformer_config
+
+    name, why = expert_path()
+    if importlib.util.find_spec("transformer_engine") is not None:
+        assert name == "TEGroupedMLP"
+    elif importlib.util.find_spec("grouped_gemm") is None:
+        assert name == "SequentialMLP" and "slowest" in why  # never silently
+    assert expert_config("SequentialMLP") == {"moe_grouped_gemm": False}
+    assert expert_config("TEGroupedMLP") == {"moe_grouped_gemm": True}
+    legacy = "moe_use_legacy_grouped_gemm" in {
+        f.name for f in dataclasses.fields(TransformerConfig)
+    }
+    if legacy:  # megatron-core 0.14-0.16
+        assert expert_config("GroupedMLP")["moe_use_legacy_grouped_gemm"]
+    else:
+        with pytest.raises(UnsupportedError, match="GroupedMLP"):
+            expert_config("GroupedMLP")
+    with pytest.raises(InvalidInputError, match="expert path"):
+        expert_config("FastMLP")
+    r = load_recipe()
+    cfg = transformer_config(r, r.resolved_parallelism(1), "alltoall", "SequentialMLP")
+    assert cfg.moe_grouped_gemm is False
+
+
+@pytest.mark.megatron
 def test_token_windows_over_an_indexed_dataset(tmp_path):
     pytest.importorskip("megatron.core")
     import numpy as np

@@ -190,7 +190,7 @@ def run(opts: TrainOptions) -> int:
             run_dirs.append(run_dir)
         if opts.compare:
             print_results(run_dirs)
-        print(f"train finished in {time.perf_counter() - started:.1f} s (start-up included)")
+        print(f"train finished in {time.perf_counter() - started:.1f} s (from the torchrun launch)")
         return 0
     if opts.compare:
         raise InvalidInputError(

@@ -79,6 +79,17 @@ def expert_config(path: str) -> dict[str, Any]:
     if path == "SequentialMLP":
         return {"moe_grouped_gemm": False}
     if path == "GroupedMLP":
+        import dataclasses
+
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if "moe_use_legacy_grouped_gemm" not in {
+            f.name for f in dataclasses.fields(TransformerConfig)
+        }:
+            raise UnsupportedError(
+                "GroupedMLP (legacy grouped GEMM) is gone from this megatron-core (0.17+): use "
+                "TEGroupedMLP (Transformer Engine) or SequentialMLP"
+            )
         return {"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True}
     return {"moe_grouped_gemm": True}
 
@@ -776,10 +787,13 @@ class _Progress:
 
 
 __all__ = [
+    "EXPERT_PATHS",
     "MoEProbe",
     "TokenWindows",
     "batches",
     "build_model",
+    "expert_config",
+    "expert_path",
     "load_checkpoint",
     "save_checkpoint",
     "train_megatron",
