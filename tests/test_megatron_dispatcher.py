@@ -282,17 +282,32 @@ def test_bad_use_is_rejected():
 
 
 def test_quantization_alignment_from_config():
-    from types import SimpleNamespace
+    """Megatron's own alignment rule for the installed release (FP8 needs TE to construct, so
+    the recipe is set on a built config, as Megatron-LM's FP8 context would see it)."""
+    import dataclasses
 
+    from megatron.core.transformer.transformer_config import TransformerConfig
     from uccl_ep_megatron.token_dispatcher.dispatcher import quantization_alignment
 
-    assert quantization_alignment(SimpleNamespace(moe_router_padding_for_quantization=False)) == 1
-    cfg = SimpleNamespace(
-        moe_router_padding_for_quantization=True,
-        moe_router_padding_for_fp8=False,
-        fp8="e4m3",
-        fp8_recipe="delayed",
-        fp4=None,
-        fp4_recipe=None,
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HIDDEN,
+        num_attention_heads=1,
+        num_moe_experts=4,
+        moe_router_topk=TOPK,
+        moe_ffn_hidden_size=8,
+        add_bias_linear=False,
     )
-    assert quantization_alignment(cfg) == 16
+    assert quantization_alignment(config) == 1  # padding off
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    flag = (
+        "moe_router_padding_for_quantization"
+        if "moe_router_padding_for_quantization" in names
+        else "moe_router_padding_for_fp8"  # 0.14/0.15
+    )
+    setattr(config, flag, True)
+    assert quantization_alignment(config) >= 1  # no FP8/FP4: 16 before 0.19, none from 0.19
+    config.fp8 = "e4m3"
+    for recipe, align in (("delayed", 16), ("tensorwise", 16), ("blockwise", 16), ("mxfp8", 32)):
+        config.fp8_recipe = recipe
+        assert quantization_alignment(config) == align, recipe

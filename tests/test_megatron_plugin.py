@@ -1,6 +1,7 @@
-"""The ``uccl_ep`` plugin against the installed megatron-core (CI runs 0.14, 0.15 and 0.16).
+"""The ``uccl_ep`` plugin against the installed megatron-core (CI runs every minor 0.14-0.19).
 
-* the version check accepts exactly the supported releases and names them otherwise;
+* the version policy: tested releases pass, newer ones warn, older ones are refused, and a
+  failed ``install()`` leaves nothing patched;
 * the flag parses the way Megatron-LM defines it (0.14/0.15: hard-coded ``choices``; 0.16:
   ``Literal`` field type), with the dispatcher's own flags next to it;
 * ``MoELayer`` builds ``UcclEpTokenDispatcher`` (construction works on CPU), and the layer's
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -58,33 +60,135 @@ def _run(cmd: list[str], timeout: int = 240, **env_extra: str) -> subprocess.Com
 
 
 # ---- version ---------------------------------------------------------------------------------
-def test_version_check_names_supported_versions():
-    from uccl_ep_megatron.errors import UnsupportedError
-    from uccl_ep_megatron.megatron_plugin import SUPPORTED_VERSIONS, check_version
+def test_version_policy():
+    import warnings
 
-    assert check_version("0.14.0") == "0.14"
-    assert check_version("0.15.3") == "0.15"
-    assert check_version("0.16.1rc0") == "0.16"
-    for bad in ("0.13.1", "0.17.0", "1.0.0"):
+    from uccl_ep_megatron.errors import UnsupportedError
+    from uccl_ep_megatron.megatron_plugin import (
+        TESTED_VERSIONS,
+        UntestedVersionWarning,
+        check_version,
+    )
+
+    assert TESTED_VERSIONS == ("0.14", "0.15", "0.16", "0.17", "0.18", "0.19")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a tested release must not warn
+        for version in ("0.14.0", "0.15.3", "0.16.1rc0", "0.17.1", "0.18.2", "0.19.2"):
+            assert check_version(version) == version[:4]
+    for newer in ("0.20.0", "0.20.0rc0.dev1", "1.0.0"):
+        with pytest.warns(UntestedVersionWarning, match=re.escape(newer)):
+            assert check_version(newer) == ".".join(newer.split(".")[:2])
+    for bad in ("0.13.1", "0.9.0"):
         with pytest.raises(UnsupportedError) as exc:
             check_version(bad)
         assert bad in str(exc.value)
-        assert all(v in str(exc.value) for v in SUPPORTED_VERSIONS)
+        assert all(v in str(exc.value) for v in TESTED_VERSIONS)
+    with pytest.raises(UnsupportedError, match="MAJOR.MINOR"):
+        check_version("unknown")
 
 
-def test_install_refuses_unknown_megatron_version(monkeypatch):
+def _snapshot():
+    from uccl_ep_megatron.token_dispatcher import get_options
+
+    from uccl_ep_megatron import megatron_plugin
+
+    env = {k: os.environ.get(k) for k in ("UCCL_EP_NUM_PROXY_THREADS", "UCCL_EP_TRANSPORT")}
+    return (
+        argparse._ActionsContainer.add_argument,
+        get_options(),
+        env,
+        megatron_plugin.is_installed(),
+    )
+
+
+def test_install_refuses_older_megatron_and_changes_nothing(monkeypatch):
     from megatron.core import package_info
 
     from uccl_ep_megatron import megatron_plugin
     from uccl_ep_megatron.errors import UnsupportedError
 
+    megatron_plugin.uninstall()
+    before = _snapshot()
     monkeypatch.setattr(package_info, "__version__", "0.12.3")
+    with pytest.raises(UnsupportedError, match=r"0\.12\.3.*tested: 0\.14, 0\.15"):
+        megatron_plugin.install(num_sms=16, num_proxy_threads=3, transport="ipc")
+    assert _snapshot() == before
+
+
+def test_install_tries_a_newer_megatron_with_a_warning(monkeypatch):
+    from megatron.core import package_info
+
+    from uccl_ep_megatron import megatron_plugin
+    from uccl_ep_megatron.megatron_plugin import UntestedVersionWarning
+
+    megatron_plugin.uninstall()
+    monkeypatch.setattr(package_info, "__version__", "0.20.0rc1")
     try:
-        with pytest.raises(UnsupportedError, match=r"0\.12\.3.*supported: 0\.14, 0\.15, 0\.16"):
-            megatron_plugin.install()
-        assert not megatron_plugin.is_installed()
+        with pytest.warns(UntestedVersionWarning, match="0.20.0rc1"):
+            assert megatron_plugin.install() == "0.20.0rc1"
+        assert megatron_plugin.is_installed()
     finally:
         megatron_plugin.uninstall()
+
+
+def test_missing_api_fails_clearly_and_restores_everything(monkeypatch):
+    from megatron.core.transformer.moe import moe_layer
+
+    from uccl_ep_megatron import megatron_plugin
+    from uccl_ep_megatron.errors import UnsupportedError
+
+    megatron_plugin.uninstall()
+    before = _snapshot()
+    monkeypatch.delattr(moe_layer, "MoEFlexTokenDispatcher")
+    with pytest.raises(UnsupportedError, match="moe_layer.MoEFlexTokenDispatcher"):
+        megatron_plugin.install(num_sms=16, num_proxy_threads=3, transport="ipc")
+    assert _snapshot() == before
+
+
+def test_failure_midway_undoes_the_patches_already_made(monkeypatch):
+    """A patch step that raises after others succeeded: every earlier patch is reversed."""
+    import dataclasses
+
+    from megatron.core.transformer.moe import moe_layer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from uccl_ep_megatron import megatron_plugin
+
+    def field_type():
+        return {f.name: f for f in dataclasses.fields(TransformerConfig)}[
+            "moe_token_dispatcher_type"
+        ].type
+
+    def broken(*_args):
+        raise RuntimeError("injected failure in _patch_moe_layer")
+
+    megatron_plugin.uninstall()
+    before = _snapshot()
+    before_type, before_init = field_type(), moe_layer.MoELayer.__init__
+    monkeypatch.setattr(megatron_plugin, "_patch_moe_layer", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        megatron_plugin.install(num_sms=16, transport="ipc")
+    assert _snapshot() == before
+    assert field_type() == before_type and moe_layer.MoELayer.__init__ is before_init
+
+
+def test_failed_install_removes_the_deep_ep_module_it_added():
+    # A fresh process in which megatron cannot be imported: install() fails after the deep_ep
+    # drop-in went in, and must take it out again.
+    code = (
+        "import sys\n"
+        "sys.modules['megatron'] = None\n"
+        "from uccl_ep_megatron import megatron_plugin\n"
+        "from uccl_ep_megatron.errors import UnsupportedError\n"
+        "try:\n"
+        "    megatron_plugin.install(deep_ep_compat=True)\n"
+        "except UnsupportedError as exc:\n"
+        "    print('refused:', 'not importable' in str(exc))\n"
+        "print('deep_ep left:', 'deep_ep' in sys.modules)\n"
+    )
+    proc = _run([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert "refused: True" in proc.stdout and "deep_ep left: False" in proc.stdout
 
 
 def test_install_reports_the_installed_version(plugin):
@@ -368,13 +472,37 @@ def test_run_entry_point_runs_megatron_lm_016_style_script():
             script,
             "--moe-token-dispatcher-type",
             "uccl_ep",
+            "--moe-uccl-ep-num-sms",
+            "18",
+            "--moe-uccl-ep-metrics",
         ]
     )
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen["dispatcher"] == "uccl_ep"
+    # The dispatcher's flags come with the type flag also when its choices need no patching.
+    assert seen["num_sms"] == seen["options_num_sms"] == 18 and seen["options_metrics"]
     if typing.get_origin(field.type) is typing.Literal:
         assert "uccl_ep" in seen["choices"]
+
+
+def test_run_without_a_usable_plugin_still_serves_the_drop_in(tmp_path):
+    """--deep-ep-compat needs none of the plugin's hooks: a megatron-core it cannot patch (here:
+    none importable at all) is reported and the script runs; without the option it fails."""
+    script = tmp_path / "entry.py"
+    script.write_text("import deep_ep\nprint('drop-in:', 'uccl_ep_megatron' in deep_ep.__doc__)\n")
+    wrapper = (
+        "import sys\n"
+        "sys.modules['megatron'] = None\n"
+        "from uccl_ep_megatron import run\n"
+        "run.main(sys.argv[1:])\n"
+    )
+    proc = _run([sys.executable, "-c", wrapper, "--deep-ep-compat", str(script)])
+    assert proc.returncode == 0, proc.stderr
+    assert "drop-in: True" in proc.stdout
+    assert "uccl_ep is unavailable" in proc.stderr and "not importable" in proc.stderr
+    proc = _run([sys.executable, "-c", wrapper, str(script)])
+    assert proc.returncode != 0 and "not importable" in proc.stderr
 
 
 def test_run_entry_point_rejects_missing_script():

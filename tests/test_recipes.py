@@ -19,12 +19,13 @@ EXPECTED = {
     "deepseek-v3/h100-cx7",
     "deepseek-v3/h200-cx7",
     "deepseek-v3/proxy",
+    "deepseek-v3/quick",
 }
 
 
 def test_all_expected_recipes_are_installed():
     assert EXPECTED <= set(list_recipes())
-    assert DEFAULT_RECIPE == "deepseek-v3/proxy"
+    assert DEFAULT_RECIPE == "deepseek-v3/quick"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -71,7 +71,7 @@ def test_smoke_jsonl_metrics(smoke_run):
     # The MoE layer learns through dispatch -> experts -> combine and its autograd backward.
     assert records[-1]["loss"] < 0.98 * records[0]["loss"]
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["recipe"] == "deepseek-v3/proxy" and config["world_size"] == 2
+    assert config["recipe"] == "deepseek-v3/quick" and config["world_size"] == 2
 
 
 def test_smoke_offline_wandb_run_reads_back(smoke_run):
@@ -88,7 +88,7 @@ def test_smoke_offline_wandb_run_reads_back(smoke_run):
         assert row["_step"] == rec["step"]
         for key in KEYS:
             assert row[key] == pytest.approx(rec[key], rel=1e-12), key
-    assert stored["config"]["recipe"] == "deepseek-v3/proxy"
+    assert stored["config"]["recipe"] == "deepseek-v3/quick"
     assert stored["config"]["mode"] == "cpu-smoke"
     assert stored["summary"]["backend"] == "reference"
 
@@ -137,6 +137,73 @@ def test_bad_train_input(tmp_path, capsys):
     assert "does not divide num_experts 64" in capsys.readouterr().err
     assert main(["train", "--iters", "0"]) == 2
     assert "--iters 0" in capsys.readouterr().err
+    assert main(["train", "--compare", "--dispatcher", "alltoall"]) == 2
+    assert "drop --dispatcher alltoall" in capsys.readouterr().err
+    assert main(["train", "--peak-tflops", "0"]) == 2
+    assert "--peak-tflops 0" in capsys.readouterr().err
+
+
+def test_default_run_is_the_short_recipe():
+    """`train` with no arguments: 20 iterations of 16 x 1024 tokens, no checkpoint."""
+    r = load_recipe()
+    assert r.name == "deepseek-v3/quick"
+    assert r.training["train_iters"] == 20 and r.training["save_interval"] == 0
+    assert r.training["global_batch_size"] * r.model["seq_length"] == 16 * 1024
+    proxy = load_recipe("deepseek-v3/proxy")
+    same = ("num_layers", "hidden_size", "num_experts", "moe_router_topk", "vocab_size")
+    assert all(r.model[k] == proxy.model[k] for k in same)  # the proxy's model, shorter run
+    for gpus in (1, 2, 4, 8):  # one node, any GPU count
+        assert r.resolved_parallelism(gpus)["ep"] == gpus
+
+
+def _fake_run(run_dir, dispatcher, tokens_per_s, losses, mfu=True):
+    """A finished run's files as MetricsLogger writes them (the table's input)."""
+    from uccl_ep_megatron.metrics import MetricsLogger
+
+    config = {"dispatcher": dispatcher, "experts": "SequentialMLP", "world_size": 1}
+    with MetricsLogger(run_dir, config, use_wandb=False) as logger:
+        for step, loss in enumerate(losses, 1):
+            record = dict(loss=loss, tokens_per_s=tokens_per_s * step, step_time_s=1.0 / step)
+            record["tflops_per_gpu"] = tokens_per_s * step / 1000
+            if mfu:
+                record["mfu"] = record["tflops_per_gpu"] / 989.4
+            logger.log(step, record)
+
+
+def test_results_table_rows_and_ratio(tmp_path):
+    from rich.console import Console
+
+    from uccl_ep_megatron.train import results_table
+
+    _fake_run(tmp_path / "a", "uccl_ep", 1000.0, [12.0, 11.9, 11.8, 11.7, 11.6])
+    _fake_run(tmp_path / "b", "alltoall", 500.0, [12.0, 11.9, 11.8, 11.7, 11.5], mfu=False)
+    console = Console(width=200, record=True)
+    console.print(results_table([tmp_path / "a", tmp_path / "b"], warmup_steps=3))
+    text = console.export_text()
+    # Steps 4 and 5 are averaged: tokens/s 4500 vs 2250, TFLOP/s 4.5 vs 2.25.
+    assert "4,500" in text and "2,250" in text and "4.5" in text
+    assert f"{100 * 4.5 / 989.4:.1f}%" in text and "n/a" in text  # MFU when the peak is known
+    assert "12.0000 -> 11.6000" in text and "12.0000 -> 11.5000" in text
+    ratio_row = next(line for line in text.splitlines() if "ratio" in line)
+    assert "2.000" in ratio_row  # tokens/s and TFLOP/s of the first run over the second
+    with pytest.raises(Exception, match="metrics.jsonl does not exist"):
+        results_table([tmp_path / "missing"])
+
+
+def test_peak_table_and_mfu():
+    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.flops import mfu, peak_bf16_tflops
+
+    assert peak_bf16_tflops("NVIDIA H200") == 989.4
+    assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert peak_bf16_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_bf16_tflops("NVIDIA H20") == 148.0  # not H200's
+    assert peak_bf16_tflops("AMD Instinct MI300X") == 1307.4
+    assert peak_bf16_tflops("cpu (test)") is None
+    assert mfu(98.94, 989.4) == pytest.approx(0.1)
+    assert mfu(50.0, None) is None
+    with pytest.raises(InvalidInputError, match="peak"):
+        mfu(1.0, 0.0)
 
 
 def test_list_recipes(capsys):
@@ -169,6 +236,39 @@ def test_transformer_config_from_the_proxy_recipe():
     assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias
     assert cfg.expert_model_parallel_size == 2 and cfg.mtp_num_layers == 1
     assert cfg.moe_token_dispatcher_type == "alltoall" and cfg.gated_linear_unit
+
+
+@pytest.mark.megatron
+def test_expert_path_choice_and_config():
+    pytest.importorskip("megatron.core")
+    import dataclasses
+    import importlib.util
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+    from uccl_ep_megatron.train_gpu import expert_config, expert_path, transformer_config
+
+    name, why = expert_path()
+    if importlib.util.find_spec("transformer_engine") is not None:
+        assert name == "TEGroupedMLP"
+    elif importlib.util.find_spec("grouped_gemm") is None:
+        assert name == "SequentialMLP" and "slowest" in why  # never silently
+    assert expert_config("SequentialMLP") == {"moe_grouped_gemm": False}
+    assert expert_config("TEGroupedMLP") == {"moe_grouped_gemm": True}
+    legacy = "moe_use_legacy_grouped_gemm" in {
+        f.name for f in dataclasses.fields(TransformerConfig)
+    }
+    if legacy:  # megatron-core 0.14-0.16
+        assert expert_config("GroupedMLP")["moe_use_legacy_grouped_gemm"]
+    else:
+        with pytest.raises(UnsupportedError, match="GroupedMLP"):
+            expert_config("GroupedMLP")
+    with pytest.raises(InvalidInputError, match="expert path"):
+        expert_config("FastMLP")
+    r = load_recipe()
+    cfg = transformer_config(r, r.resolved_parallelism(1), "alltoall", "SequentialMLP")
+    assert cfg.moe_grouped_gemm is False
 
 
 @pytest.mark.megatron
@@ -230,6 +330,7 @@ def test_gpu_relaunch_command_parses_back_to_the_same_options(tmp_path):
         data_path="/data/c_text_document",
         checkpoint_dir=str(tmp_path / "ck"),
         save_interval=3,
+        peak_tflops=900.0,
         resume=False,
         use_wandb=False,
     )
@@ -244,6 +345,7 @@ def test_gpu_relaunch_command_parses_back_to_the_same_options(tmp_path):
     )
     assert ns.overrides == ["training.micro_batch_size=1"] and ns.run_dir == str(tmp_path / "run")
     assert ns.data_path == "/data/c_text_document" and not ns.resume and not ns.use_wandb
+    assert ns.peak_tflops == 900.0 and not ns.compare  # each job of --compare is one run
 
 
 _BUILD_ON_CPU = r"""
@@ -330,6 +432,11 @@ class _Event:
     def elapsed_time(self, other): return (other.t - self.t) * 1e3
     def synchronize(self): pass
 torch.cuda.Event = _Event
+class _Stream:  # CPU work runs in program order: there is never anything to wait for
+    def wait_event(self, event): pass
+    def wait_stream(self, stream): pass
+torch.cuda.current_stream = lambda *a, **k: _Stream()  # megatron-core 0.19's DDP asks for it
+torch.cuda.get_device_name = lambda *a, **k: "cpu (test)"
 torch.nn.Module.cuda = lambda self, *a, **k: self
 def _on_cpu(fn):
     def wrapped(*a, **k):
@@ -374,10 +481,11 @@ def main():
     dist_world = int(os.environ["WORLD_SIZE"])
     dist_world = int(os.environ["WORLD_SIZE"])
     opts = TrainOptions(
-        iters=int(sys.argv[2]), run_dir=sys.argv[1], use_wandb=False,
+        iters=int(sys.argv[2]), run_dir=sys.argv[1], use_wandb=False, peak_tflops=100.0,
         overrides=["model." + s for s in small]
         + ["training.global_batch_size=%d" % (2 * dist_world), "training.micro_batch_size=2"]
-        + (["training.save_interval=0"] if fp32 else []),
+        # Not fp32: save at the last iteration only (any interval above the iterations does).
+        + (["training.save_interval=0"] if fp32 else ["training.save_interval=1000"]),
     )
     sys.exit(T.train_megatron(load(opts), opts, sys.argv[3]))
 
@@ -423,6 +531,11 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
         )
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "parameters: megatron-core model" in proc.stdout
+        # The closing table (rich): one row for this run, with the expert path and MFU.
+        assert "uccl-ep-megatron train" in proc.stdout and "MFU" in proc.stdout
+        assert "SequentialMLP" in proc.stdout and dispatcher in proc.stdout
+        # Without Transformer Engine the slowest expert path is said out loud.
+        assert "experts: SequentialMLP" in proc.stderr and "slowest" in proc.stderr
 
     train(2, "allgather")  # megatron-core's own dispatcher; saves at its last iteration
     records = read_jsonl(run)
@@ -431,10 +544,12 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
         assert abs(r["loss"] - 6.238) < 0.5  # about ln(512) untrained
         assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["step_time_s"], rel=1e-6)
         assert r["dispatch_time_ms"] > 0 and r["expert_load_imbalance"] >= 1.0
+        assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 100.0, rel=1e-9)
     ckpt = run / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["model_params_built"] == summary["model_params_expected"]
+    assert summary["experts"] == "SequentialMLP" and summary["peak_bf16_tflops"] == 100.0
 
     # Resume from iteration 2 with the uccl_ep dispatcher (plugin + Buffer, reference backend):
     # the checkpoint does not depend on the dispatcher.

@@ -56,7 +56,8 @@ def quantization_alignment(config: Any) -> int:
         from megatron.core.fp8_utils import get_fp8_align_size
 
         return int(get_fp8_align_size(config.fp8_recipe))
-    return int(get_align_size_for_quantization(config))
+    # 0.19 answers 0 (no padding) when neither FP8 nor FP4 is on.
+    return max(1, int(get_align_size_for_quantization(config)))
 
 
 class UcclEpTokenDispatcher(MoETokenDispatcher):

@@ -17,6 +17,8 @@ from uccl_ep_megatron.errors import InvalidInputError
 
 BACKENDS = ("auto", "kernels", "reference")
 TRANSPORTS = ("auto", "verbs", "ipc")
+# Options the C++ core reads from the environment: option name -> variable.
+ENV_OPTIONS = {"num_proxy_threads": "UCCL_EP_NUM_PROXY_THREADS", "transport": "UCCL_EP_TRANSPORT"}
 
 
 @dataclass(frozen=True)
@@ -69,10 +71,10 @@ class UcclEpOptions:
 
     def export_env(self) -> None:
         """Write the options the C++ core reads from the environment (before any ``Buffer``)."""
-        if self.num_proxy_threads is not None:
-            os.environ["UCCL_EP_NUM_PROXY_THREADS"] = str(self.num_proxy_threads)
-        if self.transport is not None:
-            os.environ["UCCL_EP_TRANSPORT"] = self.transport
+        for option, variable in ENV_OPTIONS.items():
+            value = getattr(self, option)
+            if value is not None:
+                os.environ[variable] = str(value)
 
 
 _options = UcclEpOptions()
@@ -99,6 +101,14 @@ def set_options(**changes: object) -> UcclEpOptions:
     _options = dataclasses.replace(_options, **changes)
     _options.export_env()
     return _options
+
+
+def restore_options(options: UcclEpOptions) -> None:
+    """Put back options saved earlier with ``get_options()`` (the environment is left alone)."""
+    global _options
+    if not isinstance(options, UcclEpOptions):
+        raise InvalidInputError(f"restore_options({options!r}): pass a UcclEpOptions")
+    _options = options
 
 
 def reset_options() -> UcclEpOptions:

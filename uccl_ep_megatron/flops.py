@@ -177,11 +177,50 @@ def tflops_per_gpu(
     return training_flops_per_token(model, seq_length) * tokens_per_s / num_gpus / 1e12
 
 
+# Dense BF16 peak TFLOP/s per GPU (vendor datasheets, no sparsity), matched in order against
+# torch.cuda.get_device_name(): more specific names first ("H200" before "H20", "PCIe" first).
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("H800", 989.4),
+    ("H20", 148.0),
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.1),
+    ("MI355X", 2516.6),
+    ("MI325X", 1307.4),
+    ("MI300X", 1307.4),
+)
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """Dense BF16 peak of the GPU called ``device_name`` (``None`` when not in the table)."""
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def mfu(tflops_per_gpu_achieved: float, peak_tflops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model TFLOP/s per GPU / the GPU's peak (a fraction)."""
+    if peak_tflops is None:
+        return None
+    if not peak_tflops > 0:
+        raise InvalidInputError(f"peak TFLOP/s must be > 0, got {peak_tflops}")
+    return tflops_per_gpu_achieved / peak_tflops
+
+
 __all__ = [
+    "PEAK_BF16_TFLOPS",
     "ParamCounts",
     "attention_params",
     "forward_flops_per_token",
+    "mfu",
     "param_counts",
+    "peak_bf16_tflops",
     "tflops_per_gpu",
     "training_flops_per_token",
 ]

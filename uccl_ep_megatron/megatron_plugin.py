@@ -1,20 +1,25 @@
 """The ``uccl_ep`` value of Megatron's ``--moe-token-dispatcher-type``.
 
-``install()`` (idempotent, version-checked) does three things:
+``install()`` (idempotent, version-checked, all-or-nothing) does three things:
 
-1. **Config**: megatron-core 0.16 types ``TransformerConfig.moe_token_dispatcher_type`` as a
+1. **Config**: megatron-core 0.16+ types ``TransformerConfig.moe_token_dispatcher_type`` as a
    ``Literal``; ``uccl_ep`` is added to it (0.14/0.15 type it ``str``; nothing to add).
 2. **Arguments**: any argparse parser that later defines ``--moe-token-dispatcher-type``
-   with a ``choices`` list (Megatron-LM 0.14/0.15 hard-code it in
-   ``megatron/training/arguments.py``; 0.16 generates it from the ``Literal``) accepts
-   ``uccl_ep``, and gets the dispatcher's own flags in the same group:
-   ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``,
+   (Megatron-LM 0.14/0.15 hard-code its ``choices`` in ``megatron/training/arguments.py``;
+   0.16+ generate them from the ``Literal``) accepts ``uccl_ep``, and gets the dispatcher's own
+   flags in the same group: ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``,
    ``--moe-uccl-ep-transport``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``.
 3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
    ``uccl_ep``. Its constructor branches on the type string and rejects unknown values, so
    for such a layer the ``flex`` branch is pointed at our class for the duration of the call.
-   On megatron-core 0.16 without Transformer Engine, the router GEMM's missing TE name is
-   defined as ``None`` so the router runs at all (see ``_define_missing_te_names``).
+   Values of the flags above found in Megatron-LM's global arguments are applied first: Primus
+   (and anything else that fills Megatron's namespace without argparse) never runs the flags'
+   actions. On megatron-core 0.14-0.16 without Transformer Engine, the router GEMM's missing TE
+   name is defined as ``None`` so the router runs at all (see ``_define_missing_te_names``).
+
+Versions: the releases in ``TESTED_VERSIONS`` are tested (CI and device); a newer one is tried
+with an ``UntestedVersionWarning``, and ``install()`` fails only where an API the plugin needs
+is missing, naming it. An older one is refused. A failed ``install()`` leaves nothing patched.
 
 Call it before Megatron parses arguments: ``python -m uccl_ep_megatron.run script.py ...``
 does, as does ``uccl-ep-megatron train``.
@@ -27,28 +32,39 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
+import re
+import sys
 import threading
 import typing
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.token_dispatcher.options import (
     BACKENDS,
+    ENV_OPTIONS,
     TRANSPORTS,
     UcclEpOptions,
     get_options,
+    restore_options,
     set_options,
 )
 
 log = logging.getLogger(__name__)
 
 DISPATCHER_TYPE = "uccl_ep"
-SUPPORTED_VERSIONS = ("0.14", "0.15", "0.16")
+TESTED_VERSIONS = ("0.14", "0.15", "0.16", "0.17", "0.18", "0.19")
 _DEST = "moe_token_dispatcher_type"
+_INSTALL_HINT = "pip install 'megatron-core>=0.14'"
 
 _lock = threading.RLock()
 _state: dict[str, Any] = {}  # what install() changed, so uninstall() can restore it
+
+
+class UntestedVersionWarning(UserWarning):
+    """megatron-core is newer than the newest release in ``TESTED_VERSIONS``."""
 
 
 # ---- version ------------------------------------------------------------------------------
@@ -62,24 +78,42 @@ def megatron_core_version() -> str:
         from megatron.core import package_info
     except ImportError as exc:
         raise UnsupportedError(
-            "megatron-core is not importable: `pip install 'megatron-core>=0.14,<0.17'` (or put "
-            f"Megatron-LM's directory on PYTHONPATH); the uccl_ep plugin needs it ({exc})"
+            f"megatron-core is not importable: `{_INSTALL_HINT}` (or put Megatron-LM's "
+            f"directory on PYTHONPATH); the uccl_ep plugin needs it ({exc})"
         ) from exc
     return str(package_info.__version__)
 
 
+def _major_minor(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        raise UnsupportedError(
+            f"megatron-core version {version!r} is not of the form MAJOR.MINOR[...]; "
+            f"reinstall it ({_INSTALL_HINT})"
+        )
+    return int(match.group(1)), int(match.group(2))
+
+
 def check_version(version: str) -> str:
-    """``major.minor`` of ``version`` if supported.
+    """``major.minor`` of ``version``; warns when it is newer than every tested release.
 
     Raises:
-        UnsupportedError: naming the supported versions.
+        UnsupportedError: older than the oldest tested release (the message names them).
     """
-    parts = version.split(".")
-    minor = ".".join(parts[:2])
-    if minor not in SUPPORTED_VERSIONS:
+    got = _major_minor(version)
+    tested = [_major_minor(v) for v in TESTED_VERSIONS]
+    minor = f"{got[0]}.{got[1]}"
+    if got < tested[0]:
         raise UnsupportedError(
-            f"megatron-core {version} is not supported by the uccl_ep plugin; supported: "
-            f"{', '.join(SUPPORTED_VERSIONS)} (pip install 'megatron-core>=0.14,<0.17')"
+            f"megatron-core {version} is older than the uccl_ep plugin supports; tested: "
+            f"{', '.join(TESTED_VERSIONS)} ({_INSTALL_HINT})"
+        )
+    if got > tested[-1]:
+        warnings.warn(
+            f"megatron-core {version} is newer than the newest release the uccl_ep plugin was "
+            f"tested with ({TESTED_VERSIONS[-1]}); trying it. Report problems with the version.",
+            UntestedVersionWarning,
+            stacklevel=3,
         )
     return minor
 
@@ -101,18 +135,17 @@ class _OptionAction(argparse.Action):
         setattr(namespace, self.dest, value)
 
 
-def _add_plugin_arguments(container: Any) -> None:
-    """The dispatcher's flags, added next to ``--moe-token-dispatcher-type``."""
-    existing = container._option_string_actions  # shared by a parser and its groups
+def _plugin_flags() -> list[tuple[str, dict[str, Any]]]:
+    """(flag, add_argument kwargs); defaults are ``None`` = "keep the current option"."""
     defaults = UcclEpOptions()
-    flags: list[tuple[str, dict[str, Any]]] = [
+    return [
         (
             "--moe-uccl-ep-num-sms",
             dict(
                 option="num_sms",
                 type=int,
-                default=defaults.num_sms,
-                help="uccl_ep: SMs (CUs) the dispatch/combine kernels may use (even).",
+                help=f"uccl_ep: SMs (CUs) the dispatch/combine kernels may use (even; default "
+                f"{defaults.num_sms}).",
             ),
         ),
         (
@@ -120,7 +153,6 @@ def _add_plugin_arguments(container: Any) -> None:
             dict(
                 option="num_proxy_threads",
                 type=int,
-                default=None,
                 help="uccl_ep: CPU proxy threads per GPU (sets UCCL_EP_NUM_PROXY_THREADS).",
             ),
         ),
@@ -129,7 +161,6 @@ def _add_plugin_arguments(container: Any) -> None:
             dict(
                 option="transport",
                 choices=TRANSPORTS,
-                default=None,
                 help="uccl_ep: proxy transport (sets UCCL_EP_TRANSPORT).",
             ),
         ),
@@ -138,7 +169,6 @@ def _add_plugin_arguments(container: Any) -> None:
             dict(
                 option="backend",
                 choices=BACKENDS,
-                default=None,
                 help="uccl_ep: Buffer backend (default UCCL_EP_BACKEND, else auto).",
             ),
         ),
@@ -147,26 +177,32 @@ def _add_plugin_arguments(container: Any) -> None:
             dict(
                 option="metrics",
                 nargs=0,
-                default=False,
                 help="uccl_ep: record per-layer dispatch/combine time, tokens per expert, bytes.",
             ),
         ),
     ]
-    for flag, kwargs in flags:
+
+
+# Megatron-LM argument name (argparse dest) -> dispatcher option.
+ARG_OPTIONS = {flag[2:].replace("-", "_"): kwargs["option"] for flag, kwargs in _plugin_flags()}
+
+
+def _add_plugin_arguments(container: Any) -> None:
+    """The dispatcher's flags, added next to ``--moe-token-dispatcher-type``."""
+    existing = container._option_string_actions  # shared by a parser and its groups
+    for flag, kwargs in _plugin_flags():
         if flag not in existing:
-            container.add_argument(flag, action=_OptionAction, **kwargs)
+            container.add_argument(flag, action=_OptionAction, default=None, **kwargs)
 
 
 def _patched_add_argument(original):
     @functools.wraps(original)
     def add_argument(self, *args: Any, **kwargs: Any):
         action = original(self, *args, **kwargs)
-        if (
-            getattr(action, "dest", None) == _DEST
-            and action.choices is not None
-            and DISPATCHER_TYPE not in action.choices
-        ):
-            action.choices = [*action.choices, DISPATCHER_TYPE]
+        if getattr(action, "dest", None) == _DEST:
+            # 0.14/0.15 hard-code the choices; 0.16+ take them from the (extended) Literal.
+            if action.choices is not None and DISPATCHER_TYPE not in action.choices:
+                action.choices = [*action.choices, DISPATCHER_TYPE]
             _add_plugin_arguments(self)
         return action
 
@@ -181,26 +217,84 @@ def _install_argparse() -> None:
     argparse._ActionsContainer.add_argument = _patched_add_argument(original)
 
 
-# ---- megatron-core ----------------------------------------------------------------------------
-def _extend_literal_field() -> None:
-    """0.16+: add ``uccl_ep`` to the ``Literal`` type of the config field."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def options_from_megatron_args(args: Any) -> dict[str, Any]:
+    """The dispatcher options set in a Megatron-LM argument namespace (``None`` = unset).
 
+    Raises:
+        InvalidInputError: a value is invalid (the message names the argument).
+    """
+    changes = {}
+    for dest, option in ARG_OPTIONS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            changes[option] = value
+    if changes:
+        try:
+            UcclEpOptions(**{**dataclasses.asdict(get_options()), **changes})
+        except InvalidInputError as exc:
+            names = ", ".join(
+                f"{d}={getattr(args, d)!r}" for d, o in ARG_OPTIONS.items() if o in changes
+            )
+            raise InvalidInputError(f"Megatron arguments {names}: {exc}") from None
+    return changes
+
+
+def _megatron_lm_args() -> Any:
+    """Megatron-LM's global arguments when its training loop has set them, else ``None``.
+
+    Read from ``sys.modules`` only: importing ``megatron.training`` here would pull in the
+    whole training stack (and fails on Python < 3.12 from megatron-core 0.18 on).
+    """
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+# ---- megatron-core ----------------------------------------------------------------------------
+def _missing(what: str, version: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"megatron-core {version} has no {what}, which the uccl_ep plugin needs; it was tested "
+        f"with {', '.join(TESTED_VERSIONS)}. Use one of those, or "
+        "--moe-token-dispatcher-type flex with --moe-flex-dispatcher-backend deepep and "
+        "`python -m uccl_ep_megatron.run --deep-ep-compat`"
+    )
+
+
+def _megatron_api(version: str) -> dict[str, Any]:
+    """What the patches touch, looked up before any of them is applied.
+
+    Raises:
+        UnsupportedError: naming the missing API.
+    """
+    try:
+        from megatron.core.transformer.moe import moe_layer
+        from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError as exc:
+        raise _missing(f"importable MoE modules ({exc})", version) from exc
     field = {f.name: f for f in dataclasses.fields(TransformerConfig)}.get(_DEST)
     if field is None:
-        raise UnsupportedError(
-            f"TransformerConfig has no field {_DEST!r}; this megatron-core is not supported "
-            f"(supported: {', '.join(SUPPORTED_VERSIONS)})"
-        )
+        raise _missing(f"TransformerConfig field {_DEST!r}", version)
+    if not hasattr(moe_layer, "MoEFlexTokenDispatcher"):
+        raise _missing("megatron.core.transformer.moe.moe_layer.MoEFlexTokenDispatcher", version)
+    if getattr(moe_layer, "MoELayer", None) is None:
+        raise _missing("megatron.core.transformer.moe.moe_layer.MoELayer", version)
+    if not callable(getattr(MoETokenDispatcher, "token_dispatch", None)):
+        raise _missing("MoETokenDispatcher.token_dispatch", version)
+    return {"config_cls": TransformerConfig, "field": field, "moe_layer": moe_layer}
+
+
+def _extend_literal_field(api: dict[str, Any]) -> None:
+    """0.16+: add ``uccl_ep`` to the ``Literal`` type of the config field."""
+    config_cls, field = api["config_cls"], api["field"]
     if typing.get_origin(field.type) is not typing.Literal:
         return
     values = typing.get_args(field.type)
     if DISPATCHER_TYPE in values:
         return
     extended = typing.Literal[(*values, DISPATCHER_TYPE)]
-    _state["literal"] = (field, field.type, TransformerConfig.__annotations__.get(_DEST))
+    _state["literal"] = (field, field.type, config_cls.__annotations__.get(_DEST))
     field.type = extended
-    TransformerConfig.__annotations__[_DEST] = extended
+    config_cls.__annotations__[_DEST] = extended
 
 
 @contextlib.contextmanager
@@ -217,27 +311,40 @@ def _flex_branch_builds_uccl_ep(moe_layer_module: Any, config: Any) -> Iterator[
         moe_layer_module.MoEFlexTokenDispatcher = flex_cls
 
 
-def _patch_moe_layer() -> None:
-    from megatron.core.transformer.moe import moe_layer as moe_layer_module
-
+def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
+    moe_layer_module = api["moe_layer"]
     moe_layer_cls = moe_layer_module.MoELayer
-    if not hasattr(moe_layer_module, "MoEFlexTokenDispatcher"):
-        raise UnsupportedError(
-            "megatron.core.transformer.moe.moe_layer has no MoEFlexTokenDispatcher; this "
-            f"megatron-core is not supported (supported: {', '.join(SUPPORTED_VERSIONS)})"
-        )
     original_init = moe_layer_cls.__init__
-    original_set_layer_number = moe_layer_cls.set_layer_number
+    # Only labels our metrics by layer: a release without it loses the labels, nothing else.
+    original_set_layer_number = getattr(moe_layer_cls, "set_layer_number", None)
 
     @functools.wraps(original_init)
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
         if getattr(config, _DEST, None) != DISPATCHER_TYPE:
             original_init(self, config, *args, **kwargs)
             return
+        from uccl_ep_megatron.token_dispatcher.dispatcher import UcclEpTokenDispatcher
+
+        megatron_args = _megatron_lm_args()
+        if megatron_args is not None:
+            changes = options_from_megatron_args(megatron_args)
+            if changes:
+                set_options(**changes)
         with _lock, _flex_branch_builds_uccl_ep(moe_layer_module, config):
             original_init(self, config, *args, **kwargs)
+        if not isinstance(self.token_dispatcher, UcclEpTokenDispatcher):
+            raise _missing(
+                "MoELayer constructor that builds its flex dispatcher through "
+                f"moe_layer.MoEFlexTokenDispatcher (it built {type(self.token_dispatcher)!r})",
+                version,
+            )
         if self.layer_number is not None:
             self.token_dispatcher.layer_number = self.layer_number
+
+    _state["moe_layer"] = (moe_layer_cls, original_init, original_set_layer_number)
+    moe_layer_cls.__init__ = __init__
+    if original_set_layer_number is None:
+        return
 
     @functools.wraps(original_set_layer_number)
     def set_layer_number(self, layer_number: int) -> None:
@@ -245,18 +352,17 @@ def _patch_moe_layer() -> None:
         if hasattr(self.token_dispatcher, "options"):  # ours: label its metrics by layer
             self.token_dispatcher.layer_number = layer_number
 
-    _state["moe_layer"] = (moe_layer_cls, original_init, original_set_layer_number)
-    moe_layer_cls.__init__ = __init__
     moe_layer_cls.set_layer_number = set_layer_number
 
 
 def _define_missing_te_names() -> None:
-    """megatron-core 0.16 without Transformer Engine: let the router's GEMM fall back to torch.
+    """megatron-core 0.14-0.16 without Transformer Engine: let the router GEMM fall back to torch.
 
     ``moe_utils`` imports ``te_general_gemm`` from Transformer Engine inside ``try`` but its
     router GEMM (``router_gating_linear``) tests ``te_general_gemm is not None`` even when
     the import failed, a ``NameError`` on every MoE router forward on GPU. Defining the name
-    as ``None`` selects megatron-core's own torch path; nothing changes when TE is present.
+    as ``None`` selects megatron-core's own torch path; nothing changes when TE is present
+    (0.17+ define the name themselves).
     """
     from megatron.core.transformer.moe import moe_utils
 
@@ -270,12 +376,35 @@ def _install_megatron() -> str:
         return _state["megatron_version"]
     version = megatron_core_version()
     check_version(version)
-    _extend_literal_field()
+    api = _megatron_api(version)
+    _extend_literal_field(api)
     _define_missing_te_names()
-    _patch_moe_layer()
+    _patch_moe_layer(api, version)
     _state["megatron_version"] = version
     log.info("uccl_ep plugin installed into megatron-core %s", version)
     return version
+
+
+def _undo(keys: set[str]) -> None:
+    """Reverse the patches recorded under ``keys`` in ``_state``."""
+    if "add_argument" in keys:
+        argparse._ActionsContainer.add_argument = _state.pop("add_argument")
+    if "literal" in keys:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        field, field_type, annotation = _state.pop("literal")
+        field.type = field_type
+        if annotation is not None:
+            TransformerConfig.__annotations__[_DEST] = annotation
+    if "moe_layer" in keys:
+        cls, init, set_layer_number = _state.pop("moe_layer")
+        cls.__init__ = init
+        if set_layer_number is not None:
+            cls.set_layer_number = set_layer_number
+    if "te_general_gemm" in keys:
+        delattr(_state.pop("te_general_gemm"), "te_general_gemm")
+    if "megatron_version" in keys:
+        _state.pop("megatron_version")
 
 
 # ---- public API --------------------------------------------------------------------------------
@@ -290,6 +419,9 @@ def install(
 ) -> str:
     """Make ``--moe-token-dispatcher-type uccl_ep`` work in this process.
 
+    All or nothing: when it raises, argparse, megatron-core, the dispatcher options, the
+    environment they export and the ``deep_ep`` module are as they were before the call.
+
     Args:
         num_sms, num_proxy_threads, transport, backend, metrics: dispatcher options (see
             ``token_dispatcher.options.UcclEpOptions``); ``None`` keeps the current value.
@@ -301,8 +433,10 @@ def install(
         The megatron-core version patched.
 
     Raises:
-        UnsupportedError: megatron-core missing or of an unsupported version (the message
-            names the supported ones).
+        UnsupportedError: megatron-core missing, older than the tested releases, or lacking
+            an API the plugin needs (the message names it). A newer, untested release only
+            warns (``UntestedVersionWarning``).
+        InvalidInputError: an invalid option value.
     """
     changes = {
         k: v
@@ -316,14 +450,31 @@ def install(
         if v is not None
     }
     with _lock:
-        if changes:
-            set_options(**changes)
+        before = set(_state)
+        saved_options = get_options()
+        saved_env = {name: os.environ.get(name) for name in ENV_OPTIONS.values()}
+        compat = None
         if deep_ep_compat:
             from uccl_ep_megatron import deep_ep_compat as compat
-
-            compat.install()
-        _install_argparse()
-        return _install_megatron()
+        compat_was_installed = compat is not None and compat.is_installed()
+        try:
+            if changes:
+                set_options(**changes)
+            if compat is not None:
+                compat.install()
+            _install_argparse()
+            return _install_megatron()
+        except BaseException:
+            _undo(set(_state) - before)
+            restore_options(saved_options)
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            if compat is not None and not compat_was_installed:
+                compat.uninstall()
+            raise
 
 
 def is_installed() -> bool:
@@ -334,31 +485,19 @@ def is_installed() -> bool:
 def uninstall() -> None:
     """Undo ``install()`` (argparse, config field, ``MoELayer``); options are kept."""
     with _lock:
-        if "add_argument" in _state:
-            argparse._ActionsContainer.add_argument = _state.pop("add_argument")
-        if "literal" in _state:
-            from megatron.core.transformer.transformer_config import TransformerConfig
-
-            field, field_type, annotation = _state.pop("literal")
-            field.type = field_type
-            if annotation is not None:
-                TransformerConfig.__annotations__[_DEST] = annotation
-        if "moe_layer" in _state:
-            cls, init, set_layer_number = _state.pop("moe_layer")
-            cls.__init__ = init
-            cls.set_layer_number = set_layer_number
-        if "te_general_gemm" in _state:
-            delattr(_state.pop("te_general_gemm"), "te_general_gemm")
-        _state.pop("megatron_version", None)
+        _undo(set(_state))
 
 
 __all__ = [
+    "ARG_OPTIONS",
     "DISPATCHER_TYPE",
-    "SUPPORTED_VERSIONS",
+    "TESTED_VERSIONS",
+    "UntestedVersionWarning",
     "check_version",
     "get_options",
     "install",
     "is_installed",
     "megatron_core_version",
+    "options_from_megatron_args",
     "uninstall",
 ]

@@ -33,7 +33,7 @@ import yaml
 from uccl_ep_megatron.errors import InvalidInputError
 
 #: Name of the recipe ``uccl-ep-megatron train`` runs when no ``--recipe`` is given.
-DEFAULT_RECIPE = "deepseek-v3/proxy"
+DEFAULT_RECIPE = "deepseek-v3/quick"
 
 #: Extra recipe folders, ``os.pathsep``-separated, searched before the built-in ones.
 RECIPE_PATH_ENV = "UCCL_EP_RECIPE_PATH"

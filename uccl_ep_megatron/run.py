@@ -8,6 +8,9 @@ script's directory is first on ``sys.path``. Works under ``torchrun -m uccl_ep_m
 Options (before the script path):
     --deep-ep-compat           also serve ``import deep_ep`` from uccl_ep_megatron
     --deep-ep-compat-replace   the same, shadowing a real DeepEP installation
+
+With either option, a megatron-core the plugin cannot patch (its ``UnsupportedError``) is
+reported on stderr and the script still runs: the drop-in does not need the plugin.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import runpy
 import sys
 
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +60,18 @@ def main(argv: list[str] | None = None) -> None:
 
     from uccl_ep_megatron import megatron_plugin
 
-    megatron_plugin.install()
+    try:
+        megatron_plugin.install()
+    except UnsupportedError as exc:
+        if not (args.deep_ep_compat or args.deep_ep_compat_replace):
+            raise
+        # The drop-in needs none of the plugin's megatron-core hooks: flex + deepep still runs.
+        print(
+            f"uccl_ep_megatron.run: --moe-token-dispatcher-type uccl_ep is unavailable ({exc}); "
+            "the deep_ep drop-in is installed, so --moe-token-dispatcher-type flex "
+            "--moe-flex-dispatcher-backend deepep runs on uccl_ep_megatron.Buffer",
+            file=sys.stderr,
+        )
     sys.argv = [script, *args.script_args]
     sys.path.insert(0, os.path.dirname(script))
     runpy.run_path(script, run_name="__main__")

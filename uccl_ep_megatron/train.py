@@ -2,9 +2,11 @@
 
 With GPUs: pretraining of the recipe's model on megatron-core (``train_gpu``), synthetic data
 by default or a Megatron indexed dataset (``--data-path PREFIX`` of ``PREFIX.bin/.idx``), the
-``uccl_ep`` dispatcher (or ``--dispatcher alltoall`` for comparison), checkpoints through
-Megatron's distributed checkpointing, metrics to JSONL and wandb. When started outside
-torchrun it relaunches itself with ``torch.distributed.run`` on all local GPUs (``--gpus``).
+``uccl_ep`` dispatcher (or ``--dispatcher alltoall``), checkpoints through Megatron's
+distributed checkpointing, metrics to JSONL and wandb, a progress bar and a closing table
+(tokens/s, TFLOP/s per GPU, MFU, loss). When started outside torchrun it relaunches itself with
+``torch.distributed.run`` on all local GPUs (``--gpus``); ``--compare`` then runs the same job
+again on ``alltoall`` and prints both side by side.
 
 Without a GPU: Megatron-Core's MoE layer cannot run (it needs CUDA), so the job says so and
 runs the CPU smoke (``train_cpu``): the recipe's MoE routing through this package's ``Buffer``
@@ -15,6 +17,7 @@ Every input is validated before anything starts: recipe, overrides, dataset file
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -55,6 +58,8 @@ class TrainOptions:
     gpus: int | None = None
     cpu_smoke: bool = False
     timeout_s: float = 300.0
+    compare: bool = False
+    peak_tflops: float | None = None
 
 
 def check_data_path(prefix: str | None) -> None:
@@ -115,6 +120,7 @@ def _relaunch_args(opts: TrainOptions, run_dir: Path) -> list[str]:
         ("--checkpoint-dir", opts.checkpoint_dir),
         ("--save-interval", opts.save_interval),
         ("--wandb-project", opts.wandb_project),
+        ("--peak-tflops", opts.peak_tflops),
     ):
         if value is not None:
             args += [flag, str(value)]
@@ -137,6 +143,12 @@ def run(opts: TrainOptions) -> int:
             f"recipe {recipe.name!r} asks for dispatcher {dispatcher!r}; the built-in train job "
             f"runs {list(DISPATCHERS)} (pass --dispatcher)"
         )
+    if opts.peak_tflops is not None and not opts.peak_tflops > 0:
+        raise InvalidInputError(f"--peak-tflops {opts.peak_tflops}: must be > 0")
+    if opts.compare and dispatcher == "alltoall":
+        raise InvalidInputError(
+            "--compare runs the job on uccl_ep and again on alltoall; drop --dispatcher alltoall"
+        )
     gpus = 0 if opts.cpu_smoke else _cuda_devices()
     if gpus == 0:
         return _run_cpu(recipe, opts)
@@ -154,20 +166,109 @@ def run(opts: TrainOptions) -> int:
         if nproc > gpus:
             raise InvalidInputError(f"--gpus {nproc}: this machine has {gpus} GPU(s)")
         recipe.resolved_parallelism(nproc)
-        run_dir = Path(opts.run_dir or default_run_dir(recipe.name, dispatcher, "gpu"))
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            *_relaunch_args(opts, run_dir),
-        ]
-        log.info("launching %s", " ".join(cmd))
-        return subprocess.call(cmd)
+        started = time.perf_counter()
+        runs = [(dispatcher, opts.run_dir)]
+        if opts.compare:
+            base = Path(opts.run_dir or default_run_dir(recipe.name, "compare", "gpu"))
+            runs = [(dispatcher, str(base / dispatcher)), ("alltoall", str(base / "alltoall"))]
+        run_dirs = []
+        for run_dispatcher, run_dir_text in runs:
+            run_dir = Path(run_dir_text or default_run_dir(recipe.name, run_dispatcher, "gpu"))
+            run_opts = dataclasses.replace(opts, dispatcher=run_dispatcher, compare=False)
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={nproc}",
+                *_relaunch_args(run_opts, run_dir),
+            ]
+            log.info("launching %s", " ".join(cmd))
+            rc = subprocess.call(cmd)
+            if rc != 0:
+                return rc
+            run_dirs.append(run_dir)
+        if opts.compare:
+            print_results(run_dirs)
+        print(f"train finished in {time.perf_counter() - started:.1f} s (from the torchrun launch)")
+        return 0
+    if opts.compare:
+        raise InvalidInputError(
+            "--compare starts its own torchrun jobs: run it outside torchrun (or launch the "
+            "two dispatchers yourself with --dispatcher)"
+        )
     from uccl_ep_megatron.train_gpu import train_megatron
 
     return train_megatron(recipe, opts, dispatcher)
+
+
+def results_table(run_dirs: list[Path], warmup_steps: int = 3):
+    """A ``rich`` table of finished runs: one row per run, steady-state means.
+
+    Steps after the first ``warmup_steps`` (compilation, allocator growth) are averaged; loss is
+    shown first -> last. With two runs a last row gives the first run's throughput over the
+    second's.
+    """
+    import json
+
+    from rich.table import Table
+
+    from uccl_ep_megatron.metrics import read_jsonl
+    from uccl_ep_megatron.report import summarize
+
+    table = Table(title="uccl-ep-megatron train")
+    for column in (
+        "dispatcher",
+        "experts",
+        "GPUs",
+        "tokens/s",
+        "TFLOP/s/GPU",
+        "MFU",
+        "step (s)",
+        "loss first -> last",
+    ):
+        table.add_column(column, justify="left" if column in ("dispatcher", "experts") else "right")
+    means = []
+    for run_dir in run_dirs:
+        records = read_jsonl(run_dir)  # raises when the run left no metrics.jsonl
+        if not records:
+            raise InvalidInputError(f"{run_dir}: metrics.jsonl has no records (no step ran)")
+        config = json.loads((Path(run_dir) / "config.json").read_text())
+        m = summarize(records, min(warmup_steps, len(records) - 1))
+        means.append(m)
+        table.add_row(
+            str(config.get("dispatcher", "?")),
+            str(config.get("experts", "?")),
+            str(config.get("world_size", "?")),
+            f"{m['tokens_per_s']:,.0f}",
+            f"{m['tflops_per_gpu']:.1f}",
+            f"{100 * m['mfu']:.1f}%" if "mfu" in m else "n/a (unknown GPU: --peak-tflops)",
+            f"{m['step_time_s']:.3f}",
+            f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
+        )
+    if len(means) == 2:
+        a, b = means
+        table.add_row(
+            "ratio (1st / 2nd)",
+            "",
+            "",
+            f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}",
+            f"{a['tflops_per_gpu'] / b['tflops_per_gpu']:.3f}",
+            "",
+            f"{a['step_time_s'] / b['step_time_s']:.3f}",
+            "",
+        )
+    return table
+
+
+def print_results(run_dirs: list[Path], warmup_steps: int = 3) -> None:
+    """Print :func:`results_table` of ``run_dirs`` to stdout."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # a log file: no terminal width to fit, keep every column whole
+        console = Console(width=160)
+    console.print(results_table([Path(d) for d in run_dirs], warmup_steps))
 
 
 def _run_cpu(recipe, opts: TrainOptions) -> int:
@@ -176,8 +277,8 @@ def _run_cpu(recipe, opts: TrainOptions) -> int:
     from uccl_ep_megatron.train_cpu import run_cpu_smoke
 
     print(NO_GPU_MESSAGE, flush=True)
-    if opts.dispatcher == "alltoall":
-        print("(--dispatcher alltoall needs megatron-core's MoE layer: the CPU smoke runs Buffer)")
+    if opts.dispatcher == "alltoall" or opts.compare:
+        print("(alltoall needs megatron-core's MoE layer on a GPU: the CPU smoke runs Buffer)")
     counts = param_counts(recipe.model)
     run_dir = Path(opts.run_dir or default_run_dir(recipe.name, "uccl_ep", "cpu-smoke"))
     steps = opts.iters if opts.iters is not None else 12
@@ -210,4 +311,13 @@ def _run_cpu(recipe, opts: TrainOptions) -> int:
     return 0
 
 
-__all__ = ["DISPATCHERS", "NO_GPU_MESSAGE", "TrainOptions", "check_data_path", "load", "run"]
+__all__ = [
+    "DISPATCHERS",
+    "NO_GPU_MESSAGE",
+    "TrainOptions",
+    "check_data_path",
+    "load",
+    "print_results",
+    "results_table",
+    "run",
+]

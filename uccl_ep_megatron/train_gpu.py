@@ -42,9 +42,64 @@ log = logging.getLogger(__name__)
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
+# ---- experts ------------------------------------------------------------------------------
+EXPERT_PATHS = ("TEGroupedMLP", "GroupedMLP", "SequentialMLP")
+
+
+def expert_path() -> tuple[str, str]:
+    """The fastest expert implementation megatron-core offers here, and why.
+
+    ``TEGroupedMLP`` (Transformer Engine's grouped GEMM) when Transformer Engine imports; else
+    megatron-core's legacy ``GroupedMLP`` where the release still has it (0.14-0.16, switch
+    ``moe_use_legacy_grouped_gemm``) and the ``grouped_gemm`` package is installed; else
+    ``SequentialMLP``, one GEMM pair per local expert, the slowest.
+    """
+    import dataclasses
+    import importlib.util
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return "TEGroupedMLP", "Transformer Engine is installed: its grouped GEMM"
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    legacy = "moe_use_legacy_grouped_gemm" in fields
+    if legacy and importlib.util.find_spec("grouped_gemm") is not None:
+        return "GroupedMLP", "no Transformer Engine; megatron-core's legacy grouped GEMM"
+    return (
+        "SequentialMLP",
+        "no Transformer Engine (and no legacy grouped_gemm): one GEMM pair per local expert, "
+        "the slowest path; install transformer-engine for TEGroupedMLP",
+    )
+
+
+def expert_config(path: str) -> dict[str, Any]:
+    """``TransformerConfig`` fields that select ``path`` (one of ``EXPERT_PATHS``)."""
+    if path not in EXPERT_PATHS:
+        raise InvalidInputError(f"expert path {path!r}: use one of {list(EXPERT_PATHS)}")
+    if path == "SequentialMLP":
+        return {"moe_grouped_gemm": False}
+    if path == "GroupedMLP":
+        import dataclasses
+
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if "moe_use_legacy_grouped_gemm" not in {
+            f.name for f in dataclasses.fields(TransformerConfig)
+        }:
+            raise UnsupportedError(
+                "GroupedMLP (legacy grouped GEMM) is gone from this megatron-core (0.17+): use "
+                "TEGroupedMLP (Transformer Engine) or SequentialMLP"
+            )
+        return {"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True}
+    return {"moe_grouped_gemm": True}
+
+
 # ---- model --------------------------------------------------------------------------------
-def transformer_config(recipe, par: dict[str, int], dispatcher: str):
-    """The recipe as a megatron-core ``TransformerConfig`` (``MLATransformerConfig`` for MLA)."""
+def transformer_config(recipe, par: dict[str, int], dispatcher: str, experts: str | None = None):
+    """The recipe as a megatron-core ``TransformerConfig`` (``MLATransformerConfig`` for MLA).
+
+    ``experts`` is one of ``EXPERT_PATHS`` (default: ``expert_path()``'s choice).
+    """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -102,7 +157,7 @@ def transformer_config(recipe, par: dict[str, int], dispatcher: str):
             moe_aux_loss_coeff=float(m.get("moe_aux_loss_coeff") or 0.0),
             moe_router_dtype="fp32",
             moe_token_dispatcher_type=dispatcher,
-            moe_grouped_gemm=False,
+            **expert_config(experts or expert_path()[0]),
         )
     if m.get("multi_latent_attention"):
         return MLATransformerConfig(
@@ -184,7 +239,8 @@ def _patch_mla_core_attention(layer_specs) -> None:
 
 
 def build_model(recipe, config):
-    """``GPTModel`` with the local layer specs (and MTP when the recipe has it)."""
+    """``GPTModel`` (and MTP when the recipe has it): Transformer Engine's layer specs when it
+    is installed, the local ones otherwise."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -192,13 +248,15 @@ def build_model(recipe, config):
     )
 
     m = recipe.model
-    without_transformer_engine()
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    if m.get("multi_latent_attention"):
+    # With Transformer Engine the whole block uses its layers (TEGroupedMLP needs them); the
+    # local specs otherwise.
+    use_te = not without_transformer_engine()
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
+    if m.get("multi_latent_attention") and not use_te:
         _patch_mla_core_attention(block.layer_specs)
     mtp = None
     if m.get("mtp_num_layers"):
-        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
+        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te)
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
@@ -461,9 +519,14 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
             f"training on GPUs needs megatron-core ({exc}): "
             "pip install 'uccl-ep-megatron[megatron]'"
         ) from exc
-    from uccl_ep_megatron.flops import param_counts, training_flops_per_token
+    from uccl_ep_megatron.flops import (
+        mfu,
+        param_counts,
+        peak_bf16_tflops,
+        training_flops_per_token,
+    )
     from uccl_ep_megatron.metrics import MetricsLogger
-    from uccl_ep_megatron.train import default_run_dir
+    from uccl_ep_megatron.train import default_run_dir, print_results
 
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -491,8 +554,14 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
     seed = int(recipe.training.get("seed") or 1234)
     torch.manual_seed(seed)  # host-side RNG; the CUDA ones are seeded per parallel rank below
     model_parallel_cuda_manual_seed(seed)
-    config = transformer_config(recipe, par, dispatcher)
+    experts, experts_why = expert_path()
+    if rank == 0:
+        log_fn = log.warning if experts == "SequentialMLP" else log.info
+        log_fn("experts: %s (%s)", experts, experts_why)
+    config = transformer_config(recipe, par, dispatcher, experts)
     gpt = build_model(recipe, config).cuda()
+    gpu_name = torch.cuda.get_device_name()
+    peak = opts.peak_tflops if getattr(opts, "peak_tflops", None) else peak_bf16_tflops(gpu_name)
     built_params = _count_built_params(gpt, par)
     t = recipe.training
     use_dist_opt = bool(recipe.parallelism.get("use_distributed_optimizer"))
@@ -560,6 +629,9 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
             "params_active": counts.active,
             "training_flops_per_token": flops_per_token,
             "data": opts.data_path or "synthetic",
+            "experts": experts,
+            "gpu": gpu_name,
+            "peak_bf16_tflops": peak,
             "start_iteration": start,
             "model": recipe.model,
             "training": recipe.training,
@@ -595,6 +667,7 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
             loss_sum = torch.stack([r["lm loss"] for r in reduced]).sum(0)
             dist.all_reduce(loss_sum, group=parallel_state.get_data_parallel_group())
             tokens_per_s = tokens_per_iter / step_time
+            tflops = flops_per_token * tokens_per_s / world / 1e12
             step_metrics.update(
                 loss=float(loss_sum[0] / loss_sum[1].clamp_min(1)),
                 lr=float(optimizer.param_groups[0]["lr"]),
@@ -602,8 +675,10 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
                 step_time_s=step_time,
                 tokens_per_s=tokens_per_s,
                 tokens_per_s_per_gpu=tokens_per_s / world,
-                tflops_per_gpu=flops_per_token * tokens_per_s / world / 1e12,
+                tflops_per_gpu=tflops,
             )
+            if peak is not None:
+                step_metrics["mfu"] = mfu(tflops, peak)
             metrics.log(it, step_metrics)
             progress.update(it, step_metrics)
             if save_interval and (it % save_interval == 0 or it == iters):
@@ -621,6 +696,9 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
                 "model_params_built": built_params,
                 "model_params_expected": expected,
                 "buffer_backends": ",".join(probe.buffer_backends()) or "none",
+                "experts": experts,
+                "gpu": gpu_name,
+                "peak_bf16_tflops": peak,
             }
         )
         if rank == 0 and probe.buffer_backends():
@@ -634,6 +712,8 @@ def train_megatron(recipe, opts, dispatcher: str) -> int:
     finally:
         progress.close()
         metrics.close()
+    if rank == 0 and iters > start:
+        print_results([run_dir])
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -692,6 +772,8 @@ class _Progress:
             f"loss {m['loss']:.4f} | {m['tokens_per_s']:,.0f} tok/s | "
             f"{m['tflops_per_gpu']:.1f} TFLOP/s/GPU"
         )
+        if "mfu" in m:
+            info += f" | MFU {100 * m['mfu']:.1f}%"
         if "dispatch_time_ms" in m:
             info += (
                 f" | dispatch {m['dispatch_time_ms']:.2f} ms combine {m['combine_time_ms']:.2f} ms"
@@ -705,10 +787,13 @@ class _Progress:
 
 
 __all__ = [
+    "EXPERT_PATHS",
     "MoEProbe",
     "TokenWindows",
     "batches",
     "build_model",
+    "expert_config",
+    "expert_path",
     "load_checkpoint",
     "save_checkpoint",
     "train_megatron",

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "(reference backend) in 2 gloo processes."
         ),
     )
-    p.add_argument("--recipe", help="recipe name or YAML path (default: deepseek-v3/proxy)")
+    p.add_argument("--recipe", help="recipe name or YAML path (default: deepseek-v3/quick)")
     p.add_argument("--list-recipes", action="store_true", help="list recipes and exit")
     p.add_argument(
         "--dispatcher",
@@ -59,6 +59,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, help="local GPUs to use (default: all)")
     p.add_argument(
         "--cpu-smoke", action="store_true", help="run the CPU smoke even when GPUs are present"
+    )
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="after the run, the same run on alltoall, and both side by side (GPUs)",
+    )
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the GPU's dense BF16 peak TFLOP/s for MFU (default: known GPUs' datasheet value)",
     )
     p.add_argument(
         "--timeout",
@@ -107,6 +117,8 @@ def handle(args: argparse.Namespace) -> int:
             gpus=args.gpus,
             cpu_smoke=args.cpu_smoke,
             timeout_s=args.timeout_s,
+            compare=args.compare,
+            peak_tflops=args.peak_tflops,
         )
         return run(opts)
     except UcclEpError as exc:
