@@ -120,7 +120,7 @@ want internode && UCCL_EP_TEST_RANKS_PER_NODE=${RPN:-1,2,4} UCCL_EP_TEST_KERNEL_
   "$REPO/tests/gpu/test_internode.py"
 want fifo && step fifo 120 "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
 if want others; then # every other GPU test file, and the CPU tests that need a GPU build
-  others=$(ls "$REPO"/tests/gpu/test_*.py | grep -vE "test_(intranode|internode|fifo_gpu|megatron_gpu)\.py")
+  others=$(ls "$REPO"/tests/gpu/test_*.py | grep -vE "test_(intranode|internode|fifo_gpu|megatron_gpu|pretrain_gpt_gpu)\.py")
   # shellcheck disable=SC2086
   step others 200 "${PYTEST[@]}" $others "$REPO/tests/test_bindings_checks.py"
 fi

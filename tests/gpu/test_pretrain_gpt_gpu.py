@@ -26,6 +26,7 @@ import tempfile
 import pytest
 import torch
 
+
 def _has_module(name: str) -> bool:
     """``find_spec`` of a submodule imports its parent, which may be missing altogether."""
     try:
