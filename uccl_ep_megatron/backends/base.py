@@ -159,7 +159,9 @@ class Backend(abc.ABC):
 
     def gather_objects(self, obj: Any, call: str) -> list[Any]:
         """Every rank's picklable ``obj`` (the error path of the header exchange)."""
-        raise NotImplementedError(f"{self.name} exchanges no call headers")
+        out: list[Any] = [None] * self.topology.num_ranks
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def destroy(self, collective: bool = True) -> None:  # noqa: B027 - optional hook
         """Release backend resources; the default holds none. ``collective``: every rank calls

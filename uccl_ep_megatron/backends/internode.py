@@ -374,11 +374,6 @@ class InternodeBackend(Backend):
         # next kernel starts.
         return self._gather(row, "the call-header exchange", call)
 
-    def gather_objects(self, obj: Any, call: str) -> list[Any]:
-        out: list[Any] = [None] * self.topology.num_ranks
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     # ---- layout -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
         self.check()

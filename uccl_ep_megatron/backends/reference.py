@@ -117,11 +117,6 @@ class ReferenceBackend(Backend):
         rows = self._all_gather_rows(row, "the call-header exchange", call)
         return rows.cpu().tolist()
 
-    def gather_objects(self, obj: Any, call: str) -> list[Any]:
-        out: list[Any] = [None] * self.topology.num_ranks
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
     def _all_gather_rows(self, row: torch.Tensor, what: str, call: str) -> torch.Tensor:
         parts = [torch.empty_like(row) for _ in range(self.topology.num_ranks)]
         work = dist.all_gather(parts, row.contiguous(), group=self.group, async_op=True)
