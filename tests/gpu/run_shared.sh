@@ -10,7 +10,8 @@
 #                         the file name): reused when csrc/ and the DeepEP source are unchanged.
 # Every call writes the extensions it built to $OUT/prebuilt.tar.gz; untar it into .prebuilt/.
 # Env: STEPS (default "intranode internode fifo others megatron bench_intranode bench_internode";
-#      also mps_probe),
+#      also mps_probe, pretrain), MC (megatron-core version whose wheels .whl/mc-<MC>/ holds,
+#      default 0.19.2),
 #      RANKS (intranode tests, default 2,4,8), BENCH_RANKS (bench intranode, default 2,4,8), RPN (internode ranks per node, default 1,2,4),
 #      BENCH_ARGS (extra bench intranode flags), PYTEST_K (-k filter), INTERNODE_K (-k filter of the
 #      internode suite), MAXFAIL (pytest --maxfail, default 3), DEADLINE_S (default 570).
@@ -28,9 +29,11 @@ want() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOGS/gpu.txt"
 echo "commit $(git rev-parse --short HEAD 2>/dev/null) steps: $STEPS"
 
-if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
+wheels=$(ls .whl/*.whl ".whl/mc-${MC:-0.19.2}"/*.whl 2> /dev/null)
+if [ -n "$wheels" ]; then
+  # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl > "$LOGS/wheels.log" 2>&1 || tail -3 "$LOGS/wheels.log"
+    --target /tmp/site $wheels > "$LOGS/wheels.log" 2>&1 || tail -3 "$LOGS/wheels.log"
 fi
 
 # The package: this tree's Python, plus _C built from csrc/ (or reused when the hash matches).
@@ -125,6 +128,8 @@ if want others; then # every other GPU test file, and the CPU tests that need a 
   step others 200 "${PYTEST[@]}" $others "$REPO/tests/test_bindings_checks.py"
 fi
 want megatron && step megatron 150 "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
+want pretrain && OUT=$LOGS step pretrain 300 "${PYTEST[@]}" -s \
+  "$REPO/tests/gpu/test_pretrain_gpt_gpu.py"
 # shellcheck disable=SC2086
 want bench_intranode && step bench_intranode 330 python3 -m uccl_ep_megatron.cli bench intranode \
   --ranks "${BENCH_RANKS:-2,4,8}" --json "$LOGS/bench_intranode.json" ${BENCH_ARGS:-}
