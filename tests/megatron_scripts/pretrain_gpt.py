@@ -159,8 +159,26 @@ def forward_step(data_iterator, model: GPTModel):
     return output, functools.partial(loss_func, loss_mask)
 
 
+def _keep_prebuilt_dataset_helpers() -> None:
+    """Megatron-LM's initialisation runs ``make`` in ``megatron/core/datasets`` on rank 0 and
+    exits when it fails. A Megatron-LM checkout has the Makefile; the megatron-core wheels ship
+    the compiled ``helpers_cpp`` module instead and no Makefile, so the ``make`` always fails
+    there. Keep the shipped module in that case (only then: a checkout still compiles)."""
+    import os
+
+    from megatron.core.datasets import utils as dataset_utils
+
+    here = os.path.dirname(os.path.abspath(dataset_utils.__file__))
+    if os.path.exists(os.path.join(here, "Makefile")):
+        return
+    import megatron.core.datasets.helpers_cpp  # noqa: F401  (raises if the wheel lacks it too)
+
+    dataset_utils.compile_helpers = lambda: None
+
+
 def main() -> None:
     """Call ``pretrain`` the way this release's Megatron-LM ``pretrain_gpt.py`` does."""
+    _keep_prebuilt_dataset_helpers()
     params = list(inspect.signature(pretrain).parameters)
     common = dict(
         train_valid_test_dataset_provider=train_valid_test_datasets_provider,
