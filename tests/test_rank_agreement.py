@@ -350,3 +350,35 @@ def test_layout_tensors_that_disagree_with_topk_idx(pool2, case, needle):
     assert msgs[0] == msgs[1], msgs
     assert "rank 1 rejected its arguments" in msgs[0], msgs[0]
     assert needle in msgs[0], msgs[0]
+
+
+# ---- the packed dispatch header the kernels backend's notify step carries ----------------------
+def test_packed_header_round_trips_and_names_the_odd_rank():
+    from uccl_ep_megatron.backends.agreement import (
+        check_packed_headers,
+        describe_packed_header,
+        pack_dispatch_header,
+    )
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    bf16 = pack_dispatch_header(torch.bfloat16, 7168, 0, 8, 256)
+    assert describe_packed_header(bf16) == (
+        "dtype=bfloat16, num_topk=8, num_scales=0, hidden=7168, num_experts=256"
+    )
+    fp8 = pack_dispatch_header(torch.float8_e4m3fn, 7168, 56, 8, 256)
+    assert "num_scales=56" in describe_packed_header(fp8)
+    # Every field is seen: changing any one of them changes the word.
+    variants = [
+        pack_dispatch_header(torch.float16, 7168, 0, 8, 256),
+        pack_dispatch_header(torch.bfloat16, 4096, 0, 8, 256),
+        pack_dispatch_header(torch.bfloat16, 7168, 0, 6, 256),
+        pack_dispatch_header(torch.bfloat16, 7168, 0, 8, 64),
+        fp8,
+    ]
+    assert len({bf16, *variants}) == 6
+    assert -(1 << 63) <= min(variants) and max(variants) < 1 << 63  # fits the kernel's int64
+    check_packed_headers([bf16] * 4, "dispatch")
+    with pytest.raises(InvalidInputError) as info:
+        check_packed_headers([bf16, bf16, variants[0], bf16], "dispatch")
+    text = str(info.value)
+    assert "rank 2: dtype=float16" in text and "rank 0: dtype=bfloat16" in text, text

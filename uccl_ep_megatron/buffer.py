@@ -610,8 +610,10 @@ class Buffer:
         """
         if not self._backend.agrees_per_call:
             # Kernels that agree on counts inside their notify step (see DESIGN): nothing to
-            # exchange here, so a rank's own error stays its own.
+            # exchange here. A rank whose own checks failed tells the peers through their
+            # control regions, so their waits for this call stop at once and name it.
             if error is not None:
+                self._backend.abort_peers(f"{KIND_NAMES[kind]} #{seq}", error)
                 raise error
             return None
         call = f"{KIND_NAMES[kind]} #{seq}"

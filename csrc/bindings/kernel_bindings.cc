@@ -195,6 +195,26 @@ void bind_kernels(py::module_& m) {
       py::arg("ptr"), "Status words: [set, stalled peer rank, barrier sequence, site code].");
 
   m.def(
+      "post_abort",
+      [](const std::vector<intptr_t>& buffers, int rank, uint64_t word, const std::string& reason) {
+        UCCL_EP_CHECK_ARG(rank >= 0 && rank < static_cast<int>(buffers.size()), "post_abort: rank=", rank,
+                          " is not in [0, ", buffers.size(), ")");
+        check_buffers(buffers, static_cast<int>(buffers.size()), static_cast<int64_t>(k::kDataOffset), "post_abort");
+        py::gil_scoped_release release;
+        k::post_abort(buffers, rank, word, reason);
+      },
+      py::arg("buffers"), py::arg("rank"), py::arg("word"), py::arg("reason"),
+      "Tell every peer that this rank rejected a call: its reason, then the word "
+      "{sequence << 8 | error class code}; their barrier waits stop at once.");
+  m.def(
+      "read_abort",
+      [](intptr_t own_buffer, int peer) {
+        check_buffers({own_buffer}, 1, static_cast<int64_t>(k::kDataOffset), "read_abort");
+        auto [word, reason] = k::read_abort(own_buffer, peer);
+        return py::make_tuple(word, py::bytes(reason).attr("decode")("utf-8", "replace"));
+      },
+      py::arg("own_buffer"), py::arg("peer"), "Rank `peer`'s abort record in this rank's buffer: (word, reason).");
+  m.def(
       "poison_if_failed",
       [](intptr_t status, const std::vector<intptr_t>& ptrs, const std::vector<int64_t>& bytes,
          const std::vector<uint64_t>& patterns, intptr_t stream) {
@@ -225,7 +245,7 @@ void bind_kernels(py::module_& m) {
       [](const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t per_rank, intptr_t per_expert,
          int experts_per_rank, int expert_alignment, uint64_t seq, intptr_t prefix, intptr_t out_info,
          intptr_t status, int64_t timeout_ns, intptr_t in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
-         intptr_t id_bounds, intptr_t out_bounds) {
+         intptr_t id_bounds, intptr_t out_bounds, int64_t header) {
         UCCL_EP_CHECK_ARG(num_tokens >= 0 && experts_per_rank >= 0, "intranode_notify: num_tokens=", num_tokens,
                           " experts_per_rank=", experts_per_rank);
         check_buffers(buffers, num_ranks, static_cast<int64_t>(k::kDataOffset), "intranode_notify");
@@ -237,13 +257,13 @@ void bind_kernels(py::module_& m) {
         check_ptr(in_rank, send_pos != 0 && num_tokens > 0, "intranode_notify: is_token_in_rank");
         k::intranode_notify(buffers, rank, num_ranks, per_rank, per_expert, experts_per_rank, expert_alignment, seq,
                             prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream, id_bounds,
-                            out_bounds);
+                            out_bounds, header);
       },
       py::arg("buffers"), py::arg("rank"), py::arg("num_ranks"), py::arg("num_tokens_per_rank"),
       py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"), py::arg("expert_alignment"), py::arg("seq"),
       py::arg("rank_prefix_matrix"), py::arg("out_info"), py::arg("status"), py::arg("timeout_ns"),
       py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("send_pos"), py::arg("stream"),
-      py::arg("id_bounds") = 0, py::arg("out_bounds") = 0);
+      py::arg("id_bounds") = 0, py::arg("out_bounds") = 0, py::arg("header") = 0);
   m.def("dispatch_staging_bytes", &k::dispatch_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),

@@ -28,6 +28,9 @@ using gpuIpcMemHandle_t = hipIpcMemHandle_t;
 #define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
 #define gpuMemcpyHostToDevice hipMemcpyHostToDevice
 #define gpuStreamSynchronize hipStreamSynchronize
+#define gpuStreamCreateWithFlags hipStreamCreateWithFlags
+#define gpuStreamDestroy hipStreamDestroy
+#define gpuStreamNonBlocking hipStreamNonBlocking
 #define gpuDeviceSynchronize hipDeviceSynchronize
 #define gpuSetDevice hipSetDevice
 #define gpuGetDevice hipGetDevice
@@ -62,6 +65,9 @@ using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
 #define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
 #define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
 #define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
+#define gpuStreamDestroy cudaStreamDestroy
+#define gpuStreamNonBlocking cudaStreamNonBlocking
 #define gpuDeviceSynchronize cudaDeviceSynchronize
 #define gpuSetDevice cudaSetDevice
 #define gpuGetDevice cudaGetDevice

@@ -21,10 +21,20 @@ struct Peers {
 };
 
 // Site codes reported in the status words (Python maps them to names).
-enum BarrierSite : int { kSiteNotify = 1, kSiteDispatchDone = 2, kSiteCombineEntry = 3, kSiteCombineDone = 4 };
+enum BarrierSite : int {
+  kSiteNotify = 1,
+  kSiteDispatchDone = 2,
+  kSiteCombineEntry = 3,
+  kSiteCombineDone = 4,
+  kSitePeerAbort = 5,  // a peer posted an abort record (its checks rejected the call)
+};
 
 __device__ __forceinline__ uint64_t* flags_of(uint8_t* buf) {
   return reinterpret_cast<uint64_t*>(buf + kFlagsOffset);
+}
+
+__device__ __forceinline__ const volatile uint64_t* abort_of(const uint8_t* buf) {
+  return reinterpret_cast<const volatile uint64_t*>(buf + kAbortOffset);
 }
 
 // A PCIe read of mapped host memory: call it from one thread per block, not from every thread.
@@ -67,11 +77,13 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
         s_failed = 1;
         break;
       }
-      if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+      // A peer that rejected the call never arrives: it says so in our control region.
+      const bool aborted = (iter & 1023u) == 512 && abort_of(bufs.p[rank])[tid] != 0;
+      if (aborted || dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
         volatile int64_t* st = status;
         st[1] = tid;
         st[2] = static_cast<int64_t>(seq);
-        st[3] = site;
+        st[3] = aborted ? kSitePeerAbort : site;
         __threadfence_system();
         st[0] = 1;
         __threadfence_system();

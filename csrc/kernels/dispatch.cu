@@ -93,7 +93,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
                                                                 int* prefix_out, int* info, int64_t* status,
                                                                 int64_t timeout_ns, const bool* in_rank,
                                                                 int num_tokens, int* send_pos,
-                                                                const int64_t* id_bounds, int64_t* out_bounds) {
+                                                                const int64_t* id_bounds, int64_t* out_bounds,
+                                                                int64_t header) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
   const int slot = notify_slot(seq);
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     b[2] = bad;
     b[3] = bad >= 0 ? per_rank[bad] : 0;
     b[4] = bad >= 0 ? s_sent[bad] : 0;
-    b[5] = 0;
+    b[5] = header;
   }
   // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
   for (int i = tid; i < R * R; i += blockDim.x) {
@@ -473,7 +474,7 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment, uint64_t seq,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
                       intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
-                      intptr_t id_bounds, intptr_t out_bounds) {
+                      intptr_t id_bounds, intptr_t out_bounds, int64_t header) {
   const Peers peers = make_peers(buffers, num_ranks);
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
                     " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
@@ -483,7 +484,7 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
       reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment, seq,
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), reinterpret_cast<int64_t*>(status),
       timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos),
-      reinterpret_cast<const int64_t*>(id_bounds), reinterpret_cast<int64_t*>(out_bounds));
+      reinterpret_cast<const int64_t*>(id_bounds), reinterpret_cast<int64_t*>(out_bounds), header);
   GPU_CHECK(gpuGetLastError());
 }
 

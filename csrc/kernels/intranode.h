@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace uccl_ep::kernels {
@@ -42,15 +43,29 @@ constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kNotifySlots *
 // Each source's input checks, written by notify like the counts: int64
 // [kNotifySlots][kMaxRanks][kCheckWords] = {min id, max id ((-1, -1) when not checked), first
 // rank d whose num_tokens_per_rank[d] differs from is_token_in_rank's column sum (-1: none),
-// that num_tokens_per_rank[d], that column sum, 0}; in the spare 64 KiB.
+// that num_tokens_per_rank[d], that column sum, the call header (dtype, hidden, scales, top-k,
+// experts packed by the caller: ranks must agree on it)}; in the spare 64 KiB.
 constexpr int kCheckWords = 6;
 constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
 static_assert(kIdBoundsOffset + 8 * kCheckWords * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
+// Peer abort: a rank whose own checks reject a call before it launches anything writes, into
+// every peer's control region, its reason (text, NUL-padded) and then a word
+// {call sequence << 8 | error class code} at [its rank]. A barrier wait that finds a peer's
+// word set stops at once (status site kSitePeerAbort) instead of waiting for the timeout.
+constexpr size_t kAbortOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;  // uint64 [kMaxRanks]
+constexpr size_t kAbortReasonBytes = 1024;
+constexpr size_t kAbortReasonOffset = kAbortOffset + 8ull * kMaxRanks;  // char [kMaxRanks][kAbortReasonBytes]
+static_assert(kAbortReasonOffset + kAbortReasonBytes * kMaxRanks <= kDataOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out.
 constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
 
 // ---- memory / IPC -------------------------------------------------------------------------
+// Writes this rank's abort record (see kAbortOffset) into every other rank's buffer: the reason
+// first, then the word, in order on a private stream, and waits for both (error path only).
+void post_abort(const std::vector<intptr_t>& buffers, int rank, uint64_t word, const std::string& reason);
+// Reads rank `peer`'s abort record from this rank's own buffer: (word, reason).
+std::pair<uint64_t, std::string> read_abort(intptr_t own_buffer, int peer);
 intptr_t device_alloc_zeroed(size_t bytes);
 void device_free(intptr_t ptr);
 // Synchronous device-to-device copy (a buffer regrow carries the control region over).
@@ -94,7 +109,7 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
                       intptr_t send_pos, intptr_t stream, intptr_t id_bounds = 0,
-                      intptr_t out_bounds = 0);
+                      intptr_t out_bounds = 0, int64_t header = 0);
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)

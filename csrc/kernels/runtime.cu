@@ -48,6 +48,51 @@ void ipc_close_handle(intptr_t ptr) {
   if (ptr) GPU_CHECK(gpuIpcCloseMemHandle(reinterpret_cast<void*>(ptr)));
 }
 
+namespace {
+// Abort records travel on a private non-blocking stream: the caller's stream may be ordered
+// behind work that waits for the very peers being told to stop. Error path only, so a stream
+// per call is fine.
+struct PrivateStream {
+  gpuStream_t s{};
+  PrivateStream() { GPU_CHECK(gpuStreamCreateWithFlags(&s, gpuStreamNonBlocking)); }
+  ~PrivateStream() { (void)gpuStreamDestroy(s); }
+  PrivateStream(const PrivateStream&) = delete;
+  PrivateStream& operator=(const PrivateStream&) = delete;
+};
+}  // namespace
+
+void post_abort(const std::vector<intptr_t>& buffers, int rank, uint64_t word, const std::string& reason) {
+  UCCL_EP_CHECK_ARG(word != 0, "post_abort: the abort word must be non-zero");
+  std::string text = reason.substr(0, kAbortReasonBytes - 1);
+  text.resize(kAbortReasonBytes, '\0');
+  PrivateStream ps;
+  gpuStream_t s = ps.s;
+  for (size_t r = 0; r < buffers.size(); ++r) {
+    if (static_cast<int>(r) == rank || buffers[r] == 0) continue;
+    auto* base = reinterpret_cast<uint8_t*>(buffers[r]);
+    GPU_CHECK(gpuMemcpyAsync(base + kAbortReasonOffset + kAbortReasonBytes * rank, text.data(), text.size(),
+                             gpuMemcpyHostToDevice, s));
+    GPU_CHECK(gpuStreamSynchronize(s));  // the reason lands before the word that announces it
+    GPU_CHECK(gpuMemcpyAsync(base + kAbortOffset + 8ull * rank, &word, sizeof(word), gpuMemcpyHostToDevice, s));
+    GPU_CHECK(gpuStreamSynchronize(s));
+  }
+}
+
+std::pair<uint64_t, std::string> read_abort(intptr_t own_buffer, int peer) {
+  UCCL_EP_CHECK_ARG(peer >= 0 && peer < kMaxRanks, "read_abort: peer ", peer, " is not in [0, ", kMaxRanks, ")");
+  auto* base = reinterpret_cast<const uint8_t*>(own_buffer);
+  uint64_t word = 0;
+  std::string text(kAbortReasonBytes, '\0');
+  PrivateStream ps;
+  gpuStream_t s = ps.s;
+  GPU_CHECK(gpuMemcpyAsync(&word, base + kAbortOffset + 8ull * peer, sizeof(word), gpuMemcpyDeviceToHost, s));
+  GPU_CHECK(gpuMemcpyAsync(text.data(), base + kAbortReasonOffset + kAbortReasonBytes * peer, text.size(),
+                           gpuMemcpyDeviceToHost, s));
+  GPU_CHECK(gpuStreamSynchronize(s));
+  text.resize(text.find('\0') == std::string::npos ? text.size() : text.find('\0'));
+  return {word, text};
+}
+
 intptr_t host_status_alloc() {
   void* p = nullptr;
   GPU_CHECK(gpuHostAlloc(&p, kStatusWords * sizeof(int64_t), gpuHostAllocMapped));

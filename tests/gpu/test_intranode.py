@@ -326,6 +326,83 @@ def bad_input_one_rank_case(rank: int, world: int, kind: str) -> str:
     return message
 
 
+def peer_abort_case(rank: int, world: int, where: str) -> str:
+    """The last rank's own checks reject a combine (``where="combine"``: x of the wrong row
+    count) or a cached dispatch (``"cached"``: x of twice the tokens) that the other ranks
+    make correctly. They must not wait UCCL_EP_TIMEOUT_MS (20 s here) for it: the rejecting
+    rank posts an abort record into their control regions, their barrier wait stops at once,
+    their outputs are poisoned, and their next call raises InvalidInputError naming that
+    rank and its reason. The rejecting rank raises its own error, then refuses further calls."""
+    import time
+
+    from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.errors import InvalidInputError, UcclEpError
+
+    kb = Buffer(None, 1 << 26, 0, backend="kernels")
+    _keep.append(kb)  # the group's calls no longer match afterwards: never freed here
+    num_experts, idx, w, x = _small_inputs(rank, world, 41 + rank)
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    recv_x, _, recv_w, _, handle, _ = dispatch(kb, x, lay, idx, w)
+    last = world - 1
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    if rank == last:
+        try:
+            if where == "combine":
+                rows = recv_x.shape[0]
+                bad = recv_x[:-1] if rows else recv_x.new_zeros(1, recv_x.shape[1])
+                kb.combine(bad, handle, recv_w[:-1] if rows else recv_w.new_zeros(1, 2))
+            else:
+                kb.dispatch(torch.cat([x, x]), handle=handle)
+        except InvalidInputError as exc:
+            own = str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: the bad {where} was accepted")
+        try:
+            kb.get_dispatch_layout(idx, num_experts)
+        except UcclEpError as exc:
+            assert "told its peers" in str(exc), str(exc)
+        else:
+            raise AssertionError("the rejecting rank's Buffer still accepts calls")
+        return own
+    if where == "combine":
+        out, _, _ = kb.combine(recv_x, handle, recv_w)
+    else:
+        out = kb.dispatch(x, handle=handle)[0]
+    torch.cuda.synchronize()
+    elapsed = time.monotonic() - start
+    assert elapsed < 5.0, f"rank {rank} waited {elapsed:.1f} s for the rejecting rank"
+    if out.numel():
+        assert torch.isnan(out.float()).all(), f"rank {rank}: outputs of the aborted call"
+    try:
+        kb.get_dispatch_layout(idx, num_experts)
+    except InvalidInputError as exc:
+        return str(exc)
+    raise AssertionError(f"rank {rank}: the next call did not raise the peer's rejection")
+
+
+def header_mismatch_case(rank: int, world: int) -> str:
+    """The last rank dispatches float16 rows while the others send bfloat16 (same bytes per
+    row, so nothing else would notice): every rank raises InvalidInputError at that dispatch
+    naming each rank's dtype, and the Buffer still dispatches correctly afterwards."""
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    kb, rb = _get_buffers()
+    num_experts, idx, w, x = _small_inputs(rank, world, 61 + rank)
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    bad_x = x.to(torch.float16) if rank == world - 1 else x
+    try:
+        dispatch(kb, bad_x, lay, idx, w)
+    except InvalidInputError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"rank {rank}: a float16/bfloat16 mix was accepted")
+    kout = dispatch(kb, x, lay, idx, w)
+    rout = dispatch(rb, x, rb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
+    assert_same("recv_x after the mismatch", kout[0], rout[0])
+    return message
+
+
 def grow_case(rank: int, world: int) -> dict:
     """A Buffer far smaller than a call stages grows at that call, on every rank, and the
     results still equal the reference; with UCCL_EP_GROW_NVL_BUFFER=0 the call raises."""
@@ -443,6 +520,21 @@ def test_bad_input_on_one_rank_raises_on_every_rank(gpu_pool, kind):
     last, experts = gpu_pool.world_size - 1, 4 * gpu_pool.world_size
     want = f"expert id {experts}" if kind == "id" else "num_tokens_per_rank[0]="
     assert all(f"rank {last}:" in m and want in m for m in out), out
+
+
+@pytest.mark.parametrize("where", ["combine", "cached"])
+def test_rejected_call_on_one_rank_stops_the_others_at_once(gpu_pool, where):
+    out = gpu_pool.run(__file__, "peer_abort_case", where, env=ENV)
+    last = gpu_pool.world_size - 1
+    assert out[last] and "rejected its arguments" not in out[last], out  # its own check
+    assert all(f"rank {last} rejected its arguments" in m for m in out[:last]), out
+
+
+def test_ranks_that_disagree_on_the_dtype_all_raise(gpu_pool):
+    out = gpu_pool.run(__file__, "header_mismatch_case", env=ENV)
+    last = gpu_pool.world_size - 1
+    assert all("disagree" in m and f"rank {last}: dtype=float16" in m for m in out), out
+    assert all("rank 0: dtype=bfloat16" in m for m in out), out
 
 
 def test_small_buffer_grows_collectively(gpu_pool):

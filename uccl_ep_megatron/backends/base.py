@@ -163,6 +163,12 @@ class Backend(abc.ABC):
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def abort_peers(self, call: str, error: BaseException) -> None:  # noqa: B027 - optional hook
+        """This rank's own checks rejected ``call`` before it launched anything: tell the peers
+        that wait for it in that call, so they raise ``error``'s class naming this rank at once
+        instead of timing out. Backends that agree on every call's header (their peers learn
+        of the error from the exchange) need nothing here."""
+
     def destroy(self, collective: bool = True) -> None:  # noqa: B027 - optional hook
         """Release backend resources; the default holds none. ``collective``: every rank calls
         it together (``Buffer.destroy()``); ``False`` from ``__del__``, where peers may not."""

@@ -31,6 +31,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from uccl_ep_megatron.backends.agreement import (
+    check_packed_headers,
+    error_class,
+    error_code,
+    pack_dispatch_header,
+)
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -52,6 +58,7 @@ from uccl_ep_megatron.errors import (
 
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "combine finish"}
+_SITE_PEER_ABORT = 5  # kSitePeerAbort: the peer posted an abort record (see abort_peers)
 
 
 def _c():
@@ -184,9 +191,11 @@ _CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks
 def _check_all_ranks(rows: list[int], num_experts: int) -> None:
     """Raise the first bad input of any rank, on every rank. ``rows`` holds each rank's notify
     checks (id min, id max, first rank whose ``num_tokens_per_rank`` entry differs from
-    ``is_token_in_rank``'s column, that entry, that column's sum), identical everywhere, so all
-    ranks raise together at the same call instead of the others waiting for that rank's rows
-    until the timeout, or rows landing past outputs sized from the wrong count."""
+    ``is_token_in_rank``'s column, that entry, that column's sum, the packed call header),
+    identical everywhere, so all ranks raise together at the same call instead of the others
+    waiting for that rank's rows until the timeout, rows landing past outputs sized from the
+    wrong count, or bytes of one dtype read as another."""
+    check_packed_headers(rows[_CHECK_WORDS - 1 :: _CHECK_WORDS], "dispatch")
     w = _CHECK_WORDS
     for r in range(len(rows) // w):
         lo, hi, dest, given, actual = rows[r * w : r * w + 5]
@@ -258,6 +267,7 @@ class KernelsBackend(Backend):
         self._c = c
         self._status = 0
         self._destroyed = False
+        self._aborted: str | None = None  # the call this rank rejected (abort_peers)
         # The control region is always there, so barriers work even before data fits.
         nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
         self._ipc = IpcBuffers(
@@ -300,10 +310,43 @@ class KernelsBackend(Backend):
         self._seq += 1
         return self._seq
 
+    def abort_peers(self, call: str, error: BaseException) -> None:
+        """Post this rank's abort record into every peer's control region (see
+        ``kAbortOffset``): peers waiting for this rank in ``call`` stop within microseconds and
+        raise ``error``'s class with its message. The group's calls no longer match after this,
+        so every Buffer of the group is unusable (as after a timeout)."""
+        if self._destroyed or self._aborted is not None:
+            return
+        self._aborted = call
+        reason = f"{call}: {type(error).__name__}: {error}"
+        try:
+            with torch.cuda.device(self.device):
+                self._c.post_abort(
+                    self._buffers,
+                    self.topology.rank,
+                    (self._seq + 1) << 8 | error_code(error),
+                    reason,
+                )
+        except Exception as exc:  # noqa: BLE001 - the original error is what the caller sees
+            error.add_note(f"uccl_ep: could not tell the peers ({exc}); they will time out")
+
     def _check_status(self) -> None:
         if self._destroyed:
             raise UcclEpError("the kernels backend was destroyed; create a new Buffer")
+        if self._aborted is not None:
+            raise UcclEpError(
+                f"rank {self.topology.rank} rejected {self._aborted} and told its peers to stop; "
+                "the group's calls no longer match, so this Buffer is unusable: create a new one"
+            )
         flag, peer, seq, site = self._c.host_status_read(self._status)
+        if flag and site == _SITE_PEER_ABORT:
+            word, reason = self._c.read_abort(self._buffers[self.topology.rank], peer)
+            cls = error_class(word & 0xFF)
+            raise cls(
+                f"rank {self.topology.rank}: rank {peer} rejected its arguments ({reason}); no "
+                f"rank moved data for that call. Fix the call on rank {peer}. This Buffer is "
+                "unusable now; create a new one."
+            )
         if flag:
             raise CommTimeoutError(
                 f"rank {self.topology.rank}: timed out after {self._timeout_ms} ms at the "
@@ -379,6 +422,9 @@ class KernelsBackend(Backend):
             stream=stream,
             id_bounds=0 if bounds is None else bounds.data_ptr(),
             out_bounds=0 if all_bounds is None else all_bounds.data_ptr(),
+            header=pack_dispatch_header(x.dtype, hidden, num_scales, num_topk, args.num_experts)
+            if cached is None
+            else 0,
         )
         # Everything that does not depend on the received counts is set before the sync, so
         # the GPU idles as briefly as possible between notify and send.
@@ -495,7 +541,11 @@ class KernelsBackend(Backend):
         topo = self.topology
         rank, num_ranks = topo.rank, topo.num_ranks
         num_tokens = handle.is_token_in_rank.shape[0]
-        t = prepare_combine(x, topk_weights, bias, num_tokens, "the kernels backend")
+        try:
+            t = prepare_combine(x, topk_weights, bias, num_tokens, "the kernels backend")
+        except UcclEpError as exc:
+            self.abort_peers(f"combine #{self._seq + 1}", exc)
+            raise
         x, hidden = t.x, t.x.shape[1]
         state: _State = handle.state
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
