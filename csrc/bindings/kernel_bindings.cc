@@ -337,7 +337,8 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("seq_entry", &k::CombineArgs::seq_entry)
       .def_readwrite("seq_done", &k::CombineArgs::seq_done)
       .def_readwrite("status", &k::CombineArgs::status)
-      .def_readwrite("timeout_ns", &k::CombineArgs::timeout_ns);
+      .def_readwrite("timeout_ns", &k::CombineArgs::timeout_ns)
+      .def_readwrite("header", &k::CombineArgs::header);
   m.def(
       "intranode_combine_push",
       [](const k::CombineArgs& a, intptr_t stream) {

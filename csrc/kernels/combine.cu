@@ -37,12 +37,13 @@ struct PushParams {
   uint64_t seq;
   int64_t* status;
   int64_t timeout_ns;
+  int64_t header;
 };
 
 template <typename V, int kUnroll, bool kTma>
 __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
   if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
-                     kSiteCombineEntry))
+                     kSiteCombineEntry, BarrierExtras{true, kCombineHeaderOffset, p.header}))
     return;
   const int lane = threadIdx.x % dev::kWarpSize;
   const int warps = blockDim.x / dev::kWarpSize;
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
   constexpr int kPerVec = kVec ? 16 / static_cast<int>(sizeof(raw)) : 1;
   using V = typename std::conditional<kVec, int4, raw>::type;
   if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
-                     kSiteCombineDone))
+                     kSiteCombineDone, BarrierExtras{true}))
     return;
   const int lane = threadIdx.x % dev::kWarpSize;
   const int warps = blockDim.x / dev::kWarpSize;
@@ -267,6 +268,7 @@ void intranode_combine_push(const CombineArgs& a, intptr_t stream) {
   p.seq = a.seq_entry;
   p.status = reinterpret_cast<int64_t*>(a.status);
   p.timeout_ns = a.timeout_ns;
+  p.header = a.header;
   auto s = reinterpret_cast<gpuStream_t>(stream);
   const int blocks = std::max(1, a.num_sms);
   const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0;

@@ -26,7 +26,8 @@ enum BarrierSite : int {
   kSiteDispatchDone = 2,
   kSiteCombineEntry = 3,
   kSiteCombineDone = 4,
-  kSitePeerAbort = 5,  // a peer posted an abort record (its checks rejected the call)
+  kSitePeerAbort = 5,       // a peer posted an abort record (its checks rejected the call)
+  kSiteHeaderMismatch = 6,  // a peer's call header (BarrierExtras) differs from this rank's
 };
 
 __device__ __forceinline__ uint64_t* flags_of(uint8_t* buf) {
@@ -49,8 +50,27 @@ __device__ __forceinline__ bool status_set(const int64_t* status) {
 // `>=` absorbs. A wait that exceeds `timeout_ns` records (peer, seq, site) in the mapped host
 // status words and gives up, so the host raises instead of the GPU hanging. Returns false
 // when any wait of this rank has timed out (the caller must then skip its data movement).
+// What the intranode barriers do besides waiting (the internode NVL barrier uses none of it:
+// its buffers have another layout).
+struct BarrierExtras {
+  bool watch_abort = false;  // stop when a peer posted an abort record (kAbortOffset)
+  size_t header_offset = 0;  // when non-zero: int64 [kMaxRanks] slots where ranks exchange
+  int64_t header = 0;        //   `header` with the signal; a peer's that differs fails the call
+};
+
+__device__ __forceinline__ void record_failure(int64_t* status, int peer, uint64_t seq, int site) {
+  volatile int64_t* st = status;
+  st[1] = peer;
+  st[2] = static_cast<int64_t>(seq);
+  st[3] = site;
+  __threadfence_system();
+  st[0] = 1;
+  __threadfence_system();
+}
+
 __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int num_ranks, uint64_t seq,
-                                              bool signal, int64_t* status, int64_t timeout_ns, int site) {
+                                              bool signal, int64_t* status, int64_t timeout_ns, int site,
+                                              BarrierExtras extras = {}) {
   __shared__ int s_failed;
   const int tid = threadIdx.x;
   if (tid == 0) s_failed = status_set(status) ? 1 : 0;
@@ -61,6 +81,8 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
     // MEMBAR.SYS (measured: send kernels 2x slower at 48 SMs than at 24).
     __syncthreads();
     if (tid < num_ranks) {
+      if (extras.header_offset != 0)
+        reinterpret_cast<volatile int64_t*>(bufs.p[tid] + extras.header_offset)[rank] = extras.header;
       dev::fence_system();
       dev::st_release_sys(flags_of(bufs.p[tid]) + rank, seq);
     }
@@ -71,25 +93,28 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
     const uint64_t* f = flags_of(bufs.p[rank]) + tid;
     const uint64_t start = dev::global_timer_ns();
     uint32_t iter = 0;
+    bool arrived = true;
     while (dev::ld_acquire_sys(f) < seq) {
       // The status words live in host memory (a PCIe read): look at them only now and then.
       if ((++iter & 1023u) == 0 && status_set(status)) {
         s_failed = 1;
+        arrived = false;
         break;
       }
       // A peer that rejected the call never arrives: it says so in our control region.
-      const bool aborted = (iter & 1023u) == 512 && abort_of(bufs.p[rank])[tid] != 0;
+      const bool aborted = extras.watch_abort && (iter & 1023u) == 512 && abort_of(bufs.p[rank])[tid] != 0;
       if (aborted || dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-        volatile int64_t* st = status;
-        st[1] = tid;
-        st[2] = static_cast<int64_t>(seq);
-        st[3] = aborted ? kSitePeerAbort : site;
-        __threadfence_system();
-        st[0] = 1;
-        __threadfence_system();
+        record_failure(status, tid, seq, aborted ? kSitePeerAbort : site);
         s_failed = 1;
+        arrived = false;
         break;
       }
+    }
+    // The peer's header was written before its signal, which the acquire above has seen.
+    if (arrived && extras.header_offset != 0 &&
+        reinterpret_cast<const volatile int64_t*>(bufs.p[rank] + extras.header_offset)[tid] != extras.header) {
+      record_failure(status, tid, seq, kSiteHeaderMismatch);
+      s_failed = 1;
     }
   }
   __syncthreads();

@@ -140,7 +140,11 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
       expert_counts_of(bufs.p[r], slot)[rank * kMaxLocalExperts + e] = per_expert[r * experts_per_rank + e];
     }
   }
-  if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify)) return;
+  const size_t header_offset =
+      send_pos == nullptr && header != 0 ? kCachedHeaderOffset + 8ull * kMaxRanks * slot : 0;
+  if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify,
+                     BarrierExtras{true, header_offset, header}))
+    return;
   if (out_bounds != nullptr && tid < kCheckWords * R)
     out_bounds[tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
   // After the barrier, so the scan (a few microseconds) never delays a peer's wait.

@@ -56,7 +56,13 @@ static_assert(kIdBoundsOffset + 8 * kCheckWords * kNotifySlots * kMaxRanks <= kD
 constexpr size_t kAbortOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;  // uint64 [kMaxRanks]
 constexpr size_t kAbortReasonBytes = 1024;
 constexpr size_t kAbortReasonOffset = kAbortOffset + 8ull * kMaxRanks;  // char [kMaxRanks][kAbortReasonBytes]
-static_assert(kAbortReasonOffset + kAbortReasonBytes * kMaxRanks <= kDataOffset, "control overlap");
+// Combine's call header (dtype, hidden, weights, biases packed by the caller), exchanged with
+// its entry barrier: int64 [kMaxRanks].
+constexpr size_t kCombineHeaderOffset = kAbortReasonOffset + kAbortReasonBytes * kMaxRanks;
+// Cached dispatch's call header, exchanged with notify's barrier: int64 [kNotifySlots][kMaxRanks]
+// (by sequence parity, like the counts: back-to-back dispatches follow each other directly).
+constexpr size_t kCachedHeaderOffset = kCombineHeaderOffset + 8 * kMaxRanks;
+static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out.
 constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
 
@@ -100,7 +106,9 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // When `send_pos` is non-zero it also scans is_token_in_rank [T, R] into send_pos [T, R].
 // `id_bounds` (device int64 [2] or 0) and, when `send_pos` is set, the check of
 // num_tokens_per_rank against is_token_in_rank (a mismatch would place rows past the outputs)
-// travel to every rank with the counts; `out_bounds` (device int64 [R, kCheckWords] or 0)
+// travel to every rank with the counts (and `header`, which the host compares); a cached
+// dispatch (`send_pos` 0) exchanges a non-zero `header` with the barrier and fails the call on
+// a mismatch (kSiteHeaderMismatch); `out_bounds` (device int64 [R, kCheckWords] or 0)
 // receives every rank's, so all ranks see a bad input of any rank at the host read that sizes
 // the outputs, and raise together before any row moves.
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
@@ -169,6 +177,7 @@ struct CombineArgs {
   uint64_t seq_entry = 0, seq_done = 0;
   intptr_t status = 0;
   int64_t timeout_ns = 0;
+  int64_t header = 0;  // what every rank's combine must agree on (kCombineHeaderOffset)
 };
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);

@@ -403,6 +403,34 @@ def header_mismatch_case(rank: int, world: int) -> str:
     return message
 
 
+def device_header_mismatch_case(rank: int, world: int, where: str) -> str:
+    """The last rank combines (``where="combine"``) or cached-dispatches (``"cached"``) float16
+    rows where the others pass bfloat16: two bytes per element either way, so only the call
+    header exchanged with the barrier tells. Every rank's outputs of that call are NaN and its
+    next call raises InvalidInputError naming a rank whose call differs."""
+    from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    kb = Buffer(None, 1 << 26, 0, backend="kernels")
+    _keep.append(kb)
+    num_experts, idx, w, x = _small_inputs(rank, world, 71 + rank)
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    recv_x, _, recv_w, _, handle, _ = dispatch(kb, x, lay, idx, w)
+    odd = rank == world - 1
+    if where == "combine":
+        out = kb.combine(recv_x.to(torch.float16) if odd else recv_x, handle, recv_w)[0]
+    else:
+        out = kb.dispatch(x.to(torch.float16) if odd else x, handle=handle)[0]
+    torch.cuda.synchronize()
+    if out.numel():
+        assert torch.isnan(out.float()).all(), f"rank {rank}: outputs of the mismatched call"
+    try:
+        kb.get_dispatch_layout(idx, num_experts)
+    except InvalidInputError as exc:
+        return str(exc)
+    raise AssertionError(f"rank {rank}: a float16/bfloat16 {where} was not detected")
+
+
 def grow_case(rank: int, world: int) -> dict:
     """A Buffer far smaller than a call stages grows at that call, on every rank, and the
     results still equal the reference; with UCCL_EP_GROW_NVL_BUFFER=0 the call raises."""
@@ -535,6 +563,15 @@ def test_ranks_that_disagree_on_the_dtype_all_raise(gpu_pool):
     last = gpu_pool.world_size - 1
     assert all("disagree" in m and f"rank {last}: dtype=float16" in m for m in out), out
     assert all("rank 0: dtype=bfloat16" in m for m in out), out
+
+
+@pytest.mark.parametrize("where", ["combine", "cached"])
+def test_ranks_that_disagree_in_a_call_without_host_read_all_raise(gpu_pool, where):
+    out = gpu_pool.run(__file__, "device_header_mismatch_case", where, env=ENV)
+    last = gpu_pool.world_size - 1
+    assert all("differs from this rank's" in m for m in out), out
+    assert all(f"the call of rank {last} " in m for m in out[:last]), out
+    assert re.search(r"the call of rank \d+ ", out[last]) and "dtype=float16" in out[last], out
 
 
 def test_small_buffer_grows_collectively(gpu_pool):

@@ -144,6 +144,12 @@ def pack_dispatch_header(
     return word - (1 << 64) if word >= 1 << 63 else word
 
 
+def pack_combine_header(dtype: torch.dtype, hidden: int, num_topk: int, num_bias: int) -> int:
+    """``pack_dispatch_header``'s word for a combine: the weights' columns (0 without) in the
+    top-k field, the bias count in the experts field."""
+    return pack_dispatch_header(dtype, hidden, 0, num_topk, num_bias)
+
+
 def describe_packed_header(word: int) -> str:
     word &= (1 << 64) - 1
     parts, shift = [], 0

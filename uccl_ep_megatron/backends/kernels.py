@@ -35,6 +35,7 @@ from uccl_ep_megatron.backends.agreement import (
     check_packed_headers,
     error_class,
     error_code,
+    pack_combine_header,
     pack_dispatch_header,
 )
 from uccl_ep_megatron.backends.base import (
@@ -59,6 +60,7 @@ from uccl_ep_megatron.errors import (
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "combine finish"}
 _SITE_PEER_ABORT = 5  # kSitePeerAbort: the peer posted an abort record (see abort_peers)
+_SITE_HEADER_MISMATCH = 6  # kSiteHeaderMismatch: a peer's cached dispatch / combine header differs
 
 
 def _c():
@@ -185,6 +187,14 @@ def launch_layout(
     return per_rank, per_expert, in_rank
 
 
+def _describe_call(
+    call: str, dtype: torch.dtype, hidden: int, num_scales: int, extra: str = ""
+) -> str:
+    fp8 = f", FP8 scales={num_scales}" if num_scales else ""
+    tail = f", {extra}" if extra else ""
+    return f"{call} (dtype={str(dtype).removeprefix('torch.')}, hidden={hidden}{fp8}{tail})"
+
+
 _CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
 
 
@@ -268,6 +278,7 @@ class KernelsBackend(Backend):
         self._status = 0
         self._destroyed = False
         self._aborted: str | None = None  # the call this rank rejected (abort_peers)
+        self._last_header = ""  # this rank's last device-checked call header, in words
         # The control region is always there, so barriers work even before data fits.
         nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
         self._ipc = IpcBuffers(
@@ -347,6 +358,14 @@ class KernelsBackend(Backend):
                 f"rank moved data for that call. Fix the call on rank {peer}. This Buffer is "
                 "unusable now; create a new one."
             )
+        if flag and site == _SITE_HEADER_MISMATCH:
+            raise InvalidInputError(
+                f"rank {self.topology.rank}: the call of rank {peer} at barrier #{seq} differs "
+                f"from this rank's {self._last_header}: every rank must pass x of the same dtype "
+                "and hidden size (FP8 on all ranks or none) and, to combine, topk_weights on all "
+                "ranks or none and the same number of biases. That call's outputs were NaN. "
+                "This Buffer is unusable now; create a new one."
+            )
         if flag:
             raise CommTimeoutError(
                 f"rank {self.topology.rank}: timed out after {self._timeout_ms} ms at the "
@@ -403,6 +422,12 @@ class KernelsBackend(Backend):
         all_bounds = None
         if cached is None:
             all_bounds = torch.empty(num_ranks * _CHECK_WORDS, dtype=torch.int64, device=dev)
+        # Cached: checked on the GPU with notify's barrier (no host read); otherwise read back
+        # with the counts (_check_all_ranks).
+        experts = 0 if cached is not None else args.num_experts
+        header = pack_dispatch_header(x.dtype, hidden, num_scales, num_topk, experts)
+        if cached is not None:
+            self._last_header = _describe_call("cached dispatch", x.dtype, hidden, num_scales)
         c.intranode_notify(
             buffers=self._buffers,
             rank=rank,
@@ -422,9 +447,7 @@ class KernelsBackend(Backend):
             stream=stream,
             id_bounds=0 if bounds is None else bounds.data_ptr(),
             out_bounds=0 if all_bounds is None else all_bounds.data_ptr(),
-            header=pack_dispatch_header(x.dtype, hidden, num_scales, num_topk, args.num_experts)
-            if cached is None
-            else 0,
+            header=header,
         )
         # Everything that does not depend on the received counts is set before the sync, so
         # the GPU idles as briefly as possible between notify and send.
@@ -582,6 +605,9 @@ class KernelsBackend(Backend):
         a.buffer_bytes = self._buffer_bytes
         a.num_sms = config.num_sms
         a.use_tma = self._use_tma
+        a.header = pack_combine_header(x.dtype, hidden, num_topk, len(t.biases))
+        extra = f"topk_weights columns={num_topk}, biases={len(t.biases)}"
+        self._last_header = _describe_call("combine", x.dtype, hidden, 0, extra)
         a.seq_entry = self._next_seq()
         a.seq_done = self._next_seq()
         a.status, a.timeout_ns = self._status, self._timeout_ns
