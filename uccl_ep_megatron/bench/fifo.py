@@ -32,7 +32,7 @@ import statistics
 import sys
 from typing import Any
 
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +75,9 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Runs every thread count; returns one row per count."""
-    from uccl_ep_megatron import _C
+    from uccl_ep_megatron.core import _c
+
+    _C = _c.load()
 
     # Arguments first, so a typo is reported the same way with or without a GPU.
     try:
