@@ -22,6 +22,8 @@ KEYS = {
     "tflops_per_gpu",
     "dispatch_time_ms",
     "combine_time_ms",
+    "dispatch_host_ms",
+    "combine_host_ms",
     "dispatch_gbps",
     "combine_gbps",
     "expert_load_imbalance",
@@ -68,6 +70,10 @@ def test_smoke_jsonl_metrics(smoke_run):
         # max/mean of top-8 loads over 64 experts is >= 1 and bounded by 64 (all on one)
         assert 1.0 <= r["expert_load_imbalance"] <= 64.0
         assert r["dispatch_time_ms"] > 0 and r["combine_time_ms"] > 0
+        # On the CPU there is no device clock: both columns hold the same wall time (mean of
+        # the 2 ranks), and GB/s is the received bytes over it.
+        assert r["dispatch_host_ms"] == pytest.approx(r["dispatch_time_ms"], rel=1e-12)
+        assert r["combine_host_ms"] == pytest.approx(r["combine_time_ms"], rel=1e-12)
     # The MoE layer learns through dispatch -> experts -> combine and its autograd backward.
     assert records[-1]["loss"] < 0.98 * records[0]["loss"]
     config = json.loads((run_dir / "config.json").read_text())

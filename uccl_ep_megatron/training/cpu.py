@@ -146,17 +146,17 @@ class SmokeMoE(torch.nn.Module):
     def replicated_parameters(self) -> list[torch.nn.Parameter]:
         return [self.router, self.shared_in, self.shared_out]
 
-    def forward(self, x: torch.Tensor, buffer, timings: dict[str, float]):
+    def forward(self, x: torch.Tensor, buffer):
         import uccl_ep_megatron.ops as ops
+        from uccl_ep_megatron.telemetry.dispatch import recorder
 
         s = self.s
         topk_idx, topk_w = route(x @ self.router.t(), self.expert_bias, s)
-        t0 = time.perf_counter()
-        recv_x, recv_idx, recv_w, counts, handle = ops.dispatch(
-            buffer, x.to(torch.bfloat16), topk_idx, topk_w, s.num_experts
-        )
-        timings["dispatch"] += time.perf_counter() - t0
-        timings["dispatch_bytes"] += recv_x.numel() * recv_x.element_size()
+        with recorder.timed(x.device, 0, "dispatch") as nbytes:
+            recv_x, recv_idx, recv_w, counts, handle = ops.dispatch(
+                buffer, x.to(torch.bfloat16), topk_idx, topk_w, s.num_experts
+            )
+            nbytes[0] = recv_x.numel() * recv_x.element_size()
         # Experts: every (row, local expert) pair, grouped by expert, then summed back per row
         # with its routing weight. unbind() keeps each expert's gradient a view of one tensor.
         rows = recv_x.float()
@@ -170,9 +170,9 @@ class SmokeMoE(torch.nn.Module):
         chunks = rows[row_of].split(sizes)
         h = torch.cat([_swiglu(c, w_in[e], w_out[e]) for e, c in enumerate(chunks)])
         out = torch.zeros_like(rows).index_add(0, row_of, h * weight_of.unsqueeze(-1))
-        t0 = time.perf_counter()
-        combined = ops.combine(buffer, out.to(torch.bfloat16), handle)
-        timings["combine"] += time.perf_counter() - t0
+        with recorder.timed(x.device, 0, "combine") as nbytes:
+            nbytes[0] = recv_x.numel() * recv_x.element_size()
+            combined = ops.combine(buffer, out.to(torch.bfloat16), handle)
         y = combined.float()
         if s.shared_ffn:
             y = y + _swiglu(x, self.shared_in, self.shared_out)
@@ -206,6 +206,7 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from uccl_ep_megatron.buffer import Buffer
+    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
     from uccl_ep_megatron.telemetry.metrics import (
         MetricsLogger,
         bandwidth_gbps,
@@ -248,12 +249,14 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
     x0 = torch.randn(s.tokens_per_rank, s.hidden).to(torch.bfloat16)
     idx0, _ = route(x0.float() @ model.router.detach().t(), model.expert_bias, s)
     _round_trip_check(buffer, x0, idx0, s, world)
+    # Dispatch/combine timings go through the one recorder (on the CPU: host wall time in both
+    # the device and the host columns).
+    dispatch_metrics.enable()
     try:
         for step in range(1, cfg["steps"] + 1):
-            timings = {"dispatch": 0.0, "combine": 0.0, "dispatch_bytes": 0.0}
             t0 = time.perf_counter()
             x = torch.randn(s.tokens_per_rank, s.hidden)
-            y, topk_idx = model(x, buffer, timings)
+            y, topk_idx = model(x, buffer)
             loss = torch.nn.functional.mse_loss(y, x @ teacher)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -266,19 +269,16 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
             dist.all_reduce(load)
             model.expert_bias -= cfg["bias_update_rate"] * torch.sign(load - load.mean())
             step_time = time.perf_counter() - t0
+            comm = dispatch_metrics.collect().summary()
+            keys = ("dispatch_time_ms", "combine_time_ms", "dispatch_host_ms", "combine_host_ms")
             stats = torch.tensor(
-                [
-                    loss.item(),
-                    step_time,
-                    timings["dispatch"],
-                    timings["combine"],
-                    timings["dispatch_bytes"],
-                ],
+                [loss.item(), step_time, comm["dispatch_bytes"], *(comm[k] for k in keys)],
                 dtype=torch.float64,
             )
             dist.all_reduce(stats)
             stats /= world
-            mean_loss, step_time, t_d, t_c, nbytes = stats.tolist()
+            mean_loss, step_time, nbytes, *times = stats.tolist()
+            comm = dict(zip(keys, times, strict=True))
             tokens_per_s = s.tokens_per_rank * world / step_time
             metrics.log(
                 step,
@@ -288,10 +288,9 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
                     "tokens_per_s": tokens_per_s,
                     "tokens_per_s_per_gpu": tokens_per_s / world,
                     "tflops_per_gpu": flops_per_token * tokens_per_s / world / 1e12,
-                    "dispatch_time_ms": t_d * 1e3,
-                    "combine_time_ms": t_c * 1e3,
-                    "dispatch_gbps": bandwidth_gbps(nbytes, t_d),
-                    "combine_gbps": bandwidth_gbps(nbytes, t_c),
+                    **comm,
+                    "dispatch_gbps": bandwidth_gbps(nbytes, comm["dispatch_time_ms"] / 1e3),
+                    "combine_gbps": bandwidth_gbps(nbytes, comm["combine_time_ms"] / 1e3),
                     "expert_load_imbalance": expert_load_imbalance(load.tolist()),
                 },
             )
