@@ -69,7 +69,7 @@ print(json.dumps(sorted(
 
 def _root_importers(pythonpath: Path | None, cwd: Path) -> set[str]:
     """Modules of the layers that import the package root, by grimp (in a fresh process)."""
-    code = (f"import sys; sys.path.insert(0, {str(pythonpath)!r})\n" if pythonpath else "")
+    code = f"import sys; sys.path.insert(0, {str(pythonpath)!r})\n" if pythonpath else ""
     r = subprocess.run(
         [sys.executable, "-P", "-c", code + _ROOT_IMPORTERS],
         cwd=cwd,

@@ -39,7 +39,6 @@ DEFAULT_RECIPE = "deepseek-v3/quick"
 RECIPE_PATH_ENV = "UCCL_EP_RECIPE_PATH"
 
 
-
 class _RecipeLoader(yaml.SafeLoader):
     """``SafeLoader`` without aliases: a few lines of nested aliases (a "billion laughs" file)
     expand to billions of nodes; recipes share values through ``base:`` instead."""
@@ -276,7 +275,6 @@ class Recipe:
         if d.get("max_inflight_normal") is not None:
             env["UCCL_IB_MAX_INFLIGHT_NORMAL"] = str(d["max_inflight_normal"])
         return env
-
 
 
 def validate(name: str, data: dict[str, Any], source: Path) -> Recipe:
