@@ -91,3 +91,9 @@ def test_disabled_recorder_records_nothing():
     dm.instrument(d, 1)
     d.token_dispatch(torch.ones(2, 4), probs=None)
     assert dm.collect().layers == {}
+
+
+def test_timed_rejects_an_unknown_kind(recorder_on):
+    with pytest.raises(ValueError, match="'dispatch' or 'combine'"):
+        with dm.recorder.timed(torch.device("cpu"), 0, "permute"):
+            pass

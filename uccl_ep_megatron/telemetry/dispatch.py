@@ -186,6 +186,8 @@ class DispatchMetricsRecorder:
         Yields a one-element list: set ``[0]`` to the bytes moved before leaving the body.
         Nothing is recorded when the recorder is disabled or the body raises.
         """
+        if kind not in ("dispatch", "combine"):
+            raise InvalidInputError(f"kind={kind!r}: must be 'dispatch' or 'combine'")
         if not self.enabled or getattr(self._owned, "active", False):
             yield [0]
             return
