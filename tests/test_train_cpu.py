@@ -22,6 +22,8 @@ KEYS = {
     "tflops_per_gpu",
     "dispatch_time_ms",
     "combine_time_ms",
+    "dispatch_host_ms",
+    "combine_host_ms",
     "dispatch_gbps",
     "combine_gbps",
     "expert_load_imbalance",
@@ -68,6 +70,10 @@ def test_smoke_jsonl_metrics(smoke_run):
         # max/mean of top-8 loads over 64 experts is >= 1 and bounded by 64 (all on one)
         assert 1.0 <= r["expert_load_imbalance"] <= 64.0
         assert r["dispatch_time_ms"] > 0 and r["combine_time_ms"] > 0
+        # On the CPU there is no device clock: both columns hold the same wall time (mean of
+        # the 2 ranks), and GB/s is the received bytes over it.
+        assert r["dispatch_host_ms"] == pytest.approx(r["dispatch_time_ms"], rel=1e-12)
+        assert r["combine_host_ms"] == pytest.approx(r["combine_time_ms"], rel=1e-12)
     # The MoE layer learns through dispatch -> experts -> combine and its autograd backward.
     assert records[-1]["loss"] < 0.98 * records[0]["loss"]
     config = json.loads((run_dir / "config.json").read_text())
@@ -360,7 +366,7 @@ parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
 get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 from uccl_ep_megatron.flops import param_counts
 from uccl_ep_megatron.recipes import load_recipe
-from uccl_ep_megatron.train_gpu import _forward_step, batches, build_model, transformer_config
+from uccl_ep_megatron.train_gpu import batches, build_model, forward_step, transformer_config
 small = dict(hidden_size=256, num_attention_heads=4, kv_channels=64, num_layers=3,
              ffn_hidden_size=512, num_experts=16, moe_ffn_hidden_size=64,
              moe_shared_expert_intermediate_size=64, vocab_size=1000, seq_length=32,
@@ -380,7 +386,7 @@ cfg = transformer_config(r, par, "allgather")
 cfg.use_cpu_initialization, cfg.params_dtype, cfg.bf16 = True, torch.float32, False
 cfg.pipeline_dtype = torch.float32
 model = build_model(r, cfg)
-out, loss_fn = _forward_step(batches(r, par, 0, 0, None, torch.device("cpu")), model)
+out, loss_fn = forward_step(batches(r, par, 0, 0, None, torch.device("cpu")), model)
 total, tokens, _ = loss_fn(out)
 total.backward()
 c = param_counts(r.model)
@@ -458,7 +464,7 @@ R.model_parallel_cuda_manual_seed = lambda seed, *a, **k: torch.manual_seed(seed
 R.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
 def main():
-    import uccl_ep_megatron.train_gpu as T
+    import uccl_ep_megatron.training.gpu.loop as T
     from uccl_ep_megatron.train import TrainOptions, load
     batches = T.batches
     T.batches = lambda r, p, d, s, dp, dev: batches(r, p, d, s, dp, torch.device("cpu"))
@@ -544,6 +550,7 @@ def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
         assert abs(r["loss"] - 6.238) < 0.5  # about ln(512) untrained
         assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["step_time_s"], rel=1e-6)
         assert r["dispatch_time_ms"] > 0 and r["expert_load_imbalance"] >= 1.0
+        assert r["dispatch_host_ms"] > 0 and r["combine_host_ms"] > 0
         assert r["mfu"] == pytest.approx(r["tflops_per_gpu"] / 100.0, rel=1e-9)
     ckpt = run / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"

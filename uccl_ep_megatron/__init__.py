@@ -5,8 +5,8 @@
 
 from uccl_ep_megatron.backends.base import DispatchHandle
 from uccl_ep_megatron.buffer import Buffer
-from uccl_ep_megatron.config import Config
-from uccl_ep_megatron.errors import (
+from uccl_ep_megatron.core.config import Config
+from uccl_ep_megatron.core.errors import (
     BufferTooSmallError,
     CommTimeoutError,
     GpuError,
@@ -15,7 +15,7 @@ from uccl_ep_megatron.errors import (
     UcclEpError,
     UnsupportedError,
 )
-from uccl_ep_megatron.event import EventOverlap
+from uccl_ep_megatron.core.events import EventOverlap
 
 __version__ = "0.1.0"
 

@@ -19,9 +19,9 @@ import sys
 import types
 
 from uccl_ep_megatron.buffer import Buffer
-from uccl_ep_megatron.config import Config
-from uccl_ep_megatron.errors import UnsupportedError
-from uccl_ep_megatron.event import EventOverlap, capture
+from uccl_ep_megatron.core.config import Config
+from uccl_ep_megatron.core.errors import UnsupportedError
+from uccl_ep_megatron.core.events import EventOverlap, capture
 
 MODULE_NAME = "deep_ep"
 _MARKER = "__uccl_ep_megatron_compat__"

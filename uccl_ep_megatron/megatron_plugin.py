@@ -41,7 +41,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.token_dispatcher.options import (
     BACKENDS,
     ENV_OPTIONS,
@@ -455,7 +455,7 @@ def install(
         saved_env = {name: os.environ.get(name) for name in ENV_OPTIONS.values()}
         compat = None
         if deep_ep_compat:
-            from uccl_ep_megatron import deep_ep_compat as compat
+            import uccl_ep_megatron.deep_ep_compat as compat
         compat_was_installed = compat is not None and compat.is_installed()
         try:
             if changes:

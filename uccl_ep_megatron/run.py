@@ -20,7 +20,7 @@ import os
 import runpy
 import sys
 
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,11 +54,11 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.deep_ep_compat or args.deep_ep_compat_replace:
         # Before megatron.core is imported: fused_a2a binds deep_ep at import time.
-        from uccl_ep_megatron import deep_ep_compat
+        import uccl_ep_megatron.deep_ep_compat as deep_ep_compat
 
         deep_ep_compat.install(replace_real=args.deep_ep_compat_replace)
 
-    from uccl_ep_megatron import megatron_plugin
+    import uccl_ep_megatron.megatron_plugin as megatron_plugin
 
     try:
         megatron_plugin.install()

@@ -12,10 +12,10 @@ namespace py = pybind11;
 namespace uccl_ep::bindings {
 
 void bind_common(py::module_& m) {
-  // C++ exceptions surface as the Python classes of uccl_ep_megatron.errors, so callers catch
+  // C++ exceptions surface as the Python classes of uccl_ep_megatron.core.errors, so callers catch
   // one hierarchy whichever side raised.
   // Leaked on purpose: a static py::object would be released after the interpreter is gone.
-  static py::object& errors = *new py::object(py::module_::import("uccl_ep_megatron.errors"));
+  static py::object& errors = *new py::object(py::module_::import("uccl_ep_megatron.core.errors"));
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

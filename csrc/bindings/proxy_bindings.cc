@@ -1,4 +1,4 @@
-// FIFO channels, proxies, transports and the FIFO test/bench kernels. Pointers cross as ints.
+// FIFO channels, proxies and transports. Pointers cross as ints.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -165,12 +165,6 @@ py::dict stats_dict(const ProxyStats& s) {
   d["atomics_applied"] = s.atomics_applied;
   d["held_out_of_order"] = s.held_out_of_order;
   return d;
-}
-
-std::vector<FifoDeviceHandle> handles_of(const std::vector<FifoChannel*>& chans) {
-  std::vector<FifoDeviceHandle> h;
-  for (auto* c : chans) h.push_back(c->device_handle());
-  return h;
 }
 
 }  // namespace
@@ -445,49 +439,10 @@ void bind_proxy(py::module_& m) {
   m.def("numa_cpus_of_pci", [](const std::string& bus) { return numa_cpus_of_pci(bus); }, py::arg("pci_bus_id"),
         "CPUs of the NUMA node of a PCI device ([] when unknown).");
 
-  // ---- GPU helpers, test and bench kernels ----
+  // ---- GPU helpers (the FIFO test/bench kernels are in the _bench_C extension) ----
 #ifdef UCCL_EP_WITH_GPU
   m.def("gpu_device_count", &gpu::device_count);
   m.def("gpu_pci_bus_id", &gpu::pci_bus_id, py::arg("device"));
-  m.def(
-      "fifo_launch_traffic",
-      [](const std::vector<FifoChannel*>& chans, uint32_t blocks, uint32_t warps_per_block, uint32_t msgs,
-         uint32_t len, uint32_t rank, uint32_t peer, uintptr_t region, int device, uintptr_t stream) {
-        gpu::launch_traffic_kernel(handles_of(chans), blocks, warps_per_block, msgs, len, rank, peer,
-                                   reinterpret_cast<void*>(region), device, stream);
-      },
-      py::arg("channels"), py::arg("blocks"), py::arg("warps_per_block"), py::arg("msgs"), py::arg("length"),
-      py::arg("rank"), py::arg("peer"), py::arg("region_ptr"), py::arg("device"), py::arg("stream"),
-      "Launch the GPU test's traffic kernel (see csrc/fifo/fifo_gpu.h).");
-  m.def(
-      "fifo_bench",
-      [](int device, uint32_t channels, uint32_t threads, uint32_t blocks, uint32_t warps_per_block,
-         uint32_t cmds_per_warp, uint32_t capacity, uint32_t latency_iters, uint64_t timeout_ms,
-         uint32_t poll_backoff_ns) {
-        gpu::FifoBenchResult r;
-        {
-          // Release the GIL only around the bench: the dict below is built with it held again
-          // (creating Python objects without the GIL segfaulted the device run, rc 139).
-          py::gil_scoped_release nogil;
-          r = gpu::run_fifo_bench(device, channels, threads, blocks, warps_per_block, cmds_per_warp, capacity,
-                                  latency_iters, timeout_ms, poll_backoff_ns);
-        }
-        py::dict d;
-        d["commands"] = r.commands;
-        d["seconds"] = r.seconds;
-        d["kernel_seconds"] = r.kernel_seconds;
-        d["order_errors"] = r.order_errors;
-        d["latency_ns"] = r.latency_ns;
-        d["push_ns"] = r.push_ns;
-        d["host_read_ns"] = r.host_read_ns;
-        d["push_to_poll_max_ns"] = r.push_to_poll_max_ns;
-        d["clock_read_ns"] = r.clock_read_ns;
-        return d;
-      },
-      py::arg("device"), py::arg("channels"), py::arg("threads"), py::arg("blocks"), py::arg("warps_per_block"),
-      py::arg("cmds_per_warp"), py::arg("capacity"), py::arg("latency_iters"), py::arg("timeout_ms"),
-      py::arg("poll_backoff_ns") = 0,
-      "GPU->CPU command rate and push->pop latency of the FIFO (releases the GIL while it runs).");
 #endif
 }
 

@@ -1,5 +1,5 @@
 // One exception hierarchy for the whole core. The bindings translate each class to the
-// Python exception of the same role in uccl_ep_megatron.errors, so a C++ failure reaches
+// Python exception of the same role in uccl_ep_megatron.core.errors, so a C++ failure reaches
 // the user as a typed, catchable Python error with its context intact.
 #pragma once
 

@@ -42,22 +42,27 @@ cp -r uccl_ep_megatron/. "$SITE/uccl_ep_megatron/"
 cp -r token_dispatcher "$SITE/uccl_ep_megatron/token_dispatcher"
 mkdir -p "$SITE/uccl_ep_megatron/data" && cp -r recipes "$SITE/uccl_ep_megatron/data/recipes" \
   && cp -r launch "$SITE/uccl_ep_megatron/data/launch"
+# The extensions: _C in the package, _bench_C (benchmark/test kernels) in its bench/ folder.
+so_dir() { if [ "$1" = _bench_C ]; then echo "$2/uccl_ep_megatron/bench"; else echo "$2/uccl_ep_megatron"; fi; }
 build_c() {
-  if ls .prebuilt/_C."$src_hash".*.so > /dev/null 2>&1; then
-    cp .prebuilt/_C."$src_hash".*.so "$SITE/uccl_ep_megatron/"
-    rename_so=$(ls "$SITE"/uccl_ep_megatron/_C."$src_hash".*.so)
-    mv "$rename_so" "${rename_so/_C.$src_hash./_C.}"
-    echo "_C reused (hash $src_hash)"
+  if ls .prebuilt/_C."$src_hash".*.so .prebuilt/_bench_C."$src_hash".*.so > /dev/null 2>&1; then
+    for m in _C _bench_C; do
+      f=$(ls .prebuilt/"$m"."$src_hash".*.so)
+      cp "$f" "$(so_dir "$m" "$SITE")/$m.${f##*/"$m"."$src_hash".}"
+    done
+    echo "_C and _bench_C reused (hash $src_hash)"
     return 0
   fi
   local t=$SECONDS
   timeout 300 python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
     -C cmake.define.UCCL_EP_CUDA_ARCHS=90 --target /tmp/whl_site . > "$LOGS/build.log" 2>&1 \
     || { echo "build FAILED"; tail -30 "$LOGS/build.log"; return 1; }
-  so=$(ls /tmp/whl_site/uccl_ep_megatron/_C.*.so)
-  cp "$so" "$SITE/uccl_ep_megatron/"
-  cp "$so" "/tmp/prebuilt/_C.$src_hash.${so##*/_C.}"
-  echo "_C built in $((SECONDS - t)) s (hash $src_hash)"
+  for m in _C _bench_C; do
+    so=$(ls "$(so_dir "$m" /tmp/whl_site)"/"$m".*.so)
+    cp "$so" "$(so_dir "$m" "$SITE")/"
+    cp "$so" "/tmp/prebuilt/$m.$src_hash.${so##*/"$m".}"
+  done
+  echo "_C and _bench_C built in $((SECONDS - t)) s (hash $src_hash)"
 }
 build_deepep() {
   [ -d .baselines/deepep-v1 ] || { echo "no .baselines/deepep-v1: DeepEP not timed"; return 0; }

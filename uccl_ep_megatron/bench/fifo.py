@@ -32,7 +32,7 @@ import statistics
 import sys
 from typing import Any
 
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +75,10 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Runs every thread count; returns one row per count."""
-    from uccl_ep_megatron import _C
+    from uccl_ep_megatron.bench import kernels as bench_kernels
+    from uccl_ep_megatron.core import _c
+
+    _C = _c.load()
 
     # Arguments first, so a typo is reported the same way with or without a GPU.
     try:
@@ -91,14 +94,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     channels = args.channels or 2 * max(threads)
     if channels < max(threads):
         raise InvalidInputError(f"--channels={channels} must be >= every thread count {threads}")
-    if not hasattr(_C, "fifo_bench"):
+    if not hasattr(_C, "gpu_device_count"):
         raise UnsupportedError("bench fifo needs a GPU build of uccl_ep_megatron (nvcc at install)")
     if _C.gpu_device_count() <= args.device:
         raise UnsupportedError(f"bench fifo: no CUDA device {args.device} on this machine")
     nan = float("nan")
     rows = []
     for t in threads:
-        r = _C.fifo_bench(
+        r = bench_kernels.load().fifo_bench(
             args.device,
             channels,
             t,

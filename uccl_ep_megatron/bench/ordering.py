@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from uccl_ep_megatron.errors import CommTimeoutError, InvalidInputError
+from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +45,10 @@ def register(subparsers: Any) -> None:
 
 
 def _one(args: argparse.Namespace, ordering: str, delay_us: int) -> dict[str, Any]:
-    from uccl_ep_megatron import _C
+    from uccl_ep_megatron.core import _c
     from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint, cmd_write_atomic
+
+    _C = _c.load()
 
     world, ch, n, nbytes = 2, args.channels, args.msgs, args.bytes
     slot = (nbytes + 15) // 16 * 16
@@ -129,7 +131,9 @@ def _one(args: argparse.Namespace, ordering: str, delay_us: int) -> dict[str, An
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every (delay, ordering) pair."""
-    from uccl_ep_megatron import _C
+    from uccl_ep_megatron.core import _c
+
+    _C = _c.load()
 
     try:
         delays = [int(d) for d in args.delay_us.split(",") if d.strip()]

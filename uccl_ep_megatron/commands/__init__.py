@@ -1,1 +1,1 @@
-"""Subcommands of the ``uccl-ep-megatron`` CLI, one module each (see ``cli.py``)."""
+"""Old home of the subcommands, kept as aliases: they live in ``uccl_ep_megatron.cli``."""

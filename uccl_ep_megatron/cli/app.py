@@ -1,6 +1,6 @@
 """The ``uccl-ep-megatron`` command line.
 
-Each subcommand lives in its own module under ``uccl_ep_megatron.commands`` and exposes
+Each subcommand lives in its own module of this package (``uccl_ep_megatron.cli``) and exposes
 ``register(subparsers)``, which adds its parser and sets ``func`` to its handler. Modules are
 imported only when the CLI starts, so heavy imports (megatron-core, wandb) stay inside the
 handlers that need them.
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
-        importlib.import_module(f"uccl_ep_megatron.commands.{name}").register(sub)
+        importlib.import_module(f"uccl_ep_megatron.cli.{name}").register(sub)
     return parser
 
 

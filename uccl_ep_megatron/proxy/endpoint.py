@@ -20,7 +20,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from uccl_ep_megatron.errors import CommTimeoutError, InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core import _c
+from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UnsupportedError
 
 _ORDERINGS = ("receiver", "sender", "none")
 _TRANSPORTS = ("auto", "verbs", "ipc")
@@ -29,14 +30,8 @@ _TRANSPORTS = ("auto", "verbs", "ipc")
 _STUCK: list[tuple[Any, ...]] = []
 
 
-def _C() -> Any:
-    from uccl_ep_megatron import _C as c
-
-    return c
-
-
 def _env() -> dict[str, Any]:
-    return _C().env_effective()
+    return _c.load().env_effective()
 
 
 @dataclass
@@ -116,7 +111,7 @@ class ProxyConfig:
             raise InvalidInputError(
                 f"transport={r.transport!r} must be one of {_TRANSPORTS} (UCCL_EP_TRANSPORT)"
             )
-        limit = _C().cmd_limits["num_atomic_counters"]
+        limit = _c.load().cmd_limits["num_atomic_counters"]
         if not 1 <= r.num_counters <= limit:
             raise InvalidInputError(f"num_counters={r.num_counters} must be in [1, {limit}]")
         return r
@@ -138,7 +133,7 @@ def exchange(blob: bytes, group: Any = None) -> list[bytes]:
 
 def rdma_usable() -> bool:
     """True when libibverbs loads and some RDMA port is ACTIVE."""
-    c = _C()
+    c = _c.load()
     if not c.verbs_status()["loaded"]:
         return False
     try:
@@ -152,9 +147,10 @@ def choose_transport(requested: str) -> str:
     """Resolve ``auto`` to ``verbs`` (an active RDMA port exists) or ``ipc``."""
     if requested == "auto":
         return "verbs" if rdma_usable() else "ipc"
-    if requested == "verbs" and not _C().verbs_status()["loaded"]:
+    verbs = _c.load().verbs_status()
+    if requested == "verbs" and not verbs["loaded"]:
         raise UnsupportedError(
-            "UCCL_EP_TRANSPORT=verbs but libibverbs is unavailable: " + _C().verbs_status()["error"]
+            "UCCL_EP_TRANSPORT=verbs but libibverbs is unavailable: " + verbs["error"]
         )
     return requested
 
@@ -186,7 +182,7 @@ class ProxyEndpoint:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        c = _C()
+        c = _c.load()
         self.config = (config or ProxyConfig()).resolved()
         cfg = self.config
         if region_ptr <= 0 or region_bytes <= 0:
@@ -302,7 +298,7 @@ class ProxyEndpoint:
 
     @property
     def _c(self) -> Any:
-        return _C()
+        return _c.load()
 
     def device_handles(self) -> bytes:
         """The channels' FifoDeviceHandle structs back to back (copy to device memory)."""
@@ -357,43 +353,10 @@ class ProxyEndpoint:
         self.close()
 
 
-# Command constructors (validated; (lo, hi) tuples a CPU producer pushes).
-def cmd_write(dst_rank: int, src_offset: int, dst_offset: int, length: int) -> tuple[int, int]:
-    """A Write of ``length`` bytes between the symmetric regions."""
-    return tuple(_C().cmd_write(dst_rank, src_offset, dst_offset, length))
-
-
-def cmd_write_atomic(
-    dst_rank: int, src_offset: int, dst_offset: int, length: int, index: int, value: int
-) -> tuple[int, int]:
-    """A Write that adds ``value`` to counter ``index`` of ``dst_rank`` once its bytes landed."""
-    return tuple(_C().cmd_write_atomic(dst_rank, src_offset, dst_offset, length, index, value))
-
-
-def cmd_atomic(dst_rank: int, index: int, value: int) -> tuple[int, int]:
-    """A software atomic ordered after the channel's earlier writes to ``dst_rank``."""
-    return tuple(_C().cmd_atomic(dst_rank, index, value))
-
-
-def cmd_drain(upto: int | None = None) -> tuple[int, int]:
-    """Completes once the channel's messages up to FIFO index ``upto`` (default: all) completed."""
-    return tuple(_C().cmd_drain_all() if upto is None else _C().cmd_drain(upto))
-
-
-def cmd_barrier(same_rail: bool = False) -> tuple[int, int]:
-    """Completes once every peer (or same-rail peer) pushed a Barrier on the same channel."""
-    return tuple(_C().cmd_barrier(same_rail))
-
-
 __all__ = [
     "ProxyConfig",
     "ProxyEndpoint",
     "choose_transport",
-    "cmd_atomic",
-    "cmd_barrier",
-    "cmd_drain",
-    "cmd_write",
-    "cmd_write_atomic",
     "exchange",
     "rdma_usable",
 ]

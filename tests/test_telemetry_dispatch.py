@@ -1,0 +1,99 @@
+"""The one dispatch/combine recorder: one record per call, host time beside device time."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from uccl_ep_megatron.telemetry import dispatch as dm
+
+
+class _SelfTimingDispatcher:
+    """Records itself through the recorder, as the uccl_ep dispatcher does."""
+
+    layer_number = 3
+
+    def __init__(self, sleep_s: float) -> None:
+        self.sleep_s = sleep_s
+        self.fail = False
+
+    def token_dispatch(self, hidden_states, probs):
+        timer = dm.recorder.start(hidden_states.device)
+        time.sleep(self.sleep_s)
+        if self.fail:
+            raise RuntimeError("boom")
+        out = torch.cat([hidden_states, hidden_states])
+        dm.recorder.record(timer, self.layer_number, "dispatch", 1)  # a wrong byte count
+        return out, probs
+
+    def token_combine(self, hidden_states):
+        timer = dm.recorder.start(hidden_states.device)
+        time.sleep(self.sleep_s)
+        dm.recorder.record(timer, self.layer_number, "combine", 1)
+        return hidden_states[: hidden_states.shape[0] // 2]
+
+
+@pytest.fixture
+def recorder_on():
+    dm.collect()
+    dm.enable(True)
+    yield
+    dm.enable(False)
+    dm.collect()
+
+
+def test_instrumented_call_is_recorded_once_with_host_time(recorder_on):
+    d = _SelfTimingDispatcher(0.02)
+    dm.instrument(d, d.layer_number)
+    x = torch.ones(4, 8, dtype=torch.bfloat16)
+    for _ in range(2):
+        y, _ = d.token_dispatch(x, probs=None)
+        d.token_combine(y)
+    step = dm.collect()
+    m = step.layers[3]
+    # The dispatcher's own records inside the instrumented calls are skipped: one per call,
+    # with the bytes the hook measured (received rows), not the dispatcher's.
+    assert m.calls == 2
+    assert m.dispatch_bytes == 2 * 8 * 8 * 2 and m.combine_bytes == 2 * 8 * 8 * 2
+    assert m.dispatch_host_ms >= 2 * 20 and m.combine_host_ms >= 2 * 20
+    # No device on the CPU: the device column holds the same wall time.
+    assert m.dispatch_ms == m.dispatch_host_ms and m.combine_ms == m.combine_host_ms
+    s = step.summary()
+    assert s["dispatch_host_ms"] == m.dispatch_host_ms and s["combine_time_ms"] == m.combine_ms
+    assert step.per_layer()["layer3/combine_host_ms"] == m.combine_host_ms
+
+
+def test_uninstrumented_dispatcher_still_records_itself(recorder_on):
+    d = _SelfTimingDispatcher(0.0)
+    y, _ = d.token_dispatch(torch.ones(2, 4), probs=None)
+    d.token_combine(y)
+    m = dm.collect().layers[3]
+    assert m.calls == 1 and m.dispatch_bytes == 1 and m.combine_bytes == 1
+
+
+def test_failed_call_records_nothing_and_releases_the_call(recorder_on):
+    d = _SelfTimingDispatcher(0.0)
+    dm.instrument(d, 5)
+    d.fail = True
+    with pytest.raises(RuntimeError, match="boom"):
+        d.token_dispatch(torch.ones(2, 4), probs=None)
+    assert dm.collect().layers == {}
+    d.fail = False
+    d.token_dispatch(torch.ones(2, 4), probs=None)
+    assert dm.collect().layers[5].calls == 1
+
+
+def test_disabled_recorder_records_nothing():
+    dm.enable(False)
+    d = _SelfTimingDispatcher(0.0)
+    dm.instrument(d, 1)
+    d.token_dispatch(torch.ones(2, 4), probs=None)
+    assert dm.collect().layers == {}
+
+
+def test_timed_rejects_an_unknown_kind(recorder_on):
+    with pytest.raises(ValueError, match="'dispatch' or 'combine'"):
+        with dm.recorder.timed(torch.device("cpu"), 0, "permute"):
+            pass

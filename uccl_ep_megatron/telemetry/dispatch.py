@@ -1,0 +1,320 @@
+"""The one recorder of token dispatch/combine metrics, per MoE layer, for every dispatcher.
+
+Two producers feed it, and one call is measured once:
+
+* the ``uccl_ep`` dispatcher records its own ``token_dispatch`` / ``token_combine`` when enabled
+  (``enable()``, ``--moe-uccl-ep-metrics`` or ``UcclEpOptions(metrics=True)``);
+* :func:`instrument` wraps any Megatron dispatcher's ``token_dispatch`` / ``token_combine``
+  (``uccl_ep``, ``alltoall``, ...), which is how ``uccl-ep-megatron train`` times every
+  dispatcher the same way. A timing opened by :func:`instrument` owns the call: the
+  dispatcher's own recording inside it is skipped, so nothing is counted twice.
+
+What each number is, per call (only forward passes; the backward runs the same two
+collectives in reverse):
+
+* **device time** (``dispatch_time_ms`` / ``combine_time_ms``): CUDA events recorded on the
+  caller's current stream right before and right after the call. Dispatchers run their
+  communication on that stream, or (``uccl_ep``) on a communication stream that first waits for
+  it and that it waits for again before the call returns, so the interval is the GPU time from
+  "inputs ready" to "outputs ready". Events are resolved at ``collect()``, so recording never
+  synchronizes.
+* **host time** (``dispatch_host_ms`` / ``combine_host_ms``): CPU wall time spent inside the
+  call (``time.perf_counter``): argument checks, launches, and any wait of the host on the GPU.
+
+A host synchronization inside a call (e.g. reading counts back) shows up in **both**: the host
+waits for the device (host time), and the device idles until the host launches the rest
+(device time). A large host time with a device time close to it means the call is host-bound.
+On the CPU (gloo) there is no device clock: both columns hold the same wall time.
+
+Also recorded: tokens received per local expert (before quantization padding) and bytes
+moved (bytes of the received token rows, DeepEP's bandwidth convention, used for both
+dispatch and combine). ``collect()`` returns a ``StepDispatchMetrics`` and resets;
+``StepDispatchMetrics.summary()`` gives the metric names of ``uccl_ep_megatron.telemetry.metrics``
+plus ``local_expert_load_imbalance``: the worst MoE layer's max / mean over this rank's local
+experts, which is not ``expert_load_imbalance`` (global experts, averaged over layers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from uccl_ep_megatron.core.errors import InvalidInputError
+
+
+class _Timer:
+    """Device time (CUDA events on the current stream) and host time of one call."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.stop = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        self.t0 = time.perf_counter()
+        self.t1 = self.t0
+
+    def finish(self) -> None:
+        self.t1 = time.perf_counter()
+        if self.cuda:
+            self.stop.record()
+
+    def host_ms(self) -> float:
+        return (self.t1 - self.t0) * 1e3
+
+    def device_ms(self) -> float:
+        """The events' interval (waits for the stop event); host time without a device."""
+        if self.cuda:
+            self.stop.synchronize()
+            return float(self.start.elapsed_time(self.stop))
+        return self.host_ms()
+
+
+@dataclass
+class LayerDispatchMetrics:
+    """One layer's totals over the forward passes since the last ``collect()``."""
+
+    layer: int
+    calls: int = 0
+    dispatch_ms: float = 0.0
+    combine_ms: float = 0.0
+    dispatch_host_ms: float = 0.0
+    combine_host_ms: float = 0.0
+    dispatch_bytes: int = 0
+    combine_bytes: int = 0
+    tokens_per_local_expert: list[int] = field(default_factory=list)
+
+    @property
+    def dispatch_gbps(self) -> float:
+        return self.dispatch_bytes / self.dispatch_ms / 1e6 if self.dispatch_ms > 0 else 0.0
+
+    @property
+    def combine_gbps(self) -> float:
+        return self.combine_bytes / self.combine_ms / 1e6 if self.combine_ms > 0 else 0.0
+
+
+@dataclass
+class StepDispatchMetrics:
+    """Everything recorded since the previous ``collect()``, per layer."""
+
+    layers: dict[int, LayerDispatchMetrics]
+
+    def summary(self) -> dict[str, float]:
+        """Totals over layers under the names ``uccl_ep_megatron.metrics`` logs; {} if empty."""
+        if not self.layers:
+            return {}
+        d_ms = sum(m.dispatch_ms for m in self.layers.values())
+        c_ms = sum(m.combine_ms for m in self.layers.values())
+        d_bytes = sum(m.dispatch_bytes for m in self.layers.values())
+        c_bytes = sum(m.combine_bytes for m in self.layers.values())
+        out = {
+            "dispatch_time_ms": d_ms,
+            "combine_time_ms": c_ms,
+            "dispatch_host_ms": sum(m.dispatch_host_ms for m in self.layers.values()),
+            "combine_host_ms": sum(m.combine_host_ms for m in self.layers.values()),
+            "dispatch_gbps": d_bytes / d_ms / 1e6 if d_ms > 0 else 0.0,
+            "combine_gbps": c_bytes / c_ms / 1e6 if c_ms > 0 else 0.0,
+            "dispatch_bytes": float(d_bytes),
+        }
+        imbalances = [
+            _imbalance(m.tokens_per_local_expert)
+            for m in self.layers.values()
+            if m.tokens_per_local_expert
+        ]
+        if imbalances:
+            # The worst layer: one overloaded expert stalls its whole layer. Only this rank's
+            # experts: a different quantity from the global expert_load_imbalance, so another name.
+            out["local_expert_load_imbalance"] = max(imbalances)
+        return out
+
+    def per_layer(self) -> dict[str, float]:
+        """Flat ``layer{N}/<metric>`` values, for per-layer charts."""
+        out: dict[str, float] = {}
+        for n, m in sorted(self.layers.items()):
+            out[f"layer{n}/dispatch_time_ms"] = m.dispatch_ms
+            out[f"layer{n}/combine_time_ms"] = m.combine_ms
+            out[f"layer{n}/dispatch_host_ms"] = m.dispatch_host_ms
+            out[f"layer{n}/combine_host_ms"] = m.combine_host_ms
+            out[f"layer{n}/dispatch_gbps"] = m.dispatch_gbps
+            out[f"layer{n}/combine_gbps"] = m.combine_gbps
+            if m.tokens_per_local_expert:
+                out[f"layer{n}/local_expert_load_imbalance"] = _imbalance(m.tokens_per_local_expert)
+        return out
+
+
+def _imbalance(counts: list[int]) -> float:
+    mean = sum(counts) / len(counts)
+    return max(counts) / mean if mean > 0 else 0.0
+
+
+@dataclass
+class _Pending:
+    layer: int
+    kind: str  # "dispatch" or "combine"
+    timer: _Timer
+    num_bytes: int
+    tokens_per_local_expert: list[int] | None
+
+
+class DispatchMetricsRecorder:
+    """Collects records from dispatchers; thread-safe, cheap when disabled."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[StepDispatchMetrics], Any]] = []
+        self._owned = threading.local()  # set while `timed` owns a call on this thread
+
+    def start(self, device: torch.device) -> _Timer | None:
+        """Start timing an operation; ``None`` when disabled or inside a ``timed`` call."""
+        if not self.enabled or getattr(self._owned, "active", False):
+            return None
+        return _Timer(device)
+
+    @contextlib.contextmanager
+    def timed(self, device: torch.device, layer: int, kind: str) -> Iterator[list[int]]:
+        """Time the body as one ``kind`` call of ``layer``; records nested inside it are skipped.
+
+        Yields a one-element list: set ``[0]`` to the bytes moved before leaving the body.
+        Nothing is recorded when the recorder is disabled or the body raises.
+        """
+        if kind not in ("dispatch", "combine"):
+            raise InvalidInputError(f"kind={kind!r}: must be 'dispatch' or 'combine'")
+        if not self.enabled or getattr(self._owned, "active", False):
+            yield [0]
+            return
+        timer = _Timer(device)
+        nbytes = [0]
+        self._owned.active = True
+        try:
+            yield nbytes
+        finally:
+            self._owned.active = False
+        self.record(timer, layer, kind, nbytes[0])
+
+    def record(
+        self,
+        timer: _Timer | None,
+        layer: int,
+        kind: str,
+        num_bytes: int,
+        tokens_per_local_expert: list[int] | None = None,
+    ) -> None:
+        """Stop ``timer`` and keep the record until ``collect()``."""
+        if timer is None:
+            return
+        if kind not in ("dispatch", "combine"):
+            raise InvalidInputError(f"kind={kind!r}: must be 'dispatch' or 'combine'")
+        timer.finish()
+        with self._lock:
+            self._pending.append(
+                _Pending(layer, kind, timer, int(num_bytes), tokens_per_local_expert)
+            )
+
+    def note_tokens(self, layer: int, tokens_per_local_expert: list[int]) -> None:
+        """Attach tokens-per-local-expert counts to the layer's latest dispatch record."""
+        if not self.enabled:
+            return
+        with self._lock:
+            for p in reversed(self._pending):
+                if p.layer == layer and p.kind == "dispatch":
+                    p.tokens_per_local_expert = list(tokens_per_local_expert)
+                    return
+
+    def collect(self) -> StepDispatchMetrics:
+        """Resolve every pending record (waits for their events), reset, notify listeners."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        layers: dict[int, LayerDispatchMetrics] = {}
+        for p in pending:
+            m = layers.setdefault(p.layer, LayerDispatchMetrics(p.layer))
+            ms, host_ms = p.timer.device_ms(), p.timer.host_ms()
+            if p.kind == "dispatch":
+                m.calls += 1
+                m.dispatch_ms += ms
+                m.dispatch_host_ms += host_ms
+                m.dispatch_bytes += p.num_bytes
+                if p.tokens_per_local_expert is not None:
+                    if not m.tokens_per_local_expert:
+                        m.tokens_per_local_expert = [0] * len(p.tokens_per_local_expert)
+                    for i, c in enumerate(p.tokens_per_local_expert):
+                        m.tokens_per_local_expert[i] += c
+            else:
+                m.combine_ms += ms
+                m.combine_host_ms += host_ms
+                m.combine_bytes += p.num_bytes
+        step = StepDispatchMetrics(layers)
+        for fn in list(self._listeners):
+            fn(step)
+        return step
+
+    def add_listener(self, fn: Callable[[StepDispatchMetrics], Any]) -> None:
+        """Call ``fn(step_metrics)`` on every ``collect()`` (e.g. a wandb writer)."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[StepDispatchMetrics], Any]) -> None:
+        """Undo ``add_listener``."""
+        self._listeners.remove(fn)
+
+
+recorder = DispatchMetricsRecorder()
+
+
+def enable(enabled: bool = True) -> None:
+    """Turn recording on (or off); pending records are kept until ``collect()``."""
+    recorder.enabled = bool(enabled)
+
+
+def is_enabled() -> bool:
+    """Whether dispatchers record metrics now."""
+    return recorder.enabled
+
+
+def collect() -> StepDispatchMetrics:
+    """Records since the last call, per layer (see ``DispatchMetricsRecorder.collect``)."""
+    return recorder.collect()
+
+
+def _row_bytes(value: Any) -> int:
+    """Bytes of the token rows in ``value`` (a tensor, or the first element of a tuple)."""
+    t = value[0] if isinstance(value, (tuple, list)) and value else value
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _first(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states: the first argument, by position or by name."""
+    return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+
+
+def instrument(dispatcher: Any, layer: int) -> None:
+    """Time ``dispatcher.token_dispatch`` / ``token_combine`` through ``recorder`` (any type).
+
+    Bytes: the received rows (``token_dispatch``'s first output) and the rows sent back
+    (``token_combine``'s first argument). The hooks record only while the recorder is enabled.
+    """
+    dispatch, combine = dispatcher.token_dispatch, dispatcher.token_combine
+
+    @functools.wraps(dispatch)
+    def token_dispatch(*args: Any, **kwargs: Any) -> Any:
+        with recorder.timed(_first(args, kwargs).device, layer, "dispatch") as nbytes:
+            out = dispatch(*args, **kwargs)
+            nbytes[0] = _row_bytes(out)
+        return out
+
+    @functools.wraps(combine)
+    def token_combine(*args: Any, **kwargs: Any) -> Any:
+        hidden_states = _first(args, kwargs)
+        with recorder.timed(hidden_states.device, layer, "combine") as nbytes:
+            nbytes[0] = _row_bytes(hidden_states)
+            return combine(*args, **kwargs)
+
+    dispatcher.token_dispatch = token_dispatch
+    dispatcher.token_combine = token_combine

@@ -1,0 +1,252 @@
+"""The recipe as a megatron-core model: expert path, ``TransformerConfig`` and ``GPTModel``.
+
+The model is built from Transformer Engine's layer specs when TE is installed and from the
+local (plain PyTorch) ones otherwise; two megatron-core spots that assume TE are patched for
+the local path (``without_transformer_engine``, the MLA core attention).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
+
+# ---- experts ------------------------------------------------------------------------------
+EXPERT_PATHS = ("TEGroupedMLP", "GroupedMLP", "SequentialMLP")
+
+
+def expert_path() -> tuple[str, str]:
+    """The fastest expert implementation megatron-core offers here, and why.
+
+    ``TEGroupedMLP`` (Transformer Engine's grouped GEMM) when Transformer Engine imports; else
+    megatron-core's legacy ``GroupedMLP`` where the release still has it (0.14-0.16, switch
+    ``moe_use_legacy_grouped_gemm``) and the ``grouped_gemm`` package is installed; else
+    ``SequentialMLP``, one GEMM pair per local expert, the slowest.
+    """
+    import dataclasses
+    import importlib.util
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return "TEGroupedMLP", "Transformer Engine is installed: its grouped GEMM"
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    legacy = "moe_use_legacy_grouped_gemm" in fields
+    if legacy and importlib.util.find_spec("grouped_gemm") is not None:
+        return "GroupedMLP", "no Transformer Engine; megatron-core's legacy grouped GEMM"
+    return (
+        "SequentialMLP",
+        "no Transformer Engine (and no legacy grouped_gemm): one GEMM pair per local expert, "
+        "the slowest path; install transformer-engine for TEGroupedMLP",
+    )
+
+
+def expert_config(path: str) -> dict[str, Any]:
+    """``TransformerConfig`` fields that select ``path`` (one of ``EXPERT_PATHS``)."""
+    if path not in EXPERT_PATHS:
+        raise InvalidInputError(f"expert path {path!r}: use one of {list(EXPERT_PATHS)}")
+    if path == "SequentialMLP":
+        return {"moe_grouped_gemm": False}
+    if path == "GroupedMLP":
+        import dataclasses
+
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        if "moe_use_legacy_grouped_gemm" not in {
+            f.name for f in dataclasses.fields(TransformerConfig)
+        }:
+            raise UnsupportedError(
+                "GroupedMLP (legacy grouped GEMM) is gone from this megatron-core (0.17+): use "
+                "TEGroupedMLP (Transformer Engine) or SequentialMLP"
+            )
+        return {"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True}
+    return {"moe_grouped_gemm": True}
+
+
+# ---- model --------------------------------------------------------------------------------
+def transformer_config(recipe, par: dict[str, int], dispatcher: str, experts: str | None = None):
+    """The recipe as a megatron-core ``TransformerConfig`` (``MLATransformerConfig`` for MLA).
+
+    ``experts`` is one of ``EXPERT_PATHS`` (default: ``expert_path()``'s choice).
+    """
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    m = recipe.model
+    dense = int(m.get("first_k_dense_layers") or 0)
+    kwargs: dict[str, Any] = dict(
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
+        ffn_hidden_size=m["ffn_hidden_size"],
+        num_attention_heads=m["num_attention_heads"],
+        kv_channels=m.get("kv_channels"),
+        num_query_groups=m.get("num_query_groups"),
+        tensor_model_parallel_size=par["tp"],
+        pipeline_model_parallel_size=par["pp"],
+        expert_model_parallel_size=par["ep"],
+        expert_tensor_parallel_size=par["etp"],
+        context_parallel_size=par["cp"],
+        sequence_parallel=bool(recipe.parallelism.get("sequence_parallel")) and par["tp"] > 1,
+        normalization=m.get("normalization") or "RMSNorm",
+        layernorm_epsilon=float(m.get("norm_epsilon") or 1e-6),
+        gated_linear_unit=bool(m.get("swiglu")),
+        activation_func=torch.nn.functional.silu if m.get("swiglu") else torch.nn.functional.gelu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=float(m.get("init_method_std") or 0.02),
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        # Fused kernels that need Apex/Transformer Engine stay off: plain PyTorch is enough.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        mtp_num_layers=m.get("mtp_num_layers"),
+        mtp_loss_scaling_factor=float(m.get("mtp_loss_scaling_factor") or 0.1),
+    )
+    if m.get("num_experts"):
+        kwargs.update(
+            num_moe_experts=m["num_experts"],
+            moe_layer_freq=[0] * dense + [1] * (m["num_layers"] - dense),
+            moe_ffn_hidden_size=m["moe_ffn_hidden_size"],
+            moe_shared_expert_intermediate_size=m.get("moe_shared_expert_intermediate_size"),
+            moe_router_topk=m["moe_router_topk"],
+            moe_router_num_groups=m.get("moe_router_num_groups"),
+            moe_router_group_topk=m.get("moe_router_group_topk"),
+            moe_router_score_function=m.get("moe_router_score_function") or "softmax",
+            moe_router_enable_expert_bias=bool(m.get("moe_router_enable_expert_bias")),
+            moe_router_bias_update_rate=float(m.get("moe_router_bias_update_rate") or 1e-3),
+            moe_router_topk_scaling_factor=m.get("moe_router_topk_scaling_factor"),
+            moe_router_load_balancing_type=m.get("moe_router_load_balancing_type") or "aux_loss",
+            moe_aux_loss_coeff=float(m.get("moe_aux_loss_coeff") or 0.0),
+            moe_router_dtype="fp32",
+            moe_token_dispatcher_type=dispatcher,
+            **expert_config(experts or expert_path()[0]),
+        )
+    if m.get("multi_latent_attention"):
+        return MLATransformerConfig(
+            **kwargs,
+            multi_latent_attention=True,
+            # For MLA this is DeepSeek-V3's RMSNorm on the q and kv latents (q_a/kv_a_layernorm).
+            qk_layernorm=True,
+            q_lora_rank=m.get("q_lora_rank"),
+            kv_lora_rank=m["kv_lora_rank"],
+            qk_head_dim=m["qk_head_dim"],
+            qk_pos_emb_head_dim=m["qk_pos_emb_head_dim"],
+            v_head_dim=m["v_head_dim"],
+            rope_type="rope",
+            rotary_base=float(m.get("rotary_base") or 10000),
+        )
+    return TransformerConfig(**kwargs)
+
+
+def _local_mla_core_attention():
+    """megatron-core's unfused ``DotProductAttention`` made to accept MLA's head dims.
+
+    Without Transformer Engine the local MLA spec pairs ``MLASelfAttention`` with
+    ``DotProductAttention``, which (megatron-core 0.16) rejects the ``k_channels`` /
+    ``v_channels`` MLA passes and sizes its output by ``kv_channels``. Its math already handles
+    q/k of ``qk_head_dim + qk_pos_emb_head_dim`` and v of ``v_head_dim``; this subclass takes the
+    two arguments, sizes the output by ``v_channels`` and makes the (split) inputs contiguous
+    for its ``view`` calls. The softmax scale comes from MLA (``softmax_scale``).
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels=None, v_channels=None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+        def forward(self, query, key, value, *args: Any, **kwargs: Any):
+            return super().forward(
+                query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs
+            )
+
+    return DotProductAttention, LocalMLACoreAttention
+
+
+def without_transformer_engine() -> bool:
+    """Make megatron-core 0.16's MoE and MLA code run where Transformer Engine is missing.
+
+    Two spots assume TE: ``moe_utils.router_gating_linear`` reads the module global
+    ``te_general_gemm``, which is only defined when TE imports (a ``NameError`` in every
+    router's forward otherwise); ``multi_latent_attention`` sets ``HAVE_TE`` when its TE
+    extension module imports (it does without TE, leaving ``TELinear`` None) and then calls
+    ``isinstance(x, None)``. Without TE both have a plain-PyTorch path; this selects it.
+
+    Returns:
+        ``True`` when TE is missing (and the two module globals were set), else ``False``.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return False
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    multi_latent_attention.HAVE_TE = False
+    return True
+
+
+def _patch_mla_core_attention(layer_specs) -> None:
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    plain, local_mla = _local_mla_core_attention()
+    for spec in layer_specs:
+        attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
+        sub = getattr(attn, "submodules", None)
+        if attn is not None and attn.module is MLASelfAttention and sub.core_attention is plain:
+            sub.core_attention = local_mla
+
+
+def build_model(recipe, config):
+    """``GPTModel`` (and MTP when the recipe has it): Transformer Engine's layer specs when it
+    is installed, the local ones otherwise."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
+
+    m = recipe.model
+    # With Transformer Engine the whole block uses its layers (TEGroupedMLP needs them); the
+    # local specs otherwise.
+    use_te = not without_transformer_engine()
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
+    if m.get("multi_latent_attention") and not use_te:
+        _patch_mla_core_attention(block.layer_specs)
+    mtp = None
+    if m.get("mtp_num_layers"):
+        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        vocab_size=m["vocab_size"],
+        max_sequence_length=int(m.get("max_position_embeddings") or m["seq_length"]),
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=not m.get("untie_embeddings_and_output_weights"),
+        position_embedding_type=m.get("position_embedding_type") or "rope",
+        rotary_base=int(m.get("rotary_base") or 10000),
+        mtp_block_spec=mtp,
+    )
+
+
+__all__ = [
+    "EXPERT_PATHS",
+    "build_model",
+    "expert_config",
+    "expert_path",
+    "transformer_config",
+    "without_transformer_engine",
+]

@@ -1,0 +1,104 @@
+"""The closing table of ``uccl-ep-megatron train`` and where runs go by default.
+
+Shared by the job (``training.job``) and the GPU loop (``training.gpu.loop``), so neither
+imports the other's module for it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from uccl_ep_megatron.core.errors import InvalidInputError
+
+
+def default_run_dir(recipe_name: str, dispatcher: str, mode: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{recipe_name.replace('/', '-')}-{dispatcher}-{mode}-{stamp}"
+
+
+def _dev_host(m: dict[str, float], kind: str) -> str:
+    """``device / host`` ms of ``kind`` per step (``telemetry.dispatch``); ``-`` if not timed."""
+    if f"{kind}_time_ms" not in m:
+        return "-"
+    host = m.get(f"{kind}_host_ms")
+    host_text = f"{host:.2f}" if host is not None else "?"
+    return f"{m[f'{kind}_time_ms']:.2f} / {host_text}"
+
+
+def results_table(run_dirs: list[Path], warmup_steps: int = 3):
+    """A ``rich`` table of finished runs: one row per run, steady-state means.
+
+    Steps after the first ``warmup_steps`` (compilation, allocator growth) are averaged; loss is
+    shown first -> last. With two runs a last row gives the first run's throughput over the
+    second's.
+    """
+    import json
+
+    from rich.table import Table
+
+    from uccl_ep_megatron.telemetry.metrics import read_jsonl
+    from uccl_ep_megatron.telemetry.report import summarize
+
+    table = Table(title="uccl-ep-megatron train")
+    for column in (
+        "dispatcher",
+        "experts",
+        "GPUs",
+        "tokens/s",
+        "TFLOP/s/GPU",
+        "MFU",
+        "step (s)",
+        "dispatch ms dev/host",
+        "combine ms dev/host",
+        "loss first -> last",
+    ):
+        table.add_column(column, justify="left" if column in ("dispatcher", "experts") else "right")
+    means = []
+    for run_dir in run_dirs:
+        records = read_jsonl(run_dir)  # raises when the run left no metrics.jsonl
+        if not records:
+            raise InvalidInputError(f"{run_dir}: metrics.jsonl has no records (no step ran)")
+        config = json.loads((Path(run_dir) / "config.json").read_text())
+        m = summarize(records, min(warmup_steps, len(records) - 1))
+        means.append(m)
+        table.add_row(
+            str(config.get("dispatcher", "?")),
+            str(config.get("experts", "?")),
+            str(config.get("world_size", "?")),
+            f"{m['tokens_per_s']:,.0f}",
+            f"{m['tflops_per_gpu']:.1f}",
+            f"{100 * m['mfu']:.1f}%" if "mfu" in m else "n/a (unknown GPU: --peak-tflops)",
+            f"{m['step_time_s']:.3f}",
+            _dev_host(m, "dispatch"),
+            _dev_host(m, "combine"),
+            f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
+        )
+    if len(means) == 2:
+        a, b = means
+        table.add_row(
+            "ratio (1st / 2nd)",
+            "",
+            "",
+            f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}",
+            f"{a['tflops_per_gpu'] / b['tflops_per_gpu']:.3f}",
+            "",
+            f"{a['step_time_s'] / b['step_time_s']:.3f}",
+            "",
+            "",
+            "",
+        )
+    return table
+
+
+def print_results(run_dirs: list[Path], warmup_steps: int = 3) -> None:
+    """Print :func:`results_table` of ``run_dirs`` to stdout."""
+    from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # a log file: no terminal width to fit, keep every column whole
+        console = Console(width=160)
+    console.print(results_table([Path(d) for d in run_dirs], warmup_steps))
+
+
+__all__ = ["default_run_dir", "print_results", "results_table"]
