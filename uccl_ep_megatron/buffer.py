@@ -247,6 +247,18 @@ class Buffer:
         unusable afterwards."""
         self._release(collective=True)
 
+    def check_errors(self) -> None:
+        """Raise an error that this Buffer's earlier GPU work recorded and no call has raised
+        yet, e.g. a bad expert id or more than ``num_worst_tokens`` rows to some rank in a
+        sync-free dispatch (``InvalidInputError`` naming the rank and value) or a timed-out
+        wait (``CommTimeoutError``). Cheap: it reads the host-mapped status word and never
+        synchronizes the GPU, so it sees only work that has finished; synchronize first to be
+        sure a call is covered. Every rank's GPU records the same input error, so every rank
+        raises it. Backends that raise at the call itself (``reference``) have nothing
+        pending."""
+        self._check_alive()
+        self._backend.check_errors()
+
     def _release(self, collective: bool) -> None:
         if not self._destroyed:
             self._destroyed = True
@@ -397,6 +409,8 @@ class Buffer:
             state=result.state,
             owner=self.uid,
             seq=seq,
+            recv_count=result.recv_count,
+            recv_tokens_per_expert=result.recv_tokens_per_expert,
         )
         return (
             recv_x,

@@ -32,6 +32,25 @@ __device__ __forceinline__ bool status_set(const int64_t* status) {
   return *reinterpret_cast<const volatile int64_t*>(status) != 0;
 }
 
+__device__ __forceinline__ uint64_t* seq_counter(uint8_t* buf) { return reinterpret_cast<uint64_t*>(buf + kSeqOffset); }
+__device__ __forceinline__ unsigned* seq_done_blocks(uint8_t* buf) {
+  return reinterpret_cast<unsigned*>(buf + kSeqOffset + 8);
+}
+
+// Records a failure in the mapped host status words (layout in intranode.h) unless one is
+// already recorded: the first failure wins, so the host reports the cause, not a consequence.
+// One thread calls it. Word 0 is published last, after the detail words are visible.
+__device__ __forceinline__ void record_status(int64_t* status, int64_t code, int64_t w1, int64_t w2, int64_t w3) {
+  volatile int64_t* st = status;
+  if (st[0] != 0) return;
+  st[1] = w1;
+  st[2] = w2;
+  st[3] = w3;
+  __threadfence_system();
+  st[0] = code;
+  __threadfence_system();
+}
+
 // Cross-rank barrier on monotonically increasing sequence numbers (never reset, so no
 // re-arming race): when `signal`, this block stores `seq` into slot [rank] of every peer's
 // flags after fencing its earlier writes; then threads 0..R-1 wait until peer `tid` has

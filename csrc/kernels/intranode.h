@@ -46,9 +46,27 @@ constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kNotifySlots *
 constexpr int kCheckWords = 6;
 constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
-static_assert(kIdBoundsOffset + 8 * kCheckWords * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
-// Status words in mapped host memory, set by the first wait that times out.
-constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
+// The call sequence lives on the device, not in kernel arguments, so a captured CUDA graph
+// replays with fresh sequence numbers: uint64 last sequence used, then a uint32 count of the
+// combine reduce blocks that finished (the last one advances the sequence).
+// notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
+// combine push: last + 1, reduce: last + 2, and reduce's last block stores last + 2.
+constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
+static_assert(kSeqOffset + 16 <= kDataOffset, "control overlap");
+// Status words in mapped host memory, set by the first wait that times out or, in sync-free
+// mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code;
+// any non-zero code makes every later kernel of the Buffer skip its data movement.
+constexpr int kStatusWords = 4;
+// {kStatusTimeout, stalled peer rank, barrier sequence, site code}
+constexpr int64_t kStatusTimeout = 1;
+// {code, rank, value, extra}: rank r's topk_idx holds expert id `value` outside [-1, E) (extra = E)
+constexpr int64_t kStatusBadExpertId = 2;
+// rank r's num_tokens_per_rank[value] disagrees with is_token_in_rank (extra = given << 32 | actual)
+constexpr int64_t kStatusLayoutMismatch = 3;
+// rank r receives `value` rows in a dispatch but num_worst_tokens = extra
+constexpr int64_t kStatusDispatchOverflow = 4;
+// rank r gets `value` rows back in a combine of a sync-free handle but staging holds extra rows
+constexpr int64_t kStatusCombineOverflow = 5;
 
 // ---- memory / IPC -------------------------------------------------------------------------
 intptr_t device_alloc_zeroed(size_t bytes);
@@ -88,13 +106,17 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // travel to every rank with the counts; `out_bounds` (device int64 [R, kCheckWords] or 0)
 // receives every rank's, so all ranks see a bad input of any rank at the host read that sizes
 // the outputs, and raise together before any row moves.
+// Sync-free mode (`num_worst_tokens` > 0): notify itself judges every rank's checks and the
+// received row counts (> num_worst_tokens is an overflow) and records the first failure in the
+// status word (kStatusBadExpertId...), identically on every rank, so the dispatch kernel that
+// follows skips its data movement everywhere and the host raises at its next call.
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
                       intptr_t num_tokens_per_rank, intptr_t num_tokens_per_expert,
-                      int experts_per_rank, int expert_alignment, uint64_t seq,
+                      int experts_per_rank, int expert_alignment,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
                       intptr_t send_pos, intptr_t stream, intptr_t id_bounds = 0,
-                      intptr_t out_bounds = 0);
+                      intptr_t out_bounds = 0, int num_worst_tokens = 0, int num_experts = 0);
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
@@ -113,14 +135,15 @@ struct DispatchArgs {
   bool cached = false;
   // Local outputs; recv_* rows are the final rows (staged peer rows are copied into them).
   intptr_t recv_x = 0, recv_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
-  int num_recv = 0, num_out_rows = 0;  // rows received / rows of the outputs (num_worst_tokens)
-  std::vector<int> recv_begin;    // [R + 1]: rows from source s are [recv_begin[s], recv_begin[s+1])
+  // Rows received (exact mode) or its bound num_worst_tokens (sync-free mode: the kernel reads
+  // the real count and every source's first row from rank_prefix_matrix); rows of the outputs.
+  int num_recv = 0, num_out_rows = 0;
+  int own_rows = -1;              // rows this rank keeps for itself; -1 = unknown (sync-free)
   int64_t staging_rows = 0;       // capacity (rows) of every rank's staging this call
   int64_t buffer_bytes = 0;       // size of every rank's registered buffer
-  int64_t send_rows = -1;         // rows this rank writes (all destinations); -1 = assume num_recv
+  int64_t send_rows = -1;         // rows this rank writes (all destinations); -1 = unknown (sync-free)
   int num_sms = 24;
   bool use_tma = false;           // bulk copies (TMA) for the rows when the GPU has them
-  uint64_t seq = 0;               // sequence of this dispatch's notify (tags the chunk flags)
   intptr_t status = 0;
   int64_t timeout_ns = 0;
 };
@@ -141,17 +164,18 @@ struct CombineArgs {
   intptr_t x = 0;                  // [num_recv(+padding), hidden] rows in dispatch's recv order
   intptr_t topk_weights = 0;       // [.., K] float32 or 0
   int num_topk = 0;
-  int num_recv = 0;
-  std::vector<int> rank_prefix;    // host copy of the [R, R] prefix matrix
+  int num_recv = 0;                // rows of x to return: the received count or its bound
+  intptr_t rank_prefix_matrix = 0; // device [R, R] int32 from dispatch (every offset comes from it)
   intptr_t send_pos = 0;           // [T, R] int32 from dispatch
   int num_tokens = 0;
   intptr_t bias0 = 0, bias1 = 0;   // [T, hidden] of x's dtype or 0
   intptr_t out = 0, out_weights = 0;
+  // Rows every rank's combine staging holds: exact when the host knows the matrix; in sync-free
+  // mode num_worst_tokens, and push records kStatusCombineOverflow when a rank gets more back.
   int64_t staging_rows = 0;
   int64_t buffer_bytes = 0;
   int num_sms = 24;
   bool use_tma = false;
-  uint64_t seq_entry = 0, seq_done = 0;
   intptr_t status = 0;
   int64_t timeout_ns = 0;
 };
