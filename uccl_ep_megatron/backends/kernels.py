@@ -182,15 +182,16 @@ def launch_layout(
 _CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
 
 
+def _sent(pm: tuple[int, ...], num_ranks: int, s: int, j: int) -> int:
+    """Rows rank ``j`` receives from rank ``s``, from the row-major rank prefix matrix."""
+    return pm[s * num_ranks + j] - (pm[(s - 1) * num_ranks + j] if s else 0)
+
+
 def _combine_rows(pm: tuple[int, ...], num_ranks: int) -> int:
-    """Most rows any rank gets back from the others in a combine (its staging rows), from the
-    row-major rank prefix matrix ``pm``."""
-
-    def sent(s: int, j: int) -> int:
-        return pm[s * num_ranks + j] - (pm[(s - 1) * num_ranks + j] if s else 0)
-
+    """Most rows any rank gets back from the others in a combine (its staging rows)."""
     return max(
-        sum(sent(s, j) for j in range(num_ranks) if j != s) for s in range(num_ranks)
+        sum(_sent(pm, num_ranks, s, j) for j in range(num_ranks) if j != s)
+        for s in range(num_ranks)
     )
 
 
@@ -500,11 +501,8 @@ class KernelsBackend(Backend):
             last = (num_ranks - 1) * num_ranks
             num_recv = rows_out = pm[last + rank]
             staging_rows = max(pm[last : last + num_ranks])
-            own_rows = pm[rank * num_ranks + rank] - (pm[(rank - 1) * num_ranks + rank] if rank else 0)
-            send_rows = sum(
-                pm[rank * num_ranks + r] - (pm[(rank - 1) * num_ranks + r] if rank else 0)
-                for r in range(num_ranks)
-            )
+            own_rows = _sent(pm, num_ranks, rank, rank)
+            send_rows = sum(_sent(pm, num_ranks, rank, r) for r in range(num_ranks))
             combine_rows = _combine_rows(pm, num_ranks)
             need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
             # Every rank holds the same prefix matrix, so all decide the same here.
