@@ -73,7 +73,7 @@ class _Prepared:
     """One rank's checked arguments of a dispatch/combine and its row of the call header."""
 
     args: Any  # DispatchArgs, or combine's (x, topk_weights, biases, config)
-    header: CallHeader
+    header: CallHeader | None  # None for a backend without a per-call exchange
     checks: torch.Tensor | None  # routing_check() words still to be checked on every rank
     counts: torch.Tensor | None  # [R] rows this rank sends to each rank (dispatch)
     num_tokens: int
@@ -387,7 +387,10 @@ class Buffer:
 
         def run() -> DispatchResult:
             agreed = self._agree(kind, seq, prepared, error)
-            return self._backend.dispatch(dataclasses.replace(prepared.args, agreed=agreed))
+            args = prepared.args
+            if agreed is not None:
+                args = dataclasses.replace(args, agreed=agreed)
+            return self._backend.dispatch(args)
 
         # After a failed check the event may be what failed: run() raises before it matters.
         inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
@@ -487,20 +490,22 @@ class Buffer:
                 num_worst_tokens,
                 config,
             )
-        header = CallHeader(
-            kind=KIND_DISPATCH if handle is None else KIND_CACHED,
-            seq=seq,
-            dtype=DTYPE_CODES.get(x_data.dtype, 0),
-            hidden=hidden,
-            num_scales=0 if x_scales is None else x_scales.shape[1],
-            num_topk=0 if args.topk_idx is None else args.topk_idx.shape[1],
-            num_experts=args.num_experts,
-            handle_seq=0 if handle is None else handle.seq,
-            num_sms=config.num_sms,
-            rdma_send=config.num_max_rdma_chunked_send_tokens,
-            rdma_recv=config.num_max_rdma_chunked_recv_tokens,
-            num_worst_tokens=args.num_worst_tokens,
-        )
+        header = None
+        if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
+            header = CallHeader(
+                kind=KIND_DISPATCH if handle is None else KIND_CACHED,
+                seq=seq,
+                dtype=DTYPE_CODES.get(x_data.dtype, 0),
+                hidden=hidden,
+                num_scales=0 if x_scales is None else x_scales.shape[1],
+                num_topk=0 if args.topk_idx is None else args.topk_idx.shape[1],
+                num_experts=args.num_experts,
+                handle_seq=0 if handle is None else handle.seq,
+                num_sms=config.num_sms,
+                rdma_send=config.num_max_rdma_chunked_send_tokens,
+                rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+                num_worst_tokens=args.num_worst_tokens,
+            )
         counts = None if handle is not None else args.num_tokens_per_rank
         inputs = [t for t in (x_data, x_scales, topk_idx, topk_weights) if t is not None]
         return _Prepared(args, header, checks, counts, num_tokens, inputs)
@@ -590,18 +595,20 @@ class Buffer:
                         f"combine: bias[{i}] has hidden {b.shape[1]}, x has {x.shape[1]}"
                     )
         x = x.contiguous()
-        header = CallHeader(
-            kind=KIND_COMBINE,
-            seq=seq,
-            dtype=DTYPE_CODES.get(x.dtype, 0),
-            hidden=x.shape[1],
-            num_topk=0 if topk_weights is None else topk_weights.shape[1],
-            handle_seq=handle.seq,
-            num_bias=len(biases),
-            num_sms=config.num_sms,
-            rdma_send=config.num_max_rdma_chunked_send_tokens,
-            rdma_recv=config.num_max_rdma_chunked_recv_tokens,
-        )
+        header = None
+        if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
+            header = CallHeader(
+                kind=KIND_COMBINE,
+                seq=seq,
+                dtype=DTYPE_CODES.get(x.dtype, 0),
+                hidden=x.shape[1],
+                num_topk=0 if topk_weights is None else topk_weights.shape[1],
+                handle_seq=handle.seq,
+                num_bias=len(biases),
+                num_sms=config.num_sms,
+                rdma_send=config.num_max_rdma_chunked_send_tokens,
+                rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+            )
         inputs = [x, *biases] + ([topk_weights] if topk_weights is not None else [])
         return _Prepared((x, topk_weights, biases, config), header, None, None, num_tokens, inputs)
 

@@ -234,10 +234,13 @@ void bind_kernels(py::module_& m) {
       [](const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t per_rank, intptr_t per_expert,
          int experts_per_rank, int expert_alignment, intptr_t prefix, intptr_t out_info,
          intptr_t status, int64_t timeout_ns, intptr_t in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
-         intptr_t id_bounds, intptr_t out_bounds, int num_worst_tokens, int num_experts) {
-        UCCL_EP_CHECK_ARG(num_tokens >= 0 && experts_per_rank >= 0 && num_worst_tokens >= 0 && num_experts >= 0,
+         intptr_t topk_idx, bool idx_is_64, int num_topk, intptr_t out_bounds, int num_worst_tokens,
+         int num_experts) {
+        UCCL_EP_CHECK_ARG(num_tokens >= 0 && experts_per_rank >= 0 && num_worst_tokens >= 0 && num_experts >= 0 &&
+                              num_topk >= 0,
                           "intranode_notify: num_tokens=", num_tokens, " experts_per_rank=", experts_per_rank,
-                          " num_worst_tokens=", num_worst_tokens, " num_experts=", num_experts);
+                          " num_worst_tokens=", num_worst_tokens, " num_experts=", num_experts,
+                          " num_topk=", num_topk);
         check_buffers(buffers, num_ranks, static_cast<int64_t>(k::kDataOffset), "intranode_notify");
         check_status(status, "intranode_notify: status");
         check_ptr(per_rank, true, "intranode_notify: num_tokens_per_rank");
@@ -246,15 +249,15 @@ void bind_kernels(py::module_& m) {
         check_ptr(out_info, true, "intranode_notify: out_info");
         check_ptr(in_rank, send_pos != 0 && num_tokens > 0, "intranode_notify: is_token_in_rank");
         k::intranode_notify(buffers, rank, num_ranks, per_rank, per_expert, experts_per_rank, expert_alignment,
-                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream, id_bounds,
-                            out_bounds, num_worst_tokens, num_experts);
+                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream, topk_idx,
+                            idx_is_64, num_topk, out_bounds, num_worst_tokens, num_experts);
       },
       py::arg("buffers"), py::arg("rank"), py::arg("num_ranks"), py::arg("num_tokens_per_rank"),
       py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"), py::arg("expert_alignment"),
       py::arg("rank_prefix_matrix"), py::arg("out_info"), py::arg("status"), py::arg("timeout_ns"),
       py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("send_pos"), py::arg("stream"),
-      py::arg("id_bounds") = 0, py::arg("out_bounds") = 0, py::arg("num_worst_tokens") = 0,
-      py::arg("num_experts") = 0);
+      py::arg("topk_idx") = 0, py::arg("idx_is_64") = true, py::arg("num_topk") = 0, py::arg("out_bounds") = 0,
+      py::arg("num_worst_tokens") = 0, py::arg("num_experts") = 0);
   m.def("dispatch_staging_bytes", &k::dispatch_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),

@@ -3,6 +3,7 @@
 // index (own rows straight into the outputs, peer rows into the peer's staging) and publish
 // per-chunk progress; receiver blocks copy landed peer chunks into the fresh outputs.
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels/common.cuh"
 
@@ -122,7 +123,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
                                                                 int* prefix_out, int* info, int64_t* status,
                                                                 int64_t timeout_ns, const bool* in_rank,
                                                                 int num_tokens, int* send_pos,
-                                                                const int64_t* id_bounds, int64_t* out_bounds,
+                                                                const void* topk_idx, bool idx_is_64, int num_topk,
+                                                                int64_t* out_bounds,
                                                                 int num_worst_tokens, int num_experts) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
@@ -153,6 +155,28 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     for (int r = 0; r < kMaxRanks; ++r)
       if (r < R && local[r] != 0) atomicAdd(&s_sent[r], local[r]);
   }
+  // The id range, reduced over the block (a tree: the barrier below waits for it).
+  __shared__ int64_t s_lo[kNotifyThreads], s_hi[kNotifyThreads];
+  if (topk_idx != nullptr) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    const int64_t n = static_cast<int64_t>(num_tokens) * num_topk;
+    for (int64_t i = tid; i < n; i += blockDim.x) {
+      const int64_t e = idx_is_64 ? static_cast<const int64_t*>(topk_idx)[i]
+                                  : static_cast<int64_t>(static_cast<const int32_t*>(topk_idx)[i]);
+      lo = e < lo ? e : lo;
+      hi = e > hi ? e : hi;
+    }
+    s_lo[tid] = lo;
+    s_hi[tid] = hi;
+    __syncthreads();
+    for (int stride = kNotifyThreads / 2; stride > 0; stride >>= 1) {
+      if (tid < stride) {
+        s_lo[tid] = s_lo[tid + stride] < s_lo[tid] ? s_lo[tid + stride] : s_lo[tid];
+        s_hi[tid] = s_hi[tid + stride] > s_hi[tid] ? s_hi[tid + stride] : s_hi[tid];
+      }
+      __syncthreads();
+    }
+  }
   __syncthreads();
   if (tid < R) {
     tokens_of(bufs.p[tid], slot)[rank] = num_tokens;
@@ -160,8 +184,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     for (int r = 0; send_pos != nullptr && r < R && bad < 0; ++r)
       if (s_sent[r] != per_rank[r]) bad = r;
     int64_t* b = id_bounds_of(bufs.p[tid], slot) + kCheckWords * rank;
-    b[0] = id_bounds != nullptr ? id_bounds[0] : -1;
-    b[1] = id_bounds != nullptr ? id_bounds[1] : -1;
+    // No ids (or none to check): (-1, -1), which every check accepts.
+    const bool ids = topk_idx != nullptr && num_tokens > 0 && num_topk > 0;
+    b[0] = ids ? s_lo[0] : -1;
+    b[1] = ids ? s_hi[0] : -1;
     b[2] = bad;
     b[3] = bad >= 0 ? per_rank[bad] : 0;
     b[4] = bad >= 0 ? s_sent[bad] : 0;
@@ -523,7 +549,8 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
                       intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
-                      intptr_t id_bounds, intptr_t out_bounds, int num_worst_tokens, int num_experts) {
+                      intptr_t topk_idx, bool idx_is_64, int num_topk, intptr_t out_bounds, int num_worst_tokens,
+                      int num_experts) {
   const Peers peers = make_peers(buffers, num_ranks);
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
                     " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
@@ -533,8 +560,8 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
       reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment,
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), reinterpret_cast<int64_t*>(status),
       timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos),
-      reinterpret_cast<const int64_t*>(id_bounds), reinterpret_cast<int64_t*>(out_bounds), num_worst_tokens,
-      num_experts);
+      reinterpret_cast<const void*>(topk_idx), idx_is_64, num_topk, reinterpret_cast<int64_t*>(out_bounds),
+      num_worst_tokens, num_experts);
   GPU_CHECK(gpuGetLastError());
 }
 

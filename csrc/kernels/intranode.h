@@ -101,7 +101,9 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // expert counts (experts_per_rank)] and the same prefix matrix into `rank_prefix_matrix`.
 // Doubles as the entry barrier of a dispatch (peers write into our staging only after it).
 // When `send_pos` is non-zero it also scans is_token_in_rank [T, R] into send_pos [T, R].
-// `id_bounds` (device int64 [2] or 0) and, when `send_pos` is set, the check of
+// The (min, max) of `topk_idx` ([num_tokens, num_topk], int64 or int32 by `idx_is_64`; 0 = no
+// ids: (-1, -1)), scanned here before the barrier instead of by separate launches, and, when
+// `send_pos` is set, the check of
 // num_tokens_per_rank against is_token_in_rank (a mismatch would place rows past the outputs)
 // travel to every rank with the counts; `out_bounds` (device int64 [R, kCheckWords] or 0)
 // receives every rank's, so all ranks see a bad input of any rank at the host read that sizes
@@ -115,8 +117,9 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       int experts_per_rank, int expert_alignment,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
-                      intptr_t send_pos, intptr_t stream, intptr_t id_bounds = 0,
-                      intptr_t out_bounds = 0, int num_worst_tokens = 0, int num_experts = 0);
+                      intptr_t send_pos, intptr_t stream, intptr_t topk_idx = 0, bool idx_is_64 = true,
+                      int num_topk = 0, intptr_t out_bounds = 0, int num_worst_tokens = 0,
+                      int num_experts = 0);
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)

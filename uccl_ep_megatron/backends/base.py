@@ -253,9 +253,3 @@ def routing_check(
     weights = torch.tensor([1, 2, 4, 8, 16], dtype=torch.int64, device=dev)
     bits = (torch.stack(mismatch).to(torch.int64) * weights).sum()
     return torch.stack([lo.to(torch.int64), hi.to(torch.int64), bits])
-
-
-def expert_id_bounds(topk_idx: torch.Tensor) -> torch.Tensor:
-    """(min, max) of ``topk_idx`` as an int64 device tensor, on the current stream (no sync)."""
-    lo, hi = torch.aminmax(topk_idx)
-    return torch.stack([lo, hi]).to(torch.int64)

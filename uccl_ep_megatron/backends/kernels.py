@@ -39,7 +39,6 @@ from uccl_ep_megatron.backends.base import (
     Layout,
     Topology,
     check_expert_ids,
-    expert_id_bounds,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.config import Config
@@ -216,7 +215,7 @@ def _check_all_ranks(rows: list[int], num_experts: int) -> None:
             )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _State:
     """What combine and cached dispatch need from a dispatch (kept in the handle)."""
 
@@ -226,6 +225,10 @@ class _State:
     send_pos: torch.Tensor  # [T, R] int32: position of token t among rows sent to rank r, -1
     # Rows of every rank's combine staging: exact, or num_worst_tokens when sync-free.
     combine_rows: int
+    # The combine launch struct with this layout's fields set, built by the first combine of
+    # the handle and reused (host time), and the buffer generation (IpcBuffers.grows) it saw.
+    combine_args: Any = None
+    combine_grows: int = -1
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -442,7 +445,6 @@ class KernelsBackend(Backend):
             # anything is launched (every rank passes the same num_worst_tokens).
             need = c.dispatch_staging_bytes(worst, row_bytes, num_scales, num_topk, idx_size)
             self._fit(need, f"dispatch of up to {worst} rows of {row_bytes} bytes", capturing)
-        bounds = expert_id_bounds(topk_idx) if args.check_ids else None
         per_rank = _as_int32(args.num_tokens_per_rank)
         per_expert = None
         if cached is None:
@@ -474,7 +476,11 @@ class KernelsBackend(Backend):
             num_tokens=num_tokens,
             send_pos=0 if cached is not None else send_pos.data_ptr(),
             stream=stream,
-            id_bounds=0 if bounds is None else bounds.data_ptr(),
+            # Notify scans the id range itself (no extra launches); ids are checked whenever
+            # given, so args.check_ids (the range is still unchecked) is always honoured.
+            topk_idx=0 if topk_idx is None else topk_idx.data_ptr(),
+            idx_is_64=topk_idx is None or topk_idx.dtype == torch.int64,
+            num_topk=num_topk,
             out_bounds=0 if all_bounds is None else all_bounds.data_ptr(),
             num_worst_tokens=worst,
             num_experts=0 if cached is not None else args.num_experts,
@@ -595,29 +601,31 @@ class KernelsBackend(Backend):
             self._capturing(),
         )
 
-        a = c.IntranodeCombineArgs()
-        a.buffers = self._buffers
-        a.rank, a.num_ranks = topo.rank, topo.num_ranks
+        a = state.combine_args
+        if a is None or state.combine_grows != self._ipc.grows:
+            a = c.IntranodeCombineArgs()
+            a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
+            a.rank, a.num_ranks = topo.rank, topo.num_ranks
+            # Rows of x: the received count, or its bound in sync-free mode (the kernels read
+            # the real count from the device matrix).
+            a.num_recv = handle.num_recv_tokens
+            a.rank_prefix_matrix = handle.rank_prefix_matrix.data_ptr()
+            a.send_pos = state.send_pos.data_ptr()
+            a.num_tokens = num_tokens
+            a.staging_rows = staging_rows
+            a.use_tma = self._use_tma
+            a.status, a.timeout_ns = self._status, self._timeout_ns
+            state.combine_args, state.combine_grows = a, self._ipc.grows
         a.dtype = t.dtype_code
         a.hidden = hidden
         a.x = x.data_ptr()
         a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
         a.num_topk = num_topk
-        # Rows of x: the received count, or its bound in sync-free mode (the kernels read the
-        # real count from the device matrix).
-        a.num_recv = handle.num_recv_tokens
-        a.rank_prefix_matrix = handle.rank_prefix_matrix.data_ptr()
-        a.send_pos = state.send_pos.data_ptr()
-        a.num_tokens = num_tokens
         a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
         a.bias1 = t.biases[1].data_ptr() if len(t.biases) > 1 else 0
         a.out = t.out.data_ptr()
         a.out_weights = 0 if t.out_weights is None else t.out_weights.data_ptr()
-        a.staging_rows = staging_rows
-        a.buffer_bytes = self._buffer_bytes
         a.num_sms = config.num_sms
-        a.use_tma = self._use_tma
-        a.status, a.timeout_ns = self._status, self._timeout_ns
         stream = self._stream()
         c.intranode_combine_push(a, stream)
         c.intranode_combine_reduce(a, stream)
