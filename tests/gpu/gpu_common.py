@@ -45,11 +45,12 @@ def make_pool(world: int):
     return DistPool(world, gpus=NUM_GPUS)
 
 
-def poison(buf) -> None:
-    """Fill free caching-allocator memory of the comm stream with 0xFF (NaN / -1 patterns)."""
+def poison(buf, byte: int = 0xFF) -> None:
+    """Fill free caching-allocator memory of the comm stream with ``byte`` (0xFF: NaN / -1
+    patterns; 0 where a test must tell the kernels' own NaN / -1 fill from leftovers)."""
     with torch.cuda.stream(buf.get_comm_stream()):
         p = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")
-        p.fill_(0xFF)
+        p.fill_(byte)
         del p
 
 

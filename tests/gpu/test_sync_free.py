@@ -25,7 +25,14 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import assert_same, dispatch, make_pool, poison, rank_counts  # noqa: E402
+from gpu_common import (  # noqa: E402
+    assert_same,
+    dispatch,
+    make_pool,
+    nvl_bytes_for,
+    poison,
+    rank_counts,
+)
 from test_intranode import _routing  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
@@ -211,9 +218,9 @@ def graph_case(rank: int, world: int, replays: int) -> int:
     _, rb = _get_buffers()
     # A Buffer of its own: once captured, a Buffer can no longer grow (see _fit), which must
     # not constrain the other cases of this process.
-    kb = Buffer(None, 1 << 26, 0, backend="kernels")
-    _keep.append(kb)
     params = dict(tokens=384, hidden=2048, routing="random", seed=31, experts=8 * world)
+    kb = Buffer(None, nvl_bytes_for(world, params["hidden"]), 0, backend="kernels")
+    _keep.append(kb)
     _, x0, idx0, w0, num_experts = _inputs(rank, world, params)
     worst = _worst(params, world)
     static_x, static_idx, static_w = x0.clone(), idx0.clone(), w0.clone()
@@ -277,9 +284,9 @@ def error_case(rank: int, world: int, kind: str) -> dict:
     are poisoned on every rank, and every rank raises at check_errors() and the next call."""
     from uccl_ep_megatron import Buffer
 
-    kb = Buffer(None, 1 << 26, 0, backend="kernels")
-    _keep.append(kb)  # unusable after the error; peers may still map it: never freed
     num_tokens, hidden, topk = 200, 1024, 2
+    kb = Buffer(None, nvl_bytes_for(world, hidden), 0, backend="kernels")
+    _keep.append(kb)  # unusable after the error; peers may still map it: never freed
     num_experts = 4 * world
     gen = torch.Generator(device="cuda").manual_seed(41 + rank)
     routing = "to_rank0" if kind == "overflow" else "random"
@@ -294,7 +301,7 @@ def error_case(rank: int, world: int, kind: str) -> dict:
     lay = kb.get_dispatch_layout(idx, num_experts)[:4]
     torch.cuda.synchronize()
     kb.check_errors()  # nothing recorded yet
-    poison(kb)
+    poison(kb, 0)  # zeros: the NaN / -1 below must come from the kernels' poison fill
     recv_x, recv_idx, recv_w, counts, handle, _ = dispatch(
         kb, x, lay, idx, w, num_worst_tokens=worst
     )
