@@ -301,7 +301,7 @@ def error_case(rank: int, world: int, kind: str) -> dict:
     lay = kb.get_dispatch_layout(idx, num_experts)[:4]
     torch.cuda.synchronize()
     kb.check_errors()  # nothing recorded yet
-    poison(kb, 0)  # zeros: the NaN / -1 below must come from the kernels' poison fill
+    poison(kb, 0x7F)  # neither NaN, -1 nor 0: what the asserts below see is the poison fill
     recv_x, recv_idx, recv_w, counts, handle, _ = dispatch(
         kb, x, lay, idx, w, num_worst_tokens=worst
     )
