@@ -6,8 +6,10 @@ every peer's buffer directly. A dispatch is two launches on the communication st
 
 1. ``notify``: each rank writes its per-rank and per-expert counts into every peer's control
    region and waits for theirs (the entry barrier). Outputs: ``rank_prefix_matrix`` and the
-   aligned per-local-expert counts; the host reads them once (one sync, as DeepEP does) to
-   size the outputs.
+   aligned per-local-expert counts; in exact mode the host reads them once (one sync, as
+   DeepEP does) to size the outputs. With ``num_worst_tokens`` (sync-free mode) the outputs
+   have that many rows, the kernels read every offset from the device matrix, and notify
+   itself records bad input or an overflow in the status word, raised at the next call.
 2. ``dispatch``: every token row is read once and written to each destination rank at its final
    row index: straight into this rank's output tensors for rows it keeps, into the peer's
    staging region otherwise. Top-k ids become local ids (-1 elsewhere), weights 0.0 there.
@@ -19,7 +21,9 @@ every peer's buffer directly. A dispatch is two launches on the communication st
 Combine mirrors it: ``push`` sends each received row back to its source rank's staging and
 ``reduce`` sums each token's rows in rank order in fp32 (rows kept locally read in place).
 Every wait has a deadline (``UCCL_EP_TIMEOUT_MS``); a timeout is recorded in mapped host
-memory and raised here as ``CommTimeoutError`` naming the stalled rank and barrier.
+memory and raised here as ``CommTimeoutError`` naming the stalled rank and barrier. Barrier
+sequence numbers come from a counter in the control region, not from launch arguments, so a
+CUDA graph of these calls replays with fresh ones.
 """
 
 from __future__ import annotations
