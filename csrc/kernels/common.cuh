@@ -87,13 +87,7 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
         break;
       }
       if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-        volatile int64_t* st = status;
-        st[1] = tid;
-        st[2] = static_cast<int64_t>(seq);
-        st[3] = site;
-        __threadfence_system();
-        st[0] = 1;
-        __threadfence_system();
+        record_status(status, kStatusTimeout, tid, static_cast<int64_t>(seq), site);
         s_failed = 1;
         break;
       }

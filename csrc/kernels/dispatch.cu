@@ -426,13 +426,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
             break;
           }
           if (dev::global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
-            volatile int64_t* st = p.status;
-            st[1] = s;
-            st[2] = static_cast<int64_t>(seq);
-            st[3] = kSiteDispatchDone;
-            __threadfence_system();
-            st[0] = 1;
-            __threadfence_system();
+            record_status(p.status, kStatusTimeout, s, static_cast<int64_t>(seq), kSiteDispatchDone);
             s_failed = 1;
             break;
           }
