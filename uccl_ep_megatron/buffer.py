@@ -346,7 +346,11 @@ class Buffer:
                 float32 weights; both or neither.
             expert_alignment: round each local expert's received count up to a multiple.
             num_worst_tokens: when > 0, return exactly that many rows (padding: zero rows,
-                ids -1, weights 0) and an empty count list, avoiding a host sync in kernels.
+                ids -1, weights 0, source index -1) and an empty count list; the ``kernels``
+                backend then makes no host sync (the counts are ``handle.recv_count`` and
+                ``handle.recv_tokens_per_expert`` on the GPU; errors found on the GPU are
+                raised at the next call or ``check_errors()``) and can be captured in a CUDA
+                graph.
             config: chunking/SM config; default ``Buffer.get_dispatch_config(group size)``.
             previous_event: wait for this event before starting instead of the current stream.
             async_finish: return an event to wait on instead of joining the current stream.
