@@ -53,7 +53,6 @@ def test_kernel_launches_check_their_buffers_first():
             num_tokens_per_expert=0,
             experts_per_rank=0,
             expert_alignment=1,
-            seq=1,
             rank_prefix_matrix=MADE_UP,
             out_info=MADE_UP,
             status=0,

@@ -171,6 +171,14 @@ def w_worst_tokens_and_alignment(rank, world, seed):
     assert torch.equal(recv_x[:n], exp.recv_x) and (recv_x[n:] == 0).all()
     assert torch.equal(recv_idx[:n], exp.recv_topk_idx) and (recv_idx[n:] == -1).all()
     assert (recv_w[n:] == 0).all()
+    # Sync-free handle fields: GPU-side counts, source indices padded with -1.
+    assert handle.num_recv_tokens == worst
+    assert handle.recv_count.dtype == torch.int32 and handle.recv_count.tolist() == [n]
+    assert handle.recv_src_idx.shape == (worst,) and handle.recv_src_idx.dtype == torch.int32
+    assert handle.recv_src_idx[:n].tolist() == exp.recv_src_idx
+    assert (handle.recv_src_idx[n:] == -1).all()
+    assert handle.recv_tokens_per_expert.tolist() == exp.per_expert
+    buf.check_errors()  # the reference backend raises at the call: nothing is pending
     combined, _, _ = buf.combine(recv_x, handle)
     want, _ = expected_combine(rank, world, inputs, num_experts)
     # expected_combine scales by (dest + 1); undo with an unscaled oracle sum instead.
@@ -192,10 +200,17 @@ def w_worst_tokens_and_alignment(rank, world, seed):
     assert cached.shape[0] == worst and torch.equal(cached[:n], exp.recv_x * 2)
 
     for align in (1, 4, 16):
-        _, _, _, counts, _, _ = layout_and_dispatch(
+        _, _, _, counts, exact, _ = layout_and_dispatch(
             buf, inp.x, inp, num_experts, expert_alignment=align
         )
         assert counts == [(c + align - 1) // align * align for c in exp.per_expert]
+        assert exact.recv_tokens_per_expert.dtype == torch.int32
+        assert exact.recv_tokens_per_expert.tolist() == counts
+        assert exact.recv_count.tolist() == [n] and exact.num_recv_tokens == n
+        *_, free, _ = layout_and_dispatch(
+            buf, inp.x, inp, num_experts, expert_alignment=align, num_worst_tokens=worst
+        )
+        assert free.recv_tokens_per_expert.tolist() == counts
 
 
 def w_round_trip_and_cached(rank, world, seed):

@@ -73,7 +73,7 @@ class _Prepared:
     """One rank's checked arguments of a dispatch/combine and its row of the call header."""
 
     args: Any  # DispatchArgs, or combine's (x, topk_weights, biases, config)
-    header: CallHeader
+    header: CallHeader | None  # None for a backend without a per-call exchange
     checks: torch.Tensor | None  # routing_check() words still to be checked on every rank
     counts: torch.Tensor | None  # [R] rows this rank sends to each rank (dispatch)
     num_tokens: int
@@ -247,6 +247,18 @@ class Buffer:
         unusable afterwards."""
         self._release(collective=True)
 
+    def check_errors(self) -> None:
+        """Raise an error that this Buffer's earlier GPU work recorded and no call has raised
+        yet, e.g. a bad expert id or more than ``num_worst_tokens`` rows to some rank in a
+        sync-free dispatch (``InvalidInputError`` naming the rank and value) or a timed-out
+        wait (``CommTimeoutError``). Cheap: it reads the host-mapped status word and never
+        synchronizes the GPU, so it sees only work that has finished; synchronize first to be
+        sure a call is covered. Every rank's GPU records the same input error, so every rank
+        raises it. Backends that raise at the call itself (``reference``) have nothing
+        pending."""
+        self._check_alive()
+        self._backend.check_errors()
+
     def _release(self, collective: bool) -> None:
         if not self._destroyed:
             self._destroyed = True
@@ -334,7 +346,11 @@ class Buffer:
                 float32 weights; both or neither.
             expert_alignment: round each local expert's received count up to a multiple.
             num_worst_tokens: when > 0, return exactly that many rows (padding: zero rows,
-                ids -1, weights 0) and an empty count list, avoiding a host sync in kernels.
+                ids -1, weights 0, source index -1) and an empty count list; the ``kernels``
+                backend then makes no host sync (the counts are ``handle.recv_count`` and
+                ``handle.recv_tokens_per_expert`` on the GPU; errors found on the GPU are
+                raised at the next call or ``check_errors()``) and can be captured in a CUDA
+                graph.
             config: chunking/SM config; default ``Buffer.get_dispatch_config(group size)``.
             previous_event: wait for this event before starting instead of the current stream.
             async_finish: return an event to wait on instead of joining the current stream.
@@ -375,7 +391,10 @@ class Buffer:
 
         def run() -> DispatchResult:
             agreed = self._agree(kind, seq, prepared, error)
-            return self._backend.dispatch(dataclasses.replace(prepared.args, agreed=agreed))
+            args = prepared.args
+            if agreed is not None:
+                args = dataclasses.replace(args, agreed=agreed)
+            return self._backend.dispatch(args)
 
         # After a failed check the event may be what failed: run() raises before it matters.
         inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
@@ -397,6 +416,8 @@ class Buffer:
             state=result.state,
             owner=self.uid,
             seq=seq,
+            recv_count=result.recv_count,
+            recv_tokens_per_expert=result.recv_tokens_per_expert,
         )
         return (
             recv_x,
@@ -473,20 +494,22 @@ class Buffer:
                 num_worst_tokens,
                 config,
             )
-        header = CallHeader(
-            kind=KIND_DISPATCH if handle is None else KIND_CACHED,
-            seq=seq,
-            dtype=DTYPE_CODES.get(x_data.dtype, 0),
-            hidden=hidden,
-            num_scales=0 if x_scales is None else x_scales.shape[1],
-            num_topk=0 if args.topk_idx is None else args.topk_idx.shape[1],
-            num_experts=args.num_experts,
-            handle_seq=0 if handle is None else handle.seq,
-            num_sms=config.num_sms,
-            rdma_send=config.num_max_rdma_chunked_send_tokens,
-            rdma_recv=config.num_max_rdma_chunked_recv_tokens,
-            num_worst_tokens=args.num_worst_tokens,
-        )
+        header = None
+        if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
+            header = CallHeader(
+                kind=KIND_DISPATCH if handle is None else KIND_CACHED,
+                seq=seq,
+                dtype=DTYPE_CODES.get(x_data.dtype, 0),
+                hidden=hidden,
+                num_scales=0 if x_scales is None else x_scales.shape[1],
+                num_topk=0 if args.topk_idx is None else args.topk_idx.shape[1],
+                num_experts=args.num_experts,
+                handle_seq=0 if handle is None else handle.seq,
+                num_sms=config.num_sms,
+                rdma_send=config.num_max_rdma_chunked_send_tokens,
+                rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+                num_worst_tokens=args.num_worst_tokens,
+            )
         counts = None if handle is not None else args.num_tokens_per_rank
         inputs = [t for t in (x_data, x_scales, topk_idx, topk_weights) if t is not None]
         return _Prepared(args, header, checks, counts, num_tokens, inputs)
@@ -576,18 +599,20 @@ class Buffer:
                         f"combine: bias[{i}] has hidden {b.shape[1]}, x has {x.shape[1]}"
                     )
         x = x.contiguous()
-        header = CallHeader(
-            kind=KIND_COMBINE,
-            seq=seq,
-            dtype=DTYPE_CODES.get(x.dtype, 0),
-            hidden=x.shape[1],
-            num_topk=0 if topk_weights is None else topk_weights.shape[1],
-            handle_seq=handle.seq,
-            num_bias=len(biases),
-            num_sms=config.num_sms,
-            rdma_send=config.num_max_rdma_chunked_send_tokens,
-            rdma_recv=config.num_max_rdma_chunked_recv_tokens,
-        )
+        header = None
+        if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
+            header = CallHeader(
+                kind=KIND_COMBINE,
+                seq=seq,
+                dtype=DTYPE_CODES.get(x.dtype, 0),
+                hidden=x.shape[1],
+                num_topk=0 if topk_weights is None else topk_weights.shape[1],
+                handle_seq=handle.seq,
+                num_bias=len(biases),
+                num_sms=config.num_sms,
+                rdma_send=config.num_max_rdma_chunked_send_tokens,
+                rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+            )
         inputs = [x, *biases] + ([topk_weights] if topk_weights is not None else [])
         return _Prepared((x, topk_weights, biases, config), header, None, None, num_tokens, inputs)
 

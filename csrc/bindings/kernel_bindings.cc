@@ -82,6 +82,7 @@ void check_combine(const k::CombineArgs& a, const char* what) {
   check_status(a.status, (at + "status").c_str());
   check_ptr(a.x, a.num_recv > 0, (at + "x").c_str());
   check_ptr(a.send_pos, a.num_tokens > 0, (at + "send_pos").c_str());
+  check_ptr(a.rank_prefix_matrix, true, (at + "rank_prefix_matrix").c_str());
   check_ptr(a.out, a.num_tokens > 0, (at + "out").c_str());
   check_ptr(a.topk_weights, a.num_recv > 0 && a.num_topk > 0, (at + "topk_weights").c_str());
   check_ptr(a.out_weights, a.num_tokens > 0 && a.num_topk > 0, (at + "out_weights").c_str());
@@ -98,6 +99,14 @@ void bind_kernels(py::module_& m) {
   m.attr("KERNELS_MAX_RANKS") = k::kMaxRanks;
   m.attr("KERNELS_MAX_LOCAL_EXPERTS") = k::kMaxLocalExperts;
   m.attr("KERNELS_DATA_OFFSET") = static_cast<int64_t>(k::kDataOffset);
+  // Codes of status word 0 (intranode.h), so Python names each failure.
+  m.attr("STATUS_TIMEOUT") = k::kStatusTimeout;
+  m.attr("STATUS_BAD_EXPERT_ID") = k::kStatusBadExpertId;
+  m.attr("STATUS_LAYOUT_MISMATCH") = k::kStatusLayoutMismatch;
+  m.attr("STATUS_DISPATCH_OVERFLOW") = k::kStatusDispatchOverflow;
+  m.attr("STATUS_COMBINE_OVERFLOW") = k::kStatusCombineOverflow;
+  m.attr("STATUS_PEER_ABORT") = k::kStatusPeerAbort;
+  m.attr("STATUS_HEADER_MISMATCH") = k::kStatusHeaderMismatch;
 
   m.def("tma_supported", &k::tma_supported, "Whether the current GPU has bulk copies (TMA, sm_90+).");
   m.def(
@@ -192,7 +201,9 @@ void bind_kernels(py::module_& m) {
         for (int i = 0; i < k::kStatusWords; ++i) out.append(static_cast<int64_t>(w[i]));
         return out;
       },
-      py::arg("ptr"), "Status words: [set, stalled peer rank, barrier sequence, site code].");
+      py::arg("ptr"),
+      "Status words: [code, ...]: [STATUS_TIMEOUT, stalled peer rank, barrier sequence, site code], or an "
+      "input error of a sync-free dispatch/combine: [code, rank, value, extra] (intranode.h).");
 
   m.def(
       "post_abort",
@@ -205,7 +216,7 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("buffers"), py::arg("rank"), py::arg("word"), py::arg("reason"),
       "Tell every peer that this rank rejected a call: its reason, then the word "
-      "{sequence << 8 | error class code}; their barrier waits stop at once.");
+      "{call number << 8 | error class code}; their barrier waits stop at once.");
   m.def(
       "read_abort",
       [](intptr_t own_buffer, int peer) {
@@ -243,11 +254,15 @@ void bind_kernels(py::module_& m) {
   m.def(
       "intranode_notify",
       [](const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t per_rank, intptr_t per_expert,
-         int experts_per_rank, int expert_alignment, uint64_t seq, intptr_t prefix, intptr_t out_info,
+         int experts_per_rank, int expert_alignment, intptr_t prefix, intptr_t out_info,
          intptr_t status, int64_t timeout_ns, intptr_t in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
-         intptr_t id_bounds, intptr_t out_bounds, int64_t header) {
-        UCCL_EP_CHECK_ARG(num_tokens >= 0 && experts_per_rank >= 0, "intranode_notify: num_tokens=", num_tokens,
-                          " experts_per_rank=", experts_per_rank);
+         intptr_t topk_idx, bool idx_is_64, int num_topk, intptr_t out_bounds, int num_worst_tokens,
+         int num_experts, int64_t header) {
+        UCCL_EP_CHECK_ARG(num_tokens >= 0 && experts_per_rank >= 0 && num_worst_tokens >= 0 && num_experts >= 0 &&
+                              num_topk >= 0,
+                          "intranode_notify: num_tokens=", num_tokens, " experts_per_rank=", experts_per_rank,
+                          " num_worst_tokens=", num_worst_tokens, " num_experts=", num_experts,
+                          " num_topk=", num_topk);
         check_buffers(buffers, num_ranks, static_cast<int64_t>(k::kDataOffset), "intranode_notify");
         check_status(status, "intranode_notify: status");
         check_ptr(per_rank, true, "intranode_notify: num_tokens_per_rank");
@@ -255,15 +270,16 @@ void bind_kernels(py::module_& m) {
         check_ptr(prefix, true, "intranode_notify: rank_prefix_matrix");
         check_ptr(out_info, true, "intranode_notify: out_info");
         check_ptr(in_rank, send_pos != 0 && num_tokens > 0, "intranode_notify: is_token_in_rank");
-        k::intranode_notify(buffers, rank, num_ranks, per_rank, per_expert, experts_per_rank, expert_alignment, seq,
-                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream, id_bounds,
-                            out_bounds, header);
+        k::intranode_notify(buffers, rank, num_ranks, per_rank, per_expert, experts_per_rank, expert_alignment,
+                            prefix, out_info, status, timeout_ns, in_rank, num_tokens, send_pos, stream, topk_idx,
+                            idx_is_64, num_topk, out_bounds, num_worst_tokens, num_experts, header);
       },
       py::arg("buffers"), py::arg("rank"), py::arg("num_ranks"), py::arg("num_tokens_per_rank"),
-      py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"), py::arg("expert_alignment"), py::arg("seq"),
+      py::arg("num_tokens_per_expert"), py::arg("experts_per_rank"), py::arg("expert_alignment"),
       py::arg("rank_prefix_matrix"), py::arg("out_info"), py::arg("status"), py::arg("timeout_ns"),
       py::arg("is_token_in_rank"), py::arg("num_tokens"), py::arg("send_pos"), py::arg("stream"),
-      py::arg("id_bounds") = 0, py::arg("out_bounds") = 0, py::arg("header") = 0);
+      py::arg("topk_idx") = 0, py::arg("idx_is_64") = true, py::arg("num_topk") = 0, py::arg("out_bounds") = 0,
+      py::arg("num_worst_tokens") = 0, py::arg("num_experts") = 0, py::arg("header") = 0);
   m.def("dispatch_staging_bytes", &k::dispatch_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
@@ -295,13 +311,12 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("recv_src_idx", &k::DispatchArgs::recv_src_idx)
       .def_readwrite("num_recv", &k::DispatchArgs::num_recv)
       .def_readwrite("num_out_rows", &k::DispatchArgs::num_out_rows)
-      .def_readwrite("recv_begin", &k::DispatchArgs::recv_begin)
+      .def_readwrite("own_rows", &k::DispatchArgs::own_rows)
       .def_readwrite("staging_rows", &k::DispatchArgs::staging_rows)
       .def_readwrite("send_rows", &k::DispatchArgs::send_rows)
       .def_readwrite("buffer_bytes", &k::DispatchArgs::buffer_bytes)
       .def_readwrite("num_sms", &k::DispatchArgs::num_sms)
       .def_readwrite("use_tma", &k::DispatchArgs::use_tma)
-      .def_readwrite("seq", &k::DispatchArgs::seq)
       .def_readwrite("status", &k::DispatchArgs::status)
       .def_readwrite("timeout_ns", &k::DispatchArgs::timeout_ns);
   m.def(
@@ -323,7 +338,7 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("topk_weights", &k::CombineArgs::topk_weights)
       .def_readwrite("num_topk", &k::CombineArgs::num_topk)
       .def_readwrite("num_recv", &k::CombineArgs::num_recv)
-      .def_readwrite("rank_prefix", &k::CombineArgs::rank_prefix)
+      .def_readwrite("rank_prefix_matrix", &k::CombineArgs::rank_prefix_matrix)
       .def_readwrite("send_pos", &k::CombineArgs::send_pos)
       .def_readwrite("num_tokens", &k::CombineArgs::num_tokens)
       .def_readwrite("bias0", &k::CombineArgs::bias0)
@@ -334,8 +349,6 @@ void bind_kernels(py::module_& m) {
       .def_readwrite("buffer_bytes", &k::CombineArgs::buffer_bytes)
       .def_readwrite("num_sms", &k::CombineArgs::num_sms)
       .def_readwrite("use_tma", &k::CombineArgs::use_tma)
-      .def_readwrite("seq_entry", &k::CombineArgs::seq_entry)
-      .def_readwrite("seq_done", &k::CombineArgs::seq_done)
       .def_readwrite("status", &k::CombineArgs::status)
       .def_readwrite("timeout_ns", &k::CombineArgs::timeout_ns)
       .def_readwrite("header", &k::CombineArgs::header);

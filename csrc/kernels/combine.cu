@@ -30,21 +30,57 @@ struct PushParams {
   int64_t row_bytes;
   const float* w;
   bool has_w;
-  int num_topk, num_recv;
-  int recv_begin[kMaxRanks + 1];  // rows from source s are [recv_begin[s], recv_begin[s+1])
-  int dst_off[kMaxRanks];         // first row of my region in source s's staging
+  int num_topk;
+  const int* prefix;  // device [R, R] rank prefix matrix of the dispatch
+  int64_t staging_rows;
   int64_t w_offset;
-  uint64_t seq;
   int64_t* status;
   int64_t timeout_ns;
   int64_t header;
 };
 
+// rows[s][j] of the dispatch: rows rank j received from rank s.
+__device__ __forceinline__ int sent_rows(const int* prefix, int R, int s, int j) {
+  return prefix[s * R + j] - (s > 0 ? prefix[(s - 1) * R + j] : 0);
+}
+
 template <typename V, int kUnroll, bool kTma>
 __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
-  if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
-                     kSiteCombineEntry, BarrierExtras{true, kCombineHeaderOffset, p.header}))
+  // Offsets from the device matrix (no host copy needed): my rows from source s, and the first
+  // row of my region in s's staging (regions ordered by expert rank, mine after lower ranks').
+  __shared__ int s_recv_begin[kMaxRanks + 1];
+  __shared__ int s_dst_off[kMaxRanks];
+  __shared__ int s_overflow;
+  __shared__ uint64_t s_seq;
+  const int R = p.num_ranks;
+  if (threadIdx.x == 0) s_seq = *seq_counter(p.bufs.p[p.rank]) + 1;
+  if (threadIdx.x <= R) s_recv_begin[threadIdx.x] = threadIdx.x > 0 ? p.prefix[(threadIdx.x - 1) * R + p.rank] : 0;
+  if (threadIdx.x < R) {
+    const int s = threadIdx.x;
+    int off = 0;
+    for (int j = 0; j < p.rank; ++j)
+      if (j != s) off += sent_rows(p.prefix, R, s, j);
+    s_dst_off[s] = off;
+  }
+  if (threadIdx.x == 0) {
+    // Every rank holds the same matrix, so all find the same overflow and all skip.
+    s_overflow = -1;
+    for (int s = 0; s < R && s_overflow < 0; ++s) {
+      int64_t rows = 0;
+      for (int j = 0; j < R; ++j)
+        if (j != s) rows += sent_rows(p.prefix, R, s, j);
+      if (rows > p.staging_rows) {
+        s_overflow = s;
+        if (blockIdx.x == 0) record_status(p.status, kStatusCombineOverflow, s, rows, p.staging_rows);
+      }
+    }
+  }
+  __syncthreads();
+  if (!barrier_block(p.bufs, p.rank, R, s_seq, blockIdx.x == 0, p.status, p.timeout_ns, kSiteCombineEntry,
+                     BarrierExtras{true, kCombineHeaderOffset, p.header}))
     return;
+  if (s_overflow >= 0) return;
+  const int num_recv = s_recv_begin[R];
   const int lane = threadIdx.x % dev::kWarpSize;
   const int warps = blockDim.x / dev::kWarpSize;
   const int nwarps = gridDim.x * warps;
@@ -60,11 +96,11 @@ __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
     __syncwarp();
   }
 #endif
-  for (int i = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; i < p.num_recv; i += nwarps) {
+  for (int i = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; i < num_recv; i += nwarps) {
     int s = 0;
-    while (s + 1 < p.num_ranks && p.recv_begin[s + 1] <= i) ++s;
+    while (s + 1 < R && s_recv_begin[s + 1] <= i) ++s;
     if (s == p.rank) continue;  // the source reads rows it kept for itself in place
-    const int64_t drow = p.dst_off[s] + (i - p.recv_begin[s]);
+    const int64_t drow = s_dst_off[s] + (i - s_recv_begin[s]);
     uint8_t* base = p.bufs.p[s];
     if constexpr (kTma) {
 #if UCCL_EP_HAS_TMA
@@ -97,15 +133,13 @@ struct ReduceParams {
   const uint8_t* x;  // local combine input (rows this rank received)
   const float* w;
   const int* send_pos;
-  int own_base;                // first row of my own tokens in my receive layout
-  int src_off[kMaxRanks];      // first staging row of expert rank r's region
+  const int* prefix;           // device [R, R] rank prefix matrix of the dispatch
   const uint8_t* st_x;
   const float* st_w;
   const uint8_t* bias0;
   const uint8_t* bias1;
   uint8_t* out;
   float* out_w;
-  uint64_t seq;
   int64_t* status;
   int64_t timeout_ns;
 };
@@ -118,15 +152,32 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
   using raw = typename E::raw;
   constexpr int kPerVec = kVec ? 16 / static_cast<int>(sizeof(raw)) : 1;
   using V = typename std::conditional<kVec, int4, raw>::type;
-  if (!barrier_block(p.bufs, p.rank, p.num_ranks, p.seq, blockIdx.x == 0, p.status, p.timeout_ns,
-                     kSiteCombineDone, BarrierExtras{true}))
-    return;
+  // First row of each expert rank's rows in my staging (own rows: in my receive layout).
+  __shared__ int s_src_off[kMaxRanks];
+  __shared__ uint64_t s_seq;
+  const int R = p.num_ranks;
+  if (threadIdx.x == 0) {
+    s_seq = *seq_counter(p.bufs.p[p.rank]) + 2;
+    int off = 0;
+    for (int r = 0; r < R; ++r) {
+      s_src_off[r] = off;
+      if (r != p.rank) off += sent_rows(p.prefix, R, p.rank, r);
+    }
+    s_src_off[p.rank] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + p.rank] : 0;
+  }
+  __syncthreads();
+  const uint64_t seq = s_seq;
+  // A failed barrier skips the rows (the loop starts past the end) but still counts the block
+  // below, so the sequence advances the same on every rank whatever happened.
+  const bool ok = barrier_block(p.bufs, p.rank, p.num_ranks, seq, blockIdx.x == 0, p.status, p.timeout_ns,
+                                kSiteCombineDone, BarrierExtras{true});
   const int lane = threadIdx.x % dev::kWarpSize;
   const int warps = blockDim.x / dev::kWarpSize;
   const int nwarps = gridDim.x * warps;
-  const int R = p.num_ranks;
   const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
-  for (int t = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; t < p.num_tokens; t += nwarps) {
+  const int t0 = ok ? static_cast<int>(blockIdx.x) * warps + static_cast<int>(threadIdx.x) / dev::kWarpSize
+                    : p.num_tokens;
+  for (int t = t0; t < p.num_tokens; t += nwarps) {
     const uint8_t* src[kRanks];
     const float* srcw[kRanks];
     unsigned mask = 0;
@@ -138,7 +189,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
         const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
         if (pos >= 0) {
           mask |= 1u << r;
-          const int64_t row = r == p.rank ? p.own_base + pos : p.src_off[r] + pos;
+          const int64_t row = s_src_off[r] + pos;
           src[r] = (r == p.rank ? p.x : p.st_x) + row * p.row_bytes;
           // Decide by the output: this rank's own weight tensor is empty (null) when it
           // received nothing, yet peers still return weights for its tokens.
@@ -200,11 +251,21 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) 
       }
     }
   }
+  // Every block read the sequence before its CTA barrier above; the last one to get here
+  // advances it past this combine's two barriers, for the next call on this stream.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned* done = seq_done_blocks(p.bufs.p[p.rank]);
+    if (atomicAdd(done, 1u) == gridDim.x - 1) {
+      *done = 0;
+      *seq_counter(p.bufs.p[p.rank]) = seq;
+      __threadfence();
+    }
+  }
 }
 
 struct HostPlan {
   Peers peers;
-  int counts[kMaxRanks][kMaxRanks];
   int64_t staging_rows;
 };
 
@@ -213,23 +274,14 @@ HostPlan plan(const CombineArgs& a) {
                     kMaxRanks);
   UCCL_EP_CHECK_ARG(static_cast<int>(a.buffers.size()) == a.num_ranks, "got ", a.buffers.size(), " buffers for ",
                     a.num_ranks, " ranks");
-  UCCL_EP_CHECK_ARG(static_cast<int>(a.rank_prefix.size()) == a.num_ranks * a.num_ranks, "rank_prefix has ",
-                    a.rank_prefix.size(), " entries, expected ", a.num_ranks * a.num_ranks);
+  UCCL_EP_CHECK_ARG(a.rank_prefix_matrix != 0, "rank_prefix_matrix is a null pointer");
+  UCCL_EP_CHECK_ARG(a.staging_rows >= 0, "staging_rows=", a.staging_rows, " must be non-negative");
   UCCL_EP_CHECK_ARG(a.dtype >= 0 && a.dtype <= 2, "combine dtype code ", a.dtype, " is not bf16/fp16/fp32");
   UCCL_EP_CHECK_ARG(a.num_topk <= kMaxTopk, "num_topk=", a.num_topk, " exceeds ", kMaxTopk);
   HostPlan h{};
   const int R = a.num_ranks;
   for (int r = 0; r < R; ++r) h.peers.p[r] = reinterpret_cast<uint8_t*>(a.buffers[r]);
-  for (int s = 0; s < R; ++s)
-    for (int j = 0; j < R; ++j)
-      h.counts[s][j] = a.rank_prefix[s * R + j] - (s > 0 ? a.rank_prefix[(s - 1) * R + j] : 0);
-  h.staging_rows = 0;
-  for (int s = 0; s < R; ++s) {
-    int64_t rows = 0;
-    for (int j = 0; j < R; ++j)
-      if (j != s) rows += h.counts[s][j];
-    h.staging_rows = std::max(h.staging_rows, rows);
-  }
+  h.staging_rows = a.staging_rows;
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * (a.dtype == 2 ? 4 : 2);
   const int64_t need = combine_layout(h.staging_rows, row_bytes, a.num_topk).end;
   UCCL_EP_CHECK_ARG(need <= a.buffer_bytes, "combine staging needs ", need, " bytes but the buffer has ",
@@ -256,16 +308,9 @@ void intranode_combine_push(const CombineArgs& a, intptr_t stream) {
   p.w = reinterpret_cast<const float*>(a.topk_weights);
   p.has_w = a.num_topk > 0 && a.topk_weights != 0;
   p.num_topk = a.num_topk;
-  p.num_recv = a.num_recv;
-  for (int s = 0; s <= R; ++s) p.recv_begin[s] = s > 0 ? a.rank_prefix[(s - 1) * R + a.rank] : 0;
-  for (int s = 0; s < R; ++s) {
-    int off = 0;
-    for (int j = 0; j < a.rank; ++j)
-      if (j != s) off += h.counts[s][j];
-    p.dst_off[s] = off;
-  }
+  p.prefix = reinterpret_cast<const int*>(a.rank_prefix_matrix);
+  p.staging_rows = h.staging_rows;
   p.w_offset = combine_layout(h.staging_rows, row_bytes, a.num_topk).w;
-  p.seq = a.seq_entry;
   p.status = reinterpret_cast<int64_t*>(a.status);
   p.timeout_ns = a.timeout_ns;
   p.header = a.header;
@@ -301,19 +346,13 @@ void intranode_combine_reduce(const CombineArgs& a, intptr_t stream) {
   p.x = reinterpret_cast<const uint8_t*>(a.x);
   p.w = reinterpret_cast<const float*>(a.topk_weights);
   p.send_pos = reinterpret_cast<const int*>(a.send_pos);
-  p.own_base = a.rank > 0 ? a.rank_prefix[(a.rank - 1) * R + a.rank] : 0;
-  int off = 0;
-  for (int r = 0; r < R; ++r) {
-    p.src_off[r] = off;
-    if (r != a.rank) off += h.counts[a.rank][r];
-  }
+  p.prefix = reinterpret_cast<const int*>(a.rank_prefix_matrix);
   p.st_x = h.peers.p[a.rank] + l.x;
   p.st_w = reinterpret_cast<const float*>(h.peers.p[a.rank] + l.w);
   p.bias0 = reinterpret_cast<const uint8_t*>(a.bias0);
   p.bias1 = reinterpret_cast<const uint8_t*>(a.bias1);
   p.out = reinterpret_cast<uint8_t*>(a.out);
   p.out_w = reinterpret_cast<float*>(a.out_weights);
-  p.seq = a.seq_done;
   p.status = reinterpret_cast<int64_t*>(a.status);
   p.timeout_ns = a.timeout_ns;
   auto s = reinterpret_cast<gpuStream_t>(stream);

@@ -21,14 +21,7 @@ struct Peers {
 };
 
 // Site codes reported in the status words (Python maps them to names).
-enum BarrierSite : int {
-  kSiteNotify = 1,
-  kSiteDispatchDone = 2,
-  kSiteCombineEntry = 3,
-  kSiteCombineDone = 4,
-  kSitePeerAbort = 5,       // a peer posted an abort record (its checks rejected the call)
-  kSiteHeaderMismatch = 6,  // a peer's call header (BarrierExtras) differs from this rank's
-};
+enum BarrierSite : int { kSiteNotify = 1, kSiteDispatchDone = 2, kSiteCombineEntry = 3, kSiteCombineDone = 4 };
 
 __device__ __forceinline__ uint64_t* flags_of(uint8_t* buf) {
   return reinterpret_cast<uint64_t*>(buf + kFlagsOffset);
@@ -43,13 +36,25 @@ __device__ __forceinline__ bool status_set(const int64_t* status) {
   return *reinterpret_cast<const volatile int64_t*>(status) != 0;
 }
 
-// Cross-rank barrier on monotonically increasing sequence numbers (never reset, so no
-// re-arming race): when `signal`, this block stores `seq` into slot [rank] of every peer's
-// flags after fencing its earlier writes; then threads 0..R-1 wait until peer `tid` has
-// stored a value >= seq into our slot [tid]. A peer can be at most one barrier ahead, which
-// `>=` absorbs. A wait that exceeds `timeout_ns` records (peer, seq, site) in the mapped host
-// status words and gives up, so the host raises instead of the GPU hanging. Returns false
-// when any wait of this rank has timed out (the caller must then skip its data movement).
+__device__ __forceinline__ uint64_t* seq_counter(uint8_t* buf) { return reinterpret_cast<uint64_t*>(buf + kSeqOffset); }
+__device__ __forceinline__ unsigned* seq_done_blocks(uint8_t* buf) {
+  return reinterpret_cast<unsigned*>(buf + kSeqOffset + 8);
+}
+
+// Records a failure in the mapped host status words (layout in intranode.h) unless one is
+// already recorded: the first failure wins, so the host reports the cause, not a consequence.
+// One thread calls it. Word 0 is published last, after the detail words are visible.
+__device__ __forceinline__ void record_status(int64_t* status, int64_t code, int64_t w1, int64_t w2, int64_t w3) {
+  volatile int64_t* st = status;
+  if (st[0] != 0) return;
+  st[1] = w1;
+  st[2] = w2;
+  st[3] = w3;
+  __threadfence_system();
+  st[0] = code;
+  __threadfence_system();
+}
+
 // What the intranode barriers do besides waiting (the internode NVL barrier uses none of it:
 // its buffers have another layout).
 struct BarrierExtras {
@@ -58,16 +63,14 @@ struct BarrierExtras {
   int64_t header = 0;        //   `header` with the signal; a peer's that differs fails the call
 };
 
-__device__ __forceinline__ void record_failure(int64_t* status, int peer, uint64_t seq, int site) {
-  volatile int64_t* st = status;
-  st[1] = peer;
-  st[2] = static_cast<int64_t>(seq);
-  st[3] = site;
-  __threadfence_system();
-  st[0] = 1;
-  __threadfence_system();
-}
-
+// Cross-rank barrier on monotonically increasing sequence numbers (never reset, so no
+// re-arming race): when `signal`, this block stores `seq` into slot [rank] of every peer's
+// flags after fencing its earlier writes; then threads 0..R-1 wait until peer `tid` has
+// stored a value >= seq into our slot [tid]. A peer can be at most one barrier ahead, which
+// `>=` absorbs. A wait that exceeds `timeout_ns` records (peer, seq, site) in the mapped host
+// status words and gives up, so the host raises instead of the GPU hanging; so does a peer's
+// abort record or a differing header (`extras`). Returns false when the call failed (the
+// caller must then skip its data movement).
 __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int num_ranks, uint64_t seq,
                                               bool signal, int64_t* status, int64_t timeout_ns, int site,
                                               BarrierExtras extras = {}) {
@@ -102,9 +105,14 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
         break;
       }
       // A peer that rejected the call never arrives: it says so in our control region.
-      const bool aborted = extras.watch_abort && (iter & 1023u) == 512 && abort_of(bufs.p[rank])[tid] != 0;
-      if (aborted || dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-        record_failure(status, tid, seq, aborted ? kSitePeerAbort : site);
+      if (extras.watch_abort && (iter & 1023u) == 512 && abort_of(bufs.p[rank])[tid] != 0) {
+        record_status(status, kStatusPeerAbort, tid, static_cast<int64_t>(seq), site);
+        s_failed = 1;
+        arrived = false;
+        break;
+      }
+      if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+        record_status(status, kStatusTimeout, tid, static_cast<int64_t>(seq), site);
         s_failed = 1;
         arrived = false;
         break;
@@ -113,7 +121,7 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
     // The peer's header was written before its signal, which the acquire above has seen.
     if (arrived && extras.header_offset != 0 &&
         reinterpret_cast<const volatile int64_t*>(bufs.p[rank] + extras.header_offset)[tid] != extras.header) {
-      record_failure(status, tid, seq, kSiteHeaderMismatch);
+      record_status(status, kStatusHeaderMismatch, tid, static_cast<int64_t>(seq), site);
       s_failed = 1;
     }
   }

@@ -3,6 +3,7 @@
 // index (own rows straight into the outputs, peer rows into the peer's staging) and publish
 // per-chunk progress; receiver blocks copy landed peer chunks into the fresh outputs.
 #include <algorithm>
+#include <cstdint>
 
 #include "kernels/common.cuh"
 
@@ -87,16 +88,61 @@ __device__ __forceinline__ int64_t* id_bounds_of(uint8_t* buf, int slot) {
   return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * kCheckWords;
 }
 
+// Sync-free mode: the first bad input of any rank, judged from data every rank holds alike
+// (each rank's checks and the whole count matrix), so every rank records the same error and
+// skips the same data movement; nothing reaches the host until its next call reads the word.
+// Order: call headers, expert ids of ranks 0..R-1, then layouts, then received row counts.
+__device__ void record_input_error(const volatile int64_t* checks, const int* counts_raw, int R, int worst,
+                                   int num_experts, int64_t* status) {
+  const volatile int* counts = counts_raw;
+  int64_t code = 0, who = 0, value = 0, extra = 0;
+  // Ranks that disagree on the call (packed header, word 5) first: their other checks and
+  // counts mean different things.
+  for (int r = 1; r < R && code == 0; ++r) {
+    if (checks[r * kCheckWords + 5] != checks[5]) code = kStatusHeaderMismatch, who = r, value = 0, extra = 0;
+  }
+  for (int r = 0; r < R && code == 0; ++r) {
+    const int64_t lo = checks[r * kCheckWords], hi = checks[r * kCheckWords + 1];
+    if (num_experts > 0 && (lo < -1 || hi >= num_experts)) {
+      code = kStatusBadExpertId, who = r, value = lo < -1 ? lo : hi, extra = num_experts;
+    }
+  }
+  for (int r = 0; r < R && code == 0; ++r) {
+    const int64_t dest = checks[r * kCheckWords + 2];
+    if (dest >= 0) {
+      code = kStatusLayoutMismatch, who = r, value = dest;
+      extra = (checks[r * kCheckWords + 3] << 32) | (checks[r * kCheckWords + 4] & 0xFFFFFFFFll);
+    }
+  }
+  for (int j = 0; j < R && code == 0; ++j) {
+    int64_t rows = 0;
+    for (int s = 0; s < R; ++s) rows += counts[s * kMaxRanks + j];
+    if (rows > worst) code = kStatusDispatchOverflow, who = j, value = rows, extra = worst;
+  }
+  if (code != 0) record_status(status, code, who, value, extra);
+}
+
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
                                                                 const int* per_rank, const int* per_expert,
-                                                                int experts_per_rank, int alignment, uint64_t seq,
+                                                                int experts_per_rank, int alignment,
                                                                 int* prefix_out, int* info, int64_t* status,
                                                                 int64_t timeout_ns, const bool* in_rank,
                                                                 int num_tokens, int* send_pos,
-                                                                const int64_t* id_bounds, int64_t* out_bounds,
+                                                                const void* topk_idx, bool idx_is_64, int num_topk,
+                                                                int64_t* out_bounds,
+                                                                int num_worst_tokens, int num_experts,
                                                                 int64_t header) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
+  __shared__ uint64_t s_seq;
+  if (tid == 0) {
+    // One block: every thread reads s_seq below, so storing the new value now is safe.
+    uint64_t* c = seq_counter(bufs.p[rank]);
+    s_seq = *c + 1;
+    *c = s_seq;
+  }
+  __syncthreads();
+  const uint64_t seq = s_seq;
   const int slot = notify_slot(seq);
   // Tokens is_token_in_rank sends to each rank; the outputs are sized from num_tokens_per_rank,
   // so the two must agree. Before the barrier (a few microseconds for T*R flags), so every rank
@@ -115,6 +161,28 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     for (int r = 0; r < kMaxRanks; ++r)
       if (r < R && local[r] != 0) atomicAdd(&s_sent[r], local[r]);
   }
+  // The id range, reduced over the block (a tree: the barrier below waits for it).
+  __shared__ int64_t s_lo[kNotifyThreads], s_hi[kNotifyThreads];
+  if (topk_idx != nullptr) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    const int64_t n = static_cast<int64_t>(num_tokens) * num_topk;
+    for (int64_t i = tid; i < n; i += blockDim.x) {
+      const int64_t e = idx_is_64 ? static_cast<const int64_t*>(topk_idx)[i]
+                                  : static_cast<int64_t>(static_cast<const int32_t*>(topk_idx)[i]);
+      lo = e < lo ? e : lo;
+      hi = e > hi ? e : hi;
+    }
+    s_lo[tid] = lo;
+    s_hi[tid] = hi;
+    __syncthreads();
+    for (int stride = kNotifyThreads / 2; stride > 0; stride >>= 1) {
+      if (tid < stride) {
+        s_lo[tid] = s_lo[tid + stride] < s_lo[tid] ? s_lo[tid + stride] : s_lo[tid];
+        s_hi[tid] = s_hi[tid + stride] > s_hi[tid] ? s_hi[tid + stride] : s_hi[tid];
+      }
+      __syncthreads();
+    }
+  }
   __syncthreads();
   if (tid < R) {
     tokens_of(bufs.p[tid], slot)[rank] = num_tokens;
@@ -122,8 +190,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     for (int r = 0; send_pos != nullptr && r < R && bad < 0; ++r)
       if (s_sent[r] != per_rank[r]) bad = r;
     int64_t* b = id_bounds_of(bufs.p[tid], slot) + kCheckWords * rank;
-    b[0] = id_bounds != nullptr ? id_bounds[0] : -1;
-    b[1] = id_bounds != nullptr ? id_bounds[1] : -1;
+    // No ids (or none to check): (-1, -1), which every check accepts.
+    const bool ids = topk_idx != nullptr && num_tokens > 0 && num_topk > 0;
+    b[0] = ids ? s_lo[0] : -1;
+    b[1] = ids ? s_hi[0] : -1;
     b[2] = bad;
     b[3] = bad >= 0 ? per_rank[bad] : 0;
     b[4] = bad >= 0 ? s_sent[bad] : 0;
@@ -140,6 +210,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
       expert_counts_of(bufs.p[r], slot)[rank * kMaxLocalExperts + e] = per_expert[r * experts_per_rank + e];
     }
   }
+  // A cached dispatch reads nothing back: its header is compared here, on the GPU (the header
+  // slot by sequence parity, like the counts).
   const size_t header_offset =
       send_pos == nullptr && header != 0 ? kCachedHeaderOffset + 8ull * kMaxRanks * slot : 0;
   if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify,
@@ -147,6 +219,9 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     return;
   if (out_bounds != nullptr && tid < kCheckWords * R)
     out_bounds[tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
+  if (num_worst_tokens > 0 && tid == 0)
+    record_input_error(reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot)),
+                       counts_of(bufs.p[rank], slot), R, num_worst_tokens, num_experts, status);
   // After the barrier, so the scan (a few microseconds) never delays a peer's wait.
   if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
 
@@ -205,9 +280,7 @@ struct SendParams {
   float* out_w;
   int* out_src;
   int idx_size;
-  int num_recv, num_out_rows;
-  int recv_begin[kMaxRanks + 1];  // rows from source s are [recv_begin[s], recv_begin[s+1])
-  uint64_t seq;
+  int num_out_rows;
   int64_t* status;
   int64_t timeout_ns;
 };
@@ -233,16 +306,22 @@ __device__ __forceinline__ uint64_t pack_chunk(uint64_t seq, int first, int rows
 template <typename V, int kUnroll, bool kTma>
 __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
+  __shared__ int s_recv_begin[kMaxRanks + 1];  // my rows from source s: [s_recv_begin[s], [s+1])
   __shared__ int s_failed;
   __shared__ uint64_t s_flag;
+  __shared__ uint64_t s_seq;  // this dispatch's notify sequence (tags the chunk flags)
   const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
   const int R = p.num_ranks;
+  if (tid == 0) s_seq = *seq_counter(p.bufs.p[p.rank]);
   // The status words are in host memory: one PCIe read per block, never one per thread
   // (measured: 12K threads each reading it cost ~500 us and grew with the SM count).
   if (tid == 0) s_failed = status_set(p.status) ? 1 : 0;
   if (tid < R) s_prefix_row[tid] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + tid] : 0;
+  // From the device matrix notify wrote, so sync-free calls need no host copy of it.
+  if (tid <= R) s_recv_begin[tid] = tid > 0 ? p.prefix[(tid - 1) * R + p.rank] : 0;
   __syncthreads();
   if (s_failed) return;
+  const uint64_t seq = s_seq;
 
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // ---------------------------------------------------------------- sender
@@ -330,7 +409,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         for (int t = t_end - 1; first >= 0 && last < 0; --t) last = p.send_pos[static_cast<int64_t>(t) * R + r];
         dev::fence_system();
         dev::st_release_sys(chunk_flag(p.bufs.p[r], p.rank, c),
-                            pack_chunk(p.seq, first < 0 ? 0 : first, first < 0 ? 0 : last - first + 1));
+                            pack_chunk(seq, first < 0 ? 0 : first, first < 0 ? 0 : last - first + 1));
       }
     }
     return;
@@ -341,7 +420,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   const int nrecv = gridDim.x - p.num_send_blocks;
   const int warps = blockDim.x / dev::kWarpSize;
   const int meta_idx_words = p.num_topk * p.idx_size / 4;
-  const volatile int* src_tokens = tokens_of(p.bufs.p[p.rank], notify_slot(p.seq));
+  const volatile int* src_tokens = tokens_of(p.bufs.p[p.rank], notify_slot(seq));
   for (int s = 0; s < R; ++s) {
     if (s == p.rank) continue;
     const int ts = src_tokens[s];
@@ -353,19 +432,13 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         const uint64_t start = dev::global_timer_ns();
         uint64_t v = dev::ld_acquire_sys(f);
         uint32_t iter = 0;
-        while ((v >> 40) != (p.seq & 0xFFFFFFull)) {
+        while ((v >> 40) != (seq & 0xFFFFFFull)) {
           if ((++iter & 1023u) == 0 && status_set(p.status)) {
             s_failed = 1;
             break;
           }
           if (dev::global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
-            volatile int64_t* st = p.status;
-            st[1] = s;
-            st[2] = static_cast<int64_t>(p.seq);
-            st[3] = kSiteDispatchDone;
-            __threadfence_system();
-            st[0] = 1;
-            __threadfence_system();
+            record_status(p.status, kStatusTimeout, s, static_cast<int64_t>(seq), kSiteDispatchDone);
             s_failed = 1;
             break;
           }
@@ -377,7 +450,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
       if (s_failed) return;
       const uint64_t v = s_flag;
       const int first = static_cast<int>((v >> 20) & 0xFFFFFu), rows = static_cast<int>(v & 0xFFFFFu);
-      const int64_t base = p.recv_begin[s] + first;
+      const int64_t base = s_recv_begin[s] + first;
       for (int i = warp; i < rows; i += warps) {
         const int64_t r = base + i;
         {
@@ -412,8 +485,8 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
       __syncthreads();  // s_flag is rewritten for the next chunk
     }
   }
-  // num_worst_tokens padding: zero rows, ids -1, weights 0.
-  for (int64_t r = p.num_recv + static_cast<int64_t>(j) * warps + warp; r < p.num_out_rows;
+  // num_worst_tokens padding: zero rows, ids -1, weights 0, source index -1.
+  for (int64_t r = s_recv_begin[R] + static_cast<int64_t>(j) * warps + warp; r < p.num_out_rows;
        r += static_cast<int64_t>(nrecv) * warps) {
     const V zero{};
     V* d = reinterpret_cast<V*>(p.out_x + r * p.row_bytes);
@@ -425,6 +498,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] = -1;  // all-ones: -1 as int32 and int64
       for (int k = lane; k < p.num_topk; k += dev::kWarpSize) p.out_w[r * p.num_topk + k] = 0.0f;
     }
+    if (p.out_src != nullptr && lane == 0) p.out_src[r] = -1;
   }
 }
 
@@ -461,11 +535,14 @@ namespace {
 // proportion to those bytes, so neither side idles while the other finishes: with top-8 of 256
 // experts that is ~40% receivers on 2 ranks but ~55% on 4, where the fixed third used before
 // left the receivers with twice the bytes per SM of the senders (bench/NOTES.md).
+// Without the counts on the host (sync-free mode) assume every token goes to every rank: that
+// gives the same ~40% (2 ranks) / ~55% (4 ranks) split the measured top-8 of 256 workloads had.
 int dispatch_recv_blocks(const DispatchArgs& a, int blocks) {
   if (a.num_ranks == 1) return 1;  // padding rows only
-  const int64_t own = a.recv_begin[a.rank + 1] - a.recv_begin[a.rank];
-  const int64_t remote = a.num_recv - own;
-  const int64_t send = a.num_tokens + (a.send_rows >= 0 ? a.send_rows : a.num_recv);
+  const bool known = a.own_rows >= 0 && a.send_rows >= 0;
+  const int64_t R = a.num_ranks;
+  const int64_t remote = known ? a.num_recv - a.own_rows : static_cast<int64_t>(a.num_tokens) * (R - 1);
+  const int64_t send = a.num_tokens + (known ? a.send_rows : static_cast<int64_t>(a.num_tokens) * R);
   const int64_t recv = 2 * remote;
   if (send + recv == 0) return 1;
   const int64_t share = (static_cast<int64_t>(blocks) * recv + (send + recv) / 2) / (send + recv);
@@ -475,20 +552,22 @@ int dispatch_recv_blocks(const DispatchArgs& a, int blocks) {
 }  // namespace
 
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t num_tokens_per_rank,
-                      intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment, uint64_t seq,
+                      intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
                       intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
-                      intptr_t id_bounds, intptr_t out_bounds, int64_t header) {
+                      intptr_t topk_idx, bool idx_is_64, int num_topk, intptr_t out_bounds, int num_worst_tokens,
+                      int num_experts, int64_t header) {
   const Peers peers = make_peers(buffers, num_ranks);
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
                     " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
   UCCL_EP_CHECK_ARG(expert_alignment >= 1, "expert_alignment=", expert_alignment, " must be >= 1");
   notify_kernel<<<1, kNotifyThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
       peers, rank, num_ranks, reinterpret_cast<const int*>(num_tokens_per_rank),
-      reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment, seq,
+      reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment,
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), reinterpret_cast<int64_t*>(status),
       timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos),
-      reinterpret_cast<const int64_t*>(id_bounds), reinterpret_cast<int64_t*>(out_bounds), header);
+      reinterpret_cast<const void*>(topk_idx), idx_is_64, num_topk, reinterpret_cast<int64_t*>(out_bounds),
+      num_worst_tokens, num_experts, header);
   GPU_CHECK(gpuGetLastError());
 }
 
@@ -560,12 +639,7 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.out_w = reinterpret_cast<float*>(a.recv_topk_weights);
   p.out_src = a.cached ? nullptr : reinterpret_cast<int*>(a.recv_src_idx);
   p.idx_size = idx_size;
-  p.num_recv = a.num_recv;
   p.num_out_rows = a.num_out_rows;
-  UCCL_EP_CHECK_ARG(static_cast<int>(a.recv_begin.size()) == a.num_ranks + 1, "recv_begin has ",
-                    a.recv_begin.size(), " entries, expected ", a.num_ranks + 1);
-  for (int s = 0; s <= a.num_ranks; ++s) p.recv_begin[s] = a.recv_begin[s];
-  p.seq = a.seq;
   p.status = reinterpret_cast<int64_t*>(a.status);
   p.timeout_ns = a.timeout_ns;
   const int blocks = std::max(2, a.num_sms);

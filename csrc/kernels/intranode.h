@@ -43,17 +43,22 @@ constexpr size_t kChunkFlagsOffset = kExpertCountsOffset + 4ull * kNotifySlots *
 // Each source's input checks, written by notify like the counts: int64
 // [kNotifySlots][kMaxRanks][kCheckWords] = {min id, max id ((-1, -1) when not checked), first
 // rank d whose num_tokens_per_rank[d] differs from is_token_in_rank's column sum (-1: none),
-// that num_tokens_per_rank[d], that column sum, the call header (dtype, hidden, scales, top-k,
-// experts packed by the caller: ranks must agree on it)}; in the spare 64 KiB.
+// that num_tokens_per_rank[d], that column sum, 0}; in the spare 64 KiB.
 constexpr int kCheckWords = 6;
 constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
-static_assert(kIdBoundsOffset + 8 * kCheckWords * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
+// The call sequence lives on the device, not in kernel arguments, so a captured CUDA graph
+// replays with fresh sequence numbers: uint64 last sequence used, then a uint32 count of the
+// combine reduce blocks that finished (the last one advances the sequence).
+// notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
+// combine push: last + 1, reduce: last + 2, and reduce's last block stores last + 2.
+constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
+static_assert(kSeqOffset + 16 <= kDataOffset, "control overlap");
 // Peer abort: a rank whose own checks reject a call before it launches anything writes, into
 // every peer's control region, its reason (text, NUL-padded) and then a word
-// {call sequence << 8 | error class code} at [its rank]. A barrier wait that finds a peer's
-// word set stops at once (status site kSitePeerAbort) instead of waiting for the timeout.
-constexpr size_t kAbortOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;  // uint64 [kMaxRanks]
+// {call number << 8 | error class code} at [its rank]. A barrier wait that finds a peer's word
+// set stops at once (kStatusPeerAbort) instead of waiting for the timeout.
+constexpr size_t kAbortOffset = kSeqOffset + 64;  // uint64 [kMaxRanks]
 constexpr size_t kAbortReasonBytes = 1024;
 constexpr size_t kAbortReasonOffset = kAbortOffset + 8ull * kMaxRanks;  // char [kMaxRanks][kAbortReasonBytes]
 // Combine's call header (dtype, hidden, weights, biases packed by the caller), exchanged with
@@ -63,8 +68,25 @@ constexpr size_t kCombineHeaderOffset = kAbortReasonOffset + kAbortReasonBytes *
 // (by sequence parity, like the counts: back-to-back dispatches follow each other directly).
 constexpr size_t kCachedHeaderOffset = kCombineHeaderOffset + 8 * kMaxRanks;
 static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
-// Status words in mapped host memory, set by the first wait that times out.
-constexpr int kStatusWords = 4;  // {1 when set, peer rank, barrier sequence, site code}
+// Status words in mapped host memory, set by the first wait that times out or, in sync-free
+// mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code;
+// any non-zero code makes every later kernel of the Buffer skip its data movement.
+constexpr int kStatusWords = 4;
+// {kStatusTimeout, stalled peer rank, barrier sequence, site code}
+constexpr int64_t kStatusTimeout = 1;
+// {code, rank, value, extra}: rank r's topk_idx holds expert id `value` outside [-1, E) (extra = E)
+constexpr int64_t kStatusBadExpertId = 2;
+// rank r's num_tokens_per_rank[value] disagrees with is_token_in_rank (extra = given << 32 | actual)
+constexpr int64_t kStatusLayoutMismatch = 3;
+// rank r receives `value` rows in a dispatch but num_worst_tokens = extra
+constexpr int64_t kStatusDispatchOverflow = 4;
+// rank r gets `value` rows back in a combine of a sync-free handle but staging holds extra rows
+constexpr int64_t kStatusCombineOverflow = 5;
+// {code, peer, barrier sequence, site}: peer posted an abort record (its own checks rejected
+// the call; the record in this rank's control region says why)
+constexpr int64_t kStatusPeerAbort = 6;
+// {code, peer, barrier sequence, site}: peer's cached dispatch / combine header differs
+constexpr int64_t kStatusHeaderMismatch = 7;
 
 // ---- memory / IPC -------------------------------------------------------------------------
 // Writes this rank's abort record (see kAbortOffset) into every other rank's buffer: the reason
@@ -104,20 +126,27 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // expert counts (experts_per_rank)] and the same prefix matrix into `rank_prefix_matrix`.
 // Doubles as the entry barrier of a dispatch (peers write into our staging only after it).
 // When `send_pos` is non-zero it also scans is_token_in_rank [T, R] into send_pos [T, R].
-// `id_bounds` (device int64 [2] or 0) and, when `send_pos` is set, the check of
+// The (min, max) of `topk_idx` ([num_tokens, num_topk], int64 or int32 by `idx_is_64`; 0 = no
+// ids: (-1, -1)), scanned here before the barrier instead of by separate launches, and, when
+// `send_pos` is set, the check of
 // num_tokens_per_rank against is_token_in_rank (a mismatch would place rows past the outputs)
-// travel to every rank with the counts (and `header`, which the host compares); a cached
-// dispatch (`send_pos` 0) exchanges a non-zero `header` with the barrier and fails the call on
-// a mismatch (kSiteHeaderMismatch); `out_bounds` (device int64 [R, kCheckWords] or 0)
+// travel to every rank with the counts; `out_bounds` (device int64 [R, kCheckWords] or 0)
 // receives every rank's, so all ranks see a bad input of any rank at the host read that sizes
-// the outputs, and raise together before any row moves.
+// the outputs, and raise together before any row moves. `header` (the call's dtype, hidden,
+// scales, top-k, experts, packed by the caller) travels with the checks (word 5); a cached
+// dispatch (`send_pos` 0) compares it with the barrier instead (kStatusHeaderMismatch).
+// Sync-free mode (`num_worst_tokens` > 0): notify itself judges every rank's checks and the
+// received row counts (> num_worst_tokens is an overflow) and records the first failure in the
+// status word (kStatusBadExpertId...), identically on every rank, so the dispatch kernel that
+// follows skips its data movement everywhere and the host raises at its next call.
 void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
                       intptr_t num_tokens_per_rank, intptr_t num_tokens_per_expert,
-                      int experts_per_rank, int expert_alignment, uint64_t seq,
+                      int experts_per_rank, int expert_alignment,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
-                      intptr_t send_pos, intptr_t stream, intptr_t id_bounds = 0,
-                      intptr_t out_bounds = 0, int64_t header = 0);
+                      intptr_t send_pos, intptr_t stream, intptr_t topk_idx = 0, bool idx_is_64 = true,
+                      int num_topk = 0, intptr_t out_bounds = 0, int num_worst_tokens = 0,
+                      int num_experts = 0, int64_t header = 0);
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
@@ -136,14 +165,15 @@ struct DispatchArgs {
   bool cached = false;
   // Local outputs; recv_* rows are the final rows (staged peer rows are copied into them).
   intptr_t recv_x = 0, recv_scales = 0, recv_topk_idx = 0, recv_topk_weights = 0, recv_src_idx = 0;
-  int num_recv = 0, num_out_rows = 0;  // rows received / rows of the outputs (num_worst_tokens)
-  std::vector<int> recv_begin;    // [R + 1]: rows from source s are [recv_begin[s], recv_begin[s+1])
+  // Rows received (exact mode) or its bound num_worst_tokens (sync-free mode: the kernel reads
+  // the real count and every source's first row from rank_prefix_matrix); rows of the outputs.
+  int num_recv = 0, num_out_rows = 0;
+  int own_rows = -1;              // rows this rank keeps for itself; -1 = unknown (sync-free)
   int64_t staging_rows = 0;       // capacity (rows) of every rank's staging this call
   int64_t buffer_bytes = 0;       // size of every rank's registered buffer
-  int64_t send_rows = -1;         // rows this rank writes (all destinations); -1 = assume num_recv
+  int64_t send_rows = -1;         // rows this rank writes (all destinations); -1 = unknown (sync-free)
   int num_sms = 24;
   bool use_tma = false;           // bulk copies (TMA) for the rows when the GPU has them
-  uint64_t seq = 0;               // sequence of this dispatch's notify (tags the chunk flags)
   intptr_t status = 0;
   int64_t timeout_ns = 0;
 };
@@ -164,17 +194,18 @@ struct CombineArgs {
   intptr_t x = 0;                  // [num_recv(+padding), hidden] rows in dispatch's recv order
   intptr_t topk_weights = 0;       // [.., K] float32 or 0
   int num_topk = 0;
-  int num_recv = 0;
-  std::vector<int> rank_prefix;    // host copy of the [R, R] prefix matrix
+  int num_recv = 0;                // rows of x to return: the received count or its bound
+  intptr_t rank_prefix_matrix = 0; // device [R, R] int32 from dispatch (every offset comes from it)
   intptr_t send_pos = 0;           // [T, R] int32 from dispatch
   int num_tokens = 0;
   intptr_t bias0 = 0, bias1 = 0;   // [T, hidden] of x's dtype or 0
   intptr_t out = 0, out_weights = 0;
+  // Rows every rank's combine staging holds: exact when the host knows the matrix; in sync-free
+  // mode num_worst_tokens, and push records kStatusCombineOverflow when a rank gets more back.
   int64_t staging_rows = 0;
   int64_t buffer_bytes = 0;
   int num_sms = 24;
   bool use_tma = false;
-  uint64_t seq_entry = 0, seq_done = 0;
   intptr_t status = 0;
   int64_t timeout_ns = 0;
   int64_t header = 0;  // what every rank's combine must agree on (kCombineHeaderOffset)

@@ -45,12 +45,17 @@ def make_pool(world: int):
     return DistPool(world, gpus=NUM_GPUS)
 
 
-def poison(buf) -> None:
-    """Fill free caching-allocator memory of the comm stream with 0xFF (NaN / -1 patterns)."""
+def poison(buf, byte: int = 0xFF) -> None:
+    """Fill free caching-allocator memory of the comm stream, its large-block pool and its
+    small-block pool (allocations up to 1 MiB), with ``byte``: 0xFF gives NaN / -1 patterns;
+    0x7F gives values that are neither NaN, -1 nor 0, where a test must tell the kernels' own
+    poison fill from leftovers."""
     with torch.cuda.stream(buf.get_comm_stream()):
-        p = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")
-        p.fill_(0xFF)
-        del p
+        large = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")
+        small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
+        for p in (large, *small):
+            p.fill_(byte)
+        del large, small
 
 
 def assert_same(name: str, a, b) -> None:

@@ -77,7 +77,6 @@ def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
         num_tokens_per_expert=0,
         experts_per_rank=0,
         expert_alignment=1,
-        seq=1,
         rank_prefix_matrix=prefix.data_ptr(),
         out_info=info.data_ptr(),
         status=st,

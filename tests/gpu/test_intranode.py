@@ -128,6 +128,8 @@ def case(rank: int, world: int, params: dict) -> int:
     assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
     assert_same("recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
     assert kh.num_recv_tokens == rh.num_recv_tokens
+    assert_same("recv_count", kh.recv_count, rh.recv_count)
+    assert_same("recv_tokens_per_expert", kh.recv_tokens_per_expert, rh.recv_tokens_per_expert)
 
     # Cached dispatch of a new x with the same layout.
     x2 = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
@@ -141,7 +143,7 @@ def case(rank: int, world: int, params: dict) -> int:
     # Combine: rows transformed per received row, plus weights and bias.
     y = (krx.float() * 0.5 + 1.0).to(torch.bfloat16)
     if kw["num_worst_tokens"]:
-        y[kh.num_recv_tokens :] = float("nan")  # padding rows must be ignored
+        y[int(kh.recv_count) :] = float("nan")  # padding rows must be ignored
     bias = tuple(
         torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         for _ in range(params.get("bias", 0))

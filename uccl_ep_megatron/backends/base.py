@@ -81,9 +81,16 @@ class DispatchResult(NamedTuple):
     recv_topk_weights: torch.Tensor | None  # 0.0 where the id is -1
     num_recv_tokens_per_expert: list[int]  # aligned; [] when num_worst_tokens > 0
     rank_prefix_matrix: torch.Tensor  # [R, R] int32, [i][r] = rows r gets from ranks 0..i
-    recv_src_idx: torch.Tensor  # [N_recv] int32: source token index of each received row
-    num_recv_tokens: int
+    # [N_recv] int32: source token index of each received row; [W] with -1 on padding rows
+    # when num_worst_tokens = W > 0
+    recv_src_idx: torch.Tensor
+    num_recv_tokens: int  # rows received; num_worst_tokens when that is > 0 (output rows)
     state: Any  # backend-private data combine / cached dispatch need
+    # GPU int32 [1]: rows received (before padding); None for cached dispatch.
+    recv_count: torch.Tensor | None = None
+    # GPU int32 [num_local_experts]: received rows per local expert, rounded up to
+    # expert_alignment (the numbers of the exact-mode list); None for cached dispatch.
+    recv_tokens_per_expert: torch.Tensor | None = None
 
 
 class DispatchHandle(NamedTuple):
@@ -95,13 +102,19 @@ class DispatchHandle(NamedTuple):
     rank_prefix_matrix: torch.Tensor
     is_token_in_rank: torch.Tensor  # [T, R] bool, sender side
     num_tokens_per_rank: torch.Tensor  # [R] int32, sender side
-    recv_src_idx: torch.Tensor  # [N_recv] int32
-    num_recv_tokens: int
+    recv_src_idx: torch.Tensor  # [N_recv] int32 ([W], -1 on padding rows, when W > 0)
+    num_recv_tokens: int  # rows received; num_worst_tokens (the output rows) when that is > 0
     num_worst_tokens: int
     num_topk: int  # K of the forward dispatch (0 without top-k)
     state: Any
     owner: int  # Buffer.uid of the Buffer that made it
     seq: int = 0  # the Buffer's number of the dispatch call that made it
+    # GPU int32 [1] on the output device: rows this rank received (before padding). Set in
+    # both modes, so sync-free callers (num_worst_tokens > 0) read it without a host sync.
+    recv_count: torch.Tensor | None = None
+    # GPU int32 [num_local_experts]: received rows per local expert, rounded up to
+    # expert_alignment (the numbers of the exact-mode num_recv_tokens_per_expert_list).
+    recv_tokens_per_expert: torch.Tensor | None = None
 
 
 class Backend(abc.ABC):
@@ -151,6 +164,11 @@ class Backend(abc.ABC):
         config: Config,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each received row back into its source token (and top-k weights likewise)."""
+
+    def check_errors(self) -> None:  # noqa: B027 - optional hook
+        """Raise an error that earlier GPU work recorded and no call has raised yet (sync-free
+        calls report through the status word); never synchronizes the device. The default
+        backend reports every error at the call that makes it, so it has none pending."""
 
     def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]] | None:
         """Every rank's ``row`` (rank order) on the host, bounded by ``UCCL_EP_TIMEOUT_MS``;
@@ -241,9 +259,3 @@ def routing_check(
     weights = torch.tensor([1, 2, 4, 8, 16], dtype=torch.int64, device=dev)
     bits = (torch.stack(mismatch).to(torch.int64) * weights).sum()
     return torch.stack([lo.to(torch.int64), hi.to(torch.int64), bits])
-
-
-def expert_id_bounds(topk_idx: torch.Tensor) -> torch.Tensor:
-    """(min, max) of ``topk_idx`` as an int64 device tensor, on the current stream (no sync)."""
-    lo, hi = torch.aminmax(topk_idx)
-    return torch.stack([lo, hi]).to(torch.int64)

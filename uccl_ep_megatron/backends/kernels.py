@@ -6,8 +6,10 @@ every peer's buffer directly. A dispatch is two launches on the communication st
 
 1. ``notify``: each rank writes its per-rank and per-expert counts into every peer's control
    region and waits for theirs (the entry barrier). Outputs: ``rank_prefix_matrix`` and the
-   aligned per-local-expert counts; the host reads them once (one sync, as DeepEP does) to
-   size the outputs.
+   aligned per-local-expert counts; in exact mode the host reads them once (one sync, as
+   DeepEP does) to size the outputs. With ``num_worst_tokens`` (sync-free mode) the outputs
+   have that many rows, the kernels read every offset from the device matrix, and notify
+   itself records bad input or an overflow in the status word, raised at the next call.
 2. ``dispatch``: every token row is read once and written to each destination rank at its final
    row index: straight into this rank's output tensors for rows it keeps, into the peer's
    staging region otherwise. Top-k ids become local ids (-1 elsewhere), weights 0.0 there.
@@ -19,7 +21,9 @@ every peer's buffer directly. A dispatch is two launches on the communication st
 Combine mirrors it: ``push`` sends each received row back to its source rank's staging and
 ``reduce`` sums each token's rows in rank order in fp32 (rows kept locally read in place).
 Every wait has a deadline (``UCCL_EP_TIMEOUT_MS``); a timeout is recorded in mapped host
-memory and raised here as ``CommTimeoutError`` naming the stalled rank and barrier.
+memory and raised here as ``CommTimeoutError`` naming the stalled rank and barrier. Barrier
+sequence numbers come from a counter in the control region, not from launch arguments, so a
+CUDA graph of these calls replays with fresh ones.
 """
 
 from __future__ import annotations
@@ -46,11 +50,11 @@ from uccl_ep_megatron.backends.base import (
     Layout,
     Topology,
     check_expert_ids,
-    expert_id_bounds,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import (
+    BufferTooSmallError,
     CommTimeoutError,
     InvalidInputError,
     UcclEpError,
@@ -59,8 +63,6 @@ from uccl_ep_megatron.errors import (
 
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "combine finish"}
-_SITE_PEER_ABORT = 5  # kSitePeerAbort: the peer posted an abort record (see abort_peers)
-_SITE_HEADER_MISMATCH = 6  # kSiteHeaderMismatch: a peer's cached dispatch / combine header differs
 
 
 def _c():
@@ -198,6 +200,19 @@ def _describe_call(
 _CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
 
 
+def _sent(pm: tuple[int, ...], num_ranks: int, s: int, j: int) -> int:
+    """Rows rank ``j`` receives from rank ``s``, from the row-major rank prefix matrix."""
+    return pm[s * num_ranks + j] - (pm[(s - 1) * num_ranks + j] if s else 0)
+
+
+def _combine_rows(pm: tuple[int, ...], num_ranks: int) -> int:
+    """Most rows any rank gets back from the others in a combine (its staging rows)."""
+    return max(
+        sum(_sent(pm, num_ranks, s, j) for j in range(num_ranks) if j != s)
+        for s in range(num_ranks)
+    )
+
+
 def _check_all_ranks(rows: list[int], num_experts: int) -> None:
     """Raise the first bad input of any rank, on every rank. ``rows`` holds each rank's notify
     checks (id min, id max, first rank whose ``num_tokens_per_rank`` entry differs from
@@ -221,12 +236,27 @@ def _check_all_ranks(rows: list[int], num_experts: int) -> None:
             )
 
 
-@dataclass(frozen=True)
+@dataclass
 class _State:
     """What combine and cached dispatch need from a dispatch (kept in the handle)."""
 
-    prefix_host: tuple[int, ...]  # rank_prefix_matrix, row-major, on the host
+    # rank_prefix_matrix, row-major, on the host; None for a sync-free dispatch, whose
+    # kernels read it from the device (the handle's rank_prefix_matrix).
+    prefix_host: tuple[int, ...] | None
     send_pos: torch.Tensor  # [T, R] int32: position of token t among rows sent to rank r, -1
+    # Rows of every rank's combine staging: exact, or num_worst_tokens when sync-free.
+    combine_rows: int
+    # The combine launch struct with this layout's fields set, built by the first combine of
+    # the handle and reused (host time), and the buffer generation (IpcBuffers.grows) it saw.
+    combine_args: Any = None
+    combine_grows: int = -1
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous int32, without a copy (or a launch) when it already is."""
+    if t.dtype == torch.int32 and t.is_contiguous():
+        return t
+    return t.to(torch.int32).contiguous()
 
 
 class KernelsBackend(Backend):
@@ -277,6 +307,10 @@ class KernelsBackend(Backend):
         self._c = c
         self._status = 0
         self._destroyed = False
+        # A CUDA graph captured a call: its kernels hold the buffer addresses, so no regrow.
+        self._captured = False
+        # An input error of a sync-free call was raised already (destroy() raises it otherwise).
+        self._reported = False
         self._aborted: str | None = None  # the call this rank rejected (abort_peers)
         self._last_header = ""  # this rank's last device-checked call header, in words
         # The control region is always there, so barriers work even before data fits.
@@ -292,7 +326,8 @@ class KernelsBackend(Backend):
         )
         self._status = c.host_status_alloc()
         warm_poison(c, self._status, device)
-        self._seq = 0
+        self._dargs: Any = None  # see _dispatch_args
+        self._dargs_grows = -1
         from uccl_ep_megatron.config import effective_env
 
         env = effective_env()
@@ -310,16 +345,52 @@ class KernelsBackend(Backend):
         # Staging must fit in every rank's buffer: the smallest one bounds a call.
         return min(self._ipc.sizes)
 
-    def _fit(self, need: int, what: str) -> None:
+    def _fit(self, need: int, what: str, capturing: bool) -> None:
         """Grow every rank's buffer (collectively) when this call needs more than it holds."""
+        if need <= self._buffer_bytes:
+            return
+        if capturing:
+            raise BufferTooSmallError(
+                f"{what} needs num_nvl_bytes >= {need} but the buffer holds "
+                f"{self._buffer_bytes}, and it cannot grow while a CUDA graph is being captured "
+                "(growing synchronizes the device and reallocates): run the same call once "
+                "eagerly before capturing, or create the Buffer with num_nvl_bytes >= "
+                f"{need}"
+            )
+        if self._captured:
+            raise BufferTooSmallError(
+                f"{what} needs num_nvl_bytes >= {need} but the buffer holds "
+                f"{self._buffer_bytes}, and a CUDA graph captured from this Buffer still "
+                "writes into the current one, so it cannot be reallocated: create the Buffer "
+                f"with num_nvl_bytes >= {need}"
+            )
         self._ipc.grow([need] * self.topology.num_ranks, what)
+
+    def _dispatch_args(self) -> Any:
+        """This backend's dispatch launch struct, its per-Buffer fields set once (and again
+        after a regrow); calls set the rest. Host time: ~30 binding field sets per call were
+        most of the struct's cost."""
+        grows = self._ipc.grows
+        if self._dargs is None or self._dargs_grows != grows:
+            a = self._c.IntranodeDispatchArgs()
+            a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
+            a.rank, a.num_ranks = self.topology.rank, self.topology.num_ranks
+            a.use_tma = self._use_tma
+            a.status, a.timeout_ns = self._status, self._timeout_ns
+            self._dargs, self._dargs_grows = a, grows
+        return self._dargs
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
+    def _capturing(self) -> bool:
+        if torch.cuda.is_current_stream_capturing():
+            self._captured = True
+            return True
+        return False
+
+    def check_errors(self) -> None:
+        self._check_status()
 
     def abort_peers(self, call: str, error: BaseException) -> None:
         """Post this rank's abort record into every peer's control region (see
@@ -333,10 +404,7 @@ class KernelsBackend(Backend):
         try:
             with torch.cuda.device(self.device):
                 self._c.post_abort(
-                    self._buffers,
-                    self.topology.rank,
-                    (self._seq + 1) << 8 | error_code(error),
-                    reason,
+                    self._buffers, self.topology.rank, 1 << 8 | error_code(error), reason
                 )
         except Exception as exc:  # noqa: BLE001 - the original error is what the caller sees
             error.add_note(f"uccl_ep: could not tell the peers ({exc}); they will time out")
@@ -349,31 +417,66 @@ class KernelsBackend(Backend):
                 f"rank {self.topology.rank} rejected {self._aborted} and told its peers to stop; "
                 "the group's calls no longer match, so this Buffer is unusable: create a new one"
             )
-        flag, peer, seq, site = self._c.host_status_read(self._status)
-        if flag and site == _SITE_PEER_ABORT:
-            word, reason = self._c.read_abort(self._buffers[self.topology.rank], peer)
-            cls = error_class(word & 0xFF)
-            raise cls(
-                f"rank {self.topology.rank}: rank {peer} rejected its arguments ({reason}); no "
-                f"rank moved data for that call. Fix the call on rank {peer}. This Buffer is "
-                "unusable now; create a new one."
-            )
-        if flag and site == _SITE_HEADER_MISMATCH:
-            raise InvalidInputError(
-                f"rank {self.topology.rank}: the call of rank {peer} at barrier #{seq} differs "
-                f"from this rank's {self._last_header}: every rank must pass x of the same dtype "
-                "and hidden size (FP8 on all ranks or none) and, to combine, topk_weights on all "
-                "ranks or none and the same number of biases. That call's outputs were NaN. "
-                "This Buffer is unusable now; create a new one."
-            )
-        if flag:
-            raise CommTimeoutError(
+        words = self._c.host_status_read(self._status)
+        if words[0]:
+            raise self._status_error(*words)
+
+    def _status_error(self, code: int, a: int, b: int, extra: int) -> UcclEpError:
+        """The exception the status words describe (their layout: csrc/kernels/intranode.h)."""
+        c = self._c
+        if code == c.STATUS_TIMEOUT:
+            return CommTimeoutError(
                 f"rank {self.topology.rank}: timed out after {self._timeout_ms} ms at the "
-                f"{_SITES.get(site, f'site {site}')} barrier (#{seq}) waiting for rank {peer}; "
-                f"rank {peer} did not reach the same dispatch/combine call (crashed, or called a "
+                f"{_SITES.get(extra, f'site {extra}')} barrier (#{b}) waiting for rank {a}; "
+                f"rank {a} did not reach the same dispatch/combine call (crashed, or called a "
                 "different sequence of collectives). Raise UCCL_EP_TIMEOUT_MS if it is only "
                 "slow. This Buffer is unusable now; create a new one."
             )
+        if code == c.STATUS_PEER_ABORT:
+            word, reason = c.read_abort(self._buffers[self.topology.rank], a)
+            return error_class(word & 0xFF)(
+                f"rank {self.topology.rank}: rank {a} rejected its arguments ({reason}); no "
+                f"rank moved data for that call. Fix the call on rank {a}. This Buffer is "
+                "unusable now; create a new one."
+            )
+        self._reported = True
+        if code == c.STATUS_HEADER_MISMATCH:
+            return InvalidInputError(
+                f"rank {self.topology.rank}: the call of rank {a} differs from this rank's "
+                f"{self._last_header}: every rank must pass x of the same dtype and hidden size "
+                "(FP8 on all ranks or none), the same top-k and num_experts and, to combine, "
+                "topk_weights on all ranks or none and the same number of biases. That call's "
+                "outputs were NaN (no data moved). This Buffer is unusable now; create a new one."
+            )
+        after = (
+            " A sync-free call (num_worst_tokens > 0) found it on the GPU: that call's outputs "
+            "and those of every later call of this Buffer hold NaN rows, -1 ids and source "
+            "indices and 0 weights. This Buffer is unusable now; create a new one."
+        )
+        if code == c.STATUS_BAD_EXPERT_ID:
+            return InvalidInputError(
+                f"rank {a}: topk_idx contains expert id {b}; ids must be in [0, {extra}) or -1 "
+                f"for an unused slot.{after}"
+            )
+        if code == c.STATUS_LAYOUT_MISMATCH:
+            given, actual = extra >> 32, ((extra & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+            return InvalidInputError(
+                f"rank {a}: num_tokens_per_rank[{b}]={given} but is_token_in_rank marks "
+                f"{actual} tokens for rank {b}; pass the layout tensors that "
+                f"get_dispatch_layout(topk_idx) returns.{after}"
+            )
+        if code == c.STATUS_DISPATCH_OVERFLOW:
+            return InvalidInputError(
+                f"num_worst_tokens={extra} but rank {a} receives {b} rows; pass "
+                f"num_worst_tokens >= {b} (the worst case is num_tokens * num_ranks).{after}"
+            )
+        if code == c.STATUS_COMBINE_OVERFLOW:
+            return InvalidInputError(
+                f"combine of a sync-free handle: rank {a} gets {b} rows back but the combine "
+                f"staging holds num_worst_tokens={extra} rows per rank; pass num_worst_tokens >= "
+                f"(num_ranks - 1) * num_tokens (num_tokens * num_ranks always fits).{after}"
+            )
+        return UcclEpError(f"status words report unknown code {code} ({a}, {b}, {extra})")
 
     # ---- layout -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
@@ -403,31 +506,43 @@ class KernelsBackend(Backend):
                 f"{experts_per_rank} experts per rank exceed the kernels' limit of "
                 f"{c.KERNELS_MAX_LOCAL_EXPERTS}; use the reference backend"
             )
+        worst = args.num_worst_tokens
+        capturing = self._capturing()
+        if capturing and worst == 0:
+            raise UnsupportedError(
+                "dispatch without num_worst_tokens reads the received counts back to the host, "
+                "which a CUDA graph cannot capture: pass num_worst_tokens > 0 (sync-free mode)"
+            )
         stream = self._stream()
-        bounds = expert_id_bounds(topk_idx) if args.check_ids else None
-        per_rank = args.num_tokens_per_rank.to(torch.int32).contiguous()
+        row_bytes = hidden * x.element_size()
+        idx_size = topk_idx.element_size() if topk_idx is not None else 8
+        if worst > 0:
+            # Sync-free: staging for the worst case, sized from host-known values before
+            # anything is launched (every rank passes the same num_worst_tokens).
+            need = c.dispatch_staging_bytes(worst, row_bytes, num_scales, num_topk, idx_size)
+            self._fit(need, f"dispatch of up to {worst} rows of {row_bytes} bytes", capturing)
+        per_rank = _as_int32(args.num_tokens_per_rank)
         per_expert = None
         if cached is None:
-            per_expert = args.num_tokens_per_expert.to(torch.int32).contiguous()
-
-        if cached is not None:
-            send_pos = cached.state.send_pos
-        else:
+            per_expert = _as_int32(args.num_tokens_per_expert)
             send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
-        prefix = torch.empty(num_ranks, num_ranks, dtype=torch.int32, device=dev)
-        # One sequence number per dispatch: the notify barrier and the chunk flags carry it.
-        seq = self._next_seq()
+        else:
+            send_pos = cached.state.send_pos
+        # [rank_prefix_matrix (R*R) | aligned received rows per local expert]: the handle's
+        # rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it.
         info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
-        # Every rank's input checks come back with the counts (see _check_all_ranks).
+        # Every rank's input checks come back with the counts (see _check_all_ranks); in
+        # sync-free mode notify judges them itself and records a failure in the status word.
         all_bounds = None
-        if cached is None:
+        if cached is None and worst == 0:
             all_bounds = torch.empty(num_ranks * _CHECK_WORDS, dtype=torch.int64, device=dev)
-        # Cached: checked on the GPU with notify's barrier (no host read); otherwise read back
-        # with the counts (_check_all_ranks).
-        experts = 0 if cached is not None else args.num_experts
-        header = pack_dispatch_header(x.dtype, hidden, num_scales, num_topk, experts)
-        if cached is not None:
-            self._last_header = _describe_call("cached dispatch", x.dtype, hidden, num_scales)
+        # The call header every rank must agree on: read back with the counts (exact mode),
+        # judged by notify (sync-free) or compared with its barrier (cached dispatch).
+        header = pack_dispatch_header(
+            x.dtype, hidden, num_scales, num_topk, 0 if cached is not None else args.num_experts
+        )
+        kind = "cached dispatch" if cached is not None else "dispatch"
+        self._last_header = _describe_call(kind, x.dtype, hidden, num_scales)
         c.intranode_notify(
             buffers=self._buffers,
             rank=rank,
@@ -436,8 +551,7 @@ class KernelsBackend(Backend):
             num_tokens_per_expert=0 if per_expert is None else per_expert.data_ptr(),
             experts_per_rank=experts_per_rank,
             expert_alignment=args.expert_alignment,
-            seq=seq,
-            rank_prefix_matrix=prefix.data_ptr(),
+            rank_prefix_matrix=info.data_ptr(),
             out_info=info.data_ptr(),
             status=self._status,
             timeout_ns=self._timeout_ns,
@@ -445,70 +559,46 @@ class KernelsBackend(Backend):
             num_tokens=num_tokens,
             send_pos=0 if cached is not None else send_pos.data_ptr(),
             stream=stream,
-            id_bounds=0 if bounds is None else bounds.data_ptr(),
+            # Notify scans the id range itself (no extra launches); ids are checked whenever
+            # given, so args.check_ids (the range is still unchecked) is always honoured.
+            topk_idx=0 if topk_idx is None else topk_idx.data_ptr(),
+            idx_is_64=topk_idx is None or topk_idx.dtype == torch.int64,
+            num_topk=num_topk,
             out_bounds=0 if all_bounds is None else all_bounds.data_ptr(),
+            num_worst_tokens=worst,
+            num_experts=0 if cached is not None else args.num_experts,
             header=header,
         )
-        # Everything that does not depend on the received counts is set before the sync, so
-        # the GPU idles as briefly as possible between notify and send.
-        a = c.IntranodeDispatchArgs()
-        a.buffers = self._buffers
-        a.rank, a.num_ranks, a.num_tokens = rank, num_ranks, num_tokens
-        a.experts_per_rank = experts_per_rank
-        a.x, a.row_bytes = x.data_ptr(), hidden * x.element_size()
-        a.x_scales, a.num_scales = (0 if scales is None else scales.data_ptr()), num_scales
-        if topk_idx is not None:
-            a.topk_idx = topk_idx.data_ptr()
-            a.idx_is_64 = topk_idx.dtype == torch.int64
-            a.topk_weights = args.topk_weights.data_ptr()
-            a.num_topk = num_topk
-        a.is_token_in_rank = args.is_token_in_rank.data_ptr()
-        a.rank_prefix_matrix = prefix.data_ptr()
-        a.cached = cached is not None
-        a.buffer_bytes = self._buffer_bytes
-        a.num_sms = args.config.num_sms
-        a.use_tma = self._use_tma
-        a.status, a.timeout_ns = self._status, self._timeout_ns
-        a.seq = seq
-        a.send_pos = send_pos.data_ptr()
-        if cached is not None:
-            state: _State = cached.state
-            prefix_host = state.prefix_host
-            expert_counts: list[int] = []
+        nrr = num_ranks * num_ranks
+        prefix = info[:nrr].view(num_ranks, num_ranks)
+        expert_counts: list[int] = []
+        prefix_host: tuple[int, ...] | None = None
+        if worst > 0:
+            rows_out = num_recv = staging_rows = worst
+            own_rows = send_rows = -1
+            combine_rows = worst
         else:
-            # The one host sync (output sizes depend on it); every rank's checks ride along.
-            info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
-            self._check_status()
-            checks = info_host[-_CHECK_WORDS * num_ranks :]
-            _check_all_ranks(checks, args.num_experts)
-            info_host = info_host[: -_CHECK_WORDS * num_ranks]
-            prefix_host = tuple(info_host[: num_ranks * num_ranks])
-            expert_counts = info_host[num_ranks * num_ranks :]
-
-        def pm(i: int, r: int) -> int:
-            return prefix_host[i * num_ranks + r] if i >= 0 else 0
-
-        num_recv = pm(num_ranks - 1, rank)
-        staging_rows = max(pm(num_ranks - 1, r) for r in range(num_ranks))
-        row_bytes = hidden * x.element_size()
-        idx_size = topk_idx.element_size() if topk_idx is not None else 8
-        need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
-        # Every rank holds the same prefix matrix, so all decide the same here.
-        self._fit(need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes")
-        a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
-        rows_out = num_recv
-        if args.num_worst_tokens > 0:
-            # Checked against every rank's count (all know the matrix), so all ranks raise
-            # together instead of leaving the others waiting in the finishing barrier.
-            if staging_rows > args.num_worst_tokens:
-                worst_rank = max(range(num_ranks), key=lambda r: pm(num_ranks - 1, r))
-                raise InvalidInputError(
-                    f"num_worst_tokens={args.num_worst_tokens} but rank {worst_rank} receives "
-                    f"{staging_rows} rows; pass num_worst_tokens >= {staging_rows} (the worst "
-                    "case is num_tokens * num_ranks)"
-                )
-            rows_out = args.num_worst_tokens
-            expert_counts = []
+            if cached is not None:
+                prefix_host = cached.state.prefix_host
+            else:
+                # The one host sync (output sizes depend on it); every rank's checks ride along.
+                info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
+                self._check_status()
+                _check_all_ranks(info_host[-_CHECK_WORDS * num_ranks :], args.num_experts)
+                prefix_host = tuple(info_host[:nrr])
+                expert_counts = info_host[nrr : nrr + experts_per_rank]
+            pm = prefix_host
+            last = (num_ranks - 1) * num_ranks
+            num_recv = rows_out = pm[last + rank]
+            staging_rows = max(pm[last : last + num_ranks])
+            own_rows = _sent(pm, num_ranks, rank, rank)
+            send_rows = sum(_sent(pm, num_ranks, rank, r) for r in range(num_ranks))
+            combine_rows = _combine_rows(pm, num_ranks)
+            need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
+            # Every rank holds the same prefix matrix, so all decide the same here.
+            self._fit(
+                need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes", False
+            )
 
         recv_x = torch.empty(rows_out, hidden, dtype=x.dtype, device=dev)
         recv_scales = None
@@ -519,25 +609,42 @@ class KernelsBackend(Backend):
             recv_idx = torch.empty(rows_out, num_topk, dtype=topk_idx.dtype, device=dev)
             recv_w = torch.empty(rows_out, num_topk, dtype=torch.float32, device=dev)
         if cached is None:
-            recv_src = torch.empty(num_recv, dtype=torch.int32, device=dev)
+            recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
         else:
             recv_src = cached.recv_src_idx
 
+        a = self._dispatch_args()
+        a.num_tokens = num_tokens
+        a.experts_per_rank = experts_per_rank
+        a.x, a.row_bytes = x.data_ptr(), row_bytes
+        a.x_scales, a.num_scales = (0 if scales is None else scales.data_ptr()), num_scales
+        # The struct is reused across calls: every per-call field is set, also to 0.
         if topk_idx is not None:
+            a.topk_idx = topk_idx.data_ptr()
+            a.idx_is_64 = topk_idx.dtype == torch.int64
+            a.topk_weights = args.topk_weights.data_ptr()
             a.recv_topk_idx = recv_idx.data_ptr()
             a.recv_topk_weights = recv_w.data_ptr()
+        else:
+            a.topk_idx = a.topk_weights = a.recv_topk_idx = a.recv_topk_weights = 0
+        a.num_topk = num_topk
+        a.is_token_in_rank = args.is_token_in_rank.data_ptr()
+        a.rank_prefix_matrix = info.data_ptr()
+        a.cached = cached is not None
+        a.num_sms = args.config.num_sms
+        a.send_pos = send_pos.data_ptr()
         a.recv_x = recv_x.data_ptr()
         a.recv_scales = 0 if recv_scales is None else recv_scales.data_ptr()
         a.recv_src_idx = 0 if cached is not None else recv_src.data_ptr()
         a.num_recv, a.num_out_rows = num_recv, rows_out
-        a.recv_begin = [pm(s - 1, rank) for s in range(num_ranks + 1)]
+        a.own_rows, a.send_rows = own_rows, send_rows
         a.staging_rows = staging_rows
-        a.send_rows = sum(pm(rank, r) - pm(rank - 1, r) for r in range(num_ranks))
         c.intranode_dispatch(a, stream)
-        # A timeout inside this call is raised at the next one; until then the outputs say so.
+        # A failure inside this call is raised at the next one; until then the outputs say so.
         outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
         poison_dispatch(c, self._status, stream, *outs)
 
+        last_row = (num_ranks - 1) * num_ranks + rank
         return DispatchResult(
             recv_x=recv_x,
             recv_x_scales=recv_scales,
@@ -547,7 +654,9 @@ class KernelsBackend(Backend):
             rank_prefix_matrix=prefix if cached is None else cached.rank_prefix_matrix,
             recv_src_idx=recv_src,
             num_recv_tokens=num_recv,
-            state=_State(prefix_host, send_pos) if cached is None else cached.state,
+            state=_State(prefix_host, send_pos, combine_rows) if cached is None else cached.state,
+            recv_count=info[last_row : last_row + 1],
+            recv_tokens_per_expert=info[nrr:],
         )
 
     # ---- combine ------------------------------------------------------------------------
@@ -562,55 +671,52 @@ class KernelsBackend(Backend):
         self._check_status()
         c = self._c
         topo = self.topology
-        rank, num_ranks = topo.rank, topo.num_ranks
         num_tokens = handle.is_token_in_rank.shape[0]
         try:
             t = prepare_combine(x, topk_weights, bias, num_tokens, "the kernels backend")
         except UcclEpError as exc:
-            self.abort_peers(f"combine #{self._seq + 1}", exc)
+            self.abort_peers("combine", exc)
             raise
         x, hidden = t.x, t.x.shape[1]
         state: _State = handle.state
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-        prefix_host = state.prefix_host
-
-        def pm(i: int, r: int) -> int:
-            return prefix_host[i * num_ranks + r] if i >= 0 else 0
-
-        staging_rows = max(
-            sum(pm(s, j) - pm(s - 1, j) for j in range(num_ranks) if j != s)
-            for s in range(num_ranks)
-        )
+        staging_rows = state.combine_rows
         row_bytes = hidden * x.element_size()
         need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
-        self._fit(need, f"combine of up to {staging_rows} returned rows of {row_bytes} bytes")
+        self._fit(
+            need,
+            f"combine of up to {staging_rows} returned rows of {row_bytes} bytes",
+            self._capturing(),
+        )
 
-        a = c.IntranodeCombineArgs()
-        a.buffers = self._buffers
-        a.rank, a.num_ranks = rank, num_ranks
+        a = state.combine_args
+        if a is None or state.combine_grows != self._ipc.grows:
+            a = c.IntranodeCombineArgs()
+            a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
+            a.rank, a.num_ranks = topo.rank, topo.num_ranks
+            # Rows of x: the received count, or its bound in sync-free mode (the kernels read
+            # the real count from the device matrix).
+            a.num_recv = handle.num_recv_tokens
+            a.rank_prefix_matrix = handle.rank_prefix_matrix.data_ptr()
+            a.send_pos = state.send_pos.data_ptr()
+            a.num_tokens = num_tokens
+            a.staging_rows = staging_rows
+            a.use_tma = self._use_tma
+            a.status, a.timeout_ns = self._status, self._timeout_ns
+            state.combine_args, state.combine_grows = a, self._ipc.grows
         a.dtype = t.dtype_code
         a.hidden = hidden
         a.x = x.data_ptr()
         a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
         a.num_topk = num_topk
-        a.num_recv = handle.num_recv_tokens
-        a.rank_prefix = list(prefix_host)
-        a.send_pos = state.send_pos.data_ptr()
-        a.num_tokens = num_tokens
         a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
         a.bias1 = t.biases[1].data_ptr() if len(t.biases) > 1 else 0
         a.out = t.out.data_ptr()
         a.out_weights = 0 if t.out_weights is None else t.out_weights.data_ptr()
-        a.staging_rows = staging_rows
-        a.buffer_bytes = self._buffer_bytes
         a.num_sms = config.num_sms
-        a.use_tma = self._use_tma
         a.header = pack_combine_header(x.dtype, hidden, num_topk, len(t.biases))
         extra = f"topk_weights columns={num_topk}, biases={len(t.biases)}"
         self._last_header = _describe_call("combine", x.dtype, hidden, 0, extra)
-        a.seq_entry = self._next_seq()
-        a.seq_done = self._next_seq()
-        a.status, a.timeout_ns = self._status, self._timeout_ns
         stream = self._stream()
         c.intranode_combine_push(a, stream)
         c.intranode_combine_reduce(a, stream)
@@ -623,8 +729,16 @@ class KernelsBackend(Backend):
             return
         self._destroyed = True
         c = self._c
+        pending = None
         try:
             self._ipc.close(collective, self._timeout_ms)
+            # close() synchronized the device: the status words are final. An input error no
+            # call has raised yet is raised now (after the release), as the contract says.
+            words = c.host_status_read(self._status)
+            if words[0] and words[0] != c.STATUS_TIMEOUT and not self._reported:
+                pending = self._status_error(*words)
         finally:
             with torch.cuda.device(self.device):
                 c.host_status_free(self._status)
+        if pending is not None:
+            raise pending

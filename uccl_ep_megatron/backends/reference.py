@@ -151,22 +151,21 @@ class ReferenceBackend(Backend):
         if args.cached is None:
             # The rank counts came with the call header; the per-expert counts only when the
             # caller gets them (num_worst_tokens == 0).
+            # The rank counts came with the call header; the per-expert counts are gathered.
             counts = torch.tensor(args.agreed.counts, dtype=torch.int64, device=x.device)
-            local_expert_counts = []
-            if args.num_worst_tokens == 0:
-                experts_per_rank = args.num_experts // topo.num_ranks
-                per_expert = self._all_gather_rows(
-                    args.num_tokens_per_expert.to(torch.int64),
-                    "the all-gather of per-expert counts",
-                    call,
-                ).sum(0)
-                local_expert_counts = per_expert[
-                    rank * experts_per_rank : (rank + 1) * experts_per_rank
-                ].tolist()
+            experts_per_rank = args.num_experts // topo.num_ranks
+            per_expert = self._all_gather_rows(
+                args.num_tokens_per_expert.to(torch.int64),
+                "the all-gather of per-expert counts",
+                call,
+            ).sum(0)
+            align = args.expert_alignment
+            local = per_expert[rank * experts_per_rank : (rank + 1) * experts_per_rank]
+            recv_tokens_per_expert = ((local + align - 1) // align * align).to(torch.int32)
             rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
         else:
             rank_prefix_matrix = args.cached.rank_prefix_matrix
-            local_expert_counts = []
+            recv_tokens_per_expert = None
         column = rank_prefix_matrix[:, rank].to(torch.int64)
         recv_counts = torch.diff(column, prepend=column.new_zeros(1)).tolist()
         num_recv = int(column[-1].item())
@@ -203,18 +202,22 @@ class ReferenceBackend(Backend):
         else:
             recv_src_idx = args.cached.recv_src_idx
 
-        align = args.expert_alignment
-        num_recv_per_expert = [(c + align - 1) // align * align for c in local_expert_counts]
+        num_recv_per_expert: list[int] = []
+        if recv_tokens_per_expert is not None and args.num_worst_tokens == 0:
+            num_recv_per_expert = recv_tokens_per_expert.tolist()
+        out_rows = num_recv
         if args.num_worst_tokens > 0:
+            out_rows = args.num_worst_tokens
             recv_x, recv_scales, recv_topk_idx, recv_topk_weights = _pad_rows(
                 args.num_worst_tokens,
                 num_recv,
-                recv_x,
-                recv_scales,
-                recv_topk_idx,
-                recv_topk_weights,
+                (recv_x, 0),
+                (recv_scales, 0),
+                (recv_topk_idx, -1),
+                (recv_topk_weights, 0),
             )
-            num_recv_per_expert = []
+            if args.cached is None:
+                (recv_src_idx,) = _pad_rows(args.num_worst_tokens, num_recv, (recv_src_idx, -1))
         return DispatchResult(
             recv_x=recv_x,
             recv_x_scales=recv_scales,
@@ -223,8 +226,10 @@ class ReferenceBackend(Backend):
             num_recv_tokens_per_expert=num_recv_per_expert,
             rank_prefix_matrix=rank_prefix_matrix,
             recv_src_idx=recv_src_idx,
-            num_recv_tokens=num_recv,
-            state=None,
+            num_recv_tokens=out_rows,
+            state=num_recv,  # rows really received (combine reads x up to here)
+            recv_count=None if args.cached is not None else column[-1:].to(torch.int32),
+            recv_tokens_per_expert=recv_tokens_per_expert,
         )
 
     # ---- combine -------------------------------------------------------------------------
@@ -238,7 +243,7 @@ class ReferenceBackend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rank = self.topology.rank
         self._check_usable()
-        num_recv = handle.num_recv_tokens
+        num_recv = handle.state
         column = handle.rank_prefix_matrix[:, rank].to(torch.int64)
         back_counts = torch.diff(column, prepend=column.new_zeros(1)).tolist()
         sent_counts = handle.num_tokens_per_rank.to(torch.int64).tolist()
@@ -266,14 +271,10 @@ class ReferenceBackend(Backend):
 
 
 def _pad_rows(
-    rows: int,
-    num_recv: int,
-    recv_x: torch.Tensor,
-    recv_scales: torch.Tensor | None,
-    recv_topk_idx: torch.Tensor | None,
-    recv_topk_weights: torch.Tensor | None,
-):
-    """Pad received outputs to exactly ``rows`` rows (``num_worst_tokens``)."""
+    rows: int, num_recv: int, *fills: tuple[torch.Tensor | None, float]
+) -> list[torch.Tensor | None]:
+    """Each ``(tensor, fill)`` padded with ``fill`` to exactly ``rows`` rows
+    (``num_worst_tokens``); ``None`` stays ``None``."""
     if num_recv > rows:
         raise InvalidInputError(
             f"num_worst_tokens={rows} but this rank receives {num_recv} rows; pass "
@@ -287,4 +288,4 @@ def _pad_rows(
         out[:num_recv] = t
         return out
 
-    return pad(recv_x, 0), pad(recv_scales, 0), pad(recv_topk_idx, -1), pad(recv_topk_weights, 0)
+    return [pad(t, fill) for t, fill in fills]

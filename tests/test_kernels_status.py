@@ -1,0 +1,94 @@
+"""CPU checks of the ``kernels`` backend's host-side decisions that need no GPU: the exception
+each status-word code becomes (what ``Buffer.check_errors()`` and the next call raise after a
+sync-free call found bad input on the GPU), and the guard that refuses to grow the buffer while
+a CUDA graph is captured or after one was. Needs ``_C`` built with the GPU kernels (for the
+status codes); the device tests are tests/gpu/test_sync_free.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from uccl_ep_megatron import _C
+from uccl_ep_megatron.backends.base import Topology
+from uccl_ep_megatron.errors import BufferTooSmallError, CommTimeoutError, InvalidInputError
+
+pytestmark = pytest.mark.skipif(
+    not _C.kernels_built(), reason="_C was built without the GPU kernels"
+)
+
+
+def _backend(sizes: tuple[int, ...] = (1 << 20, 1 << 20)):
+    """A KernelsBackend with only the host state these decisions read (no GPU, no group)."""
+    from uccl_ep_megatron.backends.kernels import KernelsBackend
+
+    be = object.__new__(KernelsBackend)
+    be._c = _C
+    be.topology = Topology(rank=1, num_ranks=len(sizes), ranks_per_node=len(sizes))
+    be._timeout_ms = 250
+    be._reported = False
+    be._captured = False
+    grows: list[int] = []
+    be._ipc = types.SimpleNamespace(sizes=list(sizes), grow=lambda needs, what: grows.append(1))
+    return be, grows
+
+
+def test_status_codes_are_distinct():
+    codes = [
+        _C.STATUS_TIMEOUT,
+        _C.STATUS_BAD_EXPERT_ID,
+        _C.STATUS_LAYOUT_MISMATCH,
+        _C.STATUS_DISPATCH_OVERFLOW,
+        _C.STATUS_COMBINE_OVERFLOW,
+    ]
+    assert len(set(codes)) == len(codes) and 0 not in codes
+
+
+@pytest.mark.parametrize(
+    "words, kind, needles",
+    [
+        ((_C.STATUS_TIMEOUT, 0, 17, 3), CommTimeoutError, ["waiting for rank 0", "combine entry"]),
+        (
+            (_C.STATUS_BAD_EXPERT_ID, 3, 300, 256),
+            InvalidInputError,
+            ["rank 3:", "expert id 300", "[0, 256)", "unusable"],
+        ),
+        (
+            (_C.STATUS_LAYOUT_MISMATCH, 2, 0, (5 << 32) | 7),
+            InvalidInputError,
+            ["rank 2:", "num_tokens_per_rank[0]=5", "marks 7 tokens", "get_dispatch_layout"],
+        ),
+        (
+            (_C.STATUS_DISPATCH_OVERFLOW, 0, 1600, 1599),
+            InvalidInputError,
+            ["num_worst_tokens=1599", "rank 0 receives 1600 rows", ">= 1600"],
+        ),
+        (
+            (_C.STATUS_COMBINE_OVERFLOW, 1, 900, 800),
+            InvalidInputError,
+            ["rank 1 gets 900 rows back", "num_worst_tokens=800"],
+        ),
+    ],
+)
+def test_status_words_name_rank_and_value(words, kind, needles):
+    be, _ = _backend()
+    err = be._status_error(*words)
+    assert type(err) is kind, err
+    assert all(n in str(err) for n in needles), str(err)
+    # An input error counts as reported, so destroy() does not raise it a second time.
+    assert be._reported == (kind is InvalidInputError)
+
+
+def test_grow_refused_while_capturing_and_after_a_capture():
+    be, grows = _backend()
+    be._fit(1 << 10, "dispatch of 1 row", capturing=True)  # fits: nothing to grow
+    with pytest.raises(BufferTooSmallError, match="while a CUDA graph is being captured"):
+        be._fit(1 << 21, "dispatch of up to 64 rows", capturing=True)
+    assert grows == []
+    be._fit(1 << 21, "dispatch of up to 64 rows", capturing=False)
+    assert grows == [1]  # eager, never captured: grows
+    be._captured = True
+    with pytest.raises(BufferTooSmallError, match=r"num_nvl_bytes >= 4194304"):
+        be._fit(1 << 22, "combine of up to 64 rows", capturing=False)
+    assert grows == [1]
