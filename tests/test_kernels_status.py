@@ -14,9 +14,8 @@ from uccl_ep_megatron import _C
 from uccl_ep_megatron.backends.base import Topology
 from uccl_ep_megatron.errors import BufferTooSmallError, CommTimeoutError, InvalidInputError
 
-pytestmark = pytest.mark.skipif(
-    not _C.kernels_built(), reason="_C was built without the GPU kernels"
-)
+if not _C.kernels_built():  # the status codes below are attributes of a GPU build only
+    pytest.skip("_C was built without the GPU kernels", allow_module_level=True)
 
 
 def _backend(sizes: tuple[int, ...] = (1 << 20, 1 << 20)):
