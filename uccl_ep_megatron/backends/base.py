@@ -84,6 +84,8 @@ class DispatchResult(NamedTuple):
     recv_src_idx: torch.Tensor  # [N_recv] int32: source token index of each received row
     num_recv_tokens: int
     state: Any  # backend-private data combine / cached dispatch need
+    recv_count: torch.Tensor | None = None  # [1] int32 on the device: rows received
+    recv_tokens_per_expert: torch.Tensor | None = None  # [E_local] int32, aligned
 
 
 class DispatchHandle(NamedTuple):
@@ -102,6 +104,8 @@ class DispatchHandle(NamedTuple):
     state: Any
     owner: int  # Buffer.uid of the Buffer that made it
     seq: int = 0  # the Buffer's number of the dispatch call that made it
+    recv_count: torch.Tensor | None = None  # [1] int32 on the device: rows received
+    recv_tokens_per_expert: torch.Tensor | None = None  # [E_local] int32, aligned
 
 
 class Backend(abc.ABC):
@@ -116,6 +120,10 @@ class Backend(abc.ABC):
     # dispatch/combine, so ranks that disagree (or one rank whose checks failed) all raise the
     # same error; a deferred id check then travels in that row too.
     agrees_per_call: bool = False
+    # True (with ``agrees_per_call``): a call that needs no host sizes (``num_worst_tokens > 0``,
+    # a cached dispatch, a combine) hands its row to ``exchange_header_async`` instead, which
+    # checks the rows on the GPU; a failed check is raised at the next host-visible point.
+    agrees_on_device: bool = False
 
     def __init__(
         self,
@@ -156,6 +164,10 @@ class Backend(abc.ABC):
         """Every rank's ``row`` (rank order) on the host, bounded by ``UCCL_EP_TIMEOUT_MS``;
         ``None`` when this backend has no host-side exchange to carry it."""
         return None
+
+    def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
+        """``exchange_header`` without reading the rows back (``agrees_on_device``)."""
+        raise NotImplementedError(f"the {self.name} backend checks call headers on the host")
 
     def gather_objects(self, obj: Any, call: str) -> list[Any]:
         """Every rank's picklable ``obj`` (the error path of the header exchange)."""
@@ -232,7 +244,8 @@ def routing_check(
             torch.zeros((), dtype=torch.bool, device=dev),
             torch.zeros((), dtype=torch.bool, device=dev),
         ]
-    weights = torch.tensor([1, 2, 4, 8, 16], dtype=torch.int64, device=dev)
+    # Bit i of the word is mismatch[i] (built on the device: a host tensor would sync).
+    weights = torch.pow(2, torch.arange(len(mismatch), dtype=torch.int64, device=dev))
     bits = (torch.stack(mismatch).to(torch.int64) * weights).sum()
     return torch.stack([lo.to(torch.int64), hi.to(torch.int64), bits])
 

@@ -1,30 +1,7 @@
-"""The ``kernels_internode`` backend: HT dispatch/combine across (virtual) nodes.
-
-Token bytes cross nodes the UCCL-EP way: GPU warps pack each token **once per destination
-node** into a send ring of this rank's registered RDMA region and push 16-byte ``TransferCmd``
-descriptors (Write + software-atomic tail update) into GPU->CPU FIFO channels; the CPU proxy
-(``uccl_ep_megatron.proxy``) posts them through the transport (``verbs`` on RDMA NICs, ``ipc``
-on one host) to the rank with the same local index on the destination node (the rail); the
-receiving proxy applies the tail update only after the write landed (receiver-side ordering,
-so out-of-order NICs such as EFA and the ``ipc`` reorder injector are safe); forwarder warps
-there copy the token over NVLink to every local rank hosting one of its experts. Combine runs
-backwards and hierarchically: each node sums its rows of a token into one partial, one partial
-per (token, node) crosses the network, and the source adds them up (``csrc/kernels/internode.h``).
-
-Per call, a few small collectives on the group (NCCL) stay on the host side. Every call starts
-with the all-gather of the call header (``agreement.py``), which carries the per-rank counts
-and the expert-id / layout checks, so ranks that disagree or reject their arguments all raise
-the same error before any kernel runs; the host reads it once (for a dispatch that read sizes
-the outputs, as DeepEP's notify does). Being stream-ordered, it also makes sure every rank
-finished its previous kernels (every ring is drained before a call with another layout). A
-dispatch that returns per-expert counts then all-gathers those. The bulk index tables (final
-rows, per-channel stream lists) are torch ops on the GPU.
-
-Virtual nodes: ``UCCL_EP_RANKS_PER_NODE`` splits one host's GPUs into nodes and the path is the
-same. The proxies' transport is chosen as on a cluster (``UCCL_EP_TRANSPORT``; ``auto`` is
-``verbs`` when an RDMA port is active, else ``ipc``, a copy into the peer's IPC-mapped region);
-only ``ipc`` has run, on hosts without a NIC, so set ``UCCL_EP_TRANSPORT=ipc`` for virtual nodes.
-"""
+"""``InternodeBackend``: the host side of one internode dispatch / combine (see the package
+docstring for the design). It checks sizes, builds the index tables on the GPU
+(``tables.py``), fills the launch structs and launches; errors the kernels recorded are read
+from the status words (``diagnostics.py``)."""
 
 from __future__ import annotations
 
@@ -34,7 +11,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.backends.agreement import timeout_error, wait_stream
+from uccl_ep_megatron.backends.agreement import (
+    KIND_DISPATCH,
+    CallHeader,
+    device_verdict,
+    timeout_error,
+    verdict_message,
+    wait_stream,
+)
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -42,6 +26,14 @@ from uccl_ep_megatron.backends.base import (
     DispatchResult,
     Layout,
     Topology,
+)
+from uccl_ep_megatron.backends.internode.diagnostics import recorded_error
+from uccl_ep_megatron.backends.internode.tables import (
+    call_tables,
+    dst_rows,
+    expert_counts,
+    stream_tables,
+    streams,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.backends.kernels import (
@@ -65,6 +57,8 @@ from uccl_ep_megatron.errors import (
 _NVL_STAGE_OFFSET = 4096
 # FIFO channels per GPU: ring channel c uses FIFO channel c % this; proxy threads <= this.
 NUM_FIFO_CHANNELS = 8
+_W_FIELD = list(CallHeader.__dataclass_fields__).index("num_worst_tokens")
+_KIND_FIELD = list(CallHeader.__dataclass_fields__).index("kind")
 
 
 def _c() -> Any:
@@ -73,63 +67,21 @@ def _c() -> Any:
     return _C
 
 
-def stream_tables(
-    mask: torch.Tensor, num_channels: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-channel token streams of a ``[T, N]`` token->node mask, without a host sync.
-
-    Tokens are split into ``num_channels`` contiguous ranges (``_C.internode.channel_range``);
-    the stream (channel c, node n) is the tokens of range c with ``mask[t, n]``, ascending.
-
-    Returns:
-        lists: ``[N, T]`` int32; stream (c, n) is ``lists[n, begin(c) : begin(c) + count[c, n]]``.
-        count: ``[C, N]`` int32 tokens per stream.
-        cum: ``[T, N]`` int32, inclusive count of masked tokens of t's range up to t (the ring
-            position of t's entry in its stream is ``cum - 1``).
-    """
-    num_tokens, num_nodes = mask.shape
-    dev = mask.device
-    if num_tokens == 0:
-        return (
-            torch.zeros(num_nodes, 0, dtype=torch.int32, device=dev),
-            torch.zeros(num_channels, num_nodes, dtype=torch.int32, device=dev),
-            torch.zeros(0, num_nodes, dtype=torch.int32, device=dev),
-        )
-    per = -(-num_tokens // num_channels)
-    t = torch.arange(num_tokens, device=dev)
-    begin = (t // per) * per
-    cs = mask.to(torch.int64).cumsum(0)
-    cs_pad = torch.cat([torch.zeros(1, num_nodes, dtype=torch.int64, device=dev), cs])
-    cum = cs - cs_pad[begin]
-    index = torch.where(mask, begin[:, None] + cum - 1, torch.full_like(cum, num_tokens))
-    lists = torch.full((num_nodes, num_tokens + 1), -1, dtype=torch.int32, device=dev)
-    lists.scatter_(1, index.t().contiguous(), t.to(torch.int32).expand(num_nodes, -1).contiguous())
-    c = torch.arange(num_channels, device=dev)
-    begins = torch.clamp(c * per, max=num_tokens)
-    ends = torch.clamp(c * per + per, max=num_tokens)
-    last = torch.clamp(ends - 1, min=0)
-    count = torch.where((ends > begins)[:, None], cum[last], torch.zeros_like(cum[last]))
-    return lists[:, :num_tokens].contiguous(), count.to(torch.int32), cum.to(torch.int32)
-
-
-def dst_rows(is_token_in_rank: torch.Tensor, first_row: torch.Tensor) -> torch.Tensor:
-    """``[T, R]`` int32 final row of token t at rank r (``first_row[r]`` + its position), -1 if
-    t does not go to r: the receiver's order is source rank major, token order within."""
-    pos = is_token_in_rank.to(torch.int32).cumsum(0, dtype=torch.int32) - 1
-    return torch.where(is_token_in_rank, first_row.to(torch.int32)[None, :] + pos, -1).to(
-        torch.int32
-    )
-
-
 @dataclass(frozen=True)
 class _State:
-    """What combine and cached dispatch need from a dispatch (kept in the handle)."""
+    """What combine and cached dispatch need from a dispatch (kept in the handle); the
+    tables stay on the GPU, sizes the host knows without reading them back."""
 
-    prefix_host: tuple[int, ...]  # rank_prefix_matrix, row-major
-    src_tokens: tuple[int, ...]  # tokens of every rank in this dispatch
+    rank_prefix_matrix: torch.Tensor  # [R, R] int32
     dst_row: torch.Tensor  # [T, R] int32
     plan: torch.Tensor  # [N, plan_T, L] int32: rows of tokens this rank forwarded
     plan_tokens: int
+    src_tokens: torch.Tensor  # [N] int32: tokens of source (m, this local rank)
+    recv_rows: torch.Tensor  # [L] int32: rows each local rank receives
+    recv_prefix: torch.Tensor  # [R + 1] int32
+    recv_count: torch.Tensor  # [1] int32
+    out_rows: int  # rows of the outputs: received rows, or num_worst_tokens
+    stage_rows: tuple[int, ...]  # NVLink staging rows every rank needs
 
 
 class InternodeBackend(Backend):
@@ -138,6 +90,7 @@ class InternodeBackend(Backend):
     name = "kernels_internode"
     defers_id_check = True
     agrees_per_call = True
+    agrees_on_device = True
     x_dtypes = KernelsBackend.x_dtypes  # the same row formats as the intranode kernels
 
     @classmethod
@@ -177,7 +130,6 @@ class InternodeBackend(Backend):
                 "RDMA buffer; pass num_rdma_bytes >= "
                 "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)"
             )
-        from uccl_ep_megatron.config import effective_env
         from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint
 
         c = _c()
@@ -185,9 +137,13 @@ class InternodeBackend(Backend):
         self._in = c.internode
         self._destroyed = False
         topo = topology
-        self._timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
+        self._timeout_ms = self.timeout_ms
         self._call = ""
         self._broken = ""
+        # The all-gathered call-header rows of the current call (device) and, for a sync-free
+        # call, the GPU verdict on them that its kernels read.
+        self._rows: torch.Tensor | None = None
+        self._verdict: torch.Tensor | None = None
         dev_index = device.index if device.index is not None else torch.cuda.current_device()
         self._dev_index = dev_index
         # NVLink buffer (barrier flags + staging); one node rank alone needs only the flags.
@@ -245,7 +201,9 @@ class InternodeBackend(Backend):
         return self._barrier_seq
 
     def check(self) -> None:
-        """Raise the first failure of a kernel wait, a FIFO push or a proxy thread."""
+        """Raise the first failure of a kernel wait, a FIFO push, a proxy thread, or the GPU
+        check of a sync-free call's headers. Never waits for the GPU (the status words are
+        mapped host memory); only the message of a timed-out wait reads device state back."""
         if self._destroyed:
             raise UcclEpError("the internode backend was destroyed; create a new Buffer")
         if self._broken:
@@ -254,44 +212,15 @@ class InternodeBackend(Backend):
                 "on the group); create a new Buffer"
             )
         self._ep.check()
-        st = self._in.status_read(self._status)
-        if st[0]:
-            peer, want, site, channel, got = st[1], st[2], st[3], st[4], st[5]
-            what = self._in.SITES.get(site, f"site {site}")
-            topo = self.topology
-            if site == 17:  # NVLink barrier: word 1 is the peer's local index
-                peer = topo.node * topo.ranks_per_node + peer
-                detail = f"barrier #{want}"
-            else:
-                streams = self._stream_state(channel, peer)
-                detail = f"channel {channel}, waited for {want}, saw {got}; {streams}"
-            raise CommTimeoutError(
-                f"rank {topo.rank} (node {topo.node}): internode {what} failed waiting for rank "
-                f"{peer} (node {peer // topo.ranks_per_node}), {detail}, within "
-                f"UCCL_EP_TIMEOUT_MS={self._timeout_ms}. Rank {peer} crashed, stopped calling "
-                "dispatch/combine in step with this rank, or its proxy stopped; raise "
-                "UCCL_EP_TIMEOUT_MS if it is only slow. This Buffer is unusable now. "
-                f"Proxy of this rank: {self._ep.stats()}"
-            )
+        error = recorded_error(
+            self._in, self._status, self._ep, self._state, self.topology, self._timeout_ms
+        )
+        if error is not None:
+            raise error
 
-    def _stream_state(self, channel: int, peer: int) -> str:
-        """Counters and kernel positions of one channel toward a peer's node (diagnostics)."""
-        if not 0 <= channel < self._in.MAX_CHANNELS or not 0 <= peer < self.topology.num_ranks:
-            return "no stream state"
-        node = peer // self.topology.ranks_per_node
-        vals = self._ep.counter_values()
-        counters = {
-            k: vals[self._in.counter_index(v, channel, node)]
-            for k, v in self._in.COUNTER_KINDS.items()
-        }
-        words = self._state.tolist()
-        per_kind = self._in.MAX_CHANNELS * self._in.MAX_NODES
-        at = channel * self._in.MAX_NODES + node
-        names = ("dispatch_sent", "dispatch_consumed", "combine_sent", "combine_consumed", "calls")
-        state = {n: words[i * per_kind + at] for i, n in enumerate(names)}
-        return f"counters for node {node}: {counters}, kernel positions: {state}"
+    check_errors = check
 
-    def _common(self, config: Config) -> Any:
+    def _common(self, config: Config, verdict: torch.Tensor | None = None) -> Any:
         topo = self.topology
         cm = self._in.Common()
         cm.rank, cm.num_ranks = topo.rank, topo.num_ranks
@@ -314,6 +243,7 @@ class InternodeBackend(Backend):
         cm.chunk = config.num_max_rdma_chunked_send_tokens
         cm.status = self._status
         cm.timeout_ns = self._timeout_ms * 1_000_000
+        cm.verdict = 0 if verdict is None else verdict.data_ptr()
         return cm
 
     def _check_rings(self, combine: bool, config: Config, slot_bytes: int) -> None:
@@ -343,36 +273,77 @@ class InternodeBackend(Backend):
                 f" x {slot_bytes}-byte slots exceeds one RDMA write ({max_len} bytes); lower it"
             )
 
-    def _fit_staging(self, rows_of_rank: list[int], slot_bytes: int, op: str) -> None:
+    def _fit_staging(self, rows_of_rank: tuple[int, ...], slot_bytes: int, op: str) -> None:
         """Grow the NVLink buffers (collectively) when a rank stages more rows than they hold.
 
-        ``rows_of_rank`` comes from the all-gathered count matrix, identical on every rank.
+        ``rows_of_rank`` is identical on every rank: from the all-gathered counts, or
+        ``num_worst_tokens`` everywhere in a sync-free call.
         """
         if self.topology.ranks_per_node == 1:
             return  # no NVLink staging: the buffer holds only barrier flags
         needs = [_NVL_STAGE_OFFSET + rows * slot_bytes for rows in rows_of_rank]
+        if torch.cuda.is_current_stream_capturing() and any(
+            n > s for n, s in zip(needs, self._ipc.sizes, strict=True)
+        ):
+            raise BufferTooSmallError(
+                f"{op}: the NVLink staging must grow to {max(needs)} bytes during CUDA graph "
+                "capture; run one eager call of the same size before capturing"
+            )
         self._ipc.grow(needs, f"{op} staging {max(rows_of_rank)} rows of {slot_bytes} bytes")
 
     # ---- the call header (agreement.py) --------------------------------------------------
-    def _gather(self, row: torch.Tensor, what: str, call: str) -> list[list[int]]:
-        """All-gather of one int64 row per rank, read on the host within UCCL_EP_TIMEOUT_MS."""
+    def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """All-gather of one int64 row per rank into ``[R, width]`` on the device (no sync)."""
         num_ranks = self.topology.num_ranks
         out = torch.empty(num_ranks * row.numel(), dtype=torch.int64, device=self.device)
         dist.all_gather_into_tensor(out, row.to(torch.int64).contiguous(), group=self.group)
+        return out.view(num_ranks, -1)
+
+    def _read(self, t: torch.Tensor, what: str, call: str) -> list[Any]:
+        """``t`` on the host, waiting for the stream at most UCCL_EP_TIMEOUT_MS."""
 
         def expired() -> CommTimeoutError:
             self._broken = f"{what} of {call} timed out"
             return timeout_error(self.topology.rank, what, call, self._timeout_ms)
 
         wait_stream(self._timeout_ms, expired)
-        return out.view(num_ranks, -1).tolist()
+        return t.tolist()
 
     def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
         self.check()
         self._call = call
         # Stream-ordered: every rank's previous kernels finished (all rings drained) before our
         # next kernel starts.
-        return self._gather(row, "the call-header exchange", call)
+        self._rows = self._gather_rows(row)
+        self._verdict = None
+        rows = self._read(self._rows, "the call-header exchange", call)
+        worst = {r[_W_FIELD] for r in rows if r[_KIND_FIELD] == KIND_DISPATCH}
+        if len(worst) > 1:
+            # A rank that passed num_worst_tokens > 0 checks on the GPU and skips the call.
+            rank = next(i for i, r in enumerate(rows) if r[_W_FIELD] != rows[0][_W_FIELD])
+            raise InvalidInputError(
+                f"{call}: " + verdict_message(7, rank, rows[rank][_W_FIELD])  # worst_differs
+            )
+        return rows
+
+    def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
+        """The call header of a sync-free call: all-gathered and checked on the GPU; the
+        verdict travels to this call's kernels, which record a rejection in the status words
+        (raised by ``check`` at the next host-visible point) and move nothing."""
+        self.check()
+        self._call = call
+        self._rows = self._gather_rows(row)
+        self._verdict = device_verdict(self._rows)
+
+    def _take_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._rows is None:
+            raise UcclEpError(
+                f"internode {self._call or 'call'}: no call header was exchanged for it; call "
+                "through Buffer, which exchanges one before every dispatch and combine"
+            )
+        rows, verdict = self._rows, self._verdict
+        self._rows = self._verdict = None
+        return rows, verdict
 
     # ---- layout -------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
@@ -387,11 +358,55 @@ class InternodeBackend(Backend):
         return Layout(per_rank, per_rdma, per_expert, in_rank)
 
     # ---- dispatch -----------------------------------------------------------------------
+    def _new_state(self, args: DispatchArgs, rows: torch.Tensor) -> _State:
+        """The tables of a non-cached dispatch: from the device rows; sizes from the host
+        rows (exact mode) or from num_worst_tokens W (sync-free: every rank's W, checked)."""
+        topo = self.topology
+        tables = call_tables(rows, topo.rank, topo.ranks_per_node)
+        worst = args.num_worst_tokens
+        if worst > 0:
+            out_rows = plan_tokens = worst
+            stage_rows = (worst,) * topo.num_ranks
+        else:
+            counts = args.agreed.counts
+            stage_rows = tuple(sum(c[r] for c in counts) for r in range(topo.num_ranks))
+            out_rows = stage_rows[topo.rank]
+            plan_tokens = max(1, max(args.agreed.num_tokens))
+        plan = torch.full(
+            (topo.num_nodes, plan_tokens, topo.ranks_per_node),
+            -1,
+            dtype=torch.int32,
+            device=args.x.device,
+        )
+        return _State(
+            rank_prefix_matrix=tables.rank_prefix_matrix,
+            dst_row=dst_rows(args.is_token_in_rank.contiguous(), tables.first_row),
+            plan=plan,
+            plan_tokens=plan_tokens,
+            src_tokens=tables.src_tokens,
+            recv_rows=tables.recv_rows,
+            recv_prefix=tables.recv_prefix,
+            recv_count=tables.recv_count,
+            out_rows=out_rows,
+            stage_rows=stage_rows,
+        )
+
+    def _expert_counts(self, args: DispatchArgs) -> tuple[list[int], torch.Tensor]:
+        """Rows per local expert (aligned) as a device tensor; as a host list too in exact
+        mode, the dispatch's one host read besides the call header."""
+        topo = self.topology
+        epr = args.num_experts // topo.num_ranks
+        gathered = self._gather_rows(args.num_tokens_per_expert)
+        per_expert = expert_counts(gathered, topo.rank, epr, args.expert_alignment)
+        if args.num_worst_tokens > 0:
+            return [], per_expert
+        return self._read(per_expert, "the all-gather of per-expert counts", self._call), per_expert
+
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         self.check()
+        rows, verdict = self._take_rows()
         topo = self.topology
-        rank, num_ranks = topo.rank, topo.num_ranks
-        num_nodes, local_n = topo.num_nodes, topo.ranks_per_node
+        local_n = topo.ranks_per_node
         cfg = args.config
         x = args.x.contiguous()
         num_tokens, hidden = x.shape
@@ -411,71 +426,33 @@ class InternodeBackend(Backend):
         scales = args.x_scales
         num_scales = 0 if scales is None else scales.shape[1]
         in_rank = args.is_token_in_rank.contiguous()
-
+        state: _State = cached.state if cached is not None else self._new_state(args, rows)
+        expert_list: list[int] = []
+        per_expert = None
         if cached is None:
-            # The counts came with the call header (the notify; its read sized the outputs).
-            agreed = args.agreed
-            num_experts = args.num_experts
-            epr = num_experts // num_ranks
-            prefix: list[int] = []
-            run = [0] * num_ranks
-            for s in range(num_ranks):
-                run = [run[r] + agreed.counts[s][r] for r in range(num_ranks)]
-                prefix.extend(run)
-            prefix_host = tuple(prefix)
-            src_tokens = tuple(agreed.num_tokens)
-            expert_counts = []
-            if args.num_worst_tokens == 0:
-                per_expert = self._gather(
-                    args.num_tokens_per_expert,
-                    "the all-gather of per-expert counts",
-                    self._call,
-                )
-                align = args.expert_alignment
-                for e in range(epr):
-                    n = sum(per_expert[s][rank * epr + e] for s in range(num_ranks))
-                    expert_counts.append((n + align - 1) // align * align)
-        else:
-            state: _State = cached.state
-            prefix_host = state.prefix_host
-            src_tokens = state.src_tokens
-            epr = 0
-            expert_counts = []
-
-        def pm(i: int, r: int) -> int:
-            return prefix_host[i * num_ranks + r] if i >= 0 else 0
-
-        num_recv = pm(num_ranks - 1, rank)
-        node0 = topo.node * local_n
-        if cached is None:
-            first_row = torch.tensor(
-                [pm(rank - 1, r) for r in range(num_ranks)], dtype=torch.int32, device=dev
-            )
-            dst_row = dst_rows(in_rank, first_row)
-            plan_tokens = max(1, max(src_tokens))
-            plan = torch.full((num_nodes, plan_tokens, local_n), -1, dtype=torch.int32, device=dev)
-        else:
-            dst_row, plan, plan_tokens = state.dst_row, state.plan, state.plan_tokens
-
-        rows_out = num_recv
-        if args.num_worst_tokens > 0:
-            # Every rank's value was checked against its rows with the call header.
-            rows_out = args.num_worst_tokens
-            expert_counts = []
+            expert_list, per_expert = self._expert_counts(args)
 
         idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
         slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, local_n)["bytes"]
         self._check_rings(False, cfg, slot)
         stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
-        self._fit_staging([pm(num_ranks - 1, r) for r in range(num_ranks)], stage, "dispatch")
+        self._fit_staging(state.stage_rows, stage, "dispatch")
 
-        node_mask = in_rank.view(num_tokens, num_nodes, local_n).any(2)
+        node_mask = in_rank.view(num_tokens, topo.num_nodes, local_n).any(2)
         lists, list_count, _ = stream_tables(node_mask, cfg.num_channels)
 
-        recv_x = torch.empty(rows_out, hidden, dtype=x.dtype, device=dev)
+        # Outputs; with num_worst_tokens, rows past the received ones are padding (zeros, ids
+        # -1, weights 0, source -1). Filled BEFORE the launch: under CUDA lazy loading (PyTorch's
+        # default) a kernel's first launch loads it holding the context lock until the GPU
+        # drains; launched while the dispatch kernel waits for the proxies, it blocks their
+        # cudaMemcpyAsync (ipc transport) and deadlocks both until UCCL_EP_TIMEOUT_MS.
+        rows_out = state.out_rows
+        pad = args.num_worst_tokens > 0
+        alloc = torch.zeros if pad else torch.empty
+        recv_x = alloc(rows_out, hidden, dtype=x.dtype, device=dev)
         recv_scales = None
         if scales is not None:
-            recv_scales = torch.empty(rows_out, num_scales, dtype=torch.float32, device=dev)
+            recv_scales = alloc(rows_out, num_scales, dtype=torch.float32, device=dev)
             scales = scales.contiguous()
         recv_idx = recv_w = None
         topk_w = None
@@ -483,16 +460,19 @@ class InternodeBackend(Backend):
             topk_idx = topk_idx.contiguous()
             topk_w = args.topk_weights.to(torch.float32).contiguous()
             recv_idx = torch.empty(rows_out, num_topk, dtype=topk_idx.dtype, device=dev)
-            recv_w = torch.empty(rows_out, num_topk, dtype=torch.float32, device=dev)
-        recv_src = (
-            torch.empty(num_recv, dtype=torch.int32, device=dev)
-            if cached is None
-            else cached.recv_src_idx
-        )
+            if pad:
+                recv_idx.fill_(-1)
+            recv_w = alloc(rows_out, num_topk, dtype=torch.float32, device=dev)
+        if cached is not None:
+            recv_src = cached.recv_src_idx
+        elif pad:
+            recv_src = torch.full((rows_out,), -1, dtype=torch.int32, device=dev)
+        else:
+            recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
 
         a = self._in.DispatchArgs()
-        a.common = self._common(cfg)
-        a.num_tokens, a.experts_per_rank = num_tokens, epr
+        a.common = self._common(cfg, verdict)
+        a.num_tokens, a.experts_per_rank = num_tokens, args.num_experts // topo.num_ranks
         a.num_topk, a.num_scales, a.row_bytes = num_topk, num_scales, row_bytes
         a.x = x.data_ptr()
         a.x_scales = 0 if scales is None else scales.data_ptr()
@@ -502,53 +482,39 @@ class InternodeBackend(Backend):
             a.topk_weights = topk_w.data_ptr()
             a.recv_topk_idx = recv_idx.data_ptr()
             a.recv_topk_weights = recv_w.data_ptr()
-        a.dst_row = dst_row.data_ptr()
+        a.dst_row = state.dst_row.data_ptr()
         a.lists = lists.data_ptr()
         a.list_count = list_count.data_ptr()
         a.recv_x = recv_x.data_ptr()
         a.recv_scales = 0 if recv_scales is None else recv_scales.data_ptr()
         a.recv_src_idx = 0 if cached is not None else recv_src.data_ptr()
-        a.plan = 0 if cached is not None else plan.data_ptr()
-        a.plan_tokens = plan_tokens
+        a.plan = 0 if cached is not None else state.plan.data_ptr()
+        a.plan_tokens = state.plan_tokens
         a.stage_offset = _NVL_STAGE_OFFSET
-        a.recv_rows = [pm(num_ranks - 1, node0 + j) for j in range(local_n)]
+        a.recv_rows = state.recv_rows.data_ptr()
+        a.recv_prefix = state.recv_prefix.data_ptr()
+        a.out_rows = rows_out
         stream = self._stream()
-        if rows_out > num_recv:
-            # Padding rows are disjoint from the kernel's rows; fill them BEFORE the launch.
-            # Under CUDA lazy loading (PyTorch's default) the first launch of a kernel (e.g. the
-            # bf16 fill) loads it holding the context lock until the GPU drains; launched while
-            # the dispatch kernel waits for the proxies, it blocks their cudaMemcpyAsync (ipc
-            # transport) and deadlocks both until UCCL_EP_TIMEOUT_MS (bench/DEVICE_RUNS.md).
-            recv_x[num_recv:].zero_()
-            if recv_scales is not None:
-                recv_scales[num_recv:].zero_()
-            if recv_idx is not None:
-                recv_idx[num_recv:].fill_(-1)
-                recv_w[num_recv:].zero_()
         self._in.dispatch(a, stream)
         if local_n > 1:
-            recv_prefix = [pm(s - 1, rank) for s in range(num_ranks)] + [num_recv]
-            self._in.dispatch_finish(a, recv_prefix, self._next_barrier(), stream)
+            self._in.dispatch_finish(a, self._next_barrier(), stream)
         outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
         poison_dispatch(self._c, self._status, stream, *outs)
-
-        if cached is None:
-            prefix_t = torch.tensor(prefix_host, dtype=torch.int32, device=dev).view(
-                num_ranks, num_ranks
-            )
-            new_state = _State(prefix_host, src_tokens, dst_row, plan, plan_tokens)
-        else:
-            prefix_t, new_state = cached.rank_prefix_matrix, cached.state
+        # The index tables and the verdict are freed after the launch: the caching allocator
+        # is stream-ordered, so the kernels above still read them safely.
+        del lists, list_count, verdict
         return DispatchResult(
             recv_x=recv_x,
             recv_x_scales=recv_scales,
             recv_topk_idx=recv_idx,
             recv_topk_weights=recv_w,
-            num_recv_tokens_per_expert=expert_counts,
-            rank_prefix_matrix=prefix_t,
+            num_recv_tokens_per_expert=expert_list,
+            rank_prefix_matrix=state.rank_prefix_matrix,
             recv_src_idx=recv_src,
-            num_recv_tokens=num_recv,
-            state=new_state,
+            num_recv_tokens=rows_out,
+            state=state,
+            recv_count=state.recv_count,
+            recv_tokens_per_expert=per_expert,
         )
 
     # ---- combine ------------------------------------------------------------------------
@@ -561,8 +527,8 @@ class InternodeBackend(Backend):
         config: Config,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.check()
+        _, verdict = self._take_rows()
         topo = self.topology
-        num_ranks = topo.num_ranks
         num_nodes, local_n = topo.num_nodes, topo.ranks_per_node
         num_tokens = handle.is_token_in_rank.shape[0]
         t = prepare_combine(x, topk_weights, bias, num_tokens, "the internode kernels backend")
@@ -574,44 +540,30 @@ class InternodeBackend(Backend):
                 f"combine: rows of {row_bytes} bytes; the internode kernels need a multiple of 16"
             )
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-        dev = x.device
-        num_recv = handle.num_recv_tokens
-        prefix_host = state.prefix_host
         slot = self._in.combine_slot(row_bytes, num_topk)["bytes"]
         self._check_rings(True, config, slot)
-        recv_of = [prefix_host[(num_ranks - 1) * num_ranks + r] for r in range(num_ranks)]
-        self._fit_staging(recv_of, slot, "combine")
+        self._fit_staging(state.stage_rows, slot, "combine")
 
         cch = config.num_channels
         node_mask = handle.is_token_in_rank.view(num_tokens, num_nodes, local_n).any(2)
         _, _, cum = stream_tables(node_mask, cch)
-        # The streams this rank forwards back: tokens of source (m, my local) it received.
-        plan_tokens = state.plan_tokens
-        lists = torch.full((num_nodes, plan_tokens), -1, dtype=torch.int32, device=dev)
-        counts = torch.zeros(cch, num_nodes, dtype=torch.int32, device=dev)
-        src_tokens = []
-        for m in range(num_nodes):
-            tm = state.src_tokens[m * local_n + topo.local_rank]
-            src_tokens.append(tm)
-            if m == topo.node or tm == 0:
-                continue
-            mask_m = (state.plan[m, :tm] >= 0).any(-1)
-            lm, cm_, _ = stream_tables(mask_m[:, None], cch)
-            lists[m, :tm] = lm[0]
-            counts[:, m] = cm_[:, 0]
+        # The streams this rank forwards back: tokens of source (m, my local) it received (its
+        # own node's rows never cross the network: the plan has none for it).
+        lists, counts, _ = streams((state.plan >= 0).any(-1), state.src_tokens, cch)
 
         a = self._in.CombineArgs()
-        a.common = self._common(config)
+        a.common = self._common(config, verdict)
         a.dtype = t.dtype_code
-        a.num_topk, a.num_tokens, a.num_recv = num_topk, num_tokens, num_recv
+        a.num_topk, a.num_tokens, a.num_recv = num_topk, num_tokens, state.out_rows
+        a.recv_count = state.recv_count.data_ptr()
         a.row_bytes = row_bytes
         a.x = x.data_ptr()
         a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
         a.plan = state.plan.data_ptr()
-        a.plan_tokens = plan_tokens
+        a.plan_tokens = state.plan_tokens
         a.lists = lists.data_ptr()
         a.list_count = counts.data_ptr()
-        a.src_tokens = src_tokens
+        a.src_tokens = state.src_tokens.data_ptr()
         a.dst_row = state.dst_row.data_ptr()
         a.stream_cum = cum.data_ptr()
         a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
@@ -629,7 +581,7 @@ class InternodeBackend(Backend):
         poison_on_timeout(self._c, self._status, stream, (t.out, "nan"), (t.out_weights, "nan"))
         # Keep the index tables alive until the kernels ran (the caching allocator is
         # stream-ordered, so freeing them after the launch on this stream is safe).
-        del lists, counts, cum
+        del lists, counts, cum, verdict
         return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
@@ -639,6 +591,11 @@ class InternodeBackend(Backend):
         self._destroyed = True
         c = self._c
         torch.cuda.synchronize(self.device)
+        # What the kernels recorded last (a rejected sync-free call) is raised after the
+        # release, so the Buffer's memory is freed either way.
+        pending = recorded_error(
+            self._in, self._status, self._ep, self._state, self.topology, self._timeout_ms
+        )
         self._ep.close()
         with torch.cuda.device(self._dev_index):
             self._ipc.close(collective, self._timeout_ms)
@@ -646,6 +603,8 @@ class InternodeBackend(Backend):
             # above), so no peer still targets it; peers' mappings keep their own reference.
             c.device_free(self._region)
         self._in.status_free(self._status)
+        if collective and isinstance(pending, InvalidInputError):
+            raise pending
 
 
-__all__ = ["InternodeBackend", "dst_rows", "stream_tables", "NUM_FIFO_CHANNELS"]
+__all__ = ["InternodeBackend", "NUM_FIFO_CHANNELS"]
