@@ -348,10 +348,10 @@ def _host_syncs(calls) -> dict:
     """Run ``calls()`` under torch.profiler and count, on the calling thread, the CUDA runtime
     calls that wait for the GPU and the device-to-host (or pageable host-to-device) copies.
 
-    torch.profiler records the runtime calls of every thread, each with its thread id; the
-    raw kineto events are used, whose runtime calls all carry the thread ids of the CUDA
-    activity records (FunctionEvent rewrites the id of calls made inside a torch op to the
-    op's own id space). The calling thread is found from a marker: after ``calls()``, a
+    torch.profiler records the runtime calls of every thread. The raw kineto events are used:
+    their runtime calls all name their thread the same way (the CUPTI record's thread, in
+    ``device_resource_id``; FunctionEvent instead gives calls made inside a torch op the op's
+    own thread id). The calling thread is found from a marker: after ``calls()``, a
     ``.cpu()`` of a device tensor (a device-to-host copy and a stream sync) runs on this thread;
     the last runtime copy whose device activity (same correlation id) goes device-to-host names
     the thread, and only its calls before the marker count. Finding the marker also proves the
@@ -375,11 +375,11 @@ def _host_syncs(calls) -> dict:
     marks = [e for e in runtime if "DtoH" in copy_kind(e)]
     assert marks, "the profiler reported no device-to-host copy for the marker"
     mark = max(marks, key=lambda e: e.start_ns())
-    mine = [
-        e
-        for e in runtime
-        if e.start_thread_id() == mark.start_thread_id() and e.start_ns() < mark.start_ns()
-    ]
+
+    def thread(e) -> tuple[int, int]:
+        return e.start_thread_id(), e.device_resource_id()
+
+    mine = [e for e in runtime if thread(e) == thread(mark) and e.start_ns() < mark.start_ns()]
     syncs = [e.name() for e in mine if e.name() in _SYNC_CALLS]
     copies = [copy_kind(e) for e in mine if any(k in copy_kind(e) for k in ("DtoH", "Pageable"))]
     return {"syncs": syncs, "copies": copies, "runtime_calls": len(mine)}
