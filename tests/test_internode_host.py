@@ -30,6 +30,7 @@ from uccl_ep_megatron.backends.internode import (
     call_tables,
     dst_rows,
     expert_counts,
+    received_expert_counts,
     stream_tables,
     streams,
 )
@@ -148,6 +149,23 @@ def test_expert_counts_are_aligned_sums_of_the_local_experts():
     assert expert_counts(per_expert, 1, 2, 1).tolist() == [10, 133]
     assert expert_counts(per_expert, 1, 2, 128).tolist() == [128, 256]
     assert expert_counts(per_expert, 0, 2, 4).dtype == torch.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_received_expert_counts_from_the_outputs(dtype):
+    """Counting a dispatch's own local ids (padding rows -1) gives the aligned per-expert
+    rows that the all-gathered counts give, with no collective."""
+    gen = torch.Generator().manual_seed(5)
+    epr, rows, k = 6, 40, 3
+    ids = torch.stack([torch.randperm(epr + 4, generator=gen)[:k] for _ in range(rows)]) - 4
+    ids = torch.where(ids < 0, -1, ids)  # -1: experts on other ranks
+    ids = torch.cat([ids, torch.full((9, k), -1)]).to(dtype)  # padding rows
+    per_source = torch.zeros(1, epr, dtype=torch.int32)  # one source sends every row here
+    for e in range(epr):
+        per_source[0, e] = int((ids == e).any(1).sum())
+    for align in (1, 4, 128):
+        want = expert_counts(per_source, 0, epr, align)
+        assert received_expert_counts(ids, epr, align).tolist() == want.tolist()
 
 
 def _verdict_cases():

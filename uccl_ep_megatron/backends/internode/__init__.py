@@ -40,9 +40,12 @@ from uccl_ep_megatron.backends.internode.backend import NUM_FIFO_CHANNELS, Inter
 from uccl_ep_megatron.backends.internode.diagnostics import recorded_error, stream_state
 from uccl_ep_megatron.backends.internode.tables import (
     CallTables,
+    DispatchState,
     call_tables,
+    dispatch_state,
     dst_rows,
     expert_counts,
+    received_expert_counts,
     stream_tables,
     streams,
 )
@@ -50,10 +53,13 @@ from uccl_ep_megatron.backends.internode.tables import (
 __all__ = [
     "NUM_FIFO_CHANNELS",
     "CallTables",
+    "DispatchState",
     "InternodeBackend",
     "call_tables",
+    "dispatch_state",
     "dst_rows",
     "expert_counts",
+    "received_expert_counts",
     "recorded_error",
     "stream_state",
     "stream_tables",

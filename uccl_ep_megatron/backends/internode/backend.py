@@ -5,7 +5,6 @@ from the status words (``diagnostics.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,10 +27,12 @@ from uccl_ep_megatron.backends.base import (
     Topology,
 )
 from uccl_ep_megatron.backends.internode.diagnostics import recorded_error
+from uccl_ep_megatron.backends.internode.sizing import check_rings, dispatch_outputs, fit_staging
 from uccl_ep_megatron.backends.internode.tables import (
-    call_tables,
-    dst_rows,
+    DispatchState,
+    dispatch_state,
     expert_counts,
+    received_expert_counts,
     stream_tables,
     streams,
 )
@@ -46,7 +47,6 @@ from uccl_ep_megatron.backends.kernels import (
 )
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.errors import (
-    BufferTooSmallError,
     CommTimeoutError,
     InvalidInputError,
     UcclEpError,
@@ -65,23 +65,6 @@ def _c() -> Any:
     from uccl_ep_megatron import _C
 
     return _C
-
-
-@dataclass(frozen=True)
-class _State:
-    """What combine and cached dispatch need from a dispatch (kept in the handle); the
-    tables stay on the GPU, sizes the host knows without reading them back."""
-
-    rank_prefix_matrix: torch.Tensor  # [R, R] int32
-    dst_row: torch.Tensor  # [T, R] int32
-    plan: torch.Tensor  # [N, plan_T, L] int32: rows of tokens this rank forwarded
-    plan_tokens: int
-    src_tokens: torch.Tensor  # [N] int32: tokens of source (m, this local rank)
-    recv_rows: torch.Tensor  # [L] int32: rows each local rank receives
-    recv_prefix: torch.Tensor  # [R + 1] int32
-    recv_count: torch.Tensor  # [1] int32
-    out_rows: int  # rows of the outputs: received rows, or num_worst_tokens
-    stage_rows: tuple[int, ...]  # NVLink staging rows every rank needs
 
 
 class InternodeBackend(Backend):
@@ -185,6 +168,11 @@ class InternodeBackend(Backend):
         self._state = torch.zeros(int(c.internode.STATE_WORDS), dtype=torch.int64, device=device)
         self._status = c.internode.status_alloc()
         warm_poison(c, self._status, device)
+        # Loads the kernels of the sync-free per-expert count, which runs right after the
+        # dispatch kernels (see dispatch_outputs on lazy loading).
+        for dtype in (torch.int64, torch.int32):
+            received_expert_counts(torch.full((1, 1), -1, dtype=dtype, device=device), 1, 1)
+        torch.cuda.synchronize(device)
         self._barrier_seq = 0
 
     # ---- helpers -----------------------------------------------------------------------
@@ -246,50 +234,9 @@ class InternodeBackend(Backend):
         cm.verdict = 0 if verdict is None else verdict.data_ptr()
         return cm
 
-    def _check_rings(self, combine: bool, config: Config, slot_bytes: int) -> None:
-        topo = self.topology
-        lay = self._in.ring_layout(
-            combine,
-            self._region_bytes,
-            config.num_channels,
-            topo.num_nodes,
-            config.num_max_rdma_chunked_recv_tokens,
-            slot_bytes,
-        )
-        if lay["bytes"] > lay["half_bytes"]:
-            op = "combine" if combine else "dispatch"
-            raise BufferTooSmallError(
-                f"{op}: {config.num_channels} channels x {topo.num_nodes} nodes x "
-                f"{config.num_max_rdma_chunked_recv_tokens} ring slots of {slot_bytes} bytes "
-                f"(send + receive) need {lay['bytes']} bytes, but half the RDMA buffer is "
-                f"{lay['half_bytes']} (num_rdma_bytes={self._region_bytes}); create the Buffer "
-                f"with num_rdma_bytes >= {2 * lay['bytes'] + 32} or lower "
-                "num_max_rdma_chunked_recv_tokens / num_sms"
-            )
-        max_len = self._c.cmd_limits["max_length"]
-        if config.num_max_rdma_chunked_send_tokens * slot_bytes > max_len:
-            raise InvalidInputError(
-                f"Config.num_max_rdma_chunked_send_tokens={config.num_max_rdma_chunked_send_tokens}"
-                f" x {slot_bytes}-byte slots exceeds one RDMA write ({max_len} bytes); lower it"
-            )
-
     def _fit_staging(self, rows_of_rank: tuple[int, ...], slot_bytes: int, op: str) -> None:
-        """Grow the NVLink buffers (collectively) when a rank stages more rows than they hold.
-
-        ``rows_of_rank`` is identical on every rank: from the all-gathered counts, or
-        ``num_worst_tokens`` everywhere in a sync-free call.
-        """
-        if self.topology.ranks_per_node == 1:
-            return  # no NVLink staging: the buffer holds only barrier flags
-        needs = [_NVL_STAGE_OFFSET + rows * slot_bytes for rows in rows_of_rank]
-        if torch.cuda.is_current_stream_capturing() and any(
-            n > s for n, s in zip(needs, self._ipc.sizes, strict=True)
-        ):
-            raise BufferTooSmallError(
-                f"{op}: the NVLink staging must grow to {max(needs)} bytes during CUDA graph "
-                "capture; run one eager call of the same size before capturing"
-            )
-        self._ipc.grow(needs, f"{op} staging {max(rows_of_rank)} rows of {slot_bytes} bytes")
+        if self.topology.ranks_per_node > 1:  # else no NVLink staging: only barrier flags
+            fit_staging(self._ipc, _NVL_STAGE_OFFSET, rows_of_rank, slot_bytes, op)
 
     # ---- the call header (agreement.py) --------------------------------------------------
     def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
@@ -358,48 +305,18 @@ class InternodeBackend(Backend):
         return Layout(per_rank, per_rdma, per_expert, in_rank)
 
     # ---- dispatch -----------------------------------------------------------------------
-    def _new_state(self, args: DispatchArgs, rows: torch.Tensor) -> _State:
-        """The tables of a non-cached dispatch: from the device rows; sizes from the host
-        rows (exact mode) or from num_worst_tokens W (sync-free: every rank's W, checked)."""
-        topo = self.topology
-        tables = call_tables(rows, topo.rank, topo.ranks_per_node)
-        worst = args.num_worst_tokens
-        if worst > 0:
-            out_rows = plan_tokens = worst
-            stage_rows = (worst,) * topo.num_ranks
-        else:
-            counts = args.agreed.counts
-            stage_rows = tuple(sum(c[r] for c in counts) for r in range(topo.num_ranks))
-            out_rows = stage_rows[topo.rank]
-            plan_tokens = max(1, max(args.agreed.num_tokens))
-        plan = torch.full(
-            (topo.num_nodes, plan_tokens, topo.ranks_per_node),
-            -1,
-            dtype=torch.int32,
-            device=args.x.device,
-        )
-        return _State(
-            rank_prefix_matrix=tables.rank_prefix_matrix,
-            dst_row=dst_rows(args.is_token_in_rank.contiguous(), tables.first_row),
-            plan=plan,
-            plan_tokens=plan_tokens,
-            src_tokens=tables.src_tokens,
-            recv_rows=tables.recv_rows,
-            recv_prefix=tables.recv_prefix,
-            recv_count=tables.recv_count,
-            out_rows=out_rows,
-            stage_rows=stage_rows,
-        )
-
-    def _expert_counts(self, args: DispatchArgs) -> tuple[list[int], torch.Tensor]:
-        """Rows per local expert (aligned) as a device tensor; as a host list too in exact
-        mode, the dispatch's one host read besides the call header."""
+    def _expert_counts(self, args: DispatchArgs) -> tuple[list[int], torch.Tensor | None]:
+        """Exact mode: rows per local expert (aligned) from the all-gathered per-expert counts,
+        as the host list (the dispatch's one read besides the call header) and on the device.
+        Sync-free mode has no collective after the header exchange (a rank whose own checks
+        failed raised there and takes part in nothing more): the device counts come from the
+        outputs after the kernels (``received_expert_counts``)."""
+        if args.num_worst_tokens > 0:
+            return [], None
         topo = self.topology
         epr = args.num_experts // topo.num_ranks
         gathered = self._gather_rows(args.num_tokens_per_expert)
         per_expert = expert_counts(gathered, topo.rank, epr, args.expert_alignment)
-        if args.num_worst_tokens > 0:
-            return [], per_expert
         return self._read(per_expert, "the all-gather of per-expert counts", self._call), per_expert
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
@@ -426,7 +343,11 @@ class InternodeBackend(Backend):
         scales = args.x_scales
         num_scales = 0 if scales is None else scales.shape[1]
         in_rank = args.is_token_in_rank.contiguous()
-        state: _State = cached.state if cached is not None else self._new_state(args, rows)
+        state: DispatchState = (
+            cached.state
+            if cached is not None
+            else dispatch_state(rows, in_rank, self.topology, args.num_worst_tokens, args.agreed)
+        )
         expert_list: list[int] = []
         per_expert = None
         if cached is None:
@@ -434,41 +355,30 @@ class InternodeBackend(Backend):
 
         idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
         slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, local_n)["bytes"]
-        self._check_rings(False, cfg, slot)
+        check_rings(self._c, self._region_bytes, self.topology.num_nodes, False, cfg, slot)
         stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
         self._fit_staging(state.stage_rows, stage, "dispatch")
 
         node_mask = in_rank.view(num_tokens, topo.num_nodes, local_n).any(2)
         lists, list_count, _ = stream_tables(node_mask, cfg.num_channels)
 
-        # Outputs; with num_worst_tokens, rows past the received ones are padding (zeros, ids
-        # -1, weights 0, source -1). Filled BEFORE the launch: under CUDA lazy loading (PyTorch's
-        # default) a kernel's first launch loads it holding the context lock until the GPU
-        # drains; launched while the dispatch kernel waits for the proxies, it blocks their
-        # cudaMemcpyAsync (ipc transport) and deadlocks both until UCCL_EP_TIMEOUT_MS.
         rows_out = state.out_rows
         pad = args.num_worst_tokens > 0
-        alloc = torch.zeros if pad else torch.empty
-        recv_x = alloc(rows_out, hidden, dtype=x.dtype, device=dev)
-        recv_scales = None
-        if scales is not None:
-            recv_scales = alloc(rows_out, num_scales, dtype=torch.float32, device=dev)
-            scales = scales.contiguous()
-        recv_idx = recv_w = None
+        recv_x, recv_scales, recv_idx, recv_w = dispatch_outputs(
+            rows_out, x, num_scales, None if topk_idx is None else topk_idx.dtype, num_topk, pad
+        )
         topk_w = None
+        if scales is not None:
+            scales = scales.contiguous()
         if topk_idx is not None:
             topk_idx = topk_idx.contiguous()
             topk_w = args.topk_weights.to(torch.float32).contiguous()
-            recv_idx = torch.empty(rows_out, num_topk, dtype=topk_idx.dtype, device=dev)
-            if pad:
-                recv_idx.fill_(-1)
-            recv_w = alloc(rows_out, num_topk, dtype=torch.float32, device=dev)
         if cached is not None:
             recv_src = cached.recv_src_idx
-        elif pad:
-            recv_src = torch.full((rows_out,), -1, dtype=torch.int32, device=dev)
         else:
             recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
+            if pad:
+                recv_src.fill_(-1)
 
         a = self._in.DispatchArgs()
         a.common = self._common(cfg, verdict)
@@ -500,6 +410,9 @@ class InternodeBackend(Backend):
             self._in.dispatch_finish(a, self._next_barrier(), stream)
         outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
         poison_dispatch(self._c, self._status, stream, *outs)
+        if cached is None and per_expert is None and recv_idx is not None:
+            epr = args.num_experts // topo.num_ranks
+            per_expert = received_expert_counts(recv_idx, epr, args.expert_alignment)
         # The index tables and the verdict are freed after the launch: the caching allocator
         # is stream-ordered, so the kernels above still read them safely.
         del lists, list_count, verdict
@@ -533,7 +446,7 @@ class InternodeBackend(Backend):
         num_tokens = handle.is_token_in_rank.shape[0]
         t = prepare_combine(x, topk_weights, bias, num_tokens, "the internode kernels backend")
         x, hidden = t.x, t.x.shape[1]
-        state: _State = handle.state
+        state: DispatchState = handle.state
         row_bytes = hidden * x.element_size()
         if row_bytes % 16:
             raise UnsupportedError(
@@ -541,7 +454,7 @@ class InternodeBackend(Backend):
             )
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
         slot = self._in.combine_slot(row_bytes, num_topk)["bytes"]
-        self._check_rings(True, config, slot)
+        check_rings(self._c, self._region_bytes, num_nodes, True, config, slot)
         self._fit_staging(state.stage_rows, slot, "combine")
 
         cch = config.num_channels

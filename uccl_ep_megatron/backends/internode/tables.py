@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from uccl_ep_megatron.backends.agreement import row_counts, row_num_tokens
+from uccl_ep_megatron.backends.agreement import Agreement, row_counts, row_num_tokens
+from uccl_ep_megatron.backends.base import Topology
 
 
 def streams(
@@ -113,6 +114,57 @@ def call_tables(rows: torch.Tensor, rank: int, ranks_per_node: int) -> CallTable
     )
 
 
+@dataclass(frozen=True)
+class DispatchState:
+    """What combine and cached dispatch need from a dispatch (kept in the handle): the
+    tables stay on the GPU, next to the sizes the host knows without reading them back."""
+
+    rank_prefix_matrix: torch.Tensor  # [R, R] int32
+    dst_row: torch.Tensor  # [T, R] int32
+    plan: torch.Tensor  # [N, plan_T, L] int32: rows of tokens this rank forwarded
+    plan_tokens: int
+    src_tokens: torch.Tensor  # [N] int32: tokens of source (m, this local rank)
+    recv_rows: torch.Tensor  # [L] int32: rows each local rank receives
+    recv_prefix: torch.Tensor  # [R + 1] int32
+    recv_count: torch.Tensor  # [1] int32
+    out_rows: int  # rows of the outputs: received rows, or num_worst_tokens
+    stage_rows: tuple[int, ...]  # NVLink staging rows every rank needs
+
+
+def dispatch_state(
+    rows: torch.Tensor,
+    is_token_in_rank: torch.Tensor,
+    topology: Topology,
+    num_worst_tokens: int,
+    agreed: Agreement | None,
+) -> DispatchState:
+    """The state of a non-cached dispatch: tables from the gathered rows (device), sizes from
+    the host-read rows ``agreed`` (exact mode) or from ``num_worst_tokens`` W (sync-free: the
+    GPU check makes sure every rank passed the same W and receives and holds at most W)."""
+    topo = topology
+    tables = call_tables(rows, topo.rank, topo.ranks_per_node)
+    if num_worst_tokens > 0:
+        out_rows = plan_tokens = num_worst_tokens
+        stage_rows = (num_worst_tokens,) * topo.num_ranks
+    else:
+        stage_rows = tuple(sum(c[r] for c in agreed.counts) for r in range(topo.num_ranks))
+        out_rows = stage_rows[topo.rank]
+        plan_tokens = max(1, max(agreed.num_tokens))
+    shape = (topo.num_nodes, plan_tokens, topo.ranks_per_node)
+    return DispatchState(
+        rank_prefix_matrix=tables.rank_prefix_matrix,
+        dst_row=dst_rows(is_token_in_rank, tables.first_row),
+        plan=torch.full(shape, -1, dtype=torch.int32, device=rows.device),
+        plan_tokens=plan_tokens,
+        src_tokens=tables.src_tokens,
+        recv_rows=tables.recv_rows,
+        recv_prefix=tables.recv_prefix,
+        recv_count=tables.recv_count,
+        out_rows=out_rows,
+        stage_rows=stage_rows,
+    )
+
+
 def expert_counts(
     per_expert: torch.Tensor, rank: int, experts_per_rank: int, alignment: int
 ) -> torch.Tensor:
@@ -123,4 +175,28 @@ def expert_counts(
     return ((n + alignment - 1) // alignment * alignment).to(torch.int32)
 
 
-__all__ = ["CallTables", "call_tables", "dst_rows", "expert_counts", "stream_tables", "streams"]
+def received_expert_counts(
+    recv_topk_idx: torch.Tensor, experts_per_rank: int, alignment: int
+) -> torch.Tensor:
+    """``[E_local]`` int32 received rows per local expert, rounded up to ``alignment``, from
+    a dispatch's own ``recv_topk_idx`` (local ids, -1 elsewhere and on padding rows): a token
+    names an expert at most once, so this equals ``expert_counts`` without a collective."""
+    ids = recv_topk_idx.reshape(-1).to(torch.int64)
+    slot = torch.where(ids >= 0, ids, experts_per_rank)
+    n = torch.zeros(experts_per_rank + 1, dtype=torch.int64, device=ids.device)
+    n.scatter_add_(0, slot, torch.ones_like(slot))
+    n = n[:experts_per_rank]
+    return ((n + alignment - 1) // alignment * alignment).to(torch.int32)
+
+
+__all__ = [
+    "CallTables",
+    "DispatchState",
+    "call_tables",
+    "dispatch_state",
+    "dst_rows",
+    "expert_counts",
+    "received_expert_counts",
+    "stream_tables",
+    "streams",
+]
