@@ -14,6 +14,10 @@ otherwise) with top-k weights and biases, and the self-verifying property that c
 dispatched rows unchanged gives x times the number of ranks each token reached. Outputs come
 from poisoned memory, so an unwritten element is a mismatch. Small-ring cases make every
 (channel, node) ring wrap many times, so flow control (head/tail software atomics) is exercised.
+
+Sync-free mode (``-k sync_free``, num_worst_tokens = W): outputs equal the reference oracle's,
+the handle's device counts equal exact mode's list, and a profiler count finds no host sync on
+the calling thread after a warm-up; a bad expert id on one rank is raised on every rank.
 """
 
 from __future__ import annotations
@@ -248,91 +252,6 @@ def test_internode_matches_reference(gpu_pool, name, reorder):
         assert sum(o["held_out_of_order"] for o in out) > 0
 
 
-def grow_case(rank: int, world: int) -> dict:
-    """With several ranks per node, a Buffer sized by DeepEP's NVLink hint is too small for a
-    call whose rows all go to rank 0: the NVLink staging grows on every rank at that call and
-    the results still equal the reference backend's."""
-    from uccl_ep_megatron import Buffer
-
-    _, rb = _get_buffers(False)
-    num_tokens, hidden, num_experts = 4096, 7168, 8 * world
-    hint = max(
-        cfg.get_nvl_buffer_size_hint(hidden * 2, world)
-        for cfg in (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world))
-    )
-    kb = Buffer(None, hint, RDMA_BYTES, backend="kernels")
-    _keep.append(kb)
-    gen = torch.Generator(device="cuda").manual_seed(99 + rank)
-    scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
-    scores[:, :8] += 10.0  # rank 0's experts: rank 0 receives world x num_tokens rows
-    idx = scores.topk(4, dim=1).indices
-    w = torch.rand(num_tokens, 4, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
-    poison(kb)
-    krx, kidx, _, _, kh, _ = dispatch(kb, x, lay, idx, w)
-    torch.cuda.synchronize()
-    kb._backend.check()
-    rrx, ridx, _, _, rh, _ = dispatch(rb, x, lay, idx, w)
-    assert_same("grown recv_x", krx, rrx)
-    assert_same("grown recv_topk_idx", kidx, ridx)
-    kcx, _, _ = kb.combine(krx, kh)
-    torch.cuda.synchronize()
-    kb._backend.check()
-    rcx, _, _ = rb.combine(rrx, rh)
-    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
-    ipc = kb._backend._ipc
-    return {"grows": ipc.grows, "sizes": list(ipc.sizes), "hint": hint}
-
-
-def test_nvl_staging_grows_collectively(gpu_pool):
-    if gpu_pool.world_size < 4:
-        pytest.skip("needs 2 ranks per virtual node (NVLink staging)")
-    out = gpu_pool.run(__file__, "grow_case", env=_env(gpu_pool, True, 3))
-    assert all(o["grows"] >= 1 for o in out), out
-    assert len({tuple(o["sizes"]) for o in out}) == 1, out  # every rank knows every size
-    assert out[0]["sizes"][0] > out[0]["hint"], out
-
-
-def dead_peer_case(rank: int, world: int) -> str:
-    """The last rank's proxy is stopped (a dead peer): every rank's dispatch must end in an
-    error that names a rank it waited for, instead of hanging."""
-    from uccl_ep_megatron import Buffer, Config
-    from uccl_ep_megatron.errors import UcclEpError
-
-    buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
-    _keep.append(buf)  # peers may still address its memory: never freed during the session
-    num_tokens, hidden, experts = 4096, 2048, 4 * world
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    idx = torch.rand(num_tokens, experts, generator=gen, device="cuda").topk(world, dim=1).indices
-    w = torch.rand(num_tokens, world, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    layout = buf.get_dispatch_layout(idx, experts)[:4]
-    if rank == world - 1:
-        buf._backend.proxy.close()
-    try:
-        dispatch(buf, x, layout, idx, w, config=Config(min(24, buf.max_num_sms or 24)))
-        torch.cuda.synchronize()
-        buf._backend.check()
-    except UcclEpError as exc:
-        return str(exc)
-    # With several ranks per node, ranks off the dead rank's rail may finish (their NVLink
-    # barrier with it can complete once its kernel gave up); the test checks the rail.
-    return ""
-
-
-def test_dead_peer_times_out_naming_the_rank(gpu_pool):
-    env = _env(gpu_pool, False, 0)
-    env["UCCL_EP_TIMEOUT_MS"] = "3000"
-    out = gpu_pool.run(__file__, "dead_peer_case", env=env)
-    world = gpu_pool.world_size
-    dead = world - 1
-    # The dead rank's rail partner waits for it; the dead rank waits for its partner.
-    partner = dead - world // 2
-    assert re.search(rf"rank {dead}\b", out[partner]), out[partner]
-    assert re.search(r"waiting for rank \d+|rank \d+ has not acknowledged", out[dead]), out[dead]
-
-
 # ---- sync-free mode (num_worst_tokens = W > 0) ---------------------------------------------
 # Host syncs a call may not make, counted on the calling thread (the CPU proxies, and gloo's
 # worker threads under the shared-GPU harness, make their own CUDA calls on their own threads).
@@ -523,3 +442,88 @@ def test_sync_free_bad_id_raises_on_every_rank(gpu_pool):
         assert re.search(
             rf"rank {bad}'s topk_idx contains expert id {8 * gpu_pool.world_size + 3}", text
         ), (r, text)
+
+
+def grow_case(rank: int, world: int) -> dict:
+    """With several ranks per node, a Buffer sized by DeepEP's NVLink hint is too small for a
+    call whose rows all go to rank 0: the NVLink staging grows on every rank at that call and
+    the results still equal the reference backend's."""
+    from uccl_ep_megatron import Buffer
+
+    _, rb = _get_buffers(False)
+    num_tokens, hidden, num_experts = 4096, 7168, 8 * world
+    hint = max(
+        cfg.get_nvl_buffer_size_hint(hidden * 2, world)
+        for cfg in (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world))
+    )
+    kb = Buffer(None, hint, RDMA_BYTES, backend="kernels")
+    _keep.append(kb)
+    gen = torch.Generator(device="cuda").manual_seed(99 + rank)
+    scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
+    scores[:, :8] += 10.0  # rank 0's experts: rank 0 receives world x num_tokens rows
+    idx = scores.topk(4, dim=1).indices
+    w = torch.rand(num_tokens, 4, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    poison(kb)
+    krx, kidx, _, _, kh, _ = dispatch(kb, x, lay, idx, w)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    rrx, ridx, _, _, rh, _ = dispatch(rb, x, lay, idx, w)
+    assert_same("grown recv_x", krx, rrx)
+    assert_same("grown recv_topk_idx", kidx, ridx)
+    kcx, _, _ = kb.combine(krx, kh)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    rcx, _, _ = rb.combine(rrx, rh)
+    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
+    ipc = kb._backend._ipc
+    return {"grows": ipc.grows, "sizes": list(ipc.sizes), "hint": hint}
+
+
+def test_nvl_staging_grows_collectively(gpu_pool):
+    if gpu_pool.world_size < 4:
+        pytest.skip("needs 2 ranks per virtual node (NVLink staging)")
+    out = gpu_pool.run(__file__, "grow_case", env=_env(gpu_pool, True, 3))
+    assert all(o["grows"] >= 1 for o in out), out
+    assert len({tuple(o["sizes"]) for o in out}) == 1, out  # every rank knows every size
+    assert out[0]["sizes"][0] > out[0]["hint"], out
+
+
+def dead_peer_case(rank: int, world: int) -> str:
+    """The last rank's proxy is stopped (a dead peer): every rank's dispatch must end in an
+    error that names a rank it waited for, instead of hanging."""
+    from uccl_ep_megatron import Buffer, Config
+    from uccl_ep_megatron.errors import UcclEpError
+
+    buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
+    _keep.append(buf)  # peers may still address its memory: never freed during the session
+    num_tokens, hidden, experts = 4096, 2048, 4 * world
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    idx = torch.rand(num_tokens, experts, generator=gen, device="cuda").topk(world, dim=1).indices
+    w = torch.rand(num_tokens, world, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    layout = buf.get_dispatch_layout(idx, experts)[:4]
+    if rank == world - 1:
+        buf._backend.proxy.close()
+    try:
+        dispatch(buf, x, layout, idx, w, config=Config(min(24, buf.max_num_sms or 24)))
+        torch.cuda.synchronize()
+        buf._backend.check()
+    except UcclEpError as exc:
+        return str(exc)
+    # With several ranks per node, ranks off the dead rank's rail may finish (their NVLink
+    # barrier with it can complete once its kernel gave up); the test checks the rail.
+    return ""
+
+
+def test_dead_peer_times_out_naming_the_rank(gpu_pool):
+    env = _env(gpu_pool, False, 0)
+    env["UCCL_EP_TIMEOUT_MS"] = "3000"
+    out = gpu_pool.run(__file__, "dead_peer_case", env=env)
+    world = gpu_pool.world_size
+    dead = world - 1
+    # The dead rank's rail partner waits for it; the dead rank waits for its partner.
+    partner = dead - world // 2
+    assert re.search(rf"rank {dead}\b", out[partner]), out[partner]
+    assert re.search(r"waiting for rank \d+|rank \d+ has not acknowledged", out[dead]), out[dead]
