@@ -299,8 +299,22 @@ def _host_syncs(calls) -> dict:
         return e.start_thread_id(), e.device_resource_id()
 
     mine = [e for e in runtime if thread(e) == thread(mark) and e.start_ns() < mark.start_ns()]
-    syncs = [e.name() for e in mine if e.name() in _SYNC_CALLS]
-    copies = [copy_kind(e) for e in mine if any(k in copy_kind(e) for k in ("DtoH", "Pageable"))]
+    # Name the torch op a call was made in (if any), for the failure message.
+    ops = {
+        e.correlation_id(): e.name()
+        for e in events
+        if e.device_type() == DeviceType.CPU and not e.name().startswith("cuda")
+    }
+
+    def where(e) -> str:
+        return f"{e.name()} in {ops.get(e.linked_correlation_id(), 'no torch op')}"
+
+    syncs = [where(e) for e in mine if e.name() in _SYNC_CALLS]
+    copies = [
+        f"{copy_kind(e)}: {where(e)}"
+        for e in mine
+        if any(k in copy_kind(e) for k in ("DtoH", "Pageable"))
+    ]
     return {"syncs": syncs, "copies": copies, "runtime_calls": len(mine)}
 
 
