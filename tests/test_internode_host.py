@@ -17,7 +17,24 @@ import pytest
 import torch
 
 from uccl_ep_megatron import _C
-from uccl_ep_megatron.backends.internode import dst_rows, stream_tables
+from uccl_ep_megatron.backends.agreement import (
+    KIND_COMBINE,
+    KIND_DISPATCH,
+    VERDICTS,
+    Agreement,
+    CallHeader,
+    device_verdict,
+    encode_row,
+)
+from uccl_ep_megatron.backends.internode import (
+    call_tables,
+    dst_rows,
+    expert_counts,
+    received_expert_counts,
+    stream_tables,
+    streams,
+)
+from uccl_ep_megatron.errors import InvalidInputError
 
 IN = _C.internode
 
@@ -53,6 +70,201 @@ def test_stream_tables_match_brute_force(seed):
             for t in range(b, e):
                 run += int(mask[t, n])
                 assert cum[t, n].item() == run
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_streams_of_sources_with_their_own_token_counts(seed):
+    """The combine forwarder's streams: source b has tokens[b] tokens (a device tensor, never
+    read on the host), columns past it are ignored, and each source's channel ranges are the
+    ones its own channel_range gives."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    num_src, width, num_channels = rnd.randint(1, 5), rnd.randint(0, 200), rnd.randint(1, 9)
+    tokens = [rnd.randint(0, width) for _ in range(num_src)]
+    mask = torch.rand(num_src, width, generator=gen) < rnd.random()
+    lists, count, cum = streams(mask, torch.tensor(tokens), num_channels)
+    assert lists.shape == (num_src, width) and count.shape == (num_channels, num_src)
+    for b in range(num_src):
+        filled = 0
+        for c, (lo, hi) in enumerate(_ranges(tokens[b], num_channels)):
+            stream = [t for t in range(lo, hi) if mask[b, t]]
+            assert count[c, b].item() == len(stream)
+            assert lists[b, lo : lo + len(stream)].tolist() == stream
+            run = 0
+            for t in range(lo, hi):
+                run += int(mask[b, t])
+                assert cum[b, t].item() == run
+            filled += len(stream)
+        assert int((lists[b] >= 0).sum()) == filled  # nothing of the ignored columns
+
+
+def _rows(headers, counts, tokens, checks=None):
+    world = len(headers)
+    return torch.stack(
+        [
+            encode_row(
+                h,
+                world,
+                torch.device("cpu"),
+                None if checks is None else torch.tensor(checks[r]),
+                torch.tensor(counts[r]),
+                tokens[r],
+            )
+            for r, h in enumerate(headers)
+        ]
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_call_tables_match_the_host_arithmetic(seed):
+    """Prefix matrix, first rows, per-node receive rows, receive prefix and source token
+    counts derived on the device equal the same quantities computed from host lists."""
+    rnd = random.Random(seed)
+    nodes, local = rnd.randint(2, 4), rnd.randint(1, 4)
+    world = nodes * local
+    counts = [[rnd.randint(0, 9) for _ in range(world)] for _ in range(world)]
+    tokens = [rnd.randint(0, 50) for _ in range(world)]
+    head = CallHeader(kind=KIND_DISPATCH, seq=1)
+    rows = _rows([head] * world, counts, tokens)
+    for rank in range(world):
+        tab = call_tables(rows, rank, local)
+        prefix = [
+            [sum(counts[s][r] for s in range(i + 1)) for r in range(world)] for i in range(world)
+        ]
+        assert tab.rank_prefix_matrix.tolist() == prefix
+        assert tab.first_row.tolist() == [
+            sum(counts[s][r] for s in range(rank)) for r in range(world)
+        ]
+        node0 = rank // local * local
+        assert tab.recv_rows.tolist() == [prefix[-1][node0 + j] for j in range(local)]
+        starts = [sum(counts[s][rank] for s in range(i)) for i in range(world)]
+        assert tab.recv_prefix.tolist() == starts + [prefix[-1][rank]]
+        assert tab.recv_count.tolist() == [prefix[-1][rank]]
+        assert tab.src_tokens.tolist() == [tokens[m * local + rank % local] for m in range(nodes)]
+
+
+def test_expert_counts_are_aligned_sums_of_the_local_experts():
+    per_expert = torch.tensor([[1, 2, 3, 4], [5, 0, 7, 129]], dtype=torch.int32)
+    assert expert_counts(per_expert, 0, 2, 1).tolist() == [6, 2]
+    assert expert_counts(per_expert, 1, 2, 1).tolist() == [10, 133]
+    assert expert_counts(per_expert, 1, 2, 128).tolist() == [128, 256]
+    assert expert_counts(per_expert, 0, 2, 4).dtype == torch.int32
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_received_expert_counts_from_the_outputs(dtype):
+    """Counting a dispatch's own local ids (padding rows -1) gives the aligned per-expert
+    rows that the all-gathered counts give, with no collective."""
+    gen = torch.Generator().manual_seed(5)
+    epr, rows, k = 6, 40, 3
+    ids = torch.stack([torch.randperm(epr + 4, generator=gen)[:k] for _ in range(rows)]) - 4
+    ids = torch.where(ids < 0, -1, ids)  # -1: experts on other ranks
+    ids = torch.cat([ids, torch.full((9, k), -1)]).to(dtype)  # padding rows
+    per_source = torch.zeros(1, epr, dtype=torch.int32)  # one source sends every row here
+    for e in range(epr):
+        per_source[0, e] = int((ids == e).any(1).sum())
+    for align in (1, 4, 128):
+        want = expert_counts(per_source, 0, epr, align)
+        assert received_expert_counts(ids, epr, align).tolist() == want.tolist()
+
+
+def _verdict_cases():
+    world = 4
+    ok = CallHeader(
+        kind=KIND_DISPATCH,
+        seq=3,
+        dtype=1,
+        hidden=256,
+        num_topk=2,
+        num_experts=8,
+        num_sms=24,
+        num_worst_tokens=40,
+    )
+    counts = [[1, 2, 3, 4]] * world
+    tokens = [10] * world
+    checks = [[0, 7, 0]] * world
+    yield "ok", [ok] * world, counts, tokens, checks, None
+    yield (
+        "error",
+        [ok, ok, CallHeader(kind=KIND_DISPATCH, seq=3, error=1), ok],
+        counts,
+        tokens,
+        checks,
+        (1, 2, 1),
+    )
+    yield (
+        "call",
+        [ok, ok, ok, CallHeader(**{**ok.__dict__, "seq": 4})],
+        counts,
+        tokens,
+        checks,
+        (3, 3, 4),
+    )
+    yield (
+        "field",
+        [ok, CallHeader(**{**ok.__dict__, "hidden": 512}), ok, ok],
+        counts,
+        tokens,
+        checks,
+        (4, 1, 1),
+    )
+    yield (
+        "expert_id",
+        [ok] * world,
+        counts,
+        tokens,
+        [[0, 7, 0], [0, 7, 0], [0, 8, 0], [-3, 7, 0]],
+        (5, 2, 8),
+    )
+    yield (
+        "layout",
+        [ok] * world,
+        counts,
+        tokens,
+        [[0, 7, 0], [0, 7, 4], [0, 7, 0], [0, 7, 0]],
+        (6, 1, 4),
+    )
+    yield (
+        "worst_differs",
+        [ok, ok, CallHeader(**{**ok.__dict__, "num_worst_tokens": 41}), ok],
+        counts,
+        tokens,
+        checks,
+        (7, 2, 41),
+    )
+    yield "worst_overflow", [ok] * world, [[1, 2, 3, 14]] * world, tokens, checks, (8, 3, 56)
+    yield "worst_tokens", [ok] * world, counts, [10, 41, 10, 10], checks, (9, 1, 41)
+    comb = CallHeader(kind=KIND_COMBINE, seq=5, dtype=1, hidden=256, handle_seq=3)
+    zero = [[0] * world] * world
+    yield "combine_ok", [comb] * world, zero, [0] * world, [[0, 8, 9]] * world, None
+
+
+@pytest.mark.parametrize("case", list(_verdict_cases()), ids=lambda c: c[0])
+def test_device_verdict_reports_what_the_host_checks_raise(case):
+    """The GPU check of a sync-free call finds the first failing check at its lowest rank,
+    in the order the host raises them, and passes what the host passes."""
+    name, headers, counts, tokens, checks, expect = case
+    rows = _rows(headers, counts, tokens, checks)
+    code, rank, value = device_verdict(rows).tolist()
+    if expect is None:
+        assert code == 0, (VERDICTS[code - 1], rank, value)
+    else:
+        assert (code, rank, value) == expect, (VERDICTS[code - 1], rank, value)
+        assert VERDICTS[code - 1] == name
+    # The host checks raise for the same calls, except for the sizing rules only sync-free
+    # calls have (one W for every rank, no rank with more tokens than W).
+    agreed = Agreement.decode(rows.tolist())
+    host_error = "error" if agreed.failed_ranks else None
+    if host_error is None:
+        try:
+            agreed.check("call")
+            if headers[0].kind == KIND_DISPATCH:
+                agreed.check_routing("call")
+                agreed.check_worst_tokens("call")
+        except InvalidInputError as exc:
+            host_error = str(exc)
+    gpu_only = {"ok", "combine_ok", "worst_differs", "worst_tokens"}
+    assert (host_error is None) == (name in gpu_only), (name, host_error)
 
 
 def test_dst_rows_follow_source_major_order():

@@ -390,7 +390,9 @@ class Buffer:
             error = exc
 
         def run() -> DispatchResult:
-            agreed = self._agree(kind, seq, prepared, error)
+            worst = num_worst_tokens if handle is None else _worst_of(handle)
+            sync_free = isinstance(worst, int) and worst > 0
+            agreed = self._agree(kind, seq, prepared, error, sync_free)
             args = prepared.args
             if agreed is not None:
                 args = dataclasses.replace(args, agreed=agreed)
@@ -551,7 +553,7 @@ class Buffer:
             error = exc
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
-            self._agree(KIND_COMBINE, seq, prepared, error)
+            self._agree(KIND_COMBINE, seq, prepared, error, _worst_of(handle) > 0)
             x_, weights, biases, config_ = prepared.args
             return self._backend.combine(x_, handle, weights, biases, config_)
 
@@ -627,11 +629,14 @@ class Buffer:
         seq: int,
         prepared: _Prepared | None,
         error: BaseException | None,
+        sync_free: bool = False,
     ) -> Agreement | None:
         """Exchange this rank's call header; raise what every rank raises, or return the rows.
 
         A rank whose own checks failed (``error``) still takes part, with the error flag set,
         so that every rank raises that error now instead of waiting for it in a collective.
+        ``sync_free``: the call needs no host sizes; a backend that ``agrees_on_device`` then
+        checks the rows on the GPU and raises a failure at the next host-visible point.
         """
         if not self._backend.agrees_per_call:
             # Kernels that agree on counts inside their notify step (see DESIGN): nothing to
@@ -654,6 +659,11 @@ class Buffer:
                 prepared.counts,
                 prepared.num_tokens,
             )
+        if sync_free and self._backend.agrees_on_device:
+            self._backend.exchange_header_async(row, call)
+            if error is not None:
+                raise error
+            return None
         agreed = Agreement.decode(self._backend.exchange_header(row, call))
         if agreed.failed_ranks:
             texts = self._backend.gather_objects(
@@ -969,6 +979,12 @@ def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -
         raise InvalidInputError(
             f"{name}.dtype={t.dtype}; expected {' or '.join(str(d) for d in allowed)}"
         )
+
+
+def _worst_of(handle: Any) -> int:
+    """``num_worst_tokens`` of a handle (0 for anything that is not one)."""
+    worst = getattr(handle, "num_worst_tokens", 0) if isinstance(handle, DispatchHandle) else 0
+    return worst if isinstance(worst, int) else 0
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -55,10 +55,10 @@ void check_dispatch(const in::DispatchArgs& a, const char* op) {
                     "num_tokens=", a.num_tokens, " num_topk=", a.num_topk, " num_scales=", a.num_scales,
                     " row_bytes=", a.row_bytes);
   const bool send = a.num_tokens > 0;
-  const int local = a.common.rank % a.common.ranks_per_node;
-  UCCL_EP_CHECK_ARG(static_cast<int>(a.recv_rows.size()) == a.common.ranks_per_node, at, "recv_rows has ",
-                    a.recv_rows.size(), " entries for ", a.common.ranks_per_node, " ranks per node");
-  const int recv = a.recv_rows[local];
+  UCCL_EP_CHECK_ARG(a.out_rows >= 0, at, "out_rows=", a.out_rows);
+  const int recv = a.out_rows;
+  check_ptr(a.recv_rows, true, at + "recv_rows");
+  check_ptr(a.recv_prefix, true, at + "recv_prefix");
   check_ptr(a.x, send, at + "x");
   check_ptr(a.x_scales, send && a.num_scales > 0, at + "x_scales");
   check_ptr(a.topk_idx, send && a.num_topk > 0, at + "topk_idx");
@@ -80,6 +80,8 @@ void check_combine(const in::CombineArgs& a, const char* op) {
                     " row_bytes=", a.row_bytes);
   check_ptr(a.x, a.num_recv > 0, at + "x");
   check_ptr(a.topk_weights, a.num_recv > 0 && a.num_topk > 0, at + "topk_weights");
+  check_ptr(a.recv_count, a.num_recv > 0, at + "recv_count");
+  check_ptr(a.src_tokens, true, at + "src_tokens");
   check_ptr(a.plan, true, at + "plan");
   check_ptr(a.lists, true, at + "lists");
   check_ptr(a.list_count, true, at + "list_count");
@@ -202,6 +204,8 @@ void bind_internode(py::module_& m) {
   sites[py::int_(static_cast<int>(in::kSiteCombineOrder))] = "combine order check (a partial for another token)";
   sites[py::int_(static_cast<int>(in::kSiteNvlBarrier))] = "NVLink barrier of the node";
   sites[py::int_(static_cast<int>(in::kSiteDispatchRow))] = "dispatch row check (a slot named a row out of range)";
+  sites[py::int_(static_cast<int>(in::kSiteAgreement))] = "call-header check on the GPU (sync-free call)";
+  s.attr("SITE_AGREEMENT") = static_cast<int>(in::kSiteAgreement);
   s.attr("SITES") = sites;
   s.def(
       "status_alloc",
@@ -243,7 +247,8 @@ void bind_internode(py::module_& m) {
       .def_readwrite("cap", &in::Common::cap)
       .def_readwrite("chunk", &in::Common::chunk)
       .def_readwrite("status", &in::Common::status)
-      .def_readwrite("timeout_ns", &in::Common::timeout_ns);
+      .def_readwrite("timeout_ns", &in::Common::timeout_ns)
+      .def_readwrite("verdict", &in::Common::verdict);
 
 #define RW(cls, f) .def_readwrite(#f, &in::cls::f)
   py::class_<in::DispatchArgs>(s, "DispatchArgs")
@@ -254,11 +259,12 @@ void bind_internode(py::module_& m) {
       RW(DispatchArgs, idx_is_64) RW(DispatchArgs, dst_row) RW(DispatchArgs, lists) RW(DispatchArgs, list_count)
       RW(DispatchArgs, recv_x) RW(DispatchArgs, recv_scales) RW(DispatchArgs, recv_topk_idx)
       RW(DispatchArgs, recv_topk_weights) RW(DispatchArgs, recv_src_idx) RW(DispatchArgs, plan)
-      RW(DispatchArgs, plan_tokens) RW(DispatchArgs, stage_offset) RW(DispatchArgs, recv_rows);
+      RW(DispatchArgs, plan_tokens) RW(DispatchArgs, stage_offset) RW(DispatchArgs, recv_rows)
+      RW(DispatchArgs, recv_prefix) RW(DispatchArgs, out_rows);
   py::class_<in::CombineArgs>(s, "CombineArgs")
       .def(py::init<>())
       RW(CombineArgs, common) RW(CombineArgs, dtype) RW(CombineArgs, num_topk)
-      RW(CombineArgs, num_tokens) RW(CombineArgs, num_recv) RW(CombineArgs, row_bytes) RW(CombineArgs, x)
+      RW(CombineArgs, num_tokens) RW(CombineArgs, num_recv) RW(CombineArgs, recv_count) RW(CombineArgs, row_bytes) RW(CombineArgs, x)
       RW(CombineArgs, topk_weights) RW(CombineArgs, plan) RW(CombineArgs, plan_tokens) RW(CombineArgs, lists)
       RW(CombineArgs, list_count) RW(CombineArgs, src_tokens) RW(CombineArgs, dst_row)
       RW(CombineArgs, stream_cum) RW(CombineArgs, bias0) RW(CombineArgs, bias1) RW(CombineArgs, out)
@@ -274,11 +280,11 @@ void bind_internode(py::module_& m) {
       py::arg("args"), py::arg("stream"), "Launch the sender/forwarder dispatch kernel (2 * num_channels blocks).");
   s.def(
       "dispatch_finish",
-      [](const in::DispatchArgs& a, const std::vector<int>& recv_prefix, uint64_t barrier_seq, intptr_t stream) {
+      [](const in::DispatchArgs& a, uint64_t barrier_seq, intptr_t stream) {
         check_dispatch(a, "dispatch_finish");
-        in::dispatch_finish(a, recv_prefix, barrier_seq, stream);
+        in::dispatch_finish(a, barrier_seq, stream);
       },
-      py::arg("args"), py::arg("recv_prefix"), py::arg("barrier_seq"), py::arg("stream"),
+      py::arg("args"), py::arg("barrier_seq"), py::arg("stream"),
       "Ranks per node > 1: node barrier, then staged rows into the outputs.");
   s.def(
       "combine_prepare",

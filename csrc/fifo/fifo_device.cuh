@@ -9,31 +9,16 @@
 #include "common/gpu.h"
 #include "fifo/fifo.h"
 #include "fifo/transfer_cmd.h"
+#include "kernels/device.cuh"
 
 namespace uccl_ep {
 
-__device__ __forceinline__ uint64_t fifo_now_ns() {
-#if defined(UCCL_EP_DEVICE_HIP)
-  // s_memrealtime ticks at a constant 100 MHz on CDNA.
-  return __builtin_amdgcn_s_memrealtime() * 10ull;
-#else
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-#endif
-}
+// Deadlines of the FIFO waits: the device shim's clock (the same on every SM).
+__device__ __forceinline__ uint64_t fifo_now_ns() { return dev::global_timer_ns(); }
 
 // Reads the consumer's head from host memory. Acquire at system scope: once we see head > i, the
 // proxy's reads of slot i are done (it stored head with release), so reusing the slot is safe.
-__device__ __forceinline__ uint64_t fifo_load_head(const uint64_t* head) {
-#if defined(UCCL_EP_DEVICE_HIP)
-  return __hip_atomic_load(head, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
-#else
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(head) : "memory");
-  return v;
-#endif
-}
+__device__ __forceinline__ uint64_t fifo_load_head(const uint64_t* head) { return dev::ld_acquire_sys(head); }
 
 // One 16-byte store of the command. Release at system scope orders every earlier write of this
 // thread (e.g. the payload in GPU memory the NIC will read) before the command is visible to the

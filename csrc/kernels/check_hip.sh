@@ -7,7 +7,7 @@ cd "$(dirname "$0")/../.."
 export HIP_PLATFORM=amd
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-for f in csrc/kernels/*.cu csrc/fifo/*.cu csrc/transport/*.cu csrc/bench/*.cu; do
+for f in csrc/kernels/*.cu csrc/kernels/internode/*.cu csrc/fifo/*.cu csrc/transport/*.cu csrc/bench/*.cu; do
   echo "hipcc gfx90a: $f"
   hipcc -std=c++17 -O2 --offload-arch=gfx90a -DUCCL_EP_HIP=1 -Icsrc -x hip -c "$f" -o "$out/$(basename "$f").o"
 done

@@ -131,6 +131,20 @@ __device__ __forceinline__ T ld_cg(const T* p) {
 #endif
 }
 
+// 16 bytes through ld_cg: vector rows another agent (proxy DMA, NIC, peer GPU) writes while
+// the kernel runs.
+__device__ __forceinline__ int4 ld_cg16(const void* p) { return ld_cg(reinterpret_cast<const int4*>(p)); }
+
+// Pause between two polls of memory another agent writes (frees issue slots for the block's
+// other warps and eases the PCIe/NVLink traffic of the poll).
+__device__ __forceinline__ void spin_pause() {
+#if defined(UCCL_EP_DEVICE_HIP)
+  __builtin_amdgcn_s_sleep(2);
+#elif defined(__CUDA_ARCH__)
+  __nanosleep(128);
+#endif
+}
+
 // Plain store; peer pointers are IPC mappings, so this is an NVLink/xGMI write when remote.
 template <typename T>
 __device__ __forceinline__ void st_plain(T* p, const T& v) {

@@ -41,6 +41,8 @@ enum Site : int {
   kSiteCombineOrder = 16,     // a partial arrived for another token than expected (corruption)
   kSiteNvlBarrier = 17,       // NVLink barrier among the node's ranks ([1] = local index)
   kSiteDispatchRow = 18,      // a ring slot named a row outside the receiver's output (corruption)
+  kSiteAgreement = 19,        // sync-free call: the GPU check of the call headers failed ([1] rank,
+                              // [2] verdict code, [5] value); no kernel moved any data
 };
 
 // Pinned, device-mapped status words; the host pointer is also the device pointer (UVA).
@@ -62,6 +64,10 @@ struct Common {
   int chunk = 0;              // tokens per RDMA write
   intptr_t status = 0;
   int64_t timeout_ns = 0;
+  // int64 [3] in device memory, or 0: the GPU verdict on the all-gathered call headers of a
+  // sync-free call (code, rank, value; code 0 = agreed). A set code makes every kernel record
+  // it in the status words and move nothing, on every rank alike (all hold the same rows).
+  intptr_t verdict = 0;
 };
 
 struct DispatchArgs {
@@ -77,20 +83,24 @@ struct DispatchArgs {
   intptr_t plan = 0;  // int32 [N, plan_tokens, L]: rows of forwarded tokens (combine needs them)
   int plan_tokens = 0;
   int64_t stage_offset = 0;  // NVLink staging in every local rank's buffer
-  std::vector<int> recv_rows;  // rows each local rank of this node receives (bounds check)
+  // Device int32 tables (counts stay on the GPU; no host copy of them is needed):
+  intptr_t recv_rows = 0;    // [L] rows each local rank of this node receives (bounds check)
+  intptr_t recv_prefix = 0;  // [R + 1] first output row from source s; [R] = rows received
+  int out_rows = 0;          // rows of this rank's outputs (received rows, or num_worst_tokens)
 };
 
 // Launches the sender/forwarder kernel (2 * num_channels blocks).
 void dispatch(const DispatchArgs& a, intptr_t stream);
 // L > 1: NVLink barrier of the node, then rows local peers staged here are copied into the
-// outputs. recv_prefix[s] = first output row from source s (s = 0..R, recv_prefix[R] = total).
-void dispatch_finish(const DispatchArgs& a, const std::vector<int>& recv_prefix, uint64_t barrier_seq,
-                     intptr_t stream);
+// outputs (a.recv_prefix on the device says which rows came from which source).
+void dispatch_finish(const DispatchArgs& a, uint64_t barrier_seq, intptr_t stream);
 
 struct CombineArgs {
   Common common;
   int dtype = 0;  // 0 bf16, 1 fp16, 2 fp32
-  int num_topk = 0, num_tokens = 0, num_recv = 0;
+  int num_topk = 0, num_tokens = 0;
+  int num_recv = 0;         // rows of x (received rows, or num_worst_tokens)
+  intptr_t recv_count = 0;  // int32 [1] device: rows actually received (the rest is padding)
   int64_t row_bytes = 0;
   intptr_t x = 0, topk_weights = 0;  // this rank's combine input rows [num_recv] and weights
   // forwarder side
@@ -98,7 +108,7 @@ struct CombineArgs {
   int plan_tokens = 0;
   intptr_t lists = 0;       // int32 [N, plan_tokens]: tokens of source (m, l) this node forwards
   intptr_t list_count = 0;  // int32 [C, N]
-  std::vector<int> src_tokens;  // tokens of source (m, my local), per node m
+  intptr_t src_tokens = 0;  // int32 [N] device: tokens of source (m, my local), per node m
   // receiver side
   intptr_t dst_row = 0;     // int32 [T, R] from the dispatch
   intptr_t stream_cum = 0;  // int32 [T, N]: inclusive count of tokens to node n in t's channel

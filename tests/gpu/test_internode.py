@@ -14,6 +14,10 @@ otherwise) with top-k weights and biases, and the self-verifying property that c
 dispatched rows unchanged gives x times the number of ranks each token reached. Outputs come
 from poisoned memory, so an unwritten element is a mismatch. Small-ring cases make every
 (channel, node) ring wrap many times, so flow control (head/tail software atomics) is exercised.
+
+Sync-free mode (``-k sync_free``, num_worst_tokens = W): outputs equal the reference oracle's,
+the handle's device counts equal exact mode's list, and a profiler count finds no host sync on
+the calling thread after a warm-up; a bad expert id on one rank is raised on every rank.
 """
 
 from __future__ import annotations
@@ -128,8 +132,9 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     assert_same("recv_topk_weights", kw_, rw_)
     assert_same("num_recv_tokens_per_expert", kcounts, rcounts)
     assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
-    assert_same("recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
-    assert kh.num_recv_tokens == rh.num_recv_tokens
+    received = int(rh.rank_prefix_matrix[-1, rank])
+    _check_src_idx(kh, rh, received, kw["num_worst_tokens"])
+    assert kh.recv_count.tolist() == [received]
 
     # Cached dispatch of a new x with the same layout.
     x2 = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
@@ -141,12 +146,12 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     kb._backend.check()
     assert_same("cached recv_x", kc, rc)
 
-    stats = {"recv": kh.num_recv_tokens}
+    stats = {"recv": received}
     if params.get("fp8"):
         return stats
     y = (krx.float() * 0.5 + 1.0).to(torch.bfloat16)
     if kw["num_worst_tokens"]:
-        y[kh.num_recv_tokens :] = float("nan")  # padding rows must be ignored
+        y[received:] = float("nan")  # padding rows must be ignored
     bias = tuple(
         torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         for _ in range(params.get("bias", 0))
@@ -170,6 +175,18 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
         plain.float(), (x.float() * reached).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
     )
     return stats
+
+
+def _check_src_idx(kh, rh, received: int, worst: int) -> None:
+    """Source indices equal the reference's; with num_worst_tokens W the handle's are [W] with
+    -1 on the padding rows (the host does not know the received count)."""
+    if worst:
+        assert kh.num_recv_tokens == worst and kh.recv_src_idx.shape == (worst,)
+        assert_same("recv_src_idx", kh.recv_src_idx[:received], rh.recv_src_idx[:received])
+        assert bool((kh.recv_src_idx[received:] == -1).all()), "padding rows of recv_src_idx"
+    else:
+        assert kh.num_recv_tokens == rh.num_recv_tokens == received
+        assert_same("recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
 
 
 def case(rank: int, world: int, params: dict, reorder: bool) -> dict:
@@ -233,6 +250,212 @@ def test_internode_matches_reference(gpu_pool, name, reorder):
     if reorder and CASES[name]["tokens"] >= 1000:
         # The injector really delivered out of order, and the receivers re-ordered it.
         assert sum(o["held_out_of_order"] for o in out) > 0
+
+
+# ---- sync-free mode (num_worst_tokens = W > 0) ---------------------------------------------
+# Host syncs a call may not make, counted on the calling thread (the CPU proxies, and gloo's
+# worker threads under the shared-GPU harness, make their own CUDA calls on their own threads).
+_SYNC_CALLS = {
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "cudaMemcpy",
+}
+
+
+def _host_syncs(calls) -> dict:
+    """Run ``calls()`` under torch.profiler and count, on the calling thread, the CUDA runtime
+    calls that wait for the GPU and the device-to-host (or pageable host-to-device) copies.
+
+    torch.profiler records the runtime calls of every thread. The raw kineto events are used:
+    their runtime calls all name their thread the same way (the CUPTI record's thread, in
+    ``device_resource_id``; FunctionEvent instead gives calls made inside a torch op the op's
+    own thread id). The calling thread is found from a marker: after ``calls()``, a
+    ``.cpu()`` of a device tensor (a device-to-host copy and a stream sync) runs on this thread;
+    the last runtime copy whose device activity (same correlation id) goes device-to-host names
+    the thread, and only its calls before the marker count. Finding the marker also proves the
+    profiler reports what is counted."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    probe = torch.ones(4, device="cuda")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        calls()
+        probe.cpu()
+    events = list(prof.profiler.kineto_results.events())
+    device_op = {e.correlation_id(): e.name() for e in events if e.device_type() == DeviceType.CUDA}
+    runtime = [
+        e for e in events if e.device_type() == DeviceType.CPU and e.name().startswith("cuda")
+    ]
+
+    def copy_kind(e) -> str:
+        return device_op.get(e.correlation_id(), "") if e.name().startswith("cudaMemcpy") else ""
+
+    marks = [e for e in runtime if "DtoH" in copy_kind(e)]
+    assert marks, "the profiler reported no device-to-host copy for the marker"
+    mark = max(marks, key=lambda e: e.start_ns())
+
+    def thread(e) -> tuple[int, int]:
+        return e.start_thread_id(), e.device_resource_id()
+
+    mine = [e for e in runtime if thread(e) == thread(mark) and e.start_ns() < mark.start_ns()]
+    # Name the torch op a call was made in (if any), for the failure message.
+    ops = {
+        e.correlation_id(): e.name()
+        for e in events
+        if e.device_type() == DeviceType.CPU and not e.name().startswith("cuda")
+    }
+
+    def where(e) -> str:
+        return f"{e.name()} in {ops.get(e.linked_correlation_id(), 'no torch op')}"
+
+    syncs = [where(e) for e in mine if e.name() in _SYNC_CALLS]
+    copies = [
+        f"{copy_kind(e)}: {where(e)}"
+        for e in mine
+        if any(k in copy_kind(e) for k in ("DtoH", "Pageable"))
+    ]
+    return {"syncs": syncs, "copies": copies, "runtime_calls": len(mine)}
+
+
+def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
+    """num_worst_tokens = W: outputs equal the reference oracle's (padded to W), the handle's
+    device counts equal exact mode's host list, cached dispatch and combine of the handle equal
+    the reference's, and after a warm-up a whole layout + dispatch + cached dispatch + combine
+    makes no host sync on the calling thread."""
+    from uccl_ep_megatron import Config
+
+    kb, rb = _get_buffers(reorder)
+    assert kb.backend == "kernels_internode", kb.backend
+    num_tokens, hidden = params["tokens"], params["hidden"]
+    num_experts, topk = params.get("experts", 8 * world), params.get("topk", 4)
+    align = params.get("align", 1)
+    worst = num_tokens * world
+    gen = torch.Generator(device="cuda").manual_seed(500 + rank)
+    idx = _routing(params["routing"], rank, world, num_tokens, num_experts, topk, gen)
+    w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    config = Config(min(24, kb.max_num_sms or 24))
+    kw = dict(expert_alignment=align, config=config)
+
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    exact = dispatch(kb, x, lay, idx, w, **kw)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    poison(kb)
+    kx, kidx, kwts, kcounts, kh, _ = dispatch(kb, x, lay, idx, w, num_worst_tokens=worst, **kw)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    rx, ridx, rwts, rcounts, rh, _ = dispatch(rb, x, lay, idx, w, num_worst_tokens=worst, **kw)
+    torch.cuda.synchronize()
+    received = int(rh.rank_prefix_matrix[-1, rank])
+    assert kx.shape[0] == worst
+    assert_same("recv_x", kx, rx)
+    assert_same("recv_topk_idx", kidx, ridx)
+    assert_same("recv_topk_weights", kwts, rwts)
+    assert kcounts == rcounts == []
+    assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
+    _check_src_idx(kh, rh, received, worst)
+    # The counts stay on the GPU, and are the numbers exact mode returns on the host.
+    exact_h = exact[4]
+    assert kh.recv_count.is_cuda and kh.recv_count.dtype == torch.int32
+    assert kh.recv_count.tolist() == exact_h.recv_count.tolist() == [received]
+    assert kh.recv_tokens_per_expert.tolist() == exact[3]
+    assert exact_h.recv_tokens_per_expert.tolist() == exact[3]
+
+    x2 = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    kc = kb.dispatch(x2, handle=kh, config=config)[0]
+    torch.cuda.synchronize()
+    kb._backend.check()
+    rc = rb.dispatch(x2, handle=rh, config=config)[0]
+    assert_same("cached recv_x", kc, rc)
+
+    y = (kx.float() * 0.5 + 1.0).to(torch.bfloat16)
+    y[received:] = float("nan")  # padding rows must be ignored
+    kcx, kcw, _ = kb.combine(y, kh, topk_weights=kwts, config=config)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    rcx, rcw, _ = rb.combine(y, rh, topk_weights=rwts, config=config)
+    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(kcw, rcw, rtol=1e-6, atol=1e-6)
+
+    def layer() -> None:
+        for _ in range(2):
+            lay_ = kb.get_dispatch_layout(idx, num_experts)[:4]
+            out = dispatch(kb, x, lay_, idx, w, num_worst_tokens=worst, **kw)
+            kb.dispatch(x2, handle=out[4], config=config)
+            kb.combine(out[0], out[4], topk_weights=out[2], config=config)
+
+    layer()  # warm-up of the same sizes (allocator, pinned staging, kernel loading)
+    torch.cuda.synchronize()
+    counted = _host_syncs(layer)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    # Under the shared-GPU harness the group is gloo, which stages CUDA tensors through host
+    # memory on the calling thread: its copies are the group's, not ours, so copies are only
+    # required to be absent with NCCL (one rank per GPU).
+    gloo = torch.distributed.get_backend() == "gloo"
+    return {**counted, "gloo": gloo, "received": received}
+
+
+def sync_free_reject_case(rank: int, world: int) -> str:
+    """A bad expert id on the last rank in a sync-free dispatch: no rank raises at the call,
+    every rank's outputs are poisoned, and every rank's next host-visible point raises an
+    InvalidInputError naming that rank and id."""
+    from uccl_ep_megatron import Buffer, Config
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
+    _keep.append(buf)  # unusable after the rejection; peers may still map its memory
+    num_tokens, hidden, experts = 256, 2048, 8 * world
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    idx = torch.rand(num_tokens, experts, generator=gen, device="cuda").topk(4, dim=1).indices
+    if rank == world - 1:
+        idx[5, 1] = experts + 3
+    w = torch.rand(num_tokens, 4, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    lay = buf.get_dispatch_layout(idx, experts)[:4]
+    config = Config(min(24, buf.max_num_sms or 24))
+    rx, ridx, rw, _, h, _ = dispatch(
+        buf, x, lay, idx, w, num_worst_tokens=num_tokens * world, config=config
+    )
+    torch.cuda.synchronize()
+    assert bool(torch.isnan(rx.float()).all()), "recv_x not poisoned"
+    assert bool((ridx == -1).all()) and bool((rw == 0).all()), "ids / weights not poisoned"
+    assert bool((h.recv_src_idx == -1).all()), "recv_src_idx not poisoned"
+    try:
+        buf.check_errors() if hasattr(buf, "check_errors") else buf._backend.check()
+    except InvalidInputError as exc:
+        return str(exc)
+    return ""
+
+
+@pytest.mark.parametrize("reorder", [False, True], ids=["ordered", "reorder"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(tokens=1024, hidden=7168, routing="random", experts=256, topk=8),
+        dict(tokens=777, hidden=2048, routing="holes", align=128),
+        dict(tokens=500, hidden=2048, routing="remote"),
+    ],
+    ids=["dsv3", "holes_align", "remote"],
+)
+def test_sync_free_dispatch_combine(gpu_pool, params, reorder):
+    out = gpu_pool.run(__file__, "sync_free_case", params, reorder, env=_env(gpu_pool, reorder, 5))
+    for r, o in enumerate(out):
+        assert o["runtime_calls"] > 0, o  # the calling thread's calls were found and counted
+        assert o["syncs"] == [], f"rank {r} synced the host: {o}"
+        if not o["gloo"]:
+            assert o["copies"] == [], f"rank {r} copied device-to-host: {o}"
+
+
+def test_sync_free_bad_id_raises_on_every_rank(gpu_pool):
+    out = gpu_pool.run(__file__, "sync_free_reject_case", env=_env(gpu_pool, False, 0))
+    bad = gpu_pool.world_size - 1
+    for r, text in enumerate(out):
+        assert re.search(
+            rf"rank {bad}'s topk_idx contains expert id {8 * gpu_pool.world_size + 3}", text
+        ), (r, text)
 
 
 def grow_case(rank: int, world: int) -> dict:

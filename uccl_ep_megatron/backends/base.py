@@ -129,6 +129,10 @@ class Backend(abc.ABC):
     # dispatch/combine, so ranks that disagree (or one rank whose checks failed) all raise the
     # same error; a deferred id check then travels in that row too.
     agrees_per_call: bool = False
+    # True (with ``agrees_per_call``): a call that needs no host sizes (``num_worst_tokens > 0``,
+    # a cached dispatch, a combine) hands its row to ``exchange_header_async`` instead, which
+    # checks the rows on the GPU; a failed check is raised at the next host-visible point.
+    agrees_on_device: bool = False
 
     def __init__(
         self,
@@ -174,6 +178,10 @@ class Backend(abc.ABC):
         """Every rank's ``row`` (rank order) on the host, bounded by ``UCCL_EP_TIMEOUT_MS``;
         ``None`` when this backend has no host-side exchange to carry it."""
         return None
+
+    def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
+        """``exchange_header`` without reading the rows back (``agrees_on_device``)."""
+        raise NotImplementedError(f"the {self.name} backend checks call headers on the host")
 
     def gather_objects(self, obj: Any, call: str) -> list[Any]:
         """Every rank's picklable ``obj`` (the error path of the header exchange)."""
@@ -256,6 +264,7 @@ def routing_check(
             torch.zeros((), dtype=torch.bool, device=dev),
             torch.zeros((), dtype=torch.bool, device=dev),
         ]
-    weights = torch.tensor([1, 2, 4, 8, 16], dtype=torch.int64, device=dev)
+    # Bit i of the word is mismatch[i] (built on the device: a host tensor would sync).
+    weights = torch.pow(2, torch.arange(len(mismatch), dtype=torch.int64, device=dev))
     bits = (torch.stack(mismatch).to(torch.int64) * weights).sum()
     return torch.stack([lo.to(torch.int64), hi.to(torch.int64), bits])

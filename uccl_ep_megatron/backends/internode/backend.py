@@ -1,0 +1,523 @@
+"""``InternodeBackend``: the host side of one internode dispatch / combine (see the package
+docstring for the design). It checks sizes, builds the index tables on the GPU
+(``tables.py``), fills the launch structs and launches; errors the kernels recorded are read
+from the status words (``diagnostics.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from uccl_ep_megatron.backends.agreement import (
+    KIND_DISPATCH,
+    CallHeader,
+    device_verdict,
+    timeout_error,
+    verdict_message,
+    wait_stream,
+)
+from uccl_ep_megatron.backends.base import (
+    Backend,
+    DispatchArgs,
+    DispatchHandle,
+    DispatchResult,
+    Layout,
+    Topology,
+)
+from uccl_ep_megatron.backends.internode.diagnostics import recorded_error
+from uccl_ep_megatron.backends.internode.sizing import check_rings, dispatch_outputs, fit_staging
+from uccl_ep_megatron.backends.internode.tables import (
+    DispatchState,
+    dispatch_state,
+    expert_counts,
+    received_expert_counts,
+    stream_tables,
+    streams,
+)
+from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
+from uccl_ep_megatron.backends.kernels import (
+    KernelsBackend,
+    launch_layout,
+    poison_dispatch,
+    poison_on_timeout,
+    prepare_combine,
+    warm_poison,
+)
+from uccl_ep_megatron.config import Config
+from uccl_ep_megatron.errors import (
+    CommTimeoutError,
+    InvalidInputError,
+    UcclEpError,
+    UnsupportedError,
+)
+
+# NVLink buffer: barrier flags first (kernels/common.cuh uses its first 64 bytes), staging after.
+_NVL_STAGE_OFFSET = 4096
+# FIFO channels per GPU: ring channel c uses FIFO channel c % this; proxy threads <= this.
+NUM_FIFO_CHANNELS = 8
+_W_FIELD = list(CallHeader.__dataclass_fields__).index("num_worst_tokens")
+_KIND_FIELD = list(CallHeader.__dataclass_fields__).index("kind")
+
+
+def _c() -> Any:
+    from uccl_ep_megatron import _C
+
+    return _C
+
+
+class InternodeBackend(Backend):
+    """GPU-initiated, proxy-executed, node-deduplicated HT dispatch/combine."""
+
+    name = "kernels_internode"
+    defers_id_check = True
+    agrees_per_call = True
+    agrees_on_device = True
+    x_dtypes = KernelsBackend.x_dtypes  # the same row formats as the intranode kernels
+
+    @classmethod
+    def unsupported_reason(cls, topology: Topology, device: torch.device) -> str | None:
+        """Why these kernels cannot serve the group, or ``None`` when they can."""
+        c = _c()
+        if not c.internode.built():
+            return "the _C extension was built without the GPU kernels"
+        if device.type != "cuda":
+            return f"tensors live on {device.type}"
+        if topology.num_nodes < 2:
+            return "the group is one node; the intranode kernels serve it"
+        if topology.num_nodes > c.internode.MAX_NODES:
+            return f"{topology.num_nodes} nodes exceed the {c.internode.MAX_NODES} supported"
+        if topology.ranks_per_node > c.internode.MAX_LOCAL:
+            return (
+                f"{topology.ranks_per_node} ranks per node exceed the "
+                f"{c.internode.MAX_LOCAL} NVLink peers supported"
+            )
+        return None
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        topology: Topology,
+        device: torch.device,
+        num_nvl_bytes: int,
+        num_rdma_bytes: int,
+    ) -> None:
+        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
+        reason = self.unsupported_reason(topology, device)
+        if reason is not None:
+            raise UnsupportedError(f"backend='kernels' (internode) is unavailable: {reason}")
+        if num_rdma_bytes <= 0:
+            raise InvalidInputError(
+                f"num_rdma_bytes={num_rdma_bytes}: a group of {topology.num_nodes} nodes needs an "
+                "RDMA buffer; pass num_rdma_bytes >= "
+                "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)"
+            )
+        from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint
+
+        c = _c()
+        self._c = c
+        self._in = c.internode
+        self._destroyed = False
+        topo = topology
+        self._timeout_ms = self.timeout_ms
+        self._call = ""
+        self._broken = ""
+        # The all-gathered call-header rows of the current call (device) and, for a sync-free
+        # call, the GPU verdict on them that its kernels read.
+        self._rows: torch.Tensor | None = None
+        self._verdict: torch.Tensor | None = None
+        dev_index = device.index if device.index is not None else torch.cuda.current_device()
+        self._dev_index = dev_index
+        # NVLink buffer (barrier flags + staging); one node rank alone needs only the flags.
+        nvl_bytes = _NVL_STAGE_OFFSET
+        if topo.ranks_per_node > 1:
+            nvl_bytes = max(int(num_nvl_bytes), _NVL_STAGE_OFFSET)
+        with torch.cuda.device(dev_index):
+            # Load our kernels now, not lazily at a first launch while another of them waits
+            # for the proxies (that load would block the proxies' CUDA calls: a deadlock).
+            c.internode.preload_kernels()
+            self._region = c.device_alloc_zeroed(int(num_rdma_bytes))
+        node0 = topo.node * topo.ranks_per_node
+        self._ipc = IpcBuffers(
+            c,
+            group,
+            topo.rank,
+            dev_index,
+            nvl_bytes,
+            list(range(node0, node0 + topo.ranks_per_node)),
+            keep_bytes=_NVL_STAGE_OFFSET,
+            extra=int(num_rdma_bytes),
+        )
+        # Rings are placed by this rank's formula at every peer: the smallest region bounds all.
+        self._region_bytes = min(int(b) for b in self._ipc.extras)
+        self._ep = ProxyEndpoint(
+            self._region,
+            int(num_rdma_bytes),
+            device=dev_index,
+            group=group,
+            config=ProxyConfig(
+                num_channels=NUM_FIFO_CHANNELS,
+                num_counters=int(c.internode.NUM_COUNTERS),
+                ranks_per_node=topo.ranks_per_node,
+            ),
+        )
+        self._ep.connect()
+        handles = self._ep.device_handles()
+        self._fifo_handles = torch.frombuffer(bytearray(handles), dtype=torch.uint8).to(device)
+        self._state = torch.zeros(int(c.internode.STATE_WORDS), dtype=torch.int64, device=device)
+        self._status = c.internode.status_alloc()
+        warm_poison(c, self._status, device)
+        # Loads the kernels of the sync-free per-expert count, which runs right after the
+        # dispatch kernels (see dispatch_outputs on lazy loading).
+        for dtype in (torch.int64, torch.int32):
+            received_expert_counts(torch.full((1, 1), -1, dtype=dtype, device=device), 1, 1)
+        torch.cuda.synchronize(device)
+        self._barrier_seq = 0
+
+    # ---- helpers -----------------------------------------------------------------------
+    @property
+    def proxy(self) -> Any:
+        """This rank's ``ProxyEndpoint`` (stats, counters, transport kind)."""
+        return self._ep
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def _next_barrier(self) -> int:
+        self._barrier_seq += 1
+        return self._barrier_seq
+
+    def check(self) -> None:
+        """Raise the first failure of a kernel wait, a FIFO push, a proxy thread, or the GPU
+        check of a sync-free call's headers. Never waits for the GPU (the status words are
+        mapped host memory); only the message of a timed-out wait reads device state back."""
+        if self._destroyed:
+            raise UcclEpError("the internode backend was destroyed; create a new Buffer")
+        if self._broken:
+            raise UcclEpError(
+                f"this Buffer is unusable: {self._broken} (the collective may still be pending "
+                "on the group); create a new Buffer"
+            )
+        self._ep.check()
+        error = recorded_error(
+            self._in, self._status, self._ep, self._state, self.topology, self._timeout_ms
+        )
+        if error is not None:
+            raise error
+
+    check_errors = check
+
+    def _common(self, config: Config, verdict: torch.Tensor | None = None) -> Any:
+        topo = self.topology
+        cm = self._in.Common()
+        cm.rank, cm.num_ranks = topo.rank, topo.num_ranks
+        cm.ranks_per_node = topo.ranks_per_node
+        cm.num_channels = config.num_channels
+        if config.num_channels > self._in.MAX_CHANNELS:
+            raise UnsupportedError(
+                f"Config.num_sms={config.num_sms} gives {config.num_channels} channels; the "
+                f"internode kernels support up to {self._in.MAX_CHANNELS} (num_sms <= "
+                f"{2 * self._in.MAX_CHANNELS})"
+            )
+        cm.fifo_handles = self._fifo_handles.data_ptr()
+        cm.num_fifos = NUM_FIFO_CHANNELS
+        cm.counters = self._ep.counters.dev_ptr
+        cm.state = self._state.data_ptr()
+        cm.region = self._region
+        cm.region_bytes = self._region_bytes
+        cm.nvl = list(self._ipc.ptrs)
+        cm.cap = config.num_max_rdma_chunked_recv_tokens
+        cm.chunk = config.num_max_rdma_chunked_send_tokens
+        cm.status = self._status
+        cm.timeout_ns = self._timeout_ms * 1_000_000
+        cm.verdict = 0 if verdict is None else verdict.data_ptr()
+        return cm
+
+    def _fit_staging(self, rows_of_rank: tuple[int, ...], slot_bytes: int, op: str) -> None:
+        if self.topology.ranks_per_node > 1:  # else no NVLink staging: only barrier flags
+            fit_staging(self._ipc, _NVL_STAGE_OFFSET, rows_of_rank, slot_bytes, op)
+
+    # ---- the call header (agreement.py) --------------------------------------------------
+    def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """All-gather of one int64 row per rank into ``[R, width]`` on the device (no sync)."""
+        num_ranks = self.topology.num_ranks
+        out = torch.empty(num_ranks * row.numel(), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(out, row.to(torch.int64).contiguous(), group=self.group)
+        return out.view(num_ranks, -1)
+
+    def _read(self, t: torch.Tensor, what: str, call: str) -> list[Any]:
+        """``t`` on the host, waiting for the stream at most UCCL_EP_TIMEOUT_MS."""
+
+        def expired() -> CommTimeoutError:
+            self._broken = f"{what} of {call} timed out"
+            return timeout_error(self.topology.rank, what, call, self._timeout_ms)
+
+        wait_stream(self._timeout_ms, expired)
+        return t.tolist()
+
+    def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
+        self.check()
+        self._call = call
+        # Stream-ordered: every rank's previous kernels finished (all rings drained) before our
+        # next kernel starts.
+        self._rows = self._gather_rows(row)
+        self._verdict = None
+        rows = self._read(self._rows, "the call-header exchange", call)
+        worst = {r[_W_FIELD] for r in rows if r[_KIND_FIELD] == KIND_DISPATCH}
+        if len(worst) > 1:
+            # A rank that passed num_worst_tokens > 0 checks on the GPU and skips the call.
+            rank = next(i for i, r in enumerate(rows) if r[_W_FIELD] != rows[0][_W_FIELD])
+            raise InvalidInputError(
+                f"{call}: " + verdict_message(7, rank, rows[rank][_W_FIELD])  # worst_differs
+            )
+        return rows
+
+    def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
+        """The call header of a sync-free call: all-gathered and checked on the GPU; the
+        verdict travels to this call's kernels, which record a rejection in the status words
+        (raised by ``check`` at the next host-visible point) and move nothing."""
+        self.check()
+        self._call = call
+        self._rows = self._gather_rows(row)
+        self._verdict = device_verdict(self._rows)
+
+    def _take_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self._rows is None:
+            raise UcclEpError(
+                f"internode {self._call or 'call'}: no call header was exchanged for it; call "
+                "through Buffer, which exchanges one before every dispatch and combine"
+            )
+        rows, verdict = self._rows, self._verdict
+        self._rows = self._verdict = None
+        return rows, verdict
+
+    # ---- layout -------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
+        self.check()
+        topo = self.topology
+        per_rank, per_expert, in_rank = launch_layout(
+            self._c, topk_idx, num_experts, topo.num_ranks, self._stream()
+        )
+        num_tokens = in_rank.shape[0]
+        per_node = in_rank.view(num_tokens, topo.num_nodes, topo.ranks_per_node).any(2)
+        per_rdma = per_node.sum(0, dtype=torch.int32)
+        return Layout(per_rank, per_rdma, per_expert, in_rank)
+
+    # ---- dispatch -----------------------------------------------------------------------
+    def _expert_counts(self, args: DispatchArgs) -> tuple[list[int], torch.Tensor | None]:
+        """Exact mode: rows per local expert (aligned) from the all-gathered per-expert counts,
+        as the host list (the dispatch's one read besides the call header) and on the device.
+        Sync-free mode has no collective after the header exchange (a rank whose own checks
+        failed raised there and takes part in nothing more): the device counts come from the
+        outputs after the kernels (``received_expert_counts``)."""
+        if args.num_worst_tokens > 0:
+            return [], None
+        topo = self.topology
+        epr = args.num_experts // topo.num_ranks
+        gathered = self._gather_rows(args.num_tokens_per_expert)
+        per_expert = expert_counts(gathered, topo.rank, epr, args.expert_alignment)
+        return self._read(per_expert, "the all-gather of per-expert counts", self._call), per_expert
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        self.check()
+        rows, verdict = self._take_rows()
+        topo = self.topology
+        local_n = topo.ranks_per_node
+        cfg = args.config
+        x = args.x.contiguous()
+        num_tokens, hidden = x.shape
+        dev = x.device
+        row_bytes = hidden * x.element_size()
+        if row_bytes % 16:
+            raise UnsupportedError(
+                f"hidden={hidden} x {x.element_size()}-byte elements = {row_bytes} bytes per row; "
+                "the internode kernels move rows in 16-byte vectors: use a hidden size that makes "
+                "rows a multiple of 16 bytes"
+            )
+        cached = args.cached
+        topk_idx = None if cached is not None else args.topk_idx
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        if num_topk > self._in.MAX_TOPK:
+            raise UnsupportedError(f"num_topk={num_topk} exceeds {self._in.MAX_TOPK}")
+        scales = args.x_scales
+        num_scales = 0 if scales is None else scales.shape[1]
+        in_rank = args.is_token_in_rank.contiguous()
+        state: DispatchState = (
+            cached.state
+            if cached is not None
+            else dispatch_state(rows, in_rank, self.topology, args.num_worst_tokens, args.agreed)
+        )
+        expert_list: list[int] = []
+        per_expert = None
+        if cached is None:
+            expert_list, per_expert = self._expert_counts(args)
+
+        idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
+        slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, local_n)["bytes"]
+        check_rings(self._c, self._region_bytes, self.topology.num_nodes, False, cfg, slot)
+        stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
+        self._fit_staging(state.stage_rows, stage, "dispatch")
+
+        node_mask = in_rank.view(num_tokens, topo.num_nodes, local_n).any(2)
+        lists, list_count, _ = stream_tables(node_mask, cfg.num_channels)
+
+        rows_out = state.out_rows
+        pad = args.num_worst_tokens > 0
+        recv_x, recv_scales, recv_idx, recv_w = dispatch_outputs(
+            rows_out, x, num_scales, None if topk_idx is None else topk_idx.dtype, num_topk, pad
+        )
+        topk_w = None
+        if scales is not None:
+            scales = scales.contiguous()
+        if topk_idx is not None:
+            topk_idx = topk_idx.contiguous()
+            topk_w = args.topk_weights.to(torch.float32).contiguous()
+        if cached is not None:
+            recv_src = cached.recv_src_idx
+        else:
+            recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
+            if pad:
+                recv_src.fill_(-1)
+
+        a = self._in.DispatchArgs()
+        a.common = self._common(cfg, verdict)
+        a.num_tokens, a.experts_per_rank = num_tokens, args.num_experts // topo.num_ranks
+        a.num_topk, a.num_scales, a.row_bytes = num_topk, num_scales, row_bytes
+        a.x = x.data_ptr()
+        a.x_scales = 0 if scales is None else scales.data_ptr()
+        if topk_idx is not None:
+            a.topk_idx = topk_idx.data_ptr()
+            a.idx_is_64 = topk_idx.dtype == torch.int64
+            a.topk_weights = topk_w.data_ptr()
+            a.recv_topk_idx = recv_idx.data_ptr()
+            a.recv_topk_weights = recv_w.data_ptr()
+        a.dst_row = state.dst_row.data_ptr()
+        a.lists = lists.data_ptr()
+        a.list_count = list_count.data_ptr()
+        a.recv_x = recv_x.data_ptr()
+        a.recv_scales = 0 if recv_scales is None else recv_scales.data_ptr()
+        a.recv_src_idx = 0 if cached is not None else recv_src.data_ptr()
+        a.plan = 0 if cached is not None else state.plan.data_ptr()
+        a.plan_tokens = state.plan_tokens
+        a.stage_offset = _NVL_STAGE_OFFSET
+        a.recv_rows = state.recv_rows.data_ptr()
+        a.recv_prefix = state.recv_prefix.data_ptr()
+        a.out_rows = rows_out
+        stream = self._stream()
+        self._in.dispatch(a, stream)
+        if local_n > 1:
+            self._in.dispatch_finish(a, self._next_barrier(), stream)
+        outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
+        poison_dispatch(self._c, self._status, stream, *outs)
+        if cached is None and per_expert is None and recv_idx is not None:
+            epr = args.num_experts // topo.num_ranks
+            per_expert = received_expert_counts(recv_idx, epr, args.expert_alignment)
+        # The index tables and the verdict are freed after the launch: the caching allocator
+        # is stream-ordered, so the kernels above still read them safely.
+        del lists, list_count, verdict
+        return DispatchResult(
+            recv_x=recv_x,
+            recv_x_scales=recv_scales,
+            recv_topk_idx=recv_idx,
+            recv_topk_weights=recv_w,
+            num_recv_tokens_per_expert=expert_list,
+            rank_prefix_matrix=state.rank_prefix_matrix,
+            recv_src_idx=recv_src,
+            num_recv_tokens=rows_out,
+            state=state,
+            recv_count=state.recv_count,
+            recv_tokens_per_expert=per_expert,
+        )
+
+    # ---- combine ------------------------------------------------------------------------
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.check()
+        _, verdict = self._take_rows()
+        topo = self.topology
+        num_nodes, local_n = topo.num_nodes, topo.ranks_per_node
+        num_tokens = handle.is_token_in_rank.shape[0]
+        t = prepare_combine(x, topk_weights, bias, num_tokens, "the internode kernels backend")
+        x, hidden = t.x, t.x.shape[1]
+        state: DispatchState = handle.state
+        row_bytes = hidden * x.element_size()
+        if row_bytes % 16:
+            raise UnsupportedError(
+                f"combine: rows of {row_bytes} bytes; the internode kernels need a multiple of 16"
+            )
+        num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+        slot = self._in.combine_slot(row_bytes, num_topk)["bytes"]
+        check_rings(self._c, self._region_bytes, num_nodes, True, config, slot)
+        self._fit_staging(state.stage_rows, slot, "combine")
+
+        cch = config.num_channels
+        node_mask = handle.is_token_in_rank.view(num_tokens, num_nodes, local_n).any(2)
+        _, _, cum = stream_tables(node_mask, cch)
+        # The streams this rank forwards back: tokens of source (m, my local) it received (its
+        # own node's rows never cross the network: the plan has none for it).
+        lists, counts, _ = streams((state.plan >= 0).any(-1), state.src_tokens, cch)
+
+        a = self._in.CombineArgs()
+        a.common = self._common(config, verdict)
+        a.dtype = t.dtype_code
+        a.num_topk, a.num_tokens, a.num_recv = num_topk, num_tokens, state.out_rows
+        a.recv_count = state.recv_count.data_ptr()
+        a.row_bytes = row_bytes
+        a.x = x.data_ptr()
+        a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
+        a.plan = state.plan.data_ptr()
+        a.plan_tokens = state.plan_tokens
+        a.lists = lists.data_ptr()
+        a.list_count = counts.data_ptr()
+        a.src_tokens = state.src_tokens.data_ptr()
+        a.dst_row = state.dst_row.data_ptr()
+        a.stream_cum = cum.data_ptr()
+        a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
+        a.bias1 = t.biases[1].data_ptr() if len(t.biases) > 1 else 0
+        a.out = t.out.data_ptr()
+        a.out_weights = 0 if t.out_weights is None else t.out_weights.data_ptr()
+        a.stage_offset = _NVL_STAGE_OFFSET
+        stream = self._stream()
+        if local_n > 1:
+            self._in.combine_prepare(a, self._next_barrier(), stream)
+        self._in.combine(a, stream)
+        if local_n > 1:
+            # Peers read this rank's staging until here; the next call may overwrite it.
+            self._in.node_barrier(a.common, self._next_barrier(), stream)
+        poison_on_timeout(self._c, self._status, stream, (t.out, "nan"), (t.out_weights, "nan"))
+        # Keep the index tables alive until the kernels ran (the caching allocator is
+        # stream-ordered, so freeing them after the launch on this stream is safe).
+        del lists, counts, cum, verdict
+        return t.out, t.out_weights
+
+    # ---- teardown -----------------------------------------------------------------------
+    def destroy(self, collective: bool = True) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        c = self._c
+        torch.cuda.synchronize(self.device)
+        # What the kernels recorded last (a rejected sync-free call) is raised after the
+        # release, so the Buffer's memory is freed either way.
+        pending = recorded_error(
+            self._in, self._status, self._ep, self._state, self.topology, self._timeout_ms
+        )
+        self._ep.close()
+        with torch.cuda.device(self._dev_index):
+            self._ipc.close(collective, self._timeout_ms)
+            # Every write into the region was consumed by this rank's kernels (synchronized
+            # above), so no peer still targets it; peers' mappings keep their own reference.
+            c.device_free(self._region)
+        self._in.status_free(self._status)
+        if collective and isinstance(pending, InvalidInputError):
+            raise pending
+
+
+__all__ = ["InternodeBackend", "NUM_FIFO_CHANNELS"]
