@@ -22,16 +22,6 @@ pytest.importorskip("importlinter")
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "uccl_ep_megatron"
 
-# Modules that still import the package root (`from uccl_ep_megatron import _C` and friends).
-# Each is owned by another change in flight and moves to `core._c.load()` when it lands; the
-# list may only shrink (test_root_import_allowlist_is_exact fails on a stale entry).
-ROOT_IMPORTERS_PENDING = {
-    "uccl_ep_megatron.backends",  # backends/__init__.py: _C.build_info
-    "uccl_ep_megatron.backends.kernels",  # _c() loader
-    "uccl_ep_megatron.backends.internode",  # _c() loader
-}
-
-
 def _installed_dir() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     assert spec is not None and spec.origin is not None, f"{PACKAGE} is not installed"
@@ -105,8 +95,7 @@ def test_contract_breaks_on_an_upward_import(tmp_path):
 
 def test_no_layer_imports_the_package_root(tmp_path):
     found = _root_importers(None, tmp_path)
-    assert found <= ROOT_IMPORTERS_PENDING, f"new imports of the package root: {found}"
-    assert found == ROOT_IMPORTERS_PENDING, "fixed: drop them from ROOT_IMPORTERS_PENDING"
+    assert not found, f"imports of the package root below it: {found}; use core._c.load()"
 
 
 def test_root_import_check_catches_a_new_one(tmp_path):

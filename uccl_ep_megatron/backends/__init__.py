@@ -37,9 +37,9 @@ def _load(name: str) -> type[Backend]:
 
 def kernels_unsupported_reason(topology: Topology, device: torch.device) -> str | None:
     """Why the ``kernels`` backend cannot serve this group, or ``None`` when it can."""
-    from uccl_ep_megatron import _C
+    from uccl_ep_megatron.core._c import load
 
-    if _C.build_info["gpu"] == "none":
+    if load().build_info["gpu"] == "none":
         return "the _C extension was built without a GPU toolchain (no nvcc/hipcc at build time)"
     if device.type != "cuda":
         return f"the group's tensors live on {device.type}, the kernels need GPUs"

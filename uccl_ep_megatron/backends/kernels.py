@@ -53,6 +53,7 @@ from uccl_ep_megatron.backends.base import (
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.config import Config
+from uccl_ep_megatron.core._c import load as load_c
 from uccl_ep_megatron.errors import (
     BufferTooSmallError,
     CommTimeoutError,
@@ -66,9 +67,7 @@ _SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "c
 
 
 def _c():
-    from uccl_ep_megatron import _C
-
-    return _C
+    return load_c()
 
 
 @dataclass

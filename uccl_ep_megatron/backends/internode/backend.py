@@ -46,6 +46,7 @@ from uccl_ep_megatron.backends.kernels import (
     warm_poison,
 )
 from uccl_ep_megatron.config import Config
+from uccl_ep_megatron.core._c import load as load_c
 from uccl_ep_megatron.errors import (
     CommTimeoutError,
     InvalidInputError,
@@ -62,9 +63,7 @@ _KIND_FIELD = list(CallHeader.__dataclass_fields__).index("kind")
 
 
 def _c() -> Any:
-    from uccl_ep_megatron import _C
-
-    return _C
+    return load_c()
 
 
 class InternodeBackend(Backend):
