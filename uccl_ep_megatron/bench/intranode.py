@@ -8,8 +8,9 @@ setting (4096 tokens/rank, hidden 7168, top-8 of 256 experts) it times, with the
 and the same SM budget:
 
 - ``Buffer.dispatch`` BF16, FP8, cached BF16 and ``Buffer.combine`` BF16 of our ``kernels``
-  backend (bulk-copy and/or load/store row paths);
-- the same four calls of DeepEP V1's ``deep_ep.Buffer`` when ``deep_ep`` is importable
+  backend (bulk-copy and/or load/store row paths), and BF16 dispatch + combine in sync-free
+  mode (``num_worst_tokens`` = tokens x ranks: no host sync; the ``_worst`` rows);
+- the same calls of DeepEP V1's ``deep_ep.Buffer`` when ``deep_ep`` is importable
   (``--deepep off`` to skip), after checking that both give the same received rows, ids,
   weights, counts and combined output;
 - NCCL ``all_to_all_single`` of the rank-deduplicated rows where NCCL can run (own GPUs);
@@ -38,7 +39,14 @@ import torch.distributed as dist
 from uccl_ep_megatron.bench.inputs import routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
-OPS = ("dispatch_bf16", "dispatch_fp8", "dispatch_bf16_cached", "combine_bf16")
+OPS = (
+    "dispatch_bf16",
+    "dispatch_fp8",
+    "dispatch_bf16_cached",
+    "combine_bf16",
+    "dispatch_bf16_worst",
+    "combine_bf16_worst",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,8 +161,9 @@ def time_call(fn, iters: int, warmup: int) -> dict[str, list[float]]:
     return {"device_us": dev, "host_us": host}
 
 
-def _calls(buf, cfgs: tuple[Any, Any], x, x_fp8, layout: dict, state: dict) -> dict:
-    """The four timed calls on one Buffer (ours or DeepEP's: same API)."""
+def _calls(buf, cfgs: tuple[Any, Any], x, x_fp8, layout: dict, state: dict, worst: int) -> dict:
+    """The timed calls on one Buffer (ours or DeepEP's: same API); ``worst`` is the
+    ``num_worst_tokens`` of the sync-free pair."""
     dcfg, ccfg = cfgs
 
     def disp_bf16():
@@ -169,7 +178,14 @@ def _calls(buf, cfgs: tuple[Any, Any], x, x_fp8, layout: dict, state: dict) -> d
     def comb():
         state["comb"] = buf.combine(state["out"][0], state["out"][4], config=ccfg)
 
-    return dict(zip(OPS, (disp_bf16, disp_fp8, disp_cached, comb), strict=True))
+    def disp_worst():
+        state["worst"] = buf.dispatch(x, config=dcfg, num_worst_tokens=worst, **layout)
+
+    def comb_worst():
+        state["comb_worst"] = buf.combine(state["worst"][0], state["worst"][4], config=ccfg)
+
+    fns = (disp_bf16, disp_fp8, disp_cached, comb, disp_worst, comb_worst)
+    return dict(zip(OPS, fns, strict=True))
 
 
 def _compare(ours: dict, theirs: dict) -> dict[str, Any]:
@@ -186,9 +202,15 @@ def _compare(ours: dict, theirs: dict) -> dict[str, Any]:
         ),
         "recv_scales_fp8": torch.equal(ours["fp8"][0][1], theirs["fp8"][0][1]),
         "cached_recv_x": torch.equal(ours["cached"][0], theirs["cached"][0]),
+        # Sync-free: the received rows (padding past them is each library's own).
+        "worst_recv_x": torch.equal(
+            ours["worst"][0][: o[0].shape[0]], theirs["worst"][0][: o[0].shape[0]]
+        ),
     }
     diff = (ours["comb"][0].float() - theirs["comb"][0].float()).abs()
     same["combine_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
+    diff = (ours["comb_worst"][0].float() - theirs["comb_worst"][0].float()).abs()
+    same["combine_worst_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
     return same
 
 
@@ -309,7 +331,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         timed = {}
         for name, b in ours.items():
             state: dict[str, Any] = {}
-            for op, fn in _calls(b, mine, x, x_fp8, layout, state).items():
+            for op, fn in _calls(b, mine, x, x_fp8, layout, state, T * world).items():
                 timed[(op, "ours", name)] = time_call(fn, a["iters"], a["warmup"])
             if name == next(iter(ours)):
                 ours_state = state
@@ -329,7 +351,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
                 topk_weights=w,
             )
             dstate: dict[str, Any] = {}
-            for op, fn in _calls(theirs, cfgs, x, x_fp8, d_kw, dstate).items():
+            for op, fn in _calls(theirs, cfgs, x, x_fp8, d_kw, dstate, T * world).items():
                 timed[(op, "deepep", "-")] = time_call(fn, a["iters"], a["warmup"])
             torch.cuda.synchronize()
             res["agreement"][f"sms{sms}"] = _compare(ours_state, dstate)
