@@ -112,7 +112,6 @@ def w_equivalence(rank, world, backend, tokens):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher
-    from uccl_ep_megatron.token_dispatcher.buffer_cache import buffers
 
     from uccl_ep_megatron import dispatch_metrics, megatron_plugin
 
@@ -185,7 +184,7 @@ def w_equivalence(rank, world, backend, tokens):
         dist.barrier()
         return report
     finally:
-        buffers.clear()
+        megatron_plugin.buffer_cache().clear()
         ps.destroy_model_parallel()
         megatron_plugin.uninstall()
 
