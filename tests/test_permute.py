@@ -64,3 +64,55 @@ def test_out_of_range_local_id_is_rejected_when_counting():
     idx = torch.tensor([[0, 3]])
     with pytest.raises(InvalidInputError, match="received local expert id 3"):
         make_plan(idx, 3)
+
+
+def _capacity_oracle(idx: torch.Tensor, num_local: int, capacity: int):
+    """(source row of every per-expert row, -1 for padding; dropped pairs)."""
+    rows: list[int] = []
+    dropped = 0
+    for e in range(num_local):
+        seg = [r for r in range(idx.shape[0]) for k in range(idx.shape[1]) if idx[r, k] == e]
+        dropped += max(0, len(seg) - capacity)
+        seg = seg[:capacity]
+        rows += seg + [-1] * (capacity - len(seg))
+    return rows, dropped
+
+
+@pytest.mark.parametrize("capacity", [1, 4, 8, 40])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_capacity_plan_keeps_the_first_pairs_and_counts_the_rest(capacity, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_recv, k, num_local = 29, 3, 4
+    idx = torch.randint(-1, num_local, (num_recv, k), generator=g)
+    idx[-3:] = -1  # padding rows of a sync-free dispatch
+    rows, dropped = _capacity_oracle(idx, num_local, capacity)
+    plan = make_plan(idx, num_local, capacity=capacity)
+    assert plan.tokens_per_expert == [capacity] * num_local
+    assert int(plan.dropped) == dropped
+    assert [-1 if r == num_recv else r for r in plan.src_row.tolist()] == rows
+    x = torch.randn(num_recv, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(num_recv, k, generator=g, dtype=torch.float64, requires_grad=True)
+    out, p = permute(plan, x, probs)
+    kept = torch.zeros(num_recv, k, dtype=torch.float64)  # which (row, slot) pairs got a row
+    for e in range(num_local):
+        seen = 0
+        for r in range(num_recv):
+            for s in range(k):
+                if idx[r, s] == e:
+                    kept[r, s] = 1.0 if seen < capacity else 0.0
+                    seen += 1
+    for i, r in enumerate(rows):
+        if r < 0:
+            assert torch.all(out[i] == 0) and p[i] == 0
+        else:
+            assert torch.equal(out[i], x[r])
+    back = unpermute(plan, out)
+    torch.testing.assert_close(back, x * kept.sum(1, keepdim=True))
+    (back.sum() + p.sum()).backward()
+    torch.testing.assert_close(x.grad, kept.sum(1, keepdim=True).expand_as(x))
+    torch.testing.assert_close(probs.grad, kept)
+
+
+def test_capacity_must_be_a_multiple_of_the_alignment():
+    with pytest.raises(InvalidInputError, match="not a multiple of the alignment 4"):
+        make_plan(torch.zeros(2, 1, dtype=torch.long), 1, 4, capacity=6)

@@ -35,12 +35,13 @@ class PermutePlan:
     """Where each per-expert row comes from; made once per dispatch, used by both directions."""
 
     src_row: torch.Tensor  # [rows] int64 source row in recv_x; num_recv for padding rows
-    dest: torch.Tensor  # [routed] int64 position of each routed (token, expert) pair
+    dest: torch.Tensor  # [pairs] int64 row of each (token, expert) pair; len(src_row) = none
     pair_row: torch.Tensor  # [routed] int64 received row of each pair
     pair_slot: torch.Tensor  # [routed] int64 top-k slot of each pair
     num_recv: int
     tokens_per_expert: list[int]  # per local expert, padded when alignment > 1 (or [C] * L)
     dropped: torch.Tensor  # int64 scalar on the device: pairs that got no row (capacity)
+    dense: bool = False  # every pair has a row and there is no padding: dest is 0..rows-1
 
 
 def make_plan(
@@ -67,6 +68,8 @@ def make_plan(
     num_recv, num_topk = recv_topk_idx.shape
     device = recv_topk_idx.device
     idx = recv_topk_idx.long()
+    if capacity:
+        return _capacity_plan(idx, num_local_experts, capacity)
     if counts is None:
         if idx.numel() and int(idx.max()) >= num_local_experts:
             raise InvalidInputError(
@@ -90,21 +93,12 @@ def make_plan(
     # Segment starts on the device (a host list would need a copy the stream waits for).
     count_t = torch.zeros(num_local_experts, dtype=torch.long, device=device)
     count_t.index_add_(0, expert, torch.ones_like(expert))
+    padded = (count_t + align - 1) // align * align if align > 1 else count_t
     start_unpadded = torch.cumsum(count_t, 0) - count_t
+    start_padded = torch.cumsum(padded, 0) - padded
     rank_in_expert = torch.arange(routed, device=device) - start_unpadded[expert]
-    if capacity:
-        padded_list = [capacity] * num_local_experts
-        dropped = (count_t - capacity).clamp(min=0).sum()
-        keep = rank_in_expert < capacity
-        pair_row, pair_slot = pair_row[keep], pair_slot[keep]
-        expert, rank_in_expert = expert[keep], rank_in_expert[keep]
-        dest = expert * capacity + rank_in_expert
-    else:
-        padded_list = [(c + align - 1) // align * align for c in counts]
-        padded = (count_t + align - 1) // align * align if align > 1 else count_t
-        start_padded = torch.cumsum(padded, 0) - padded
-        dest = start_padded[expert] + rank_in_expert
-        dropped = torch.zeros((), dtype=torch.long, device=device)
+    dest = start_padded[expert] + rank_in_expert
+    padded_list = [(c + align - 1) // align * align for c in counts]
     total = int(sum(padded_list))
     src_row = torch.full((total,), num_recv, dtype=torch.long, device=device)
     src_row[dest] = pair_row
@@ -115,7 +109,40 @@ def make_plan(
         pair_slot=pair_slot,
         num_recv=num_recv,
         tokens_per_expert=padded_list,
-        dropped=dropped,
+        dropped=torch.zeros((), dtype=torch.long, device=device),
+        dense=total == routed,
+    )
+
+
+def _capacity_plan(idx: torch.Tensor, num_local_experts: int, capacity: int) -> PermutePlan:
+    """Capacity mode without host reads: every pair takes part, dropped ones (and slots
+    without an expert) aim at a spare row ``L * C`` that ``permute`` cuts off."""
+    num_recv, num_topk = idx.shape
+    device = idx.device
+    num_pairs = num_recv * num_topk
+    total = num_local_experts * capacity
+    flat_idx = idx.reshape(-1)
+    valid = (flat_idx >= 0) & (flat_idx < num_local_experts)
+    expert = torch.where(valid, flat_idx, num_local_experts)  # L = "no expert" sorts last
+    flat = torch.arange(num_pairs, device=device)
+    order = torch.argsort(expert * max(num_pairs, 1) + flat, stable=True)
+    expert, flat = expert[order], flat[order]
+    count_t = torch.bincount(expert, minlength=num_local_experts + 1)
+    start = torch.cumsum(count_t, 0) - count_t
+    rank_in_expert = torch.arange(num_pairs, device=device) - start[expert]
+    keep = (expert < num_local_experts) & (rank_in_expert < capacity)
+    dest = torch.where(keep, expert * capacity + rank_in_expert, total)
+    pair_row = flat // max(num_topk, 1)
+    src_row = torch.full((total + 1,), num_recv, dtype=torch.long, device=device)
+    src_row = src_row.scatter(0, dest, torch.where(keep, pair_row, num_recv))[:total]
+    return PermutePlan(
+        src_row=src_row,
+        dest=dest,
+        pair_row=pair_row,
+        pair_slot=flat % max(num_topk, 1),
+        num_recv=num_recv,
+        tokens_per_expert=[capacity] * num_local_experts,
+        dropped=(count_t[:num_local_experts] - capacity).clamp(min=0).sum(),
     )
 
 
@@ -135,13 +162,14 @@ def permute(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows and probabilities in per-expert order (padding rows zero, probability 0)."""
     total = plan.src_row.numel()
-    if total == plan.dest.numel():
+    if plan.dense:
         rows = recv_x.index_select(0, plan.pair_row)
     else:
         padded_x = torch.cat([recv_x, recv_x.new_zeros(1, recv_x.shape[1])])
         rows = padded_x.index_select(0, plan.src_row)
     pair_probs = recv_probs[plan.pair_row, plan.pair_slot]
-    probs = pair_probs.new_zeros(total).index_copy(0, plan.dest, pair_probs)
+    # Row `total` is the capacity plan's spare row for pairs without a row.
+    probs = pair_probs.new_zeros(total + 1).index_copy(0, plan.dest, pair_probs)[:total]
     return rows, probs
 
 
