@@ -243,3 +243,34 @@ def test_drops_are_logged_every_interval():
 
 def test_host_read_counter_counts():
     get_pool(2).run(HERE, "w_counter_sees_reads")
+
+
+def w_configured_by_arguments(rank, world):
+    """num_sms reaches the dispatcher's Configs, not the class-wide Buffer.num_sms; options never
+    touch the environment; layers share a Buffer only through a cache they are given."""
+    from uccl_ep_megatron.token_dispatcher import UcclEpOptions, set_options
+    from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
+
+    from uccl_ep_megatron.buffer import Buffer
+
+    before_sms, before_env = Buffer.num_sms, dict(os.environ)
+    options = UcclEpOptions(backend="reference", num_sms=8, num_proxy_threads=3, transport="ipc")
+    groups = _groups(rank, world, 1)
+    cache = BufferCache()
+    d1, _ = _make_dispatcher(rank, world, 1, groups, cache, options)
+    d2, _ = _make_dispatcher(rank, world, 1, groups, cache, options)
+    d3, _ = _make_dispatcher(rank, world, 1, groups, None, options)
+    saved = set_options(num_proxy_threads=5)
+    set_options(num_proxy_threads=saved.num_proxy_threads)
+    assert Buffer.num_sms == before_sms
+    assert dict(os.environ) == before_env
+    assert d1.dispatch_config.num_sms == d1.combine_config.num_sms == 8
+    assert options.env() == {"UCCL_EP_NUM_PROXY_THREADS": "3", "UCCL_EP_TRANSPORT": "ipc"}
+    x, rm, p = _inputs(1, rank, world, 1, TOKENS, torch.float32)
+    for d in (d1, d2, d3):
+        _run_layer(d, x, rm, p, 1, 0)
+    assert d1.buffer is d2.buffer and d3.buffer is not d1.buffer
+
+
+def test_configured_by_arguments_not_globals():
+    get_pool(2).run(HERE, "w_configured_by_arguments")
