@@ -72,9 +72,9 @@ def _run_layer(d, x, routing_map, probs, tp, grad_seed):
     out = d.combine_preprocess(rows * permuted_probs.unsqueeze(-1).to(rows.dtype) / tp)
     y = d.combine_postprocess(d.token_combine(out))
     g = torch.Generator().manual_seed(grad_seed)
-    grad = torch.randn(y.shape, generator=g)
+    grad = torch.randn(y.shape, generator=g).to(y.device)
     (y * grad).sum().backward()
-    return y.detach(), x.grad, probs.grad, tokens_per_expert, grad
+    return y.detach().cpu(), x.grad.cpu(), probs.grad.cpu(), tokens_per_expert, grad.cpu()
 
 
 def _kept(world, tp, seed, capacity, inputs=_inputs):
@@ -97,22 +97,26 @@ def _kept(world, tp, seed, capacity, inputs=_inputs):
     return kept, dropped
 
 
-def w_modes(rank, world, tp, seed, factor):
+def w_modes(rank, world, tp, seed, factor, backend="reference"):
+    """Both modes on one input; on CPU ranks (gloo), or on GPU ranks (NCCL, ``backend``)."""
     from uccl_ep_megatron.token_dispatcher import UcclEpOptions
 
+    device = "cuda" if backend != "reference" else "cpu"
     groups = _groups(rank, world, tp)
-    exact, _ = _make_dispatcher(rank, world, tp, groups)
+    exact, _ = _make_dispatcher(rank, world, tp, groups, options=UcclEpOptions(backend=backend))
     # No drop log here: on the CPU it reads the counter directly (w_drop_log checks it).
-    options = UcclEpOptions(backend="reference", capacity_factor=factor, drop_log_interval=0)
+    options = UcclEpOptions(backend=backend, capacity_factor=factor, drop_log_interval=0)
     free, config = _make_dispatcher(rank, world, tp, groups, options=options)
     assert (exact.mode, free.mode) == ("exact", "sync-free")
     x, rm, p = _inputs(seed, rank, world, tp, TOKENS, torch.float32)
+    on = (x.to(device), rm.to(device), p.to(device))
 
     with count_host_reads() as reads_exact:
-        y_e, dx_e, dp_e, tpe_e, grad = _run_layer(exact, x, rm, p, tp, seed + rank)
+        y_e, dx_e, dp_e, tpe_e, grad = _run_layer(exact, *on, tp, seed + rank)
     with count_host_reads() as reads_free:
-        y_s, dx_s, dp_s, tpe_s, _ = _run_layer(free, x, rm, p, tp, seed + rank)
+        y_s, dx_s, dp_s, tpe_s, _ = _run_layer(free, *on, tp, seed + rank)
     assert reads_exact == [] and reads_free == [], (reads_exact, reads_free)
+    assert free.fused == (device == "cuda"), "GPU ranks must use the fused kernels"
 
     capacity = math.ceil(TOKENS * TOPK / config.num_moe_experts * factor) * world
     assert free.capacity(TOKENS) == capacity

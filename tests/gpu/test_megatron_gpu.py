@@ -24,6 +24,7 @@ import time
 
 import pytest
 import torch
+
 from uccl_ep_megatron.bench.moe_layer import fwd_bwd
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))

@@ -88,9 +88,7 @@ def _init_single_rank(device: int) -> None:
     with socket.socket() as s:  # a free local port for the one-rank rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-    )
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -152,8 +150,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 step(layer)
             times = []
             for _ in range(args.iters):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
                 )
                 start.record()
                 step(layer)
