@@ -32,7 +32,7 @@ class UcclEpOptions:
 
     Args:
         num_sms: SM (CU) budget of the dispatch/combine kernels; even. Maps onto
-            ``Buffer.set_num_sms``.
+            the ``Config`` the dispatcher passes to each dispatch/combine.
         num_proxy_threads: CPU proxy threads per GPU; ``None`` keeps
             ``UCCL_EP_NUM_PROXY_THREADS`` (default 4). The plugin exports it to that variable.
         transport: proxy transport ``auto``/``verbs``/``ipc``; ``None`` keeps
