@@ -12,12 +12,17 @@ from uccl_ep_megatron.token_dispatcher.permute import make_plan, permute, unperm
 from uccl_ep_megatron.errors import InvalidInputError
 
 
+def _segments(idx: torch.Tensor, num_local: int) -> list[list[int]]:
+    """Per local expert, the received rows that chose it, in receive order."""
+    rows, k = idx.shape
+    return [[r for r in range(rows) for s in range(k) if idx[r, s] == e] for e in range(num_local)]
+
+
 def _oracle(idx: torch.Tensor, num_local: int, align: int) -> tuple[list[int], list[int]]:
     """(source row of every per-expert row, -1 for padding; padded rows per expert)."""
     rows: list[int] = []
     sizes: list[int] = []
-    for e in range(num_local):
-        seg = [r for r in range(idx.shape[0]) for k in range(idx.shape[1]) if idx[r, k] == e]
+    for seg in _segments(idx, num_local):
         pad = (len(seg) + align - 1) // align * align - len(seg)
         rows += seg + [-1] * pad
         sizes.append(len(seg) + pad)
@@ -70,8 +75,7 @@ def _capacity_oracle(idx: torch.Tensor, num_local: int, capacity: int):
     """(source row of every per-expert row, -1 for padding; dropped pairs)."""
     rows: list[int] = []
     dropped = 0
-    for e in range(num_local):
-        seg = [r for r in range(idx.shape[0]) for k in range(idx.shape[1]) if idx[r, k] == e]
+    for seg in _segments(idx, num_local):
         dropped += max(0, len(seg) - capacity)
         seg = seg[:capacity]
         rows += seg + [-1] * (capacity - len(seg))

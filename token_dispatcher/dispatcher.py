@@ -76,10 +76,10 @@ _layer_ids = itertools.count()
 _logged: set[str] = set()
 
 
-def _log_once(message: str, *args: Any) -> None:
+def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
-        log.info(message, *args)
+        log.info(message)
 
 
 def quantization_alignment(config: Any) -> int:
@@ -203,14 +203,15 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
     def _log_permute_choice(self) -> None:
         """Say once which permutation runs: ``--moe-permute-fusion`` is never silently ignored."""
         fusion = bool(getattr(self.config, "moe_permute_fusion", False))
-        _log_once(
-            "uccl_ep dispatcher: %s mode; permute/unpermute on uccl_ep's fused kernels on GPU "
-            "(the torch path on CPU)%s",
-            self.mode,
+        fusion_note = (
             "; --moe-permute-fusion: Transformer Engine's fused permutation is not used, "
             "uccl_ep's kernels fuse the same work (plan, row gather, fp32 reduce)"
             if fusion
-            else "",
+            else ""
+        )
+        _log_once(
+            f"uccl_ep dispatcher: {self.mode} mode; permute/unpermute on uccl_ep's fused kernels "
+            f"on GPU (the torch path on CPU){fusion_note}"
         )
 
     def capacity(self, num_tokens: int) -> int:
@@ -332,8 +333,8 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             self.token_indices,
             probs,
             self.num_comm_experts,
-            # The fused kernels take the host sizes aligned; the torch path wants true counts.
-            expert_alignment=self.align if self.fused else 1,
+            # True counts (the metrics report them); the aligned sizes are derived on the host.
+            expert_alignment=1,
             num_worst_tokens=worst,
             config=self.dispatch_config,
             async_finish=async_finish,
@@ -368,7 +369,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 self.recv_topk_idx,
                 self.num_local_experts,
                 align=self.align,
-                tokens_per_expert=None if capacity else self.recv_counts,
+                tokens_per_expert=None if capacity else self._aligned(self.recv_counts),
                 capacity=capacity,
                 recv_count=getattr(self.handle, "recv_count", None),
                 dropped=self.dropped,
@@ -392,6 +393,9 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         if capacity:
             self._note_drops()
         return rows, self.tokens_per_expert, permuted_probs
+
+    def _aligned(self, counts: list[int]) -> list[int]:
+        return [(c + self.align - 1) // self.align * self.align for c in counts]
 
     # ---- dropped pairs (sync-free mode) -----------------------------------------------------
     def _note_drops(self) -> None:

@@ -343,13 +343,17 @@ class _FusedPermute(torch.autograd.Function):
         spec["plan"] = plan
         ctx.plan = plan
         ctx.probs_dtype = recv_probs.dtype
+        ctx.x_meta = (recv_x.shape[1], recv_x.dtype)
         return _gather(recv_x, plan.src_row, recv_x.shape[1]), out_probs
 
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor | None, grad_probs: torch.Tensor | None):
         plan: FusedPlan = ctx.plan
         if grad_rows is None:
-            return None, None, None
+            hidden, dtype = ctx.x_meta
+            grad_rows = torch.zeros(
+                plan.src_row.numel(), hidden, dtype=dtype, device=plan.src_row.device
+            )
         if grad_probs is None:
             grad_probs = torch.zeros(plan.src_row.numel(), device=grad_rows.device)
         grad_x, grad_recv_probs = _reduce(grad_rows, plan.pair_dest, grad_probs)
