@@ -18,6 +18,15 @@ def _segments(idx: torch.Tensor, num_local: int) -> list[list[int]]:
     return [[r for r in range(rows) for s in range(k) if idx[r, s] == e] for e in range(num_local)]
 
 
+def _check_rows(out: torch.Tensor, p: torch.Tensor, x: torch.Tensor, rows: list[int]) -> None:
+    """Per-expert row i is x[rows[i]], or a zero row with probability 0 where rows[i] is -1."""
+    for i, r in enumerate(rows):
+        if r < 0:
+            assert torch.all(out[i] == 0) and p[i] == 0
+        else:
+            assert torch.equal(out[i], x[r])
+
+
 def _oracle(idx: torch.Tensor, num_local: int, align: int) -> tuple[list[int], list[int]]:
     """(source row of every per-expert row, -1 for padding; padded rows per expert)."""
     rows: list[int] = []
@@ -48,11 +57,7 @@ def test_plan_matches_direct_construction(align, seed):
         x = torch.randn(num_recv, 8, generator=g, dtype=torch.float64)
         probs = torch.rand(num_recv, k, generator=g, dtype=torch.float64)
         out, p = permute(plan, x, probs)
-        for i, r in enumerate(rows):
-            if r < 0:
-                assert torch.all(out[i] == 0) and p[i] == 0
-            else:
-                assert torch.equal(out[i], x[r])
+        _check_rows(out, p, x, rows)
         # Unpermute sums a row's expert outputs: identity rows come back times their count.
         back = unpermute(plan, out)
         chosen = (idx >= 0).sum(1, keepdim=True).to(x.dtype)
@@ -99,17 +104,10 @@ def test_capacity_plan_keeps_the_first_pairs_and_counts_the_rest(capacity, seed)
     out, p = permute(plan, x, probs)
     kept = torch.zeros(num_recv, k, dtype=torch.float64)  # which (row, slot) pairs got a row
     for e in range(num_local):
-        seen = 0
-        for r in range(num_recv):
-            for s in range(k):
-                if idx[r, s] == e:
-                    kept[r, s] = 1.0 if seen < capacity else 0.0
-                    seen += 1
-    for i, r in enumerate(rows):
-        if r < 0:
-            assert torch.all(out[i] == 0) and p[i] == 0
-        else:
-            assert torch.equal(out[i], x[r])
+        pairs = [(r, s) for r in range(num_recv) for s in range(k) if idx[r, s] == e]
+        for r, s in pairs[:capacity]:
+            kept[r, s] = 1.0
+    _check_rows(out, p, x, rows)
     back = unpermute(plan, out)
     torch.testing.assert_close(back, x * kept.sum(1, keepdim=True))
     (back.sum() + p.sum()).backward()
