@@ -42,10 +42,9 @@ import threading
 import typing
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
-from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
 from uccl_ep_megatron.token_dispatcher.options import (
     BACKENDS,
     ENV_OPTIONS,
@@ -55,6 +54,9 @@ from uccl_ep_megatron.token_dispatcher.options import (
     restore_options,
     set_options,
 )
+
+if TYPE_CHECKING:
+    from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
 
 log = logging.getLogger(__name__)
 
@@ -518,6 +520,9 @@ def install(
 def buffer_cache() -> BufferCache:
     """The ``BufferCache`` shared by the ``uccl_ep`` layers this process builds (made on first
     use; ``uninstall()`` drops it, and its buffers once no layer holds them)."""
+    # Imported here: the plugin must import without torch.distributed's Buffer machinery.
+    from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
+
     with _lock:
         cache = _state.get("buffers")
         if cache is None:
