@@ -278,3 +278,37 @@ def w_configured_by_arguments(rank, world):
 
 def test_configured_by_arguments_not_globals():
     get_pool(2).run(HERE, "w_configured_by_arguments")
+
+
+def w_permute_fusion_is_logged(rank, world):
+    """--moe-permute-fusion is never silently ignored: the dispatcher logs what runs instead."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("uccl_ep_megatron.token_dispatcher.dispatcher")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        d, config = _make_dispatcher(rank, world, 1)
+        # megatron-core refuses the flag at construction without Transformer Engine (as here).
+        config.moe_permute_fusion = True
+        assert d._use_te_permute() is False
+    finally:
+        logger.removeHandler(handler)
+    messages = [r.getMessage() for r in records]
+    assert any(
+        "--moe-permute-fusion: Transformer Engine's fused permutation is not importable" in m
+        and "uccl_ep's fused permute kernels" in m
+        for m in messages
+    ), messages
+
+
+def test_permute_fusion_flag_is_logged_not_ignored():
+    pytest.importorskip("megatron.core")
+    from uccl_ep_megatron.token_dispatcher.permute import megatron_fused_permute_available
+
+    if megatron_fused_permute_available():
+        pytest.skip("Transformer Engine is installed: its fused permutation would be used")
+    get_pool(2).run(HERE, "w_permute_fusion_is_logged")

@@ -118,3 +118,37 @@ def test_capacity_plan_keeps_the_first_pairs_and_counts_the_rest(capacity, seed)
 def test_capacity_must_be_a_multiple_of_the_alignment():
     with pytest.raises(InvalidInputError, match="not a multiple of the alignment 4"):
         make_plan(torch.zeros(2, 1, dtype=torch.long), 1, 4, capacity=6)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_megatron_permutation_of_the_receive_layout_equals_ours(seed):
+    """``permute_megatron`` (megatron-core's ``moe_utils.permute``; its unfused path here, TE's
+    kernels with --moe-permute-fusion on a GPU) gives the rows, order, probabilities, sums and
+    gradients of the torch path."""
+    pytest.importorskip("megatron.core")
+    from uccl_ep_megatron.token_dispatcher.permute import permute_megatron, unpermute_megatron
+
+    g = torch.Generator().manual_seed(seed)
+    num_recv, k, num_local = 23, 3, 5
+    scores = torch.rand(num_recv, num_local, generator=g)
+    idx = scores.topk(k, dim=1).indices
+    idx[torch.rand(num_recv, k, generator=g) < 0.3] = -1
+    counts = [int((idx == e).sum()) for e in range(num_local)]
+    x = torch.randn(num_recv, 8, generator=g, dtype=torch.float64)
+    probs = torch.rand(num_recv, k, generator=g, dtype=torch.float64) * (idx >= 0)
+    outs = []
+    for path in ("torch", "megatron"):
+        xx, pp = x.clone().requires_grad_(True), probs.clone().requires_grad_(True)
+        if path == "torch":
+            plan = make_plan(idx, num_local, counts=counts)
+            rows, p = permute(plan, xx, pp)
+            back = unpermute(plan, rows * 2.0)
+        else:
+            rows, p, mplan = permute_megatron(xx, pp, idx, num_local, counts, fused=False)
+            assert mplan.tokens_per_expert == counts
+            back = unpermute_megatron(mplan, rows * 2.0)
+        (back.sum() + (p * 3.0).sum()).backward()
+        outs.append((rows.detach(), p.detach(), back.detach(), xx.grad, pp.grad))
+    names = ("rows", "probs", "unpermute", "x grad", "probs grad")
+    for name, a, b in zip(names, *outs, strict=True):
+        torch.testing.assert_close(a, b, msg=name)

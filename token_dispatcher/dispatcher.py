@@ -32,7 +32,9 @@ Two modes (``mode`` attribute, chosen from the config when the dispatcher is bui
   every ``drop_log_interval`` forward passes from an asynchronous copy).
 
 On a GPU the permutation runs on the fused kernels (``permute.permute_fused``); on the CPU, and
-where ``_C`` lacks them, on the torch path (``permute.make_plan``).
+where ``_C`` lacks them, on the torch path (``permute.make_plan``). ``--moe-permute-fusion``
+selects megatron-core's fused (Transformer Engine) permutation instead where it fits (exact mode,
+no alignment padding, Transformer Engine present); the choice is logged once.
 """
 
 from __future__ import annotations
@@ -49,13 +51,17 @@ from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache, configs,
 from uccl_ep_megatron.token_dispatcher.options import UcclEpOptions, get_options
 from uccl_ep_megatron.token_dispatcher.permute import (
     FusedPlan,
+    MegatronPlan,
     PermutePlan,
     fused_available,
     make_plan,
+    megatron_fused_permute_available,
     permute,
     permute_fused,
+    permute_megatron,
     unpermute,
     unpermute_fused,
+    unpermute_megatron,
 )
 
 from uccl_ep_megatron import dispatch_metrics, ops
@@ -147,7 +153,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         if self.options.metrics:
             dispatch_metrics.enable(True)
         self.mode = self._select_mode()
-        self._log_permute_choice()
+        self.te_permute = self._use_te_permute()
         # Sync-free mode: sizes per number of input tokens (fixed in training), drop counter.
         self._sizes: dict[int, tuple[int, int]] = {}
         self.dropped: torch.Tensor | None = None  # int64 [1] on the device, accumulated
@@ -164,7 +170,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         self.recv_counts: list[int] = []
         self.num_tokens = 0
         self.fused = False  # this forward's permutation runs on the fused kernels
-        self.plan: PermutePlan | FusedPlan | None = None
+        self.plan: PermutePlan | FusedPlan | MegatronPlan | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
     def _check_config(self) -> None:
@@ -200,19 +206,31 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             return SYNC_FREE
         return EXACT
 
-    def _log_permute_choice(self) -> None:
-        """Say once which permutation runs: ``--moe-permute-fusion`` is never silently ignored."""
-        fusion = bool(getattr(self.config, "moe_permute_fusion", False))
-        fusion_note = (
-            "; --moe-permute-fusion: Transformer Engine's fused permutation is not used, "
-            "uccl_ep's kernels fuse the same work (plan, row gather, fp32 reduce)"
-            if fusion
-            else ""
-        )
+    def _use_te_permute(self) -> bool:
+        """``--moe-permute-fusion`` selects megatron-core's fused (Transformer Engine)
+        permutation where it fits: Transformer Engine present, exact mode, no alignment padding.
+        Otherwise uccl_ep's kernels run. Which one is logged once, never silently chosen."""
+        ours = "uccl_ep's fused permute kernels on GPU (the torch path on CPU)"
+        if not getattr(self.config, "moe_permute_fusion", False):
+            _log_once(f"uccl_ep dispatcher: {self.mode} mode; permute/unpermute on {ours}")
+            return False
+        if not megatron_fused_permute_available():
+            why = "Transformer Engine's fused permutation is not importable"
+        elif self.mode != EXACT:
+            why = "sync-free mode's capacity layout is not Transformer Engine's"
+        elif self.align > 1:
+            why = f"Transformer Engine's permutation does not pad segments to {self.align}"
+        else:
+            _log_once(
+                f"uccl_ep dispatcher: {self.mode} mode; --moe-permute-fusion: permute/unpermute "
+                "on megatron-core's fused permutation (Transformer Engine) on GPU"
+            )
+            return True
         _log_once(
-            f"uccl_ep dispatcher: {self.mode} mode; permute/unpermute on uccl_ep's fused kernels "
-            f"on GPU (the torch path on CPU){fusion_note}"
+            f"uccl_ep dispatcher: {self.mode} mode; --moe-permute-fusion: {why}, so "
+            f"permute/unpermute run on {ours}"
         )
+        return False
 
     def capacity(self, num_tokens: int) -> int:
         """Rows per local expert in sync-free mode for ``num_tokens`` input tokens per rank.
@@ -362,7 +380,16 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         capacity = self.capacity(self.num_tokens) if self.mode == SYNC_FREE else 0
         if capacity and self.dropped is None:
             self.dropped = torch.zeros(1, dtype=torch.int64, device=hidden_states.device)
-        if self.fused:
+        if self.te_permute and hidden_states.is_cuda:
+            rows, permuted_probs, self.plan = permute_megatron(
+                hidden_states,
+                probs,
+                self.recv_topk_idx,
+                self.num_local_experts,
+                self.recv_counts,
+                fused=True,
+            )
+        elif self.fused:
             rows, permuted_probs, self.plan = permute_fused(
                 hidden_states,
                 probs,
@@ -439,6 +466,8 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             raise InvalidInputError("combine_preprocess called before dispatch_postprocess")
         if isinstance(self.plan, FusedPlan):
             return unpermute_fused(self.plan, hidden_states)
+        if isinstance(self.plan, MegatronPlan):
+            return unpermute_megatron(self.plan, hidden_states)
         return unpermute(self.plan, hidden_states)
 
     def token_combine(
