@@ -22,6 +22,7 @@ probabilities.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,9 +194,8 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def _c() -> Any:
-    from uccl_ep_megatron import _C
-
-    return _C
+    # The extension itself, not through the package root (which imports the layers above).
+    return importlib.import_module("uccl_ep_megatron._C")
 
 
 def fused_available(device: torch.device) -> bool:
