@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kRowThreads)
       for (int k = 0; k < num_topk; ++k) {
         const int d = pd[k];
         if (d < 0) continue;
-        raw v[kPer];
+        alignas(16) raw v[kPer];
         if constexpr (kVec) {
           *reinterpret_cast<uint4*>(v) = reinterpret_cast<const uint4*>(in + static_cast<int64_t>(d) * hidden)[c];
         } else {
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
         for (int j = 0; j < kPer; ++j) acc[j] += E::to_f(v[j]);
       }
-      raw o[kPer];
+      alignas(16) raw o[kPer];
 #pragma unroll
       for (int j = 0; j < kPer; ++j) o[j] = E::from_f(acc[j]);
       if constexpr (kVec) {
