@@ -81,9 +81,7 @@ def test_permute_kernels_equal_torch_path(dtype, idx_dtype, align, capacity, hid
         ref_idx, num_local, align, counts=None if capacity else counts, capacity=capacity
     )
 
-    xr = x.clone().requires_grad_(True)
-    pr = probs.clone().requires_grad_(True)
-    rows_ref, probs_ref = permute(plan_ref, xr, pr)
+    rows_ref, probs_ref = permute(plan_ref, x, probs)
     xf = x.clone().requires_grad_(True)
     pf = probs.clone().requires_grad_(True)
     dropped = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -98,28 +96,32 @@ def test_permute_kernels_equal_torch_path(dtype, idx_dtype, align, capacity, hid
         recv_count=recv_count,
         dropped=dropped,
     )
-    assert torch.equal(rows, rows_ref.detach()), "rows or their order differ"
-    assert torch.equal(out_probs, probs_ref.detach().float())
+    assert torch.equal(rows, rows_ref), "rows or their order differ"
+    assert torch.equal(out_probs, probs_ref.float())
     assert plan.segment_rows.tolist() == plan_ref.tokens_per_expert
     assert plan.counts.tolist() == counts
     assert int(dropped) == int(plan_ref.dropped)
     if capacity:
         assert int(dropped) > 0 or capacity >= max(counts), "the capacity case drops nothing"
 
-    # Experts: any function of the rows; unpermute sums them back per received row.
+    # Experts: any function of the rows; unpermute sums them back per received row. The
+    # reference runs in fp32 (torch's bf16 index_add would round every partial sum).
     w = torch.randn(hidden, device="cuda").to(dtype)
-    out_ref = unpermute(plan_ref, rows_ref * w)
+    xr = x.float().requires_grad_(True)
+    pr = probs.clone().requires_grad_(True)
+    rows32, probs32 = permute(plan_ref, xr, pr)
+    out_ref = unpermute(plan_ref, rows32 * w.float())
     out = unpermute_fused(plan, rows * w)
     assert out.shape == (num_rows, hidden) and torch.all(out[valid:] == 0)
-    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
-    torch.testing.assert_close(out.float(), out_ref.detach().float(), atol=tol, rtol=tol)
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(out.float(), out_ref.detach(), atol=tol, rtol=tol)
     again = unpermute_fused(plan, rows.detach() * w)
     assert torch.equal(again, out.detach()), "unpermute must be deterministic"
 
     grad = torch.randn(num_rows, hidden, device="cuda").to(dtype)
-    ((out_ref.float() * grad.float()).sum() + (probs_ref * 3.0).sum()).backward()
+    ((out_ref * grad.float()).sum() + (probs32 * 3.0).sum()).backward()
     ((out.float() * grad.float()).sum() + (out_probs * 3.0).sum()).backward()
-    torch.testing.assert_close(xf.grad.float(), xr.grad.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(xf.grad.float(), xr.grad, atol=tol, rtol=tol)
     torch.testing.assert_close(pf.grad, pr.grad, atol=1e-6, rtol=1e-6)
 
 
