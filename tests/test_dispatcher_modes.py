@@ -312,3 +312,29 @@ def test_permute_fusion_flag_is_logged_not_ignored():
     if megatron_fused_permute_available():
         pytest.skip("Transformer Engine is installed: its fused permutation would be used")
     get_pool(2).run(HERE, "w_permute_fusion_is_logged")
+
+
+def test_sync_free_moe_layer_equals_allgather_and_oracle(tmp_path):
+    """Megatron's MoELayer (SequentialMLP experts fed [C] * L rows with zero padding) in
+    sync-free mode, through the plugin's flags, against megatron-core's allgather dispatcher
+    and the dispatcher-free oracle: output and every gradient (fp32, 1e-5)."""
+    from test_megatron_layer import _layer_run
+
+    reports = _layer_run(
+        tmp_path,
+        "--moe-token-dispatcher-type",
+        "uccl_ep",
+        "--moe-uccl-ep-backend",
+        "reference",
+        "--moe-uccl-ep-capacity-factor",
+        "4",
+        "--moe-router-dtype",
+        "fp32",
+        "--reference",
+        "allgather",
+    )
+    for r in reports:
+        assert r["dispatcher"] == "UcclEpTokenDispatcher"
+        # 24 tokens x top-2 / 8 experts x 4 = 24 per source, x 2 ranks: every expert gets 48.
+        assert r["tokens_per_expert"] == [48] * 4, r["tokens_per_expert"]
+        assert "allgather/grad/router.weight" in r["checks"] and "oracle/output" in r["checks"]
