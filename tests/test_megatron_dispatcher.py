@@ -47,7 +47,7 @@ def _groups(rank: int, world: int, tp: int):
     return tp_group, ep_group, tp_ep_group
 
 
-def _make_dispatcher(rank, world, tp, groups=None, **config_overrides):
+def _make_dispatcher(rank, world, tp, groups=None, buffers=None, options=None, **config_overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
     from uccl_ep_megatron.token_dispatcher import UcclEpOptions, UcclEpTokenDispatcher
 
@@ -76,8 +76,9 @@ def _make_dispatcher(rank, world, tp, groups=None, **config_overrides):
     num_local = config.num_moe_experts // ep
     local = [(rank // tp) * num_local + i for i in range(num_local)]
     # The reference backend explicitly: these tests are about the dispatcher, on CPU.
-    options = UcclEpOptions(backend="reference")
-    return UcclEpTokenDispatcher(num_local, local, config, pgs, options=options), config
+    options = options or UcclEpOptions(backend="reference")
+    d = UcclEpTokenDispatcher(num_local, local, config, pgs, options=options, buffers=buffers)
+    return d, config
 
 
 def _inputs(seed: int, rank: int, world: int, tp: int, tokens: int, dtype):
@@ -172,11 +173,12 @@ def w_round_trip(rank, world, tp, seed, dtype_name, align, sync=False):
 
 def w_two_layers_interleaved(rank, world, tp):
     """Two layers share one Buffer; forward of both, then backward in reverse (as training)."""
-    from uccl_ep_megatron.token_dispatcher.buffer_cache import buffers
+    from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
 
     groups = _groups(rank, world, tp)  # one model: every layer gets the same process groups
-    d1, _ = _make_dispatcher(rank, world, tp, groups)
-    d2, _ = _make_dispatcher(rank, world, tp, groups)
+    buffers = BufferCache()
+    d1, _ = _make_dispatcher(rank, world, tp, groups, buffers)
+    d2, _ = _make_dispatcher(rank, world, tp, groups, buffers)
     x, rm, p = _inputs(3, rank, world, tp, 8, torch.float32)
     x = x.requires_grad_(True)
 

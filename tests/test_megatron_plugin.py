@@ -329,7 +329,6 @@ def w_moe_layer_runs_experts_on_our_dispatch(rank, world):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: F401
     from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher, reset_options
-    from uccl_ep_megatron.token_dispatcher.buffer_cache import buffers
 
     from uccl_ep_megatron import megatron_plugin
 
@@ -397,7 +396,7 @@ def w_moe_layer_runs_experts_on_our_dispatch(rank, world):
         ps.destroy_model_parallel()
         megatron_plugin.uninstall()
         reset_options()
-        buffers.clear()
+        megatron_plugin.buffer_cache().clear()
 
 
 def test_moe_layer_builds_uccl_ep_and_its_experts_match_reference():

@@ -4,6 +4,10 @@ A ``Buffer`` holds the registered NVLink/RDMA memory, which is large, so the lay
 share it (as Megatron's DeepEP path does). The cache grows a group's buffer when a layer needs
 more bytes (a larger hidden size); autograd contexts keep a reference to the ``Buffer`` they
 dispatched with, so a replaced buffer stays alive until its backward has run.
+
+There is no module-level cache: the plugin's ``install()`` makes one that every layer it builds
+is given (``UcclEpTokenDispatcher(..., buffers=cache)``); a dispatcher built without one owns a
+private cache.
 """
 
 from __future__ import annotations
@@ -14,12 +18,18 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.buffer import Buffer
+from uccl_ep_megatron.config import Config, default_combine_config, default_dispatch_config
 
 
-def required_bytes(num_ranks: int, hidden_bytes: int) -> tuple[int, int]:
+def configs(num_ranks: int, num_sms: int) -> tuple[Config, Config]:
+    """(dispatch, combine) ``Config`` of a group of ``num_ranks`` with an SM budget."""
+    return default_dispatch_config(num_ranks, num_sms), default_combine_config(num_ranks, num_sms)
+
+
+def required_bytes(num_ranks: int, hidden_bytes: int, num_sms: int) -> tuple[int, int]:
     """(NVL bytes, RDMA bytes) that dispatch and combine of ``hidden_bytes`` rows need."""
     nvl = rdma = 0
-    for config in (Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)):
+    for config in configs(num_ranks, num_sms):
         nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
         rdma = max(rdma, config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks))
     return nvl, rdma
@@ -37,14 +47,16 @@ class BufferCache:
         self._buffers: dict[tuple[int, str | None], Buffer] = {}
         self._lock = threading.Lock()
 
-    def get(self, group: dist.ProcessGroup, hidden_bytes: int, backend: str | None) -> Buffer:
+    def get(
+        self, group: dist.ProcessGroup, hidden_bytes: int, backend: str | None, num_sms: int
+    ) -> Buffer:
         """A ``Buffer`` over ``group`` large enough for rows of ``hidden_bytes``.
 
         Creating a ``Buffer`` is collective: every rank of ``group`` must ask for the same
         ``hidden_bytes`` at the same point, which holds for the layers of one model.
         """
         num_ranks = dist.get_world_size(group)
-        nvl, rdma = required_bytes(num_ranks, hidden_bytes)
+        nvl, rdma = required_bytes(num_ranks, hidden_bytes, num_sms)
         key = (id(group), backend)
         with self._lock:
             buf = self._buffers.get(key)
@@ -62,6 +74,3 @@ class BufferCache:
         """Forget every buffer (each is released when its last user lets go of it)."""
         with self._lock:
             self._buffers.clear()
-
-
-buffers = BufferCache()

@@ -15,24 +15,62 @@ experts
 ``combine_preprocess``    per-expert rows -> one row per received token (sum)
 ``token_combine``         ``ops.combine`` back to the source tokens
 ``combine_postprocess``   original shape
+
+Two modes (``mode`` attribute, chosen from the config when the dispatcher is built):
+
+- **exact** (dropless, the default): dispatch reads the received counts back to the host, the
+  layer's one host sync; ``tokens_per_expert`` comes from that read (the dispatch's
+  ``num_recv_tokens_per_expert_list``, rounded to the quantization alignment). Nothing else
+  reads back.
+- **sync-free**: a per-rank capacity fixes every size on the host, so dispatch -> experts ->
+  combine never waits for the GPU. Dispatch returns ``num_worst_tokens`` rows (padding rows
+  have no expert), every local expert gets exactly ``C`` rows and ``tokens_per_expert`` is the
+  constant ``[C] * L``. ``C`` comes from Megatron's ``moe_expert_capacity_factor`` with
+  ``moe_pad_expert_input_to_capacity`` (the router already dropped tokens past the capacity, so
+  nothing is dropped here), else from ``UcclEpOptions.capacity_factor``
+  (``--moe-uccl-ep-capacity-factor``; pairs past ``C`` are dropped, counted on the GPU and logged
+  every ``drop_log_interval`` forward passes from an asynchronous copy).
+
+On a GPU the permutation runs on the fused kernels (``permute.permute_fused``); on the CPU, and
+where ``_C`` lacks them, on the torch path (``permute.make_plan``). ``--moe-permute-fusion``
+selects megatron-core's fused (Transformer Engine) permutation instead where it fits (exact mode,
+no alignment padding, Transformer Engine present); the choice is logged once.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import logging
+import math
 from typing import Any
 
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
-from uccl_ep_megatron.token_dispatcher.buffer_cache import buffers, hidden_bytes_of
+from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache, configs, hidden_bytes_of
 from uccl_ep_megatron.token_dispatcher.options import UcclEpOptions, get_options
-from uccl_ep_megatron.token_dispatcher.permute import PermutePlan, make_plan, permute, unpermute
+from uccl_ep_megatron.token_dispatcher.permute import (
+    FusedPlan,
+    MegatronPlan,
+    PermutePlan,
+    fused_available,
+    make_plan,
+    megatron_fused_permute_available,
+    permute,
+    permute_fused,
+    permute_megatron,
+    unpermute,
+    unpermute_fused,
+    unpermute_megatron,
+)
 
 from uccl_ep_megatron import dispatch_metrics, ops
 from uccl_ep_megatron.buffer import Buffer
 from uccl_ep_megatron.config import MAX_TOPK
 from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+
+log = logging.getLogger(__name__)
+EXACT, SYNC_FREE = "exact", "sync-free"
 
 # megatron-core 0.14 names the process-group argument ``model_comm_pgs``, 0.15+ ``pg_collection``.
 _PG_KWARG = (
@@ -41,6 +79,13 @@ _PG_KWARG = (
     else "model_comm_pgs"
 )
 _layer_ids = itertools.count()
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
 
 
 def quantization_alignment(config: Any) -> int:
@@ -70,6 +115,8 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         pg_collection: process groups (``ep``, ``expt_tp``, ``tp_ep``); megatron-core 0.14
             callers may pass it as ``model_comm_pgs``.
         options: dispatcher knobs; ``None`` = ``token_dispatcher.options.get_options()``.
+        buffers: the ``BufferCache`` the layers of one model share (the plugin passes one);
+            ``None``: this dispatcher owns a private cache.
     """
 
     def __init__(
@@ -80,6 +127,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         pg_collection: Any = None,
         model_comm_pgs: Any = None,
         options: UcclEpOptions | None = None,
+        buffers: BufferCache | None = None,
     ) -> None:
         pgs = pg_collection if pg_collection is not None else model_comm_pgs
         if pgs is None:
@@ -100,9 +148,18 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         self.comm_topk = self.tp_size * config.moe_router_topk
         self.align = quantization_alignment(config)
         self.router_dtype = getattr(config, "moe_router_dtype", None)
-        Buffer.set_num_sms(self.options.num_sms)
+        self.buffers = buffers if buffers is not None else BufferCache()
+        self.dispatch_config, self.combine_config = configs(self.num_ranks, self.options.num_sms)
         if self.options.metrics:
             dispatch_metrics.enable(True)
+        self.mode = self._select_mode()
+        self.te_permute = self._use_te_permute()
+        # Sync-free mode: sizes per number of input tokens (fixed in training), drop counter.
+        self._sizes: dict[int, tuple[int, int]] = {}
+        self.dropped: torch.Tensor | None = None  # int64 [1] on the device, accumulated
+        self._forwards = 0
+        self._drop_read: tuple[torch.Tensor, Any] | None = None  # (pinned copy, event)
+        self._drops_logged = 0
         # Per-forward state (set by dispatch, consumed by combine).
         self.hidden_shape: torch.Size | None = None
         self.token_indices: torch.Tensor | None = None
@@ -111,7 +168,9 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         self.handle = None
         self.recv_topk_idx: torch.Tensor | None = None
         self.recv_counts: list[int] = []
-        self.plan: PermutePlan | None = None
+        self.num_tokens = 0
+        self.fused = False  # this forward's permutation runs on the fused kernels
+        self.plan: PermutePlan | FusedPlan | MegatronPlan | None = None
         self.tokens_per_expert: torch.Tensor | None = None
 
     def _check_config(self) -> None:
@@ -132,13 +191,77 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 f"{self.tp_size * cfg.moe_router_topk} routed copies per token exceeds "
                 f"{MAX_TOPK}; lower --expert-tensor-parallel-size or the top-k"
             )
-        if getattr(cfg, "moe_pad_expert_input_to_capacity", False):
-            raise UnsupportedError(
-                "moe_pad_expert_input_to_capacity is not supported by the uccl_ep dispatcher "
-                "(it is dropless; token dropping with --moe-expert-capacity-factor works); "
-                "drop --moe-pad-expert-input-to-capacity or use "
-                "--moe-token-dispatcher-type alltoall"
+        if getattr(cfg, "moe_pad_expert_input_to_capacity", False) and (
+            getattr(cfg, "moe_expert_capacity_factor", None) is None
+        ):
+            raise InvalidInputError(
+                "moe_pad_expert_input_to_capacity needs --moe-expert-capacity-factor (the "
+                "capacity it pads to)"
             )
+
+    def _select_mode(self) -> str:
+        cfg = self.config
+        pad = getattr(cfg, "moe_pad_expert_input_to_capacity", False)
+        if pad or self.options.capacity_factor is not None:
+            return SYNC_FREE
+        return EXACT
+
+    def _use_te_permute(self) -> bool:
+        """``--moe-permute-fusion`` selects megatron-core's fused (Transformer Engine)
+        permutation where it fits: Transformer Engine present, exact mode, no alignment padding.
+        Otherwise uccl_ep's kernels run. Which one is logged once, never silently chosen."""
+        ours = "uccl_ep's fused permute kernels on GPU (the torch path on CPU)"
+        if not getattr(self.config, "moe_permute_fusion", False):
+            _log_once(f"uccl_ep dispatcher: {self.mode} mode; permute/unpermute on {ours}")
+            return False
+        if not megatron_fused_permute_available():
+            why = "Transformer Engine's fused permutation is not importable"
+        elif self.mode != EXACT:
+            why = "sync-free mode's capacity layout is not Transformer Engine's"
+        elif self.align > 1:
+            why = f"Transformer Engine's permutation does not pad segments to {self.align}"
+        else:
+            _log_once(
+                f"uccl_ep dispatcher: {self.mode} mode; --moe-permute-fusion: permute/unpermute "
+                "on megatron-core's fused permutation (Transformer Engine) on GPU"
+            )
+            return True
+        _log_once(
+            f"uccl_ep dispatcher: {self.mode} mode; --moe-permute-fusion: {why}, so "
+            f"permute/unpermute run on {ours}"
+        )
+        return False
+
+    def capacity(self, num_tokens: int) -> int:
+        """Rows per local expert in sync-free mode for ``num_tokens`` input tokens per rank.
+
+        With Megatron's capacity options: Megatron's per-source capacity
+        ``ceil(tokens x topk / experts x factor)`` times the group size (each source rank sends
+        at most that many rows per expert, as with the ``alltoall`` dispatcher). Otherwise the
+        same formula with ``UcclEpOptions.capacity_factor``. Rounded up to the alignment.
+        """
+        return self._sync_free_sizes(num_tokens)[0]
+
+    def _sync_free_sizes(self, num_tokens: int) -> tuple[int, int]:
+        """(capacity per local expert, num_worst_tokens) for ``num_tokens`` tokens per rank."""
+        sizes = self._sizes.get(num_tokens)
+        if sizes is not None:
+            return sizes
+        cfg = self.config
+        megatron = bool(getattr(cfg, "moe_pad_expert_input_to_capacity", False))
+        factor = cfg.moe_expert_capacity_factor if megatron else self.options.capacity_factor
+        per_source = math.ceil(num_tokens * cfg.moe_router_topk / cfg.num_moe_experts * factor)
+        capacity = per_source * self.num_ranks
+        capacity = -(-capacity // self.align) * self.align
+        if megatron:
+            # The router capped every expert at `per_source` tokens of this rank, so a source
+            # sends a rank at most min(tokens, L x per_source) rows.
+            worst = self.num_ranks * min(num_tokens, self.num_local_experts * per_source)
+        else:
+            worst = self.num_ranks * num_tokens
+        sizes = (max(capacity, self.align), max(worst, 1))
+        self._sizes[num_tokens] = sizes
+        return sizes
 
     def set_shared_experts(self, shared_experts: Any) -> None:
         """Shared-expert overlap is not offered; MoELayer then runs the shared expert itself."""
@@ -172,13 +295,21 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             routing_map = routing_map.reshape(shape).expand(-1, -1, self.tp_size, -1).reshape(full)
             probs = probs.reshape(shape).expand(-1, -1, self.tp_size, -1).reshape(full)
         # Top-k of the 0/1 map, not of the probabilities: a chosen expert with probability 0
-        # must still be dispatched (its gradient is not 0).
+        # must still be dispatched (its gradient is not 0). With Megatron's padding to capacity
+        # the map also holds padding picks (probability 0, beyond the token's top-k): rank the
+        # routed picks (probability > 0) first; padding picks that do not fit add nothing here
+        # (their probability is 0 and its gradient does not reach the router), and the
+        # capacity permutation pads every expert with zero rows instead.
         k = min(self.comm_topk, self.num_comm_experts)
-        chosen, indices = torch.topk(routing_map.to(torch.float32), k, dim=-1)
+        key = routing_map.to(torch.float32)
+        if getattr(self.config, "moe_pad_expert_input_to_capacity", False):
+            key = key + (probs != 0).to(torch.float32)
+        chosen, indices = torch.topk(key, k, dim=-1)
         selected = chosen > 0
         self.token_indices = torch.where(selected, indices, -1)
         token_probs = probs.gather(1, indices).float()
         self.token_probs = torch.where(selected, token_probs, 0.0)
+        self.num_tokens = num_tokens
         return hidden_states, self.token_probs
 
     def token_dispatch(
@@ -197,16 +328,22 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 flex path passes ``True``; the result is joined to the current stream).
 
         Returns:
-            ``(recv_x [N, H], recv_probs [N, tp*k] float32)``.
+            ``(recv_x [N, H], recv_probs [N, tp*k] float32)``; in sync-free mode ``N`` is the
+            fixed ``num_worst_tokens`` (padding rows have no expert).
         """
         if self.token_indices is None:
             raise InvalidInputError("token_dispatch called before dispatch_preprocess")
         probs = self.token_probs if probs is None else probs
         if probs.dtype != torch.float32:
             probs = probs.float()
-        self.buffer = buffers.get(
-            self.tp_ep_group, hidden_bytes_of(hidden_states), self.options.backend
+        self.buffer = self.buffers.get(
+            self.tp_ep_group,
+            hidden_bytes_of(hidden_states),
+            self.options.backend,
+            self.options.num_sms,
         )
+        self.fused = fused_available(hidden_states.device)
+        worst = self._sync_free_sizes(self.num_tokens)[1] if self.mode == SYNC_FREE else 0
         timer = dispatch_metrics.recorder.start(hidden_states.device)
         recv_x, recv_idx, recv_probs, counts, handle = ops.dispatch(
             self.buffer,
@@ -214,6 +351,10 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             self.token_indices,
             probs,
             self.num_comm_experts,
+            # True counts (the metrics report them); the aligned sizes are derived on the host.
+            expert_alignment=1,
+            num_worst_tokens=worst,
+            config=self.dispatch_config,
             async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )
@@ -222,7 +363,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         )
         self.handle = handle
         self.recv_topk_idx = recv_idx
-        self.recv_counts = list(counts)  # exact per local expert (alignment 1)
+        self.recv_counts = list(counts)  # exact mode: per local expert; sync-free: []
         return recv_x, recv_probs
 
     def dispatch_postprocess(
@@ -236,22 +377,97 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         """
         if self.recv_topk_idx is None:
             raise InvalidInputError("dispatch_postprocess called before token_dispatch")
-        self.plan = make_plan(
-            self.recv_topk_idx, self.num_local_experts, self.align, counts=self.recv_counts
-        )
-        if dispatch_metrics.is_enabled():
+        capacity = self.capacity(self.num_tokens) if self.mode == SYNC_FREE else 0
+        if capacity and self.dropped is None:
+            self.dropped = torch.zeros(1, dtype=torch.int64, device=hidden_states.device)
+        if self.te_permute and hidden_states.is_cuda:
+            rows, permuted_probs, self.plan = permute_megatron(
+                hidden_states,
+                probs,
+                self.recv_topk_idx,
+                self.num_local_experts,
+                self.recv_counts,
+                fused=True,
+            )
+        elif self.fused:
+            rows, permuted_probs, self.plan = permute_fused(
+                hidden_states,
+                probs,
+                self.recv_topk_idx,
+                self.num_local_experts,
+                align=self.align,
+                tokens_per_expert=None if capacity else self._aligned(self.recv_counts),
+                capacity=capacity,
+                recv_count=getattr(self.handle, "recv_count", None),
+                dropped=self.dropped,
+            )
+        else:
+            self.plan = make_plan(
+                self.recv_topk_idx,
+                self.num_local_experts,
+                self.align,
+                counts=None if capacity else self.recv_counts,
+                capacity=capacity,
+            )
+            rows, permuted_probs = permute(self.plan, hidden_states, probs)
+            if capacity:
+                self.dropped += self.plan.dropped
+        if dispatch_metrics.is_enabled() and self.mode == EXACT:
             dispatch_metrics.recorder.note_tokens(self.layer_number, self.recv_counts)
-        rows, permuted_probs = permute(self.plan, hidden_states, probs)
         if self.router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
         self.tokens_per_expert = torch.tensor(self.plan.tokens_per_expert, dtype=torch.int64)
+        if capacity:
+            self._note_drops()
         return rows, self.tokens_per_expert, permuted_probs
+
+    def _aligned(self, counts: list[int]) -> list[int]:
+        return [(c + self.align - 1) // self.align * self.align for c in counts]
+
+    # ---- dropped pairs (sync-free mode) -----------------------------------------------------
+    def _note_drops(self) -> None:
+        """Every ``drop_log_interval`` forwards: log the count copied at the previous interval
+        (if that copy has finished; never waited for), then start the next asynchronous copy."""
+        interval = self.options.drop_log_interval
+        self._forwards += 1
+        if not interval or self._forwards % interval:
+            return
+        if self.dropped.device.type != "cuda":
+            self._log_drops(int(self.dropped[0]))
+            return
+        if self._drop_read is not None and self._drop_read[1].query():
+            self._log_drops(int(self._drop_read[0][0]))
+        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        host.copy_(self.dropped, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._drop_read = (host, event)
+
+    def _log_drops(self, total: int) -> None:
+        if total > self._drops_logged:
+            log.warning(
+                "uccl_ep layer %s: %d (token, expert) pairs dropped by the sync-free capacity "
+                "so far (%d since the last report); raise --moe-uccl-ep-capacity-factor to drop "
+                "fewer",
+                self.layer_number,
+                total,
+                total - self._drops_logged,
+            )
+            self._drops_logged = total
+
+    def dropped_pairs(self) -> int:
+        """Pairs dropped by the capacity so far on this rank (reads the GPU counter: a sync)."""
+        return 0 if self.dropped is None else int(self.dropped.sum())
 
     # ---- combine ----------------------------------------------------------------------------
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Per-expert rows (already weighted by the experts) -> one row per received token."""
         if self.plan is None:
             raise InvalidInputError("combine_preprocess called before dispatch_postprocess")
+        if isinstance(self.plan, FusedPlan):
+            return unpermute_fused(self.plan, hidden_states)
+        if isinstance(self.plan, MegatronPlan):
+            return unpermute_megatron(self.plan, hidden_states)
         return unpermute(self.plan, hidden_states)
 
     def token_combine(
@@ -268,6 +484,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             self.buffer,
             hidden_states.contiguous(),
             self.handle,
+            config=self.combine_config,
             async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )

@@ -5,12 +5,17 @@ Megatron builds its ``TransformerConfig`` from the dataclass fields only, so dis
 plugin's command-line flags and ``megatron_plugin.install(...)`` write them, each
 ``UcclEpTokenDispatcher`` reads them when it is built. One process trains one model, so one
 set of options per process is enough.
+
+Nothing here touches the environment: ``num_sms`` reaches the kernels through the ``Config``
+each dispatcher passes to ``Buffer.dispatch``/``combine``; the two options the C++ proxy reads
+from its environment registry (``ENV_OPTIONS``) are exported by the plugin's process setup
+(``megatron_plugin.apply_process_env``), the application's one place that owns the environment.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
+import math
 from dataclasses import dataclass
 
 from uccl_ep_megatron.errors import InvalidInputError
@@ -27,15 +32,23 @@ class UcclEpOptions:
 
     Args:
         num_sms: SM (CU) budget of the dispatch/combine kernels; even. Maps onto
-            ``Buffer.set_num_sms``.
+            the ``Config`` the dispatcher passes to each dispatch/combine.
         num_proxy_threads: CPU proxy threads per GPU; ``None`` keeps
-            ``UCCL_EP_NUM_PROXY_THREADS`` (default 4). Exported to that variable.
+            ``UCCL_EP_NUM_PROXY_THREADS`` (default 4). The plugin exports it to that variable.
         transport: proxy transport ``auto``/``verbs``/``ipc``; ``None`` keeps
-            ``UCCL_EP_TRANSPORT``. Exported to that variable.
+            ``UCCL_EP_TRANSPORT``. The plugin exports it to that variable.
         backend: ``Buffer`` backend ``auto``/``kernels``/``reference``; ``None`` keeps
             ``UCCL_EP_BACKEND`` (default ``auto``).
         metrics: record per-layer dispatch/combine time, tokens per local expert and bytes
             (``uccl_ep_megatron.dispatch_metrics``).
+        capacity_factor: sync-free mode without Megatron's capacity options: every local
+            expert gets ``ceil(factor x tokens x topk / experts) x group size`` rows (rounded
+            up to the quantization alignment); pairs past that are dropped and counted.
+            ``None`` (default): exact mode, unless Megatron's ``moe_expert_capacity_factor``
+            with ``moe_pad_expert_input_to_capacity`` selects sync-free mode.
+        drop_log_interval: in sync-free mode, the dropped-pair counter (on the GPU) is copied
+            to the host asynchronously every this many forward passes of a layer and logged
+            when it grew (read at the next interval, without waiting); 0 = never.
     """
 
     num_sms: int = 24
@@ -43,6 +56,8 @@ class UcclEpOptions:
     transport: str | None = None
     backend: str | None = None
     metrics: bool = False
+    capacity_factor: float | None = None
+    drop_log_interval: int = 100
 
     def __post_init__(self) -> None:
         if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int):
@@ -68,13 +83,33 @@ class UcclEpOptions:
             raise InvalidInputError(
                 f"backend={self.backend!r}: must be one of {', '.join(BACKENDS)}"
             )
+        factor = self.capacity_factor
+        if factor is not None and (
+            isinstance(factor, bool)
+            or not isinstance(factor, (int, float))
+            or not math.isfinite(factor)
+            or factor <= 0
+        ):
+            raise InvalidInputError(
+                f"capacity_factor={factor!r}: must be a positive number "
+                "(--moe-uccl-ep-capacity-factor 1.5, say), or None for exact mode"
+            )
+        if (
+            isinstance(self.drop_log_interval, bool)
+            or not isinstance(self.drop_log_interval, int)
+            or self.drop_log_interval < 0
+        ):
+            raise InvalidInputError(
+                f"drop_log_interval={self.drop_log_interval!r}: must be an int >= 0 (0 = never)"
+            )
 
-    def export_env(self) -> None:
-        """Write the options the C++ core reads from the environment (before any ``Buffer``)."""
-        for option, variable in ENV_OPTIONS.items():
-            value = getattr(self, option)
-            if value is not None:
-                os.environ[variable] = str(value)
+    def env(self) -> dict[str, str]:
+        """The environment variables these options set for the C++ core (unset ones left out)."""
+        return {
+            variable: str(getattr(self, option))
+            for option, variable in ENV_OPTIONS.items()
+            if getattr(self, option) is not None
+        }
 
 
 _options = UcclEpOptions()
@@ -86,7 +121,7 @@ def get_options() -> UcclEpOptions:
 
 
 def set_options(**changes: object) -> UcclEpOptions:
-    """Update some options (validated), export the environment-backed ones, return the result.
+    """Update some options (validated) and return the result.
 
     Raises:
         InvalidInputError: an unknown option name or an invalid value.
@@ -99,12 +134,11 @@ def set_options(**changes: object) -> UcclEpOptions:
             f"unknown uccl_ep option(s) {unknown}; known: {', '.join(sorted(known))}"
         )
     _options = dataclasses.replace(_options, **changes)
-    _options.export_env()
     return _options
 
 
 def restore_options(options: UcclEpOptions) -> None:
-    """Put back options saved earlier with ``get_options()`` (the environment is left alone)."""
+    """Put back options saved earlier with ``get_options()``."""
     global _options
     if not isinstance(options, UcclEpOptions):
         raise InvalidInputError(f"restore_options({options!r}): pass a UcclEpOptions")
@@ -112,7 +146,7 @@ def restore_options(options: UcclEpOptions) -> None:
 
 
 def reset_options() -> UcclEpOptions:
-    """Back to the defaults (tests; the environment is left as it is)."""
+    """Back to the defaults (tests)."""
     global _options
     _options = UcclEpOptions()
     return _options

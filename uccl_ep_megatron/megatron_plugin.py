@@ -8,10 +8,13 @@
    (Megatron-LM 0.14/0.15 hard-code its ``choices`` in ``megatron/training/arguments.py``;
    0.16+ generate them from the ``Literal``) accepts ``uccl_ep``, and gets the dispatcher's own
    flags in the same group: ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``,
-   ``--moe-uccl-ep-transport``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``.
+   ``--moe-uccl-ep-transport``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``,
+   ``--moe-uccl-ep-capacity-factor``, ``--moe-uccl-ep-drop-log-interval``.
 3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
    ``uccl_ep``. Its constructor branches on the type string and rejects unknown values, so
    for such a layer the ``flex`` branch is pointed at our class for the duration of the call.
+   Every layer gets the ``BufferCache`` this install made (``buffer_cache()``), so the layers
+   share one ``Buffer`` per group.
    Values of the flags above found in Megatron-LM's global arguments are applied first: Primus
    (and anything else that fills Megatron's namespace without argparse) never runs the flags'
    actions. On megatron-core 0.14-0.16 without Transformer Engine, the router GEMM's missing TE
@@ -39,7 +42,7 @@ import threading
 import typing
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.token_dispatcher.options import (
@@ -51,6 +54,9 @@ from uccl_ep_megatron.token_dispatcher.options import (
     restore_options,
     set_options,
 )
+
+if TYPE_CHECKING:
+    from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +135,18 @@ class _OptionAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         value = True if self.nargs == 0 else values
         try:
-            set_options(**{self.option: value})
+            apply_process_env(set_options(**{self.option: value}))
         except InvalidInputError as exc:
             raise argparse.ArgumentError(self, str(exc)) from None
         setattr(namespace, self.dest, value)
+
+
+def apply_process_env(options: UcclEpOptions) -> None:
+    """Export the options the C++ proxy reads from its environment registry
+    (``UCCL_EP_NUM_PROXY_THREADS``, ``UCCL_EP_TRANSPORT``): the plugin configures the training
+    process from its flags, before any ``Buffer`` exists. The dispatcher itself never writes
+    the environment."""
+    os.environ.update(options.env())
 
 
 def _plugin_flags() -> list[tuple[str, dict[str, Any]]]:
@@ -178,6 +192,25 @@ def _plugin_flags() -> list[tuple[str, dict[str, Any]]]:
                 option="metrics",
                 nargs=0,
                 help="uccl_ep: record per-layer dispatch/combine time, tokens per expert, bytes.",
+            ),
+        ),
+        (
+            "--moe-uccl-ep-capacity-factor",
+            dict(
+                option="capacity_factor",
+                type=float,
+                help="uccl_ep: sync-free mode with this per-expert capacity factor (pairs past "
+                "the capacity are dropped and counted); default: exact mode unless "
+                "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity is set.",
+            ),
+        ),
+        (
+            "--moe-uccl-ep-drop-log-interval",
+            dict(
+                option="drop_log_interval",
+                type=int,
+                help=f"uccl_ep: sync-free mode logs dropped pairs every N forward passes "
+                f"(default {defaults.drop_log_interval}; 0 = never).",
             ),
         ),
     ]
@@ -302,7 +335,9 @@ def _flex_branch_builds_uccl_ep(moe_layer_module: Any, config: Any) -> Iterator[
     from uccl_ep_megatron.token_dispatcher.dispatcher import UcclEpTokenDispatcher
 
     flex_cls = moe_layer_module.MoEFlexTokenDispatcher
-    moe_layer_module.MoEFlexTokenDispatcher = UcclEpTokenDispatcher
+    moe_layer_module.MoEFlexTokenDispatcher = functools.partial(
+        UcclEpTokenDispatcher, buffers=buffer_cache()
+    )
     config.moe_token_dispatcher_type = "flex"
     try:
         yield
@@ -329,7 +364,7 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
         if megatron_args is not None:
             changes = options_from_megatron_args(megatron_args)
             if changes:
-                set_options(**changes)
+                apply_process_env(set_options(**changes))
         with _lock, _flex_branch_builds_uccl_ep(moe_layer_module, config):
             original_init(self, config, *args, **kwargs)
         if not isinstance(self.token_dispatcher, UcclEpTokenDispatcher):
@@ -405,6 +440,8 @@ def _undo(keys: set[str]) -> None:
         delattr(_state.pop("te_general_gemm"), "te_general_gemm")
     if "megatron_version" in keys:
         _state.pop("megatron_version")
+    if "buffers" in keys:
+        _state.pop("buffers").clear()
 
 
 # ---- public API --------------------------------------------------------------------------------
@@ -415,6 +452,7 @@ def install(
     transport: str | None = None,
     backend: str | None = None,
     metrics: bool | None = None,
+    capacity_factor: float | None = None,
     deep_ep_compat: bool = False,
 ) -> str:
     """Make ``--moe-token-dispatcher-type uccl_ep`` work in this process.
@@ -423,7 +461,8 @@ def install(
     environment they export and the ``deep_ep`` module are as they were before the call.
 
     Args:
-        num_sms, num_proxy_threads, transport, backend, metrics: dispatcher options (see
+        num_sms, num_proxy_threads, transport, backend, metrics, capacity_factor: dispatcher
+            options (see
             ``token_dispatcher.options.UcclEpOptions``); ``None`` keeps the current value.
             Command-line flags parsed later override them.
         deep_ep_compat: also serve ``import deep_ep`` from this package (see
@@ -446,6 +485,7 @@ def install(
             transport=transport,
             backend=backend,
             metrics=metrics,
+            capacity_factor=capacity_factor,
         ).items()
         if v is not None
     }
@@ -459,7 +499,7 @@ def install(
         compat_was_installed = compat is not None and compat.is_installed()
         try:
             if changes:
-                set_options(**changes)
+                apply_process_env(set_options(**changes))
             if compat is not None:
                 compat.install()
             _install_argparse()
@@ -475,6 +515,19 @@ def install(
             if compat is not None and not compat_was_installed:
                 compat.uninstall()
             raise
+
+
+def buffer_cache() -> BufferCache:
+    """The ``BufferCache`` shared by the ``uccl_ep`` layers this process builds (made on first
+    use; ``uninstall()`` drops it, and its buffers once no layer holds them)."""
+    # Imported here: the plugin must import without torch.distributed's Buffer machinery.
+    from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
+
+    with _lock:
+        cache = _state.get("buffers")
+        if cache is None:
+            cache = _state["buffers"] = BufferCache()
+        return cache
 
 
 def is_installed() -> bool:
@@ -493,6 +546,8 @@ __all__ = [
     "DISPATCHER_TYPE",
     "TESTED_VERSIONS",
     "UntestedVersionWarning",
+    "apply_process_env",
+    "buffer_cache",
     "check_version",
     "get_options",
     "install",

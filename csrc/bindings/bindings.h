@@ -8,6 +8,7 @@ namespace uccl_ep::bindings {
 void bind_common(pybind11::module_& m);
 void bind_kernels(pybind11::module_& m);
 void bind_internode(pybind11::module_& m);
+void bind_permute(pybind11::module_& m);
 void bind_proxy(pybind11::module_& m);
 
 }  // namespace uccl_ep::bindings

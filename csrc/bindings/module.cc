@@ -8,5 +8,6 @@ PYBIND11_MODULE(_C, m) {
   uccl_ep::bindings::bind_common(m);
   uccl_ep::bindings::bind_kernels(m);
   uccl_ep::bindings::bind_internode(m);
+  uccl_ep::bindings::bind_permute(m);
   uccl_ep::bindings::bind_proxy(m);
 }

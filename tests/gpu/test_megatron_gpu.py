@@ -25,6 +25,8 @@ import time
 import pytest
 import torch
 
+from uccl_ep_megatron.bench.moe_layer import fwd_bwd
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 pytestmark = [
@@ -35,61 +37,14 @@ pytestmark = [
 WORLD = min(2, torch.cuda.device_count())  # EP over 2 GPUs, or EP=1 on one
 
 HERE = os.path.abspath(__file__)
-HIDDEN = 7168
-NUM_EXPERTS = 256
-TOPK = 8
-FFN = 2048
+HIDDEN = 7168  # DEEPSEEK_V3.hidden (uccl_ep_megatron.bench.moe_layer)
 ITERS = 5
 
 
-def _config(dispatcher: str, ep: int):
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=HIDDEN,
-        num_attention_heads=128,
-        num_moe_experts=NUM_EXPERTS,
-        moe_router_topk=TOPK,
-        moe_ffn_hidden_size=FFN,
-        moe_shared_expert_intermediate_size=FFN,
-        moe_router_score_function="sigmoid",
-        moe_router_enable_expert_bias=True,
-        moe_router_num_groups=8,
-        moe_router_group_topk=4,
-        moe_router_topk_scaling_factor=2.5,
-        moe_router_dtype="fp32",
-        moe_router_load_balancing_type="none",
-        moe_aux_loss_coeff=0.0,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        expert_model_parallel_size=ep,
-        moe_token_dispatcher_type=dispatcher,
-        moe_grouped_gemm=False,
-    )
-
-
 def _layer(dispatcher: str, ep: int):
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from uccl_ep_megatron.bench.moe_layer import DEEPSEEK_V3, build_layer
 
-    spec = get_moe_module_spec(use_te=False, num_experts=NUM_EXPERTS, moe_grouped_gemm=False)
-    # A ModuleSpec up to megatron-core 0.18, a functools.partial of MoELayer from 0.19.
-    submodules = spec.submodules if hasattr(spec, "submodules") else spec.keywords["submodules"]
-    layer = MoELayer(_config(dispatcher, ep), submodules, layer_number=1)
-    return layer.cuda()
-
-
-def _fwd_bwd(layer, x, grad):
-    x = x.detach().clone().requires_grad_(True)
-    out, bias = layer(x)
-    assert bias is None
-    out.backward(grad)
-    return out.detach(), x.grad.detach()
+    return build_layer(DEEPSEEK_V3, dispatcher, ep)
 
 
 def _tokens_per_s(layer, x, grad, tokens, world):
@@ -99,7 +54,7 @@ def _tokens_per_s(layer, x, grad, tokens, world):
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(ITERS):
-        _fwd_bwd(layer, x, grad)
+        fwd_bwd(layer, x, grad)
         layer.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     dist.barrier()
@@ -112,9 +67,9 @@ def w_equivalence(rank, world, backend, tokens):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher
-    from uccl_ep_megatron.token_dispatcher.buffer_cache import buffers
 
     from uccl_ep_megatron import dispatch_metrics, megatron_plugin
+    from uccl_ep_megatron.bench.moe_layer import copy_weights
 
     megatron_plugin.install(backend=backend)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
@@ -123,17 +78,14 @@ def w_equivalence(rank, world, backend, tokens):
         ref = _layer("alltoall", world)
         ours = _layer("uccl_ep", world)
         assert isinstance(ours.token_dispatcher, UcclEpTokenDispatcher)
-        missing = ours.load_state_dict(ref.state_dict(), strict=True)
-        assert not missing.missing_keys and not missing.unexpected_keys
-        for name, buf in ref.named_buffers():  # expert bias and other state
-            dict(ours.named_buffers())[name].copy_(buf)
+        copy_weights(ref, ours)
 
         g = torch.Generator(device="cuda").manual_seed(42 + rank)
         x = torch.randn(tokens, 1, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
         grad = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=g) * 1e-2
 
-        out_ref, dx_ref = _fwd_bwd(ref, x, grad)
-        out_ours, dx_ours = _fwd_bwd(ours, x, grad)
+        out_ref, dx_ref = fwd_bwd(ref, x, grad)
+        out_ours, dx_ours = fwd_bwd(ours, x, grad)
         used_backend = ours.token_dispatcher.buffer.backend
 
         def diff(a, b):
@@ -185,7 +137,7 @@ def w_equivalence(rank, world, backend, tokens):
         dist.barrier()
         return report
     finally:
-        buffers.clear()
+        megatron_plugin.buffer_cache().clear()
         ps.destroy_model_parallel()
         megatron_plugin.uninstall()
 

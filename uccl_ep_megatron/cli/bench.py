@@ -16,6 +16,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "intranode",
     "internode",
     "ordering",
+    "layer",
 )
 
 
@@ -23,7 +24,7 @@ def register(subparsers: Any) -> None:
     """Adds ``bench`` with one sub-subcommand per module of ``BENCH_MODULES``."""
     p = subparsers.add_parser(
         "bench",
-        help="microbenchmarks (fifo, intranode, ...)",
+        help="microbenchmarks (fifo, intranode, ..., layer)",
         description="Microbenchmarks; each prints one table and can write JSON (--json).",
     )
     sub = p.add_subparsers(dest="bench", metavar="BENCH")

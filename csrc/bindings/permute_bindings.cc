@@ -1,0 +1,81 @@
+// The fused permute / unpermute kernels in `_C` (token_dispatcher/permute.py drives them).
+// Bound only when the GPU kernels are built; `permute_kernels_built` says which.
+#include <pybind11/pybind11.h>
+
+#include "bindings/bindings.h"
+
+#ifdef UCCL_EP_WITH_GPU
+#include "common/errors.h"
+#include "kernels/permute.h"
+#endif
+
+namespace py = pybind11;
+
+namespace uccl_ep::bindings {
+
+#ifdef UCCL_EP_WITH_GPU
+namespace {
+
+namespace k = uccl_ep::kernels;
+
+// Tensor pointers come from torch; the sizes say which ones the kernels touch.
+void require(intptr_t ptr, bool used, const char* what) {
+  if (used && ptr == 0) UCCL_EP_THROW(InvalidArgument, what, " is a null pointer but the sizes say it is used");
+}
+
+}  // namespace
+#endif
+
+void bind_permute(py::module_& m) {
+#ifndef UCCL_EP_WITH_GPU
+  m.def("permute_kernels_built", [] { return false; }, "Whether the fused permute kernels were compiled into _C.");
+#else
+  m.def("permute_kernels_built", [] { return true; }, "Whether the fused permute kernels were compiled into _C.");
+  m.def(
+      "permute_plan",
+      [](intptr_t topk_idx, bool idx_is_64, int num_rows, int num_topk, intptr_t recv_count, int num_experts,
+         int align, int capacity, int64_t num_out_rows, intptr_t probs, intptr_t pair_dest, intptr_t src_row,
+         intptr_t out_probs, intptr_t counts, intptr_t tokens_per_expert, intptr_t offsets, intptr_t dropped,
+         intptr_t stream) {
+        const bool pairs = num_rows > 0;
+        require(topk_idx, pairs, "permute_plan: topk_idx");
+        require(pair_dest, pairs, "permute_plan: pair_dest");
+        require(probs, pairs && out_probs != 0, "permute_plan: probs");
+        require(src_row, num_out_rows > 0, "permute_plan: src_row");
+        require(counts, true, "permute_plan: counts");
+        require(tokens_per_expert, true, "permute_plan: tokens_per_expert");
+        require(offsets, true, "permute_plan: offsets");
+        require(dropped, true, "permute_plan: dropped");
+        k::permute_plan(topk_idx, idx_is_64, num_rows, num_topk, recv_count, num_experts, align, capacity,
+                        num_out_rows, probs, pair_dest, src_row, out_probs, counts, tokens_per_expert, offsets,
+                        dropped, stream);
+      },
+      py::arg("topk_idx"), py::arg("idx_is_64"), py::arg("num_rows"), py::arg("num_topk"), py::arg("recv_count"),
+      py::arg("num_experts"), py::arg("align"), py::arg("capacity"), py::arg("num_out_rows"), py::arg("probs"),
+      py::arg("pair_dest"), py::arg("src_row"), py::arg("out_probs"), py::arg("counts"),
+      py::arg("tokens_per_expert"), py::arg("offsets"), py::arg("dropped"), py::arg("stream"),
+      "Plan the expert-major permutation on the stream (see csrc/kernels/permute.h).");
+  m.def(
+      "gather_rows",
+      [](intptr_t src, intptr_t row_map, int64_t num_out_rows, int64_t row_bytes, intptr_t out, intptr_t stream) {
+        require(row_map, num_out_rows > 0, "gather_rows: row_map");
+        require(out, num_out_rows > 0, "gather_rows: out");
+        k::gather_rows(src, row_map, num_out_rows, row_bytes, out, stream);
+      },
+      py::arg("src"), py::arg("row_map"), py::arg("num_out_rows"), py::arg("row_bytes"), py::arg("out"),
+      py::arg("stream"), "out[o] = src[row_map[o]] (zero row where row_map[o] < 0).");
+  m.def(
+      "reduce_rows",
+      [](intptr_t src, intptr_t pair_dest, int num_rows, int num_topk, int64_t hidden, int dtype, intptr_t out,
+         intptr_t src_probs, intptr_t out_probs, intptr_t stream) {
+        require(pair_dest, num_rows > 0, "reduce_rows: pair_dest");
+        require(out, num_rows > 0, "reduce_rows: out");
+        k::reduce_rows(src, pair_dest, num_rows, num_topk, hidden, dtype, out, src_probs, out_probs, stream);
+      },
+      py::arg("src"), py::arg("pair_dest"), py::arg("num_rows"), py::arg("num_topk"), py::arg("hidden"),
+      py::arg("dtype"), py::arg("out"), py::arg("src_probs"), py::arg("out_probs"), py::arg("stream"),
+      "out[i] = fp32 sum of src[pair_dest[i, k]] in slot order, cast to dtype (0 bf16, 1 fp16, 2 fp32).");
+#endif
+}
+
+}  // namespace uccl_ep::bindings

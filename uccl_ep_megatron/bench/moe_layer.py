@@ -1,0 +1,144 @@
+"""One Megatron MoE layer, built the same way by ``bench layer`` and the GPU tests
+(``tests/gpu/test_megatron_gpu.py``, ``tests/gpu/test_dispatcher_modes_gpu.py``), so that
+dispatchers are compared on identical layers: same config apart from the dispatcher, weights
+copied from one to the other, Megatron's ``SequentialMLP`` experts (no Transformer Engine).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The MoE block: sizes and router.
+
+    Attributes:
+        hidden: model width.
+        num_experts: routed experts (all ranks together).
+        topk: experts per token.
+        ffn: FFN width of one expert (SwiGLU when ``gated``).
+        shared_ffn: FFN width of the shared expert; 0 = none.
+        deepseek_router: DeepSeek-V3's router (sigmoid scores with expert bias, 8 groups of which
+            4 are kept, scaling 2.5); otherwise Megatron's default softmax top-k.
+        gated: SwiGLU experts (``gated_linear_unit`` with SiLU); otherwise GeLU.
+    """
+
+    hidden: int
+    num_experts: int
+    topk: int
+    ffn: int
+    shared_ffn: int = 0
+    deepseek_router: bool = False
+    gated: bool = True
+
+
+# DeepSeek-V3's MoE block.
+DEEPSEEK_V3 = LayerShape(7168, 256, 8, 2048, shared_ffn=2048, deepseek_router=True)
+# Issue 14's workload (hidden 2048, 64 experts, top-8; the FFN width was not recorded there).
+ISSUE14 = LayerShape(2048, 64, 8, 2048)
+
+
+def layer_config(shape: LayerShape, dispatcher: str, ep: int, **overrides: Any) -> Any:
+    """The layer's ``TransformerConfig`` (BF16, fp32 router, no aux loss) plus ``overrides``."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs: dict[str, Any] = dict(
+        num_layers=1,
+        hidden_size=shape.hidden,
+        num_attention_heads=max(1, shape.hidden // 128),
+        num_moe_experts=shape.num_experts,
+        moe_router_topk=shape.topk,
+        moe_ffn_hidden_size=shape.ffn,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        gated_linear_unit=shape.gated,
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        expert_model_parallel_size=ep,
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False,
+    )
+    if shape.gated:
+        kwargs["activation_func"] = F.silu
+    if shape.shared_ffn:
+        kwargs["moe_shared_expert_intermediate_size"] = shape.shared_ffn
+    if shape.deepseek_router:
+        kwargs.update(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_num_groups=8,
+            moe_router_group_topk=4,
+            moe_router_topk_scaling_factor=2.5,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_layer(shape: LayerShape, dispatcher: str, ep: int, **overrides: Any) -> Any:
+    """A ``MoELayer`` on the current CUDA device (Megatron's model parallel state must be set)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    spec = get_moe_module_spec(use_te=False, num_experts=shape.num_experts, moe_grouped_gemm=False)
+    # A ModuleSpec up to megatron-core 0.18, a functools.partial of MoELayer from 0.19.
+    submodules = spec.submodules if hasattr(spec, "submodules") else spec.keywords["submodules"]
+    config = layer_config(shape, dispatcher, ep, **overrides)
+    return MoELayer(config, submodules, layer_number=1).cuda()
+
+
+def copy_weights(src: Any, dst: Any) -> None:
+    """Give ``dst`` the parameters and buffers (expert bias ...) of ``src``."""
+    result = dst.load_state_dict(src.state_dict(), strict=True)
+    if result.missing_keys or result.unexpected_keys:
+        raise RuntimeError(f"layers differ: {result}")
+    buffers = dict(dst.named_buffers())
+    for name, buf in src.named_buffers():
+        buffers[name].copy_(buf)
+
+
+def fwd_bwd(layer: Any, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of ``layer`` on a fresh leaf copy of ``x``: (output, input grad)."""
+    x = x.detach().clone().requires_grad_(True)
+    out, bias = layer(x)
+    if bias is not None:
+        raise RuntimeError("the MoE layer returned a bias; build it with add_bias_linear=False")
+    out.backward(grad)
+    return out.detach(), x.grad.detach()
+
+
+# Runtime calls that make the host wait for the GPU, and device copies the host waits on.
+SYNC_CALLS = (
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+    "hipStreamSynchronize",
+    "hipDeviceSynchronize",
+    "hipEventSynchronize",
+)
+
+
+def count_host_syncs(fn: Any, repeat: int = 1) -> dict[str, float]:
+    """Host syncs per call of ``fn`` under ``torch.profiler``: runtime synchronize calls, and
+    device-to-host copies (``Memcpy DtoH`` on the device timeline, each of which a host read
+    such as ``.item()``/``.tolist()`` waits for). Averaged over ``repeat`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeat):
+            fn()
+    syncs = copies = 0
+    for event in prof.events():
+        name = event.name
+        if name in SYNC_CALLS:
+            syncs += 1
+        elif "Memcpy DtoH" in name or "Memcpy DeviceToHost" in name:
+            copies += 1
+    return {"sync_calls": syncs / repeat, "dtoh_copies": copies / repeat}
