@@ -10,7 +10,7 @@
 #                         the file name): reused when csrc/ and the DeepEP source are unchanged.
 # Every call writes the extensions it built to $OUT/prebuilt.tar.gz; untar it into .prebuilt/.
 # Env: STEPS (default "intranode internode fifo others megatron bench_intranode bench_internode";
-#      also mps_probe, pretrain), MC (megatron-core version whose wheels .whl/mc-<MC>/ holds,
+#      also mps_probe, pretrain, bench_layer), LAYER_ARGS (extra bench layer flags), MC (megatron-core version whose wheels .whl/mc-<MC>/ holds,
 #      default 0.19.2),
 #      RANKS (intranode tests, default 2,4,8), BENCH_RANKS (bench intranode, default 2,4,8), RPN (internode ranks per node, default 1,2,4),
 #      BENCH_ARGS (extra bench intranode flags), PYTEST_K (-k filter), INTERNODE_K (-k filter of the
@@ -138,6 +138,9 @@ want pretrain && OUT=$LOGS step pretrain 300 "${PYTEST[@]}" -s \
 # shellcheck disable=SC2086
 want bench_intranode && step bench_intranode 330 python3 -m uccl_ep_megatron.cli bench intranode \
   --ranks "${BENCH_RANKS:-2,4,8}" --json "$LOGS/bench_intranode.json" ${BENCH_ARGS:-}
+# shellcheck disable=SC2086
+want bench_layer && step bench_layer 240 python3 -m uccl_ep_megatron.cli bench layer \
+  --json "$LOGS/bench_layer.json" ${LAYER_ARGS:-}
 want bench_internode && step bench_internode 150 python3 -m uccl_ep_megatron.cli bench internode \
   --ranks 4 --ranks-per-node 2 --threads 2,4 --iters 5 --json "$LOGS/bench_internode.json"
 
@@ -147,6 +150,6 @@ cat "$LOGS/summary.txt" 2>/dev/null
 for f in "$LOGS"/*.log; do
   grep -HE "^(FAILED|ERROR)|Error:|Timeout" "$f" 2>/dev/null | head -4 | cut -c1-250
 done
-for b in bench_intranode bench_internode; do
+for b in bench_intranode bench_layer bench_internode; do
   [ -f "$LOGS/$b.log" ] && { echo "---- $b"; grep -vE "Warning|warn\(|return func" "$LOGS/$b.log" | tail -40; }
 done
