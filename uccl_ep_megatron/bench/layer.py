@@ -4,10 +4,11 @@ under ``alltoall`` and ``uccl_ep`` (exact and sync-free mode) in the same run.
 The three layers share one config apart from the dispatcher (``bench.moe_layer``), the same
 weights (copied from the ``alltoall`` layer) and the same input and output gradient. Each is
 warmed up, then timed per iteration with CUDA events around forward + backward (so the time
-includes the GPU idling while the host catches up or waits); the median is reported with its
-ratio to ``alltoall``. Host syncs per layer come from ``torch.profiler`` over a few more
-iterations: runtime synchronize calls and device-to-host copies. Sync-free mode also reports
-the (token, expert) pairs its capacity dropped per iteration.
+includes the GPU idling while the host catches up or waits); the variants take turns, one
+iteration each, and the median is reported with its ratio to ``alltoall``. Host syncs per layer
+come from ``torch.profiler`` over a few more iterations: runtime synchronize calls and
+device-to-host copies. Sync-free mode also reports the (token, expert) pairs its capacity
+dropped per iteration.
 
 Default workload: issue 14's (8192 tokens, hidden 2048, 64 experts, top-8, SequentialMLP).
 """
@@ -53,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile-iters", type=int, default=3, help="iterations profiled for host syncs"
+    )
+    parser.add_argument(
+        "--breakdown",
+        type=int,
+        default=0,
+        help="print the N ops with the most self CPU and device time of one profiled iteration "
+        "per variant (0: off)",
     )
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
 
@@ -145,20 +153,27 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     try:
         for name in variants:
-            layer = layers[name]
             for _ in range(args.warmup):
-                step(layer)
-            times = []
-            for _ in range(args.iters):
+                step(layers[name])
+        # Round robin: every iteration times each variant once, so clock and allocator drift
+        # over the run lands on all of them alike.
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.iters):
+            for name in variants:
                 start, end = (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True),
                 )
+                torch.cuda.synchronize()
                 start.record()
-                step(layer)
+                step(layers[name])
                 end.record()
                 torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
+                times[name].append(start.elapsed_time(end))
+        for name in variants:
+            layer = layers[name]
+            if args.breakdown:
+                _print_breakdown(name, lambda layer=layer: step(layer), args.breakdown)
             dispatcher = layer.token_dispatcher
             dropped_before = dispatcher.dropped_pairs() if name == "sync-free" else 0
             syncs = count_host_syncs(lambda layer=layer: step(layer), args.profile_iters)
@@ -170,8 +185,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(
                 dict(
                     variant=name if name == "alltoall" else f"uccl_ep {name}",
-                    median_ms=statistics.median(times),
-                    min_ms=min(times),
+                    median_ms=statistics.median(times[name]),
+                    min_ms=min(times[name]),
                     host_syncs_per_layer=syncs["sync_calls"],
                     dtoh_copies_per_layer=syncs["dtoh_copies"],
                     dropped_pairs_per_layer=dropped,
@@ -186,6 +201,22 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     for r in rows:
         r["vs_alltoall"] = r["median_ms"] / base_ms if base_ms else None
     return rows
+
+
+def _print_breakdown(name: str, fn: Any, limit: int) -> None:
+    """One profiled iteration of ``fn``: the ``limit`` ops with the most self CPU time and the
+    most self device time (where a variant's time goes)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_cpu_time_total", "self_device_time_total"):
+        print(f"---- {name}: top {limit} by {key}")
+        print(averages.table(sort_by=key, row_limit=limit, max_name_column_width=60))
 
 
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
