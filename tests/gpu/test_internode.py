@@ -288,7 +288,7 @@ def _host_syncs(calls) -> dict:
         # last combine while that combine still waited for the ipc proxies, and the proxies'
         # CUDA copies made no progress until the combine timed out: on one H200 under MPS the
         # counters of the first run showed every earlier call complete and exactly that
-        # combine stalled, while the same calls followed by torch.cuda.synchronize() passed.
+        # combine stalled, while the same calls followed by torch.cuda.synchronize() completed.
         # Synchronizing after the marker is not counted (only calls before it are).
         with torch.cuda.stream(marker):
             probe.cpu()
