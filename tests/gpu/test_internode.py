@@ -279,9 +279,20 @@ def _host_syncs(calls) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     probe = torch.ones(4, device="cuda")
+    marker = torch.cuda.Stream()
+    torch.cuda.synchronize()  # probe is ready on every stream
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         calls()
-        probe.cpu()
+        # The marker copy runs on a stream of its own, so it never waits for the calls'
+        # kernels. Issued on the calls' stream, this copy to pageable memory waited for the
+        # last combine while that combine still waited for the ipc proxies, and the proxies'
+        # CUDA copies made no progress until the combine timed out: on one H200 under MPS the
+        # counters of the first run showed every earlier call complete and exactly that
+        # combine stalled, while the same calls followed by torch.cuda.synchronize() completed.
+        # Synchronizing after the marker is not counted (only calls before it are).
+        with torch.cuda.stream(marker):
+            probe.cpu()
+        torch.cuda.synchronize()
     events = list(prof.profiler.kineto_results.events())
     device_op = {e.correlation_id(): e.name() for e in events if e.device_type() == DeviceType.CUDA}
     runtime = [
@@ -379,15 +390,32 @@ def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(kcw, rcw, rtol=1e-6, atol=1e-6)
 
-    def layer() -> None:
+    def layer() -> tuple:
+        """Two rounds issued back to back, no host sync between calls; the last outputs."""
         for _ in range(2):
             lay_ = kb.get_dispatch_layout(idx, num_experts)[:4]
             out = dispatch(kb, x, lay_, idx, w, num_worst_tokens=worst, **kw)
-            kb.dispatch(x2, handle=out[4], config=config)
-            kb.combine(out[0], out[4], topk_weights=out[2], config=config)
+            cached = kb.dispatch(x2, handle=out[4], config=config)[0]
+            combined = kb.combine(out[0], out[4], topk_weights=out[2], config=config)[:2]
+        return out, cached, combined
 
-    layer()  # warm-up of the same sizes (allocator, pinned staging, kernel loading)
+    # Back to back without the profiler first (it is also the warm-up of the same sizes:
+    # allocator, pinned staging, kernel loading), so that a failure here is the calls' own.
+    out, cached, (lcx, lcw) = layer()
     torch.cuda.synchronize()
+    kb._backend.check()
+    assert_same("back-to-back recv_x", out[0], rx)
+    assert_same("back-to-back recv_topk_idx", out[1], ridx)
+    assert_same("back-to-back recv_topk_weights", out[2], rwts)
+    _check_src_idx(out[4], rh, received, worst)
+    assert out[4].recv_count.tolist() == [received]
+    assert out[4].recv_tokens_per_expert.tolist() == exact[3]
+    assert_same("back-to-back cached recv_x", cached, rc)
+    rlx, rlw, _ = rb.combine(rx, rh, topk_weights=rwts, config=config)
+    torch.testing.assert_close(lcx.float(), rlx.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lcw, rlw, rtol=1e-6, atol=1e-6)
+    del out, cached, lcx, lcw
+
     counted = _host_syncs(layer)
     torch.cuda.synchronize()
     kb._backend.check()

@@ -275,7 +275,15 @@ class InternodeBackend(Backend):
     def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
         """The call header of a sync-free call: all-gathered and checked on the GPU; the
         verdict travels to this call's kernels, which record a rejection in the status words
-        (raised by ``check`` at the next host-visible point) and move nothing."""
+        (raised by ``check`` at the next host-visible point) and move nothing.
+
+        No host wait is needed between calls: the all-gather is stream-ordered like exact
+        mode's, so a rank's kernels of this call start only after every rank's kernels of the
+        previous call finished (each rank's contribution leaves after its own previous work).
+        What can still be in flight are the proxies' last head increments of that call (its
+        tails and end markers were awaited by the call itself); counters are cumulative and a
+        sender only waits for room, so late increments only delay the next call's senders
+        (tests/test_internode_protocol.py holds them back into the next call)."""
         self.check()
         self._call = call
         self._rows = self._gather_rows(row)
