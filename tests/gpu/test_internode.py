@@ -420,10 +420,18 @@ def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     torch.cuda.synchronize()
     kb._backend.check()
     # Under the shared-GPU harness the group is gloo, which stages CUDA tensors through host
-    # memory on the calling thread: its copies are the group's, not ours, so copies are only
-    # required to be absent with NCCL (one rank per GPU).
+    # memory on the calling thread (a copy and a stream sync per collective): those copies and
+    # syncs are the group's, not ours. So with gloo the syncs must be exactly what the calls'
+    # header exchanges (one all-gather per sync-free call: 3 per round, 2 rounds) cost when run
+    # alone, measured here the same way; with NCCL (one rank per GPU) there must be none.
     gloo = torch.distributed.get_backend() == "gloo"
-    return {**counted, "gloo": gloo, "received": received}
+    exchange = None
+    if gloo:
+        row = torch.zeros(64, dtype=torch.int64, device="cuda")
+        rows = torch.empty(64 * world, dtype=torch.int64, device="cuda")
+        torch.distributed.all_gather_into_tensor(rows, row)  # warm-up
+        exchange = _host_syncs(lambda: torch.distributed.all_gather_into_tensor(rows, row))
+    return {**counted, "gloo": gloo, "received": received, "exchange": exchange, "exchanges": 6}
 
 
 def sync_free_reject_case(rank: int, world: int) -> str:
@@ -472,8 +480,11 @@ def test_sync_free_dispatch_combine(gpu_pool, params, reorder):
     out = gpu_pool.run(__file__, "sync_free_case", params, reorder, env=_env(gpu_pool, reorder, 5))
     for r, o in enumerate(out):
         assert o["runtime_calls"] > 0, o  # the calling thread's calls were found and counted
-        assert o["syncs"] == [], f"rank {r} synced the host: {o}"
-        if not o["gloo"]:
+        if o["gloo"]:
+            # Only the gloo all-gathers' own syncs: as many as the header exchanges cost alone.
+            assert o["syncs"] == o["exchange"]["syncs"] * o["exchanges"], (r, o)
+        else:
+            assert o["syncs"] == [], f"rank {r} synced the host: {o}"
             assert o["copies"] == [], f"rank {r} copied device-to-host: {o}"
 
 
