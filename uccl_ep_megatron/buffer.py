@@ -174,6 +174,11 @@ class Buffer:
         self.uid = next(_uids)
         backend_name = backend or os.environ.get("UCCL_EP_BACKEND", "auto").strip() or "auto"
         self.device = _group_device(self.group, backend_name, device)
+        # The int form for per-call stream lookups (a torch.device goes through slower checks).
+        self._device_index = self.device.index
+        if self._device_index is None:
+            cuda = self.device.type == "cuda"
+            self._device_index = torch.cuda.current_device() if cuda else -1
         ranks_per_node, sharers = _detect_placement(self.group, self.device)
         self.topology = Topology(self.rank, self.group_size, ranks_per_node)
         # Ranks sharing this GPU (under CUDA MPS) run their kernels side by side, and the
@@ -701,7 +706,7 @@ class Buffer:
         self._check_event(previous_event)
         if self._comm_stream is None:
             return fn(), EventOverlap(None)
-        compute = torch.cuda.current_stream(self.device)
+        compute = torch.cuda.current_stream(self._device_index)
         comm = self._comm_stream
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)

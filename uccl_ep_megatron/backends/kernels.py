@@ -311,6 +311,9 @@ class KernelsBackend(Backend):
         # An input error of a sync-free call was raised already (destroy() raises it otherwise).
         self._reported = False
         self._aborted: str | None = None  # the call this rank rejected (abort_peers)
+        self._device_index = (
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
         self._last_header = ""  # this rank's last device-checked call header, in words
         # The control region is always there, so barriers work even before data fits.
         nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
@@ -380,7 +383,8 @@ class KernelsBackend(Backend):
         return self._dargs
 
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        # An int index: torch resolves a torch.device through slower checks on every call.
+        return torch.cuda.current_stream(self._device_index).cuda_stream
 
     def _capturing(self) -> bool:
         if torch.cuda.is_current_stream_capturing():
