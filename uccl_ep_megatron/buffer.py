@@ -205,6 +205,7 @@ class Buffer:
         # Default configs per (op, Buffer.num_sms): they read the environment (ranks per
         # node), which is not worth tens of microseconds on every call.
         self._default_configs: dict[tuple[str, int], Config] = {}
+        self._sizes_ok: set[tuple[int, Config]] = set()  # (hidden bytes, config) that fit
 
     # ---- properties and static helpers ---------------------------------------------------
     @property
@@ -795,6 +796,9 @@ class Buffer:
 
     def _check_buffer_size(self, x: torch.Tensor, hidden: int, config: Config) -> None:
         hidden_bytes = hidden * max(x.element_size(), 2)
+        key = (hidden_bytes, config)  # the hints read the environment: checked once per key
+        if key in self._sizes_ok:
+            return
         need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
         if self.num_nvl_bytes < need_nvl:
             raise BufferTooSmallError(
@@ -811,6 +815,7 @@ class Buffer:
                 f"num_rdma_bytes >= Config.get_rdma_buffer_size_hint({hidden_bytes}, "
                 f"{self.group_size})"
             )
+        self._sizes_ok.add(key)
 
     def _check_handle(self, handle: Any) -> None:
         if not isinstance(handle, DispatchHandle):
