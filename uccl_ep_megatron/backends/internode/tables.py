@@ -32,7 +32,12 @@ def streams(
     """
     num_src, width = mask.shape
     dev = mask.device
-    tokens = torch.as_tensor(num_tokens, dtype=torch.int64, device=dev).expand(num_src)
+    if isinstance(num_tokens, torch.Tensor):
+        tokens = num_tokens.to(device=dev, dtype=torch.int64).expand(num_src)
+    else:
+        # A fill on the device: torch.as_tensor(int, device=cuda) is a pageable host-to-device
+        # copy, which synchronizes the stream (2 per sync-free call, seen on the device).
+        tokens = torch.full((num_src,), int(num_tokens), dtype=torch.int64, device=dev)
     if width == 0:
         return (
             torch.zeros(num_src, 0, dtype=torch.int32, device=dev),
