@@ -20,12 +20,13 @@ if not _C.kernels_built():  # the status codes below are attributes of a GPU bui
 
 def _backend(sizes: tuple[int, ...] = (1 << 20, 1 << 20)):
     """A KernelsBackend with only the host state these decisions read (no GPU, no group)."""
-    from uccl_ep_megatron.backends.kernels import KernelsBackend
+    from uccl_ep_megatron.backends.intranode.backend import KernelsBackend
 
     be = object.__new__(KernelsBackend)
     be._c = _C
     be.topology = Topology(rank=1, num_ranks=len(sizes), ranks_per_node=len(sizes))
     be._timeout_ms = 250
+    be._last_header = "dispatch (dtype=bfloat16, hidden=7168)"
     be._reported = False
     be._captured = False
     grows: list[int] = []

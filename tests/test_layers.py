@@ -47,8 +47,8 @@ _ROOT_IMPORTERS = """
 import json, sys
 import grimp
 graph = grimp.build_graph("uccl_ep_megatron", cache_dir=None)
-layered = {"backends", "proxy", "core", "telemetry", "training", "cluster", "bench", "cli",
-           "token_dispatcher"}
+layered = {"api", "backends", "proxy", "core", "telemetry", "training", "cluster", "bench",
+           "cli", "token_dispatcher"}
 print(json.dumps(sorted(
     m for m in graph.modules
     if m.count(".") >= 1 and m.split(".")[1] in layered

@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.buffer import Buffer
+from uccl_ep_megatron.api.buffer import Buffer
 from uccl_ep_megatron.config import Config, default_combine_config, default_dispatch_config
 
 

@@ -64,8 +64,8 @@ from uccl_ep_megatron.token_dispatcher.permute import (
     unpermute_megatron,
 )
 
-from uccl_ep_megatron import ops
-from uccl_ep_megatron.buffer import Buffer
+from uccl_ep_megatron.api import ops
+from uccl_ep_megatron.api.buffer import Buffer
 from uccl_ep_megatron.config import MAX_TOPK
 from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics

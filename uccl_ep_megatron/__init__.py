@@ -3,8 +3,8 @@
 ``from uccl_ep_megatron import Buffer`` is DeepEP's normal-mode ``Buffer`` API.
 """
 
+from uccl_ep_megatron.api.buffer import Buffer
 from uccl_ep_megatron.backends.base import DispatchHandle
-from uccl_ep_megatron.buffer import Buffer
 from uccl_ep_megatron.core.config import Config
 from uccl_ep_megatron.core.errors import (
     BufferTooSmallError,

@@ -18,7 +18,7 @@ import importlib.util
 import sys
 import types
 
-from uccl_ep_megatron.buffer import Buffer
+from uccl_ep_megatron.api.buffer import Buffer
 from uccl_ep_megatron.core.config import Config
 from uccl_ep_megatron.core.errors import UnsupportedError
 from uccl_ep_megatron.core.events import EventOverlap, capture

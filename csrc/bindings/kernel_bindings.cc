@@ -1,6 +1,6 @@
 // The intranode kernels in `_C`: raw pointers (int), sizes and stream handles (int) in; IPC
 // handles travel as bytes. Without a GPU toolchain only `kernels_built` (False) is bound, so
-// the package imports everywhere and backends/kernels.py reports why it is unavailable.
+// the package imports everywhere and backends/intranode/ reports why it is unavailable.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -1,6 +1,6 @@
 // Host API of the intranode (NVLink / xGMI) kernels: plain functions taking raw device
 // pointers (as intptr_t), sizes and a stream handle, so the bindings need no GPU headers and
-// `_C` never links libtorch. Python (backends/kernels.py) allocates every tensor.
+// `_C` never links libtorch. Python (backends/intranode/) allocates every tensor.
 //
 // Memory model. Every rank owns one registered buffer (`num_nvl_bytes`, cudaMalloc'd, IPC
 // shared with the node's other ranks):

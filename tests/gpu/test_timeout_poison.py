@@ -41,7 +41,7 @@ def _zero_free_memory(stream) -> None:
 
 
 def test_poison_fills_only_when_status_is_set():
-    from uccl_ep_megatron.backends.kernels import poison_on_timeout
+    from uccl_ep_megatron.backends.intranode.launch import poison_on_timeout
     from uccl_ep_megatron.errors import InvalidInputError
 
     c = _c()

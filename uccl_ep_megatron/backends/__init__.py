@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 BACKENDS = {
     "reference": "uccl_ep_megatron.backends.reference:ReferenceBackend",
-    "kernels": "uccl_ep_megatron.backends.kernels:KernelsBackend",
+    "kernels": "uccl_ep_megatron.backends.intranode:KernelsBackend",
     "kernels_internode": "uccl_ep_megatron.backends.internode:InternodeBackend",
 }
 

@@ -153,7 +153,7 @@ def _worker(rank: int, world: int, a: dict, local: int, threads: list[int]) -> l
     os.environ["UCCL_EP_RANKS_PER_NODE"] = str(local)
     os.environ["UCCL_EP_TRANSPORT"] = "ipc"
     os.environ["UCCL_EP_IPC_REORDER"] = "1" if a["reorder"] else "0"
-    from uccl_ep_megatron.buffer import Buffer
+    from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.core.config import Config
 
     H, E = a["hidden"], a["experts"]

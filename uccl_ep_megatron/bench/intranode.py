@@ -247,7 +247,7 @@ def _floor_bandwidth(rank: int, world: int, shared: bool) -> float:
 
 
 def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
-    from uccl_ep_megatron.buffer import Buffer
+    from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.core.config import Config
 
     shared = dist.get_backend() == "gloo"

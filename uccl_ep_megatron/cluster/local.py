@@ -425,7 +425,7 @@ def reference_oracle(group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: 
     Over NCCL it runs on the GPU. Over gloo (shared GPUs) it runs on CPU copies: tensors go to
     the CPU on the way in and back to the caller's device on the way out, so tests compare the
     kernels with the oracle the same way in both modes."""
-    from uccl_ep_megatron.buffer import Buffer
+    from uccl_ep_megatron.api.buffer import Buffer
 
     buf = Buffer(group, num_nvl_bytes, num_rdma_bytes, backend="reference")
     return buf if buf.device.type == "cuda" else _CpuOracle(buf)

@@ -147,7 +147,7 @@ class SmokeMoE(torch.nn.Module):
         return [self.router, self.shared_in, self.shared_out]
 
     def forward(self, x: torch.Tensor, buffer):
-        import uccl_ep_megatron.ops as ops
+        import uccl_ep_megatron.api.ops as ops
         from uccl_ep_megatron.telemetry.dispatch import recorder
 
         s = self.s
@@ -205,7 +205,7 @@ def _round_trip_check(buffer, x: torch.Tensor, topk_idx: torch.Tensor, s: SmokeS
 def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
-    from uccl_ep_megatron.buffer import Buffer
+    from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
     from uccl_ep_megatron.telemetry.metrics import (
         MetricsLogger,

@@ -36,15 +36,15 @@ from uccl_ep_megatron.backends.internode.tables import (
     stream_tables,
     streams,
 )
-from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
-from uccl_ep_megatron.backends.kernels import (
-    KernelsBackend,
+from uccl_ep_megatron.backends.intranode.backend import KernelsBackend
+from uccl_ep_megatron.backends.intranode.launch import (
     launch_layout,
     poison_dispatch,
     poison_on_timeout,
     prepare_combine,
     warm_poison,
 )
+from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.config import Config
 from uccl_ep_megatron.core._c import load as load_c
 from uccl_ep_megatron.errors import (

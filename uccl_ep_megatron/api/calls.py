@@ -1,0 +1,257 @@
+"""One ``Buffer`` call's checked arguments, its row of the call header, and the agreement.
+
+Every rank checks its own arguments (``validation.py``) and builds its row of the call header;
+``_agree`` exchanges the rows (``backends/agreement.py``) so that a call one rank rejects is
+raised by every rank, instead of the others waiting for it in a collective. ``CallAgreement``
+is a mixin of ``Buffer`` (``api/buffer.py``): ``self`` is the ``Buffer``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from uccl_ep_megatron.api.validation import XType, check_dtype
+from uccl_ep_megatron.backends.agreement import (
+    DTYPE_CODES,
+    KIND_CACHED,
+    KIND_COMBINE,
+    KIND_DISPATCH,
+    KIND_NAMES,
+    Agreement,
+    CallHeader,
+    describe_error,
+    encode_row,
+    error_code,
+    peer_error,
+)
+from uccl_ep_megatron.backends.base import DispatchArgs, DispatchHandle
+from uccl_ep_megatron.core.config import Config
+from uccl_ep_megatron.core.errors import InvalidInputError
+from uccl_ep_megatron.core.events import EventOverlap
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """One rank's checked arguments of a dispatch/combine and its row of the call header."""
+
+    args: Any  # DispatchArgs, or combine's (x, topk_weights, biases, config)
+    header: CallHeader | None  # None for a backend without a per-call exchange
+    checks: torch.Tensor | None  # routing_check() words still to be checked on every rank
+    counts: torch.Tensor | None  # [R] rows this rank sends to each rank (dispatch)
+    num_tokens: int
+    inputs: list[torch.Tensor]  # to record on the comm stream
+
+
+class CallAgreement:
+    """Prepares each call and agrees on it with the peers (a mixin: ``self`` is the ``Buffer``)."""
+
+    def _prepare_dispatch(
+        self,
+        seq: int,
+        x: XType,
+        handle: DispatchHandle | None,
+        num_tokens_per_rank: torch.Tensor | None,
+        num_tokens_per_rdma_rank: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Config | None,
+        previous_event: EventOverlap | None,
+    ) -> _Prepared:
+        """Every check of one rank's dispatch arguments, and its row of the call header."""
+        self._check_event(previous_event)
+        config = self._check_config(config, "dispatch")
+        x_data, x_scales = self._split_x(x)
+        num_tokens, hidden = x_data.shape
+        self._check_buffer_size(x_data, hidden, config)
+        self._check_int("expert_alignment", expert_alignment, minimum=1)
+        self._check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        checks = None
+        if handle is not None:
+            self._check_handle(handle)
+            if topk_idx is not None or topk_weights is not None:
+                raise InvalidInputError(
+                    "cached dispatch (handle given) takes no topk_idx/topk_weights: the layout "
+                    "comes from the handle; drop them or dispatch without a handle"
+                )
+            if num_tokens != handle.is_token_in_rank.shape[0]:
+                raise InvalidInputError(
+                    f"cached dispatch: x has {num_tokens} tokens but the handle was made for "
+                    f"{handle.is_token_in_rank.shape[0]}"
+                )
+            args = DispatchArgs(
+                x=x_data,
+                x_scales=x_scales,
+                topk_idx=None,
+                topk_weights=None,
+                is_token_in_rank=handle.is_token_in_rank,
+                num_tokens_per_rank=handle.num_tokens_per_rank,
+                num_tokens_per_rdma_rank=None,
+                num_tokens_per_expert=None,
+                num_experts=0,
+                expert_alignment=expert_alignment,
+                num_worst_tokens=handle.num_worst_tokens,
+                config=config,
+                cached=handle,
+            )
+        else:
+            args, checks = self._dispatch_args(
+                x_data,
+                x_scales,
+                num_tokens_per_rank,
+                num_tokens_per_rdma_rank,
+                is_token_in_rank,
+                num_tokens_per_expert,
+                topk_idx,
+                topk_weights,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+            )
+        header = None
+        if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
+            header = CallHeader(
+                kind=KIND_DISPATCH if handle is None else KIND_CACHED,
+                seq=seq,
+                dtype=DTYPE_CODES.get(x_data.dtype, 0),
+                hidden=hidden,
+                num_scales=0 if x_scales is None else x_scales.shape[1],
+                num_topk=0 if args.topk_idx is None else args.topk_idx.shape[1],
+                num_experts=args.num_experts,
+                handle_seq=0 if handle is None else handle.seq,
+                num_sms=config.num_sms,
+                rdma_send=config.num_max_rdma_chunked_send_tokens,
+                rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+                num_worst_tokens=args.num_worst_tokens,
+            )
+        counts = None if handle is not None else args.num_tokens_per_rank
+        inputs = [t for t in (x_data, x_scales, topk_idx, topk_weights) if t is not None]
+        return _Prepared(args, header, checks, counts, num_tokens, inputs)
+
+    def _prepare_combine(
+        self,
+        seq: int,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: torch.Tensor | Sequence[torch.Tensor] | None,
+        config: Config | None,
+        previous_event: EventOverlap | None,
+    ) -> _Prepared:
+        """Every check of one rank's combine arguments, and its row of the call header."""
+        self._check_event(previous_event)
+        config = self._check_config(config, "combine")
+        self._check_handle(handle)
+        expected_rows = handle.num_worst_tokens or handle.num_recv_tokens
+        self._check_tensor("x", x, dims=2, rows=expected_rows)
+        if x.dtype not in self._backend.x_dtypes or x.dtype.itemsize == 1:
+            raise InvalidInputError(
+                f"combine: x.dtype={x.dtype} is not supported by the {self.backend} backend; "
+                f"use one of {sorted(str(d) for d in self._backend.x_dtypes if d.itemsize > 1)}"
+            )
+        self._check_buffer_size(x, x.shape[1], config)
+        if topk_weights is not None:
+            self._check_tensor("topk_weights", topk_weights, dims=2, rows=expected_rows)
+            check_dtype("topk_weights", topk_weights, (torch.float32,))
+        num_tokens = handle.is_token_in_rank.shape[0]
+        biases: tuple[torch.Tensor, ...] = ()
+        if bias is not None:
+            biases = (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+            if len(biases) > 2:
+                raise InvalidInputError(f"combine: bias takes at most 2 tensors, got {len(biases)}")
+            for i, b in enumerate(biases):
+                self._check_tensor(f"bias[{i}]", b, dims=2, rows=num_tokens)
+                if b.shape[1] != x.shape[1]:
+                    raise InvalidInputError(
+                        f"combine: bias[{i}] has hidden {b.shape[1]}, x has {x.shape[1]}"
+                    )
+        x = x.contiguous()
+        header = None
+        if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
+            header = CallHeader(
+                kind=KIND_COMBINE,
+                seq=seq,
+                dtype=DTYPE_CODES.get(x.dtype, 0),
+                hidden=x.shape[1],
+                num_topk=0 if topk_weights is None else topk_weights.shape[1],
+                handle_seq=handle.seq,
+                num_bias=len(biases),
+                num_sms=config.num_sms,
+                rdma_send=config.num_max_rdma_chunked_send_tokens,
+                rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+            )
+        inputs = [x, *biases] + ([topk_weights] if topk_weights is not None else [])
+        return _Prepared((x, topk_weights, biases, config), header, None, None, num_tokens, inputs)
+
+    def _next_call(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def _agree(
+        self,
+        kind: int,
+        seq: int,
+        prepared: _Prepared | None,
+        error: BaseException | None,
+        sync_free: bool = False,
+    ) -> Agreement | None:
+        """Exchange this rank's call header; raise what every rank raises, or return the rows.
+
+        A rank whose own checks failed (``error``) still takes part, with the error flag set,
+        so that every rank raises that error now instead of waiting for it in a collective.
+        ``sync_free``: the call needs no host sizes; a backend that ``agrees_on_device`` then
+        checks the rows on the GPU and raises a failure at the next host-visible point.
+        """
+        if not self._backend.agrees_per_call:
+            # Kernels that agree on counts inside their notify step (see DESIGN): nothing to
+            # exchange here. A rank whose own checks failed tells the peers through their
+            # control regions, so their waits for this call stop at once and name it.
+            if error is not None:
+                self._backend.abort_peers(f"{KIND_NAMES[kind]} #{seq}", error)
+                raise error
+            return None
+        call = f"{KIND_NAMES[kind]} #{seq}"
+        if prepared is None:
+            header = CallHeader(kind=kind, seq=seq, error=error_code(error))
+            row = encode_row(header, self.group_size, self.device)
+        else:
+            row = encode_row(
+                prepared.header,
+                self.group_size,
+                self.device,
+                prepared.checks,
+                prepared.counts,
+                prepared.num_tokens,
+            )
+        if sync_free and self._backend.agrees_on_device:
+            self._backend.exchange_header_async(row, call)
+            if error is not None:
+                raise error
+            return None
+        agreed = Agreement.decode(self._backend.exchange_header(row, call))
+        if agreed.failed_ranks:
+            texts = self._backend.gather_objects(
+                describe_error(error) if error is not None else None, call
+            )
+            shared = peer_error(call, agreed, texts)
+            if error is not None:
+                raise shared from error
+            raise shared
+        agreed.check(call)
+        if kind == KIND_DISPATCH:
+            agreed.check_routing(call)
+            agreed.check_worst_tokens(call)
+        return agreed
+
+
+def worst_of(handle: Any) -> int:
+    """``num_worst_tokens`` of a handle (0 for anything that is not one)."""
+    worst = getattr(handle, "num_worst_tokens", 0) if isinstance(handle, DispatchHandle) else 0
+    return worst if isinstance(worst, int) else 0

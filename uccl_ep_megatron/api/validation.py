@@ -1,0 +1,301 @@
+"""The argument checks of ``Buffer``: each raises a clear error naming the value and the fix.
+
+``ArgumentChecks`` is a mixin of ``Buffer`` (``api/buffer.py``): the checks read the Buffer's
+group, device, sizes and backend, set up by ``Buffer.__init__``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from uccl_ep_megatron.backends.agreement import describe_layout_bits
+from uccl_ep_megatron.backends.base import (
+    DispatchArgs,
+    DispatchHandle,
+    Layout,
+    check_expert_ids,
+    routing_check,
+)
+from uccl_ep_megatron.core.config import MAX_TOPK, Config
+from uccl_ep_megatron.core.errors import BufferTooSmallError, InvalidInputError, UcclEpError
+from uccl_ep_megatron.core.events import EventOverlap
+
+_TOPK_DTYPES = (torch.int64, torch.int32)
+
+XType = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class ArgumentChecks:
+    """Checks of one rank's arguments, shared by ``Buffer``'s calls (a mixin: ``self`` is the
+    ``Buffer``)."""
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise UcclEpError("this Buffer was destroyed; create a new Buffer")
+
+    @staticmethod
+    def _check_event(previous_event: Any) -> None:
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise InvalidInputError(
+                f"previous_event={previous_event!r}: pass an EventOverlap (e.g. Buffer.capture())"
+            )
+
+    def _check_num_experts(self, num_experts: int) -> None:
+        self._check_int("num_experts", num_experts, minimum=1)
+        if num_experts % self.group_size:
+            raise InvalidInputError(
+                f"num_experts={num_experts} is not divisible by the {self.group_size} ranks of "
+                "the group; use a multiple of the EP size"
+            )
+
+    @staticmethod
+    def _check_int(name: str, value: Any, minimum: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise InvalidInputError(f"{name}={value!r}: must be an int >= {minimum}")
+
+    def _check_tensor(self, name: str, t: Any, dims: int, rows: int | None = None) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device.type != self.device.type or (
+            self.device.type == "cuda" and t.device.index != self.device.index
+        ):
+            raise InvalidInputError(
+                f"{name} is on {t.device} but this Buffer's group runs on {self.device}; "
+                f"move it with .to({str(self.device)!r})"
+            )
+        if t.dim() != dims:
+            raise InvalidInputError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+        if rows is not None and t.shape[0] != rows:
+            raise InvalidInputError(
+                f"{name} has {t.shape[0]} rows (shape {tuple(t.shape)}), expected {rows}"
+            )
+
+    def _check_config(self, config: Config | None, op: str) -> Config:
+        if config is None:
+            key = (op, self.num_sms)  # Buffer.set_num_sms changes the defaults
+            config = self._default_configs.get(key)
+            if config is None:
+                config = (
+                    self.get_dispatch_config(self.group_size)
+                    if op == "dispatch"
+                    else self.get_combine_config(self.group_size)
+                )
+                if self.max_num_sms is not None and config.num_sms > self.max_num_sms:
+                    config = dataclasses.replace(config, num_sms=self.max_num_sms)
+                self._default_configs[key] = config
+            return config
+        if not isinstance(config, Config):
+            raise InvalidInputError(f"config={config!r}: pass a uccl_ep_megatron.Config or None")
+        if self.max_num_sms is not None and config.num_sms > self.max_num_sms:
+            raise InvalidInputError(
+                f"{op}: Config.num_sms={config.num_sms} but {self.gpu_sharers} ranks share "
+                f"{self.device} and their kernels must all be resident at once: use num_sms <= "
+                f"{self.max_num_sms} (Buffer.max_num_sms)"
+            )
+        return config
+
+    def _check_buffer_size(self, x: torch.Tensor, hidden: int, config: Config) -> None:
+        hidden_bytes = hidden * max(x.element_size(), 2)
+        key = (hidden_bytes, config)  # the hints read the environment: checked once per key
+        if key in self._sizes_ok:
+            return
+        need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        if self.num_nvl_bytes < need_nvl:
+            raise BufferTooSmallError(
+                f"Buffer has num_nvl_bytes={self.num_nvl_bytes} but hidden={hidden} "
+                f"({x.dtype}) with this config needs {need_nvl}; create the Buffer with "
+                f"num_nvl_bytes >= Config.get_nvl_buffer_size_hint({hidden_bytes}, "
+                f"{self.group_size})"
+            )
+        need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
+        if self.num_rdma_bytes < need_rdma:
+            raise BufferTooSmallError(
+                f"Buffer has num_rdma_bytes={self.num_rdma_bytes} but hidden={hidden} needs "
+                f"{need_rdma} across {self.num_rdma_ranks} nodes; create the Buffer with "
+                f"num_rdma_bytes >= Config.get_rdma_buffer_size_hint({hidden_bytes}, "
+                f"{self.group_size})"
+            )
+        self._sizes_ok.add(key)
+
+    def _check_handle(self, handle: Any) -> None:
+        if not isinstance(handle, DispatchHandle):
+            raise InvalidInputError(
+                "handle must be the handle returned by Buffer.dispatch, got "
+                f"{type(handle).__name__}"
+            )
+        if handle.owner != self.uid:
+            raise InvalidInputError(
+                f"this handle was made by another Buffer (#{handle.owner}), not this one "
+                f"(#{self.uid}); pass the handle returned by this Buffer's dispatch"
+            )
+
+    def _split_x(self, x: XType) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scales = None
+        if isinstance(x, tuple | list):
+            if len(x) != 2:
+                raise InvalidInputError(
+                    f"FP8 x must be a pair (x_e4m3 [T, H], scales float32 [T, H/128]), got "
+                    f"{len(x)} items"
+                )
+            x, scales = x
+        self._check_tensor("x", x, dims=2)
+        if x.dtype not in self._backend.x_dtypes:
+            raise InvalidInputError(
+                f"x.dtype={x.dtype} is not supported by the {self.backend} backend; use one of "
+                f"{sorted(str(d) for d in self._backend.x_dtypes)} (FP8 as a (x, scales) tuple)"
+            )
+        is_fp8 = x.dtype.itemsize == 1
+        if is_fp8 != (scales is not None):
+            raise InvalidInputError(
+                "FP8 x must come as a tuple (x_e4m3, scales) and only FP8 x takes scales; "
+                f"got x.dtype={x.dtype} with{'out' if scales is None else ''} scales"
+            )
+        if scales is not None:
+            num_tokens, hidden = x.shape
+            if hidden % 128:
+                raise InvalidInputError(f"FP8 x needs hidden % 128 == 0, got hidden={hidden}")
+            self._check_tensor("scales", scales, dims=2, rows=num_tokens)
+            check_dtype("scales", scales, (torch.float32,))
+            if scales.shape[1] != hidden // 128:
+                raise InvalidInputError(
+                    f"scales has shape {tuple(scales.shape)}, expected "
+                    f"[{num_tokens}, {hidden // 128}] (one float32 per 128 elements)"
+                )
+            scales = scales.contiguous()
+        return x.contiguous(), scales
+
+    def _check_topk_idx(
+        self, topk_idx: Any, num_experts: int, num_tokens: int | None, check_range: bool = True
+    ) -> bool:
+        """Shape/dtype checks, and the id range now; returns True when the range is left to a
+        backend that checks it at its own host sync (``defers_id_check``)."""
+        self._check_tensor("topk_idx", topk_idx, dims=2, rows=num_tokens)
+        check_dtype("topk_idx", topk_idx, _TOPK_DTYPES)
+        if topk_idx.shape[1] > MAX_TOPK or topk_idx.shape[1] == 0:
+            raise InvalidInputError(
+                f"topk_idx has {topk_idx.shape[1]} columns; num_topk must be in 1..{MAX_TOPK}"
+            )
+        if not topk_idx.numel() or not check_range:
+            return False
+        if self._backend.defers_id_check:
+            return True  # no host sync here: the backend checks at the sync it makes anyway
+        lo, hi = torch.aminmax(topk_idx)
+        check_expert_ids(int(lo), int(hi), num_experts)
+        return False
+
+    def _dispatch_args(
+        self,
+        x: torch.Tensor,
+        x_scales: torch.Tensor | None,
+        num_tokens_per_rank: torch.Tensor | None,
+        num_tokens_per_rdma_rank: torch.Tensor | None,
+        is_token_in_rank: torch.Tensor | None,
+        num_tokens_per_expert: torch.Tensor | None,
+        topk_idx: torch.Tensor | None,
+        topk_weights: torch.Tensor | None,
+        expert_alignment: int,
+        num_worst_tokens: int,
+        config: Config,
+    ) -> tuple[DispatchArgs, torch.Tensor | None]:
+        """The checked ``DispatchArgs``, and the routing checks still to run on every rank
+        (``routing_check``) when the backend defers them to its call-header exchange."""
+        num_tokens = x.shape[0]
+        missing = [
+            name
+            for name, t in (
+                ("num_tokens_per_rank", num_tokens_per_rank),
+                ("is_token_in_rank", is_token_in_rank),
+                ("num_tokens_per_expert", num_tokens_per_expert),
+            )
+            if t is None
+        ]
+        if missing:
+            raise InvalidInputError(
+                f"dispatch without a handle needs {', '.join(missing)}: pass the outputs of "
+                "Buffer.get_dispatch_layout(topk_idx, num_experts)"
+            )
+        self._check_tensor("is_token_in_rank", is_token_in_rank, dims=2, rows=num_tokens)
+        check_dtype("is_token_in_rank", is_token_in_rank, (torch.bool,))
+        if is_token_in_rank.shape[1] != self.group_size:
+            raise InvalidInputError(
+                f"is_token_in_rank has {is_token_in_rank.shape[1]} columns but the group has "
+                f"{self.group_size} ranks; was the layout computed for another group?"
+            )
+        self._check_tensor("num_tokens_per_rank", num_tokens_per_rank, dims=1, rows=self.group_size)
+        self._check_tensor("num_tokens_per_expert", num_tokens_per_expert, dims=1)
+        num_experts = num_tokens_per_expert.shape[0]
+        self._check_num_experts(num_experts)
+        if self.num_rdma_ranks > 1:
+            if num_tokens_per_rdma_rank is None:
+                raise InvalidInputError(
+                    f"the group spans {self.num_rdma_ranks} nodes: pass num_tokens_per_rdma_rank "
+                    "from get_dispatch_layout"
+                )
+            self._check_tensor(
+                "num_tokens_per_rdma_rank",
+                num_tokens_per_rdma_rank,
+                dims=1,
+                rows=self.num_rdma_ranks,
+            )
+        if (topk_idx is None) != (topk_weights is None):
+            raise InvalidInputError("pass topk_idx and topk_weights together, or neither")
+        check_ids = False
+        if topk_idx is not None:
+            check_ids = self._check_topk_idx(topk_idx, num_experts, num_tokens)
+            self._check_tensor("topk_weights", topk_weights, dims=2, rows=num_tokens)
+            check_dtype("topk_weights", topk_weights, (torch.float32,))
+            if topk_weights.shape != topk_idx.shape:
+                raise InvalidInputError(
+                    f"topk_weights shape {tuple(topk_weights.shape)} != topk_idx shape "
+                    f"{tuple(topk_idx.shape)}"
+                )
+            topk_idx = topk_idx.contiguous()
+            topk_weights = topk_weights.contiguous()
+        checks = None
+        if self._backend.agrees_per_call:
+            # The layout tensors are checked against what topk_idx implies (or, without it,
+            # against is_token_in_rank): wrong ones misdeliver rows or size outputs wrongly.
+            given = Layout(
+                num_tokens_per_rank,
+                num_tokens_per_rdma_rank,
+                num_tokens_per_expert,
+                is_token_in_rank,
+            )
+            true = None
+            if topk_idx is not None:
+                true = self._backend.get_dispatch_layout(topk_idx, num_experts)
+            checks = routing_check(given, true, topk_idx, self.topology)
+            if self._backend.defers_id_check:
+                check_ids = False  # ids and layout travel in the call header
+            else:
+                bits = int(checks[2])
+                if bits:
+                    raise InvalidInputError(describe_layout_bits(bits))
+                checks = None
+        args = DispatchArgs(
+            x=x,
+            x_scales=x_scales,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+            is_token_in_rank=is_token_in_rank.contiguous(),
+            num_tokens_per_rank=num_tokens_per_rank,
+            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            num_experts=num_experts,
+            expert_alignment=expert_alignment,
+            num_worst_tokens=num_worst_tokens,
+            config=config,
+            cached=None,
+            check_ids=check_ids,
+        )
+        return args, checks
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise InvalidInputError(
+            f"{name}.dtype={t.dtype}; expected {' or '.join(str(d) for d in allowed)}"
+        )

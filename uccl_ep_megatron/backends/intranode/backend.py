@@ -1,0 +1,509 @@
+"""``KernelsBackend``: the intranode kernels' host side (sizing, launch structs, teardown).
+
+The package docstring (``backends/intranode/__init__.py``) describes the kernels' protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from uccl_ep_megatron.backends.agreement import (
+    error_code,
+    pack_combine_header,
+    pack_dispatch_header,
+)
+from uccl_ep_megatron.backends.base import (
+    Backend,
+    DispatchArgs,
+    DispatchHandle,
+    DispatchResult,
+    Layout,
+    Topology,
+)
+from uccl_ep_megatron.backends.intranode.launch import (
+    as_int32,
+    combine_rows_of,
+    launch_layout,
+    poison_dispatch,
+    poison_on_timeout,
+    prepare_combine,
+    rows_sent,
+    warm_poison,
+)
+from uccl_ep_megatron.backends.intranode.status import (
+    CHECK_WORDS,
+    check_all_ranks,
+    describe_call,
+    status_error,
+)
+from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
+from uccl_ep_megatron.core._c import load as load_c
+from uccl_ep_megatron.core.config import Config
+from uccl_ep_megatron.core.errors import BufferTooSmallError, UcclEpError, UnsupportedError
+
+
+@dataclass
+class _State:
+    """What combine and cached dispatch need from a dispatch (kept in the handle)."""
+
+    # rank_prefix_matrix, row-major, on the host; None for a sync-free dispatch, whose
+    # kernels read it from the device (the handle's rank_prefix_matrix).
+    prefix_host: tuple[int, ...] | None
+    send_pos: torch.Tensor  # [T, R] int32: position of token t among rows sent to rank r, -1
+    # Rows of every rank's combine staging: exact, or num_worst_tokens when sync-free.
+    combine_rows: int
+    # The combine launch struct with this layout's fields set, built by the first combine of
+    # the handle and reused (host time), and the buffer generation (IpcBuffers.grows) it saw.
+    combine_args: Any = None
+    combine_grows: int = -1
+
+
+class KernelsBackend(Backend):
+    """Intranode dispatch/combine kernels for ranks of one node (up to 8)."""
+
+    name = "kernels"
+    defers_id_check = True
+    x_dtypes = frozenset(
+        {
+            torch.bfloat16,
+            torch.float16,
+            torch.float32,
+            torch.float8_e4m3fn,
+            torch.float8_e4m3fnuz,
+        }
+    )
+
+    @classmethod
+    def unsupported_reason(cls, topology: Topology, device: torch.device) -> str | None:
+        """Why these kernels cannot serve the group, or ``None`` when they can."""
+        c = load_c()
+        if not c.kernels_built():
+            return "the _C extension was built without the GPU kernels"
+        if device.type != "cuda":
+            return f"tensors live on {device.type}"
+        if topology.num_nodes > 1:
+            return (
+                f"the group spans {topology.num_nodes} nodes; the kernels backend provides the "
+                "intranode (single-node) path only"
+            )
+        if topology.num_ranks > c.KERNELS_MAX_RANKS:
+            return f"{topology.num_ranks} ranks exceed the {c.KERNELS_MAX_RANKS} of one node"
+        return None
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        topology: Topology,
+        device: torch.device,
+        num_nvl_bytes: int,
+        num_rdma_bytes: int,
+    ) -> None:
+        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
+        reason = self.unsupported_reason(topology, device)
+        if reason is not None:
+            raise UnsupportedError(f"backend='kernels' is unavailable: {reason}")
+        c = load_c()
+        self._c = c
+        self._status = 0
+        self._destroyed = False
+        # A CUDA graph captured a call: its kernels hold the buffer addresses, so no regrow.
+        self._captured = False
+        # An input error of a sync-free call was raised already (destroy() raises it otherwise).
+        self._reported = False
+        self._aborted: str | None = None  # the call this rank rejected (abort_peers)
+        self._device_index = (
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+        self._last_header = ""  # this rank's last device-checked call header, in words
+        # The control region is always there, so barriers work even before data fits.
+        nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
+        self._ipc = IpcBuffers(
+            c,
+            group,
+            topology.rank,
+            device.index if device.index is not None else torch.cuda.current_device(),
+            nbytes,
+            list(range(topology.num_ranks)),
+            keep_bytes=int(c.KERNELS_DATA_OFFSET),
+        )
+        self._status = c.host_status_alloc()
+        warm_poison(c, self._status, device)
+        self._dargs: Any = None  # see _dispatch_args
+        self._dargs_grows = -1
+        from uccl_ep_megatron.config import effective_env
+
+        env = effective_env()
+        self._timeout_ms = int(env["UCCL_EP_TIMEOUT_MS"])
+        self._use_tma = bool(env["UCCL_EP_INTRANODE_TMA"])
+        self._timeout_ns = self._timeout_ms * 1_000_000
+
+    # ---- helpers -----------------------------------------------------------------------
+    @property
+    def _buffers(self) -> list[int]:
+        return self._ipc.ptrs
+
+    @property
+    def _buffer_bytes(self) -> int:
+        # Staging must fit in every rank's buffer: the smallest one bounds a call.
+        return min(self._ipc.sizes)
+
+    def _fit(self, need: int, what: str, capturing: bool) -> None:
+        """Grow every rank's buffer (collectively) when this call needs more than it holds."""
+        if need <= self._buffer_bytes:
+            return
+        if capturing:
+            raise BufferTooSmallError(
+                f"{what} needs num_nvl_bytes >= {need} but the buffer holds "
+                f"{self._buffer_bytes}, and it cannot grow while a CUDA graph is being captured "
+                "(growing synchronizes the device and reallocates): run the same call once "
+                "eagerly before capturing, or create the Buffer with num_nvl_bytes >= "
+                f"{need}"
+            )
+        if self._captured:
+            raise BufferTooSmallError(
+                f"{what} needs num_nvl_bytes >= {need} but the buffer holds "
+                f"{self._buffer_bytes}, and a CUDA graph captured from this Buffer still "
+                "writes into the current one, so it cannot be reallocated: create the Buffer "
+                f"with num_nvl_bytes >= {need}"
+            )
+        self._ipc.grow([need] * self.topology.num_ranks, what)
+
+    def _dispatch_args(self) -> Any:
+        """This backend's dispatch launch struct, its per-Buffer fields set once (and again
+        after a regrow); calls set the rest. Host time: ~30 binding field sets per call were
+        most of the struct's cost."""
+        grows = self._ipc.grows
+        if self._dargs is None or self._dargs_grows != grows:
+            a = self._c.IntranodeDispatchArgs()
+            a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
+            a.rank, a.num_ranks = self.topology.rank, self.topology.num_ranks
+            a.use_tma = self._use_tma
+            a.status, a.timeout_ns = self._status, self._timeout_ns
+            self._dargs, self._dargs_grows = a, grows
+        return self._dargs
+
+    def _stream(self) -> int:
+        # An int index: torch resolves a torch.device through slower checks on every call.
+        return torch.cuda.current_stream(self._device_index).cuda_stream
+
+    def _capturing(self) -> bool:
+        if torch.cuda.is_current_stream_capturing():
+            self._captured = True
+            return True
+        return False
+
+    def check_errors(self) -> None:
+        self._check_status()
+
+    def abort_peers(self, call: str, error: BaseException) -> None:
+        """Post this rank's abort record into every peer's control region (see
+        ``kAbortOffset``): peers waiting for this rank in ``call`` stop within microseconds and
+        raise ``error``'s class with its message. The group's calls no longer match after this,
+        so every Buffer of the group is unusable (as after a timeout)."""
+        if self._destroyed or self._aborted is not None:
+            return
+        self._aborted = call
+        reason = f"{call}: {type(error).__name__}: {error}"
+        try:
+            with torch.cuda.device(self.device):
+                self._c.post_abort(
+                    self._buffers, self.topology.rank, 1 << 8 | error_code(error), reason
+                )
+        except Exception as exc:  # noqa: BLE001 - the original error is what the caller sees
+            error.add_note(f"uccl_ep: could not tell the peers ({exc}); they will time out")
+
+    def _check_status(self) -> None:
+        if self._destroyed:
+            raise UcclEpError("the kernels backend was destroyed; create a new Buffer")
+        if self._aborted is not None:
+            raise UcclEpError(
+                f"rank {self.topology.rank} rejected {self._aborted} and told its peers to stop; "
+                "the group's calls no longer match, so this Buffer is unusable: create a new one"
+            )
+        words = self._c.host_status_read(self._status)
+        if words[0]:
+            raise self._status_error(*words)
+
+    def _status_error(self, code: int, a: int, b: int, extra: int) -> UcclEpError:
+        """The exception the status words describe (``status.status_error``)."""
+        c = self._c
+        if code not in (c.STATUS_TIMEOUT, c.STATUS_PEER_ABORT):
+            self._reported = True  # an input error: destroy() does not raise it a second time
+        own = self.topology.rank
+        return status_error(
+            c,
+            (code, a, b, extra),
+            own,
+            self._timeout_ms,
+            self._last_header,
+            lambda peer: c.read_abort(self._buffers[own], peer),
+        )
+
+    # ---- layout -------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
+        self._check_status()
+        per_rank, per_expert, in_rank = launch_layout(
+            self._c, topk_idx, num_experts, self.topology.num_ranks, self._stream()
+        )
+        return Layout(per_rank, None, per_expert, in_rank)
+
+    # ---- dispatch -----------------------------------------------------------------------
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        self._check_status()
+        c = self._c
+        topo = self.topology
+        rank, num_ranks = topo.rank, topo.num_ranks
+        x = args.x.contiguous()
+        num_tokens, hidden = x.shape
+        dev = x.device
+        cached = args.cached
+        topk_idx = None if cached is not None else args.topk_idx
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        scales = args.x_scales
+        num_scales = 0 if scales is None else scales.shape[1]
+        experts_per_rank = 0 if cached is not None else args.num_experts // num_ranks
+        if experts_per_rank > c.KERNELS_MAX_LOCAL_EXPERTS:
+            raise UnsupportedError(
+                f"{experts_per_rank} experts per rank exceed the kernels' limit of "
+                f"{c.KERNELS_MAX_LOCAL_EXPERTS}; use the reference backend"
+            )
+        worst = args.num_worst_tokens
+        capturing = self._capturing()
+        if capturing and worst == 0:
+            raise UnsupportedError(
+                "dispatch without num_worst_tokens reads the received counts back to the host, "
+                "which a CUDA graph cannot capture: pass num_worst_tokens > 0 (sync-free mode)"
+            )
+        stream = self._stream()
+        row_bytes = hidden * x.element_size()
+        idx_size = topk_idx.element_size() if topk_idx is not None else 8
+        if worst > 0:
+            # Sync-free: staging for the worst case, sized from host-known values before
+            # anything is launched (every rank passes the same num_worst_tokens).
+            need = c.dispatch_staging_bytes(worst, row_bytes, num_scales, num_topk, idx_size)
+            self._fit(need, f"dispatch of up to {worst} rows of {row_bytes} bytes", capturing)
+        per_rank = as_int32(args.num_tokens_per_rank)
+        per_expert = None
+        if cached is None:
+            per_expert = as_int32(args.num_tokens_per_expert)
+            send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
+        else:
+            send_pos = cached.state.send_pos
+        # [rank_prefix_matrix (R*R) | aligned received rows per local expert]: the handle's
+        # rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it.
+        info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
+        # Every rank's input checks come back with the counts (see _check_all_ranks); in
+        # sync-free mode notify judges them itself and records a failure in the status word.
+        all_bounds = None
+        if cached is None and worst == 0:
+            all_bounds = torch.empty(num_ranks * CHECK_WORDS, dtype=torch.int64, device=dev)
+        # The call header every rank must agree on: read back with the counts (exact mode),
+        # judged by notify (sync-free) or compared with its barrier (cached dispatch).
+        header = pack_dispatch_header(
+            x.dtype, hidden, num_scales, num_topk, 0 if cached is not None else args.num_experts
+        )
+        kind = "cached dispatch" if cached is not None else "dispatch"
+        self._last_header = describe_call(kind, x.dtype, hidden, num_scales)
+        c.intranode_notify(
+            buffers=self._buffers,
+            rank=rank,
+            num_ranks=num_ranks,
+            num_tokens_per_rank=per_rank.data_ptr(),
+            num_tokens_per_expert=0 if per_expert is None else per_expert.data_ptr(),
+            experts_per_rank=experts_per_rank,
+            expert_alignment=args.expert_alignment,
+            rank_prefix_matrix=info.data_ptr(),
+            out_info=info.data_ptr(),
+            status=self._status,
+            timeout_ns=self._timeout_ns,
+            is_token_in_rank=args.is_token_in_rank.data_ptr(),
+            num_tokens=num_tokens,
+            send_pos=0 if cached is not None else send_pos.data_ptr(),
+            stream=stream,
+            # Notify scans the id range itself (no extra launches); ids are checked whenever
+            # given, so args.check_ids (the range is still unchecked) is always honoured.
+            topk_idx=0 if topk_idx is None else topk_idx.data_ptr(),
+            idx_is_64=topk_idx is None or topk_idx.dtype == torch.int64,
+            num_topk=num_topk,
+            out_bounds=0 if all_bounds is None else all_bounds.data_ptr(),
+            num_worst_tokens=worst,
+            num_experts=0 if cached is not None else args.num_experts,
+            header=header,
+        )
+        nrr = num_ranks * num_ranks
+        prefix = info[:nrr].view(num_ranks, num_ranks)
+        expert_counts: list[int] = []
+        prefix_host: tuple[int, ...] | None = None
+        if worst > 0:
+            rows_out = num_recv = staging_rows = worst
+            own_rows = send_rows = -1
+            combine_rows = worst
+        else:
+            if cached is not None:
+                prefix_host = cached.state.prefix_host
+            else:
+                # The one host sync (output sizes depend on it); every rank's checks ride along.
+                info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
+                self._check_status()
+                check_all_ranks(info_host[-CHECK_WORDS * num_ranks :], args.num_experts)
+                prefix_host = tuple(info_host[:nrr])
+                expert_counts = info_host[nrr : nrr + experts_per_rank]
+            pm = prefix_host
+            last = (num_ranks - 1) * num_ranks
+            num_recv = rows_out = pm[last + rank]
+            staging_rows = max(pm[last : last + num_ranks])
+            own_rows = rows_sent(pm, num_ranks, rank, rank)
+            send_rows = sum(rows_sent(pm, num_ranks, rank, r) for r in range(num_ranks))
+            combine_rows = combine_rows_of(pm, num_ranks)
+            need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
+            # Every rank holds the same prefix matrix, so all decide the same here.
+            self._fit(
+                need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes", False
+            )
+
+        recv_x = torch.empty(rows_out, hidden, dtype=x.dtype, device=dev)
+        recv_scales = None
+        if scales is not None:
+            recv_scales = torch.empty(rows_out, num_scales, dtype=torch.float32, device=dev)
+        recv_idx = recv_w = None
+        if topk_idx is not None:
+            recv_idx = torch.empty(rows_out, num_topk, dtype=topk_idx.dtype, device=dev)
+            recv_w = torch.empty(rows_out, num_topk, dtype=torch.float32, device=dev)
+        if cached is None:
+            recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
+        else:
+            recv_src = cached.recv_src_idx
+
+        a = self._dispatch_args()
+        a.num_tokens = num_tokens
+        a.experts_per_rank = experts_per_rank
+        a.x, a.row_bytes = x.data_ptr(), row_bytes
+        a.x_scales, a.num_scales = (0 if scales is None else scales.data_ptr()), num_scales
+        # The struct is reused across calls: every per-call field is set, also to 0.
+        if topk_idx is not None:
+            a.topk_idx = topk_idx.data_ptr()
+            a.idx_is_64 = topk_idx.dtype == torch.int64
+            a.topk_weights = args.topk_weights.data_ptr()
+            a.recv_topk_idx = recv_idx.data_ptr()
+            a.recv_topk_weights = recv_w.data_ptr()
+        else:
+            a.topk_idx = a.topk_weights = a.recv_topk_idx = a.recv_topk_weights = 0
+        a.num_topk = num_topk
+        a.is_token_in_rank = args.is_token_in_rank.data_ptr()
+        a.rank_prefix_matrix = info.data_ptr()
+        a.cached = cached is not None
+        a.num_sms = args.config.num_sms
+        a.send_pos = send_pos.data_ptr()
+        a.recv_x = recv_x.data_ptr()
+        a.recv_scales = 0 if recv_scales is None else recv_scales.data_ptr()
+        a.recv_src_idx = 0 if cached is not None else recv_src.data_ptr()
+        a.num_recv, a.num_out_rows = num_recv, rows_out
+        a.own_rows, a.send_rows = own_rows, send_rows
+        a.staging_rows = staging_rows
+        c.intranode_dispatch(a, stream)
+        # A failure inside this call is raised at the next one; until then the outputs say so.
+        outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
+        poison_dispatch(c, self._status, stream, *outs)
+
+        last_row = (num_ranks - 1) * num_ranks + rank
+        return DispatchResult(
+            recv_x=recv_x,
+            recv_x_scales=recv_scales,
+            recv_topk_idx=recv_idx,
+            recv_topk_weights=recv_w,
+            num_recv_tokens_per_expert=expert_counts,
+            rank_prefix_matrix=prefix if cached is None else cached.rank_prefix_matrix,
+            recv_src_idx=recv_src,
+            num_recv_tokens=num_recv,
+            state=_State(prefix_host, send_pos, combine_rows) if cached is None else cached.state,
+            recv_count=info[last_row : last_row + 1],
+            recv_tokens_per_expert=info[nrr:],
+        )
+
+    # ---- combine ------------------------------------------------------------------------
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        bias: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._check_status()
+        c = self._c
+        topo = self.topology
+        num_tokens = handle.is_token_in_rank.shape[0]
+        try:
+            t = prepare_combine(x, topk_weights, bias, num_tokens, "the kernels backend")
+        except UcclEpError as exc:
+            self.abort_peers("combine", exc)
+            raise
+        x, hidden = t.x, t.x.shape[1]
+        state: _State = handle.state
+        num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+        staging_rows = state.combine_rows
+        row_bytes = hidden * x.element_size()
+        need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
+        self._fit(
+            need,
+            f"combine of up to {staging_rows} returned rows of {row_bytes} bytes",
+            self._capturing(),
+        )
+
+        a = state.combine_args
+        if a is None or state.combine_grows != self._ipc.grows:
+            a = c.IntranodeCombineArgs()
+            a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
+            a.rank, a.num_ranks = topo.rank, topo.num_ranks
+            # Rows of x: the received count, or its bound in sync-free mode (the kernels read
+            # the real count from the device matrix).
+            a.num_recv = handle.num_recv_tokens
+            a.rank_prefix_matrix = handle.rank_prefix_matrix.data_ptr()
+            a.send_pos = state.send_pos.data_ptr()
+            a.num_tokens = num_tokens
+            a.staging_rows = staging_rows
+            a.use_tma = self._use_tma
+            a.status, a.timeout_ns = self._status, self._timeout_ns
+            state.combine_args, state.combine_grows = a, self._ipc.grows
+        a.dtype = t.dtype_code
+        a.hidden = hidden
+        a.x = x.data_ptr()
+        a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
+        a.num_topk = num_topk
+        a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
+        a.bias1 = t.biases[1].data_ptr() if len(t.biases) > 1 else 0
+        a.out = t.out.data_ptr()
+        a.out_weights = 0 if t.out_weights is None else t.out_weights.data_ptr()
+        a.num_sms = config.num_sms
+        a.header = pack_combine_header(x.dtype, hidden, num_topk, len(t.biases))
+        extra = f"topk_weights columns={num_topk}, biases={len(t.biases)}"
+        self._last_header = describe_call("combine", x.dtype, hidden, 0, extra)
+        stream = self._stream()
+        c.intranode_combine_push(a, stream)
+        c.intranode_combine_reduce(a, stream)
+        poison_on_timeout(c, self._status, stream, (t.out, "nan"), (t.out_weights, "nan"))
+        return t.out, t.out_weights
+
+    # ---- teardown -----------------------------------------------------------------------
+    def destroy(self, collective: bool = True) -> None:
+        if self._destroyed:
+            return
+        self._destroyed = True
+        c = self._c
+        pending = None
+        try:
+            self._ipc.close(collective, self._timeout_ms)
+            # close() synchronized the device: the status words are final. An input error no
+            # call has raised yet is raised now (after the release), as the contract says.
+            words = c.host_status_read(self._status)
+            if words[0] and words[0] != c.STATUS_TIMEOUT and not self._reported:
+                pending = self._status_error(*words)
+        finally:
+            with torch.cuda.device(self.device):
+                c.host_status_free(self._status)
+        if pending is not None:
+            raise pending

@@ -1,0 +1,116 @@
+"""What the intranode kernels report, in words: the exception each status-word code becomes
+(their layout: ``csrc/kernels/intranode.h``), every rank's notify checks, and the call
+descriptions the errors quote."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from uccl_ep_megatron.backends.agreement import check_packed_headers, error_class
+from uccl_ep_megatron.backends.base import check_expert_ids
+from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UcclEpError
+
+_SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "combine finish"}
+CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
+
+
+def describe_call(
+    call: str, dtype: torch.dtype, hidden: int, num_scales: int, extra: str = ""
+) -> str:
+    fp8 = f", FP8 scales={num_scales}" if num_scales else ""
+    tail = f", {extra}" if extra else ""
+    return f"{call} (dtype={str(dtype).removeprefix('torch.')}, hidden={hidden}{fp8}{tail})"
+
+
+def check_all_ranks(rows: list[int], num_experts: int) -> None:
+    """Raise the first bad input of any rank, on every rank. ``rows`` holds each rank's notify
+    checks (id min, id max, first rank whose ``num_tokens_per_rank`` entry differs from
+    ``is_token_in_rank``'s column, that entry, that column's sum, the packed call header),
+    identical everywhere, so all ranks raise together at the same call instead of the others
+    waiting for that rank's rows until the timeout, rows landing past outputs sized from the
+    wrong count, or bytes of one dtype read as another."""
+    check_packed_headers(rows[CHECK_WORDS - 1 :: CHECK_WORDS], "dispatch")
+    w = CHECK_WORDS
+    for r in range(len(rows) // w):
+        lo, hi, dest, given, actual = rows[r * w : r * w + 5]
+        try:
+            check_expert_ids(lo, hi, num_experts)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"rank {r}: {exc}") from None
+        if dest >= 0:
+            raise InvalidInputError(
+                f"rank {r}: num_tokens_per_rank[{dest}]={given} but is_token_in_rank marks "
+                f"{actual} tokens for rank {dest}; pass the layout tensors that "
+                "get_dispatch_layout(topk_idx) returns"
+            )
+
+
+def status_error(
+    c: Any,
+    words: tuple[int, int, int, int],
+    rank: int,
+    timeout_ms: int,
+    last_header: str,
+    read_abort: Callable[[int], tuple[int, str]],
+) -> UcclEpError:
+    """The exception the status words ``(code, a, b, extra)`` describe on ``rank``.
+
+    ``last_header`` describes this rank's last device-checked call; ``read_abort(a)`` reads
+    rank ``a``'s abort record (word, reason) from this rank's control region.
+    """
+    code, a, b, extra = words
+    if code == c.STATUS_TIMEOUT:
+        return CommTimeoutError(
+            f"rank {rank}: timed out after {timeout_ms} ms at the "
+            f"{_SITES.get(extra, f'site {extra}')} barrier (#{b}) waiting for rank {a}; "
+            f"rank {a} did not reach the same dispatch/combine call (crashed, or called a "
+            "different sequence of collectives). Raise UCCL_EP_TIMEOUT_MS if it is only "
+            "slow. This Buffer is unusable now; create a new one."
+        )
+    if code == c.STATUS_PEER_ABORT:
+        word, reason = read_abort(a)
+        return error_class(word & 0xFF)(
+            f"rank {rank}: rank {a} rejected its arguments ({reason}); no "
+            f"rank moved data for that call. Fix the call on rank {a}. This Buffer is "
+            "unusable now; create a new one."
+        )
+    if code == c.STATUS_HEADER_MISMATCH:
+        return InvalidInputError(
+            f"rank {rank}: the call of rank {a} differs from this rank's "
+            f"{last_header}: every rank must pass x of the same dtype and hidden size "
+            "(FP8 on all ranks or none), the same top-k and num_experts and, to combine, "
+            "topk_weights on all ranks or none and the same number of biases. That call's "
+            "outputs were NaN (no data moved). This Buffer is unusable now; create a new one."
+        )
+    after = (
+        " A sync-free call (num_worst_tokens > 0) found it on the GPU: that call's outputs "
+        "and those of every later call of this Buffer hold NaN rows, -1 ids and source "
+        "indices and 0 weights. This Buffer is unusable now; create a new one."
+    )
+    if code == c.STATUS_BAD_EXPERT_ID:
+        return InvalidInputError(
+            f"rank {a}: topk_idx contains expert id {b}; ids must be in [0, {extra}) or -1 "
+            f"for an unused slot.{after}"
+        )
+    if code == c.STATUS_LAYOUT_MISMATCH:
+        given, actual = extra >> 32, ((extra & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+        return InvalidInputError(
+            f"rank {a}: num_tokens_per_rank[{b}]={given} but is_token_in_rank marks "
+            f"{actual} tokens for rank {b}; pass the layout tensors that "
+            f"get_dispatch_layout(topk_idx) returns.{after}"
+        )
+    if code == c.STATUS_DISPATCH_OVERFLOW:
+        return InvalidInputError(
+            f"num_worst_tokens={extra} but rank {a} receives {b} rows; pass "
+            f"num_worst_tokens >= {b} (the worst case is num_tokens * num_ranks).{after}"
+        )
+    if code == c.STATUS_COMBINE_OVERFLOW:
+        return InvalidInputError(
+            f"combine of a sync-free handle: rank {a} gets {b} rows back but the combine "
+            f"staging holds num_worst_tokens={extra} rows per rank; pass num_worst_tokens >= "
+            f"(num_ranks - 1) * num_tokens (num_tokens * num_ranks always fits).{after}"
+        )
+    return UcclEpError(f"status words report unknown code {code} ({a}, {b}, {extra})")
