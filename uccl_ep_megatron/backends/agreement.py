@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -245,6 +246,12 @@ VERDICTS = (
 )
 
 
+@functools.cache
+def _agreed_columns(device: torch.device) -> torch.Tensor:
+    """Columns of the ``_AGREED`` fields in a header row, on ``device`` (made once)."""
+    return torch.tensor([_FIELDS.index(f) for f in _AGREED], dtype=torch.int64, device=device)
+
+
 def device_verdict(rows: torch.Tensor) -> torch.Tensor:
     """The host checks of a call (``Agreement`` and ``Buffer._agree``) on the GPU, no sync.
 
@@ -260,7 +267,9 @@ def device_verdict(rows: torch.Tensor) -> torch.Tensor:
     num_ranks = rows.shape[0]
     dev = rows.device
     dispatch = col["kind"] == KIND_DISPATCH
-    agreed = rows[:, [_FIELDS.index(f) for f in _AGREED]]
+    # A cached device index: indexing a CUDA tensor with a Python list copies the list from
+    # pageable memory and synchronizes (torch's sync debug mode caught it on the device).
+    agreed = rows.index_select(1, _agreed_columns(dev))
     differs = agreed != agreed[:1]
     lo, hi, bits = rows[:, n], rows[:, n + 1], rows[:, n + 2]
     worst = col["num_worst_tokens"]
