@@ -417,11 +417,11 @@ def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     del out, cached, lcx, lcw
 
     # Under the shared-GPU harness the group is gloo, whose all-gather of CUDA tensors stages
-    # them through host memory and waits for them on the calling thread (one stream sync per
-    # call header exchange: torch's sync debug mode traced it to all_gather_into_tensor on the
-    # device). That sync is the group's, not ours: with gloo, every collective runs with the
+    # them through host memory: torch's sync debug mode flags all_gather_into_tensor itself
+    # (seen on the device), although the profiler then records no synchronize on the calling
+    # thread. That staging is the group's, not ours: with gloo, every collective runs with the
     # debug mode off and is counted, and anything else that synchronizes raises here with its
-    # stack; with NCCL (one rank per GPU) nothing may synchronize at all.
+    # stack; with NCCL (one rank per GPU) nothing is exempted.
     gloo = torch.distributed.get_backend() == "gloo"
     real_gather = torch.distributed.all_gather_into_tensor
     gathers: list[int] = []
@@ -494,13 +494,13 @@ def test_sync_free_dispatch_combine(gpu_pool, params, reorder):
     out = gpu_pool.run(__file__, "sync_free_case", params, reorder, env=_env(gpu_pool, reorder, 5))
     for r, o in enumerate(out):
         assert o["runtime_calls"] > 0, o  # the calling thread's calls were found and counted
+        # No synchronize on the calling thread in the profiled round, on gloo too.
+        assert o["syncs"] == [], f"rank {r} synced the host: {o}"
         if o["gloo"]:
-            # One header all-gather per sync-free call (3 calls a round, 2 rounds), each with
-            # gloo's one copy-and-wait; nothing else (the debug-mode round raised otherwise).
+            # One header all-gather per sync-free call (3 calls a round, 2 rounds) ran with the
+            # debug mode off; nothing else synchronized (the debug-mode round raised otherwise).
             assert o["gathers"] == 6, o
-            assert o["syncs"] == ["cudaStreamSynchronize in aten::copy_"] * 6, (r, o["syncs"])
         else:
-            assert o["syncs"] == [], f"rank {r} synced the host: {o}"
             assert o["copies"] == [], f"rank {r} copied device-to-host: {o}"
 
 
