@@ -72,6 +72,8 @@ def test_yaml_overrides_reach_the_uccl_ep_dispatcher():
     assert seen["uccl_ep_keys_known"] == sorted(
         [
             "moe_uccl_ep_backend",
+            "moe_uccl_ep_capacity_factor",
+            "moe_uccl_ep_drop_log_interval",
             "moe_uccl_ep_metrics",
             "moe_uccl_ep_num_proxy_threads",
             "moe_uccl_ep_num_sms",
