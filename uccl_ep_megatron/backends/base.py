@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.backends.agreement import Agreement
 from uccl_ep_megatron.config import Config, effective_env
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,15 @@ class Backend(abc.ABC):
     # checks the rows on the GPU; a failed check is raised at the next host-visible point.
     agrees_on_device: bool = False
 
+    # How a user asks for this backend (``Buffer(backend=...)``), for the unavailability error.
+    requested_as: str = "'auto'"
+
+    @classmethod
+    def unsupported_reason(cls, topology: Topology, device: torch.device) -> str | None:
+        """Why this backend cannot serve the group, or ``None`` when it can (checked by the
+        constructor, which raises ``UnsupportedError`` with it)."""
+        return None
+
     def __init__(
         self,
         group: dist.ProcessGroup,
@@ -142,6 +151,9 @@ class Backend(abc.ABC):
         num_nvl_bytes: int,
         num_rdma_bytes: int,
     ) -> None:
+        reason = self.unsupported_reason(topology, device)
+        if reason is not None:
+            raise UnsupportedError(f"backend={self.requested_as} is unavailable: {reason}")
         self.group = group
         self.topology = topology
         self.device = device
@@ -181,7 +193,10 @@ class Backend(abc.ABC):
 
     def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
         """``exchange_header`` without reading the rows back (``agrees_on_device``)."""
-        raise NotImplementedError(f"the {self.name} backend checks call headers on the host")
+        raise UnsupportedError(
+            f"{call}: the {self.name} backend checks call headers on the host "
+            "(agrees_on_device is False); use exchange_header"
+        )
 
     def gather_objects(self, obj: Any, call: str) -> list[Any]:
         """Every rank's picklable ``obj`` (the error path of the header exchange)."""

@@ -70,6 +70,7 @@ class InternodeBackend(Backend):
     """GPU-initiated, proxy-executed, node-deduplicated HT dispatch/combine."""
 
     name = "kernels_internode"
+    requested_as = "'kernels' (internode)"
     defers_id_check = True
     agrees_per_call = True
     agrees_on_device = True
@@ -103,9 +104,6 @@ class InternodeBackend(Backend):
         num_rdma_bytes: int,
     ) -> None:
         super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
-        reason = self.unsupported_reason(topology, device)
-        if reason is not None:
-            raise UnsupportedError(f"backend='kernels' (internode) is unavailable: {reason}")
         if num_rdma_bytes <= 0:
             raise InvalidInputError(
                 f"num_rdma_bytes={num_rdma_bytes}: a group of {topology.num_nodes} nodes needs an "

@@ -66,6 +66,7 @@ class KernelsBackend(Backend):
     """Intranode dispatch/combine kernels for ranks of one node (up to 8)."""
 
     name = "kernels"
+    requested_as = "'kernels'"
     defers_id_check = True
     x_dtypes = frozenset(
         {
@@ -103,9 +104,6 @@ class KernelsBackend(Backend):
         num_rdma_bytes: int,
     ) -> None:
         super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
-        reason = self.unsupported_reason(topology, device)
-        if reason is not None:
-            raise UnsupportedError(f"backend='kernels' is unavailable: {reason}")
         c = load_c()
         self._c = c
         self._status = 0
