@@ -79,6 +79,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="time DeepEP V1 beside ours: auto = when deep_ep imports; on = fail without it",
     )
+    parser.add_argument(
+        "--deepep-sms",
+        type=int,
+        default=0,
+        help="time DeepEP at this one SM budget (capped like ours) and compare every --sms row "
+        "of ours with it; 0 = DeepEP at each --sms budget",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        help="after timing, profile N more calls per op on rank 0 and print the mean device "
+        "time per kernel (torch.profiler); 0 = off",
+    )
     parser.add_argument("--json", default="", help="also write the results to this JSON file")
 
 
@@ -114,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     sms = [int(s) for s in str(args.sms).split(",") if s.strip()]
     if not sms or any(s <= 0 or s % 2 for s in sms):
         raise SystemExit(f"--sms={args.sms!r}: give positive even SM counts, e.g. 12,24")
+    if args.deepep_sms < 0 or args.deepep_sms % 2:
+        raise SystemExit(f"--deepep-sms={args.deepep_sms}: give a positive even SM count or 0")
+    if args.kernels < 0:
+        raise SystemExit(f"--kernels={args.kernels}: give a call count >= 0")
     if args.deepep == "on":
         _import_deepep(required=True)
     results = []
@@ -122,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
             per_rank = pool.run(_worker, vars(args), sms)
             results.append(merge(per_rank, pool.placement.shared))
         print_table(results[-1])
+        print_kernels(results[-1])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
@@ -159,6 +178,30 @@ def time_call(fn, iters: int, warmup: int) -> dict[str, list[float]]:
         dev.append(start.elapsed_time(end) * 1e3)
         host.append((t1 - t0) * 1e6)
     return {"device_us": dev, "host_us": host}
+
+
+def profile_kernels(fn, calls: int, rank: int) -> dict[str, float]:
+    """Mean device microseconds per call of each kernel ``fn`` launches, on rank 0 (every rank
+    makes the calls: they are collective); empty on the other ranks."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank != 0:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("(")[0].split("<")[0][-48:]
+            per_kernel[name] = per_kernel.get(name, 0.0) + ev.device_time / calls
+    return per_kernel
 
 
 def _calls(buf, cfgs: tuple[Any, Any], x, x_fp8, layout: dict, state: dict, worst: int) -> dict:
@@ -295,7 +338,9 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         "device": torch.cuda.get_device_name(),
         "timings": [],
         "deepep": theirs is not None,
+        "deepep_sms": a["deepep_sms"],
         "agreement": {},
+        "kernels": [],
     }
     if theirs is not None:
         d_layout = theirs.get_dispatch_layout(idx, E)[:4]
@@ -332,11 +377,21 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         for name, b in ours.items():
             state: dict[str, Any] = {}
             for op, fn in _calls(b, mine, x, x_fp8, layout, state, T * world).items():
-                timed[(op, "ours", name)] = time_call(fn, a["iters"], a["warmup"])
+                timed[(op, "ours", name, sms)] = time_call(fn, a["iters"], a["warmup"])
+                if a["kernels"]:
+                    res["kernels"].append(
+                        {
+                            "op": op,
+                            "impl": f"ours-{name}",
+                            "sms": sms,
+                            "us": profile_kernels(fn, a["kernels"], rank),
+                        }
+                    )
             if name == next(iter(ours)):
                 ours_state = state
-        if theirs is not None:
-            deep_ep.Buffer.set_num_sms(sms)
+        if theirs is not None and (not a["deepep_sms"] or asked == sms_list[0]):
+            d_sms = min(a["deepep_sms"] or asked, buf.max_num_sms or asked)
+            deep_ep.Buffer.set_num_sms(d_sms)
             cfgs = (
                 deep_ep.Buffer.get_dispatch_config(world),
                 deep_ep.Buffer.get_combine_config(world),
@@ -352,11 +407,20 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
             )
             dstate: dict[str, Any] = {}
             for op, fn in _calls(theirs, cfgs, x, x_fp8, d_kw, dstate, T * world).items():
-                timed[(op, "deepep", "-")] = time_call(fn, a["iters"], a["warmup"])
+                timed[(op, "deepep", "-", d_sms)] = time_call(fn, a["iters"], a["warmup"])
+                if a["kernels"]:
+                    res["kernels"].append(
+                        {
+                            "op": op,
+                            "impl": "deepep",
+                            "sms": d_sms,
+                            "us": profile_kernels(fn, a["kernels"], rank),
+                        }
+                    )
             torch.cuda.synchronize()
-            res["agreement"][f"sms{sms}"] = _compare(ours_state, dstate)
-        for (op, impl, copy), t in timed.items():
-            res["timings"].append({"op": op, "impl": impl, "copy": copy, "sms": sms, **t})
+            res["agreement"][f"sms{d_sms}"] = _compare(ours_state, dstate)
+        for (op, impl, copy, at), t in timed.items():
+            res["timings"].append({"op": op, "impl": impl, "copy": copy, "sms": at, **t})
 
     torch.cuda.synchronize()
     dist.barrier()
@@ -406,11 +470,14 @@ def merge(per_rank: list[dict], shared: bool) -> dict:
         same = [
             q
             for q in rows
-            if q["impl"] == "deepep" and (q["op"], q["sms"]) == (row["op"], row["sms"])
+            if q["impl"] == "deepep"
+            and q["op"] == row["op"]
+            and (q["sms"] == row["sms"] or per_rank[0]["deepep_sms"])
         ]
         peer = same[0] if same else None
         if peer is not None:
             row["vs_deepep"] = row["device_us"]["median"] / peer["device_us"]["median"]
+    out["kernels"] = r0["kernels"]
     out["world"] = world
     return out
 
@@ -454,6 +521,15 @@ def print_table(r: dict) -> None:
             f"{spread:>16}{h['median']:>9.1f}{row['GBps']:>7.1f}"
             f"{d['median'] / r['floor']['us']:>7.2f}{ratio:>8}"
         )
+
+
+def print_kernels(r: dict) -> None:
+    """Rank 0's mean device us per kernel per call (``--kernels``), largest first."""
+    for k in r.get("kernels", []):
+        parts = sorted(k["us"].items(), key=lambda kv: -kv[1])
+        total = sum(v for _, v in parts)
+        shown = ", ".join(f"{n} {v:.1f}" for n, v in parts[:5])
+        print(f"# kernels {k['op']} {k['impl']} {k['sms']} SMs: {total:.1f} us = {shown}")
 
 
 def _flat(ag: dict, prefix: str = ""):
