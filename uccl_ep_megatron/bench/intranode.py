@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from typing import Any
@@ -180,6 +181,14 @@ def time_call(fn, iters: int, warmup: int) -> dict[str, list[float]]:
     return {"device_us": dev, "host_us": host}
 
 
+def _kernel_name(full: str) -> str:
+    """``void ns::(anonymous namespace)::dispatch_kernel<int4, 8, true>(Params)`` ->
+    ``dispatch_kernel``: the kernel's own name, without namespaces, templates or arguments."""
+    name = full.replace("(anonymous namespace)::", "")
+    name = re.sub(r"<.*", "", name.split("(")[0])
+    return name.split("::")[-1].split()[-1] if name.strip() else full[:40]
+
+
 def profile_kernels(fn, calls: int, rank: int) -> dict[str, float]:
     """Mean device microseconds per call of each kernel ``fn`` launches, on rank 0 (every rank
     makes the calls: they are collective); empty on the other ranks."""
@@ -199,7 +208,7 @@ def profile_kernels(fn, calls: int, rank: int) -> dict[str, float]:
     per_kernel: dict[str, float] = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name.split("(")[0].split("<")[0][-48:]
+            name = _kernel_name(ev.name)
             per_kernel[name] = per_kernel.get(name, 0.0) + ev.device_time / calls
     return per_kernel
 
