@@ -322,19 +322,16 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   __syncthreads();
   if (s_failed) return;
   const uint64_t seq = s_seq;
+#if UCCL_EP_HAS_TMA
+  // Sender blocks push rows through it.
+  extern __shared__ __align__(128) uint8_t s_tma[];
+  __shared__ uint64_t s_bar[kSendWarps * kTmaStages];
+  TmaPipe pipe;
+  if constexpr (kTma) pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, lane);
+#endif
 
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // ---------------------------------------------------------------- sender
-#if UCCL_EP_HAS_TMA
-    extern __shared__ __align__(128) uint8_t s_tma[];
-    __shared__ uint64_t s_bar[kSendWarps];
-    uint32_t phase = 0;
-    int stage = 0;
-    if constexpr (kTma) {
-      if (lane == 0) dev::mbar_init(&s_bar[warp], 1);
-      __syncwarp();
-    }
-#endif
     const int ct = chunk_tokens(p.num_tokens);
     const int nchunks = (p.num_tokens + ct - 1) / ct;
     for (int c = blockIdx.x; c < nchunks; c += p.num_send_blocks) {
@@ -359,9 +356,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         if (mask == 0) continue;
         if constexpr (kTma) {
 #if UCCL_EP_HAS_TMA
-          if (lane == 0)
-            tma_row_multi(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask,
-                          s_tma + warp * kTmaStages * kTmaChunk, &s_bar[warp], phase, stage);
+          pipe.push_row(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask);
 #endif
         } else {
           copy_row_multi<V, kUnroll>(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask, lane);
@@ -392,9 +387,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         }
       }
 #if UCCL_EP_HAS_TMA
-      if constexpr (kTma) {
-        if (lane == 0) dev::tma_wait_all();  // this warp's bulk stores of the chunk have landed
-      }
+      if constexpr (kTma) pipe.drain();  // this warp's bulk stores of the chunk have landed
 #endif
       __syncthreads();
       // Publish the chunk's rows to each peer: one system fence (cumulative over the block's
@@ -648,7 +641,7 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   const bool vec = a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
   if (vec && a.use_tma && tma_supported()) {
 #if defined(UCCL_EP_DEVICE_CUDA)
-    constexpr int smem = kSendWarps * kTmaStages * kTmaChunk;
+    constexpr int smem = tma_smem_bytes(kSendWarps);
     GPU_CHECK(cudaFuncSetAttribute(dispatch_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dispatch_kernel<int4, 8, true><<<blocks, kSendThreads, smem, s>>>(p);
 #endif
