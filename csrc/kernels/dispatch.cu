@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   if (s_failed) return;
   const uint64_t seq = s_seq;
 #if UCCL_EP_HAS_TMA
-  // Sender blocks push rows through it.
+  // Sender blocks push rows through it, receiver blocks copy landed chunks out with it.
   extern __shared__ __align__(128) uint8_t s_tma[];
   __shared__ uint64_t s_bar[kSendWarps * kTmaStages];
   TmaPipe pipe;
@@ -440,13 +440,26 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         s_flag = v;
       }
       __syncthreads();
-      if (s_failed) return;
+      if (s_failed) {
+#if UCCL_EP_HAS_TMA
+        if constexpr (kTma) pipe.drain();  // the stores read shared memory until they are done
+#endif
+        return;
+      }
       const uint64_t v = s_flag;
       const int first = static_cast<int>((v >> 20) & 0xFFFFFu), rows = static_cast<int>(v & 0xFFFFFu);
       const int64_t base = s_recv_begin[s] + first;
+#if UCCL_EP_HAS_TMA
+      if constexpr (kTma) {
+        // The chunk's rows are contiguous in staging and in the outputs: one byte range, its
+        // pieces spread over the block's warps and pipelined with the previous chunks'.
+        dev::fence_proxy_async();  // the bulk loads below come after the acquire above
+        pipe.push_range(p.st_x + base * p.row_bytes, p.out_x + base * p.row_bytes, rows * p.row_bytes, warp, warps);
+      }
+#endif
       for (int i = warp; i < rows; i += warps) {
         const int64_t r = base + i;
-        {
+        if constexpr (!kTma) {
           const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
           const V* src = reinterpret_cast<const V*>(p.st_x + r * p.row_bytes);
           V* dst = reinterpret_cast<V*>(p.out_x + r * p.row_bytes);
@@ -493,6 +506,9 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
     }
     if (p.out_src != nullptr && lane == 0) p.out_src[r] = -1;
   }
+#if UCCL_EP_HAS_TMA
+  if constexpr (kTma) pipe.drain();  // the stores read shared memory until they are done
+#endif
 }
 
 Peers make_peers(const std::vector<intptr_t>& buffers, int num_ranks) {
