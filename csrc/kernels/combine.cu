@@ -85,31 +85,31 @@ __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
   const int warps = blockDim.x / dev::kWarpSize;
   const int nwarps = gridDim.x * warps;
 #if UCCL_EP_HAS_TMA
-  constexpr int kWarps = kPushThreads / dev::kWarpSize;
   extern __shared__ __align__(128) uint8_t s_tma[];
-  __shared__ uint64_t s_bar[kWarps];
-  const int warp = threadIdx.x / dev::kWarpSize;
-  uint32_t phase = 0;
-  int stage = 0;
+  __shared__ uint64_t s_bar[kPushThreads / dev::kWarpSize * kTmaStages];
+  TmaPipe pipe;
   if constexpr (kTma) {
-    if (lane == 0) dev::mbar_init(&s_bar[warp], 1);
-    __syncwarp();
+    // The rows from one source are contiguous here and in its staging: one byte range per
+    // source, its pieces spread over every warp of the grid and pipelined across sources.
+    const int warp = threadIdx.x / dev::kWarpSize;
+    pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, lane);
+    for (int s = 0; s < R; ++s) {
+      if (s == p.rank) continue;  // the source reads rows it kept for itself in place
+      pipe.push_range(p.x + static_cast<int64_t>(s_recv_begin[s]) * p.row_bytes,
+                      p.bufs.p[s] + kDataOffset + static_cast<int64_t>(s_dst_off[s]) * p.row_bytes,
+                      static_cast<int64_t>(s_recv_begin[s + 1] - s_recv_begin[s]) * p.row_bytes,
+                      static_cast<int64_t>(blockIdx.x) * warps + warp, nwarps);
+    }
   }
 #endif
-  for (int i = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; i < num_recv; i += nwarps) {
+  // Rows (ld/st path) and their top-k weights, a warp per row.
+  for (int i = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; i < num_recv && (!kTma || p.has_w); i += nwarps) {
     int s = 0;
     while (s + 1 < R && s_recv_begin[s + 1] <= i) ++s;
     if (s == p.rank) continue;  // the source reads rows it kept for itself in place
     const int64_t drow = s_dst_off[s] + (i - s_recv_begin[s]);
     uint8_t* base = p.bufs.p[s];
-    if constexpr (kTma) {
-#if UCCL_EP_HAS_TMA
-      uint8_t* d[kMaxRanks] = {base + kDataOffset + drow * p.row_bytes};
-      if (lane == 0)
-        tma_row_multi(p.x + static_cast<int64_t>(i) * p.row_bytes, p.row_bytes, d, 1u,
-                      s_tma + warp * kTmaStages * kTmaChunk, &s_bar[warp], phase, stage);
-#endif
-    } else {
+    if constexpr (!kTma) {
       copy_row<V, kUnroll>(p.x + static_cast<int64_t>(i) * p.row_bytes, p.row_bytes,
                            base + kDataOffset + drow * p.row_bytes, lane);
     }
@@ -120,9 +120,7 @@ __global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
     }
   }
 #if UCCL_EP_HAS_TMA
-  if constexpr (kTma) {
-    if (lane == 0) dev::tma_wait_all();
-  }
+  if constexpr (kTma) pipe.drain();  // the stores read shared memory until they are done
 #endif
 }
 
@@ -319,7 +317,7 @@ void intranode_combine_push(const CombineArgs& a, intptr_t stream) {
   const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0;
   if (vec && a.use_tma && tma_supported()) {
 #if defined(UCCL_EP_DEVICE_CUDA)
-    constexpr int smem = kPushThreads / dev::kWarpSize * kTmaStages * kTmaChunk;
+    constexpr int smem = tma_smem_bytes(kPushThreads / dev::kWarpSize);
     GPU_CHECK(cudaFuncSetAttribute(push_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     push_kernel<int4, 8, true><<<blocks, kPushThreads, smem, s>>>(p);
 #endif

@@ -198,32 +198,102 @@ struct Elt<2> {
 
 namespace uccl_ep::kernels {
 
-// Bulk-copy staging per warp: two stages so a chunk's load overlaps the previous chunk's
-// stores. 16 warps x 2 x 4 KB = 128 KB of dynamic shared memory per block.
-constexpr int kTmaChunk = 4096;
-constexpr int kTmaStages = 2;
+// Bulk-copy pipeline per warp (model: bench/NOTES.md, "Session 6: issue 15"): kTmaStages stages
+// of kTmaChunk bytes, kTmaLoads of them loading while the newest stored stage drains. 16 warps x
+// 4 x 3.5 KB = 224 KB of dynamic shared memory per block, 168 KB of loads in flight per SM
+// (one 4 KB load per warp before: 64 KB, ~35-45 GB/s per SM at ~1.5-2 us loaded latency).
+constexpr int kTmaChunk = 3584;  // 16-byte multiple; a 7168-wide row is 4 (BF16) or 2 (FP8) chunks
+constexpr int kTmaStages = 4;
+constexpr int kTmaLoads = kTmaStages - 1;
+constexpr int tma_smem_bytes(int warps) { return warps * kTmaStages * kTmaChunk; }
+static_assert(kTmaChunk % 16 == 0 && kTmaStages <= 32 && kTmaLoads >= 1 && kTmaLoads < kTmaStages,
+              "bulk-copy pipeline shape");
 
 #if UCCL_EP_HAS_TMA
-// Lane 0 only: copies one row (nbytes % 16 == 0, 16-byte aligned) to every destination in
-// `mask` through the warp's shared staging; stores stay in flight when it returns.
-__device__ __forceinline__ void tma_row_multi(const uint8_t* src, int64_t nbytes, uint8_t* const (&dst)[kMaxRanks],
-                                              unsigned mask, uint8_t* buf, uint64_t* bar, uint32_t& phase,
-                                              int& stage) {
-  for (int64_t off = 0; off < nbytes; off += kTmaChunk) {
-    const uint32_t n = static_cast<uint32_t>(nbytes - off < kTmaChunk ? nbytes - off : kTmaChunk);
-    uint8_t* sbuf = buf + stage * kTmaChunk;
-    dev::tma_wait_read<kTmaStages - 1>();  // the stores that last read this stage are done with it
-    dev::mbar_expect_tx(bar, n);
-    dev::tma_load(sbuf, src + off, n, bar);
-    dev::mbar_wait(bar, phase);
-    phase ^= 1u;
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r)
-      if (mask >> r & 1u) dev::tma_store(dst[r] + off, sbuf, n);
-    dev::tma_commit();
-    stage ^= 1;
+// One warp's bulk-copy pipeline. Lane s owns stage s: it issues the stage's load and stores, so
+// the bulk groups of lane s (cp.async.bulk groups are per thread) are exactly stage s's stores,
+// and waiting for them before the next load into stage s waits for nothing else. Chunks take
+// the stages in issue order and are stored in that order; up to kTmaLoads loads are in flight,
+// across rows and calls to push (the pipeline drains only in drain()). Every lane of the warp
+// makes the same calls with the same arguments; only a chunk's owner lane acts on it.
+struct TmaPipe {
+  uint8_t* buf;    // the warp's kTmaStages * kTmaChunk bytes of shared memory (16-byte aligned)
+  uint64_t* bars;  // the warp's kTmaStages mbarriers
+  int lane;
+  uint32_t issued, stored;  // chunks loaded / stored so far (equal in every lane)
+  uint32_t phase;           // owner lane: parity of its stage's next completion
+  // Owner lane: the destinations of its stage's chunk in flight.
+  uint8_t* dst[kMaxRanks];
+  unsigned mask;
+  uint32_t bytes;
+
+  __device__ __forceinline__ void init(uint8_t* smem, uint64_t* warp_bars, int lane_id) {
+    buf = smem;
+    bars = warp_bars;
+    lane = lane_id;
+    issued = stored = phase = 0;
+    mask = 0;
+    bytes = 0;
+    if (lane < kTmaStages) dev::mbar_init(&bars[lane], 1);
+    __syncwarp();
   }
-}
+
+  // Stores the oldest loaded chunk to its destinations once its load has landed.
+  __device__ __forceinline__ void store_one() {
+    if (lane == static_cast<int>(stored % kTmaStages)) {
+      dev::mbar_wait(&bars[lane], phase);
+      phase ^= 1u;
+      const uint8_t* s = buf + lane * kTmaChunk;
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (mask >> r & 1u) dev::tma_store(dst[r], s, bytes);
+      dev::tma_commit();
+    }
+    ++stored;
+  }
+
+  // Queues src[0, n) (n <= kTmaChunk; n, src and every destination 16-byte aligned) for
+  // dsts[r] + off of every rank r in `m`.
+  __device__ __forceinline__ void push(const uint8_t* src, uint32_t n, uint8_t* const (&dsts)[kMaxRanks], unsigned m,
+                                       int64_t off) {
+    if (issued - stored == kTmaLoads) store_one();
+    if (lane == static_cast<int>(issued % kTmaStages)) {
+      dev::tma_wait_read<0>();  // this stage's previous stores have read it
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r) dst[r] = m >> r & 1u ? dsts[r] + off : nullptr;
+      mask = m;
+      bytes = n;
+      dev::mbar_expect_tx(&bars[lane], n);
+      dev::tma_load(buf + lane * kTmaChunk, src, n, &bars[lane]);
+    }
+    ++issued;
+  }
+
+  // One row of `nbytes` (a 16-byte multiple) to every destination in `m`, chunk by chunk.
+  __device__ __forceinline__ void push_row(const uint8_t* src, int64_t nbytes, uint8_t* const (&dsts)[kMaxRanks],
+                                           unsigned m) {
+    for (int64_t off = 0; off < nbytes; off += kTmaChunk)
+      push(src + off, static_cast<uint32_t>(nbytes - off < kTmaChunk ? nbytes - off : kTmaChunk), dsts, m, off);
+  }
+
+  // Warp `w` of `nw` copies its share of the contiguous range src[0, nbytes) -> dst[0, nbytes):
+  // the kTmaChunk pieces w, w + nw, ...
+  __device__ __forceinline__ void push_range(const uint8_t* src, uint8_t* dst, int64_t nbytes, int64_t w,
+                                             int64_t nw) {
+    uint8_t* const d[kMaxRanks] = {dst};
+    for (int64_t off = w * kTmaChunk; off < nbytes; off += nw * kTmaChunk)
+      push(src + off, static_cast<uint32_t>(nbytes - off < kTmaChunk ? nbytes - off : kTmaChunk), d, 1u, off);
+  }
+
+  // Every queued chunk stored and its writes performed; then a proxy fence, so generic-proxy
+  // code after the caller's CTA barrier (the chunk publish's fence and release store, the
+  // kernel's end) is ordered after the bulk writes.
+  __device__ __forceinline__ void drain() {
+    while (stored != issued) store_one();
+    dev::tma_wait_all();
+    dev::fence_proxy_async();
+  }
+};
 #endif
 
 }  // namespace uccl_ep::kernels

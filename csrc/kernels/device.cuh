@@ -201,6 +201,10 @@ __device__ __forceinline__ void tma_wait_read() {
 }
 // Every committed group has completed (its writes are performed).
 __device__ __forceinline__ void tma_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Orders this thread's generic-proxy accesses of global memory with its bulk copies (async
+// proxy), both ways: before a bulk load of rows a peer published (seen through an acquire) and
+// after bulk stores that a release store will publish.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 #endif
 
 }  // namespace uccl_ep::dev

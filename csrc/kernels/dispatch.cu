@@ -322,19 +322,16 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   __syncthreads();
   if (s_failed) return;
   const uint64_t seq = s_seq;
+#if UCCL_EP_HAS_TMA
+  // Sender blocks push rows through it, receiver blocks copy landed chunks out with it.
+  extern __shared__ __align__(128) uint8_t s_tma[];
+  __shared__ uint64_t s_bar[kSendWarps * kTmaStages];
+  TmaPipe pipe;
+  if constexpr (kTma) pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, lane);
+#endif
 
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // ---------------------------------------------------------------- sender
-#if UCCL_EP_HAS_TMA
-    extern __shared__ __align__(128) uint8_t s_tma[];
-    __shared__ uint64_t s_bar[kSendWarps];
-    uint32_t phase = 0;
-    int stage = 0;
-    if constexpr (kTma) {
-      if (lane == 0) dev::mbar_init(&s_bar[warp], 1);
-      __syncwarp();
-    }
-#endif
     const int ct = chunk_tokens(p.num_tokens);
     const int nchunks = (p.num_tokens + ct - 1) / ct;
     for (int c = blockIdx.x; c < nchunks; c += p.num_send_blocks) {
@@ -359,9 +356,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         if (mask == 0) continue;
         if constexpr (kTma) {
 #if UCCL_EP_HAS_TMA
-          if (lane == 0)
-            tma_row_multi(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask,
-                          s_tma + warp * kTmaStages * kTmaChunk, &s_bar[warp], phase, stage);
+          pipe.push_row(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask);
 #endif
         } else {
           copy_row_multi<V, kUnroll>(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask, lane);
@@ -392,9 +387,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         }
       }
 #if UCCL_EP_HAS_TMA
-      if constexpr (kTma) {
-        if (lane == 0) dev::tma_wait_all();  // this warp's bulk stores of the chunk have landed
-      }
+      if constexpr (kTma) pipe.drain();  // this warp's bulk stores of the chunk have landed
 #endif
       __syncthreads();
       // Publish the chunk's rows to each peer: one system fence (cumulative over the block's
@@ -447,13 +440,26 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         s_flag = v;
       }
       __syncthreads();
-      if (s_failed) return;
+      if (s_failed) {
+#if UCCL_EP_HAS_TMA
+        if constexpr (kTma) pipe.drain();  // the stores read shared memory until they are done
+#endif
+        return;
+      }
       const uint64_t v = s_flag;
       const int first = static_cast<int>((v >> 20) & 0xFFFFFu), rows = static_cast<int>(v & 0xFFFFFu);
       const int64_t base = s_recv_begin[s] + first;
+#if UCCL_EP_HAS_TMA
+      if constexpr (kTma) {
+        // The chunk's rows are contiguous in staging and in the outputs: one byte range, its
+        // pieces spread over the block's warps and pipelined with the previous chunks'.
+        dev::fence_proxy_async();  // the bulk loads below come after the acquire above
+        pipe.push_range(p.st_x + base * p.row_bytes, p.out_x + base * p.row_bytes, rows * p.row_bytes, warp, warps);
+      }
+#endif
       for (int i = warp; i < rows; i += warps) {
         const int64_t r = base + i;
-        {
+        if constexpr (!kTma) {
           const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
           const V* src = reinterpret_cast<const V*>(p.st_x + r * p.row_bytes);
           V* dst = reinterpret_cast<V*>(p.out_x + r * p.row_bytes);
@@ -485,14 +491,11 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
       __syncthreads();  // s_flag is rewritten for the next chunk
     }
   }
-  // num_worst_tokens padding: zero rows, ids -1, weights 0, source index -1.
+  // num_worst_tokens padding: ids -1, weights 0, source index -1. The rows and their scales are
+  // left unwritten (DeepEP's contract: unspecified): at 8 ranks zeroing them was ~1.2 GB of
+  // HBM writes per call across the GPU.
   for (int64_t r = s_recv_begin[R] + static_cast<int64_t>(j) * warps + warp; r < p.num_out_rows;
        r += static_cast<int64_t>(nrecv) * warps) {
-    const V zero{};
-    V* d = reinterpret_cast<V*>(p.out_x + r * p.row_bytes);
-    const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
-    for (int64_t q = lane; q < n; q += dev::kWarpSize) d[q] = zero;
-    for (int k = lane; k < p.num_scales; k += dev::kWarpSize) p.out_scales[r * p.num_scales + k] = 0.0f;
     if (p.out_idx != nullptr) {
       for (int k = lane; k < meta_idx_words; k += dev::kWarpSize)
         reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] = -1;  // all-ones: -1 as int32 and int64
@@ -500,6 +503,9 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
     }
     if (p.out_src != nullptr && lane == 0) p.out_src[r] = -1;
   }
+#if UCCL_EP_HAS_TMA
+  if constexpr (kTma) pipe.drain();  // the stores read shared memory until they are done
+#endif
 }
 
 Peers make_peers(const std::vector<intptr_t>& buffers, int num_ranks) {
@@ -648,7 +654,7 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   const bool vec = a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
   if (vec && a.use_tma && tma_supported()) {
 #if defined(UCCL_EP_DEVICE_CUDA)
-    constexpr int smem = kSendWarps * kTmaStages * kTmaChunk;
+    constexpr int smem = tma_smem_bytes(kSendWarps);
     GPU_CHECK(cudaFuncSetAttribute(dispatch_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     dispatch_kernel<int4, 8, true><<<blocks, kSendThreads, smem, s>>>(p);
 #endif

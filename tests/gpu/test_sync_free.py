@@ -89,11 +89,14 @@ def sync_free_case(rank: int, world: int, params: dict) -> int:
     poison(kb)
     krx, kidx, kw_, kcounts, kh, _ = dispatch(kb, x_in, klay, idx, w, **kw)
     rrx, ridx, rw_, rcounts, rh, _ = dispatch(rb, x_in, rlay, idx, w, **kw)
+    # Padding rows of recv_x (and FP8 scales) are unspecified (the kernels leave them
+    # unwritten); their ids, weights and source indices are compared in full below.
+    num_recv = int(kh.recv_count)
     if params.get("fp8"):
-        assert_same("recv_x", krx[0], rrx[0])
-        assert_same("recv_scales", krx[1], rrx[1])
+        assert_same("recv_x", krx[0][:num_recv], rrx[0][:num_recv])
+        assert_same("recv_scales", krx[1][:num_recv], rrx[1][:num_recv])
     else:
-        assert_same("recv_x", krx, rrx)
+        assert_same("recv_x", krx[:num_recv], rrx[:num_recv])
     assert_same("recv_topk_idx", kidx, ridx)
     assert_same("recv_topk_weights", kw_, rw_)
     assert kcounts == [] and rcounts == []
@@ -102,8 +105,8 @@ def sync_free_case(rank: int, world: int, params: dict) -> int:
     assert_same("recv_count", kh.recv_count, rh.recv_count)
     assert_same("recv_tokens_per_expert", kh.recv_tokens_per_expert, rh.recv_tokens_per_expert)
     assert kh.num_recv_tokens == rh.num_recv_tokens == worst
-    num_recv = int(kh.recv_count)
     assert (kh.recv_src_idx[num_recv:] == -1).all()
+    assert (kidx[num_recv:] == -1).all() and (kw_[num_recv:] == 0).all()
 
     # The same numbers as exact mode's host list (and its own count tensors).
     ex = dispatch(kb, x_in, klay, idx, w, expert_alignment=kw["expert_alignment"])
@@ -112,7 +115,7 @@ def sync_free_case(rank: int, world: int, params: dict) -> int:
     assert eh.recv_tokens_per_expert.tolist() == exact_counts
     assert eh.recv_count.tolist() == [eh.num_recv_tokens] == [num_recv]
 
-    # Cached dispatch of a new x with the sync-free handle keeps its padding.
+    # Cached dispatch of a new x with the sync-free handle: the same received rows.
     x2_in = x_in
     if not params.get("fp8"):
         x2_in = (x.float() * 2 - 1).to(torch.bfloat16)
@@ -120,10 +123,11 @@ def sync_free_case(rank: int, world: int, params: dict) -> int:
     kc = kb.dispatch(x2_in, handle=kh)[0]
     rc = rb.dispatch(x2_in, handle=rh)[0]
     if params.get("fp8"):
-        assert_same("cached recv_x", kc[0], rc[0])
-        assert_same("cached recv_scales", kc[1], rc[1])
+        assert_same("cached recv_x", kc[0][:num_recv], rc[0][:num_recv])
+        assert_same("cached recv_scales", kc[1][:num_recv], rc[1][:num_recv])
         return num_recv
-    assert_same("cached recv_x", kc, rc)
+    assert kc.shape[0] == worst
+    assert_same("cached recv_x", kc[:num_recv], rc[:num_recv])
 
     # Combine: padding rows hold garbage that must be ignored.
     y = (krx.float() * 0.5 + 1.0).to(torch.bfloat16)
@@ -253,13 +257,14 @@ def graph_case(rank: int, world: int, replays: int) -> int:
         torch.cuda.synchronize()
         kb.check_errors()
         e_rx, e_ridx, e_count, e_out, e_outw = _layer(kb, x, idx, w, num_experts, worst)
-        assert_same(f"replay {n}: recv_x", g_rx, e_rx)
+        got = int(g_count)  # padding rows of recv_x are unspecified: compare the received ones
+        assert_same(f"replay {n}: recv_x", g_rx[:got], e_rx[:got])
         assert_same(f"replay {n}: recv_topk_idx", g_ridx, e_ridx)
         assert_same(f"replay {n}: recv_count", g_count, e_count)
         assert_same(f"replay {n}: combined", g_out, e_out)
         assert_same(f"replay {n}: combined weights", g_outw, e_outw)
         r_rx, r_ridx, r_count, r_out, r_outw = _layer(rb, x, idx, w, num_experts, worst)
-        assert_same(f"replay {n}: oracle recv_x", g_rx, r_rx)
+        assert_same(f"replay {n}: oracle recv_x", g_rx[:got], r_rx[:got])
         assert_same(f"replay {n}: oracle recv_count", g_count, r_count)
         torch.testing.assert_close(
             g_out.float(), r_out.float().to(g_out.device), rtol=1e-2, atol=1e-2

@@ -309,8 +309,9 @@ class Buffer(CallAgreement, ArgumentChecks):
             topk_idx, topk_weights: ``[T, K]`` global expert ids (int64/int32, -1 = none) and
                 float32 weights; both or neither.
             expert_alignment: round each local expert's received count up to a multiple.
-            num_worst_tokens: when > 0, return exactly that many rows (padding: zero rows,
-                ids -1, weights 0, source index -1) and an empty count list; the ``kernels``
+            num_worst_tokens: when > 0, return exactly that many rows (padding: ids -1,
+                weights 0, source index -1; the rows and FP8 scales are unspecified, as in
+                DeepEP) and an empty count list; the ``kernels``
                 backend then makes no host sync (the counts are ``handle.recv_count`` and
                 ``handle.recv_tokens_per_expert`` on the GPU; errors found on the GPU are
                 raised at the next call or ``check_errors()``) and can be captured in a CUDA
