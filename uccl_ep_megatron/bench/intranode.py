@@ -71,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--copy",
         choices=["both", "tma", "ldst"],
-        default="tma",
-        help="row copy of our kernels: Hopper bulk copies (tma), 16-byte loads/stores, or both",
+        default="ldst",
+        help="row copy of our kernels: 16-byte loads/stores (ldst, the library's default), "
+        "Hopper bulk copies (tma), or both",
     )
     parser.add_argument(
         "--deepep",
