@@ -27,7 +27,6 @@ median over ``--iters`` iterations with min and max. GB/s is DeepEP's: bytes of 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
 from uccl_ep_megatron.bench.inputs import routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
@@ -79,16 +79,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="time DeepEP V1 beside ours: auto = when deep_ep imports; on = fail without it",
     )
-    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    add_json_argument(parser)
 
 
 def register(subparsers: Any) -> None:
     """Adds ``intranode`` to a ``bench`` subparser set (for commands/bench.py)."""
-    p = subparsers.add_parser(
-        "intranode", help="intranode dispatch/combine vs DeepEP V1 and NCCL all-to-all"
+    register_bench(
+        subparsers,
+        "intranode",
+        "intranode dispatch/combine vs DeepEP V1 and NCCL all-to-all",
+        add_arguments,
+        run,
     )
-    add_arguments(p)
-    p.set_defaults(func=run)
 
 
 def rank_counts(spec: str, num_gpus: int) -> list[int]:
@@ -122,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
             per_rank = pool.run(_worker, vars(args), sms)
             results.append(merge(per_rank, pool.placement.shared))
         print_table(results[-1])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 
@@ -465,9 +465,7 @@ def _flat(ag: dict, prefix: str = ""):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m uccl_ep_megatron.bench.intranode")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return bench_main(add_arguments, run, argv, prog="python -m uccl_ep_megatron.bench.intranode")
 
 
 if __name__ == "__main__":
