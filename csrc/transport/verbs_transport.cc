@@ -54,6 +54,18 @@ struct DeviceList {
   }
 };
 
+// The attributes an SRD (ibv_qp_init_attr_ex) and an RC (ibv_qp_init_attr) QP share: one CQ for
+// both directions, the configured depths, one scatter-gather entry per work request.
+template <class InitAttr>
+void set_queues(InitAttr& a, ibv_cq* cq, const VerbsOptions& options) {
+  a.send_cq = cq;
+  a.recv_cq = cq;
+  a.cap.max_send_wr = options.send_depth;
+  a.cap.max_recv_wr = options.recv_depth;
+  a.cap.max_send_sge = 1;
+  a.cap.max_recv_sge = 1;
+}
+
 }  // namespace
 
 std::vector<RdmaDeviceInfo> list_rdma_devices(const std::string& sysfs_root) {
@@ -305,12 +317,7 @@ VerbsTransport::VerbsTransport(const TransportSetup& setup, const VerbsOptions& 
       if (flavor_ == QpFlavor::kEfaSrd) {
         ibv_qp_init_attr_ex ax{};
         ax.qp_type = IBV_QPT_DRIVER;
-        ax.send_cq = cq;
-        ax.recv_cq = cq;
-        ax.cap.max_send_wr = options.send_depth;
-        ax.cap.max_recv_wr = options.recv_depth;
-        ax.cap.max_send_sge = 1;
-        ax.cap.max_recv_sge = 1;
+        set_queues(ax, cq, options);
         ax.pd = pd_;
         ax.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
         ax.send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
@@ -320,12 +327,7 @@ VerbsTransport::VerbsTransport(const TransportSetup& setup, const VerbsOptions& 
       } else {
         ibv_qp_init_attr ia{};
         ia.qp_type = IBV_QPT_RC;
-        ia.send_cq = cq;
-        ia.recv_cq = cq;
-        ia.cap.max_send_wr = options.send_depth;
-        ia.cap.max_recv_wr = options.recv_depth;
-        ia.cap.max_send_sge = 1;
-        ia.cap.max_recv_sge = 1;
+        set_queues(ia, cq, options);
         q = lib_.create_qp(pd_, &ia);
       }
       if (!q) {
