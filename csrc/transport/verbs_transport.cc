@@ -300,13 +300,7 @@ VerbsTransport::VerbsTransport(const TransportSetup& setup, const VerbsOptions& 
   }
 
   // QPs: one per (channel, peer), brought to INIT (RC) or all the way to RTS (SRD has no peer).
-  QpParams qp;
-  qp.flavor = flavor_;
-  qp.port = port_;
-  qp.roce = roce_;
-  qp.gid_index = gid_index_;
-  qp.sl = sl_;
-  qp.traffic_class = tc_;
+  QpParams qp = local_qp_params();
   qp.qkey = kQkey;
   qps_.assign(uint64_t{setup.num_channels} * world, nullptr);
   qpx_.assign(qps_.size(), nullptr);
@@ -432,13 +426,7 @@ void VerbsTransport::connect(const std::vector<std::string>& infos) {
     // The peer's QP for (channel c, peer = this rank).
     for (uint32_t c = 0; c < setup_.num_channels; ++c) rm.qpn_by_channel.push_back(qpns[c * world + setup_.rank]);
     std::string gid = kv::unhex(kv::get(f, "gid", origin));
-    QpParams qp;
-    qp.flavor = flavor_;
-    qp.port = port_;
-    qp.roce = roce_;
-    qp.gid_index = gid_index_;
-    qp.sl = sl_;
-    qp.traffic_class = tc_;
+    QpParams qp = local_qp_params();
     qp.remote_lid = static_cast<uint16_t>(kv::get_u64(f, "lid", origin));
     std::memcpy(qp.remote_gid, gid.data(), 16);
     qp.mtu = static_cast<ibv_mtu>(std::min<uint64_t>(static_cast<uint64_t>(mtu_), kv::get_u64(f, "mtu", origin)));
@@ -478,6 +466,17 @@ Endpoint& VerbsTransport::endpoint(uint32_t thread) {
 uint64_t VerbsTransport::peer_region_bytes(uint32_t peer) const {
   UCCL_EP_CHECK_ARG(peer < remotes_.size(), "rank ", peer, " is not a connected peer");
   return remotes_[peer].bytes;
+}
+
+QpParams VerbsTransport::local_qp_params() const {
+  QpParams qp;
+  qp.flavor = flavor_;
+  qp.port = port_;
+  qp.roce = roce_;
+  qp.gid_index = gid_index_;
+  qp.sl = sl_;
+  qp.traffic_class = tc_;
+  return qp;
 }
 
 }  // namespace uccl_ep
