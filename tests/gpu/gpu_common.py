@@ -187,17 +187,9 @@ def assert_same(name: str, a, b) -> None:
 
 def dispatch(buf, x, layout, topk_idx, topk_w, **kw):
     """``buf.dispatch`` with the four layout tensors of ``get_dispatch_layout``."""
-    per_rank, per_rdma, per_expert, in_rank = layout
-    return buf.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx,
-        topk_weights=topk_w,
-        **kw,
-    )
+    from uccl_ep_megatron.bench.inputs import dispatch_kwargs
+
+    return buf.dispatch(x, **dispatch_kwargs(layout, topk_idx, topk_w), **kw)
 
 
 def assert_layout_same(got, want) -> None:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
-from uccl_ep_megatron.bench.inputs import routed_inputs
+from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 
@@ -131,17 +131,7 @@ def proxy_cpu_seconds() -> float:
 
 
 def _dispatch(buf, layout, x, idx, w, config, state: dict) -> None:
-    per_rank, per_rdma, per_expert, in_rank = layout
-    out = buf.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=idx,
-        topk_weights=w,
-        config=config,
-    )
+    out = buf.dispatch(x, config=config, **dispatch_kwargs(layout, idx, w))
     state["recv_x"], state["handle"], state["w"] = out[0], out[4], out[2]
 
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
-from uccl_ep_megatron.bench.inputs import routed_inputs
+from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 OPS = (
@@ -276,15 +276,9 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         theirs = deep_ep.Buffer(dist.group.WORLD, a["nvl_bytes"], 0, explicitly_destroy=True)
 
     buf = next(iter(ours.values()))
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    layout = dict(
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=idx,
-        topk_weights=w,
-    )
+    ours_layout = buf.get_dispatch_layout(idx, E)[:4]
+    per_rank, per_rdma, per_expert, in_rank = ours_layout
+    layout = dispatch_kwargs(ours_layout, idx, w)
     res: dict[str, Any] = {
         "world": world,
         "shared_gpu": shared,
@@ -342,14 +336,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
                 deep_ep.Buffer.get_combine_config(world),
             )
             d_layout = theirs.get_dispatch_layout(idx, E)[:4]
-            d_kw = dict(
-                num_tokens_per_rank=d_layout[0],
-                num_tokens_per_rdma_rank=d_layout[1],
-                is_token_in_rank=d_layout[3],
-                num_tokens_per_expert=d_layout[2],
-                topk_idx=idx,
-                topk_weights=w,
-            )
+            d_kw = dispatch_kwargs(d_layout, idx, w)
             dstate: dict[str, Any] = {}
             for op, fn in _calls(theirs, cfgs, x, x_fp8, d_kw, dstate, T * world).items():
                 timed[(op, "deepep", "-")] = time_call(fn, a["iters"], a["warmup"])
