@@ -26,6 +26,10 @@ is missing, naming it. An older one is refused. A failed ``install()`` leaves no
 
 Call it before Megatron parses arguments: ``python -m uccl_ep_megatron.run script.py ...``
 does, as does ``uccl-ep-megatron train``.
+
+The package: this module installs and undoes; ``state`` holds what was changed and the buffer
+cache, ``versions`` the version policy, ``arguments`` the flags (2.), ``model`` the
+megatron-core patches (1., 3.).
 """
 
 from __future__ import annotations
