@@ -221,16 +221,12 @@ def test_router_gemm_runs_without_transformer_engine(plugin):
 
 # ---- flag ------------------------------------------------------------------------------------
 def _megatron_lm_014_parser() -> argparse.ArgumentParser:
-    # What megatron/training/arguments.py (0.14/0.15) does.
-    parser = argparse.ArgumentParser(allow_abbrev=False)
-    group = parser.add_argument_group(title="moe")
-    group.add_argument(
-        "--moe-token-dispatcher-type",
-        type=str,
-        choices=["allgather", "alltoall", "flex"],
-        default="allgather",
-    )
-    return parser
+    sys.path.insert(0, SCRIPTS)
+    try:
+        from megatron_lm_014 import parser_014
+    finally:
+        sys.path.remove(SCRIPTS)
+    return parser_014()[0]
 
 
 def test_hardcoded_choices_accept_uccl_ep_and_options(plugin):
@@ -427,8 +423,9 @@ def w_allgather_untouched(rank, world):
 
 
 # ---- run entry point and DeepEP drop-in ------------------------------------------------------
-def test_run_entry_point_runs_megatron_lm_014_style_script():
-    script = os.path.join(SCRIPTS, "parse_args_014.py")
+def _run_script(script: str, *flags: str) -> dict:
+    """``python -m uccl_ep_megatron.run script --moe-token-dispatcher-type uccl_ep *flags``;
+    the JSON the script printed last."""
     proc = _run(
         [
             sys.executable,
@@ -437,14 +434,16 @@ def test_run_entry_point_runs_megatron_lm_014_style_script():
             script,
             "--moe-token-dispatcher-type",
             "uccl_ep",
-            "--moe-uccl-ep-num-sms",
-            "20",
-            "--moe-uccl-ep-backend",
-            "reference",
+            *flags,
         ]
     )
     assert proc.returncode == 0, proc.stderr
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_run_entry_point_runs_megatron_lm_014_style_script():
+    script = os.path.join(SCRIPTS, "parse_args_014.py")
+    seen = _run_script(script, "--moe-uccl-ep-num-sms", "20", "--moe-uccl-ep-backend", "reference")
     assert seen == {
         "name": "__main__",
         "argv0": script,
@@ -463,21 +462,7 @@ def test_run_entry_point_runs_megatron_lm_016_style_script():
 
     field = {f.name: f for f in dataclasses.fields(TransformerConfig)}["moe_token_dispatcher_type"]
     script = os.path.join(SCRIPTS, "parse_args_016.py")
-    proc = _run(
-        [
-            sys.executable,
-            "-m",
-            "uccl_ep_megatron.run",
-            script,
-            "--moe-token-dispatcher-type",
-            "uccl_ep",
-            "--moe-uccl-ep-num-sms",
-            "18",
-            "--moe-uccl-ep-metrics",
-        ]
-    )
-    assert proc.returncode == 0, proc.stderr
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = _run_script(script, "--moe-uccl-ep-num-sms", "18", "--moe-uccl-ep-metrics")
     assert seen["dispatcher"] == "uccl_ep"
     # The dispatcher's flags come with the type flag also when its choices need no patching.
     assert seen["num_sms"] == seen["options_num_sms"] == 18 and seen["options_metrics"]

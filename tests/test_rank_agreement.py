@@ -42,17 +42,10 @@ def _inputs(rank, world, seed=1, hidden=HIDDEN, topk=TOPK, num_experts=None):
 
 
 def _dispatch(buf, x, idx, w, num_experts, **kw):
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
-    return buf.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=idx,
-        topk_weights=w,
-        **kw,
-    )
+    from uccl_ep_megatron.bench.inputs import dispatch_kwargs
+
+    layout = buf.get_dispatch_layout(idx, num_experts)
+    return buf.dispatch(x, **dispatch_kwargs(layout, idx, w), **kw)
 
 
 def _raises(exc_type, fn):

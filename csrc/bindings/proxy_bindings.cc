@@ -63,6 +63,19 @@ void check_region(uintptr_t ptr, uint64_t bytes, int gpu_device) {
                             : "host region (region_ptr, region_bytes; allocate it with _C.HostRegion)");
 }
 
+// The setup of a transport over a region the caller passes (checked by check_region).
+TransportSetup transport_setup(uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
+                               uint64_t bytes, int gpu_device) {
+  check_region(region, bytes, gpu_device);
+  TransportSetup s;
+  s.rank = rank;
+  s.world_size = world;
+  s.num_threads = threads;
+  s.num_channels = channels;
+  s.region = RegionInfo{reinterpret_cast<void*>(region), bytes, gpu_device};
+  return s;
+}
+
 // Host memory a transport registers (heap for one process, shared memory across processes).
 class HostRegion {
  public:
@@ -296,13 +309,7 @@ void bind_proxy(py::module_& m) {
       .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
                        uint64_t bytes, int gpu_device, bool reorder, uint64_t seed, uint32_t max_delay_us,
                        uint32_t inbox_capacity, const std::string& shm_name, uint64_t copy_timeout_ms) {
-             check_region(region, bytes, gpu_device);
-             TransportSetup s;
-             s.rank = rank;
-             s.world_size = world;
-             s.num_threads = threads;
-             s.num_channels = channels;
-             s.region = RegionInfo{reinterpret_cast<void*>(region), bytes, gpu_device};
+             const TransportSetup s = transport_setup(rank, world, threads, channels, region, bytes, gpu_device);
              IpcOptions o;
              o.reorder = reorder;
              o.seed = seed;
@@ -322,14 +329,8 @@ void bind_proxy(py::module_& m) {
   py::class_<VerbsTransport, Transport>(m, "VerbsTransport", "RDMA transport: RC or EFA SRD over libibverbs.")
       .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
                        uint64_t bytes, int gpu_device, int local_index, const std::string& flavor) {
-             check_region(region, bytes, gpu_device);
+             const TransportSetup s = transport_setup(rank, world, threads, channels, region, bytes, gpu_device);
              const Env e = Env::load();
-             TransportSetup s;
-             s.rank = rank;
-             s.world_size = world;
-             s.num_threads = threads;
-             s.num_channels = channels;
-             s.region = RegionInfo{reinterpret_cast<void*>(region), bytes, gpu_device};
              VerbsOptions o;
              o.hca = e.ib_hca;
              o.local_index = local_index;

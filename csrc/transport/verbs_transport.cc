@@ -54,6 +54,18 @@ struct DeviceList {
   }
 };
 
+// The attributes an SRD (ibv_qp_init_attr_ex) and an RC (ibv_qp_init_attr) QP share: one CQ for
+// both directions, the configured depths, one scatter-gather entry per work request.
+template <class InitAttr>
+void set_queues(InitAttr& a, ibv_cq* cq, const VerbsOptions& options) {
+  a.send_cq = cq;
+  a.recv_cq = cq;
+  a.cap.max_send_wr = options.send_depth;
+  a.cap.max_recv_wr = options.recv_depth;
+  a.cap.max_send_sge = 1;
+  a.cap.max_recv_sge = 1;
+}
+
 }  // namespace
 
 std::vector<RdmaDeviceInfo> list_rdma_devices(const std::string& sysfs_root) {
@@ -288,13 +300,7 @@ VerbsTransport::VerbsTransport(const TransportSetup& setup, const VerbsOptions& 
   }
 
   // QPs: one per (channel, peer), brought to INIT (RC) or all the way to RTS (SRD has no peer).
-  QpParams qp;
-  qp.flavor = flavor_;
-  qp.port = port_;
-  qp.roce = roce_;
-  qp.gid_index = gid_index_;
-  qp.sl = sl_;
-  qp.traffic_class = tc_;
+  QpParams qp = local_qp_params();
   qp.qkey = kQkey;
   qps_.assign(uint64_t{setup.num_channels} * world, nullptr);
   qpx_.assign(qps_.size(), nullptr);
@@ -305,12 +311,7 @@ VerbsTransport::VerbsTransport(const TransportSetup& setup, const VerbsOptions& 
       if (flavor_ == QpFlavor::kEfaSrd) {
         ibv_qp_init_attr_ex ax{};
         ax.qp_type = IBV_QPT_DRIVER;
-        ax.send_cq = cq;
-        ax.recv_cq = cq;
-        ax.cap.max_send_wr = options.send_depth;
-        ax.cap.max_recv_wr = options.recv_depth;
-        ax.cap.max_send_sge = 1;
-        ax.cap.max_recv_sge = 1;
+        set_queues(ax, cq, options);
         ax.pd = pd_;
         ax.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS;
         ax.send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM;
@@ -320,12 +321,7 @@ VerbsTransport::VerbsTransport(const TransportSetup& setup, const VerbsOptions& 
       } else {
         ibv_qp_init_attr ia{};
         ia.qp_type = IBV_QPT_RC;
-        ia.send_cq = cq;
-        ia.recv_cq = cq;
-        ia.cap.max_send_wr = options.send_depth;
-        ia.cap.max_recv_wr = options.recv_depth;
-        ia.cap.max_send_sge = 1;
-        ia.cap.max_recv_sge = 1;
+        set_queues(ia, cq, options);
         q = lib_.create_qp(pd_, &ia);
       }
       if (!q) {
@@ -430,13 +426,7 @@ void VerbsTransport::connect(const std::vector<std::string>& infos) {
     // The peer's QP for (channel c, peer = this rank).
     for (uint32_t c = 0; c < setup_.num_channels; ++c) rm.qpn_by_channel.push_back(qpns[c * world + setup_.rank]);
     std::string gid = kv::unhex(kv::get(f, "gid", origin));
-    QpParams qp;
-    qp.flavor = flavor_;
-    qp.port = port_;
-    qp.roce = roce_;
-    qp.gid_index = gid_index_;
-    qp.sl = sl_;
-    qp.traffic_class = tc_;
+    QpParams qp = local_qp_params();
     qp.remote_lid = static_cast<uint16_t>(kv::get_u64(f, "lid", origin));
     std::memcpy(qp.remote_gid, gid.data(), 16);
     qp.mtu = static_cast<ibv_mtu>(std::min<uint64_t>(static_cast<uint64_t>(mtu_), kv::get_u64(f, "mtu", origin)));
@@ -476,6 +466,17 @@ Endpoint& VerbsTransport::endpoint(uint32_t thread) {
 uint64_t VerbsTransport::peer_region_bytes(uint32_t peer) const {
   UCCL_EP_CHECK_ARG(peer < remotes_.size(), "rank ", peer, " is not a connected peer");
   return remotes_[peer].bytes;
+}
+
+QpParams VerbsTransport::local_qp_params() const {
+  QpParams qp;
+  qp.flavor = flavor_;
+  qp.port = port_;
+  qp.roce = roce_;
+  qp.gid_index = gid_index_;
+  qp.sl = sl_;
+  qp.traffic_class = tc_;
+  return qp;
 }
 
 }  // namespace uccl_ep

@@ -74,6 +74,8 @@ class VerbsTransport : public Transport {
   class VerbsEndpoint;
 
  private:
+  // The QP parameters of this rank's device and port (the remote side left unset).
+  QpParams local_qp_params() const;
   uint32_t key(uint32_t channel, uint32_t peer) const { return channel * setup_.world_size + peer; }
   void post_recvs(uint32_t k, uint32_t n);
 

@@ -12,6 +12,7 @@
 #include "fifo/cmd_builder.h"
 #include "fifo/fifo.h"
 #include "proxy/proxy.h"
+#include "proxy_pair.h"
 #include "transport/ipc_transport.h"
 
 namespace uccl_ep {
@@ -476,37 +477,10 @@ class LosingTransport : public Transport {
 };
 
 TEST(Proxy, LostMessageIsReportedByTheReceiver) {
-  std::vector<std::vector<uint8_t>> regions(2, std::vector<uint8_t>(4096));
-  std::vector<std::unique_ptr<FifoChannel>> fifos;
-  std::vector<std::unique_ptr<Transport>> transports;
-  std::vector<std::string> infos;
-  for (uint32_t r = 0; r < 2; ++r) {
-    fifos.push_back(FifoChannel::create_host(0, 64, 60000));
-    TransportSetup s;
-    s.rank = r;
-    s.world_size = 2;
-    s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
-    auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
-    infos.push_back(ipc->local_info());
-    if (r == 0) {
-      transports.push_back(std::make_unique<LosingTransport>(std::move(ipc), 3));
-    } else {
-      transports.push_back(std::move(ipc));
-    }
-  }
-  std::vector<std::unique_ptr<Proxy>> proxies;
-  std::vector<int64_t> counters(8, 0);
-  for (uint32_t r = 0; r < 2; ++r) {
-    transports[r]->connect(infos);
-    ProxyOptions o;
-    o.rank = r;
-    o.world_size = 2;
-    o.num_threads = 1;
-    o.timeout_ms = 300;
-    proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
-                                              counters.data(), 8));
-    proxies.back()->start();
-  }
+  ProxyPair pair([](std::unique_ptr<IpcTransport> ipc) { return std::make_unique<LosingTransport>(std::move(ipc), 3); },
+                 300);
+  auto& fifos = pair.fifos;
+  auto& proxies = pair.proxies;
   for (int k = 0; k < 10; ++k) fifos[0]->push(build_write(1, 16 * k, 16 * k, 16));
   for (int i = 0; i < 300; ++i) {
     try {

@@ -18,6 +18,7 @@
 #include "fifo/cmd_builder.h"
 #include "fifo/fifo.h"
 #include "proxy/proxy.h"
+#include "proxy_pair.h"
 #include "transport/ipc_transport.h"
 
 namespace uccl_ep {
@@ -71,45 +72,13 @@ class BlockingTransport : public Transport {
 };
 
 // Two proxies over ipc, rank 0's transport blocking (once armed by a write on its channel).
-struct BlockingPair {
-  std::vector<std::vector<uint8_t>> regions{2, std::vector<uint8_t>(4096)};
-  std::vector<std::unique_ptr<FifoChannel>> fifos;
-  std::vector<std::unique_ptr<Transport>> transports;
-  BlockingTransport* blocking = nullptr;
-  std::vector<int64_t> counters = std::vector<int64_t>(8, 0);
-  std::vector<std::unique_ptr<Proxy>> proxies;
+struct BlockingPair : ProxyPair {
+  BlockingTransport* blocking;
 
-  BlockingPair(uint64_t timeout_ms, uint64_t stop_timeout_ms) {
-    std::vector<std::string> infos;
-    for (uint32_t r = 0; r < 2; ++r) {
-      fifos.push_back(FifoChannel::create_host(0, 64, 60000));
-      TransportSetup s;
-      s.rank = r;
-      s.world_size = 2;
-      s.region = RegionInfo{regions[r].data(), regions[r].size(), -1};
-      auto ipc = std::make_unique<IpcTransport>(s, IpcOptions{});
-      infos.push_back(ipc->local_info());
-      if (r == 0) {
-        auto b = std::make_unique<BlockingTransport>(std::move(ipc));
-        blocking = b.get();
-        transports.push_back(std::move(b));
-      } else {
-        transports.push_back(std::move(ipc));
-      }
-    }
-    for (uint32_t r = 0; r < 2; ++r) {
-      transports[r]->connect(infos);
-      ProxyOptions o;
-      o.rank = r;
-      o.world_size = 2;
-      o.num_threads = 1;
-      o.timeout_ms = timeout_ms;
-      o.stop_timeout_ms = stop_timeout_ms;  // what the destructor waits
-      proxies.push_back(std::make_unique<Proxy>(o, std::vector<FifoChannel*>{fifos[r].get()}, transports[r].get(),
-                                                counters.data() + 4 * r, 4));
-      proxies.back()->start();
-    }
-  }
+  BlockingPair(uint64_t timeout_ms, uint64_t stop_timeout_ms)
+      : ProxyPair([](std::unique_ptr<IpcTransport> ipc) { return std::make_unique<BlockingTransport>(std::move(ipc)); },
+                  timeout_ms, stop_timeout_ms),
+        blocking(static_cast<BlockingTransport*>(transports[0].get())) {}
 
   // Makes rank 0's thread block inside post_write; true once it does.
   bool block_rank0() {

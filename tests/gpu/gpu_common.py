@@ -1,11 +1,15 @@
 """Helpers shared by the GPU tests: rank pools on one or more GPUs (ranks share a GPU under
-CUDA MPS when there are more ranks than GPUs), poisoned allocations, exact comparison with a
-readable mismatch, and a dispatch call from a layout."""
+CUDA MPS when there are more ranks than GPUs) and their module fixture, the skip without GPU
+kernels, poisoned allocations, the routings and inputs of a dispatch case, a dispatch call from
+a layout, and the comparisons against the ``reference`` oracle (exact, with a readable
+mismatch, or within bf16 accumulation)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch
@@ -45,17 +49,120 @@ def make_pool(world: int):
     return DistPool(world, gpus=NUM_GPUS)
 
 
-def poison(buf, byte: int = 0xFF) -> None:
-    """Fill free caching-allocator memory of the comm stream, its large-block pool and its
-    small-block pool (allocations up to 1 MiB), with ``byte``: 0xFF gives NaN / -1 patterns;
-    0x7F gives values that are neither NaN, -1 nor 0, where a test must tell the kernels' own
-    poison fill from leftovers."""
-    with torch.cuda.stream(buf.get_comm_stream()):
-        large = torch.empty(3 << 28, dtype=torch.uint8, device="cuda")
+@contextlib.contextmanager
+def pool(world: int):
+    """``make_pool(world)``, closed on exit."""
+    p = make_pool(world)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def require_kernels():
+    """``_C``, or a skip when there is no GPU or ``_C`` was built without the GPU kernels."""
+    from uccl_ep_megatron import _C
+
+    if not torch.cuda.is_available() or not _C.kernels_built():
+        pytest.skip("needs a GPU and a GPU build of uccl_ep_megatron")
+    return _C
+
+
+def pool_fixture(
+    worlds: int | Iterable[int],
+    ids: Callable[[int], str] = lambda n: f"ranks{n}",
+    needs_kernels: bool = False,
+):
+    """A module-scoped ``gpu_pool`` fixture (assign it to ``gpu_pool``): one pool per entry of
+    ``worlds`` (test ids from ``ids``), or, for an int, one pool of that many ranks."""
+    params = None if isinstance(worlds, int) else list(worlds)
+
+    @pytest.fixture(scope="module", params=params, ids=ids if params is not None else None)
+    def gpu_pool(request):
+        if needs_kernels:
+            require_kernels()
+        with pool(worlds if params is None else request.param) as p:
+            yield p
+
+    return gpu_pool
+
+
+def fill_free_memory(stream, byte: int, large_bytes: int = 3 << 28) -> None:
+    """Fill free caching-allocator memory of ``stream``, in its large-block pool
+    (``large_bytes``) and its small-block pool (allocations up to 1 MiB), with ``byte``."""
+    with torch.cuda.stream(stream):
+        large = torch.empty(large_bytes, dtype=torch.uint8, device="cuda")
         small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
         for p in (large, *small):
             p.fill_(byte)
         del large, small
+
+
+def poison(buf, byte: int = 0xFF) -> None:
+    """Fill free memory of the comm stream with ``byte`` (``fill_free_memory``): 0xFF gives
+    NaN / -1 patterns; 0x7F gives values that are neither NaN, -1 nor 0, where a test must tell
+    the kernels' own poison fill from leftovers."""
+    fill_free_memory(buf.get_comm_stream(), byte)
+
+
+def routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int, topk: int, gen):
+    """``topk_idx`` of a routing ``kind``: "random"; "skewed" (every token picks expert 0, half
+    also the last rank's first expert); "local" (no token leaves its rank); "to_rank0" (every
+    rank but 0 receives nothing); "remote" (every token goes to the rank half a world away:
+    with two virtual nodes, it leaves its node); "holes" (random with -1 slots, and a tenth of
+    the tokens going nowhere)."""
+    scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
+    epr = num_experts // world
+    if kind == "skewed":
+        scores[:, 0] += 2.0
+        scores[: num_tokens // 2, epr * (world - 1)] += 1.5
+    elif kind == "local":
+        scores[:, rank * epr : (rank + 1) * epr] += 10.0
+    elif kind == "to_rank0":
+        scores[:, :epr] += 10.0
+    elif kind == "remote":
+        other = (rank + world // 2) % world
+        scores[:, other * epr : (other + 1) * epr] += 10.0
+    idx = scores.topk(topk, dim=1).indices
+    if kind in ("local", "to_rank0", "remote"):
+        assert topk <= epr
+    if kind == "holes":
+        holes = torch.rand(num_tokens, topk, generator=gen, device="cuda") < 0.3
+        idx = torch.where(holes, torch.full_like(idx, -1), idx)
+        idx[: max(1, num_tokens // 10)] = -1
+    return idx
+
+
+def inputs(rank: int, world: int, params: dict, gen):
+    """(x as passed to dispatch, bf16 x, topk_idx, topk_weights, num_experts) of a case:
+    ``params`` holds tokens, hidden, routing and optionally experts (8 per rank), topk (4),
+    idx_dtype (int64) and fp8 (x as FP8 rows with one scale per 128 columns)."""
+    num_tokens, hidden = params["tokens"], params["hidden"]
+    num_experts, topk = params.get("experts", 8 * world), params.get("topk", 4)
+    idx = routing(params["routing"], rank, world, num_tokens, num_experts, topk, gen)
+    idx = idx.to(params.get("idx_dtype", torch.int64))
+    w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    x_in = x
+    if params.get("fp8"):
+        scales = torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda")
+        x_in = (x.float().to(torch.float8_e4m3fn), scales)
+    return x_in, x, idx, w, num_experts
+
+
+def combine_inputs(recv_x, received: int | None, num_bias: int = 0, num_tokens: int = 0, gen=None):
+    """(rows to combine, bias tensors): the received rows transformed, NaN on the padding rows
+    past ``received`` (a sync-free call's; ``None``: no padding), which combine must ignore;
+    ``num_bias`` random ``[num_tokens, hidden]`` bias tensors drawn from ``gen``."""
+    y = (recv_x.float() * 0.5 + 1.0).to(torch.bfloat16)
+    if received is not None:
+        y[received:] = float("nan")
+    hidden = recv_x.shape[1]
+    bias = tuple(
+        torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        for _ in range(num_bias)
+    )
+    return y, bias
 
 
 def assert_same(name: str, a, b) -> None:
@@ -80,14 +187,47 @@ def assert_same(name: str, a, b) -> None:
 
 def dispatch(buf, x, layout, topk_idx, topk_w, **kw):
     """``buf.dispatch`` with the four layout tensors of ``get_dispatch_layout``."""
-    per_rank, per_rdma, per_expert, in_rank = layout
-    return buf.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=topk_idx,
-        topk_weights=topk_w,
-        **kw,
+    from uccl_ep_megatron.bench.inputs import dispatch_kwargs
+
+    return buf.dispatch(x, **dispatch_kwargs(layout, topk_idx, topk_w), **kw)
+
+
+def assert_layout_same(got, want) -> None:
+    """The four tensors of ``get_dispatch_layout`` are equal."""
+    names = ("per_rank", "per_rdma", "per_expert", "in_rank")
+    for name, a, b in zip(names, got, want, strict=True):
+        assert_same(f"layout.{name}", a, b)
+
+
+def assert_recv_same(got, want, fp8: bool = False) -> None:
+    """The received rows (and FP8 scales), top-k ids and weights of two dispatch results.
+
+    Rows are compared up to the received count: sync-free padding rows of ``recv_x`` (and of
+    the FP8 scales) are unspecified (the kernels leave them unwritten, as DeepEP does); ids and
+    weights are compared in full, padding included (-1 and 0)."""
+    n = int(got[4].recv_count) if getattr(got[4], "recv_count", None) is not None else None
+    if fp8:
+        assert_same("recv_x", got[0][0][:n], want[0][0][:n])
+        assert_same("recv_scales", got[0][1][:n], want[0][1][:n])
+    else:
+        assert_same("recv_x", got[0][:n], want[0][:n])
+    assert_same("recv_topk_idx", got[1], want[1])
+    assert_same("recv_topk_weights", got[2], want[2])
+
+
+def assert_combine_close(x, weights, ref_x, ref_weights, exact: bool = False) -> None:
+    """Combined rows within bf16 accumulation of the oracle's (equal when ``exact``), and
+    combined weights within fp32 rounding."""
+    torch.testing.assert_close(x.float(), ref_x.float(), rtol=1e-2, atol=1e-2)
+    if exact:
+        assert_same("combined_x", x, ref_x)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
+
+
+def assert_combined_is_x_times_reached(combined, x, is_token_in_rank) -> None:
+    """The self-verifying property: combining the dispatched rows unchanged gives x times the
+    number of ranks each token reached."""
+    reached = is_token_in_rank.sum(1, keepdim=True).float()
+    torch.testing.assert_close(
+        combined.float(), (x.float() * reached).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
     )

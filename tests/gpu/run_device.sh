@@ -3,20 +3,11 @@
 # the intranode benchmark, logs under $OUT, a short table last.
 # Usage (device tool): bash tests/gpu/run_device.sh [extra bench args]
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CMAKE_BUILD_PARALLEL_LEVEL=32
-OUT=${OUT:-/tmp/out}
-REPO=$(pwd)
-mkdir -p "$OUT"
+# shellcheck source=tests/gpu/device_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$OUT/gpu.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpu.txt" 2>&1
-t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
-  -C cmake.define.UCCL_EP_CUDA_ARCHS=90 . > "$OUT/build.log" 2>&1
-build_rc=$?
-t1=$(date +%s)
-echo "build rc=$build_rc ($((t1 - t0)) s)"
-if [ $build_rc -ne 0 ]; then tail -40 "$OUT/build.log"; exit 1; fi
+build_sm90
 cd /tmp  # import the installed package, not the source tree
 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" --timeout=300 \
   "$REPO/tests/gpu/test_intranode.py" -x ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1

@@ -3,19 +3,10 @@
 # `uccl-ep-megatron bench fifo`, logs under $OUT, a short table last.
 # Usage (device tool): bash tests/gpu/run_fifo_device.sh
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CMAKE_BUILD_PARALLEL_LEVEL=32
-OUT=${OUT:-/tmp/out}
-REPO=$(pwd)
-mkdir -p "$OUT"
+# shellcheck source=tests/gpu/device_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 { nvidia-smi --query-gpu=name,pci.bus_id --format=csv; nvidia-smi topo -m; lscpu | head -20; } > "$OUT/machine.txt" 2>&1
-t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -q -C build-dir=/tmp/b \
-  -C cmake.define.UCCL_EP_CUDA_ARCHS=90 . > "$OUT/build.log" 2>&1
-build_rc=$?
-t1=$(date +%s)
-echo "build rc=$build_rc ($((t1 - t0)) s)"
-if [ $build_rc -ne 0 ]; then tail -40 "$OUT/build.log"; exit 1; fi
+build_sm90
 cd /tmp || exit 1  # import the installed package, not the source tree
 timeout 240 python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" -rs \
   "$REPO/tests/gpu/test_fifo_gpu.py" > "$OUT/pytest.log" 2>&1

@@ -4,11 +4,8 @@
 # logs under $OUT, a short summary last.
 # Usage (device tool): bash tests/gpu/run_internode.sh [pytest -k expression]
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CMAKE_BUILD_PARALLEL_LEVEL=32
-OUT=${OUT:-/tmp/out}
-REPO=$(pwd)
-mkdir -p "$OUT"
+# shellcheck source=tests/gpu/device_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 t0=$(date +%s)
 # Build the committed tree when git is there (other components' sources may be mid-edit in the
 # working tree); UCCL_EP_BUILD_FROM=worktree builds the working tree as it is.

@@ -6,11 +6,8 @@
 #       command="bash tests/gpu/run_megatron_gpu.sh")
 # Env: UCCL_EP_MEGATRON_GPU_TOKENS (tokens per rank, default 4096).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CMAKE_BUILD_PARALLEL_LEVEL=32
-OUT=${OUT:-/tmp/out}
-REPO=$(pwd)
-mkdir -p "$OUT"
+# shellcheck source=tests/gpu/device_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl > "$OUT/wheels.log" 2>&1 || { cat "$OUT/wheels.log"; exit 1; }
 export PYTHONPATH=/tmp/site

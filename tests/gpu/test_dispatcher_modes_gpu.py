@@ -20,7 +20,8 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import NUM_GPUS, pool  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,7 +29,6 @@ pytestmark = [
 ]
 
 HERE = os.path.abspath(__file__)
-NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _fused_or_skip():
@@ -225,13 +225,8 @@ def w_layer_modes(rank, world, tokens):
 def test_megatron_layer_modes_match_alltoall_and_sync_counts():
     pytest.importorskip("megatron.core")
     _fused_or_skip()
-    from dist_utils import DistPool
-
-    pool = DistPool(1, gpus=1)
-    try:
-        (report,) = pool.run(HERE, "w_layer_modes", 2048)
-    finally:
-        pool.close()
+    with pool(1) as p:
+        (report,) = p.run(HERE, "w_layer_modes", 2048)
     print(report)
     for name, r in report.items():
         # bf16 tolerance: relative Frobenius error of a bf16 GEMM chain (eps 2^-8 ~ 4e-3).
@@ -254,16 +249,11 @@ def test_round_trip_grid_both_modes(tp, ep, factor):
     _fused_or_skip()
     if tp * ep > NUM_GPUS:
         pytest.skip(f"needs {tp * ep} GPUs (NCCL, one rank per GPU), have {NUM_GPUS}")
-    from dist_utils import DistPool
-
     tests_dir = os.path.dirname(os.path.dirname(HERE))
-    pool = DistPool(tp * ep, gpus=tp * ep)
-    try:
-        pool.run(
+    with pool(tp * ep) as p:
+        p.run(
             os.path.join(tests_dir, "test_dispatcher_modes.py"), "w_modes", tp, 3, factor, "kernels"
         )
-    finally:
-        pool.close()
 
 
 def test_permute_kernels_capture_in_a_cuda_graph():

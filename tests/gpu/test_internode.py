@@ -30,7 +30,20 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import assert_same, dispatch, make_pool, poison, rank_counts  # noqa: E402
+from gpu_common import (  # noqa: E402
+    assert_combine_close,
+    assert_combined_is_x_times_reached,
+    assert_layout_same,
+    assert_recv_same,
+    assert_same,
+    combine_inputs,
+    dispatch,
+    inputs,
+    poison,
+    pool_fixture,
+    rank_counts,
+    routing,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -66,37 +79,12 @@ def _get_buffers(reorder: bool):
     return _buffers[key]
 
 
-def _routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int, topk: int, gen):
-    scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
-    epr = num_experts // world
-    if kind == "skewed":
-        scores[:, 0] += 2.0  # expert 0 (node 0) is chosen by every token
-        scores[: num_tokens // 2, epr * (world - 1)] += 1.5  # half also go to the last rank
-    elif kind == "remote":
-        other = (rank + world // 2) % world  # every token leaves its node
-        scores[:, other * epr : (other + 1) * epr] += 10.0
-    idx = scores.topk(topk, dim=1).indices
-    if kind == "holes":
-        holes = torch.rand(num_tokens, topk, generator=gen, device="cuda") < 0.3
-        idx = torch.where(holes, torch.full_like(idx, -1), idx)
-        idx[: max(1, num_tokens // 10)] = -1  # some tokens go nowhere
-    return idx
-
-
 def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     from uccl_ep_megatron import Config
 
     num_tokens, hidden = params["tokens"], params["hidden"]
-    num_experts, topk = params.get("experts", 8 * world), params.get("topk", 4)
     gen = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
-    idx = _routing(params["routing"], rank, world, num_tokens, num_experts, topk, gen)
-    idx = idx.to(params.get("idx_dtype", torch.int64))
-    w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    x_in = x
-    if params.get("fp8"):
-        scales = torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda")
-        x_in = (x.float().to(torch.float8_e4m3fn), scales)
+    x_in, x, idx, w, num_experts = inputs(rank, world, params, gen)
     sms, *chunks = params.get("config", (24,))
     config = Config(min(sms, kb.max_num_sms or sms), *chunks)
     kw = dict(
@@ -107,10 +95,7 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
 
     klay = kb.get_dispatch_layout(idx, num_experts)[:4]
     rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
-    for name, a, b in zip(
-        ("per_rank", "per_rdma", "per_expert", "in_rank"), klay, rlay, strict=True
-    ):
-        assert_same(f"layout.{name}", a, b)
+    assert_layout_same(klay, rlay)
 
     poison(kb)
     kout = dispatch(kb, x_in, klay, idx, w, **kw)
@@ -123,13 +108,7 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     rrx, ridx, rw_, rcounts, rh, _ = rout
     torch.cuda.synchronize()
     kb._backend.check()
-    if params.get("fp8"):
-        assert_same("recv_x", krx[0], rrx[0])
-        assert_same("recv_scales", krx[1], rrx[1])
-    else:
-        assert_same("recv_x", krx, rrx)
-    assert_same("recv_topk_idx", kidx, ridx)
-    assert_same("recv_topk_weights", kw_, rw_)
+    assert_recv_same(kout, rout, params.get("fp8", False))
     assert_same("num_recv_tokens_per_expert", kcounts, rcounts)
     assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
     received = int(rh.rank_prefix_matrix[-1, rank])
@@ -149,31 +128,20 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     stats = {"recv": received}
     if params.get("fp8"):
         return stats
-    y = (krx.float() * 0.5 + 1.0).to(torch.bfloat16)
-    if kw["num_worst_tokens"]:
-        y[received:] = float("nan")  # padding rows must be ignored
-    bias = tuple(
-        torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-        for _ in range(params.get("bias", 0))
-    )
+    padded = received if kw["num_worst_tokens"] else None
+    y, bias = combine_inputs(krx, padded, params.get("bias", 0), num_tokens, gen)
     poison(kb)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_, bias=bias or None, config=config)
     torch.cuda.synchronize()
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
     torch.cuda.synchronize()
     kb._backend.check()
-    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
-    if world == 2:
-        # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
-        assert_same("combined_x", kcx, rcx)
-    torch.testing.assert_close(kcw, rcw, rtol=1e-6, atol=1e-6)
+    # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
+    assert_combine_close(kcx, kcw, rcx, rcw, exact=world == 2)
     plain, _, _ = kb.combine(krx, kh, config=config)
     torch.cuda.synchronize()
     kb._backend.check()
-    reached = klay[3].sum(1, keepdim=True).float()
-    torch.testing.assert_close(
-        plain.float(), (x.float() * reached).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
-    )
+    assert_combined_is_x_times_reached(plain, x, klay[3])
     return stats
 
 
@@ -231,11 +199,8 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=RANKS_PER_NODE, ids=lambda m: f"2x{m}")
-def gpu_pool(request):
-    pool = make_pool(2 * request.param)
-    yield pool
-    pool.close()
+# Two virtual nodes of m ranks each.
+gpu_pool = pool_fixture([2 * m for m in RANKS_PER_NODE], ids=lambda n: f"2x{n // 2}")
 
 
 @pytest.mark.parametrize("reorder", [False, True], ids=["ordered", "reorder"])
@@ -343,7 +308,7 @@ def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     align = params.get("align", 1)
     worst = num_tokens * world
     gen = torch.Generator(device="cuda").manual_seed(500 + rank)
-    idx = _routing(params["routing"], rank, world, num_tokens, num_experts, topk, gen)
+    idx = routing(params["routing"], rank, world, num_tokens, num_experts, topk, gen)
     w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     config = Config(min(24, kb.max_num_sms or 24))
@@ -361,9 +326,7 @@ def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     torch.cuda.synchronize()
     received = int(rh.rank_prefix_matrix[-1, rank])
     assert kx.shape[0] == worst
-    assert_same("recv_x", kx, rx)
-    assert_same("recv_topk_idx", kidx, ridx)
-    assert_same("recv_topk_weights", kwts, rwts)
+    assert_recv_same((kx, kidx, kwts), (rx, ridx, rwts))
     assert kcounts == rcounts == []
     assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
     _check_src_idx(kh, rh, received, worst)
@@ -381,14 +344,12 @@ def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     rc = rb.dispatch(x2, handle=rh, config=config)[0]
     assert_same("cached recv_x", kc, rc)
 
-    y = (kx.float() * 0.5 + 1.0).to(torch.bfloat16)
-    y[received:] = float("nan")  # padding rows must be ignored
+    y, _ = combine_inputs(kx, received)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kwts, config=config)
     torch.cuda.synchronize()
     kb._backend.check()
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rwts, config=config)
-    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(kcw, rcw, rtol=1e-6, atol=1e-6)
+    assert_combine_close(kcx, kcw, rcx, rcw)
 
     def layer() -> tuple:
         """Two rounds issued back to back, no host sync between calls; the last outputs."""
@@ -412,8 +373,7 @@ def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     assert out[4].recv_tokens_per_expert.tolist() == exact[3]
     assert_same("back-to-back cached recv_x", cached, rc)
     rlx, rlw, _ = rb.combine(rx, rh, topk_weights=rwts, config=config)
-    torch.testing.assert_close(lcx.float(), rlx.float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(lcw, rlw, rtol=1e-6, atol=1e-6)
+    assert_combine_close(lcx, lcw, rlx, rlw)
     del out, cached, lcx, lcw
 
     # Under the shared-GPU harness the group is gloo, whose all-gather of CUDA tensors stages

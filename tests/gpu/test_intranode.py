@@ -20,7 +20,20 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import assert_same, dispatch, make_pool, poison, rank_counts  # noqa: E402
+from gpu_common import (  # noqa: E402
+    assert_combine_close,
+    assert_combined_is_x_times_reached,
+    assert_layout_same,
+    assert_recv_same,
+    assert_same,
+    combine_inputs,
+    dispatch,
+    inputs,
+    poison,
+    pool_fixture,
+    rank_counts,
+    routing,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -46,42 +59,14 @@ def _get_buffers(copy: str = "tma"):
     return _buffers[copy], _buffers["reference"]
 
 
-def _routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int, topk: int, gen):
-    scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
-    epr = num_experts // world
-    if kind == "skewed":
-        scores[:, 0] += 2.0  # expert 0 (rank 0) is chosen by every token
-        scores[: num_tokens // 2, epr * (world - 1)] += 1.5
-    elif kind == "local":
-        scores[:, rank * epr : (rank + 1) * epr] += 10.0  # no token leaves its rank
-    elif kind == "to_rank0":
-        scores[:, :epr] += 10.0  # every rank but 0 receives nothing
-    idx = scores.topk(topk, dim=1).indices
-    if kind in ("local", "to_rank0"):
-        assert topk <= epr
-    if kind == "holes":
-        holes = torch.rand(num_tokens, topk, generator=gen, device="cuda") < 0.3
-        idx = torch.where(holes, torch.full_like(idx, -1), idx)
-        idx[: max(1, num_tokens // 10)] = -1  # some tokens go nowhere
-    return idx
-
-
 def case(rank: int, world: int, params: dict) -> int:
     from uccl_ep_megatron import Buffer, Config
 
     kb, rb = _get_buffers(params.get("copy", "tma"))
     assert kb.backend == "kernels" and rb.backend == "reference"
     num_tokens, hidden = params["tokens"], params["hidden"]
-    num_experts, topk = params.get("experts", 8 * world), params.get("topk", 4)
     gen = torch.Generator(device="cuda").manual_seed(1000 * params["seed"] + rank)
-    idx = _routing(params["routing"], rank, world, num_tokens, num_experts, topk, gen)
-    idx = idx.to(params.get("idx_dtype", torch.int64))
-    w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    x_in = x
-    if params.get("fp8"):
-        scales = torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda")
-        x_in = (x.float().to(torch.float8_e4m3fn), scales)
+    x_in, x, idx, w, num_experts = inputs(rank, world, params, gen)
     config = Config(min(params.get("sms", 24), kb.max_num_sms or 24))
     kw = dict(
         expert_alignment=params.get("align", 1),
@@ -92,9 +77,7 @@ def case(rank: int, world: int, params: dict) -> int:
     # Layout kernel vs reference.
     klay = kb.get_dispatch_layout(idx, num_experts)[:4]
     rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
-    names = ("per_rank", "per_rdma", "per_expert", "in_rank")
-    for name, a, b in zip(names, klay, rlay, strict=True):
-        assert_same(f"layout.{name}", a, b)
+    assert_layout_same(klay, rlay)
 
     poison(kb)
     async_mode = params.get("async", False)
@@ -117,16 +100,8 @@ def case(rank: int, world: int, params: dict) -> int:
     rout = dispatch(rb, x_in, rlay, idx, w, **kw)
     krx, kidx, kw_, kcounts, kh, _ = kout
     rrx, ridx, rw_, rcounts, rh, _ = rout
-    # Sync-free padding rows of recv_x (and FP8 scales) are unspecified: compare received rows
-    # (ids, weights and source indices in full, padding included).
-    got = int(kh.recv_count)
-    if params.get("fp8"):
-        assert_same("recv_x", krx[0][:got], rrx[0][:got])
-        assert_same("recv_scales", krx[1][:got], rrx[1][:got])
-    else:
-        assert_same("recv_x", krx[:got], rrx[:got])
-    assert_same("recv_topk_idx", kidx, ridx)
-    assert_same("recv_topk_weights", kw_, rw_)
+    assert_recv_same(kout, rout, params.get("fp8", False))
+    got = int(kh.recv_count)  # sync-free padding rows of recv_x are unspecified
     assert_same("num_recv_tokens_per_expert", kcounts, rcounts)
     assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
     assert_same("recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
@@ -144,27 +119,15 @@ def case(rank: int, world: int, params: dict) -> int:
     if params.get("fp8"):
         return kh.num_recv_tokens
     # Combine: rows transformed per received row, plus weights and bias.
-    y = (krx.float() * 0.5 + 1.0).to(torch.bfloat16)
-    if kw["num_worst_tokens"]:
-        y[int(kh.recv_count) :] = float("nan")  # padding rows must be ignored
-    bias = tuple(
-        torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-        for _ in range(params.get("bias", 0))
-    )
+    received = int(kh.recv_count) if kw["num_worst_tokens"] else None
+    y, bias = combine_inputs(krx, received, params.get("bias", 0), num_tokens, gen)
     poison(kb)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_, bias=bias or None, config=config)
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
-    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
-    if world == 2:
-        # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
-        assert_same("combined_x", kcx, rcx)
-    torch.testing.assert_close(kcw, rcw, rtol=1e-6, atol=1e-6)
-    # Self-verifying property: combining the unchanged rows gives x * (ranks reached).
+    # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
+    assert_combine_close(kcx, kcw, rcx, rcw, exact=world == 2)
     plain, _, _ = kb.combine(krx, kh, config=config)
-    reached = klay[3].sum(1, keepdim=True).float()
-    torch.testing.assert_close(
-        plain.float(), (x.float() * reached).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
-    )
+    assert_combined_is_x_times_reached(plain, x, klay[3])
     torch.cuda.synchronize()
     return kh.num_recv_tokens
 
@@ -207,8 +170,8 @@ def back_to_back_case(rank: int, world: int, second: str) -> list[int]:
     t2 = t1 // 3 + 97 * rank if second == "fewer" else t1 + 1000 + 97 * rank
     gen = torch.Generator(device="cuda").manual_seed(4242 + rank)
     calls = []
-    for num_tokens, routing in ((t1, "to_rank0"), (t2, "random")):
-        idx = _routing(routing, rank, world, num_tokens, num_experts, topk, gen)
+    for num_tokens, kind in ((t1, "to_rank0"), (t2, "random")):
+        idx = routing(kind, rank, world, num_tokens, num_experts, topk, gen)
         w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
         x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         calls.append((x, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w))
@@ -263,7 +226,7 @@ def _small_inputs(rank: int, world: int, seed: int):
     """(num_experts, topk_idx, topk_weights, x) of a small random top-2 dispatch."""
     num_tokens, hidden, num_experts = 64, 256, 4 * world
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    idx = _routing("random", rank, world, num_tokens, num_experts, 2, gen)
+    idx = routing("random", rank, world, num_tokens, num_experts, 2, gen)
     w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     return num_experts, idx, w, x
@@ -454,7 +417,7 @@ def grow_case(rank: int, world: int) -> dict:
     _keep.append(kb)
     be = kb._backend
     gen = torch.Generator(device="cuda").manual_seed(77 + rank)
-    idx = _routing("to_rank0", rank, world, num_tokens, num_experts, 4, gen)
+    idx = routing("to_rank0", rank, world, num_tokens, num_experts, 4, gen)
     w = torch.rand(num_tokens, 4, generator=gen, device="cuda")
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     lay = kb.get_dispatch_layout(idx, num_experts)[:4]
@@ -527,11 +490,7 @@ for _p in CASES.values():
         _p["async"] = True
 
 
-@pytest.fixture(scope="module", params=RANKS, ids=lambda n: f"ranks{n}")
-def gpu_pool(request):
-    pool = make_pool(request.param)
-    yield pool
-    pool.close()
+gpu_pool = pool_fixture(RANKS)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -26,14 +26,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_common import (  # noqa: E402
+    assert_combine_close,
+    assert_combined_is_x_times_reached,
+    assert_recv_same,
     assert_same,
+    combine_inputs,
     dispatch,
-    make_pool,
+    inputs,
     nvl_bytes_for,
     poison,
+    pool_fixture,
     rank_counts,
+    routing,
 )
-from test_intranode import _routing  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -59,18 +64,8 @@ def _get_buffers():
 
 def _inputs(rank: int, world: int, params: dict, salt: int = 0):
     """(x as passed to dispatch, bf16 x, topk_idx, topk_weights, num_experts) of one case."""
-    num_tokens, hidden = params["tokens"], params["hidden"]
-    num_experts, topk = params.get("experts", 8 * world), params.get("topk", 4)
     gen = torch.Generator(device="cuda").manual_seed(1000 * params["seed"] + 17 * salt + rank)
-    idx = _routing(params["routing"], rank, world, num_tokens, num_experts, topk, gen)
-    idx = idx.to(params.get("idx_dtype", torch.int64))
-    w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    x_in = x
-    if params.get("fp8"):
-        scales = torch.rand(num_tokens, hidden // 128, generator=gen, device="cuda")
-        x_in = (x.float().to(torch.float8_e4m3fn), scales)
-    return x_in, x, idx, w, num_experts
+    return inputs(rank, world, params, gen)
 
 
 def _worst(params: dict, world: int) -> int:
@@ -87,18 +82,12 @@ def sync_free_case(rank: int, world: int, params: dict) -> int:
     rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
 
     poison(kb)
-    krx, kidx, kw_, kcounts, kh, _ = dispatch(kb, x_in, klay, idx, w, **kw)
-    rrx, ridx, rw_, rcounts, rh, _ = dispatch(rb, x_in, rlay, idx, w, **kw)
-    # Padding rows of recv_x (and FP8 scales) are unspecified (the kernels leave them
-    # unwritten); their ids, weights and source indices are compared in full below.
+    kout = dispatch(kb, x_in, klay, idx, w, **kw)
+    rout = dispatch(rb, x_in, rlay, idx, w, **kw)
+    krx, kidx, kw_, kcounts, kh, _ = kout
+    rrx, ridx, rw_, rcounts, rh, _ = rout
+    assert_recv_same(kout, rout, params.get("fp8", False))
     num_recv = int(kh.recv_count)
-    if params.get("fp8"):
-        assert_same("recv_x", krx[0][:num_recv], rrx[0][:num_recv])
-        assert_same("recv_scales", krx[1][:num_recv], rrx[1][:num_recv])
-    else:
-        assert_same("recv_x", krx[:num_recv], rrx[:num_recv])
-    assert_same("recv_topk_idx", kidx, ridx)
-    assert_same("recv_topk_weights", kw_, rw_)
     assert kcounts == [] and rcounts == []
     assert_same("rank_prefix_matrix", kh.rank_prefix_matrix, rh.rank_prefix_matrix)
     assert_same("recv_src_idx", kh.recv_src_idx, rh.recv_src_idx)
@@ -130,18 +119,13 @@ def sync_free_case(rank: int, world: int, params: dict) -> int:
     assert_same("cached recv_x", kc[:num_recv], rc[:num_recv])
 
     # Combine: padding rows hold garbage that must be ignored.
-    y = (krx.float() * 0.5 + 1.0).to(torch.bfloat16)
-    y[num_recv:] = float("nan")
+    y, _ = combine_inputs(krx, num_recv)
     poison(kb)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_)
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_)
-    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(kcw, rcw, rtol=1e-6, atol=1e-6)
+    assert_combine_close(kcx, kcw, rcx, rcw)
     plain, _, _ = kb.combine(krx, kh)
-    reached = klay[3].sum(1, keepdim=True).float()
-    torch.testing.assert_close(
-        plain.float(), (x.float() * reached).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
-    )
+    assert_combined_is_x_times_reached(plain, x, klay[3])
     kb.check_errors()
     torch.cuda.synchronize()
     return num_recv
@@ -294,8 +278,8 @@ def error_case(rank: int, world: int, kind: str) -> dict:
     _keep.append(kb)  # unusable after the error; peers may still map it: never freed
     num_experts = 4 * world
     gen = torch.Generator(device="cuda").manual_seed(41 + rank)
-    routing = "to_rank0" if kind == "overflow" else "random"
-    idx = _routing(routing, rank, world, num_tokens, num_experts, topk, gen)
+    kind_of_routing = "to_rank0" if kind == "overflow" else "random"
+    idx = routing(kind_of_routing, rank, world, num_tokens, num_experts, topk, gen)
     w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     worst = num_tokens * world
@@ -337,11 +321,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", params=RANKS, ids=lambda n: f"ranks{n}")
-def gpu_pool(request):
-    pool = make_pool(request.param)
-    yield pool
-    pool.close()
+gpu_pool = pool_fixture(RANKS)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import dispatch, make_pool, nvl_bytes_for  # noqa: E402
+from gpu_common import dispatch, nvl_bytes_for, pool_fixture  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -96,15 +96,7 @@ def del_case(rank: int, world: int) -> dict:
     return {"size": size}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"ranks{n}")
-def gpu_pool(request):
-    from uccl_ep_megatron import _C
-
-    if not torch.cuda.is_available() or not _C.kernels_built():
-        pytest.skip("needs a GPU and a GPU build of uccl_ep_megatron")
-    pool = make_pool(request.param)
-    yield pool
-    pool.close()
+gpu_pool = pool_fixture([2, 4], needs_kernels=True)
 
 
 def test_create_destroy_cycles_leak_nothing(gpu_pool):

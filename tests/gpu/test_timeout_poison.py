@@ -15,28 +15,22 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import dispatch, make_pool, nvl_bytes_for  # noqa: E402
+from gpu_common import (  # noqa: E402
+    dispatch,
+    fill_free_memory,
+    nvl_bytes_for,
+    pool_fixture,
+    require_kernels,
+)
 
 pytestmark = [pytest.mark.gpu]
 
 _keep: list[object] = []
 
 
-def _c():
-    from uccl_ep_megatron import _C
-
-    if not torch.cuda.is_available() or not _C.kernels_built():
-        pytest.skip("needs a GPU and a GPU build of uccl_ep_megatron")
-    return _C
-
-
 def _zero_free_memory(stream) -> None:
-    """Zero free caching-allocator memory of ``stream``, in its large-block pool and in its
-    small-block pool (allocations up to 1 MiB), so fresh outputs start as 0."""
-    with torch.cuda.stream(stream):
-        large = torch.zeros(1 << 26, dtype=torch.uint8, device="cuda")
-        small = [torch.zeros(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
-        del large, small
+    """Zero free caching-allocator memory of ``stream``, so fresh outputs start as 0."""
+    fill_free_memory(stream, 0, large_bytes=1 << 26)
     torch.cuda.synchronize()
 
 
@@ -44,7 +38,7 @@ def test_poison_fills_only_when_status_is_set():
     from uccl_ep_megatron.backends.intranode.launch import poison_on_timeout
     from uccl_ep_megatron.errors import InvalidInputError
 
-    c = _c()
+    c = require_kernels()
     st = c.host_status_alloc()
     try:
         stream = torch.cuda.current_stream().cuda_stream
@@ -115,12 +109,7 @@ def poison_case(rank: int, world: int, op: str) -> str:
     return "poisoned"
 
 
-@pytest.fixture(scope="module")
-def gpu_pool():
-    _c()
-    pool = make_pool(2)
-    yield pool
-    pool.close()
+gpu_pool = pool_fixture(2, needs_kernels=True)
 
 
 @pytest.mark.multigpu

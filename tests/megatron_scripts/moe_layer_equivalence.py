@@ -30,7 +30,6 @@ Writes ``rank{N}.json`` to ``RESULT_DIR`` (or prints it): dispatcher classes, Bu
 ``tokens_per_expert``, worst differences. Exits non-zero on any mismatch.
 """
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -40,15 +39,9 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
+from megatron_lm_014 import parser_014
 
-parser = argparse.ArgumentParser(allow_abbrev=False)
-group = parser.add_argument_group(title="moe")
-group.add_argument(
-    "--moe-token-dispatcher-type",
-    type=str,
-    choices=["allgather", "alltoall", "flex"],
-    default="allgather",
-)
+parser, group = parser_014()
 group.add_argument("--moe-flex-dispatcher-backend", default="deepep")
 group.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None)
 group.add_argument("--moe-router-padding-for-quantization", action="store_true")

@@ -3,20 +3,13 @@
 Run through ``python -m uccl_ep_megatron.run``; prints what the script saw as JSON.
 """
 
-import argparse
 import json
 import sys
 
+from megatron_lm_014 import parser_014
 from uccl_ep_megatron.token_dispatcher import get_options
 
-parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
-group = parser.add_argument_group(title="moe")
-group.add_argument(
-    "--moe-token-dispatcher-type",
-    type=str,
-    choices=["allgather", "alltoall", "flex"],
-    default="allgather",
-)
+parser, _ = parser_014(description="Megatron-LM Arguments")
 args = parser.parse_args()
 print(
     json.dumps(

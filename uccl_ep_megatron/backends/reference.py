@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.backends.agreement import timeout_error, wait_stream, wait_work
+from uccl_ep_megatron.backends.agreement import DTYPE_CODES, timeout_error, wait_stream, wait_work
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -56,16 +56,8 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     agrees_per_call = True
-    x_dtypes = frozenset(
-        {
-            torch.bfloat16,
-            torch.float16,
-            torch.float32,
-            torch.float64,
-            torch.float8_e4m3fn,
-            torch.float8_e4m3fnuz,
-        }
-    )
+    # Pure torch moves any dtype; these are the ones the call header can name.
+    x_dtypes = frozenset(DTYPE_CODES)
 
     _broken = ""  # why this Buffer is unusable (a collective timed out), else ""
     _call = ""  # the call whose header was exchanged last: names it in later errors

@@ -27,11 +27,11 @@ return leg; minus the read's round trip (GPU clock) it is a lower bound (``poll 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from typing import Any
 
+from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 
@@ -58,14 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="throughput consumers skip a channel this long after finding it drained (0: never)",
     )
     parser.add_argument("--timeout-ms", type=int, default=60000, help="bound of every wait")
-    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    add_json_argument(parser)
 
 
 def register(subparsers: Any) -> None:
     """Adds ``fifo`` to the ``bench`` subcommands."""
-    p = subparsers.add_parser("fifo", help="GPU->CPU FIFO command rate and latency")
-    add_arguments(p)
-    p.set_defaults(func=run)
+    register_bench(subparsers, "fifo", "GPU->CPU FIFO command rate and latency", add_arguments, run)
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -162,18 +160,12 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print, optionally write JSON; non-zero exit when commands were lost/reordered."""
     rows = measure(args)
     print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"bench": "fifo", "args": vars(args) | {"func": None}, "rows": rows}, f, indent=2
-            )
+    write_json(args.json, {"bench": "fifo", "args": vars(args) | {"func": None}, "rows": rows})
     return 1 if any(r["order_errors"] for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m uccl_ep_megatron.bench.fifo")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return bench_main(add_arguments, run, argv, prog="python -m uccl_ep_megatron.bench.fifo")
 
 
 if __name__ == "__main__":

@@ -14,3 +14,17 @@ def routed_inputs(a: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch
     w = torch.rand(T, K, generator=gen, device="cuda")
     x = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
     return idx, w, x
+
+
+def dispatch_kwargs(layout, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> dict:
+    """The keywords of ``Buffer.dispatch`` for the first four tensors ``get_dispatch_layout``
+    returned and the routing they came from."""
+    per_rank, per_rdma, per_expert, in_rank = layout[:4]
+    return dict(
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx,
+        topk_weights=topk_weights,
+    )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import time
@@ -35,7 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.bench.inputs import routed_inputs
+from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
+from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 
@@ -66,16 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reorder", action="store_true", help="ipc reorder/delay injector on")
     parser.add_argument("--rdma-bytes", type=int, default=1 << 30, help="Buffer num_rdma_bytes")
     parser.add_argument("--nvl-bytes", type=int, default=1 << 30, help="Buffer num_nvl_bytes")
-    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    add_json_argument(parser)
 
 
 def register(subparsers: Any) -> None:
     """Adds ``internode`` to a ``bench`` subparser set (for commands/bench.py)."""
-    p = subparsers.add_parser(
-        "internode", help="internode HT dispatch/combine over virtual nodes (ipc proxy)"
+    register_bench(
+        subparsers,
+        "internode",
+        "internode HT dispatch/combine over virtual nodes (ipc proxy)",
+        add_arguments,
+        run,
     )
-    add_arguments(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,9 +109,7 @@ def run(args: argparse.Namespace) -> int:
     }
     results = {"meta": meta, "rows": [r for part in rows for r in part]}
     _print(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 
@@ -131,17 +131,7 @@ def proxy_cpu_seconds() -> float:
 
 
 def _dispatch(buf, layout, x, idx, w, config, state: dict) -> None:
-    per_rank, per_rdma, per_expert, in_rank = layout
-    out = buf.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=idx,
-        topk_weights=w,
-        config=config,
-    )
+    out = buf.dispatch(x, config=config, **dispatch_kwargs(layout, idx, w))
     state["recv_x"], state["handle"], state["w"] = out[0], out[4], out[2]
 
 
@@ -248,9 +238,7 @@ def _print(results: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m uccl_ep_megatron.bench.internode [flags]``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return bench_main(add_arguments, run, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ median over ``--iters`` iterations with min and max. GB/s is DeepEP's: bytes of 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -37,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.bench.inputs import routed_inputs
+from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
+from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 OPS = (
@@ -95,16 +95,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="after timing, profile N more calls per op on rank 0 and print the mean device "
         "time per kernel (torch.profiler); 0 = off",
     )
-    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    add_json_argument(parser)
 
 
 def register(subparsers: Any) -> None:
     """Adds ``intranode`` to a ``bench`` subparser set (for commands/bench.py)."""
-    p = subparsers.add_parser(
-        "intranode", help="intranode dispatch/combine vs DeepEP V1 and NCCL all-to-all"
+    register_bench(
+        subparsers,
+        "intranode",
+        "intranode dispatch/combine vs DeepEP V1 and NCCL all-to-all",
+        add_arguments,
+        run,
     )
-    add_arguments(p)
-    p.set_defaults(func=run)
 
 
 def rank_counts(spec: str, num_gpus: int) -> list[int]:
@@ -143,9 +145,7 @@ def run(args: argparse.Namespace) -> int:
             results.append(merge(per_rank, pool.placement.shared))
         print_table(results[-1])
         print_kernels(results[-1])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(args.json, results)
     return 0
 
 
@@ -329,15 +329,9 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         theirs = deep_ep.Buffer(dist.group.WORLD, a["nvl_bytes"], 0, explicitly_destroy=True)
 
     buf = next(iter(ours.values()))
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    layout = dict(
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=idx,
-        topk_weights=w,
-    )
+    ours_layout = buf.get_dispatch_layout(idx, E)[:4]
+    per_rank, per_rdma, per_expert, in_rank = ours_layout
+    layout = dispatch_kwargs(ours_layout, idx, w)
     res: dict[str, Any] = {
         "world": world,
         "shared_gpu": shared,
@@ -407,14 +401,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
                 deep_ep.Buffer.get_combine_config(world),
             )
             d_layout = theirs.get_dispatch_layout(idx, E)[:4]
-            d_kw = dict(
-                num_tokens_per_rank=d_layout[0],
-                num_tokens_per_rdma_rank=d_layout[1],
-                is_token_in_rank=d_layout[3],
-                num_tokens_per_expert=d_layout[2],
-                topk_idx=idx,
-                topk_weights=w,
-            )
+            d_kw = dispatch_kwargs(d_layout, idx, w)
             dstate: dict[str, Any] = {}
             for op, fn in _calls(theirs, cfgs, x, x_fp8, d_kw, dstate, T * world).items():
                 timed[(op, "deepep", "-", d_sms)] = time_call(fn, a["iters"], a["warmup"])
@@ -551,9 +538,7 @@ def _flat(ag: dict, prefix: str = ""):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m uccl_ep_megatron.bench.intranode")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return bench_main(add_arguments, run, argv, prog="python -m uccl_ep_megatron.bench.intranode")
 
 
 if __name__ == "__main__":

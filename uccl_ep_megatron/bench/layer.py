@@ -16,11 +16,12 @@ Default workload: issue 14's (8192 tokens, hidden 2048, 64 experts, top-8, Seque
 from __future__ import annotations
 
 import argparse
-import json
 import socket
 import statistics
 import sys
 from typing import Any
+
+from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
 
 VARIANTS = ("alltoall", "exact", "sync-free")
 
@@ -62,16 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="print the N ops with the most self CPU and device time of one profiled iteration "
         "per variant (0: off)",
     )
-    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    add_json_argument(parser)
 
 
 def register(subparsers: Any) -> None:
     """Adds ``layer`` to the ``bench`` subcommands."""
-    p = subparsers.add_parser(
-        "layer", help="Megatron MoE layer fwd+bwd: alltoall vs uccl_ep exact/sync-free"
+    register_bench(
+        subparsers,
+        "layer",
+        "Megatron MoE layer fwd+bwd: alltoall vs uccl_ep exact/sync-free",
+        add_arguments,
+        run,
     )
-    add_arguments(p)
-    p.set_defaults(func=run)
 
 
 def _variants(text: str) -> list[str]:
@@ -242,18 +245,12 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print, optionally write JSON."""
     rows = measure(args)
     print_table(rows, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"bench": "layer", "args": vars(args) | {"func": None}, "rows": rows}, f, indent=2
-            )
+    write_json(args.json, {"bench": "layer", "args": vars(args) | {"func": None}, "rows": rows})
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m uccl_ep_megatron.bench.layer")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return bench_main(add_arguments, run, argv, prog="python -m uccl_ep_megatron.bench.layer")
 
 
 if __name__ == "__main__":

@@ -13,12 +13,12 @@ trip per chunk), which is the cost the paper measures.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
 from typing import Any
 
+from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
 from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError
 
 
@@ -34,14 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated injected max latencies; 0 = no injector",
     )
     parser.add_argument("--seed", type=int, default=1, help="injector seed")
-    parser.add_argument("--json", default="", help="also write the results to this JSON file")
+    add_json_argument(parser)
 
 
 def register(subparsers: Any) -> None:
     """Adds ``ordering`` to the ``bench`` subcommands."""
-    p = subparsers.add_parser("ordering", help="receiver- vs sender-side ordering (CPU, ipc)")
-    add_arguments(p)
-    p.set_defaults(func=run)
+    register_bench(
+        subparsers, "ordering", "receiver- vs sender-side ordering (CPU, ipc)", add_arguments, run
+    )
 
 
 def _one(args: argparse.Namespace, ordering: str, delay_us: int) -> dict[str, Any]:
@@ -167,16 +167,12 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print, optionally write JSON."""
     rows = measure(args)
     print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bench": "ordering", "rows": rows}, f, indent=2)
+    write_json(args.json, {"bench": "ordering", "rows": rows})
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m uccl_ep_megatron.bench.ordering")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return bench_main(add_arguments, run, argv, prog="python -m uccl_ep_megatron.bench.ordering")
 
 
 if __name__ == "__main__":

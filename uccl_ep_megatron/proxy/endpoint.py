@@ -220,27 +220,22 @@ class ProxyEndpoint:
                 for i in range(cfg.num_channels)
             ]
         self.counters = c.Counters(cfg.num_counters, gpu >= 0)
+        # What both transports take first: ranks, threads, channels, the region, its GPU.
+        setup = (
+            self.rank,
+            self.world_size,
+            cfg.num_threads,
+            cfg.num_channels,
+            region_ptr,
+            region_bytes,
+            gpu,
+        )
         if self.transport_kind == "verbs":
             local = int(os.environ.get("LOCAL_RANK", gpu if gpu >= 0 else 0))
-            self.transport = c.VerbsTransport(
-                self.rank,
-                self.world_size,
-                cfg.num_threads,
-                cfg.num_channels,
-                region_ptr,
-                region_bytes,
-                gpu,
-                local,
-            )
+            self.transport = c.VerbsTransport(*setup, local)
         else:
             self.transport = c.IpcTransport(
-                self.rank,
-                self.world_size,
-                cfg.num_threads,
-                cfg.num_channels,
-                region_ptr,
-                region_bytes,
-                gpu,
+                *setup,
                 cfg.ipc_reorder,
                 cfg.ipc_seed,
                 cfg.ipc_max_delay_us,

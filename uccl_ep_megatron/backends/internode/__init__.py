@@ -11,12 +11,12 @@ there copy the token over NVLink to every local rank hosting one of its experts.
 backwards and hierarchically: each node sums its rows of a token into one partial, one partial
 per (token, node) crosses the network, and the source adds them up (``csrc/kernels/internode.h``).
 
-Every call starts with the all-gather (NCCL) of the call header (``agreement.py``), which
-carries the per-rank counts and the expert-id / layout checks. Being stream-ordered, it also
-makes sure every rank finished its previous kernels (every ring is drained before a call with
-another layout). The index tables (final rows, per-rank prefixes, per-channel stream lists)
-are built from the gathered rows with torch ops on the GPU (``tables.py``); no count is copied
-from the host to the device.
+Every call starts with the all-gather (NCCL) of the call header (``agreement``; exchanged by
+``header.py``), which carries the per-rank counts and the expert-id / layout checks. Being
+stream-ordered, it also makes sure every rank finished its previous kernels (every ring is
+drained before a call with another layout). The index tables (final rows, per-rank prefixes,
+per-channel stream lists) are built from the gathered rows with torch ops on the GPU
+(``tables.py``); no count is copied from the host to the device.
 
 - Exact mode (``num_worst_tokens=0``): a dispatch reads the gathered headers on the host once,
   so ranks that disagree or reject their arguments all raise the same error before any kernel

@@ -1,0 +1,212 @@
+"""The ``uccl_ep`` value of Megatron's ``--moe-token-dispatcher-type``.
+
+``install()`` (idempotent, version-checked, all-or-nothing) does three things:
+
+1. **Config**: megatron-core 0.16+ types ``TransformerConfig.moe_token_dispatcher_type`` as a
+   ``Literal``; ``uccl_ep`` is added to it (0.14/0.15 type it ``str``; nothing to add).
+2. **Arguments**: any argparse parser that later defines ``--moe-token-dispatcher-type``
+   (Megatron-LM 0.14/0.15 hard-code its ``choices`` in ``megatron/training/arguments.py``;
+   0.16+ generate them from the ``Literal``) accepts ``uccl_ep``, and gets the dispatcher's own
+   flags in the same group: ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``,
+   ``--moe-uccl-ep-transport``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``,
+   ``--moe-uccl-ep-capacity-factor``, ``--moe-uccl-ep-drop-log-interval``.
+3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
+   ``uccl_ep``. Its constructor branches on the type string and rejects unknown values, so
+   for such a layer the ``flex`` branch is pointed at our class for the duration of the call.
+   Every layer gets the ``BufferCache`` this install made (``buffer_cache()``), so the layers
+   share one ``Buffer`` per group.
+   Values of the flags above found in Megatron-LM's global arguments are applied first: Primus
+   (and anything else that fills Megatron's namespace without argparse) never runs the flags'
+   actions. On megatron-core 0.14-0.16 without Transformer Engine, the router GEMM's missing TE
+   name is defined as ``None`` so the router runs at all (see ``_define_missing_te_names``).
+
+Versions: the releases in ``TESTED_VERSIONS`` are tested (CI and device); a newer one is tried
+with an ``UntestedVersionWarning``, and ``install()`` fails only where an API the plugin needs
+is missing, naming it. An older one is refused. A failed ``install()`` leaves nothing patched.
+
+Call it before Megatron parses arguments: ``python -m uccl_ep_megatron.run script.py ...``
+does, as does ``uccl-ep-megatron train``.
+
+The package: this module installs and undoes; ``state`` holds what was changed and the buffer
+cache, ``versions`` the version policy, ``arguments`` the flags (2.), ``model`` the
+megatron-core patches (1., 3.).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from uccl_ep_megatron.megatron_plugin.arguments import (
+    ARG_OPTIONS,
+    _install_argparse,
+    apply_process_env,
+    options_from_megatron_args,
+)
+from uccl_ep_megatron.megatron_plugin.model import (
+    _define_missing_te_names,
+    _extend_literal_field,
+    _megatron_api,
+    _patch_moe_layer,
+)
+from uccl_ep_megatron.megatron_plugin.state import (
+    _DEST,
+    DISPATCHER_TYPE,
+    _lock,
+    _state,
+    buffer_cache,
+)
+from uccl_ep_megatron.megatron_plugin.versions import (
+    TESTED_VERSIONS,
+    UntestedVersionWarning,
+    check_version,
+    megatron_core_version,
+)
+from uccl_ep_megatron.token_dispatcher.options import (
+    ENV_OPTIONS,
+    get_options,
+    restore_options,
+    set_options,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _install_megatron() -> str:
+    if "megatron_version" in _state:
+        return _state["megatron_version"]
+    version = megatron_core_version()
+    check_version(version)
+    api = _megatron_api(version)
+    _extend_literal_field(api)
+    _define_missing_te_names()
+    _patch_moe_layer(api, version)
+    _state["megatron_version"] = version
+    log.info("uccl_ep plugin installed into megatron-core %s", version)
+    return version
+
+
+def _undo(keys: set[str]) -> None:
+    """Reverse the patches recorded under ``keys`` in ``_state``."""
+    if "add_argument" in keys:
+        argparse._ActionsContainer.add_argument = _state.pop("add_argument")
+    if "literal" in keys:
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        field, field_type, annotation = _state.pop("literal")
+        field.type = field_type
+        if annotation is not None:
+            TransformerConfig.__annotations__[_DEST] = annotation
+    if "moe_layer" in keys:
+        cls, init, set_layer_number = _state.pop("moe_layer")
+        cls.__init__ = init
+        if set_layer_number is not None:
+            cls.set_layer_number = set_layer_number
+    if "te_general_gemm" in keys:
+        delattr(_state.pop("te_general_gemm"), "te_general_gemm")
+    if "megatron_version" in keys:
+        _state.pop("megatron_version")
+    if "buffers" in keys:
+        _state.pop("buffers").clear()
+
+
+# ---- public API --------------------------------------------------------------------------------
+def install(
+    *,
+    num_sms: int | None = None,
+    num_proxy_threads: int | None = None,
+    transport: str | None = None,
+    backend: str | None = None,
+    metrics: bool | None = None,
+    capacity_factor: float | None = None,
+    deep_ep_compat: bool = False,
+) -> str:
+    """Make ``--moe-token-dispatcher-type uccl_ep`` work in this process.
+
+    All or nothing: when it raises, argparse, megatron-core, the dispatcher options, the
+    environment they export and the ``deep_ep`` module are as they were before the call.
+
+    Args:
+        num_sms, num_proxy_threads, transport, backend, metrics, capacity_factor: dispatcher
+            options (see
+            ``token_dispatcher.options.UcclEpOptions``); ``None`` keeps the current value.
+            Command-line flags parsed later override them.
+        deep_ep_compat: also serve ``import deep_ep`` from this package (see
+            ``uccl_ep_megatron.deep_ep_compat``); must happen before Megatron is imported.
+
+    Returns:
+        The megatron-core version patched.
+
+    Raises:
+        UnsupportedError: megatron-core missing, older than the tested releases, or lacking
+            an API the plugin needs (the message names it). A newer, untested release only
+            warns (``UntestedVersionWarning``).
+        InvalidInputError: an invalid option value.
+    """
+    changes = {
+        k: v
+        for k, v in dict(
+            num_sms=num_sms,
+            num_proxy_threads=num_proxy_threads,
+            transport=transport,
+            backend=backend,
+            metrics=metrics,
+            capacity_factor=capacity_factor,
+        ).items()
+        if v is not None
+    }
+    with _lock:
+        before = set(_state)
+        saved_options = get_options()
+        saved_env = {name: os.environ.get(name) for name in ENV_OPTIONS.values()}
+        compat = None
+        if deep_ep_compat:
+            import uccl_ep_megatron.deep_ep_compat as compat
+        compat_was_installed = compat is not None and compat.is_installed()
+        try:
+            if changes:
+                apply_process_env(set_options(**changes))
+            if compat is not None:
+                compat.install()
+            _install_argparse()
+            return _install_megatron()
+        except BaseException:
+            _undo(set(_state) - before)
+            restore_options(saved_options)
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            if compat is not None and not compat_was_installed:
+                compat.uninstall()
+            raise
+
+
+def is_installed() -> bool:
+    """Whether ``install()`` has patched megatron-core in this process."""
+    return "megatron_version" in _state
+
+
+def uninstall() -> None:
+    """Undo ``install()`` (argparse, config field, ``MoELayer``); options are kept."""
+    with _lock:
+        _undo(set(_state))
+
+
+__all__ = [
+    "ARG_OPTIONS",
+    "DISPATCHER_TYPE",
+    "TESTED_VERSIONS",
+    "UntestedVersionWarning",
+    "apply_process_env",
+    "buffer_cache",
+    "check_version",
+    "get_options",
+    "install",
+    "is_installed",
+    "megatron_core_version",
+    "options_from_megatron_args",
+    "uninstall",
+]

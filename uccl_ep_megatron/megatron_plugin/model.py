@@ -1,0 +1,140 @@
+"""The megatron-core patches: ``uccl_ep`` in the config field's ``Literal``, ``MoELayer`` building
+a ``UcclEpTokenDispatcher``, and the Transformer Engine name 0.14-0.16 miss without TE."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import typing
+from collections.abc import Iterator
+from typing import Any
+
+from uccl_ep_megatron.megatron_plugin.arguments import (
+    _megatron_lm_args,
+    apply_process_env,
+    options_from_megatron_args,
+)
+from uccl_ep_megatron.megatron_plugin.state import (
+    _DEST,
+    DISPATCHER_TYPE,
+    _lock,
+    _state,
+    buffer_cache,
+)
+from uccl_ep_megatron.megatron_plugin.versions import _missing
+from uccl_ep_megatron.token_dispatcher.options import set_options
+
+
+def _megatron_api(version: str) -> dict[str, Any]:
+    """What the patches touch, looked up before any of them is applied.
+
+    Raises:
+        UnsupportedError: naming the missing API.
+    """
+    try:
+        from megatron.core.transformer.moe import moe_layer
+        from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except ImportError as exc:
+        raise _missing(f"importable MoE modules ({exc})", version) from exc
+    field = {f.name: f for f in dataclasses.fields(TransformerConfig)}.get(_DEST)
+    if field is None:
+        raise _missing(f"TransformerConfig field {_DEST!r}", version)
+    if not hasattr(moe_layer, "MoEFlexTokenDispatcher"):
+        raise _missing("megatron.core.transformer.moe.moe_layer.MoEFlexTokenDispatcher", version)
+    if getattr(moe_layer, "MoELayer", None) is None:
+        raise _missing("megatron.core.transformer.moe.moe_layer.MoELayer", version)
+    if not callable(getattr(MoETokenDispatcher, "token_dispatch", None)):
+        raise _missing("MoETokenDispatcher.token_dispatch", version)
+    return {"config_cls": TransformerConfig, "field": field, "moe_layer": moe_layer}
+
+
+def _extend_literal_field(api: dict[str, Any]) -> None:
+    """0.16+: add ``uccl_ep`` to the ``Literal`` type of the config field."""
+    config_cls, field = api["config_cls"], api["field"]
+    if typing.get_origin(field.type) is not typing.Literal:
+        return
+    values = typing.get_args(field.type)
+    if DISPATCHER_TYPE in values:
+        return
+    extended = typing.Literal[(*values, DISPATCHER_TYPE)]
+    _state["literal"] = (field, field.type, config_cls.__annotations__.get(_DEST))
+    field.type = extended
+    config_cls.__annotations__[_DEST] = extended
+
+
+@contextlib.contextmanager
+def _flex_branch_builds_uccl_ep(moe_layer_module: Any, config: Any) -> Iterator[None]:
+    from uccl_ep_megatron.token_dispatcher.dispatcher import UcclEpTokenDispatcher
+
+    flex_cls = moe_layer_module.MoEFlexTokenDispatcher
+    moe_layer_module.MoEFlexTokenDispatcher = functools.partial(
+        UcclEpTokenDispatcher, buffers=buffer_cache()
+    )
+    config.moe_token_dispatcher_type = "flex"
+    try:
+        yield
+    finally:
+        config.moe_token_dispatcher_type = DISPATCHER_TYPE
+        moe_layer_module.MoEFlexTokenDispatcher = flex_cls
+
+
+def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
+    moe_layer_module = api["moe_layer"]
+    moe_layer_cls = moe_layer_module.MoELayer
+    original_init = moe_layer_cls.__init__
+    # Only labels our metrics by layer: a release without it loses the labels, nothing else.
+    original_set_layer_number = getattr(moe_layer_cls, "set_layer_number", None)
+
+    @functools.wraps(original_init)
+    def __init__(self, config, *args: Any, **kwargs: Any) -> None:
+        if getattr(config, _DEST, None) != DISPATCHER_TYPE:
+            original_init(self, config, *args, **kwargs)
+            return
+        from uccl_ep_megatron.token_dispatcher.dispatcher import UcclEpTokenDispatcher
+
+        megatron_args = _megatron_lm_args()
+        if megatron_args is not None:
+            changes = options_from_megatron_args(megatron_args)
+            if changes:
+                apply_process_env(set_options(**changes))
+        with _lock, _flex_branch_builds_uccl_ep(moe_layer_module, config):
+            original_init(self, config, *args, **kwargs)
+        if not isinstance(self.token_dispatcher, UcclEpTokenDispatcher):
+            raise _missing(
+                "MoELayer constructor that builds its flex dispatcher through "
+                f"moe_layer.MoEFlexTokenDispatcher (it built {type(self.token_dispatcher)!r})",
+                version,
+            )
+        if self.layer_number is not None:
+            self.token_dispatcher.layer_number = self.layer_number
+
+    _state["moe_layer"] = (moe_layer_cls, original_init, original_set_layer_number)
+    moe_layer_cls.__init__ = __init__
+    if original_set_layer_number is None:
+        return
+
+    @functools.wraps(original_set_layer_number)
+    def set_layer_number(self, layer_number: int) -> None:
+        original_set_layer_number(self, layer_number)
+        if hasattr(self.token_dispatcher, "options"):  # ours: label its metrics by layer
+            self.token_dispatcher.layer_number = layer_number
+
+    moe_layer_cls.set_layer_number = set_layer_number
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.14-0.16 without Transformer Engine: let the router GEMM fall back to torch.
+
+    ``moe_utils`` imports ``te_general_gemm`` from Transformer Engine inside ``try`` but its
+    router GEMM (``router_gating_linear``) tests ``te_general_gemm is not None`` even when
+    the import failed, a ``NameError`` on every MoE router forward on GPU. Defining the name
+    as ``None`` selects megatron-core's own torch path; nothing changes when TE is present
+    (0.17+ define the name themselves).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        _state["te_general_gemm"] = moe_utils
