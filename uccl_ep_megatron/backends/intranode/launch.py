@@ -1,6 +1,7 @@
-"""Launch helpers: a combine's inputs and outputs, the layout kernel and the poisoning of a
-failed call's outputs (shared with the internode backend), and the intranode staging sizes
-read off the rank prefix matrix."""
+"""Launch helpers shared with the internode backend: a combine's inputs and outputs, the layout
+kernel and the poisoning of a failed call's outputs. (The intranode dispatch and combine fold
+their poisoning into their own ``_C`` calls, and ``_C.intranode_exact_rows`` reads the staging
+sizes off the rank prefix matrix.)"""
 
 from __future__ import annotations
 
@@ -131,19 +132,6 @@ def launch_layout(
         stream=stream,
     )
     return per_rank, per_expert, in_rank
-
-
-def rows_sent(pm: tuple[int, ...], num_ranks: int, s: int, j: int) -> int:
-    """Rows rank ``j`` receives from rank ``s``, from the row-major rank prefix matrix."""
-    return pm[s * num_ranks + j] - (pm[(s - 1) * num_ranks + j] if s else 0)
-
-
-def combine_rows_of(pm: tuple[int, ...], num_ranks: int) -> int:
-    """Most rows any rank gets back from the others in a combine (its staging rows)."""
-    return max(
-        sum(rows_sent(pm, num_ranks, s, j) for j in range(num_ranks) if j != s)
-        for s in range(num_ranks)
-    )
 
 
 def as_int32(t: torch.Tensor) -> torch.Tensor:
