@@ -415,6 +415,31 @@ void combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle 
   poison(c, stream, {{&out, x.dtype->nan}, {&out_w, repeat(0x7FC00000u, 4)}});
 }
 
+// The layout kernel (see k::get_dispatch_layout); sizes come from the views: tokens and top-k
+// from topk_idx [T, K], ranks from is_token_in_rank [T, R], experts from the per-expert counts.
+void layout_call(intptr_t stream, py::handle idx_t, py::handle per_rank_t, py::handle per_expert_t,
+                 py::handle in_rank_t) {
+  const TensorView idx = view_of(idx_t, "get_dispatch_layout: topk_idx");
+  expect(idx, "get_dispatch_layout: topk_idx", 2, -1, -1, {Dt::kInt64, Dt::kInt32});
+  const int64_t T = idx.size[0], K = idx.size[1];
+  const TensorView in_rank = view_of(in_rank_t, "get_dispatch_layout: is_token_in_rank");
+  expect(in_rank, "get_dispatch_layout: is_token_in_rank", 2, T, -1, {Dt::kBool});
+  const int64_t R = in_rank.size[1];
+  const TensorView per_rank = view_of(per_rank_t, "get_dispatch_layout: num_tokens_per_rank");
+  expect(per_rank, "get_dispatch_layout: num_tokens_per_rank", 1, R, -1, {Dt::kInt32});
+  const TensorView per_expert = view_of(per_expert_t, "get_dispatch_layout: num_tokens_per_expert");
+  expect(per_expert, "get_dispatch_layout: num_tokens_per_expert", 1, -1, -1, {Dt::kInt32});
+  const int64_t E = per_expert.size[0];
+  UCCL_EP_CHECK_ARG(R >= 1 && E > 0 && E % R == 0, "get_dispatch_layout: num_experts=", E, " num_ranks=", R);
+  check_ptr(idx.ptr, T > 0 && K > 0, "get_dispatch_layout: topk_idx");
+  check_ptr(in_rank.ptr, T > 0, "get_dispatch_layout: is_token_in_rank");
+  check_ptr(per_rank.ptr, true, "get_dispatch_layout: num_tokens_per_rank");
+  check_ptr(per_expert.ptr, true, "get_dispatch_layout: num_tokens_per_expert");
+  k::get_dispatch_layout(idx.ptr, idx.dtype->dt == Dt::kInt64, static_cast<int>(T), static_cast<int>(K),
+                         static_cast<int>(R), static_cast<int>(E), per_rank.ptr, per_expert.ptr, in_rank.ptr,
+                         stream);
+}
+
 // The row counts of an exact-mode dispatch on `rank`, from the host copy of the row-major
 // rank prefix matrix: (rows received, staging rows of the dispatch (the most any rank
 // receives), rows kept for itself, rows sent to all ranks, combine staging rows (the most
@@ -473,6 +498,9 @@ void bind_intranode_calls(py::module_& m) {
         "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
         "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "
         "fold of the outputs (NaN when a wait timed out).");
+  m.def("dispatch_layout_call", &layout_call,
+        "layout(stream, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank): the layout "
+        "kernel into the three output tensors (shared by the intranode and internode backends).");
   m.def("intranode_exact_rows", &exact_rows, py::arg("rank_prefix_matrix"), py::arg("rank"), py::arg("num_ranks"),
         "(rows received, dispatch staging rows, rows kept, rows sent, combine staging rows) of an exact-mode "
         "dispatch on `rank`, from the host rank prefix matrix (row-major).");

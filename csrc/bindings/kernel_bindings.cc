@@ -173,23 +173,6 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("status"), py::arg("ptrs"), py::arg("bytes"), py::arg("patterns"), py::arg("stream"),
       "On the stream: when the status word is set, fill each region with its 8-byte pattern.");
-  m.def(
-      "get_dispatch_layout",
-      [](intptr_t topk_idx, bool idx_is_64, int num_tokens, int num_topk, int num_ranks, int num_experts,
-         intptr_t per_rank, intptr_t per_expert, intptr_t in_rank, intptr_t stream) {
-        UCCL_EP_CHECK_ARG(num_tokens >= 0 && num_topk >= 0 && num_experts > 0, "get_dispatch_layout: num_tokens=",
-                          num_tokens, " num_topk=", num_topk, " num_experts=", num_experts);
-        const bool any = num_tokens > 0 && num_topk > 0;
-        check_ptr(topk_idx, any, "get_dispatch_layout: topk_idx");
-        check_ptr(in_rank, num_tokens > 0, "get_dispatch_layout: is_token_in_rank");
-        check_ptr(per_rank, true, "get_dispatch_layout: num_tokens_per_rank");
-        check_ptr(per_expert, true, "get_dispatch_layout: num_tokens_per_expert");
-        k::get_dispatch_layout(topk_idx, idx_is_64, num_tokens, num_topk, num_ranks, num_experts, per_rank,
-                               per_expert, in_rank, stream);
-      },
-      py::arg("topk_idx"), py::arg("idx_is_64"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_ranks"),
-      py::arg("num_experts"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_expert"),
-      py::arg("is_token_in_rank"), py::arg("stream"));
   m.def("dispatch_staging_bytes", &k::dispatch_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),

@@ -11,11 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.backends.agreement import (
-    error_code,
-    pack_combine_header,
-    pack_dispatch_header,
-)
+from uccl_ep_megatron.backends.agreement import error_code, pack_dispatch_header
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -108,7 +104,10 @@ class KernelsBackend(Backend):
         self._device_index = (
             device.index if device.index is not None else torch.cuda.current_device()
         )
-        self._last_header = ""  # this rank's last device-checked call header, in words
+        # This rank's last device-checked call: describe_call's arguments, put in words only
+        # when an error quotes them (host time).
+        self._last_call: tuple[Any, ...] = ("no call", None, 0, 0)
+        self._headers: dict[tuple[Any, ...], int] = {}  # see _header
         # The control region is always there, so barriers work even before data fits.
         nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
         self._ipc = IpcBuffers(
@@ -179,6 +178,13 @@ class KernelsBackend(Backend):
             self._ctx_grows = grows
         return self._ctx
 
+    def _header(self, *fields: Any) -> int:
+        """``pack_dispatch_header(*fields)``, packed once per distinct call shape (host time)."""
+        word = self._headers.get(fields)
+        if word is None:
+            word = self._headers[fields] = pack_dispatch_header(*fields)
+        return word
+
     def _stream(self) -> int:
         # An int index: torch resolves a torch.device through slower checks on every call.
         return torch.cuda.current_stream(self._device_index).cuda_stream
@@ -232,7 +238,7 @@ class KernelsBackend(Backend):
             (code, a, b, extra),
             own,
             self._timeout_ms,
-            self._last_header,
+            describe_call(*self._last_call),
             lambda peer: c.read_abort(self._buffers[own], peer),
         )
 
@@ -299,9 +305,9 @@ class KernelsBackend(Backend):
             all_bounds = torch.empty(num_ranks * CHECK_WORDS, dtype=torch.int64, device=dev)
         # The call header every rank must agree on: read back with the counts (exact mode),
         # judged by notify (sync-free) or compared with its barrier (cached dispatch).
-        header = pack_dispatch_header(dtype, hidden, num_scales, num_topk, num_experts)
+        header = self._header(dtype, hidden, num_scales, num_topk, num_experts)
         kind = "cached dispatch" if cached is not None else "dispatch"
-        self._last_header = describe_call(kind, dtype, hidden, num_scales)
+        self._last_call = (kind, dtype, hidden, num_scales)
         # Notify scans the id range itself (no extra launches); ids are checked whenever given,
         # so args.check_ids (the range is still unchecked) is always honoured.
         c.intranode_notify_call(
@@ -440,7 +446,7 @@ class KernelsBackend(Backend):
         biases = t.biases
         num_bias = len(biases)
         extra = f"topk_weights columns={num_topk}, biases={num_bias}"
-        self._last_header = describe_call("combine", x.dtype, hidden, 0, extra)
+        self._last_call = ("combine", x.dtype, hidden, 0, extra)
         # Rows of x to return: the received count, or its bound in sync-free mode (the kernels
         # read the real count from the device matrix).
         c.intranode_combine_call(
@@ -457,7 +463,8 @@ class KernelsBackend(Backend):
             handle.num_recv_tokens,
             staging_rows,
             config.num_sms,
-            pack_combine_header(x.dtype, hidden, num_topk, num_bias),
+            # pack_combine_header's word: weights' columns as top-k, biases as experts.
+            self._header(x.dtype, hidden, 0, num_topk, num_bias),
         )
         return t.out, t.out_weights
 

@@ -114,23 +114,11 @@ def launch_layout(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layout kernel: (tokens per rank, tokens per expert, is_token_in_rank [T, R])."""
     topk_idx = topk_idx.contiguous()
-    num_tokens, num_topk = topk_idx.shape
     dev = topk_idx.device
     per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
     per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev)
-    c.get_dispatch_layout(
-        topk_idx=topk_idx.data_ptr(),
-        idx_is_64=topk_idx.dtype == torch.int64,
-        num_tokens=num_tokens,
-        num_topk=num_topk,
-        num_ranks=num_ranks,
-        num_experts=num_experts,
-        num_tokens_per_rank=per_rank.data_ptr(),
-        num_tokens_per_expert=per_expert.data_ptr(),
-        is_token_in_rank=in_rank.data_ptr(),
-        stream=stream,
-    )
+    in_rank = torch.empty(topk_idx.shape[0], num_ranks, dtype=torch.bool, device=dev)
+    c.dispatch_layout_call(stream, topk_idx, per_rank, per_expert, in_rank)
     return per_rank, per_expert, in_rank
 
 
