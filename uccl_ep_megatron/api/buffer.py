@@ -367,8 +367,9 @@ class Buffer(CallAgreement, ArgumentChecks):
 
         # After a failed check the event may be what failed: run() raises before it matters.
         inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
+        outputs = _dispatch_outputs if handle is None else _cached_outputs
         result, event = self._run(
-            run, inputs, event_in, async_finish, allocate_on_comm_stream, _dispatch_outputs
+            run, inputs, event_in, async_finish, allocate_on_comm_stream, outputs
         )
         args = prepared.args
         recv_x: XType = result.recv_x
@@ -506,17 +507,33 @@ class Buffer(CallAgreement, ArgumentChecks):
 
 
 def _dispatch_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
-    """The tensors of a backend's ``DispatchResult`` (what ``_tensors`` would find in it)."""
+    """The tensors of a backend's ``DispatchResult`` that a caller gets (what ``_tensors``
+    finds in it), each storage once: views of the rank prefix matrix's tensor (the kernels
+    backend's recv_count and per-expert counts) are covered by recording the matrix."""
+    prefix = r.rank_prefix_matrix
+    base = prefix._base
+    count, per_expert = r.recv_count, r.recv_tokens_per_expert
+    if base is not None:
+        if count is not None and count._base is base:
+            count = None
+        if per_expert is not None and per_expert._base is base:
+            per_expert = None
     return (
         r.recv_x,
         r.recv_x_scales,
         r.recv_topk_idx,
         r.recv_topk_weights,
-        r.rank_prefix_matrix,
+        prefix,
         r.recv_src_idx,
-        r.recv_count,
-        r.recv_tokens_per_expert,
+        count,
+        per_expert,
     )
+
+
+def _cached_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
+    """What a cached dispatch hands back: received rows (and FP8 scales). The result's other
+    tensors are the handle's, recorded when the handle was made."""
+    return r.recv_x, r.recv_x_scales
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
