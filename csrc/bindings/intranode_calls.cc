@@ -154,6 +154,14 @@ void expect(const TensorView& v, const char* what, int dim, int64_t rows, int64_
   UCCL_EP_CHECK_ARG(dt_ok, what, " has dtype ", v.dtype->name, ", which this call does not take there");
 }
 
+// The view of `t`, checked by expect(); None (an empty view) passes only when `optional`.
+TensorView arg(py::handle t, const char* what, bool optional, int dim, int64_t rows, int64_t cols,
+               std::initializer_list<Dt> dts) {
+  TensorView v = view_of(t, what);
+  if (!(optional && v.none)) expect(v, what, dim, rows, cols, dts);
+  return v;
+}
+
 // The per-Buffer part of every launch, checked when it is built (and the buffers and status
 // again at each call: the registry makes a freed or regrown buffer raise, never fault).
 struct Context {
@@ -163,6 +171,18 @@ struct Context {
   intptr_t status = 0;
   int64_t timeout_ns = 0;
   bool use_tma = false;
+
+  // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
+  template <typename Args>
+  void fill(Args& a) const {
+    a.buffers = buffers;
+    a.buffer_bytes = buffer_bytes;
+    a.rank = rank;
+    a.num_ranks = num_ranks;
+    a.use_tma = use_tma;
+    a.status = status;
+    a.timeout_ns = timeout_ns;
+  }
 
   void check(const char* what) const {
     UCCL_EP_CHECK_ARG(rank >= 0 && rank < num_ranks && num_ranks <= k::kMaxRanks, what, ": rank=", rank,
@@ -229,30 +249,25 @@ void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::h
                         num_experts >= 0 && expert_alignment >= 1,
                     "intranode_notify: experts_per_rank=", experts_per_rank, " num_worst_tokens=", num_worst_tokens,
                     " num_experts=", num_experts, " expert_alignment=", expert_alignment);
-  const TensorView in_rank = view_of(in_rank_t, "intranode_notify: is_token_in_rank");
-  expect(in_rank, "intranode_notify: is_token_in_rank", 2, -1, R, {Dt::kBool});
+  const TensorView in_rank = arg(in_rank_t, "intranode_notify: is_token_in_rank", false, 2, -1, R, {Dt::kBool});
   const int64_t T = in_rank.size[0];
-  const TensorView per_rank = view_of(per_rank_t, "intranode_notify: num_tokens_per_rank");
-  expect(per_rank, "intranode_notify: num_tokens_per_rank", 1, R, -1, {Dt::kInt32});
-  const TensorView per_expert = view_of(per_expert_t, "intranode_notify: num_tokens_per_expert");
-  if (experts_per_rank > 0)
-    expect(per_expert, "intranode_notify: num_tokens_per_expert", 1, int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
-  const TensorView info = view_of(info_t, "intranode_notify: out_info");
-  expect(info, "intranode_notify: out_info", 1, int64_t{R} * R + experts_per_rank, -1, {Dt::kInt32});
-  const TensorView send_pos = view_of(send_pos_t, "intranode_notify: send_pos");
-  if (!send_pos.none) expect(send_pos, "intranode_notify: send_pos", 2, T, R, {Dt::kInt32});
-  const TensorView idx = view_of(topk_idx_t, "intranode_notify: topk_idx");
-  if (!idx.none) expect(idx, "intranode_notify: topk_idx", 2, T, -1, {Dt::kInt64, Dt::kInt32});
-  const TensorView bounds = view_of(out_bounds_t, "intranode_notify: out_bounds");
-  if (!bounds.none) expect(bounds, "intranode_notify: out_bounds", 1, int64_t{R} * k::kCheckWords, -1, {Dt::kInt64});
+  const TensorView per_rank = arg(per_rank_t, "intranode_notify: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
+  const TensorView per_expert = arg(per_expert_t, "intranode_notify: num_tokens_per_expert", experts_per_rank == 0, 1,
+                                    int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
+  const TensorView info =
+      arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + experts_per_rank, -1, {Dt::kInt32});
+  const TensorView send_pos = arg(send_pos_t, "intranode_notify: send_pos", true, 2, T, R, {Dt::kInt32});
+  const TensorView idx = arg(topk_idx_t, "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
+  const TensorView bounds =
+      arg(out_bounds_t, "intranode_notify: out_bounds", true, 1, int64_t{R} * k::kCheckWords, -1, {Dt::kInt64});
   check_ptr(per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
   check_ptr(info.ptr, true, "intranode_notify: out_info");
   check_ptr(in_rank.ptr, !send_pos.none && T > 0, "intranode_notify: is_token_in_rank");
   // The prefix matrix is info's head: the kernel writes both from one pass.
   k::intranode_notify(c.buffers, c.rank, R, per_rank.ptr, per_expert.ptr, experts_per_rank, expert_alignment,
                       info.ptr, info.ptr, c.status, c.timeout_ns, in_rank.ptr, static_cast<int>(T), send_pos.ptr,
-                      stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64, idx.none ? 0 : static_cast<int>(idx.size[1]),
-                      bounds.ptr, num_worst_tokens, num_experts, header);
+                      stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64,
+                      idx.none ? 0 : static_cast<int>(idx.size[1]), bounds.ptr, num_worst_tokens, num_experts, header);
 }
 
 // The dispatch kernel, then the poison fold of its outputs. `topk_idx`/`topk_weights` and
@@ -265,53 +280,34 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
                    int64_t send_rows, int64_t staging_rows) {
   c.check("intranode_dispatch");
   const int R = c.num_ranks;
-  const TensorView x = view_of(x_t, "intranode_dispatch: x");
-  expect(x, "intranode_dispatch: x", 2, -1, -1,
+  const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
          {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
   const int64_t T = x.size[0], H = x.size[1];
-  const TensorView recv_x = view_of(recv_x_t, "intranode_dispatch: recv_x");
-  expect(recv_x, "intranode_dispatch: recv_x", 2, -1, H, {x.dtype->dt});
+  const TensorView recv_x = arg(recv_x_t, "intranode_dispatch: recv_x", false, 2, -1, H, {x.dtype->dt});
   const int64_t rows = recv_x.size[0];
-  const TensorView scales = view_of(scales_t, "intranode_dispatch: x_scales");
-  const TensorView recv_scales = view_of(recv_scales_t, "intranode_dispatch: recv_scales");
-  int64_t S = 0;
-  if (!scales.none) {
-    expect(scales, "intranode_dispatch: x_scales", 2, T, -1, {Dt::kFloat32});
-    S = scales.size[1];
-    expect(recv_scales, "intranode_dispatch: recv_scales", 2, rows, S, {Dt::kFloat32});
-  }
-  const TensorView idx = view_of(idx_t, "intranode_dispatch: topk_idx");
-  const TensorView weights = view_of(weights_t, "intranode_dispatch: topk_weights");
-  const TensorView recv_idx = view_of(recv_idx_t, "intranode_dispatch: recv_topk_idx");
-  const TensorView recv_w = view_of(recv_w_t, "intranode_dispatch: recv_topk_weights");
-  int64_t K = 0;
-  if (!idx.none) {
-    expect(idx, "intranode_dispatch: topk_idx", 2, T, -1, {Dt::kInt64, Dt::kInt32});
-    K = idx.size[1];
-    UCCL_EP_CHECK_ARG(K <= k::kMaxTopk, "intranode_dispatch: ", K, " top-k columns exceed ", k::kMaxTopk);
-    expect(weights, "intranode_dispatch: topk_weights", 2, T, K, {Dt::kFloat32});
-    expect(recv_idx, "intranode_dispatch: recv_topk_idx", 2, rows, K, {idx.dtype->dt});
-    expect(recv_w, "intranode_dispatch: recv_topk_weights", 2, rows, K, {Dt::kFloat32});
-  }
-  const TensorView in_rank = view_of(in_rank_t, "intranode_dispatch: is_token_in_rank");
-  expect(in_rank, "intranode_dispatch: is_token_in_rank", 2, T, R, {Dt::kBool});
-  const TensorView info = view_of(info_t, "intranode_dispatch: rank_prefix_matrix");
-  expect(info, "intranode_dispatch: rank_prefix_matrix", info.dim == 1 ? 1 : 2, -1, -1, {Dt::kInt32});
-  UCCL_EP_CHECK_ARG(info.rows() * info.cols() >= int64_t{R} * R, "intranode_dispatch: rank_prefix_matrix has shape ",
+  // FP8 scales and top-k come with their outputs or not at all.
+  const TensorView scales = arg(scales_t, "intranode_dispatch: x_scales", true, 2, T, -1, {Dt::kFloat32});
+  const int64_t S = scales.none ? 0 : scales.size[1];
+  const TensorView recv_scales =
+      arg(recv_scales_t, "intranode_dispatch: recv_scales", scales.none, 2, rows, S, {Dt::kFloat32});
+  const TensorView idx = arg(idx_t, "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
+  const int64_t K = idx.none ? 0 : idx.size[1];
+  UCCL_EP_CHECK_ARG(K <= k::kMaxTopk, "intranode_dispatch: ", K, " top-k columns exceed ", k::kMaxTopk);
+  const Dt idx_dt = idx.none ? Dt::kInt64 : idx.dtype->dt;
+  const TensorView weights = arg(weights_t, "intranode_dispatch: topk_weights", idx.none, 2, T, K, {Dt::kFloat32});
+  const TensorView recv_idx = arg(recv_idx_t, "intranode_dispatch: recv_topk_idx", idx.none, 2, rows, K, {idx_dt});
+  const TensorView recv_w =
+      arg(recv_w_t, "intranode_dispatch: recv_topk_weights", idx.none, 2, rows, K, {Dt::kFloat32});
+  const TensorView in_rank = arg(in_rank_t, "intranode_dispatch: is_token_in_rank", false, 2, T, R, {Dt::kBool});
+  // notify's out_info: the matrix first, then the per-expert counts.
+  const TensorView info = arg(info_t, "intranode_dispatch: rank_prefix_matrix", false, 1, -1, -1, {Dt::kInt32});
+  UCCL_EP_CHECK_ARG(info.size[0] >= int64_t{R} * R, "intranode_dispatch: rank_prefix_matrix has shape ",
                     shape_text(info), "; it needs ", R * R, " entries");
-  const TensorView send_pos = view_of(send_pos_t, "intranode_dispatch: send_pos");
-  expect(send_pos, "intranode_dispatch: send_pos", 2, T, R, {Dt::kInt32});
-  const TensorView recv_src = view_of(recv_src_t, "intranode_dispatch: recv_src_idx");
-  if (!cached) expect(recv_src, "intranode_dispatch: recv_src_idx", 1, rows, -1, {Dt::kInt32});
+  const TensorView send_pos = arg(send_pos_t, "intranode_dispatch: send_pos", false, 2, T, R, {Dt::kInt32});
+  const TensorView recv_src = arg(recv_src_t, "intranode_dispatch: recv_src_idx", cached, 1, rows, -1, {Dt::kInt32});
 
   k::DispatchArgs a;
-  a.buffers = c.buffers;
-  a.buffer_bytes = c.buffer_bytes;
-  a.rank = c.rank;
-  a.num_ranks = R;
-  a.use_tma = c.use_tma;
-  a.status = c.status;
-  a.timeout_ns = c.timeout_ns;
+  c.fill(a);
   a.num_tokens = static_cast<int>(T);
   a.experts_per_rank = experts_per_rank;
   a.x = x.ptr;
@@ -352,40 +348,24 @@ void combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle 
                   int num_recv, int64_t staging_rows, int num_sms, int64_t header) {
   c.check("intranode_combine");
   const int R = c.num_ranks;
-  const TensorView x = view_of(x_t, "intranode_combine: x");
-  expect(x, "intranode_combine: x", 2, -1, -1, {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
+  const TensorView x = arg(x_t, "intranode_combine: x", false, 2, -1, -1, {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
   const int64_t H = x.size[1];
   UCCL_EP_CHECK_ARG(num_recv >= 0 && num_recv <= x.size[0], "intranode_combine: num_recv=", num_recv,
                     " but x has ", x.size[0], " rows");
-  const TensorView out = view_of(out_t, "intranode_combine: out");
-  expect(out, "intranode_combine: out", 2, -1, H, {x.dtype->dt});
+  const TensorView out = arg(out_t, "intranode_combine: out", false, 2, -1, H, {x.dtype->dt});
   const int64_t T = out.size[0];
-  const TensorView weights = view_of(weights_t, "intranode_combine: topk_weights");
-  const TensorView out_w = view_of(out_w_t, "intranode_combine: out_weights");
-  int64_t K = 0;
-  if (!weights.none) {
-    expect(weights, "intranode_combine: topk_weights", 2, x.size[0], -1, {Dt::kFloat32});
-    K = weights.size[1];
-    expect(out_w, "intranode_combine: out_weights", 2, T, K, {Dt::kFloat32});
-  }
-  const TensorView bias0 = view_of(bias0_t, "intranode_combine: bias[0]");
-  const TensorView bias1 = view_of(bias1_t, "intranode_combine: bias[1]");
-  if (!bias0.none) expect(bias0, "intranode_combine: bias[0]", 2, T, H, {x.dtype->dt});
-  if (!bias1.none) expect(bias1, "intranode_combine: bias[1]", 2, T, H, {x.dtype->dt});
-  UCCL_EP_CHECK_ARG(!bias1.none <= !bias0.none, "intranode_combine: bias[1] given without bias[0]");
-  const TensorView prefix = view_of(prefix_t, "intranode_combine: rank_prefix_matrix");
-  expect(prefix, "intranode_combine: rank_prefix_matrix", 2, R, R, {Dt::kInt32});
-  const TensorView send_pos = view_of(send_pos_t, "intranode_combine: send_pos");
-  expect(send_pos, "intranode_combine: send_pos", 2, T, R, {Dt::kInt32});
+  const TensorView weights =
+      arg(weights_t, "intranode_combine: topk_weights", true, 2, x.size[0], -1, {Dt::kFloat32});
+  const int64_t K = weights.none ? 0 : weights.size[1];
+  const TensorView out_w = arg(out_w_t, "intranode_combine: out_weights", weights.none, 2, T, K, {Dt::kFloat32});
+  const TensorView bias0 = arg(bias0_t, "intranode_combine: bias[0]", true, 2, T, H, {x.dtype->dt});
+  const TensorView bias1 = arg(bias1_t, "intranode_combine: bias[1]", true, 2, T, H, {x.dtype->dt});
+  UCCL_EP_CHECK_ARG(bias1.none || !bias0.none, "intranode_combine: bias[1] given without bias[0]");
+  const TensorView prefix = arg(prefix_t, "intranode_combine: rank_prefix_matrix", false, 2, R, R, {Dt::kInt32});
+  const TensorView send_pos = arg(send_pos_t, "intranode_combine: send_pos", false, 2, T, R, {Dt::kInt32});
 
   k::CombineArgs a;
-  a.buffers = c.buffers;
-  a.buffer_bytes = c.buffer_bytes;
-  a.rank = c.rank;
-  a.num_ranks = R;
-  a.use_tma = c.use_tma;
-  a.status = c.status;
-  a.timeout_ns = c.timeout_ns;
+  c.fill(a);
   a.dtype = x.dtype->dt == Dt::kBFloat16 ? 0 : x.dtype->dt == Dt::kFloat16 ? 1 : 2;
   a.hidden = static_cast<int>(H);
   a.x = x.ptr;
@@ -419,16 +399,14 @@ void combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle 
 // from topk_idx [T, K], ranks from is_token_in_rank [T, R], experts from the per-expert counts.
 void layout_call(intptr_t stream, py::handle idx_t, py::handle per_rank_t, py::handle per_expert_t,
                  py::handle in_rank_t) {
-  const TensorView idx = view_of(idx_t, "get_dispatch_layout: topk_idx");
-  expect(idx, "get_dispatch_layout: topk_idx", 2, -1, -1, {Dt::kInt64, Dt::kInt32});
+  const TensorView idx = arg(idx_t, "get_dispatch_layout: topk_idx", false, 2, -1, -1, {Dt::kInt64, Dt::kInt32});
   const int64_t T = idx.size[0], K = idx.size[1];
-  const TensorView in_rank = view_of(in_rank_t, "get_dispatch_layout: is_token_in_rank");
-  expect(in_rank, "get_dispatch_layout: is_token_in_rank", 2, T, -1, {Dt::kBool});
+  const TensorView in_rank = arg(in_rank_t, "get_dispatch_layout: is_token_in_rank", false, 2, T, -1, {Dt::kBool});
   const int64_t R = in_rank.size[1];
-  const TensorView per_rank = view_of(per_rank_t, "get_dispatch_layout: num_tokens_per_rank");
-  expect(per_rank, "get_dispatch_layout: num_tokens_per_rank", 1, R, -1, {Dt::kInt32});
-  const TensorView per_expert = view_of(per_expert_t, "get_dispatch_layout: num_tokens_per_expert");
-  expect(per_expert, "get_dispatch_layout: num_tokens_per_expert", 1, -1, -1, {Dt::kInt32});
+  const TensorView per_rank =
+      arg(per_rank_t, "get_dispatch_layout: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
+  const TensorView per_expert =
+      arg(per_expert_t, "get_dispatch_layout: num_tokens_per_expert", false, 1, -1, -1, {Dt::kInt32});
   const int64_t E = per_expert.size[0];
   UCCL_EP_CHECK_ARG(R >= 1 && E > 0 && E % R == 0, "get_dispatch_layout: num_experts=", E, " num_ranks=", R);
   check_ptr(idx.ptr, T > 0 && K > 0, "get_dispatch_layout: topk_idx");
