@@ -188,7 +188,7 @@ struct Context {
     UCCL_EP_CHECK_ARG(rank >= 0 && rank < num_ranks && num_ranks <= k::kMaxRanks, what, ": rank=", rank,
                       " num_ranks=", num_ranks, " (at most ", k::kMaxRanks, ")");
     check_buffers(buffers, num_ranks, buffer_bytes, what);
-    check_status(status, (std::string(what) + ": status").c_str());
+    check_status_of(status, what);
   }
 };
 
