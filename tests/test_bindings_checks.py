@@ -44,35 +44,12 @@ def test_made_up_addresses_raise(call, needle):
 
 
 def test_kernel_launches_check_their_buffers_first():
-    with pytest.raises(InvalidInputError, match=r"intranode_notify: buffers\[0\]"):
-        _C.intranode_notify(
-            buffers=[MADE_UP, MADE_UP + 4096],
-            rank=0,
-            num_ranks=2,
-            num_tokens_per_rank=MADE_UP,
-            num_tokens_per_expert=0,
-            experts_per_rank=0,
-            expert_alignment=1,
-            rank_prefix_matrix=MADE_UP,
-            out_info=MADE_UP,
-            status=0,
-            timeout_ns=1,
-            is_token_in_rank=0,
-            num_tokens=0,
-            send_pos=0,
-            stream=0,
-        )
-    a = _C.IntranodeDispatchArgs()
-    a.buffers, a.num_ranks, a.buffer_bytes, a.row_bytes = [MADE_UP], 1, 1 << 20, 16
-    with pytest.raises(InvalidInputError, match=r"intranode_dispatch: buffers\[0\]"):
-        _C.intranode_dispatch(a, 0)
-    a.row_bytes = -16
-    with pytest.raises(InvalidInputError, match="row_bytes=-16"):
-        _C.intranode_dispatch(a, 0)
-    c = _C.IntranodeCombineArgs()
-    c.buffers, c.num_ranks, c.buffer_bytes, c.hidden = [MADE_UP], 1, 1 << 20, 64
-    with pytest.raises(InvalidInputError, match=r"intranode_combine_push: buffers\[0\]"):
-        _C.intranode_combine_push(c, 0)
+    with pytest.raises(InvalidInputError, match=r"IntranodeContext: buffers\[0\]"):
+        _C.IntranodeContext([MADE_UP, MADE_UP + 4096], 1 << 20, 0, 2, 0, 1, False)
+    with pytest.raises(InvalidInputError, match="IntranodeContext: rank=2 num_ranks=2"):
+        _C.IntranodeContext([MADE_UP, MADE_UP + 4096], 1 << 20, 2, 2, 0, 1, False)
+    with pytest.raises(InvalidInputError, match="buffer_bytes=0 must be positive"):
+        _C.IntranodeContext([MADE_UP], 0, 0, 1, 0, 1, False)
     common = _C.internode.Common()
     common.num_ranks, common.ranks_per_node, common.nvl = 2, 1, [MADE_UP]
     common.region, common.region_bytes = MADE_UP, 1 << 20

@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 
 import pytest
+import torch
 
 from uccl_ep_megatron import _C
 from uccl_ep_megatron.backends.base import Topology
@@ -26,7 +27,7 @@ def _backend(sizes: tuple[int, ...] = (1 << 20, 1 << 20)):
     be._c = _C
     be.topology = Topology(rank=1, num_ranks=len(sizes), ranks_per_node=len(sizes))
     be._timeout_ms = 250
-    be._last_header = "dispatch (dtype=bfloat16, hidden=7168)"
+    be._last_call = ("dispatch", torch.bfloat16, 7168, 0)
     be._reported = False
     be._captured = False
     grows: list[int] = []
@@ -68,6 +69,11 @@ def test_status_codes_are_distinct():
             (_C.STATUS_COMBINE_OVERFLOW, 1, 900, 800),
             InvalidInputError,
             ["rank 1 gets 900 rows back", "num_worst_tokens=800"],
+        ),
+        (
+            (_C.STATUS_HEADER_MISMATCH, 0, 5, 1),
+            InvalidInputError,
+            ["call of rank 0 differs from this rank's dispatch (dtype=bfloat16, hidden=7168)"],
         ),
     ],
 )

@@ -7,6 +7,8 @@ namespace uccl_ep::bindings {
 
 void bind_common(pybind11::module_& m);
 void bind_kernels(pybind11::module_& m);
+// The intranode backend's per-call entry points (intranode_calls.cc), bound by bind_kernels.
+void bind_intranode_calls(pybind11::module_& m);
 void bind_internode(pybind11::module_& m);
 void bind_permute(pybind11::module_& m);
 void bind_proxy(pybind11::module_& m);

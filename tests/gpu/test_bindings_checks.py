@@ -66,33 +66,28 @@ def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
     dev = torch.device("cuda")
     st = _C.host_status_alloc()
     per_rank = torch.zeros(2, dtype=torch.int32, device=dev)
-    prefix = torch.empty(2, 2, dtype=torch.int32, device=dev)
+    per_expert = torch.zeros(4, dtype=torch.int32, device=dev)
     info = torch.empty(4, dtype=torch.int32, device=dev)
-    buf = _C.device_alloc_zeroed(int(_C.KERNELS_DATA_OFFSET))
+    in_rank = torch.zeros(0, 2, dtype=torch.bool, device=dev)
+    nbytes = int(_C.KERNELS_DATA_OFFSET)
+    buf = _C.device_alloc_zeroed(nbytes)
     stream = torch.cuda.current_stream().cuda_stream
-    kwargs = dict(
-        rank=0,
-        num_ranks=2,
-        num_tokens_per_rank=per_rank.data_ptr(),
-        num_tokens_per_expert=0,
-        experts_per_rank=0,
-        expert_alignment=1,
-        rank_prefix_matrix=prefix.data_ptr(),
-        out_info=info.data_ptr(),
-        status=st,
-        timeout_ns=10**9,
-        is_token_in_rank=0,
-        num_tokens=0,
-        send_pos=0,
-        stream=stream,
-    )
     with pytest.raises(InvalidInputError, match=r"buffers\[1\]"):
-        _C.intranode_notify(buffers=[buf, 0xDEAD0000], **kwargs)
+        _C.IntranodeContext([buf, 0xDEAD0000], nbytes, 0, 2, st, 10**9, False)
     with pytest.raises(InvalidInputError, match="status"):
-        _C.intranode_notify(buffers=[buf, buf], **{**kwargs, "status": 0})
-    with pytest.raises(InvalidInputError, match="rank_prefix_matrix is a null pointer"):
-        _C.intranode_notify(buffers=[buf, buf], **{**kwargs, "rank_prefix_matrix": 0})
+        _C.IntranodeContext([buf, buf], nbytes, 0, 2, 0, 10**9, False)
+    ctx = _C.IntranodeContext([buf, buf], nbytes, 0, 2, st, 10**9, False)
+    args = [per_rank, None, info, in_rank, None, None, None, 0, 1, 0, 0, 0]
+    with pytest.raises(InvalidInputError, match="out_info is None"):
+        _C.intranode_notify_call(ctx, stream, *args[:2], None, *args[3:])
+    with pytest.raises(InvalidInputError, match=r"out_info has shape \[4\]; expected 1-D with 6"):
+        _C.intranode_notify_call(ctx, stream, per_rank, per_expert, *args[2:7], 2, *args[8:])
+    with pytest.raises(InvalidInputError, match="num_tokens_per_rank has dtype int64"):
+        _C.intranode_notify_call(ctx, stream, per_rank.long(), *args[1:])
     _C.device_free(buf)
+    # A context outliving its buffers raises at the call (checked again each time).
+    with pytest.raises(InvalidInputError, match=r"intranode_notify: buffers\[0\]"):
+        _C.intranode_notify_call(ctx, stream, *args)
     _C.host_status_free(st)
     _context_alive()
 

@@ -152,9 +152,12 @@ class Buffer(CallAgreement, ArgumentChecks):
                 f"the reference backend over a gloo group moves CPU tensors, not {self.device}; "
                 "pass device='cpu', use an NCCL group, or backend='kernels' for the GPU kernels"
             )
-        self._comm_stream = (
-            torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-        )
+        self._comm_stream = None
+        if self.device.type == "cuda":
+            self._comm_stream = torch.cuda.Stream(device=self.device)
+            # Made once: the joins of every call into and out of the comm stream (see _run).
+            self._joined = torch.cuda.Event()
+            self._finished = torch.cuda.Event()
         self._destroyed = False
         self._calls = 0  # dispatch/combine calls so far: the `seq` of the call header
         # Default configs per (op, Buffer.num_sms): they read the environment (ranks per
@@ -365,7 +368,10 @@ class Buffer(CallAgreement, ArgumentChecks):
 
         # After a failed check the event may be what failed: run() raises before it matters.
         inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
-        result, event = self._run(run, inputs, event_in, async_finish, allocate_on_comm_stream)
+        outputs = _dispatch_outputs if handle is None else _cached_outputs
+        result, event = self._run(
+            run, inputs, event_in, async_finish, allocate_on_comm_stream, outputs
+        )
         args = prepared.args
         recv_x: XType = result.recv_x
         if args.x_scales is not None:
@@ -450,37 +456,85 @@ class Buffer(CallAgreement, ArgumentChecks):
         previous_event: EventOverlap | None,
         async_finish: bool,
         allocate_on_comm_stream: bool,
+        outputs: Callable[[Any], Sequence[torch.Tensor | None]] | None = None,
     ) -> tuple[Any, EventOverlap]:
         """Run ``fn`` on the comm stream, ordered after the caller's work.
 
         Inputs are recorded on the comm stream and outputs on the caller's stream, so the
         caching allocator never recycles memory one stream still uses. ``fn`` allocates its
         outputs with the comm stream current whatever ``allocate_on_comm_stream`` says (see
-        ``dispatch``).
+        ``dispatch``). ``outputs(result)`` names the result's tensors (None entries skipped);
+        without it every tensor inside the result (nested tuples) counts.
         """
         self._check_event(previous_event)
-        if self._comm_stream is None:
-            return fn(), EventOverlap(None)
-        compute = torch.cuda.current_stream(self._device_index)
         comm = self._comm_stream
+        if comm is None:
+            return fn(), EventOverlap(None)
+        index = self._device_index
+        compute = torch.cuda.current_stream(index)
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:
-            comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
-            out = fn()
+            # Stream.wait_stream with an event made once (it creates one per call): a wait
+            # takes the event's latest record, so reusing it orders the same work.
+            self._joined.record(compute)
+            comm.wait_event(self._joined)
+        if torch.cuda.current_device() == index:
+            # torch.cuda.stream() without its context manager (host time): set_stream keeps
+            # the current device when the stream is on it, so restoring `compute` is exact.
+            torch.cuda.set_stream(comm)
+            try:
+                out = fn()
+            finally:
+                torch.cuda.set_stream(compute)
+        else:
+            with torch.cuda.stream(comm):
+                out = fn()
         for t in inputs:
             if t.is_cuda:
                 t.record_stream(comm)
-        outputs = [t for t in _tensors(out) if t.is_cuda]
-        for t in outputs:
-            t.record_stream(compute)
+        produced = _tensors(out) if outputs is None else outputs(out)
+        for t in produced:
+            if t is not None and t.is_cuda:
+                t.record_stream(compute)
         if async_finish:
             event = torch.cuda.Event()
             event.record(comm)
-            return out, EventOverlap(event, [*inputs, *outputs])
-        compute.wait_stream(comm)
+            kept = [t for t in produced if t is not None]
+            return out, EventOverlap(event, [*inputs, *kept])
+        self._finished.record(comm)
+        compute.wait_event(self._finished)
         return out, EventOverlap(None)
+
+
+def _dispatch_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
+    """The tensors of a backend's ``DispatchResult`` that a caller gets (what ``_tensors``
+    finds in it), each storage once: views of the rank prefix matrix's tensor (the kernels
+    backend's recv_count and per-expert counts) are covered by recording the matrix."""
+    prefix = r.rank_prefix_matrix
+    base = prefix._base
+    count, per_expert = r.recv_count, r.recv_tokens_per_expert
+    if base is not None:
+        if count is not None and count._base is base:
+            count = None
+        if per_expert is not None and per_expert._base is base:
+            per_expert = None
+    return (
+        r.recv_x,
+        r.recv_x_scales,
+        r.recv_topk_idx,
+        r.recv_topk_weights,
+        prefix,
+        r.recv_src_idx,
+        count,
+        per_expert,
+    )
+
+
+def _cached_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
+    """What a cached dispatch hands back: received rows (and FP8 scales). The result's other
+    tensors are the handle's, recorded when the handle was made."""
+    return r.recv_x, r.recv_x_scales
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -59,8 +59,11 @@ class ArgumentChecks:
     def _check_tensor(self, name: str, t: Any, dims: int, rows: int | None = None) -> None:
         if not isinstance(t, torch.Tensor):
             raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != self.device.type or (
-            self.device.type == "cuda" and t.device.index != self.device.index
+        # The equality first (~0.1 us; a CUDA Buffer's device always names its index): the
+        # exact test below costs ~1 us per tensor and only tells apart "cpu" and "cpu:0".
+        dev = t.device
+        if dev != self.device and (
+            dev.type != self.device.type or (dev.type == "cuda" and dev.index != self.device.index)
         ):
             raise InvalidInputError(
                 f"{name} is on {t.device} but this Buffer's group runs on {self.device}; "

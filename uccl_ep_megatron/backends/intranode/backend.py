@@ -11,11 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.backends.agreement import (
-    error_code,
-    pack_combine_header,
-    pack_dispatch_header,
-)
+from uccl_ep_megatron.backends.agreement import error_code, pack_dispatch_header
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -26,12 +22,8 @@ from uccl_ep_megatron.backends.base import (
 )
 from uccl_ep_megatron.backends.intranode.launch import (
     as_int32,
-    combine_rows_of,
     launch_layout,
-    poison_dispatch,
-    poison_on_timeout,
     prepare_combine,
-    rows_sent,
     warm_poison,
 )
 from uccl_ep_megatron.backends.intranode.status import (
@@ -56,10 +48,6 @@ class _State:
     send_pos: torch.Tensor  # [T, R] int32: position of token t among rows sent to rank r, -1
     # Rows of every rank's combine staging: exact, or num_worst_tokens when sync-free.
     combine_rows: int
-    # The combine launch struct with this layout's fields set, built by the first combine of
-    # the handle and reused (host time), and the buffer generation (IpcBuffers.grows) it saw.
-    combine_args: Any = None
-    combine_grows: int = -1
 
 
 class KernelsBackend(Backend):
@@ -116,7 +104,10 @@ class KernelsBackend(Backend):
         self._device_index = (
             device.index if device.index is not None else torch.cuda.current_device()
         )
-        self._last_header = ""  # this rank's last device-checked call header, in words
+        # This rank's last device-checked call: describe_call's arguments, put in words only
+        # when an error quotes them (host time).
+        self._last_call: tuple[Any, ...] = ("no call", None, 0, 0)
+        self._headers: dict[tuple[Any, ...], int] = {}  # see _header
         # The control region is always there, so barriers work even before data fits.
         nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
         self._ipc = IpcBuffers(
@@ -130,8 +121,8 @@ class KernelsBackend(Backend):
         )
         self._status = c.host_status_alloc()
         warm_poison(c, self._status, device)
-        self._dargs: Any = None  # see _dispatch_args
-        self._dargs_grows = -1
+        self._ctx: Any = None  # see _context
+        self._ctx_grows = -1
         from uccl_ep_megatron.config import effective_env
 
         env = effective_env()
@@ -170,19 +161,29 @@ class KernelsBackend(Backend):
             )
         self._ipc.grow([need] * self.topology.num_ranks, what)
 
-    def _dispatch_args(self) -> Any:
-        """This backend's dispatch launch struct, its per-Buffer fields set once (and again
-        after a regrow); calls set the rest. Host time: ~30 binding field sets per call were
-        most of the struct's cost."""
+    def _context(self) -> Any:
+        """The per-Buffer part of every launch (``_C.IntranodeContext``), built once and again
+        after a regrow (its buffer list and size change then)."""
         grows = self._ipc.grows
-        if self._dargs is None or self._dargs_grows != grows:
-            a = self._c.IntranodeDispatchArgs()
-            a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
-            a.rank, a.num_ranks = self.topology.rank, self.topology.num_ranks
-            a.use_tma = self._use_tma
-            a.status, a.timeout_ns = self._status, self._timeout_ns
-            self._dargs, self._dargs_grows = a, grows
-        return self._dargs
+        if self._ctx is None or self._ctx_grows != grows:
+            self._ctx = self._c.IntranodeContext(
+                self._buffers,
+                self._buffer_bytes,
+                self.topology.rank,
+                self.topology.num_ranks,
+                self._status,
+                self._timeout_ns,
+                self._use_tma,
+            )
+            self._ctx_grows = grows
+        return self._ctx
+
+    def _header(self, *fields: Any) -> int:
+        """``pack_dispatch_header(*fields)``, packed once per distinct call shape (host time)."""
+        word = self._headers.get(fields)
+        if word is None:
+            word = self._headers[fields] = pack_dispatch_header(*fields)
+        return word
 
     def _stream(self) -> int:
         # An int index: torch resolves a torch.device through slower checks on every call.
@@ -237,7 +238,7 @@ class KernelsBackend(Backend):
             (code, a, b, extra),
             own,
             self._timeout_ms,
-            self._last_header,
+            describe_call(*self._last_call),
             lambda peer: c.read_abort(self._buffers[own], peer),
         )
 
@@ -258,12 +259,14 @@ class KernelsBackend(Backend):
         x = args.x.contiguous()
         num_tokens, hidden = x.shape
         dev = x.device
+        dtype = x.dtype
         cached = args.cached
         topk_idx = None if cached is not None else args.topk_idx
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         scales = args.x_scales
         num_scales = 0 if scales is None else scales.shape[1]
-        experts_per_rank = 0 if cached is not None else args.num_experts // num_ranks
+        num_experts = 0 if cached is not None else args.num_experts
+        experts_per_rank = num_experts // num_ranks
         if experts_per_rank > c.KERNELS_MAX_LOCAL_EXPERTS:
             raise UnsupportedError(
                 f"{experts_per_rank} experts per rank exceed the kernels' limit of "
@@ -276,7 +279,6 @@ class KernelsBackend(Backend):
                 "dispatch without num_worst_tokens reads the received counts back to the host, "
                 "which a CUDA graph cannot capture: pass num_worst_tokens > 0 (sync-free mode)"
             )
-        stream = self._stream()
         row_bytes = hidden * x.element_size()
         idx_size = topk_idx.element_size() if topk_idx is not None else 8
         if worst > 0:
@@ -284,62 +286,51 @@ class KernelsBackend(Backend):
             # anything is launched (every rank passes the same num_worst_tokens).
             need = c.dispatch_staging_bytes(worst, row_bytes, num_scales, num_topk, idx_size)
             self._fit(need, f"dispatch of up to {worst} rows of {row_bytes} bytes", capturing)
-        per_rank = as_int32(args.num_tokens_per_rank)
-        per_expert = None
+        ctx = self._context()
+        stream = self._stream()
+        in_rank = args.is_token_in_rank
         if cached is None:
-            per_expert = as_int32(args.num_tokens_per_expert)
             send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
+            per_expert = as_int32(args.num_tokens_per_expert)
         else:
-            send_pos = cached.state.send_pos
+            send_pos, per_expert = cached.state.send_pos, None
         # [rank_prefix_matrix (R*R) | aligned received rows per local expert]: the handle's
         # rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it.
-        info = torch.empty(num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev)
-        # Every rank's input checks come back with the counts (see _check_all_ranks); in
+        nrr = num_ranks * num_ranks
+        info = torch.empty(nrr + experts_per_rank, dtype=torch.int32, device=dev)
+        # Every rank's input checks come back with the counts (see check_all_ranks); in
         # sync-free mode notify judges them itself and records a failure in the status word.
         all_bounds = None
         if cached is None and worst == 0:
             all_bounds = torch.empty(num_ranks * CHECK_WORDS, dtype=torch.int64, device=dev)
         # The call header every rank must agree on: read back with the counts (exact mode),
         # judged by notify (sync-free) or compared with its barrier (cached dispatch).
-        header = pack_dispatch_header(
-            x.dtype, hidden, num_scales, num_topk, 0 if cached is not None else args.num_experts
-        )
+        header = self._header(dtype, hidden, num_scales, num_topk, num_experts)
         kind = "cached dispatch" if cached is not None else "dispatch"
-        self._last_header = describe_call(kind, x.dtype, hidden, num_scales)
-        c.intranode_notify(
-            buffers=self._buffers,
-            rank=rank,
-            num_ranks=num_ranks,
-            num_tokens_per_rank=per_rank.data_ptr(),
-            num_tokens_per_expert=0 if per_expert is None else per_expert.data_ptr(),
-            experts_per_rank=experts_per_rank,
-            expert_alignment=args.expert_alignment,
-            rank_prefix_matrix=info.data_ptr(),
-            out_info=info.data_ptr(),
-            status=self._status,
-            timeout_ns=self._timeout_ns,
-            is_token_in_rank=args.is_token_in_rank.data_ptr(),
-            num_tokens=num_tokens,
-            send_pos=0 if cached is not None else send_pos.data_ptr(),
-            stream=stream,
-            # Notify scans the id range itself (no extra launches); ids are checked whenever
-            # given, so args.check_ids (the range is still unchecked) is always honoured.
-            topk_idx=0 if topk_idx is None else topk_idx.data_ptr(),
-            idx_is_64=topk_idx is None or topk_idx.dtype == torch.int64,
-            num_topk=num_topk,
-            out_bounds=0 if all_bounds is None else all_bounds.data_ptr(),
-            num_worst_tokens=worst,
-            num_experts=0 if cached is not None else args.num_experts,
-            header=header,
+        self._last_call = (kind, dtype, hidden, num_scales)
+        # Notify scans the id range itself (no extra launches); ids are checked whenever given,
+        # so args.check_ids (the range is still unchecked) is always honoured.
+        c.intranode_notify_call(
+            ctx,
+            stream,
+            as_int32(args.num_tokens_per_rank),
+            per_expert,
+            info,
+            in_rank,
+            None if cached is not None else send_pos,
+            topk_idx,
+            all_bounds,
+            experts_per_rank,
+            args.expert_alignment,
+            worst,
+            num_experts,
+            header,
         )
-        nrr = num_ranks * num_ranks
-        prefix = info[:nrr].view(num_ranks, num_ranks)
         expert_counts: list[int] = []
         prefix_host: tuple[int, ...] | None = None
         if worst > 0:
-            rows_out = num_recv = staging_rows = worst
+            rows_out = num_recv = staging_rows = combine_rows = worst
             own_rows = send_rows = -1
-            combine_rows = worst
         else:
             if cached is not None:
                 prefix_host = cached.state.prefix_host
@@ -347,27 +338,24 @@ class KernelsBackend(Backend):
                 # The one host sync (output sizes depend on it); every rank's checks ride along.
                 info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
                 self._check_status()
-                check_all_ranks(info_host[-CHECK_WORDS * num_ranks :], args.num_experts)
+                check_all_ranks(info_host[-CHECK_WORDS * num_ranks :], num_experts)
                 prefix_host = tuple(info_host[:nrr])
                 expert_counts = info_host[nrr : nrr + experts_per_rank]
-            pm = prefix_host
-            last = (num_ranks - 1) * num_ranks
-            num_recv = rows_out = pm[last + rank]
-            staging_rows = max(pm[last : last + num_ranks])
-            own_rows = rows_sent(pm, num_ranks, rank, rank)
-            send_rows = sum(rows_sent(pm, num_ranks, rank, r) for r in range(num_ranks))
-            combine_rows = combine_rows_of(pm, num_ranks)
+            num_recv, staging_rows, own_rows, send_rows, combine_rows = c.intranode_exact_rows(
+                prefix_host, rank, num_ranks
+            )
+            rows_out = num_recv
             need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
             # Every rank holds the same prefix matrix, so all decide the same here.
             self._fit(
                 need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes", False
             )
+            ctx = self._context()  # a regrow replaced the buffers
 
-        recv_x = torch.empty(rows_out, hidden, dtype=x.dtype, device=dev)
-        recv_scales = None
+        recv_x = torch.empty(rows_out, hidden, dtype=dtype, device=dev)
+        recv_scales = recv_idx = recv_w = None
         if scales is not None:
             recv_scales = torch.empty(rows_out, num_scales, dtype=torch.float32, device=dev)
-        recv_idx = recv_w = None
         if topk_idx is not None:
             recv_idx = torch.empty(rows_out, num_topk, dtype=topk_idx.dtype, device=dev)
             recv_w = torch.empty(rows_out, num_topk, dtype=torch.float32, device=dev)
@@ -375,51 +363,56 @@ class KernelsBackend(Backend):
             recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
         else:
             recv_src = cached.recv_src_idx
-
-        a = self._dispatch_args()
-        a.num_tokens = num_tokens
-        a.experts_per_rank = experts_per_rank
-        a.x, a.row_bytes = x.data_ptr(), row_bytes
-        a.x_scales, a.num_scales = (0 if scales is None else scales.data_ptr()), num_scales
-        # The struct is reused across calls: every per-call field is set, also to 0.
-        if topk_idx is not None:
-            a.topk_idx = topk_idx.data_ptr()
-            a.idx_is_64 = topk_idx.dtype == torch.int64
-            a.topk_weights = args.topk_weights.data_ptr()
-            a.recv_topk_idx = recv_idx.data_ptr()
-            a.recv_topk_weights = recv_w.data_ptr()
-        else:
-            a.topk_idx = a.topk_weights = a.recv_topk_idx = a.recv_topk_weights = 0
-        a.num_topk = num_topk
-        a.is_token_in_rank = args.is_token_in_rank.data_ptr()
-        a.rank_prefix_matrix = info.data_ptr()
-        a.cached = cached is not None
-        a.num_sms = args.config.num_sms
-        a.send_pos = send_pos.data_ptr()
-        a.recv_x = recv_x.data_ptr()
-        a.recv_scales = 0 if recv_scales is None else recv_scales.data_ptr()
-        a.recv_src_idx = 0 if cached is not None else recv_src.data_ptr()
-        a.num_recv, a.num_out_rows = num_recv, rows_out
-        a.own_rows, a.send_rows = own_rows, send_rows
-        a.staging_rows = staging_rows
-        c.intranode_dispatch(a, stream)
-        # A failure inside this call is raised at the next one; until then the outputs say so.
-        outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
-        poison_dispatch(c, self._status, stream, *outs)
-
-        last_row = (num_ranks - 1) * num_ranks + rank
+        # The kernel, then (same call) the poison fold: a failure inside this call is raised at
+        # the next one; until then the outputs say so.
+        c.intranode_dispatch_call(
+            ctx,
+            stream,
+            x,
+            scales,
+            topk_idx,
+            None if topk_idx is None else args.topk_weights,
+            in_rank,
+            info,
+            send_pos,
+            recv_x,
+            recv_scales,
+            recv_idx,
+            recv_w,
+            None if cached is not None else recv_src,
+            cached is not None,
+            args.config.num_sms,
+            experts_per_rank,
+            num_recv,
+            own_rows,
+            send_rows,
+            staging_rows,
+        )
+        if cached is not None:
+            return DispatchResult(
+                recv_x,
+                recv_scales,
+                None,
+                None,
+                [],
+                cached.rank_prefix_matrix,
+                recv_src,
+                num_recv,
+                cached.state,
+            )
+        last_row = nrr - num_ranks + rank
         return DispatchResult(
-            recv_x=recv_x,
-            recv_x_scales=recv_scales,
-            recv_topk_idx=recv_idx,
-            recv_topk_weights=recv_w,
-            num_recv_tokens_per_expert=expert_counts,
-            rank_prefix_matrix=prefix if cached is None else cached.rank_prefix_matrix,
-            recv_src_idx=recv_src,
-            num_recv_tokens=num_recv,
-            state=_State(prefix_host, send_pos, combine_rows) if cached is None else cached.state,
-            recv_count=info[last_row : last_row + 1],
-            recv_tokens_per_expert=info[nrr:],
+            recv_x,
+            recv_scales,
+            recv_idx,
+            recv_w,
+            expert_counts,
+            info[:nrr].view(num_ranks, num_ranks),
+            recv_src,
+            num_recv,
+            _State(prefix_host, send_pos, combine_rows),
+            info[last_row : last_row + 1],
+            info[nrr:],
         )
 
     # ---- combine ------------------------------------------------------------------------
@@ -433,7 +426,6 @@ class KernelsBackend(Backend):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._check_status()
         c = self._c
-        topo = self.topology
         num_tokens = handle.is_token_in_rank.shape[0]
         try:
             t = prepare_combine(x, topk_weights, bias, num_tokens, "the kernels backend")
@@ -451,39 +443,29 @@ class KernelsBackend(Backend):
             f"combine of up to {staging_rows} returned rows of {row_bytes} bytes",
             self._capturing(),
         )
-
-        a = state.combine_args
-        if a is None or state.combine_grows != self._ipc.grows:
-            a = c.IntranodeCombineArgs()
-            a.buffers, a.buffer_bytes = self._buffers, self._buffer_bytes
-            a.rank, a.num_ranks = topo.rank, topo.num_ranks
-            # Rows of x: the received count, or its bound in sync-free mode (the kernels read
-            # the real count from the device matrix).
-            a.num_recv = handle.num_recv_tokens
-            a.rank_prefix_matrix = handle.rank_prefix_matrix.data_ptr()
-            a.send_pos = state.send_pos.data_ptr()
-            a.num_tokens = num_tokens
-            a.staging_rows = staging_rows
-            a.use_tma = self._use_tma
-            a.status, a.timeout_ns = self._status, self._timeout_ns
-            state.combine_args, state.combine_grows = a, self._ipc.grows
-        a.dtype = t.dtype_code
-        a.hidden = hidden
-        a.x = x.data_ptr()
-        a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
-        a.num_topk = num_topk
-        a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
-        a.bias1 = t.biases[1].data_ptr() if len(t.biases) > 1 else 0
-        a.out = t.out.data_ptr()
-        a.out_weights = 0 if t.out_weights is None else t.out_weights.data_ptr()
-        a.num_sms = config.num_sms
-        a.header = pack_combine_header(x.dtype, hidden, num_topk, len(t.biases))
-        extra = f"topk_weights columns={num_topk}, biases={len(t.biases)}"
-        self._last_header = describe_call("combine", x.dtype, hidden, 0, extra)
-        stream = self._stream()
-        c.intranode_combine_push(a, stream)
-        c.intranode_combine_reduce(a, stream)
-        poison_on_timeout(c, self._status, stream, (t.out, "nan"), (t.out_weights, "nan"))
+        biases = t.biases
+        num_bias = len(biases)
+        extra = f"topk_weights columns={num_topk}, biases={num_bias}"
+        self._last_call = ("combine", x.dtype, hidden, 0, extra)
+        # Rows of x to return: the received count, or its bound in sync-free mode (the kernels
+        # read the real count from the device matrix).
+        c.intranode_combine_call(
+            self._context(),
+            self._stream(),
+            x,
+            t.weights,
+            biases[0] if num_bias > 0 else None,
+            biases[1] if num_bias > 1 else None,
+            t.out,
+            t.out_weights,
+            handle.rank_prefix_matrix,
+            state.send_pos,
+            handle.num_recv_tokens,
+            staging_rows,
+            config.num_sms,
+            # pack_combine_header's word: weights' columns as top-k, biases as experts.
+            self._header(x.dtype, hidden, 0, num_topk, num_bias),
+        )
         return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------

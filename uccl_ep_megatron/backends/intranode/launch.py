@@ -1,6 +1,7 @@
-"""Launch helpers: a combine's inputs and outputs, the layout kernel and the poisoning of a
-failed call's outputs (shared with the internode backend), and the intranode staging sizes
-read off the rank prefix matrix."""
+"""Launch helpers shared with the internode backend: a combine's inputs and outputs, the layout
+kernel and the poisoning of a failed call's outputs. (The intranode dispatch and combine fold
+their poisoning into their own ``_C`` calls, and ``_C.intranode_exact_rows`` reads the staging
+sizes off the rank prefix matrix.)"""
 
 from __future__ import annotations
 
@@ -113,37 +114,12 @@ def launch_layout(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The layout kernel: (tokens per rank, tokens per expert, is_token_in_rank [T, R])."""
     topk_idx = topk_idx.contiguous()
-    num_tokens, num_topk = topk_idx.shape
     dev = topk_idx.device
     per_rank = torch.empty(num_ranks, dtype=torch.int32, device=dev)
     per_expert = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    in_rank = torch.empty(num_tokens, num_ranks, dtype=torch.bool, device=dev)
-    c.get_dispatch_layout(
-        topk_idx=topk_idx.data_ptr(),
-        idx_is_64=topk_idx.dtype == torch.int64,
-        num_tokens=num_tokens,
-        num_topk=num_topk,
-        num_ranks=num_ranks,
-        num_experts=num_experts,
-        num_tokens_per_rank=per_rank.data_ptr(),
-        num_tokens_per_expert=per_expert.data_ptr(),
-        is_token_in_rank=in_rank.data_ptr(),
-        stream=stream,
-    )
+    in_rank = torch.empty(topk_idx.shape[0], num_ranks, dtype=torch.bool, device=dev)
+    c.dispatch_layout_call(stream, topk_idx, per_rank, per_expert, in_rank)
     return per_rank, per_expert, in_rank
-
-
-def rows_sent(pm: tuple[int, ...], num_ranks: int, s: int, j: int) -> int:
-    """Rows rank ``j`` receives from rank ``s``, from the row-major rank prefix matrix."""
-    return pm[s * num_ranks + j] - (pm[(s - 1) * num_ranks + j] if s else 0)
-
-
-def combine_rows_of(pm: tuple[int, ...], num_ranks: int) -> int:
-    """Most rows any rank gets back from the others in a combine (its staging rows)."""
-    return max(
-        sum(rows_sent(pm, num_ranks, s, j) for j in range(num_ranks) if j != s)
-        for s in range(num_ranks)
-    )
 
 
 def as_int32(t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,491 @@
+// The intranode backend's per-call entry points: one binding call per step of a dispatch
+// (notify, then the data movement) and one per combine, each taking the torch tensors
+// themselves and a per-Buffer context built once. Host time was the point: the Python side
+// used to set ~35 struct fields and pass ~20 keyword arguments per call.
+//
+// `_C` does not link libtorch (DESIGN, "Build shape"): a tensor is read through the Python
+// protocol every torch version keeps (`data_ptr()`, `shape`, `dtype`) into a typed view, and
+// every view is checked here, once, before anything is launched (pointers, ranks, shapes,
+// dtypes). The arithmetic that follows from the host copy of the rank prefix matrix (rows
+// received, sent, kept, staged) lives here too, and nowhere else.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+
+#ifdef UCCL_EP_WITH_GPU
+#include <Python.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <deque>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings/pointer_checks.h"
+#include "common/errors.h"
+#include "kernels/intranode.h"
+#endif
+
+namespace py = pybind11;
+
+namespace uccl_ep::bindings {
+
+#ifdef UCCL_EP_WITH_GPU
+namespace {
+
+namespace k = uccl_ep::kernels;
+
+// What a call needs of a torch dtype. Codes are ours; torch's dtype objects are singletons, so
+// they are looked up by identity after the first sight of each.
+enum class Dt : uint8_t { kOther, kBool, kInt32, kInt64, kFloat32, kBFloat16, kFloat16, kE4m3, kE4m3Fnuz };
+
+struct DtypeInfo {
+  Dt dt = Dt::kOther;
+  int itemsize = 0;
+  uint64_t nan = 0;  // the 8-byte fill word of NaN in this dtype (floating types only)
+  std::string name;  // "bfloat16", for messages
+};
+
+uint64_t repeat(uint64_t unit, int bytes) {
+  uint64_t out = 0;
+  for (int i = 0; i < 8; i += bytes) out |= unit << (8 * i);
+  return out;
+}
+
+DtypeInfo describe_dtype(PyObject* dtype) {
+  py::handle h(dtype);
+  DtypeInfo d;
+  d.name = py::str(h).cast<std::string>();
+  if (d.name.rfind("torch.", 0) == 0) d.name = d.name.substr(6);
+  d.itemsize = h.attr("itemsize").cast<int>();
+  // NaN as torch converts float("nan"): the positive quiet NaN of each format (e4m3fn has
+  // one NaN, 0x7F with the sign clear; e4m3fnuz's only NaN is 0x80).
+  struct Known {
+    const char* name;
+    Dt dt;
+    uint64_t nan_unit;
+  };
+  static const Known known[] = {
+      {"bool", Dt::kBool, 0},           {"int32", Dt::kInt32, 0},          {"int64", Dt::kInt64, 0},
+      {"float32", Dt::kFloat32, 0x7FC00000u}, {"bfloat16", Dt::kBFloat16, 0x7FC0u},
+      {"float16", Dt::kFloat16, 0x7E00u},     {"float8_e4m3fn", Dt::kE4m3, 0x7Fu},
+      {"float8_e4m3fnuz", Dt::kE4m3Fnuz, 0x80u},
+  };
+  for (const Known& kn : known) {
+    if (d.name == kn.name) {
+      d.dt = kn.dt;
+      d.nan = repeat(kn.nan_unit, d.itemsize);
+    }
+  }
+  return d;
+}
+
+const DtypeInfo& dtype_info(PyObject* dtype) {
+  // A handful of entries; a deque keeps the references views hold valid as it grows.
+  static std::deque<std::pair<PyObject*, DtypeInfo>> seen;
+  for (const auto& [obj, info] : seen)
+    if (obj == dtype) return info;
+  Py_INCREF(dtype);  // kept for the process: the identity key must stay valid
+  seen.emplace_back(dtype, describe_dtype(dtype));
+  return seen.back().second;
+}
+
+PyObject* interned(const char* s) {
+  PyObject* o = PyUnicode_InternFromString(s);
+  if (!o) throw py::error_already_set();
+  return o;
+}
+
+// A tensor as the kernels see it: base address, up to two sizes, dtype. `none` for None.
+struct TensorView {
+  bool none = true;
+  intptr_t ptr = 0;
+  int dim = 0;
+  int64_t size[2] = {0, 0};
+  const DtypeInfo* dtype = nullptr;
+
+  int64_t rows() const { return dim > 0 ? size[0] : 1; }
+  int64_t cols() const { return dim > 1 ? size[1] : 1; }
+  int64_t bytes() const { return none ? 0 : rows() * cols() * dtype->itemsize; }
+};
+
+TensorView view_of(py::handle t, const char* name) {
+  TensorView v;
+  if (t.is_none()) return v;
+  static PyObject* const s_data_ptr = interned("data_ptr");
+  static PyObject* const s_shape = interned("shape");
+  static PyObject* const s_dtype = interned("dtype");
+  py::object ptr = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t.ptr(), s_data_ptr));
+  if (!ptr) throw py::error_already_set();
+  py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), s_shape));
+  if (!shape) throw py::error_already_set();
+  py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), s_dtype));
+  if (!dtype) throw py::error_already_set();
+  const Py_ssize_t dims = PyTuple_Check(shape.ptr()) ? PyTuple_GET_SIZE(shape.ptr()) : -1;
+  UCCL_EP_CHECK_ARG(dims >= 1 && dims <= 2, name, ": expected a 1-D or 2-D tensor");
+  v.none = false;
+  v.ptr = static_cast<intptr_t>(PyLong_AsSsize_t(ptr.ptr()));
+  v.dim = static_cast<int>(dims);
+  for (Py_ssize_t i = 0; i < dims; ++i) v.size[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+  if (PyErr_Occurred()) throw py::error_already_set();
+  v.dtype = &dtype_info(dtype.ptr());
+  return v;
+}
+
+std::string shape_text(const TensorView& v) {
+  if (v.none) return "None";
+  return v.dim == 1 ? detail::concat("[", v.size[0], "]") : detail::concat("[", v.size[0], ", ", v.size[1], "]");
+}
+
+// `v` has `dim` dims, sizes `rows` and `cols` where >= 0, and one of the `dts` dtypes.
+void expect(const TensorView& v, const char* what, int dim, int64_t rows, int64_t cols,
+            std::initializer_list<Dt> dts) {
+  UCCL_EP_CHECK_ARG(!v.none, what, " is None but this call uses it");
+  const bool shape_ok = v.dim == dim && (rows < 0 || v.size[0] == rows) && (cols < 0 || v.cols() == cols);
+  UCCL_EP_CHECK_ARG(shape_ok, what, " has shape ", shape_text(v), "; expected ", dim, "-D with ",
+                    rows < 0 ? std::string("any") : std::to_string(rows), " rows",
+                    dim > 1 ? detail::concat(" and ", cols < 0 ? std::string("any") : std::to_string(cols), " columns")
+                            : std::string());
+  bool dt_ok = false;
+  for (Dt d : dts) dt_ok |= v.dtype->dt == d;
+  UCCL_EP_CHECK_ARG(dt_ok, what, " has dtype ", v.dtype->name, ", which this call does not take there");
+}
+
+// The view of `t`, checked by expect(); None (an empty view) passes only when `optional`.
+TensorView arg(py::handle t, const char* what, bool optional, int dim, int64_t rows, int64_t cols,
+               std::initializer_list<Dt> dts) {
+  TensorView v = view_of(t, what);
+  if (!(optional && v.none)) expect(v, what, dim, rows, cols, dts);
+  return v;
+}
+
+// The per-Buffer part of every launch, checked when it is built (and the buffers and status
+// again at each call: the registry makes a freed or regrown buffer raise, never fault).
+struct Context {
+  std::vector<intptr_t> buffers;
+  int64_t buffer_bytes = 0;
+  int rank = 0, num_ranks = 0;
+  intptr_t status = 0;
+  int64_t timeout_ns = 0;
+  bool use_tma = false;
+
+  // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
+  template <typename Args>
+  void fill(Args& a) const {
+    a.buffers = buffers;
+    a.buffer_bytes = buffer_bytes;
+    a.rank = rank;
+    a.num_ranks = num_ranks;
+    a.use_tma = use_tma;
+    a.status = status;
+    a.timeout_ns = timeout_ns;
+  }
+
+  void check(const char* what) const {
+    UCCL_EP_CHECK_ARG(rank >= 0 && rank < num_ranks && num_ranks <= k::kMaxRanks, what, ": rank=", rank,
+                      " num_ranks=", num_ranks, " (at most ", k::kMaxRanks, ")");
+    check_buffers(buffers, num_ranks, buffer_bytes, what);
+    check_status_of(status, what);
+  }
+};
+
+// Fills the outputs of a call whose wait timed out (see poison_if_failed); None/empty skipped.
+void poison(const Context& c, intptr_t stream, std::initializer_list<std::pair<const TensorView*, uint64_t>> fills) {
+  std::vector<intptr_t> ptrs;
+  std::vector<int64_t> bytes;
+  std::vector<uint64_t> patterns;
+  for (const auto& [v, pattern] : fills) {
+    if (v->bytes() == 0) continue;
+    ptrs.push_back(v->ptr);
+    bytes.push_back(v->bytes());
+    patterns.push_back(pattern);
+  }
+  if (!ptrs.empty()) k::poison_if_failed(c.status, ptrs, bytes, patterns, stream);
+}
+
+constexpr uint64_t kMinusOne = ~0ull;
+
+void check_dispatch(const k::DispatchArgs& a) {
+  UCCL_EP_CHECK_ARG(a.num_tokens >= 0 && a.num_recv >= 0 && a.num_out_rows >= 0 && a.num_topk >= 0 &&
+                        a.num_scales >= 0 && a.row_bytes > 0,
+                    "dispatch sizes must be non-negative (row_bytes positive): num_tokens=", a.num_tokens,
+                    " num_recv=", a.num_recv, " num_out_rows=", a.num_out_rows, " num_topk=", a.num_topk,
+                    " num_scales=", a.num_scales, " row_bytes=", a.row_bytes);
+  UCCL_EP_CHECK_ARG(a.num_recv <= a.num_out_rows, "intranode_dispatch: num_recv=", a.num_recv,
+                    " exceeds the ", a.num_out_rows, " output rows");
+  const bool send = a.num_tokens > 0, out = a.num_out_rows > 0;
+  check_ptr(a.x, send, "intranode_dispatch: x");
+  check_ptr(a.is_token_in_rank, send, "intranode_dispatch: is_token_in_rank");
+  check_ptr(a.send_pos, send, "intranode_dispatch: send_pos");
+  check_ptr(a.rank_prefix_matrix, true, "intranode_dispatch: rank_prefix_matrix");
+  check_ptr(a.recv_x, out, "intranode_dispatch: recv_x");
+  check_ptr(a.x_scales, send && a.num_scales > 0, "intranode_dispatch: x_scales");
+  check_ptr(a.recv_scales, out && a.num_scales > 0, "intranode_dispatch: recv_scales");
+  const bool topk = a.num_topk > 0 && !a.cached;
+  check_ptr(a.topk_idx, send && topk, "intranode_dispatch: topk_idx");
+  check_ptr(a.topk_weights, send && topk, "intranode_dispatch: topk_weights");
+  check_ptr(a.recv_topk_idx, out && topk, "intranode_dispatch: recv_topk_idx");
+  check_ptr(a.recv_topk_weights, out && topk, "intranode_dispatch: recv_topk_weights");
+  check_ptr(a.recv_src_idx, a.num_recv > 0 && !a.cached, "intranode_dispatch: recv_src_idx");
+}
+
+// Rows rank `j` receives from rank `s`, from the row-major rank prefix matrix.
+int64_t rows_sent(const std::vector<int64_t>& pm, int num_ranks, int s, int j) {
+  return pm[s * num_ranks + j] - (s ? pm[(s - 1) * num_ranks + j] : 0);
+}
+
+// notify: see k::intranode_notify. `send_pos` None marks a cached dispatch (the handle's
+// positions are reused); `topk_idx` None: no ids to scan.
+void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::handle per_expert_t,
+                 py::handle info_t, py::handle in_rank_t, py::handle send_pos_t, py::handle topk_idx_t,
+                 py::handle out_bounds_t, int experts_per_rank, int expert_alignment, int num_worst_tokens,
+                 int num_experts, int64_t header) {
+  c.check("intranode_notify");
+  const int R = c.num_ranks;
+  UCCL_EP_CHECK_ARG(experts_per_rank >= 0 && experts_per_rank <= k::kMaxLocalExperts && num_worst_tokens >= 0 &&
+                        num_experts >= 0 && expert_alignment >= 1,
+                    "intranode_notify: experts_per_rank=", experts_per_rank, " num_worst_tokens=", num_worst_tokens,
+                    " num_experts=", num_experts, " expert_alignment=", expert_alignment);
+  const TensorView in_rank = arg(in_rank_t, "intranode_notify: is_token_in_rank", false, 2, -1, R, {Dt::kBool});
+  const int64_t T = in_rank.size[0];
+  const TensorView per_rank = arg(per_rank_t, "intranode_notify: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
+  const TensorView per_expert = arg(per_expert_t, "intranode_notify: num_tokens_per_expert", experts_per_rank == 0, 1,
+                                    int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
+  const TensorView info =
+      arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + experts_per_rank, -1, {Dt::kInt32});
+  const TensorView send_pos = arg(send_pos_t, "intranode_notify: send_pos", true, 2, T, R, {Dt::kInt32});
+  const TensorView idx = arg(topk_idx_t, "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
+  const TensorView bounds =
+      arg(out_bounds_t, "intranode_notify: out_bounds", true, 1, int64_t{R} * k::kCheckWords, -1, {Dt::kInt64});
+  check_ptr(per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
+  check_ptr(info.ptr, true, "intranode_notify: out_info");
+  check_ptr(in_rank.ptr, !send_pos.none && T > 0, "intranode_notify: is_token_in_rank");
+  // The prefix matrix is info's head: the kernel writes both from one pass.
+  k::intranode_notify(c.buffers, c.rank, R, per_rank.ptr, per_expert.ptr, experts_per_rank, expert_alignment,
+                      info.ptr, info.ptr, c.status, c.timeout_ns, in_rank.ptr, static_cast<int>(T), send_pos.ptr,
+                      stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64,
+                      idx.none ? 0 : static_cast<int>(idx.size[1]), bounds.ptr, num_worst_tokens, num_experts, header);
+}
+
+// The dispatch kernel, then the poison fold of its outputs. `topk_idx`/`topk_weights` and
+// `recv_topk_*` None without top-k; `x_scales`/`recv_scales` None without FP8; `recv_src`
+// None for a cached dispatch. Rows: see k::DispatchArgs (-1 = unknown, sync-free).
+void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle scales_t, py::handle idx_t,
+                   py::handle weights_t, py::handle in_rank_t, py::handle info_t, py::handle send_pos_t,
+                   py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t, py::handle recv_w_t,
+                   py::handle recv_src_t, bool cached, int num_sms, int experts_per_rank, int num_recv, int own_rows,
+                   int64_t send_rows, int64_t staging_rows) {
+  c.check("intranode_dispatch");
+  const int R = c.num_ranks;
+  const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
+                           {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
+  const int64_t T = x.size[0], H = x.size[1];
+  const TensorView recv_x = arg(recv_x_t, "intranode_dispatch: recv_x", false, 2, -1, H, {x.dtype->dt});
+  const int64_t rows = recv_x.size[0];
+  // FP8 scales and top-k come with their outputs or not at all.
+  const TensorView scales = arg(scales_t, "intranode_dispatch: x_scales", true, 2, T, -1, {Dt::kFloat32});
+  const int64_t S = scales.none ? 0 : scales.size[1];
+  const TensorView recv_scales =
+      arg(recv_scales_t, "intranode_dispatch: recv_scales", scales.none, 2, rows, S, {Dt::kFloat32});
+  const TensorView idx = arg(idx_t, "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
+  const int64_t K = idx.none ? 0 : idx.size[1];
+  const Dt idx_dt = idx.none ? Dt::kInt64 : idx.dtype->dt;
+  const TensorView weights = arg(weights_t, "intranode_dispatch: topk_weights", idx.none, 2, T, K, {Dt::kFloat32});
+  const TensorView recv_idx = arg(recv_idx_t, "intranode_dispatch: recv_topk_idx", idx.none, 2, rows, K, {idx_dt});
+  const TensorView recv_w =
+      arg(recv_w_t, "intranode_dispatch: recv_topk_weights", idx.none, 2, rows, K, {Dt::kFloat32});
+  const TensorView in_rank = arg(in_rank_t, "intranode_dispatch: is_token_in_rank", false, 2, T, R, {Dt::kBool});
+  // notify's out_info: the matrix first, then the per-expert counts.
+  const TensorView info = arg(info_t, "intranode_dispatch: rank_prefix_matrix", false, 1, -1, -1, {Dt::kInt32});
+  UCCL_EP_CHECK_ARG(info.size[0] >= int64_t{R} * R, "intranode_dispatch: rank_prefix_matrix has shape ",
+                    shape_text(info), "; it needs ", R * R, " entries");
+  const TensorView send_pos = arg(send_pos_t, "intranode_dispatch: send_pos", false, 2, T, R, {Dt::kInt32});
+  const TensorView recv_src = arg(recv_src_t, "intranode_dispatch: recv_src_idx", cached, 1, rows, -1, {Dt::kInt32});
+
+  k::DispatchArgs a;
+  c.fill(a);
+  a.num_tokens = static_cast<int>(T);
+  a.experts_per_rank = experts_per_rank;
+  a.x = x.ptr;
+  a.row_bytes = H * x.dtype->itemsize;
+  a.x_scales = scales.ptr;
+  a.num_scales = static_cast<int>(S);
+  a.topk_idx = idx.ptr;
+  a.idx_is_64 = idx.none || idx.dtype->dt == Dt::kInt64;
+  a.topk_weights = weights.ptr;
+  a.num_topk = static_cast<int>(K);
+  a.is_token_in_rank = in_rank.ptr;
+  a.rank_prefix_matrix = info.ptr;
+  a.send_pos = send_pos.ptr;
+  a.cached = cached;
+  a.recv_x = recv_x.ptr;
+  a.recv_scales = recv_scales.ptr;
+  a.recv_topk_idx = recv_idx.ptr;
+  a.recv_topk_weights = recv_w.ptr;
+  a.recv_src_idx = cached ? 0 : recv_src.ptr;
+  a.num_recv = num_recv;
+  a.num_out_rows = static_cast<int>(rows);
+  a.own_rows = own_rows;
+  a.send_rows = send_rows;
+  a.staging_rows = staging_rows;
+  a.num_sms = num_sms;
+  check_dispatch(a);
+  k::intranode_dispatch(a, stream);
+  // A failure inside this call is raised at the next one; until then the outputs say so.
+  const uint64_t x_nan = x.dtype->nan;
+  const uint64_t f32_nan = repeat(0x7FC00000u, 4);
+  poison(c, stream,
+         {{&recv_x, x_nan}, {&recv_scales, f32_nan}, {&recv_idx, kMinusOne}, {&recv_w, 0}, {&recv_src, kMinusOne}});
+}
+
+// Combine's push and reduce, then the poison fold of its outputs.
+void combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle weights_t, py::handle bias0_t,
+                  py::handle bias1_t, py::handle out_t, py::handle out_w_t, py::handle prefix_t, py::handle send_pos_t,
+                  int num_recv, int64_t staging_rows, int num_sms, int64_t header) {
+  c.check("intranode_combine");
+  const int R = c.num_ranks;
+  const TensorView x = arg(x_t, "intranode_combine: x", false, 2, -1, -1, {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
+  const int64_t H = x.size[1];
+  UCCL_EP_CHECK_ARG(num_recv >= 0 && num_recv <= x.size[0], "intranode_combine: num_recv=", num_recv,
+                    " but x has ", x.size[0], " rows");
+  const TensorView out = arg(out_t, "intranode_combine: out", false, 2, -1, H, {x.dtype->dt});
+  const int64_t T = out.size[0];
+  const TensorView weights =
+      arg(weights_t, "intranode_combine: topk_weights", true, 2, x.size[0], -1, {Dt::kFloat32});
+  const int64_t K = weights.none ? 0 : weights.size[1];
+  const TensorView out_w = arg(out_w_t, "intranode_combine: out_weights", weights.none, 2, T, K, {Dt::kFloat32});
+  const TensorView bias0 = arg(bias0_t, "intranode_combine: bias[0]", true, 2, T, H, {x.dtype->dt});
+  const TensorView bias1 = arg(bias1_t, "intranode_combine: bias[1]", true, 2, T, H, {x.dtype->dt});
+  UCCL_EP_CHECK_ARG(bias1.none || !bias0.none, "intranode_combine: bias[1] given without bias[0]");
+  const TensorView prefix = arg(prefix_t, "intranode_combine: rank_prefix_matrix", false, 2, R, R, {Dt::kInt32});
+  const TensorView send_pos = arg(send_pos_t, "intranode_combine: send_pos", false, 2, T, R, {Dt::kInt32});
+
+  k::CombineArgs a;
+  c.fill(a);
+  a.dtype = x.dtype->dt == Dt::kBFloat16 ? 0 : x.dtype->dt == Dt::kFloat16 ? 1 : 2;
+  a.hidden = static_cast<int>(H);
+  a.x = x.ptr;
+  a.topk_weights = weights.ptr;
+  a.num_topk = static_cast<int>(K);
+  a.num_recv = num_recv;
+  a.rank_prefix_matrix = prefix.ptr;
+  a.send_pos = send_pos.ptr;
+  a.num_tokens = static_cast<int>(T);
+  a.bias0 = bias0.ptr;
+  a.bias1 = bias1.ptr;
+  a.out = out.ptr;
+  a.out_weights = out_w.ptr;
+  a.staging_rows = staging_rows;
+  a.num_sms = num_sms;
+  a.header = header;
+  UCCL_EP_CHECK_ARG(a.hidden > 0 && a.num_tokens >= 0, "intranode_combine: hidden=", a.hidden,
+                    " num_tokens=", a.num_tokens);
+  check_ptr(a.x, a.num_recv > 0, "intranode_combine: x");
+  check_ptr(a.send_pos, a.num_tokens > 0, "intranode_combine: send_pos");
+  check_ptr(a.rank_prefix_matrix, true, "intranode_combine: rank_prefix_matrix");
+  check_ptr(a.out, a.num_tokens > 0, "intranode_combine: out");
+  check_ptr(a.topk_weights, a.num_recv > 0 && a.num_topk > 0, "intranode_combine: topk_weights");
+  check_ptr(a.out_weights, a.num_tokens > 0 && a.num_topk > 0, "intranode_combine: out_weights");
+  k::intranode_combine_push(a, stream);
+  k::intranode_combine_reduce(a, stream);
+  poison(c, stream, {{&out, x.dtype->nan}, {&out_w, repeat(0x7FC00000u, 4)}});
+}
+
+// The layout kernel (see k::get_dispatch_layout); sizes come from the views: tokens and top-k
+// from topk_idx [T, K], ranks from is_token_in_rank [T, R], experts from the per-expert counts.
+void layout_call(intptr_t stream, py::handle idx_t, py::handle per_rank_t, py::handle per_expert_t,
+                 py::handle in_rank_t) {
+  const TensorView idx = arg(idx_t, "get_dispatch_layout: topk_idx", false, 2, -1, -1, {Dt::kInt64, Dt::kInt32});
+  const int64_t T = idx.size[0], K = idx.size[1];
+  const TensorView in_rank = arg(in_rank_t, "get_dispatch_layout: is_token_in_rank", false, 2, T, -1, {Dt::kBool});
+  const int64_t R = in_rank.size[1];
+  const TensorView per_rank =
+      arg(per_rank_t, "get_dispatch_layout: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
+  const TensorView per_expert =
+      arg(per_expert_t, "get_dispatch_layout: num_tokens_per_expert", false, 1, -1, -1, {Dt::kInt32});
+  const int64_t E = per_expert.size[0];
+  UCCL_EP_CHECK_ARG(R >= 1 && E > 0 && E % R == 0, "get_dispatch_layout: num_experts=", E, " num_ranks=", R);
+  check_ptr(idx.ptr, T > 0 && K > 0, "get_dispatch_layout: topk_idx");
+  check_ptr(in_rank.ptr, T > 0, "get_dispatch_layout: is_token_in_rank");
+  check_ptr(per_rank.ptr, true, "get_dispatch_layout: num_tokens_per_rank");
+  check_ptr(per_expert.ptr, true, "get_dispatch_layout: num_tokens_per_expert");
+  k::get_dispatch_layout(idx.ptr, idx.dtype->dt == Dt::kInt64, static_cast<int>(T), static_cast<int>(K),
+                         static_cast<int>(R), static_cast<int>(E), per_rank.ptr, per_expert.ptr, in_rank.ptr,
+                         stream);
+}
+
+// The row counts of an exact-mode dispatch on `rank`, from the host copy of the row-major
+// rank prefix matrix: (rows received, staging rows of the dispatch (the most any rank
+// receives), rows kept for itself, rows sent to all ranks, combine staging rows (the most
+// rows any rank gets back from the others)).
+py::tuple exact_rows(const std::vector<int64_t>& pm, int rank, int num_ranks) {
+  UCCL_EP_CHECK_ARG(num_ranks >= 1 && rank >= 0 && rank < num_ranks &&
+                        pm.size() == static_cast<size_t>(num_ranks) * num_ranks,
+                    "intranode_exact_rows: rank=", rank, " num_ranks=", num_ranks, " with ", pm.size(),
+                    " prefix entries");
+  const int R = num_ranks;
+  const int64_t* last = pm.data() + (R - 1) * R;
+  const int64_t num_recv = last[rank];
+  const int64_t staging = *std::max_element(last, last + R);
+  const int64_t own = rows_sent(pm, R, rank, rank);
+  int64_t sent = 0;
+  for (int j = 0; j < R; ++j) sent += rows_sent(pm, R, rank, j);
+  int64_t combine = 0;
+  for (int s = 0; s < R; ++s) {
+    int64_t back = 0;
+    for (int j = 0; j < R; ++j)
+      if (j != s) back += rows_sent(pm, R, s, j);
+    combine = std::max(combine, back);
+  }
+  return py::make_tuple(num_recv, staging, own, sent, combine);
+}
+
+}  // namespace
+#endif
+
+void bind_intranode_calls(py::module_& m) {
+#ifdef UCCL_EP_WITH_GPU
+  py::class_<Context>(m, "IntranodeContext",
+                      "The per-Buffer part of every intranode launch (buffers, rank, status, timeout), "
+                      "checked when built; rebuilt after a buffer regrow.")
+      .def(py::init([](std::vector<intptr_t> buffers, int64_t buffer_bytes, int rank, int num_ranks,
+                       intptr_t status, int64_t timeout_ns, bool use_tma) {
+             Context c{std::move(buffers), buffer_bytes, rank, num_ranks, status, timeout_ns, use_tma};
+             c.check("IntranodeContext");
+             return c;
+           }),
+           py::arg("buffers"), py::arg("buffer_bytes"), py::arg("rank"), py::arg("num_ranks"), py::arg("status"),
+           py::arg("timeout_ns"), py::arg("use_tma"))
+      .def_readonly("buffers", &Context::buffers)
+      .def_readonly("buffer_bytes", &Context::buffer_bytes);
+  // Positional only (no keyword matching per call): argument order as in the C++ functions.
+  m.def("intranode_notify_call", &notify_call,
+        "notify(ctx, stream, num_tokens_per_rank, num_tokens_per_expert|None, out_info, is_token_in_rank, "
+        "send_pos|None (cached), topk_idx|None, out_bounds|None, experts_per_rank, expert_alignment, "
+        "num_worst_tokens, num_experts, header): the counts exchange and entry barrier of a dispatch.");
+  m.def("intranode_dispatch_call", &dispatch_call,
+        "dispatch(ctx, stream, x, x_scales, topk_idx, topk_weights, is_token_in_rank, rank_prefix_matrix, "
+        "send_pos, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, num_sms, "
+        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows): the dispatch kernel and the poison "
+        "fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out).");
+  m.def("intranode_combine_call", &combine_call,
+        "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
+        "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "
+        "fold of the outputs (NaN when a wait timed out).");
+  m.def("dispatch_layout_call", &layout_call,
+        "layout(stream, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank): the layout "
+        "kernel into the three output tensors (shared by the intranode and internode backends).");
+  m.def("intranode_exact_rows", &exact_rows, py::arg("rank_prefix_matrix"), py::arg("rank"), py::arg("num_ranks"),
+        "(rows received, dispatch staging rows, rows kept, rows sent, combine staging rows) of an exact-mode "
+        "dispatch on `rank`, from the host rank prefix matrix (row-major).");
+  m.def(
+      "intranode_fill_word",
+      [](py::handle dtype) { return dtype_info(dtype.ptr()).nan; },
+      py::arg("dtype"), "The 8-byte word the poison fold writes for NaN in `dtype` (0 if it has none).");
+#endif
+}
+
+}  // namespace uccl_ep::bindings
