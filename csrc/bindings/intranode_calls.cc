@@ -17,6 +17,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <initializer_list>
@@ -241,7 +242,7 @@ int64_t rows_sent(const std::vector<int64_t>& pm, int num_ranks, int s, int j) {
 // positions are reused); `topk_idx` None: no ids to scan.
 void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::handle per_expert_t,
                  py::handle info_t, py::handle in_rank_t, py::handle send_pos_t, py::handle topk_idx_t,
-                 py::handle out_bounds_t, int experts_per_rank, int expert_alignment, int num_worst_tokens,
+                 bool readback, int experts_per_rank, int expert_alignment, int num_worst_tokens,
                  int num_experts, int64_t header) {
   c.check("intranode_notify");
   const int R = c.num_ranks;
@@ -258,16 +259,44 @@ void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::h
       arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + experts_per_rank, -1, {Dt::kInt32});
   const TensorView send_pos = arg(send_pos_t, "intranode_notify: send_pos", true, 2, T, R, {Dt::kInt32});
   const TensorView idx = arg(topk_idx_t, "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
-  const TensorView bounds =
-      arg(out_bounds_t, "intranode_notify: out_bounds", true, 1, int64_t{R} * k::kCheckWords, -1, {Dt::kInt64});
   check_ptr(per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
   check_ptr(info.ptr, true, "intranode_notify: out_info");
   check_ptr(in_rank.ptr, !send_pos.none && T > 0, "intranode_notify: is_token_in_rank");
+  intptr_t rb = 0;
+  if (readback) {
+    // Cleared before the launch: the host's store precedes the kernel's.
+    auto* w = reinterpret_cast<volatile int64_t*>(c.status);
+    w[k::kReadbackWord] = 0;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    rb = c.status + static_cast<intptr_t>(sizeof(int64_t)) * k::kReadbackWord;
+  }
   // The prefix matrix is info's head: the kernel writes both from one pass.
   k::intranode_notify(c.buffers, c.rank, R, per_rank.ptr, per_expert.ptr, experts_per_rank, expert_alignment,
                       info.ptr, info.ptr, c.status, c.timeout_ns, in_rank.ptr, static_cast<int>(T), send_pos.ptr,
                       stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64,
-                      idx.none ? 0 : static_cast<int>(idx.size[1]), bounds.ptr, num_worst_tokens, num_experts, header);
+                      idx.none ? 0 : static_cast<int>(idx.size[1]), rb, num_worst_tokens, num_experts, header);
+}
+
+// The readback of the notify launched with `readback`: (1, out_info's `num_info` words + every
+// rank's checks), (-1, []) when its barrier failed (the status words say why), (0, []) when it
+// did not finish within two timeouts (the stream is stuck behind earlier work).
+py::tuple read_counts(const Context& c, int num_info) {
+  const int R = c.num_ranks;
+  UCCL_EP_CHECK_ARG(num_info >= R * R && num_info <= R * R + k::kMaxLocalExperts, "intranode_read_counts: num_info=",
+                    num_info, " is not R*R + local experts for R=", R);
+  c.check("intranode_read_counts");
+  int state = 0;
+  {
+    py::gil_scoped_release nogil;
+    state = k::host_readback_wait(c.status, 2 * c.timeout_ns);
+  }
+  py::list out;
+  if (state != 1) return py::make_tuple(state, out);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const volatile int64_t* w = reinterpret_cast<const volatile int64_t*>(c.status) + k::kReadbackWord;
+  for (int i = 0; i < num_info; ++i) out.append(static_cast<int64_t>(w[k::kReadbackInfo + i]));
+  for (int i = 0; i < R * k::kCheckWords; ++i) out.append(static_cast<int64_t>(w[k::kReadbackChecks + i]));
+  return py::make_tuple(state, out);
 }
 
 // The dispatch kernel, then the poison fold of its outputs. `topk_idx`/`topk_weights` and
@@ -464,8 +493,12 @@ void bind_intranode_calls(py::module_& m) {
   // Positional only (no keyword matching per call): argument order as in the C++ functions.
   m.def("intranode_notify_call", &notify_call,
         "notify(ctx, stream, num_tokens_per_rank, num_tokens_per_expert|None, out_info, is_token_in_rank, "
-        "send_pos|None (cached), topk_idx|None, out_bounds|None, experts_per_rank, expert_alignment, "
-        "num_worst_tokens, num_experts, header): the counts exchange and entry barrier of a dispatch.");
+        "send_pos|None (cached), topk_idx|None, readback, experts_per_rank, expert_alignment, "
+        "num_worst_tokens, num_experts, header): the counts exchange and entry barrier of a dispatch; with "
+        "`readback` the counts and every rank's checks also go to the host (intranode_read_counts).");
+  m.def("intranode_read_counts", &read_counts, py::arg("ctx"), py::arg("num_info"),
+        "(state, words) of the notify launched with readback: state 1 with out_info's num_info words and "
+        "every rank's checks, -1 when its barrier failed (status words), 0 when it did not finish in time.");
   m.def("intranode_dispatch_call", &dispatch_call,
         "dispatch(ctx, stream, x, x_scales, topk_idx, topk_weights, is_token_in_rank, rank_prefix_matrix, "
         "send_pos, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, num_sms, "

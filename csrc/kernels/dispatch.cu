@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
                                                                 int64_t timeout_ns, const bool* in_rank,
                                                                 int num_tokens, int* send_pos,
                                                                 const void* topk_idx, bool idx_is_64, int num_topk,
-                                                                int64_t* out_bounds,
+                                                                int64_t* readback,
                                                                 int num_worst_tokens, int num_experts,
                                                                 int64_t header) {
   const int tid = threadIdx.x;
@@ -215,15 +215,19 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
   const size_t header_offset =
       send_pos == nullptr && header != 0 ? kCachedHeaderOffset + 8ull * kMaxRanks * slot : 0;
   if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify,
-                     BarrierExtras{true, header_offset, header}))
+                     BarrierExtras{true, header_offset, header})) {
+    // The host spins on the readback: tell it now (the status words say why).
+    if (readback != nullptr && tid == 0) {
+      __threadfence_system();
+      reinterpret_cast<volatile int64_t*>(readback)[0] = -1;
+    }
     return;
-  if (out_bounds != nullptr && tid < kCheckWords * R)
-    out_bounds[tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
+  }
+  if (readback != nullptr && tid < kCheckWords * R)
+    readback[kReadbackChecks + tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
   if (num_worst_tokens > 0 && tid == 0)
     record_input_error(reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot)),
                        counts_of(bufs.p[rank], slot), R, num_worst_tokens, num_experts, status);
-  // After the barrier, so the scan (a few microseconds) never delays a peer's wait.
-  if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
 
   // Control data is read through volatile loads: peers wrote it, no L1 line may serve it.
   const volatile int* counts = counts_of(bufs.p[rank], slot);
@@ -233,15 +237,26 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     for (int s2 = 0; s2 <= s; ++s2) sum += counts[s2 * kMaxRanks + j];
     prefix_out[i] = sum;
     info[i] = sum;
+    if (readback != nullptr) readback[kReadbackInfo + i] = sum;
   }
   if (per_expert != nullptr) {
     const volatile int* ec = expert_counts_of(bufs.p[rank], slot);
     for (int e = tid; e < experts_per_rank; e += blockDim.x) {
       int sum = 0;
       for (int s = 0; s < R; ++s) sum += ec[s * kMaxLocalExperts + e];
-      info[R * R + e] = (sum + alignment - 1) / alignment * alignment;
+      const int aligned = (sum + alignment - 1) / alignment * alignment;
+      info[R * R + e] = aligned;
+      if (readback != nullptr) readback[kReadbackInfo + R * R + e] = aligned;
     }
   }
+  if (readback != nullptr) {
+    // Each writer fences its posted host writes; after the CTA barrier one store says "ready".
+    __threadfence_system();
+    __syncthreads();
+    if (tid == 0) reinterpret_cast<volatile int64_t*>(readback)[0] = 1;
+  }
+  // After the barrier and the readback, so the scan never delays a peer's wait or the host.
+  if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
 }
 
 // Per-destination bases of the five row arrays: own outputs for d == rank, peer staging else.
@@ -559,7 +574,7 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment,
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
                       intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
-                      intptr_t topk_idx, bool idx_is_64, int num_topk, intptr_t out_bounds, int num_worst_tokens,
+                      intptr_t topk_idx, bool idx_is_64, int num_topk, intptr_t readback, int num_worst_tokens,
                       int num_experts, int64_t header) {
   const Peers peers = make_peers(buffers, num_ranks);
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
@@ -570,7 +585,7 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
       reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment,
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), status_ref(status),
       timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos),
-      reinterpret_cast<const void*>(topk_idx), idx_is_64, num_topk, reinterpret_cast<int64_t*>(out_bounds),
+      reinterpret_cast<const void*>(topk_idx), idx_is_64, num_topk, reinterpret_cast<int64_t*>(readback),
       num_worst_tokens, num_experts, header);
   GPU_CHECK(gpuGetLastError());
 }

@@ -76,6 +76,16 @@ constexpr int kStatusWords = 4;
 // Word kStatusFlagWord of the host block (after the status words, host side only) holds the
 // device address of that flag (host_status_alloc allocates both).
 constexpr int kStatusFlagWord = kStatusWords;
+// Then the readback of an exact dispatch's notify (int64 words): [ready, info[R*R + local
+// experts] (as notify's out_info), every rank's checks[R * kCheckWords]] at fixed offsets.
+// The host clears `ready` before the launch and spins on it (intranode_read_counts): notify
+// writes the words into mapped host memory (posted writes) and then sets ready = 1, or -1 when
+// its barrier failed. No copy kernel, no stream synchronize, and the host resumes while notify
+// still scans the send positions.
+constexpr int kReadbackWord = kStatusFlagWord + 1;
+constexpr int kReadbackInfo = 1;
+constexpr int kReadbackChecks = kReadbackInfo + kMaxRanks * kMaxRanks + kMaxLocalExperts;
+constexpr int kHostBlockWords = kReadbackWord + kReadbackChecks + kMaxRanks * kCheckWords;
 // {kStatusTimeout, stalled peer rank, barrier sequence, site code}
 constexpr int64_t kStatusTimeout = 1;
 // {code, rank, value, extra}: rank r's topk_idx holds expert id `value` outside [-1, E) (extra = E)
@@ -113,6 +123,10 @@ void host_status_free(intptr_t ptr);
 // non-zero code): the host words, then the device flag (synchronously), so every later kernel
 // of the Buffer skips its data movement and poisons its outputs.
 void host_status_record(intptr_t ptr, const std::vector<int64_t>& words);
+// Waits (spinning, up to `timeout_ns`) for the readback of the notify launched with it:
+// 1 = the words are there, -1 = notify's barrier failed (the status words say why), 0 = notify
+// did not finish in time (the stream is stuck behind earlier work).
+int host_readback_wait(intptr_t ptr, int64_t timeout_ns);
 // When the status word is set (a wait of this call timed out, so its kernels skipped their data
 // movement), fills each region [ptrs[i], ptrs[i] + bytes[i]) with the 8-byte `patterns[i]`
 // (little-endian, repeated; regions start 8-byte aligned); otherwise does nothing. Launched on
@@ -139,9 +153,10 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // ids: (-1, -1)), scanned here before the barrier instead of by separate launches, and, when
 // `send_pos` is set, the check of
 // num_tokens_per_rank against is_token_in_rank (a mismatch would place rows past the outputs)
-// travel to every rank with the counts; `out_bounds` (device int64 [R, kCheckWords] or 0)
-// receives every rank's, so all ranks see a bad input of any rank at the host read that sizes
-// the outputs, and raise together before any row moves. `header` (the call's dtype, hidden,
+// travel to every rank with the counts; with `readback` (the host block's kReadbackWord, or 0)
+// every rank's checks and out_info go to the host (see kReadbackWord), so all ranks see a bad
+// input of any rank at the host read that sizes the outputs, and raise together before any
+// row moves. `header` (the call's dtype, hidden,
 // scales, top-k, experts, packed by the caller) travels with the checks (word 5); a cached
 // dispatch (`send_pos` 0) compares it with the barrier instead (kStatusHeaderMismatch).
 // Sync-free mode (`num_worst_tokens` > 0): notify itself judges every rank's checks and the
@@ -154,7 +169,7 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
                       intptr_t send_pos, intptr_t stream, intptr_t topk_idx = 0, bool idx_is_64 = true,
-                      int num_topk = 0, intptr_t out_bounds = 0, int num_worst_tokens = 0,
+                      int num_topk = 0, intptr_t readback = 0, int num_worst_tokens = 0,
                       int num_experts = 0, int64_t header = 0);
 
 struct DispatchArgs {

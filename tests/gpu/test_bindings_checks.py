@@ -82,7 +82,7 @@ def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
     with pytest.raises(InvalidInputError, match="status"):
         _C.IntranodeContext([buf, buf], nbytes, 0, 2, 0, 10**9, False)
     ctx = _C.IntranodeContext([buf, buf], nbytes, 0, 2, st, 10**9, False)
-    args = [per_rank, None, info, in_rank, None, None, None, 0, 1, 0, 0, 0]
+    args = [per_rank, None, info, in_rank, None, None, False, 0, 1, 0, 0, 0]
     with pytest.raises(InvalidInputError, match="out_info is None"):
         _C.intranode_notify_call(ctx, stream, *args[:2], None, *args[3:])
     with pytest.raises(InvalidInputError, match=r"out_info has shape \[4\]; expected 1-D with 6"):

@@ -35,7 +35,12 @@ from uccl_ep_megatron.backends.intranode.status import (
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.core._c import load as load_c
 from uccl_ep_megatron.core.config import Config
-from uccl_ep_megatron.core.errors import BufferTooSmallError, UcclEpError, UnsupportedError
+from uccl_ep_megatron.core.errors import (
+    BufferTooSmallError,
+    CommTimeoutError,
+    UcclEpError,
+    UnsupportedError,
+)
 
 
 @dataclass
@@ -299,11 +304,10 @@ class KernelsBackend(Backend):
         # rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it.
         nrr = num_ranks * num_ranks
         info = torch.empty(nrr + experts_per_rank, dtype=torch.int32, device=dev)
-        # Every rank's input checks come back with the counts (see check_all_ranks); in
-        # sync-free mode notify judges them itself and records a failure in the status word.
-        all_bounds = None
-        if cached is None and worst == 0:
-            all_bounds = torch.empty(num_ranks * CHECK_WORDS, dtype=torch.int64, device=dev)
+        # Exact mode: every rank's input checks come back with the counts through mapped host
+        # memory (see check_all_ranks); in sync-free mode notify judges them itself and records
+        # a failure in the status word.
+        readback = cached is None and worst == 0
         # The call header every rank must agree on: read back with the counts (exact mode),
         # judged by notify (sync-free) or compared with its barrier (cached dispatch).
         header = self._header(dtype, hidden, num_scales, num_topk, num_experts)
@@ -320,7 +324,7 @@ class KernelsBackend(Backend):
             in_rank,
             None if cached is not None else send_pos,
             topk_idx,
-            all_bounds,
+            readback,
             experts_per_rank,
             args.expert_alignment,
             worst,
@@ -337,8 +341,16 @@ class KernelsBackend(Backend):
                 prefix_host = cached.state.prefix_host
             else:
                 # The one host sync (output sizes depend on it); every rank's checks ride along.
-                info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
+                state, info_host = c.intranode_read_counts(ctx, nrr + experts_per_rank)
                 self._check_status()
+                if state == -1:  # the status words were clear: cannot happen, but never hang
+                    raise UcclEpError(f"rank {rank}: the dispatch's notify barrier failed")
+                if state == 0:
+                    raise CommTimeoutError(
+                        f"rank {rank}: the dispatch's notify kernel did not finish within "
+                        f"{2 * self._timeout_ms} ms (twice UCCL_EP_TIMEOUT_MS): earlier work on "
+                        "the stream is stuck; the GPU may need a process restart"
+                    )
                 check_all_ranks(info_host[-CHECK_WORDS * num_ranks :], num_experts)
                 prefix_host = tuple(info_host[:nrr])
                 expert_counts = info_host[nrr : nrr + experts_per_rank]
