@@ -30,6 +30,7 @@ from uccl_ep_megatron.backends.intranode.status import (
     CHECK_WORDS,
     check_all_ranks,
     describe_call,
+    note_host_wait,
     status_error,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
@@ -342,6 +343,7 @@ class KernelsBackend(Backend):
             else:
                 # The one host sync (output sizes depend on it); every rank's checks ride along.
                 state, info_host = c.intranode_read_counts(ctx, nrr + experts_per_rank)
+                note_host_wait()
                 self._check_status()
                 if state == -1:  # the status words were clear: cannot happen, but never hang
                     raise UcclEpError(f"rank {rank}: the dispatch's notify barrier failed")
