@@ -25,7 +25,6 @@
 #include "common/registry.h"
 #include "fifo/fifo.h"
 #include "kernels/internode.h"
-#include "kernels/intranode.h"
 #endif
 
 namespace py = pybind11;
@@ -36,7 +35,6 @@ namespace uccl_ep::bindings {
 namespace {
 
 namespace in = uccl_ep::internode;
-namespace k = uccl_ep::kernels;
 using views::arg;
 using views::Dt;
 using views::TensorView;
@@ -146,13 +144,14 @@ intptr_t verdict_of(py::handle verdict_t, const char* what) {
   return arg(verdict_t, what, true, {3}, {Dt::kInt64}).ptr;
 }
 
+// Sizes come from the views, so none is negative; rows must still suit the kernels' copies.
+void check_row_bytes(int64_t row_bytes, const char* op) {
+  UCCL_EP_CHECK_ARG(row_bytes > 0 && row_bytes % 16 == 0, "internode ", op, ": rows of ", row_bytes,
+                    " bytes; the kernels move rows in 16-byte vectors (a positive multiple of 16)");
+}
+
 void check_dispatch(const in::DispatchArgs& a, bool cached) {
-  const char* at = "internode dispatch: ";
-  UCCL_EP_CHECK_ARG(a.num_tokens >= 0 && a.num_topk >= 0 && a.num_scales >= 0 && a.row_bytes > 0, at,
-                    "num_tokens=", a.num_tokens, " num_topk=", a.num_topk, " num_scales=", a.num_scales,
-                    " row_bytes=", a.row_bytes);
-  UCCL_EP_CHECK_ARG(a.row_bytes % 16 == 0, at, "rows of ", a.row_bytes,
-                    " bytes; the kernels move rows in 16-byte vectors");
+  check_row_bytes(a.row_bytes, "dispatch");
   const bool send = a.num_tokens > 0, recv = a.out_rows > 0;
   check_ptr(a.recv_rows, true, "internode dispatch: recv_rows");
   check_ptr(a.recv_prefix, true, "internode dispatch: recv_prefix");
@@ -169,20 +168,6 @@ void check_dispatch(const in::DispatchArgs& a, bool cached) {
   check_ptr(a.recv_topk_weights, recv && a.num_topk > 0, "internode dispatch: recv_topk_weights");
   check_ptr(a.recv_src_idx, recv && !cached, "internode dispatch: recv_src_idx");
   check_ptr(a.plan, !cached, "internode dispatch: plan");
-}
-
-// Fills the outputs of a call whose wait timed out (k::poison_if_failed); None/empty skipped.
-void poison(const Context& c, intptr_t stream, std::initializer_list<std::pair<const TensorView*, uint64_t>> fills) {
-  std::vector<intptr_t> ptrs;
-  std::vector<int64_t> bytes;
-  std::vector<uint64_t> patterns;
-  for (const auto& [v, pattern] : fills) {
-    if (v->bytes() == 0) continue;
-    ptrs.push_back(v->ptr);
-    bytes.push_back(v->bytes());
-    patterns.push_back(pattern);
-  }
-  if (!ptrs.empty()) k::poison_if_failed(c.status, ptrs, bytes, patterns, stream);
 }
 
 // A dispatch: the sender/forwarder kernel, then (ranks per node > 1) the node barrier and the
@@ -256,7 +241,7 @@ void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, int num_ch
   in::dispatch(a, stream);
   if (L > 1) in::dispatch_finish(a, ++c.barrier_seq, stream);
   // A failure inside this call is raised at the next one; until then the outputs say so.
-  poison(c, stream,
+  views::poison(c.status, stream,
          {{&recv_x, x.dtype->nan},
           {&recv_scales, kF32Nan},
           {&recv_idx, kMinusOne},
@@ -265,12 +250,7 @@ void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, int num_ch
 }
 
 void check_combine(const in::CombineArgs& a) {
-  const char* at = "internode combine: ";
-  UCCL_EP_CHECK_ARG(a.num_tokens >= 0 && a.num_recv >= 0 && a.num_topk >= 0 && a.row_bytes > 0, at,
-                    "num_tokens=", a.num_tokens, " num_recv=", a.num_recv, " num_topk=", a.num_topk,
-                    " row_bytes=", a.row_bytes);
-  UCCL_EP_CHECK_ARG(a.row_bytes % 16 == 0, at, "rows of ", a.row_bytes,
-                    " bytes; the kernels move rows in 16-byte vectors");
+  check_row_bytes(a.row_bytes, "combine");
   check_ptr(a.x, a.num_recv > 0, "internode combine: x");
   check_ptr(a.topk_weights, a.num_recv > 0 && a.num_topk > 0, "internode combine: topk_weights");
   check_ptr(a.recv_count, a.num_recv > 0, "internode combine: recv_count");
@@ -346,7 +326,7 @@ void combine_call(Context& c, intptr_t stream, py::handle verdict_t, int num_cha
   if (L > 1) in::combine_prepare(a, ++c.barrier_seq, stream);
   in::combine(a, stream);
   if (L > 1) in::node_barrier(a.common, ++c.barrier_seq, stream);
-  poison(c, stream, {{&out, x.dtype->nan}, {&out_w, kF32Nan}});
+  views::poison(c.status, stream, {{&out, x.dtype->nan}, {&out_w, kF32Nan}});
 }
 
 }  // namespace

@@ -17,8 +17,10 @@
 #include <initializer_list>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/errors.h"
+#include "kernels/intranode.h"
 
 namespace uccl_ep::bindings::views {
 
@@ -189,6 +191,24 @@ inline TensorView arg(py::handle t, const char* what, bool optional, std::initia
   TensorView v = view_of(t, what);
   if (!(optional && v.none)) expect(v, what, shape, dts);
   return v;
+}
+
+// On `stream`, after a call's last kernel: when the status word at `status` is set (a wait of
+// the call timed out, or its inputs were rejected on the GPU), fill each view with its 8-byte
+// pattern, so no caller reads uninitialised rows before the next call raises. None and empty
+// views are skipped.
+inline void poison(intptr_t status, intptr_t stream,
+                   std::initializer_list<std::pair<const TensorView*, uint64_t>> fills) {
+  std::vector<intptr_t> ptrs;
+  std::vector<int64_t> bytes;
+  std::vector<uint64_t> patterns;
+  for (const auto& [v, pattern] : fills) {
+    if (v->bytes() == 0) continue;
+    ptrs.push_back(v->ptr);
+    bytes.push_back(v->bytes());
+    patterns.push_back(pattern);
+  }
+  if (!ptrs.empty()) kernels::poison_if_failed(status, ptrs, bytes, patterns, stream);
 }
 
 }  // namespace uccl_ep::bindings::views
