@@ -242,11 +242,11 @@ void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, int num_ch
   if (L > 1) in::dispatch_finish(a, ++c.barrier_seq, stream);
   // A failure inside this call is raised at the next one; until then the outputs say so.
   views::poison(c.status, stream,
-         {{&recv_x, x.dtype->nan},
-          {&recv_scales, kF32Nan},
-          {&recv_idx, kMinusOne},
-          {&recv_w, 0},
-          {&recv_src, kMinusOne}});
+                {{&recv_x, x.dtype->nan},
+                 {&recv_scales, kF32Nan},
+                 {&recv_idx, kMinusOne},
+                 {&recv_w, 0},
+                 {&recv_src, kMinusOne}});
 }
 
 void check_combine(const in::CombineArgs& a) {

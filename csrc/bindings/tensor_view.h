@@ -4,8 +4,10 @@
 // view is checked against the shape and dtypes a call expects before anything is launched, with
 // a message that names the argument. Torch owns the memory: contiguity is the caller's part.
 //
-// intranode_calls.cc still carries its own copy of the 1-D/2-D subset of these helpers (another
-// change was editing that file); this header is a superset of it, names and messages included.
+// intranode_calls.cc still carries its own 1-D/2-D copy of these helpers (another change was
+// editing that file). The names and messages here are the same; moving it over means deleting
+// its copies and writing `arg(t, what, optional, 2, rows, cols, dts)` as
+// `arg(t, what, optional, {rows, cols}, dts)` (and `poison(c, ...)` as `poison(c.status, ...)`).
 #pragma once
 
 #ifdef UCCL_EP_WITH_GPU
@@ -114,8 +116,6 @@ struct TensorView {
   int64_t size[kMaxViewDims] = {0, 0, 0};
   const DtypeInfo* dtype = nullptr;
 
-  int64_t rows() const { return dim > 0 ? size[0] : 1; }
-  int64_t cols() const { return dim > 1 ? size[1] : 1; }
   int64_t numel() const {
     int64_t n = 1;
     for (int i = 0; i < dim; ++i) n *= size[i];
