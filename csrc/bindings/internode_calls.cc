@@ -53,59 +53,43 @@ void check_alloc(intptr_t ptr, uint64_t bytes, std::initializer_list<AllocKind> 
 }
 
 // The per-Buffer part of every launch: the group's shape, the proxy's FIFOs and counters, the
-// RDMA region, the node's NVLink buffers and the status words. Checked when built, and its
-// `_C` allocations again at each call (a freed one must raise, never fault). It also counts
-// the node barriers, whose sequence numbers every rank of a node must use alike.
+// RDMA region, the node's NVLink buffers and the status words, as the launch's own
+// `in::Common`. Checked when built, and its `_C` allocations again at each call (a freed one
+// must raise, never fault). It also counts the node barriers, whose sequence numbers every
+// rank of a node must use alike.
 struct Context {
-  int rank = 0, num_ranks = 0, ranks_per_node = 1;
+  in::Common base;          // all but the call's ring shape (channels, cap, chunk) and verdict
   TensorView fifo_handles;  // uint8 [num_fifos * sizeof(FifoDeviceHandle)], device memory
-  int num_fifos = 0;
-  intptr_t counters = 0;  // the proxy's mapped counters (device pointer)
-  TensorView state;       // int64 [kStateWords], device memory
-  intptr_t region = 0;    // registered RDMA region
-  int64_t region_bytes = 0;
-  std::vector<intptr_t> nvl;  // NVLink buffers of the node's ranks (index = local rank)
-  int64_t stage_offset = 0;   // where NVLink staging starts in each of them
-  intptr_t status = 0;
-  int64_t timeout_ns = 0;
+  TensorView state;         // int64 [kStateWords], device memory
+  int64_t stage_offset = 0;  // where NVLink staging starts in each NVLink buffer
   uint64_t barrier_seq = 0;  // the last node barrier's sequence number
 
-  int num_nodes() const { return num_ranks / ranks_per_node; }
+  int num_nodes() const { return base.num_ranks / base.ranks_per_node; }
 
   void check(const char* op) const {
-    UCCL_EP_CHECK_ARG(num_ranks >= 1 && ranks_per_node >= 1 && num_ranks % ranks_per_node == 0 && rank >= 0 &&
-                          rank < num_ranks,
-                      "internode ", op, ": rank=", rank, " num_ranks=", num_ranks, " ranks_per_node=", ranks_per_node);
-    UCCL_EP_CHECK_ARG(static_cast<int>(nvl.size()) == ranks_per_node, "internode ", op, ": got ", nvl.size(),
-                      " NVLink buffers for ", ranks_per_node, " ranks per node");
-    UCCL_EP_CHECK_ARG(region_bytes > 0, "internode ", op, ": region_bytes=", region_bytes, " must be positive");
-    check_alloc(region, static_cast<uint64_t>(region_bytes), {AllocKind::kDeviceBuffer}, op, "region");
-    for (size_t j = 0; j < nvl.size(); ++j) {
-      check_alloc(nvl[j], 1, {AllocKind::kDeviceBuffer, AllocKind::kIpcMapping}, op, detail::concat("nvl[", j, "]"));
+    const in::Common& b = base;
+    UCCL_EP_CHECK_ARG(b.num_ranks >= 1 && b.ranks_per_node >= 1 && b.num_ranks % b.ranks_per_node == 0 &&
+                          b.rank >= 0 && b.rank < b.num_ranks,
+                      "internode ", op, ": rank=", b.rank, " num_ranks=", b.num_ranks, " ranks_per_node=",
+                      b.ranks_per_node);
+    UCCL_EP_CHECK_ARG(static_cast<int>(b.nvl.size()) == b.ranks_per_node, "internode ", op, ": got ", b.nvl.size(),
+                      " NVLink buffers for ", b.ranks_per_node, " ranks per node");
+    UCCL_EP_CHECK_ARG(b.region_bytes > 0, "internode ", op, ": region_bytes=", b.region_bytes, " must be positive");
+    check_alloc(b.region, static_cast<uint64_t>(b.region_bytes), {AllocKind::kDeviceBuffer}, op, "region");
+    for (size_t j = 0; j < b.nvl.size(); ++j) {
+      check_alloc(b.nvl[j], 1, {AllocKind::kDeviceBuffer, AllocKind::kIpcMapping}, op, detail::concat("nvl[", j, "]"));
     }
-    check_alloc(status, kStatusBytes, {AllocKind::kHostStatus}, op, "status");
-    check_alloc(counters, in::kNumCounters * sizeof(int64_t), {AllocKind::kMappedCounters}, op, "counters");
+    check_alloc(b.status, kStatusBytes, {AllocKind::kHostStatus}, op, "status");
+    check_alloc(b.counters, in::kNumCounters * sizeof(int64_t), {AllocKind::kMappedCounters}, op, "counters");
   }
 
-  // The launch's common fields; the ring shape (channels, slots, chunk) comes from the call's
-  // Config and `verdict` is the sync-free call's device verdict (0 without one).
+  // The launch's common fields: the ring shape comes from the call's Config, and `verdict` is
+  // a sync-free call's device verdict (0 without one).
   in::Common common(int num_channels, int cap, int chunk, intptr_t verdict) const {
-    in::Common c;
-    c.rank = rank;
-    c.num_ranks = num_ranks;
-    c.ranks_per_node = ranks_per_node;
+    in::Common c = base;
     c.num_channels = num_channels;
-    c.fifo_handles = fifo_handles.ptr;
-    c.num_fifos = num_fifos;
-    c.counters = counters;
-    c.state = state.ptr;
-    c.region = region;
-    c.region_bytes = region_bytes;
-    c.nvl = nvl;
     c.cap = cap;
     c.chunk = chunk;
-    c.status = status;
-    c.timeout_ns = timeout_ns;
     c.verdict = verdict;
     return c;
   }
@@ -119,24 +103,27 @@ Context make_context(int rank, int num_ranks, int ranks_per_node, py::handle fif
   UCCL_EP_CHECK_ARG(stage_offset >= 0 && timeout_ns > 0, "internode Context: stage_offset=", stage_offset,
                     " timeout_ns=", timeout_ns);
   Context c;
-  c.rank = rank;
-  c.num_ranks = num_ranks;
-  c.ranks_per_node = ranks_per_node;
   c.fifo_handles = arg(fifo_handles_t, "internode Context: fifo_handles", false,
                        {int64_t{num_fifos} * static_cast<int64_t>(sizeof(FifoDeviceHandle))}, {Dt::kUInt8});
-  c.num_fifos = num_fifos;
-  c.counters = counters;
   c.state = arg(state_t, "internode Context: state", false, {in::kStateWords}, {Dt::kInt64});
-  c.region = region;
-  c.region_bytes = region_bytes;
-  c.nvl = std::move(nvl);
   c.stage_offset = stage_offset;
-  c.status = status;
-  c.timeout_ns = timeout_ns;
   c.barrier_seq = barrier_seq;
+  in::Common& b = c.base;
+  b.rank = rank;
+  b.num_ranks = num_ranks;
+  b.ranks_per_node = ranks_per_node;
+  b.fifo_handles = c.fifo_handles.ptr;
+  b.num_fifos = num_fifos;
+  b.counters = counters;
+  b.state = c.state.ptr;
+  b.region = region;
+  b.region_bytes = region_bytes;
+  b.nvl = std::move(nvl);
+  b.status = status;
+  b.timeout_ns = timeout_ns;
   c.check("Context");
-  check_ptr(c.fifo_handles.ptr, true, "internode Context: fifo_handles");
-  check_ptr(c.state.ptr, true, "internode Context: state");
+  check_ptr(b.fifo_handles, true, "internode Context: fifo_handles");
+  check_ptr(b.state, true, "internode Context: state");
   return c;
 }
 
@@ -181,7 +168,7 @@ void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, int num_ch
                    py::handle recv_prefix_t, py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t,
                    py::handle recv_w_t, py::handle recv_src_t, bool cached, int experts_per_rank) {
   c.check("dispatch");
-  const int64_t R = c.num_ranks, L = c.ranks_per_node, N = c.num_nodes();
+  const int64_t R = c.base.num_ranks, L = c.base.ranks_per_node, N = c.num_nodes();
   const intptr_t verdict = verdict_of(verdict_t, "internode dispatch: verdict");
   const TensorView x = arg(x_t, "internode dispatch: x", false, {-1, -1},
                            {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
@@ -241,7 +228,7 @@ void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, int num_ch
   in::dispatch(a, stream);
   if (L > 1) in::dispatch_finish(a, ++c.barrier_seq, stream);
   // A failure inside this call is raised at the next one; until then the outputs say so.
-  views::poison(c.status, stream,
+  views::poison(c.base.status, stream,
                 {{&recv_x, x.dtype->nan},
                  {&recv_scales, kF32Nan},
                  {&recv_idx, kMinusOne},
@@ -276,7 +263,7 @@ void combine_call(Context& c, intptr_t stream, py::handle verdict_t, int num_cha
                   py::handle list_count_t, py::handle src_tokens_t, py::handle dst_row_t, py::handle stream_cum_t,
                   int num_recv) {
   c.check("combine");
-  const int64_t R = c.num_ranks, L = c.ranks_per_node, N = c.num_nodes();
+  const int64_t R = c.base.num_ranks, L = c.base.ranks_per_node, N = c.num_nodes();
   const intptr_t verdict = verdict_of(verdict_t, "internode combine: verdict");
   const TensorView x = arg(x_t, "internode combine: x", false, {-1, -1}, {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
   const int64_t H = x.size[1];
@@ -326,7 +313,7 @@ void combine_call(Context& c, intptr_t stream, py::handle verdict_t, int num_cha
   if (L > 1) in::combine_prepare(a, ++c.barrier_seq, stream);
   in::combine(a, stream);
   if (L > 1) in::node_barrier(a.common, ++c.barrier_seq, stream);
-  views::poison(c.status, stream, {{&out, x.dtype->nan}, {&out_w, kF32Nan}});
+  views::poison(c.base.status, stream, {{&out, x.dtype->nan}, {&out_w, kF32Nan}});
 }
 
 }  // namespace
@@ -343,7 +330,7 @@ void bind_internode_calls(py::module_& s) {
            py::arg("region_bytes"), py::arg("nvl"), py::arg("stage_offset"), py::arg("status"),
            py::arg("timeout_ns"), py::arg("barrier_seq") = 0)
       .def_readonly("barrier_seq", &Context::barrier_seq)
-      .def_readonly("nvl", &Context::nvl);
+      .def_property_readonly("nvl", [](const Context& c) { return c.base.nvl; });
   // Positional only (no keyword matching per call): argument order as in the C++ functions.
   s.def("dispatch_call", &dispatch_call,
         "dispatch(ctx, stream, verdict|None, num_channels, cap, chunk, x, x_scales|None, topk_idx|None, "
