@@ -73,9 +73,10 @@ static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kDataOffset,
 // The kernels read a device-memory flag set with them instead (StatusRef in common.cuh): any
 // non-zero flag makes every later kernel of the Buffer skip its data movement.
 constexpr int kStatusWords = 4;
-// Word kStatusFlagWord of the host block (after the status words, host side only) holds the
-// device address of that flag (host_status_alloc allocates both).
-constexpr int kStatusFlagWord = kStatusWords;
+// Word kStatusFlagWord of the host block (past the status words of either path: 4 here, 6 for
+// the internode kernels; host side only) holds the device address of that flag
+// (host_status_alloc allocates both; the internode status_alloc uses it too).
+constexpr int kStatusFlagWord = 8;
 // Then the readback of an exact dispatch's notify (int64 words): [ready, info[R*R + local
 // experts] (as notify's out_info), every rank's checks[R * kCheckWords]] at fixed offsets.
 // The host clears `ready` before the launch and spins on it (intranode_read_counts): notify

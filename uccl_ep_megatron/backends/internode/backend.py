@@ -148,7 +148,8 @@ class InternodeBackend(CallHeaderExchange, Backend):
         handles = self._ep.device_handles()
         self._fifo_handles = torch.frombuffer(bytearray(handles), dtype=torch.uint8).to(device)
         self._state = torch.zeros(int(c.internode.STATE_WORDS), dtype=torch.int64, device=device)
-        self._status = c.internode.status_alloc()
+        with torch.cuda.device(device):  # its device flag lives on this GPU
+            self._status = c.internode.status_alloc()
         warm_poison(c, self._status, device)
         # Loads the kernels of the sync-free per-expert count, which runs right after the
         # dispatch kernels (see dispatch_outputs on lazy loading).
