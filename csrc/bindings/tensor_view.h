@@ -166,7 +166,10 @@ inline void expect(const TensorView& v, const char* what, std::initializer_list<
   const int dim = static_cast<int>(shape.size());
   bool shape_ok = v.dim == dim;
   int i = 0;
-  for (int64_t n : shape) shape_ok = shape_ok && (n < 0 || v.size[i++] == n);
+  for (int64_t n : shape) {
+    shape_ok = shape_ok && (n < 0 || v.size[i] == n);
+    ++i;  // every entry, "any" ones too
+  }
   if (!shape_ok) {
     const int64_t* s = shape.begin();
     std::string want;
