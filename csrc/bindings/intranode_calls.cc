@@ -171,10 +171,20 @@ struct Context {
   intptr_t status = 0;
   int64_t timeout_ns = 0;
   bool use_tma = false;
+  // Receive arenas (zero-copy dispatch), every rank's as mapped here; empty when off.
+  std::vector<intptr_t> arenas;
+  int64_t arena_bytes = 0;
 
   // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
+  void fill(k::DispatchArgs& a) const {
+    fill_common(a);
+    a.arenas = arenas;
+    a.arena_bytes = arena_bytes;
+  }
+  void fill(k::CombineArgs& a) const { fill_common(a); }
+
   template <typename Args>
-  void fill(Args& a) const {
+  void fill_common(Args& a) const {
     a.buffers = buffers;
     a.buffer_bytes = buffer_bytes;
     a.rank = rank;
@@ -189,6 +199,18 @@ struct Context {
                       " num_ranks=", num_ranks, " (at most ", k::kMaxRanks, ")");
     check_buffers(buffers, num_ranks, buffer_bytes, what);
     check_status_of(status, what);
+  }
+
+  // Zero-copy dispatch: every output that holds bytes lies inside this rank's arena.
+  void check_in_arena(std::initializer_list<const TensorView*> outs) const {
+    UCCL_EP_CHECK_ARG(!arenas.empty(), "intranode_dispatch: zero_copy=True but this context has no receive arenas");
+    const intptr_t lo = arenas[rank], hi = lo + arena_bytes;
+    for (const TensorView* v : outs) {
+      if (v->none || v->bytes() == 0) continue;
+      UCCL_EP_CHECK_ARG(v->ptr >= lo && v->ptr + v->bytes() <= hi, "intranode_dispatch: a zero-copy output [",
+                        v->ptr, ", +", v->bytes(), ") lies outside this rank's receive arena [", lo, ", +",
+                        arena_bytes, ")");
+    }
   }
 };
 
@@ -277,7 +299,7 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
                    py::handle weights_t, py::handle in_rank_t, py::handle info_t, py::handle send_pos_t,
                    py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t, py::handle recv_w_t,
                    py::handle recv_src_t, bool cached, int num_sms, int experts_per_rank, int num_recv, int own_rows,
-                   int64_t send_rows, int64_t staging_rows) {
+                   int64_t send_rows, int64_t staging_rows, bool zero_copy) {
   c.check("intranode_dispatch");
   const int R = c.num_ranks;
   const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
@@ -332,6 +354,8 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
   a.send_rows = send_rows;
   a.staging_rows = staging_rows;
   a.num_sms = num_sms;
+  a.zero_copy = zero_copy;
+  if (zero_copy) c.check_in_arena({&recv_x, &recv_scales, &recv_idx, &recv_w, &recv_src});
   check_dispatch(a);
   k::intranode_dispatch(a, stream);
   // A failure inside this call is raised at the next one; until then the outputs say so.
@@ -452,13 +476,19 @@ void bind_intranode_calls(py::module_& m) {
                       "The per-Buffer part of every intranode launch (buffers, rank, status, timeout), "
                       "checked when built; rebuilt after a buffer regrow.")
       .def(py::init([](std::vector<intptr_t> buffers, int64_t buffer_bytes, int rank, int num_ranks,
-                       intptr_t status, int64_t timeout_ns, bool use_tma) {
-             Context c{std::move(buffers), buffer_bytes, rank, num_ranks, status, timeout_ns, use_tma};
+                       intptr_t status, int64_t timeout_ns, bool use_tma, std::vector<intptr_t> arenas,
+                       int64_t arena_bytes) {
+             Context c{std::move(buffers), buffer_bytes, rank,  num_ranks,         status,
+                       timeout_ns,         use_tma,      std::move(arenas), arena_bytes};
              c.check("IntranodeContext");
+             if (!c.arenas.empty()) {
+               check_buffers(c.arenas, num_ranks, arena_bytes, "IntranodeContext: receive arenas");
+             }
              return c;
            }),
            py::arg("buffers"), py::arg("buffer_bytes"), py::arg("rank"), py::arg("num_ranks"), py::arg("status"),
-           py::arg("timeout_ns"), py::arg("use_tma"))
+           py::arg("timeout_ns"), py::arg("use_tma"), py::arg("arenas") = std::vector<intptr_t>{},
+           py::arg("arena_bytes") = 0)
       .def_readonly("buffers", &Context::buffers)
       .def_readonly("buffer_bytes", &Context::buffer_bytes);
   // Positional only (no keyword matching per call): argument order as in the C++ functions.
@@ -469,8 +499,9 @@ void bind_intranode_calls(py::module_& m) {
   m.def("intranode_dispatch_call", &dispatch_call,
         "dispatch(ctx, stream, x, x_scales, topk_idx, topk_weights, is_token_in_rank, rank_prefix_matrix, "
         "send_pos, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, num_sms, "
-        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows): the dispatch kernel and the poison "
-        "fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out).");
+        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows, zero_copy): the dispatch kernel and the "
+        "poison fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out); zero_copy: "
+        "the outputs lie in this rank's receive arena and peers write them directly.");
   m.def("intranode_combine_call", &combine_call,
         "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
         "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "

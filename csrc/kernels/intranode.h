@@ -52,6 +52,8 @@ constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks
 // combine reduce blocks that finished (the last one advances the sequence).
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
 // combine push: last + 1, reduce: last + 2, and reduce's last block stores last + 2.
+// Then a uint32 count of the dispatch sender blocks that finished (the last one signals the
+// zero-copy destinations and resets it).
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
 static_assert(kSeqOffset + 16 <= kDataOffset, "control overlap");
 // Peer abort: a rank whose own checks reject a call before it launches anything writes, into
@@ -68,6 +70,22 @@ constexpr size_t kCombineHeaderOffset = kAbortReasonOffset + kAbortReasonBytes *
 // (by sequence parity, like the counts: back-to-back dispatches follow each other directly).
 constexpr size_t kCachedHeaderOffset = kCombineHeaderOffset + 8 * kMaxRanks;
 static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
+// Zero-copy receive. A rank whose outputs of a dispatch lie in its receive arena (a second
+// registered region every peer maps once) tells each peer where, at the start of its dispatch
+// kernel: entry [slot by notify sequence parity][source rank] of kRecvEntryWords uint64 =
+// {sequence (written last, release), mode (1 zero-copy, 0 staged), byte offsets in the arena of
+// recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx (-1: none), 0}. Senders
+// wait for a destination's entry, then write its rows at their final row (mode 1) or into its
+// staging (mode 0). Double-buffered like the counts: a peer's next dispatch kernel can start
+// while a slow sender still reads this one's entry.
+constexpr int kRecvEntryWords = 8;
+constexpr size_t kRecvEntryOffset = kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks;
+// A sender's "all my rows have landed" for a zero-copy destination: uint64 [kMaxRanks source]
+// holding the dispatch's sequence (monotonic, so no slots), stored with release by the source's
+// last sender block; the destination's kernel waits for every source's before it ends.
+constexpr size_t kRecvDoneOffset = kRecvEntryOffset + 8ull * kRecvEntryWords * kNotifySlots * kMaxRanks;
+static_assert(kRecvEntryOffset % 64 == 0, "entry alignment");
+static_assert(kRecvDoneOffset + 8 * kMaxRanks <= kDataOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out or, in sync-free
 // mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code;
 // any non-zero code makes every later kernel of the Buffer skip its data movement.
@@ -176,13 +194,21 @@ struct DispatchArgs {
   bool use_tma = false;           // bulk copies (TMA) for the rows when the GPU has them
   intptr_t status = 0;
   int64_t timeout_ns = 0;
+  // Receive arena base of every rank as this rank maps it (own included; empty: no arenas).
+  std::vector<intptr_t> arenas;
+  int64_t arena_bytes = 0;        // size of every rank's arena (the smallest)
+  // This rank's recv_* lie in its own arena: peers write them directly (no staging, no
+  // receiver blocks); otherwise they stage this rank's rows as before.
+  bool zero_copy = false;
 };
 // Bytes of registered buffer (control region included) a dispatch with these sizes needs.
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);
-// One pipelined kernel: sender blocks write every row to each destination rank (peer staging
-// or own outputs) chunk by chunk and publish each chunk's row range in the receiver's control
-// region; receiver blocks copy each peer chunk from staging into the outputs as soon as it
-// lands (overlapping the local copy with the NVLink transfer), then fill padding rows.
+// One pipelined kernel: sender blocks write every row to each destination rank chunk by
+// chunk: straight into its outputs when it receives zero-copy (own rows always), else into its
+// staging, publishing each chunk's row range in its control region. On a staged rank receiver
+// blocks copy each peer chunk from staging into the outputs as soon as it lands (overlapping
+// the local copy with the NVLink transfer); on a zero-copy rank every block sends, and the
+// kernel ends only after every peer said its rows landed. Then padding rows are filled.
 void intranode_dispatch(const DispatchArgs& a, intptr_t stream);
 
 // ---- combine ------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from uccl_ep_megatron.backends.base import (
     Layout,
     Topology,
 )
+from uccl_ep_megatron.backends.intranode.arena import RecvArena, output_layout
 from uccl_ep_megatron.backends.intranode.launch import (
     as_int32,
     launch_layout,
@@ -129,6 +130,15 @@ class KernelsBackend(Backend):
         self._timeout_ms = int(env["UCCL_EP_TIMEOUT_MS"])
         self._use_tma = bool(env["UCCL_EP_INTRANODE_TMA"])
         self._timeout_ns = self._timeout_ms * 1_000_000
+        # Zero-copy receive: dispatch outputs carved from a registered arena (arena.py).
+        self.recv_arena = RecvArena(
+            c,
+            group,
+            topology.rank,
+            self._device_index,
+            int(env["UCCL_EP_RECV_ARENA_BYTES"]),
+            topology.num_ranks,
+        )
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -174,6 +184,8 @@ class KernelsBackend(Backend):
                 self._status,
                 self._timeout_ns,
                 self._use_tma,
+                self.recv_arena.ptrs,
+                self.recv_arena.min_bytes,
             )
             self._ctx_grows = grows
         return self._ctx
@@ -352,15 +364,27 @@ class KernelsBackend(Backend):
             )
             ctx = self._context()  # a regrow replaced the buffers
 
-        recv_x = torch.empty(rows_out, hidden, dtype=dtype, device=dev)
+        # Zero-copy when the outputs fit in the arena (not while capturing a graph: replays
+        # would keep writing a block the allocator may hand out again); else staged.
+        lay = output_layout(rows_out, row_bytes, num_scales, num_topk, idx_size, cached is None)
+        block = None
+        if rows_out > 0 and not capturing:
+            block = self.recv_arena.take(lay.end, torch.cuda.current_stream(self._device_index))
+
+        def out(at: int, cols: int, dt: torch.dtype) -> torch.Tensor:
+            if block is None:
+                return torch.empty(rows_out, cols, dtype=dt, device=dev)
+            return block[at : at + rows_out * cols * dt.itemsize].view(dt).view(rows_out, cols)
+
+        recv_x = out(lay.x, hidden, dtype)
         recv_scales = recv_idx = recv_w = None
         if scales is not None:
-            recv_scales = torch.empty(rows_out, num_scales, dtype=torch.float32, device=dev)
+            recv_scales = out(lay.scales, num_scales, torch.float32)
         if topk_idx is not None:
-            recv_idx = torch.empty(rows_out, num_topk, dtype=topk_idx.dtype, device=dev)
-            recv_w = torch.empty(rows_out, num_topk, dtype=torch.float32, device=dev)
+            recv_idx = out(lay.idx, num_topk, topk_idx.dtype)
+            recv_w = out(lay.w, num_topk, torch.float32)
         if cached is None:
-            recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
+            recv_src = out(lay.src, 1, torch.int32).view(rows_out)
         else:
             recv_src = cached.recv_src_idx
         # The kernel, then (same call) the poison fold: a failure inside this call is raised at
@@ -387,6 +411,7 @@ class KernelsBackend(Backend):
             own_rows,
             send_rows,
             staging_rows,
+            block is not None,
         )
         if cached is not None:
             return DispatchResult(
@@ -476,6 +501,7 @@ class KernelsBackend(Backend):
         c = self._c
         pending = None
         try:
+            self.recv_arena.close(collective, self._timeout_ms)
             self._ipc.close(collective, self._timeout_ms)
             # close() synchronized the device: the status words are final. An input error no
             # call has raised yet is raised now (after the release), as the contract says.
