@@ -34,7 +34,7 @@ struct PushParams {
   const int* prefix;  // device [R, R] rank prefix matrix of the dispatch
   int64_t staging_rows;
   int64_t w_offset;
-  int64_t* status;
+  StatusRef status;
   int64_t timeout_ns;
   int64_t header;
 };
@@ -138,7 +138,7 @@ struct ReduceParams {
   const uint8_t* bias1;
   uint8_t* out;
   float* out_w;
-  int64_t* status;
+  StatusRef status;
   int64_t timeout_ns;
 };
 
@@ -309,7 +309,7 @@ void intranode_combine_push(const CombineArgs& a, intptr_t stream) {
   p.prefix = reinterpret_cast<const int*>(a.rank_prefix_matrix);
   p.staging_rows = h.staging_rows;
   p.w_offset = combine_layout(h.staging_rows, row_bytes, a.num_topk).w;
-  p.status = reinterpret_cast<int64_t*>(a.status);
+  p.status = status_ref(a.status);
   p.timeout_ns = a.timeout_ns;
   p.header = a.header;
   auto s = reinterpret_cast<gpuStream_t>(stream);
@@ -351,7 +351,7 @@ void intranode_combine_reduce(const CombineArgs& a, intptr_t stream) {
   p.bias1 = reinterpret_cast<const uint8_t*>(a.bias1);
   p.out = reinterpret_cast<uint8_t*>(a.out);
   p.out_w = reinterpret_cast<float*>(a.out_weights);
-  p.status = reinterpret_cast<int64_t*>(a.status);
+  p.status = status_ref(a.status);
   p.timeout_ns = a.timeout_ns;
   auto s = reinterpret_cast<gpuStream_t>(stream);
   const int blocks = std::max(1, a.num_sms);
