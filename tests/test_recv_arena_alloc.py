@@ -87,7 +87,8 @@ def test_random_sequences_match_first_fit_model(seed):
             # Every event of a free that covered any byte of the block is passed on (none
             # completes here); the allocator may be conservative only within the range it
             # carved the block from, so the model's set must be contained in what it returns.
-            assert model.events_of(want, nbytes) <= set(got[1]), (got[1], model.events_of(want, nbytes))
+            need = model.events_of(want, nbytes)
+            assert need <= set(got[1]), (got, need)
             model.clear_events(want, nbytes)
             live.append((want, nbytes))
         assert alloc.free_ranges() == model.free_ranges()
@@ -156,7 +157,7 @@ def test_output_layout_is_aligned_and_disjoint():
         (lay.w, 37 * 8 * 4),
         (lay.src, 37 * 4),
     ]
-    for (a, n), (b, _) in zip(spans, spans[1:]):
+    for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
         assert a % ALIGN == 0 and a + n <= b
     assert lay.src + 37 * 4 <= lay.end and lay.end % ALIGN == 0
     no_src = output_layout(37, 7168, 0, 0, 8, src=False)

@@ -143,19 +143,27 @@ def output_layout(
     return OutputLayout(0, scales, idx, w, src_at, end)
 
 
-class _Holder:
+class _View:
+    """``nbytes`` of device memory at ``ptr`` as ``torch.as_tensor`` reads them (version 3 of
+    the CUDA array interface, no "stream" key: the caller orders the work)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class _Holder(_View):
     """Owner of one block: the storage of the tensors viewing it keeps it alive, and its
     ``__del__`` (the storage's deleter) hands the block back."""
 
     def __init__(self, arena: RecvArena, offset: int, nbytes: int, stream: torch.cuda.Stream):
+        super().__init__(arena.base + offset, nbytes)
         self._arena, self._offset, self._nbytes, self._stream = arena, offset, nbytes, stream
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (arena.base + offset, False),
-            "version": 3,
-            "strides": None,
-        }
 
     def __del__(self) -> None:
         self._arena.release(self._offset, self._nbytes, self._stream)
@@ -236,6 +244,24 @@ class RecvArena:
                 f"{torch.__version__}); set UCCL_EP_RECV_ARENA_BYTES=0"
             )
         return block
+
+    def live_blocks(self) -> int:
+        """Blocks whose tensors are still alive (frees queued so far folded in)."""
+        self._alloc.free_ranges()
+        return self._alloc.live
+
+    def fill_free(self, byte: int, stream: torch.cuda.Stream) -> None:
+        """Fill every free byte of the arena with ``byte`` on ``stream`` (tests poison outputs
+        this way, so an element no kernel wrote shows up). Synchronizes the device first, so
+        no earlier user of those bytes is still running."""
+        if self._ipc is None or self._closed:
+            return
+        torch.cuda.synchronize(self._device)
+        self._fold_deferred(stream)
+        dev = torch.device("cuda", self._device)
+        with torch.cuda.stream(stream):
+            for offset, size in self._alloc.free_ranges():
+                torch.as_tensor(_View(self.base + offset, size), device=dev).fill_(byte)
 
     def release(self, offset: int, nbytes: int, stream: torch.cuda.Stream) -> None:
         """A block's storage died: queue it behind events on the freeing and allocation
