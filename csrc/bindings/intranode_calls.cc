@@ -264,7 +264,7 @@ int64_t rows_sent(const std::vector<int64_t>& pm, int num_ranks, int s, int j) {
 void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::handle per_expert_t,
                  py::handle info_t, py::handle in_rank_t, py::handle send_pos_t, py::handle topk_idx_t,
                  py::handle out_bounds_t, int experts_per_rank, int expert_alignment, int num_worst_tokens,
-                 int num_experts, int64_t header) {
+                 int num_experts, int64_t header, const std::vector<int64_t>& recv_entry) {
   c.check("intranode_notify");
   const int R = c.num_ranks;
   UCCL_EP_CHECK_ARG(experts_per_rank >= 0 && experts_per_rank <= k::kMaxLocalExperts && num_worst_tokens >= 0 &&
@@ -282,6 +282,15 @@ void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::h
   const TensorView idx = arg(topk_idx_t, "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
   const TensorView bounds =
       arg(out_bounds_t, "intranode_notify: out_bounds", true, 1, int64_t{R} * k::kCheckWords, -1, {Dt::kInt64});
+  UCCL_EP_CHECK_ARG(recv_entry.empty() || static_cast<int>(recv_entry.size()) == k::kRecvEntryArgs,
+                    "intranode_notify: recv_entry has ", recv_entry.size(), " words; expected ", k::kRecvEntryArgs,
+                    " or none");
+  if (!recv_entry.empty() && recv_entry[0] == 1) {
+    UCCL_EP_CHECK_ARG(!c.arenas.empty(), "intranode_notify: a zero-copy recv_entry but no receive arenas");
+    for (int i = 1; i < k::kRecvEntryArgs; ++i)
+      UCCL_EP_CHECK_ARG(recv_entry[i] >= -1 && recv_entry[i] < c.arena_bytes, "intranode_notify: recv_entry[", i,
+                        "]=", recv_entry[i], " is outside the ", c.arena_bytes, "-byte receive arena");
+  }
   check_ptr(per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
   check_ptr(info.ptr, true, "intranode_notify: out_info");
   check_ptr(in_rank.ptr, !send_pos.none && T > 0, "intranode_notify: is_token_in_rank");
@@ -289,7 +298,8 @@ void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::h
   k::intranode_notify(c.buffers, c.rank, R, per_rank.ptr, per_expert.ptr, experts_per_rank, expert_alignment,
                       info.ptr, info.ptr, c.status, c.timeout_ns, in_rank.ptr, static_cast<int>(T), send_pos.ptr,
                       stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64,
-                      idx.none ? 0 : static_cast<int>(idx.size[1]), bounds.ptr, num_worst_tokens, num_experts, header);
+                      idx.none ? 0 : static_cast<int>(idx.size[1]), bounds.ptr, num_worst_tokens, num_experts, header,
+                      recv_entry);
 }
 
 // The dispatch kernel, then the poison fold of its outputs. `topk_idx`/`topk_weights` and
@@ -299,7 +309,7 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
                    py::handle weights_t, py::handle in_rank_t, py::handle info_t, py::handle send_pos_t,
                    py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t, py::handle recv_w_t,
                    py::handle recv_src_t, bool cached, int num_sms, int experts_per_rank, int num_recv, int own_rows,
-                   int64_t send_rows, int64_t staging_rows, bool zero_copy) {
+                   int64_t send_rows, int64_t staging_rows, bool zero_copy, bool entry_published) {
   c.check("intranode_dispatch");
   const int R = c.num_ranks;
   const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
@@ -355,6 +365,7 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
   a.staging_rows = staging_rows;
   a.num_sms = num_sms;
   a.zero_copy = zero_copy;
+  a.entry_published = entry_published;
   if (zero_copy) c.check_in_arena({&recv_x, &recv_scales, &recv_idx, &recv_w, &recv_src});
   check_dispatch(a);
   k::intranode_dispatch(a, stream);
@@ -495,11 +506,13 @@ void bind_intranode_calls(py::module_& m) {
   m.def("intranode_notify_call", &notify_call,
         "notify(ctx, stream, num_tokens_per_rank, num_tokens_per_expert|None, out_info, is_token_in_rank, "
         "send_pos|None (cached), topk_idx|None, out_bounds|None, experts_per_rank, expert_alignment, "
-        "num_worst_tokens, num_experts, header): the counts exchange and entry barrier of a dispatch.");
+        "num_worst_tokens, num_experts, header, recv_entry ([] or {mode, 5 arena offsets}, published to every "
+        "peer before the barrier)): the counts exchange and entry barrier of a dispatch.");
   m.def("intranode_dispatch_call", &dispatch_call,
         "dispatch(ctx, stream, x, x_scales, topk_idx, topk_weights, is_token_in_rank, rank_prefix_matrix, "
         "send_pos, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, num_sms, "
-        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows, zero_copy): the dispatch kernel and the "
+        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows, zero_copy, entry_published): the dispatch "
+        "kernel and the "
         "poison fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out); zero_copy: "
         "the outputs lie in this rank's receive arena and peers write them directly.");
   m.def("intranode_combine_call", &combine_call,

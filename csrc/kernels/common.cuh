@@ -82,6 +82,12 @@ __device__ __forceinline__ int notify_slot(uint64_t seq) { return static_cast<in
 __device__ __forceinline__ int* tokens_of(uint8_t* buf, int slot) {
   return reinterpret_cast<int*>(buf + kTokensOffset) + slot * kMaxRanks;
 }
+// The receive entry words a launch publishes (kernel parameter; see intranode_notify).
+struct RecvEntryArgs {
+  int64_t w[kRecvEntryArgs];
+  bool on;
+};
+
 // Source `src`'s receive entry in `buf` (see kRecvEntryOffset), and the done words.
 __device__ __forceinline__ uint64_t* recv_entry(uint8_t* buf, int slot, int src) {
   return reinterpret_cast<uint64_t*>(buf + kRecvEntryOffset) + (slot * kMaxRanks + src) * kRecvEntryWords;

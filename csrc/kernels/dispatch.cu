@@ -75,6 +75,7 @@ struct SendParams {
   // for a missing one), which the receive entry hands to the peers.
   Peers arenas;
   bool zero_copy;
+  bool entry_published;  // notify wrote the entry (sync-free calls)
   int64_t recv_off[5];
 };
 
@@ -95,11 +96,11 @@ __device__ __forceinline__ bool wait_at_least(const uint64_t* f, uint64_t want, 
 }
 
 // Block 0 tells every peer where this rank receives (kRecvEntryOffset): the mode and offsets,
-// then, after a system fence, the sequence with release. A staged rank says so too, so every
-// sender knows each destination's mode from one word.
+// then, after a system fence, the sequence with release (unless notify did: sync-free calls).
+// A staged rank says so too, so every sender knows each destination's mode from one word.
 __device__ __forceinline__ void publish_entry(const SendParams& p, uint64_t seq) {
   const int d = threadIdx.x;
-  if (blockIdx.x != 0 || d >= p.num_ranks || d == p.rank) return;
+  if (p.entry_published || blockIdx.x != 0 || d >= p.num_ranks || d == p.rank) return;
   volatile uint64_t* e = recv_entry(p.bufs.p[d], notify_slot(seq), p.rank);
   e[1] = p.zero_copy ? 1 : 0;
 #pragma unroll
@@ -516,6 +517,7 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.timeout_ns = a.timeout_ns;
   p.arenas = a.arenas.empty() ? Peers{} : make_peers(a.arenas, a.num_ranks);
   p.zero_copy = a.zero_copy;
+  p.entry_published = a.entry_published;
   const intptr_t outs[5] = {a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights,
                             a.cached ? 0 : a.recv_src_idx};
   for (int i = 0; i < 5; ++i) p.recv_off[i] = a.zero_copy && outs[i] != 0 ? outs[i] - a.arenas[a.rank] : -1;

@@ -173,7 +173,14 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
                       intptr_t send_pos, intptr_t stream, intptr_t topk_idx = 0, bool idx_is_64 = true,
                       int num_topk = 0, intptr_t out_bounds = 0, int num_worst_tokens = 0,
-                      int num_experts = 0, int64_t header = 0);
+                      int num_experts = 0, int64_t header = 0,
+                      const std::vector<int64_t>& recv_entry = {});
+// `recv_entry` of notify: this rank's receive entry words after the sequence ({mode, offsets of
+// recv_x, scales, ids, weights, sources}, kRecvEntryOffset), written into every peer before the
+// barrier, so the dispatch kernel's senders find it at once. Sync-free calls give it (their
+// outputs exist before notify); empty: the dispatch kernel publishes it (DispatchArgs).
+constexpr int kRecvEntryArgs = 6;
+static_assert(1 + kRecvEntryArgs <= kRecvEntryWords, "receive entry words");
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
@@ -209,6 +216,7 @@ struct DispatchArgs {
   // This rank's recv_* lie in its own arena: peers write them directly (no staging, no
   // receiver blocks); otherwise they stage this rank's rows as before.
   bool zero_copy = false;
+  bool entry_published = false;   // notify already wrote this call's receive entry (recv_entry)
 };
 // Bytes of registered buffer (control region included) a dispatch with these sizes needs.
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);

@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
                                                                 const void* topk_idx, bool idx_is_64, int num_topk,
                                                                 int64_t* out_bounds,
                                                                 int num_worst_tokens, int num_experts,
-                                                                int64_t header) {
+                                                                int64_t header, RecvEntryArgs entry) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
   __shared__ uint64_t s_seq;
@@ -174,6 +174,13 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     b[4] = bad >= 0 ? s_sent[bad] : 0;
     b[5] = header;
   }
+  // This rank's receive entry (sync-free calls), published like the dispatch kernel would.
+  if (entry.on && tid < R && tid != rank) {
+    volatile uint64_t* e = recv_entry(bufs.p[tid], slot, rank);
+    for (int i = 0; i < kRecvEntryArgs; ++i) e[1 + i] = static_cast<uint64_t>(entry.w[i]);
+    dev::fence_system();
+    dev::st_release_sys(const_cast<uint64_t*>(e), seq);
+  }
   // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
   for (int i = tid; i < R * R; i += blockDim.x) {
     const int r = i / R, j = i % R;
@@ -226,8 +233,13 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
                       intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
                       intptr_t topk_idx, bool idx_is_64, int num_topk, intptr_t out_bounds, int num_worst_tokens,
-                      int num_experts, int64_t header) {
+                      int num_experts, int64_t header, const std::vector<int64_t>& recv_entry) {
   const Peers peers = make_peers(buffers, num_ranks);
+  UCCL_EP_CHECK_ARG(recv_entry.empty() || recv_entry.size() == kRecvEntryArgs, "recv_entry has ",
+                    recv_entry.size(), " words; expected ", kRecvEntryArgs, " or none");
+  RecvEntryArgs entry{};
+  entry.on = !recv_entry.empty();
+  for (size_t i = 0; i < recv_entry.size(); ++i) entry.w[i] = recv_entry[i];
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
                     " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
   UCCL_EP_CHECK_ARG(expert_alignment >= 1, "expert_alignment=", expert_alignment, " must be >= 1");
@@ -237,7 +249,7 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), status_ref(status),
       timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos),
       reinterpret_cast<const void*>(topk_idx), idx_is_64, num_topk, reinterpret_cast<int64_t*>(out_bounds),
-      num_worst_tokens, num_experts, header);
+      num_worst_tokens, num_experts, header, entry);
   GPU_CHECK(gpuGetLastError());
 }
 
