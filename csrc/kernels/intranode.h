@@ -9,8 +9,10 @@
 //   [kDataOffset, ..) staging: rows peers push to this rank, placed at their final row index
 //                     (dispatch) or at (expert rank, position) order (combine), so a sender
 //                     never waits for a receiver to free ring slots.
-// Rows a rank sends to itself go straight into its output tensors; only peer rows are staged
-// and then copied locally (HBM, ~12x cheaper than the link) into the fresh outputs.
+// Rows a rank sends to itself go straight into its output tensors. Peer rows go straight into
+// the receiver's output tensors too when they lie in its receive arena (a second registered
+// region, mapped by every peer once: zero-copy receive, see kRecvEntryOffset); otherwise they
+// are staged and then copied locally (HBM, ~12x cheaper than the link) into the outputs.
 #pragma once
 
 #include <cstddef>
