@@ -162,3 +162,14 @@ def test_output_layout_is_aligned_and_disjoint():
     assert lay.src + 37 * 4 <= lay.end and lay.end % ALIGN == 0
     no_src = output_layout(37, 7168, 0, 0, 8, src=False)
     assert no_src.end == no_src.src  # nothing after the (empty) weights
+
+
+def test_merging_drops_completed_events():
+    done: set = set()
+    alloc = BlockAllocator(3 * ALIGN, done=lambda e: e in done)
+    a, b = alloc.take(ALIGN)[0], alloc.take(ALIGN)[0]
+    alloc.free(a, ALIGN, ["ea"])
+    alloc.free_ranges()
+    done.add("ea")
+    alloc.free(b, ALIGN, ["eb"])
+    assert alloc.take(3 * ALIGN) == (0, ["eb"])

@@ -173,13 +173,12 @@ struct Context {
   bool use_tma = false;
   // Receive arenas (zero-copy dispatch), every rank's as mapped here; empty when off.
   std::vector<intptr_t> arenas;
-  int64_t arena_bytes = 0;
+  std::vector<int64_t> arena_sizes;  // bytes of each rank's arena
 
   // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
   void fill(k::DispatchArgs& a) const {
     fill_common(a);
     a.arenas = arenas;
-    a.arena_bytes = arena_bytes;
   }
   void fill(k::CombineArgs& a) const { fill_common(a); }
 
@@ -204,12 +203,12 @@ struct Context {
   // Zero-copy dispatch: every output that holds bytes lies inside this rank's arena.
   void check_in_arena(std::initializer_list<const TensorView*> outs) const {
     UCCL_EP_CHECK_ARG(!arenas.empty(), "intranode_dispatch: zero_copy=True but this context has no receive arenas");
-    const intptr_t lo = arenas[rank], hi = lo + arena_bytes;
+    const intptr_t lo = arenas[rank], hi = lo + arena_sizes[rank];
     for (const TensorView* v : outs) {
       if (v->none || v->bytes() == 0) continue;
       UCCL_EP_CHECK_ARG(v->ptr >= lo && v->ptr + v->bytes() <= hi, "intranode_dispatch: a zero-copy output [",
                         v->ptr, ", +", v->bytes(), ") lies outside this rank's receive arena [", lo, ", +",
-                        arena_bytes, ")");
+                        arena_sizes[rank], ")");
     }
   }
 };
@@ -288,8 +287,8 @@ void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::h
   if (!recv_entry.empty() && recv_entry[0] == 1) {
     UCCL_EP_CHECK_ARG(!c.arenas.empty(), "intranode_notify: a zero-copy recv_entry but no receive arenas");
     for (int i = 1; i < k::kRecvEntryArgs; ++i)
-      UCCL_EP_CHECK_ARG(recv_entry[i] >= -1 && recv_entry[i] < c.arena_bytes, "intranode_notify: recv_entry[", i,
-                        "]=", recv_entry[i], " is outside the ", c.arena_bytes, "-byte receive arena");
+      UCCL_EP_CHECK_ARG(recv_entry[i] >= -1 && recv_entry[i] < c.arena_sizes[c.rank], "intranode_notify: recv_entry[",
+                        i, "]=", recv_entry[i], " is outside the ", c.arena_sizes[c.rank], "-byte receive arena");
   }
   check_ptr(per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
   check_ptr(info.ptr, true, "intranode_notify: out_info");
@@ -488,18 +487,22 @@ void bind_intranode_calls(py::module_& m) {
                       "checked when built; rebuilt after a buffer regrow.")
       .def(py::init([](std::vector<intptr_t> buffers, int64_t buffer_bytes, int rank, int num_ranks,
                        intptr_t status, int64_t timeout_ns, bool use_tma, std::vector<intptr_t> arenas,
-                       int64_t arena_bytes) {
+                       std::vector<int64_t> arena_sizes) {
              Context c{std::move(buffers), buffer_bytes, rank,  num_ranks,         status,
-                       timeout_ns,         use_tma,      std::move(arenas), arena_bytes};
+                       timeout_ns,         use_tma,      std::move(arenas), std::move(arena_sizes)};
              c.check("IntranodeContext");
              if (!c.arenas.empty()) {
-               check_buffers(c.arenas, num_ranks, arena_bytes, "IntranodeContext: receive arenas");
+               UCCL_EP_CHECK_ARG(static_cast<int>(c.arenas.size()) == num_ranks && c.arena_sizes.size() == c.arenas.size(),
+                                 "IntranodeContext: ", c.arenas.size(), " receive arenas and ", c.arena_sizes.size(),
+                                 " sizes for ", num_ranks, " ranks");
+               for (int r = 0; r < num_ranks; ++r)
+                 check_buffers({c.arenas[r]}, 1, c.arena_sizes[r], "IntranodeContext: receive arena");
              }
              return c;
            }),
            py::arg("buffers"), py::arg("buffer_bytes"), py::arg("rank"), py::arg("num_ranks"), py::arg("status"),
            py::arg("timeout_ns"), py::arg("use_tma"), py::arg("arenas") = std::vector<intptr_t>{},
-           py::arg("arena_bytes") = 0)
+           py::arg("arena_sizes") = std::vector<int64_t>{})
       .def_readonly("buffers", &Context::buffers)
       .def_readonly("buffer_bytes", &Context::buffer_bytes);
   // Positional only (no keyword matching per call): argument order as in the C++ functions.

@@ -214,7 +214,6 @@ struct DispatchArgs {
   int64_t timeout_ns = 0;
   // Receive arena base of every rank as this rank maps it (own included; empty: no arenas).
   std::vector<intptr_t> arenas;
-  int64_t arena_bytes = 0;        // size of every rank's arena (the smallest)
   // This rank's recv_* lie in its own arena: peers write them directly (no staging, no
   // receiver blocks); otherwise they stage this rank's rows as before.
   bool zero_copy = false;

@@ -117,6 +117,10 @@ class BlockAllocator:
                 prev.size += r.size
                 prev.events += r.events
                 del self._free[i]
+                r = prev
+            # A range that is never chosen would gather the events of every free merged into
+            # it: keep only those still pending.
+            r.events = [e for e in r.events if not self._done(e)]
 
 
 @dataclass
@@ -201,7 +205,6 @@ class RecvArena:
             c, group, rank, device, self.nbytes, list(range(num_ranks)), keep_bytes=0
         )
         self.base = self._ipc.local
-        # Every rank's arena holds at least the smallest one's bytes (the kernels' bound).
         self._alloc = BlockAllocator(self.nbytes, lambda e: e.query())
 
     @property
@@ -210,8 +213,9 @@ class RecvArena:
         return self._ipc.ptrs if self._ipc is not None else []
 
     @property
-    def min_bytes(self) -> int:
-        return min(self._ipc.sizes) if self._ipc is not None else 0
+    def sizes(self) -> list[int]:
+        """Bytes of every rank's arena, or [] when disabled."""
+        return list(self._ipc.sizes) if self._ipc is not None else []
 
     def take(self, nbytes: int, stream: torch.cuda.Stream) -> torch.Tensor | None:
         """A uint8 tensor of ``nbytes`` in the arena whose memory nothing else uses until the

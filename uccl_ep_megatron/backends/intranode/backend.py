@@ -196,7 +196,7 @@ class KernelsBackend(Backend):
                 self._timeout_ns,
                 self._use_tma,
                 self.recv_arena.ptrs,
-                self.recv_arena.min_bytes,
+                self.recv_arena.sizes,
             )
             self._ctx_grows = grows
         return self._ctx
