@@ -12,6 +12,7 @@ allocated from poisoned memory so an unwritten element shows up as a mismatch.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -522,6 +523,7 @@ def reuse_case(rank: int, world: int) -> bool:
     kb = _life_buffer()
     _, rb = _get_buffers()
     arena = kb._backend.recv_arena
+    gc.collect()  # outputs of earlier cases caught in reference cycles
     assert arena.live_blocks() == 0, "a previous case left outputs alive"
     a = _layer_call(kb, rb, rank, world, seed=60)[0]
     base = a[0].data_ptr()
@@ -530,17 +532,20 @@ def reuse_case(rank: int, world: int) -> bool:
     keep = a[0][:1]  # one row of recv_x: a view of the block
     want = keep.clone()
     del a
+    gc.collect()
     poison(kb)
     b, rb_out = _layer_call(kb, rb, rank, world, seed=61)
     assert b[0].data_ptr() >= a_rows_end, "block reused while a view of it lives"
     poison(kb)  # fills free arena bytes: the kept block is not free
     assert_same("kept view of the first dispatch", keep, want)
     del keep
+    gc.collect()
     c, rc_out = _layer_call(kb, rb, rank, world, seed=60)  # same sizes as a
     assert c[0].data_ptr() == base, (c[0].data_ptr(), base)
     _check_layer("after reuse (b)", b, rb_out)
     _check_layer("after reuse (c)", c, rc_out)
     del b, c
+    gc.collect()
     torch.cuda.synchronize()
     assert arena.live_blocks() == 0
     return True
@@ -600,6 +605,7 @@ def megatron_pattern_case(rank: int, world: int) -> int:
             assert_same(f"step {step} layer {layer}: cached re-dispatch", kg, rg)
             kb.combine((kout[0].float() * 0.5).to(torch.bfloat16), kout[4])
             del kout, rout, kg, rg
+        gc.collect()
         torch.cuda.synchronize()
         assert arena.live_blocks() == 0, (step, arena.live_blocks())
     return num_layers
