@@ -241,12 +241,25 @@ class RecvArena:
         for e in events:
             stream.wait_event(e)
         holder = _Holder(self, offset, nbytes, stream)
-        block = torch.as_tensor(holder, device=torch.device("cuda", self._device))
-        if block.data_ptr() != self.base + offset:
-            raise RuntimeError(
-                "torch.as_tensor copied a receive-arena block instead of viewing it (torch "
-                f"{torch.__version__}); set UCCL_EP_RECV_ARENA_BYTES=0"
+        dev = torch.device("cuda", self._device)
+        try:
+            if torch.cuda.current_device() == self._device:
+                block = torch.as_tensor(holder, device=dev)
+            else:  # torch may place the array on the current device and then copy it
+                with torch.cuda.device(self._device):
+                    block = torch.as_tensor(holder, device=dev)
+            if block.data_ptr() != self.base + offset:
+                raise RuntimeError("torch.as_tensor copied the block instead of viewing it")
+        except Exception as exc:  # noqa: BLE001 - this rank goes on staged, said loudly
+            # The holder (and with it the block) dies with this frame.
+            log.error(
+                "receive arena off on this rank from now on: torch %s cannot view its memory "
+                "(%s); dispatches take the staged path",
+                torch.__version__,
+                exc,
             )
+            self.enabled = False
+            return None
         return block
 
     def live_blocks(self) -> int:
