@@ -10,8 +10,10 @@ order Megatron frees saved activations. The holder's release records a CUDA even
 freeing (current) stream and on the allocation stream, and queues the block; a later dispatch
 that reuses any of its bytes makes its stream wait on those events first, which gives the
 caching allocator's semantics (work already queued on the stream that freed it, or that it
-was allocated on, finishes before the memory is written again). A call whose outputs do not
-fit takes the staged path.
+was allocated on, finishes before the memory is written again). ``Tensor.record_stream`` is a
+no-op for memory torch did not allocate, so work on a third stream must be ordered before the
+tensor dies (as the Buffer's own comm/compute hand-off is). A call whose outputs do not fit
+takes the staged path.
 
 ``BlockAllocator`` is plain host bookkeeping (first fit over offset-sorted free ranges,
 coalesced on free), kept free of CUDA so it is tested on its own.
