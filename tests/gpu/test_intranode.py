@@ -466,13 +466,14 @@ def grow_case(rank: int, world: int) -> dict:
 
 # ---- zero-copy receive: the lifetime of outputs carved from the receive arena --------------
 LIFE_ARENA = 256 << 20
+LIFE_NVL = 256 << 20  # their dispatches are small (the staging grows if one is not)
 
 
 def _life_buffer():
     """A kernels Buffer whose arena only the lifetime cases use (so their first block starts
     at the arena's base), created on first use."""
     if "life" not in _buffers:
-        _buffers["life"] = kernels_buffer(NVL_BYTES, arena_bytes=LIFE_ARENA)
+        _buffers["life"] = kernels_buffer(LIFE_NVL, arena_bytes=LIFE_ARENA)
     return _buffers["life"]
 
 
@@ -557,7 +558,7 @@ def arena_full_case(rank: int, world: int) -> dict:
     the reference. A small dispatch still fits rank 0's arena."""
     if "small_arena" not in _buffers:
         small = (1 << 20) if rank == 0 else LIFE_ARENA
-        _buffers["small_arena"] = kernels_buffer(NVL_BYTES, arena_bytes=small)
+        _buffers["small_arena"] = kernels_buffer(LIFE_NVL, arena_bytes=small)
     kb = _buffers["small_arena"]
     _, rb = _get_buffers()
     arena = kb._backend.recv_arena
