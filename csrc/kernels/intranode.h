@@ -9,8 +9,10 @@
 //   [kDataOffset, ..) staging: rows peers push to this rank, placed at their final row index
 //                     (dispatch) or at (expert rank, position) order (combine), so a sender
 //                     never waits for a receiver to free ring slots.
-// Rows a rank sends to itself go straight into its output tensors; only peer rows are staged
-// and then copied locally (HBM, ~12x cheaper than the link) into the fresh outputs.
+// Rows a rank sends to itself go straight into its output tensors. Peer rows go straight into
+// the receiver's output tensors too when they lie in its receive arena (a second registered
+// region, mapped by every peer once: zero-copy receive, see kRecvEntryOffset); otherwise they
+// are staged and then copied locally (HBM, ~12x cheaper than the link) into the outputs.
 #pragma once
 
 #include <cstddef>
@@ -52,6 +54,8 @@ constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks
 // combine reduce blocks that finished (the last one advances the sequence).
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
 // combine push: last + 1, reduce: last + 2, and reduce's last block stores last + 2.
+// Then a uint32 count of the dispatch sender blocks that finished (the last one signals the
+// zero-copy destinations and resets it).
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
 static_assert(kSeqOffset + 16 <= kDataOffset, "control overlap");
 // Peer abort: a rank whose own checks reject a call before it launches anything writes, into
@@ -68,6 +72,22 @@ constexpr size_t kCombineHeaderOffset = kAbortReasonOffset + kAbortReasonBytes *
 // (by sequence parity, like the counts: back-to-back dispatches follow each other directly).
 constexpr size_t kCachedHeaderOffset = kCombineHeaderOffset + 8 * kMaxRanks;
 static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
+// Zero-copy receive. A rank whose outputs of a dispatch lie in its receive arena (a second
+// registered region every peer maps once) tells each peer where, at the start of its dispatch
+// kernel: entry [slot by notify sequence parity][source rank] of kRecvEntryWords uint64 =
+// {sequence (written last, release), mode (1 zero-copy, 0 staged), byte offsets in the arena of
+// recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx (-1: none), 0}. Senders
+// wait for a destination's entry, then write its rows at their final row (mode 1) or into its
+// staging (mode 0). Double-buffered like the counts: a peer's next dispatch kernel can start
+// while a slow sender still reads this one's entry.
+constexpr int kRecvEntryWords = 8;
+constexpr size_t kRecvEntryOffset = kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks;
+// A sender's "all my rows have landed" for a zero-copy destination: uint64 [kMaxRanks source]
+// holding the dispatch's sequence (monotonic, so no slots), stored with release by the source's
+// last sender block; the destination's kernel waits for every source's before it ends.
+constexpr size_t kRecvDoneOffset = kRecvEntryOffset + 8ull * kRecvEntryWords * kNotifySlots * kMaxRanks;
+static_assert(kRecvEntryOffset % 64 == 0, "entry alignment");
+static_assert(kRecvDoneOffset + 8 * kMaxRanks <= kDataOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out or, in sync-free
 // mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code.
 // The kernels read a device-memory flag set with them instead (StatusRef in common.cuh): any
@@ -171,7 +191,14 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
                       intptr_t send_pos, intptr_t stream, intptr_t topk_idx = 0, bool idx_is_64 = true,
                       int num_topk = 0, intptr_t readback = 0, int num_worst_tokens = 0,
-                      int num_experts = 0, int64_t header = 0);
+                      int num_experts = 0, int64_t header = 0,
+                      const std::vector<int64_t>& recv_entry = {});
+// `recv_entry` of notify: this rank's receive entry words after the sequence ({mode, offsets of
+// recv_x, scales, ids, weights, sources}, kRecvEntryOffset), written into every peer before the
+// barrier, so the dispatch kernel's senders find it at once. Sync-free calls give it (their
+// outputs exist before notify); empty: the dispatch kernel publishes it (DispatchArgs).
+constexpr int kRecvEntryArgs = 6;
+static_assert(1 + kRecvEntryArgs <= kRecvEntryWords, "receive entry words");
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
@@ -201,13 +228,21 @@ struct DispatchArgs {
   bool use_tma = false;           // bulk copies (TMA) for the rows when the GPU has them
   intptr_t status = 0;
   int64_t timeout_ns = 0;
+  // Receive arena base of every rank as this rank maps it (own included; empty: no arenas).
+  std::vector<intptr_t> arenas;
+  // This rank's recv_* lie in its own arena: peers write them directly (no staging, no
+  // receiver blocks); otherwise they stage this rank's rows as before.
+  bool zero_copy = false;
+  bool entry_published = false;   // notify already wrote this call's receive entry (recv_entry)
 };
 // Bytes of registered buffer (control region included) a dispatch with these sizes needs.
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);
-// One pipelined kernel: sender blocks write every row to each destination rank (peer staging
-// or own outputs) chunk by chunk and publish each chunk's row range in the receiver's control
-// region; receiver blocks copy each peer chunk from staging into the outputs as soon as it
-// lands (overlapping the local copy with the NVLink transfer), then fill padding rows.
+// One pipelined kernel: sender blocks write every row to each destination rank chunk by
+// chunk: straight into its outputs when it receives zero-copy (own rows always), else into its
+// staging, publishing each chunk's row range in its control region. On a staged rank receiver
+// blocks copy each peer chunk from staging into the outputs as soon as it lands (overlapping
+// the local copy with the NVLink transfer); on a zero-copy rank every block sends, and the
+// kernel ends only after every peer said its rows landed. Then padding rows are filled.
 void intranode_dispatch(const DispatchArgs& a, intptr_t stream);
 
 // ---- combine ------------------------------------------------------------------------------

@@ -82,13 +82,21 @@ def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
     with pytest.raises(InvalidInputError, match="status"):
         _C.IntranodeContext([buf, buf], nbytes, 0, 2, 0, 10**9, False)
     ctx = _C.IntranodeContext([buf, buf], nbytes, 0, 2, st, 10**9, False)
-    args = [per_rank, None, info, in_rank, None, None, False, 0, 1, 0, 0, 0]
+    args = [per_rank, None, info, in_rank, None, None, False, 0, 1, 0, 0, 0, []]
     with pytest.raises(InvalidInputError, match="out_info is None"):
         _C.intranode_notify_call(ctx, stream, *args[:2], None, *args[3:])
     with pytest.raises(InvalidInputError, match=r"out_info has shape \[4\]; expected 1-D with 6"):
         _C.intranode_notify_call(ctx, stream, per_rank, per_expert, *args[2:7], 2, *args[8:])
     with pytest.raises(InvalidInputError, match="num_tokens_per_rank has dtype int64"):
         _C.intranode_notify_call(ctx, stream, per_rank.long(), *args[1:])
+    # Zero-copy receive: arenas come one per rank with their sizes, and a receive entry
+    # naming arena offsets needs them.
+    with pytest.raises(InvalidInputError, match="1 receive arenas and 1 sizes for 2 ranks"):
+        _C.IntranodeContext([buf, buf], nbytes, 0, 2, st, 10**9, False, [buf], [nbytes])
+    with pytest.raises(InvalidInputError, match="zero-copy recv_entry but no receive arenas"):
+        _C.intranode_notify_call(ctx, stream, *args[:-1], [1, 0, -1, -1, -1, 0])
+    with pytest.raises(InvalidInputError, match="recv_entry has 2 words"):
+        _C.intranode_notify_call(ctx, stream, *args[:-1], [1, 0])
     _C.device_free(buf)
     # A context outliving its buffers raises at the call (checked again each time).
     with pytest.raises(InvalidInputError, match=r"intranode_notify: buffers\[0\]"):

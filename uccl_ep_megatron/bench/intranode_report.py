@@ -17,6 +17,7 @@ def merge(per_rank: list[dict], shared: bool) -> dict:
     world = r0["world"]
     out = {k: r0[k] for k in ("world", "tokens", "hidden", "experts", "topk", "device", "deepep")}
     out["shared_gpu"] = shared
+    out["arena_fallbacks"] = [r.get("arena_fallbacks", 0) for r in per_rank]
     out["recv_bytes"] = max(r["recv_bytes"] for r in per_rank)
     if shared:
         moved = 2 * sum(r["recv_bytes"] for r in per_rank)  # every row read once, written once
