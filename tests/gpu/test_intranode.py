@@ -51,10 +51,7 @@ def _get_buffers(copy: str = "tma", arena: bool = True):
     """A kernels Buffer of the row copy (bulk-copy or load/store) with the receive arena on
     (zero-copy dispatch) or off (staged), and a reference Buffer, per process, reused by every
     case. Created on first use (collective: every rank runs the same cases)."""
-    from uccl_ep_megatron.cluster.local import reference_oracle
-
-    if "reference" not in _buffers:
-        _buffers["reference"] = reference_oracle(None, NVL_BYTES)
+    rb = _reference()
     key = f"{copy}-{'arena' if arena else 'staged'}"
     if key not in _buffers:
         os.environ["UCCL_EP_INTRANODE_TMA"] = "1" if copy == "tma" else "0"  # read at creation
@@ -62,7 +59,24 @@ def _get_buffers(copy: str = "tma", arena: bool = True):
             _buffers[key] = kernels_buffer(NVL_BYTES, arena)
         finally:
             os.environ.pop("UCCL_EP_INTRANODE_TMA")
-    return _buffers[key], _buffers["reference"]
+    return _buffers[key], rb
+
+
+def _reference():
+    """The per-process reference Buffer (the oracle), without creating a kernels Buffer."""
+    from uccl_ep_megatron.cluster.local import reference_oracle
+
+    if "reference" not in _buffers:
+        _buffers["reference"] = reference_oracle(None, NVL_BYTES)
+    return _buffers["reference"]
+
+
+def _drop_case_buffers() -> None:
+    """Destroys the Buffers the oracle cases cached (collective: every rank runs the same case)
+    before a case that creates Buffers of its own: at 8 ranks on one GPU, four 1 GiB NVLink
+    buffers and two receive arenas per process left no room for them (session 7 call 4)."""
+    for key in [k for k in _buffers if k.startswith(("tma-", "ldst-"))]:
+        _buffers.pop(key).destroy()
 
 
 def case(rank: int, world: int, params: dict) -> int:
@@ -209,6 +223,7 @@ def timeout_case(rank: int, world: int) -> str:
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.errors import CommTimeoutError
 
+    _drop_case_buffers()
     buf = Buffer(None, 1 << 24, 0, backend="kernels")
     _keep.append(buf)  # peers may still write into it: never freed during the session
     if rank != 0:
@@ -473,6 +488,7 @@ def _life_buffer():
     """A kernels Buffer whose arena only the lifetime cases use (so their first block starts
     at the arena's base), created on first use."""
     if "life" not in _buffers:
+        _drop_case_buffers()
         _buffers["life"] = kernels_buffer(LIFE_NVL, arena_bytes=LIFE_ARENA)
     return _buffers["life"]
 
@@ -500,7 +516,7 @@ def lifetime_case(rank: int, world: int) -> list[int]:
     """Four dispatches whose outputs all stay alive while later dispatches, combines and
     poisonings of the free arena run: each keeps its own block and its values."""
     kb = _life_buffer()
-    _, rb = _get_buffers()
+    rb = _reference()
     live = []
     for i in range(4):
         poison(kb)  # free arena bytes only: live outputs must not change
@@ -522,7 +538,7 @@ def reuse_case(rank: int, world: int) -> bool:
     one output keeps the whole block; once it dies the next dispatch of the same size reuses
     the block (first fit from the arena's base)."""
     kb = _life_buffer()
-    _, rb = _get_buffers()
+    rb = _reference()
     arena = kb._backend.recv_arena
     gc.collect()  # outputs of earlier cases caught in reference cycles
     assert arena.live_blocks() == 0, "a previous case left outputs alive"
@@ -558,9 +574,10 @@ def arena_full_case(rank: int, world: int) -> dict:
     the reference. A small dispatch still fits rank 0's arena."""
     if "small_arena" not in _buffers:
         small = (1 << 20) if rank == 0 else LIFE_ARENA
+        _drop_case_buffers()
         _buffers["small_arena"] = kernels_buffer(LIFE_NVL, arena_bytes=small)
     kb = _buffers["small_arena"]
-    _, rb = _get_buffers()
+    rb = _reference()
     arena = kb._backend.recv_arena
     before = arena.fallbacks
     poison(kb)
@@ -584,7 +601,7 @@ def megatron_pattern_case(rank: int, world: int) -> int:
     backward in reverse, each layer's saved outputs checked, its gradient re-dispatched with
     the cached handle and combined, then freed. Every block is back when all are dead."""
     kb = _life_buffer()
-    _, rb = _get_buffers()
+    rb = _reference()
     arena = kb._backend.recv_arena
     num_layers = 4
     for step in range(2):
