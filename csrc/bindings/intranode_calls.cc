@@ -19,13 +19,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <initializer_list>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "bindings/pointer_checks.h"
+#include "bindings/tensor_view.h"
 #include "common/errors.h"
 #include "kernels/intranode.h"
 #endif
@@ -39,128 +39,15 @@ namespace {
 
 namespace k = uccl_ep::kernels;
 
-// What a call needs of a torch dtype. Codes are ours; torch's dtype objects are singletons, so
-// they are looked up by identity after the first sight of each.
-enum class Dt : uint8_t { kOther, kBool, kInt32, kInt64, kFloat32, kBFloat16, kFloat16, kE4m3, kE4m3Fnuz };
+using views::Dt;
+using views::dtype_info;
+using views::repeat;
+using views::TensorView;
 
-struct DtypeInfo {
-  Dt dt = Dt::kOther;
-  int itemsize = 0;
-  uint64_t nan = 0;  // the 8-byte fill word of NaN in this dtype (floating types only)
-  std::string name;  // "bfloat16", for messages
-};
-
-uint64_t repeat(uint64_t unit, int bytes) {
-  uint64_t out = 0;
-  for (int i = 0; i < 8; i += bytes) out |= unit << (8 * i);
-  return out;
-}
-
-DtypeInfo describe_dtype(PyObject* dtype) {
-  py::handle h(dtype);
-  DtypeInfo d;
-  d.name = py::str(h).cast<std::string>();
-  if (d.name.rfind("torch.", 0) == 0) d.name = d.name.substr(6);
-  d.itemsize = h.attr("itemsize").cast<int>();
-  // NaN as torch converts float("nan"): the positive quiet NaN of each format (e4m3fn has
-  // one NaN, 0x7F with the sign clear; e4m3fnuz's only NaN is 0x80).
-  struct Known {
-    const char* name;
-    Dt dt;
-    uint64_t nan_unit;
-  };
-  static const Known known[] = {
-      {"bool", Dt::kBool, 0},           {"int32", Dt::kInt32, 0},          {"int64", Dt::kInt64, 0},
-      {"float32", Dt::kFloat32, 0x7FC00000u}, {"bfloat16", Dt::kBFloat16, 0x7FC0u},
-      {"float16", Dt::kFloat16, 0x7E00u},     {"float8_e4m3fn", Dt::kE4m3, 0x7Fu},
-      {"float8_e4m3fnuz", Dt::kE4m3Fnuz, 0x80u},
-  };
-  for (const Known& kn : known) {
-    if (d.name == kn.name) {
-      d.dt = kn.dt;
-      d.nan = repeat(kn.nan_unit, d.itemsize);
-    }
-  }
-  return d;
-}
-
-const DtypeInfo& dtype_info(PyObject* dtype) {
-  // A handful of entries; a deque keeps the references views hold valid as it grows.
-  static std::deque<std::pair<PyObject*, DtypeInfo>> seen;
-  for (const auto& [obj, info] : seen)
-    if (obj == dtype) return info;
-  Py_INCREF(dtype);  // kept for the process: the identity key must stay valid
-  seen.emplace_back(dtype, describe_dtype(dtype));
-  return seen.back().second;
-}
-
-PyObject* interned(const char* s) {
-  PyObject* o = PyUnicode_InternFromString(s);
-  if (!o) throw py::error_already_set();
-  return o;
-}
-
-// A tensor as the kernels see it: base address, up to two sizes, dtype. `none` for None.
-struct TensorView {
-  bool none = true;
-  intptr_t ptr = 0;
-  int dim = 0;
-  int64_t size[2] = {0, 0};
-  const DtypeInfo* dtype = nullptr;
-
-  int64_t rows() const { return dim > 0 ? size[0] : 1; }
-  int64_t cols() const { return dim > 1 ? size[1] : 1; }
-  int64_t bytes() const { return none ? 0 : rows() * cols() * dtype->itemsize; }
-};
-
-TensorView view_of(py::handle t, const char* name) {
-  TensorView v;
-  if (t.is_none()) return v;
-  static PyObject* const s_data_ptr = interned("data_ptr");
-  static PyObject* const s_shape = interned("shape");
-  static PyObject* const s_dtype = interned("dtype");
-  py::object ptr = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(t.ptr(), s_data_ptr));
-  if (!ptr) throw py::error_already_set();
-  py::object shape = py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), s_shape));
-  if (!shape) throw py::error_already_set();
-  py::object dtype = py::reinterpret_steal<py::object>(PyObject_GetAttr(t.ptr(), s_dtype));
-  if (!dtype) throw py::error_already_set();
-  const Py_ssize_t dims = PyTuple_Check(shape.ptr()) ? PyTuple_GET_SIZE(shape.ptr()) : -1;
-  UCCL_EP_CHECK_ARG(dims >= 1 && dims <= 2, name, ": expected a 1-D or 2-D tensor");
-  v.none = false;
-  v.ptr = static_cast<intptr_t>(PyLong_AsSsize_t(ptr.ptr()));
-  v.dim = static_cast<int>(dims);
-  for (Py_ssize_t i = 0; i < dims; ++i) v.size[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
-  if (PyErr_Occurred()) throw py::error_already_set();
-  v.dtype = &dtype_info(dtype.ptr());
-  return v;
-}
-
-std::string shape_text(const TensorView& v) {
-  if (v.none) return "None";
-  return v.dim == 1 ? detail::concat("[", v.size[0], "]") : detail::concat("[", v.size[0], ", ", v.size[1], "]");
-}
-
-// `v` has `dim` dims, sizes `rows` and `cols` where >= 0, and one of the `dts` dtypes.
-void expect(const TensorView& v, const char* what, int dim, int64_t rows, int64_t cols,
-            std::initializer_list<Dt> dts) {
-  UCCL_EP_CHECK_ARG(!v.none, what, " is None but this call uses it");
-  const bool shape_ok = v.dim == dim && (rows < 0 || v.size[0] == rows) && (cols < 0 || v.cols() == cols);
-  UCCL_EP_CHECK_ARG(shape_ok, what, " has shape ", shape_text(v), "; expected ", dim, "-D with ",
-                    rows < 0 ? std::string("any") : std::to_string(rows), " rows",
-                    dim > 1 ? detail::concat(" and ", cols < 0 ? std::string("any") : std::to_string(cols), " columns")
-                            : std::string());
-  bool dt_ok = false;
-  for (Dt d : dts) dt_ok |= v.dtype->dt == d;
-  UCCL_EP_CHECK_ARG(dt_ok, what, " has dtype ", v.dtype->name, ", which this call does not take there");
-}
-
-// The view of `t`, checked by expect(); None (an empty view) passes only when `optional`.
+// The 1-D / 2-D form every call below uses: `dim` of the sizes {rows, cols} (-1: any).
 TensorView arg(py::handle t, const char* what, bool optional, int dim, int64_t rows, int64_t cols,
                std::initializer_list<Dt> dts) {
-  TensorView v = view_of(t, what);
-  if (!(optional && v.none)) expect(v, what, dim, rows, cols, dts);
-  return v;
+  return dim == 1 ? views::arg(t, what, optional, {rows}, dts) : views::arg(t, what, optional, {rows, cols}, dts);
 }
 
 // The per-Buffer part of every launch, checked when it is built (and the buffers and status
@@ -216,16 +103,7 @@ struct Context {
 
 // Fills the outputs of a call whose wait timed out (see poison_if_failed); None/empty skipped.
 void poison(const Context& c, intptr_t stream, std::initializer_list<std::pair<const TensorView*, uint64_t>> fills) {
-  std::vector<intptr_t> ptrs;
-  std::vector<int64_t> bytes;
-  std::vector<uint64_t> patterns;
-  for (const auto& [v, pattern] : fills) {
-    if (v->bytes() == 0) continue;
-    ptrs.push_back(v->ptr);
-    bytes.push_back(v->bytes());
-    patterns.push_back(pattern);
-  }
-  if (!ptrs.empty()) k::poison_if_failed(c.status, ptrs, bytes, patterns, stream);
+  views::poison(c.status, stream, fills);
 }
 
 constexpr uint64_t kMinusOne = ~0ull;

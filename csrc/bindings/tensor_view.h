@@ -3,11 +3,7 @@
 // (`data_ptr()`, `shape`, `dtype`) into a view (base address, up to three sizes, dtype), and a
 // view is checked against the shape and dtypes a call expects before anything is launched, with
 // a message that names the argument. Torch owns the memory: contiguity is the caller's part.
-//
-// intranode_calls.cc still carries its own 1-D/2-D copy of these helpers (another change was
-// editing that file). The names and messages here are the same; moving it over means deleting
-// its copies and writing `arg(t, what, optional, 2, rows, cols, dts)` as
-// `arg(t, what, optional, {rows, cols}, dts)` (and `poison(c, ...)` as `poison(c.status, ...)`).
+// Used by intranode_calls.cc and internode_calls.cc.
 #pragma once
 
 #ifdef UCCL_EP_WITH_GPU

@@ -37,7 +37,6 @@ from uccl_ep_megatron.backends.intranode.backend import KernelsBackend
 from uccl_ep_megatron.backends.intranode.launch import (
     CombineTensors,
     launch_layout,
-    poison_dispatch,
     poison_on_timeout,
     prepare_combine,
     warm_poison,
@@ -47,7 +46,6 @@ __all__ = [
     "CombineTensors",
     "KernelsBackend",
     "launch_layout",
-    "poison_dispatch",
     "poison_on_timeout",
     "prepare_combine",
     "warm_poison",

@@ -92,12 +92,6 @@ def poison_on_timeout(
     )
 
 
-def poison_dispatch(c: Any, status: int, stream: int, *outs: torch.Tensor | None) -> None:
-    """``poison_on_timeout`` of a dispatch's outputs: recv_x, scales, topk ids, topk weights
-    and source indices (``None`` where the call did not allocate it)."""
-    poison_on_timeout(c, status, stream, *zip(outs, ("nan", "nan", "-1", "0", "-1"), strict=True))
-
-
 def warm_poison(c: Any, status: int, device: torch.device) -> None:
     """Loads the poison kernel now (a no-op launch: the status is clear). Under CUDA lazy
     loading a kernel's first launch holds the context lock until the GPU drains; first
