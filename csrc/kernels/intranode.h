@@ -49,9 +49,9 @@ constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxCh
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
 // The call sequence lives on the device, not in kernel arguments, so a captured CUDA graph
 // replays with fresh sequence numbers: uint64 last sequence used, then a uint32 count of the
-// combine reduce blocks that finished (the last one advances the sequence).
+// combine blocks that finished (the last one advances the sequence).
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
-// combine push: last + 1, reduce: last + 2, and reduce's last block stores last + 2.
+// combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
 static_assert(kSeqOffset + 16 <= kDataOffset, "control overlap");
 // Peer abort: a rank whose own checks reject a call before it launches anything writes, into
@@ -67,7 +67,13 @@ constexpr size_t kCombineHeaderOffset = kAbortReasonOffset + kAbortReasonBytes *
 // Cached dispatch's call header, exchanged with notify's barrier: int64 [kNotifySlots][kMaxRanks]
 // (by sequence parity, like the counts: back-to-back dispatches follow each other directly).
 constexpr size_t kCachedHeaderOffset = kCombineHeaderOffset + 8 * kMaxRanks;
-static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
+// Combine progress, at the end of the spare 64 KiB: uint64 [kMaxRanks expert rank][kCombineChunks],
+// the combine's sequence once chunk c of the rows that expert rank returns here has landed. Both
+// sides derive the chunk size from the same row count (the dispatch's prefix matrix).
+constexpr int kCombineChunks = 512;
+constexpr int kCombineMinChunkRows = 64;
+constexpr size_t kCombineFlagsOffset = kDataOffset - 8ull * kMaxRanks * kCombineChunks;
+static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kCombineFlagsOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out or, in sync-free
 // mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code;
 // any non-zero code makes every later kernel of the Buffer skip its data movement.
@@ -212,9 +218,21 @@ struct CombineArgs {
 };
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);
-// Entry barrier, then pushes each received row back to its source rank's staging.
-void intranode_combine_push(const CombineArgs& a, intptr_t stream);
-// Barrier, then sums each token's rows (own rows read locally) in rank order in fp32.
-void intranode_combine_reduce(const CombineArgs& a, intptr_t stream);
+// Blocks of a combine grid of `blocks` that push rows back (the rest reduce), split by the
+// bytes each side moves: a pushed row is read and written (2 row transfers), a reduced token
+// reads each of its rows and writes one; a reduced row costs an SM ~7/4 of a pushed one
+// (measured, bench/NOTES.md "Pipelined combine"). At least one block per side that has work.
+constexpr int combine_push_blocks(int64_t push_rows, int64_t reduce_rows, int blocks) {
+  if (push_rows <= 0) return 0;
+  if (reduce_rows <= 0) return blocks;
+  const int64_t push = 8 * push_rows, reduce = 7 * reduce_rows;
+  const int64_t share = (blocks * push + (push + reduce) / 2) / (push + reduce);
+  return static_cast<int>(share < 1 ? 1 : share > blocks - 1 ? blocks - 1 : share);
+}
+// One pipelined kernel: an entry barrier, then pusher blocks send each received row back to
+// its source rank's staging chunk by chunk, publishing each chunk in the source's control
+// region (kCombineFlagsOffset), while reducer blocks sum each token's rows (own rows read in
+// place) in rank order in fp32 as soon as the chunks holding them have landed.
+void intranode_combine(const CombineArgs& a, intptr_t stream);
 
 }  // namespace uccl_ep::kernels

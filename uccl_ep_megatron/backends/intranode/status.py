@@ -13,7 +13,7 @@ from uccl_ep_megatron.backends.agreement import check_packed_headers, error_clas
 from uccl_ep_megatron.backends.base import check_expert_ids
 from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UcclEpError
 
-_SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "combine finish"}
+_SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "combine receive"}
 CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
 
 
