@@ -132,6 +132,15 @@ void bind_kernels(py::module_& m) {
       },
       py::arg("ptr"));
   m.def(
+      "host_status_record",
+      [](intptr_t ptr, const std::vector<int64_t>& words) {
+        check_status(ptr, "host_status_record");
+        k::host_status_record(ptr, words);
+      },
+      py::arg("ptr"), py::arg("words"),
+      "Records a failure [code, a, b, extra] from the host as a kernel would (first one wins): every "
+      "later kernel of the Buffer skips its data movement.");
+  m.def(
       "host_status_read",
       [](intptr_t ptr) {
         check_status(ptr, "host_status_read");

@@ -42,7 +42,7 @@ struct CombineParams {
   const uint8_t* bias1;
   uint8_t* out;
   float* out_w;
-  int64_t* status;
+  StatusRef status;
   int64_t timeout_ns;
   int64_t header;
 };
@@ -366,7 +366,7 @@ void intranode_combine(const CombineArgs& a, intptr_t stream) {
   p.bias1 = reinterpret_cast<const uint8_t*>(a.bias1);
   p.out = reinterpret_cast<uint8_t*>(a.out);
   p.out_w = reinterpret_cast<float*>(a.out_weights);
-  p.status = reinterpret_cast<int64_t*>(a.status);
+  p.status = status_ref(a.status);
   p.timeout_ns = a.timeout_ns;
   p.header = a.header;
   auto s = reinterpret_cast<gpuStream_t>(stream);

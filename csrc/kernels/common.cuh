@@ -32,9 +32,25 @@ __device__ __forceinline__ const volatile uint64_t* abort_of(const uint8_t* buf)
   return reinterpret_cast<const volatile uint64_t*>(buf + kAbortOffset);
 }
 
-// A PCIe read of mapped host memory: call it from one thread per block, not from every thread.
-__device__ __forceinline__ bool status_set(const int64_t* status) {
-  return *reinterpret_cast<const volatile int64_t*>(status) != 0;
+// Where a call's failure is recorded: the mapped host words the host reads (layout in
+// intranode.h) and a word in device memory the kernels read. Kernels never read the host words
+// on their common path: on the H200 hosts we measured, a kernel that reads one mapped host word
+// takes ~60 us (bench/NOTES.md, session 7). The flag is never cleared (a Buffer whose call
+// failed is unusable), so it needs no reset.
+struct StatusRef {
+  int64_t* host;  // kStatusWords mapped host words (or the internode ones)
+  int64_t* flag;  // device word: non-zero once any failure is recorded
+};
+
+// The intranode status block: kStatusWords mapped host words, then (host side only) the device
+// address of its flag (host_status_alloc).
+inline StatusRef status_ref(intptr_t host_words) {
+  auto* w = reinterpret_cast<int64_t*>(host_words);
+  return StatusRef{w, reinterpret_cast<int64_t*>(w[kStatusFlagWord])};
+}
+
+__device__ __forceinline__ bool status_set(const StatusRef& s) {
+  return *reinterpret_cast<const volatile int64_t*>(s.flag) != 0;
 }
 
 __device__ __forceinline__ uint64_t* seq_counter(uint8_t* buf) { return reinterpret_cast<uint64_t*>(buf + kSeqOffset); }
@@ -42,12 +58,13 @@ __device__ __forceinline__ unsigned* seq_done_blocks(uint8_t* buf) {
   return reinterpret_cast<unsigned*>(buf + kSeqOffset + 8);
 }
 
-// Records a failure in the mapped host status words (layout in intranode.h) unless one is
-// already recorded: the first failure wins, so the host reports the cause, not a consequence.
-// One thread calls it. Word 0 is published last, after the detail words are visible.
-__device__ __forceinline__ void record_status(int64_t* status, int64_t code, int64_t w1, int64_t w2, int64_t w3) {
-  volatile int64_t* st = status;
-  if (st[0] != 0) return;
+// Records a failure unless one is already recorded: the first failure wins (a CAS on the
+// device flag), so the host reports the cause, not a consequence. Word 0 of the host words is
+// published last, after the detail words; the host reads them after the kernels are done.
+__device__ __forceinline__ void record_status(const StatusRef& s, int64_t code, int64_t w1, int64_t w2, int64_t w3) {
+  auto* flag = reinterpret_cast<unsigned long long*>(s.flag);
+  if (atomicCAS(flag, 0ull, static_cast<unsigned long long>(code)) != 0ull) return;
+  volatile int64_t* st = s.host;
   st[1] = w1;
   st[2] = w2;
   st[3] = w3;
@@ -57,11 +74,11 @@ __device__ __forceinline__ void record_status(int64_t* status, int64_t code, int
 }
 
 // Waits until a peer's release store makes *flag equal `want` (a progress flag tagged with the
-// call's sequence). Gives up, returning false, when the status words report a failure (looked
-// at every 1024 polls: a PCIe read) or after timeout_ns, which records {kStatusTimeout, peer,
-// seq, site}. One thread calls it.
-__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t want, int64_t* status, int64_t timeout_ns,
-                                          int peer, uint64_t seq, int site) {
+// call's sequence). Gives up, returning false, when another wait of this rank failed (checked
+// every 1024 polls) or after timeout_ns, which records {kStatusTimeout, peer, seq, site}. One
+// thread calls it.
+__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t want, const StatusRef& status,
+                                          int64_t timeout_ns, int peer, uint64_t seq, int site) {
   const uint64_t start = dev::global_timer_ns();
   uint32_t iter = 0;
   while (dev::ld_acquire_sys(flag) != want) {
@@ -91,7 +108,7 @@ struct BarrierExtras {
 // abort record or a differing header (`extras`). Returns false when the call failed (the
 // caller must then skip its data movement).
 __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int num_ranks, uint64_t seq,
-                                              bool signal, int64_t* status, int64_t timeout_ns, int site,
+                                              bool signal, const StatusRef& status, int64_t timeout_ns, int site,
                                               BarrierExtras extras = {}) {
   __shared__ int s_failed;
   const int tid = threadIdx.x;
@@ -117,7 +134,7 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
     uint32_t iter = 0;
     bool arrived = true;
     while (dev::ld_acquire_sys(f) < seq) {
-      // The status words live in host memory (a PCIe read): look at them only now and then.
+      // Another block of this rank failed: stop waiting (checked now and then).
       if ((++iter & 1023u) == 0 && status_set(status)) {
         s_failed = 1;
         arrived = false;

@@ -75,9 +75,13 @@ constexpr int kCombineMinChunkRows = 64;
 constexpr size_t kCombineFlagsOffset = kDataOffset - 8ull * kMaxRanks * kCombineChunks;
 static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kCombineFlagsOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out or, in sync-free
-// mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code;
-// any non-zero code makes every later kernel of the Buffer skip its data movement.
+// mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code.
+// The kernels read a device-memory flag set with them instead (StatusRef in common.cuh): any
+// non-zero flag makes every later kernel of the Buffer skip its data movement.
 constexpr int kStatusWords = 4;
+// Word kStatusFlagWord of the host block (after the status words, host side only) holds the
+// device address of that flag (host_status_alloc allocates both).
+constexpr int kStatusFlagWord = kStatusWords;
 // {kStatusTimeout, stalled peer rank, barrier sequence, site code}
 constexpr int64_t kStatusTimeout = 1;
 // {code, rank, value, extra}: rank r's topk_idx holds expert id `value` outside [-1, E) (extra = E)
@@ -107,9 +111,14 @@ void device_copy(intptr_t dst, intptr_t src, size_t bytes);
 std::string ipc_get_handle(intptr_t ptr);
 intptr_t ipc_open_handle(const std::string& handle);
 void ipc_close_handle(intptr_t ptr);
-// Pinned, device-mapped host words; returns the host pointer (also valid on the device: UVA).
+// Pinned, device-mapped host words plus their device flag (on the current device); returns
+// the host pointer (also valid on the device: UVA).
 intptr_t host_status_alloc();
 void host_status_free(intptr_t ptr);
+// Records a failure from the host as the kernels would (first one wins; words[0] is the
+// non-zero code): the host words, then the device flag (synchronously), so every later kernel
+// of the Buffer skips its data movement and poisons its outputs.
+void host_status_record(intptr_t ptr, const std::vector<int64_t>& words);
 // When the status word is set (a wait of this call timed out, so its kernels skipped their data
 // movement), fills each region [ptrs[i], ptrs[i] + bytes[i]) with the 8-byte `patterns[i]`
 // (little-endian, repeated; regions start 8-byte aligned); otherwise does nothing. Launched on

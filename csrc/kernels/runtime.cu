@@ -94,14 +94,38 @@ std::pair<uint64_t, std::string> read_abort(intptr_t own_buffer, int peer) {
 }
 
 intptr_t host_status_alloc() {
+  void* flag = nullptr;
+  GPU_CHECK(gpuMalloc(&flag, sizeof(int64_t)));
+  const int64_t zero = 0;
+  GPU_CHECK(gpuMemcpy(flag, &zero, sizeof(zero), gpuMemcpyHostToDevice));
   void* p = nullptr;
-  GPU_CHECK(gpuHostAlloc(&p, kStatusWords * sizeof(int64_t), gpuHostAllocMapped));
-  std::memset(p, 0, kStatusWords * sizeof(int64_t));
+  const gpuError_t err = gpuHostAlloc(&p, (kStatusWords + 1) * sizeof(int64_t), gpuHostAllocMapped);
+  if (err != gpuSuccess) {
+    (void)gpuFree(flag);
+    GPU_CHECK(err);
+  }
+  auto* w = static_cast<int64_t*>(p);
+  std::memset(w, 0, kStatusWords * sizeof(int64_t));
+  w[kStatusFlagWord] = reinterpret_cast<int64_t>(flag);
   return reinterpret_cast<intptr_t>(p);
 }
 
 void host_status_free(intptr_t ptr) {
-  if (ptr) GPU_CHECK(gpuFreeHost(reinterpret_cast<void*>(ptr)));
+  if (!ptr) return;
+  GPU_CHECK(gpuFree(reinterpret_cast<void*>(reinterpret_cast<int64_t*>(ptr)[kStatusFlagWord])));
+  GPU_CHECK(gpuFreeHost(reinterpret_cast<void*>(ptr)));
+}
+
+void host_status_record(intptr_t ptr, const std::vector<int64_t>& words) {
+  UCCL_EP_CHECK_ARG(words.size() == static_cast<size_t>(kStatusWords) && words[0] != 0, "host_status_record: ",
+                    words.size(), " words (expected ", kStatusWords, ", the first a non-zero code)");
+  const StatusRef s = status_ref(ptr);
+  volatile int64_t* st = s.host;
+  if (st[0] != 0) return;
+  for (int i = 1; i < kStatusWords; ++i) st[i] = words[i];
+  st[0] = words[0];
+  const int64_t code = words[0];
+  GPU_CHECK(gpuMemcpy(s.flag, &code, sizeof(code), gpuMemcpyHostToDevice));
 }
 
 namespace {
@@ -115,9 +139,9 @@ struct PoisonRegions {
 
 constexpr int kPoisonThreads = 256;
 
-__global__ void __launch_bounds__(kPoisonThreads) poison_kernel(const int64_t* status, PoisonRegions r) {
+__global__ void __launch_bounds__(kPoisonThreads) poison_kernel(StatusRef status, PoisonRegions r) {
   __shared__ int s_set;
-  if (threadIdx.x == 0) s_set = status_set(status) ? 1 : 0;  // one PCIe read per block
+  if (threadIdx.x == 0) s_set = status_set(status) ? 1 : 0;
   __syncthreads();
   if (!s_set) return;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -153,11 +177,10 @@ void poison_if_failed(intptr_t status, const std::vector<intptr_t>& ptrs, const 
     total += bytes[i];
   }
   if (r.count == 0) return;
-  // Few blocks: on the common path (status clear) each only reads the status word and exits.
+  // Few blocks: on the common path (status clear) each only reads the device flag and exits.
   const int64_t per_block = static_cast<int64_t>(kPoisonThreads) * 8 * 16;
   const int blocks = static_cast<int>(std::min<int64_t>(64, std::max<int64_t>(1, (total + per_block - 1) / per_block)));
-  poison_kernel<<<blocks, kPoisonThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
-      reinterpret_cast<const int64_t*>(status), r);
+  poison_kernel<<<blocks, kPoisonThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(status_ref(status), r);
   GPU_CHECK(gpuGetLastError());
 }
 

@@ -32,6 +32,11 @@ def test_status_words():
         _C.host_status_read(buf)  # a device buffer is not a status block
     st = _C.host_status_alloc()
     assert _C.host_status_read(st) == [0, 0, 0, 0]
+    with pytest.raises(InvalidInputError, match="non-zero code"):
+        _C.host_status_record(st, [0, 1, 2, 3])
+    _C.host_status_record(st, [1, 5, 6, 7])
+    _C.host_status_record(st, [2, 8, 9, 10])  # the first failure wins
+    assert _C.host_status_read(st) == [1, 5, 6, 7]
     _C.host_status_free(st)
     with pytest.raises(InvalidInputError, match="not the start of a live status words"):
         _C.host_status_free(st)  # a second free

@@ -8,7 +8,6 @@ Outputs are allocated from zeroed memory here, so an output the fill missed read
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 
@@ -54,7 +53,7 @@ def test_poison_fills_only_when_status_is_set():
         torch.cuda.synchronize()
         for (t, _), s in zip(fills, saved, strict=True):
             assert torch.equal(t.view(torch.uint8), s.view(torch.uint8)), "filled while clear"
-        ctypes.c_int64.from_address(st).value = 1  # what a timed-out wait records
+        c.host_status_record(st, [1, 0, 0, 0])  # what a timed-out wait records
         poison_on_timeout(c, st, stream, *fills)
         torch.cuda.synchronize()
         assert rows.isnan().all()

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(kBarrierThreads) combine_stage_kernel(StageDev
 }
 
 __global__ void __launch_bounds__(kBarrierThreads) node_barrier_kernel(kernels::Peers bufs, int local, int L,
-                                                                        uint64_t seq, int64_t* status,
+                                                                        uint64_t seq, kernels::StatusRef status,
                                                                         int64_t timeout_ns) {
   kernels::barrier_block(bufs, local, L, seq, true, status, timeout_ns, kSiteNvlBarrier);
 }

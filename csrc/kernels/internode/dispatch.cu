@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_kernel(DispatchDev p) {
 
 // Runs after node_barrier_kernel on the same stream: every peer's staged rows have landed.
 __global__ void __launch_bounds__(kThreads) dispatch_finish_kernel(DispatchDev p) {
-  if (kernels::status_set(p.c.status)) return;  // a wait failed: nothing reliable to copy
+  if (aborted(p.c)) return;  // a wait failed: nothing reliable to copy
   __shared__ int s_prefix[kMaxRanks + 1];
   const int R = p.c.num_ranks;
   for (int s = threadIdx.x; s <= R; s += blockDim.x) s_prefix[s] = p.recv_prefix[s];

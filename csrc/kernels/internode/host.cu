@@ -60,7 +60,7 @@ DevCommon make_common(const Common& c) {
   for (int j = 0; j < c.ranks_per_node; ++j) d.nvl[j] = reinterpret_cast<uint8_t*>(c.nvl[j]);
   d.cap = c.cap;
   d.chunk = c.chunk;
-  d.status = reinterpret_cast<int64_t*>(c.status);
+  d.status = kernels::StatusRef{reinterpret_cast<int64_t*>(c.status), d.state + kStateAbortWord};
   d.timeout_ns = static_cast<uint64_t>(c.timeout_ns);
   d.verdict = reinterpret_cast<const int64_t*>(c.verdict);
   return d;

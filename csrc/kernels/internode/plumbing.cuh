@@ -27,7 +27,8 @@ struct DevCommon {
   uint8_t* region;
   uint8_t* nvl[kMaxLocal];
   int cap, chunk;
-  int64_t* status;
+  // Host words: the internode status words; flag: the abort word of `state` (fail() below).
+  kernels::StatusRef status;
   uint64_t timeout_ns;
   const int64_t* verdict;  // sync-free call: the GPU check of the call headers (or null)
 };
@@ -56,7 +57,7 @@ __device__ __forceinline__ bool aborted(const DevCommon& p) {
 __device__ inline void fail(const DevCommon& p, int site, int peer, int64_t want, int channel, int64_t got) {
   auto* word = reinterpret_cast<unsigned long long*>(p.state + kStateAbortWord);
   if (atomicCAS(word, 0ull, 1ull) != 0ull) return;
-  volatile int64_t* st = p.status;
+  volatile int64_t* st = p.status.host;
   st[1] = peer;
   st[2] = want;
   st[3] = site;

@@ -119,7 +119,8 @@ class KernelsBackend(Backend):
             list(range(topology.num_ranks)),
             keep_bytes=int(c.KERNELS_DATA_OFFSET),
         )
-        self._status = c.host_status_alloc()
+        with torch.cuda.device(self._device_index):  # its device flag lives on this GPU
+            self._status = c.host_status_alloc()
         warm_poison(c, self._status, device)
         self._ctx: Any = None  # see _context
         self._ctx_grows = -1
