@@ -74,7 +74,7 @@ def _dsv3_rows(num_ranks: int, tokens: int = 4096) -> tuple[int, int]:
     return push, reduce
 
 
-@pytest.mark.parametrize(("num_ranks", "pushers"), [(2, 3), (4, 5), (8, 5)])
+@pytest.mark.parametrize(("num_ranks", "pushers"), [(2, 4), (4, 5), (8, 6)])
 def test_combine_split_of_dsv3_at_12_sms(num_ranks, pushers):
     # The split bench/NOTES.md ("Pipelined combine") predicts from session 6's timings.
     assert _C.combine_push_blocks(*_dsv3_rows(num_ranks), 12) == pushers
@@ -88,7 +88,8 @@ def test_combine_split_properties():
         push, reduce, blocks = rng.randrange(1, 10**6), rng.randrange(1, 10**6), rng.randrange(2, 64)
         got = _C.combine_push_blocks(push, reduce, blocks)
         assert 1 <= got <= blocks - 1  # both sides have work: each keeps a block
-        # Within half a block of the byte-proportional share, unless clamped.
+        # The byte-proportional share rounded up (pushers that finish early reduce too),
+        # unless clamped.
         share = blocks * 8 * push / (8 * push + 7 * reduce)
-        assert abs(got - share) <= 0.5 + 1e-9 or got in (1, blocks - 1), (push, reduce, blocks, got)
+        assert share <= got < share + 1 or got in (1, blocks - 1), (push, reduce, blocks, got)
         assert _C.combine_push_blocks(push * 2, reduce, blocks) >= got  # more to push: no fewer

@@ -58,6 +58,11 @@ __device__ __forceinline__ int chunk_rows(int rows) {
   return per > kCombineMinChunkRows ? per : kCombineMinChunkRows;
 }
 
+// Reduce tiles handed out so far in this combine (kSeqOffset's third word).
+__device__ __forceinline__ unsigned* reduce_tiles(uint8_t* buf) {
+  return reinterpret_cast<unsigned*>(buf + kSeqOffset + 12);
+}
+
 __device__ __forceinline__ uint64_t* combine_flag(uint8_t* buf, int expert_rank, int chunk) {
   return reinterpret_cast<uint64_t*>(buf + kCombineFlagsOffset) + expert_rank * kCombineChunks + chunk;
 }
@@ -245,17 +250,24 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, const Plan&
   }
 }
 
-// Reducer block `b` of `nb`: tiles of kReduceTile tokens round-robin, in token order (the
-// order pushers publish in). Before a tile, thread r waits for the chunks holding the tile's
-// rows from rank r: a token's row from r sits at its send position in r's pushes, which grows
-// with the token, so the tile's first and last rows bound the chunks.
+// Reducer blocks take tiles of kReduceTile tokens from a counter, so tiles go out in token
+// order (the order pushers publish in) and a pusher that is done joins in. Before a tile,
+// thread r waits for the chunks holding the tile's rows from rank r: a token's row from r sits
+// at its send position in r's pushes, which grows with the token, so the tile's first and
+// last rows bound the chunks.
 template <int kDtype, bool kVec, int kUnroll, int kRanks>
-__device__ void reduce_role(const CombineParams& p, const Plan& s, int b, int nb) {
+__device__ void reduce_role(const CombineParams& p, const Plan& s) {
+  __shared__ int s_tile;
   const int R = p.num_ranks, tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
   uint8_t* own = p.bufs.p[p.rank];
   const uint8_t* st_x = own + kDataOffset;
   const float* st_w = reinterpret_cast<const float*>(own + p.w_offset);
-  for (int t0 = b * kReduceTile; t0 < p.num_tokens; t0 += nb * kReduceTile) {
+  while (true) {
+    // s_tile is rewritten only after the __syncthreads_or below, when every thread has read it.
+    if (tid == 0) s_tile = static_cast<int>(atomicAdd(reduce_tiles(own), 1u));
+    __syncthreads();
+    const int t0 = s_tile * kReduceTile;
+    if (t0 >= p.num_tokens) return;
     const int t1 = min(p.num_tokens, t0 + kReduceTile);
     bool failed = false;
     if (tid < R && tid != p.rank && s.back[tid] > 0) {
@@ -297,9 +309,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
 #else
     push_role<V, 8, kTma>(p, s, b, P, nullptr);
 #endif
-  } else if (ok) {
-    reduce_role<kDtype, kVec, kUnroll, kRanks>(p, s, b - P, gridDim.x - P);
   }
+  if (ok) reduce_role<kDtype, kVec, kUnroll, kRanks>(p, s);
   // Every block read the sequence before its CTA barrier above; the last one to get here
   // advances it past this combine, for the next call on this stream.
   __syncthreads();
@@ -307,6 +318,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
     unsigned* done = seq_done_blocks(p.bufs.p[p.rank]);
     if (atomicAdd(done, 1u) == gridDim.x - 1) {
       *done = 0;
+      *reduce_tiles(p.bufs.p[p.rank]) = 0;
       *seq_counter(p.bufs.p[p.rank]) = s.seq;
       __threadfence();
     }

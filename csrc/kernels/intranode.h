@@ -49,7 +49,8 @@ constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxCh
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
 // The call sequence lives on the device, not in kernel arguments, so a captured CUDA graph
 // replays with fresh sequence numbers: uint64 last sequence used, then a uint32 count of the
-// combine blocks that finished (the last one advances the sequence).
+// combine blocks that finished (the last one advances the sequence and zeroes both counts),
+// then a uint32 count of the combine's reduce tiles handed out.
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
 // combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
@@ -227,21 +228,24 @@ struct CombineArgs {
 };
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);
-// Blocks of a combine grid of `blocks` that push rows back (the rest reduce), split by the
-// bytes each side moves: a pushed row is read and written (2 row transfers), a reduced token
-// reads each of its rows and writes one; a reduced row costs an SM ~7/4 of a pushed one
-// (measured, bench/NOTES.md "Pipelined combine"). At least one block per side that has work.
+// Blocks of a combine grid of `blocks` that push rows back before they reduce (the rest reduce
+// from the start), split by the bytes each side moves: a pushed row is read and written (2 row
+// transfers), a reduced token reads each of its rows and writes one; a reduced row costs an SM
+// ~7/4 of a pushed one (measured, bench/NOTES.md "Pipelined combine"). Rounded up: pushers
+// that finish early reduce too, while too few pushers would leave reducers waiting. At least
+// one block per side that has work.
 constexpr int combine_push_blocks(int64_t push_rows, int64_t reduce_rows, int blocks) {
   if (push_rows <= 0) return 0;
   if (reduce_rows <= 0) return blocks;
   const int64_t push = 8 * push_rows, reduce = 7 * reduce_rows;
-  const int64_t share = (blocks * push + (push + reduce) / 2) / (push + reduce);
+  const int64_t share = (blocks * push + push + reduce - 1) / (push + reduce);
   return static_cast<int>(share < 1 ? 1 : share > blocks - 1 ? blocks - 1 : share);
 }
 // One pipelined kernel: an entry barrier, then pusher blocks send each received row back to
 // its source rank's staging chunk by chunk, publishing each chunk in the source's control
-// region (kCombineFlagsOffset), while reducer blocks sum each token's rows (own rows read in
-// place) in rank order in fp32 as soon as the chunks holding them have landed.
+// region (kCombineFlagsOffset), while reducer blocks (and pushers once done) take tiles of
+// tokens in order and sum each token's rows (own rows read in place) in rank order in fp32 as
+// soon as the chunks holding them have landed.
 void intranode_combine(const CombineArgs& a, intptr_t stream);
 
 }  // namespace uccl_ep::kernels
