@@ -12,8 +12,9 @@ namespace {
 
 constexpr int kCombineThreads = 512;
 constexpr int kCombineWarps = kCombineThreads / dev::kWarpSize;
-// Tokens a reducer block takes at a time: its waits cover the tile's rows from each rank.
-constexpr int kReduceTile = 64;
+// Tokens a reducer warp takes at a time from the call's counter: small, so the warps finish
+// together (a block-wide tile of 64 tokens left up to ~100 us of tail at 8 ranks).
+constexpr int kWarpTokens = 2;
 
 struct CombineLayout {
   int64_t x, w, end;
@@ -58,8 +59,8 @@ __device__ __forceinline__ int chunk_rows(int rows) {
   return per > kCombineMinChunkRows ? per : kCombineMinChunkRows;
 }
 
-// Reduce tiles handed out so far in this combine (kSeqOffset's third word).
-__device__ __forceinline__ unsigned* reduce_tiles(uint8_t* buf) {
+// Tokens handed out to reducer warps so far in this combine (kSeqOffset's third word).
+__device__ __forceinline__ unsigned* reduce_tokens(uint8_t* buf) {
   return reinterpret_cast<unsigned*>(buf + kSeqOffset + 12);
 }
 
@@ -250,37 +251,42 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, const Plan&
   }
 }
 
-// Reducer blocks take tiles of kReduceTile tokens from a counter, so tiles go out in token
-// order (the order pushers publish in) and a pusher that is done joins in. Before a tile,
-// thread r waits for the chunks holding the tile's rows from rank r: a token's row from r sits
-// at its send position in r's pushes, which grows with the token, so the tile's first and
-// last rows bound the chunks.
+// Reducer warps take kWarpTokens tokens at a time from a counter, so tokens go out in order
+// (the order pushers publish in) and a pusher block that is done joins in. Before a token,
+// lane r waits for the chunk holding its row from rank r: the row sits at the token's send
+// position in r's pushes. Positions grow with the token, so a warp's chunks from r only grow:
+// lane r polls a chunk once, then remembers it.
 template <int kDtype, bool kVec, int kUnroll, int kRanks>
 __device__ void reduce_role(const CombineParams& p, const Plan& s) {
-  __shared__ int s_tile;
-  const int R = p.num_ranks, tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
+  const int R = p.num_ranks, lane = threadIdx.x % dev::kWarpSize;
   uint8_t* own = p.bufs.p[p.rank];
   const uint8_t* st_x = own + kDataOffset;
   const float* st_w = reinterpret_cast<const float*>(own + p.w_offset);
-  while (true) {
-    // s_tile is rewritten only after the __syncthreads_or below, when every thread has read it.
-    if (tid == 0) s_tile = static_cast<int>(atomicAdd(reduce_tiles(own), 1u));
-    __syncthreads();
-    const int t0 = s_tile * kReduceTile;
-    if (t0 >= p.num_tokens) return;
-    const int t1 = min(p.num_tokens, t0 + kReduceTile);
-    bool failed = false;
-    if (tid < R && tid != p.rank && s.back[tid] > 0) {
-      const int r = tid;
-      int first = -1, last = -1;
-      for (int t = t0; t < t1 && first < 0; ++t) first = p.send_pos[static_cast<int64_t>(t) * R + r];
-      for (int t = t1 - 1; first >= 0 && last < 0; --t) last = p.send_pos[static_cast<int64_t>(t) * R + r];
-      const int ct = chunk_rows(s.back[r]);
-      for (int c = first / ct; first >= 0 && c <= last / ct && !failed; ++c)
-        failed = !wait_flag(combine_flag(own, r, c), s.seq, p.status, p.timeout_ns, r, s.seq, kSiteCombineReceive);
+  unsigned* counter = reduce_tokens(own);
+  const bool watch = lane < R && lane != p.rank && s.back[lane] > 0;
+  const int ct = watch ? chunk_rows(s.back[lane]) : 1;
+  int seen = -1;  // lane r: the last chunk of rank r seen landed
+  int t0 = dev::warp_shfl(lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0, 0);
+  while (t0 < p.num_tokens) {
+    // The next grab is in flight while this one is reduced.
+    const int next = lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0;
+    for (int t = t0; t < min(p.num_tokens, t0 + kWarpTokens); ++t) {
+      bool failed = false;
+      if (watch) {
+        const int pos = p.send_pos[static_cast<int64_t>(t) * R + lane];
+        if (pos >= 0 && pos / ct != seen) {
+          seen = pos / ct;
+          failed = !wait_flag(combine_flag(own, lane, seen), s.seq, p.status, p.timeout_ns, lane, s.seq,
+                              kSiteCombineReceive);
+        }
+      }
+      // The ballot reconverges the warp after the waits; the warp barrier orders the other
+      // lanes' row loads after the waiting lanes' acquire.
+      if (dev::warp_ballot(failed) != 0) return;
+      dev::warp_sync();
+      reduce_token<kDtype, kVec, kUnroll, kRanks>(p, s, st_x, st_w, t, lane);
     }
-    if (__syncthreads_or(failed)) return;  // every thread of the block gets the same answer
-    for (int t = t0 + warp; t < t1; t += kCombineWarps) reduce_token<kDtype, kVec, kUnroll, kRanks>(p, s, st_x, st_w, t, lane);
+    t0 = dev::warp_shfl(next, 0);
   }
 }
 
@@ -318,7 +324,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
     unsigned* done = seq_done_blocks(p.bufs.p[p.rank]);
     if (atomicAdd(done, 1u) == gridDim.x - 1) {
       *done = 0;
-      *reduce_tiles(p.bufs.p[p.rank]) = 0;
+      *reduce_tokens(p.bufs.p[p.rank]) = 0;
       *seq_counter(p.bufs.p[p.rank]) = s.seq;
       __threadfence();
     }

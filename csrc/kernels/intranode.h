@@ -50,7 +50,7 @@ constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks
 // The call sequence lives on the device, not in kernel arguments, so a captured CUDA graph
 // replays with fresh sequence numbers: uint64 last sequence used, then a uint32 count of the
 // combine blocks that finished (the last one advances the sequence and zeroes both counts),
-// then a uint32 count of the combine's reduce tiles handed out.
+// then a uint32 count of the tokens handed out to the combine's reducer warps.
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
 // combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
@@ -243,9 +243,9 @@ constexpr int combine_push_blocks(int64_t push_rows, int64_t reduce_rows, int bl
 }
 // One pipelined kernel: an entry barrier, then pusher blocks send each received row back to
 // its source rank's staging chunk by chunk, publishing each chunk in the source's control
-// region (kCombineFlagsOffset), while reducer blocks (and pushers once done) take tiles of
-// tokens in order and sum each token's rows (own rows read in place) in rank order in fp32 as
-// soon as the chunks holding them have landed.
+// region (kCombineFlagsOffset), while reducer warps (and pushers once done) take tokens in
+// order and sum each token's rows (own rows read in place) in rank order in fp32 as soon as
+// the chunks holding them have landed.
 void intranode_combine(const CombineArgs& a, intptr_t stream);
 
 }  // namespace uccl_ep::kernels
