@@ -85,7 +85,11 @@ def test_combine_split_properties():
     assert _C.combine_push_blocks(100, 0, 12) == 12  # no tokens of its own: all push
     rng = random.Random(5)
     for _ in range(200):
-        push, reduce, blocks = rng.randrange(1, 10**6), rng.randrange(1, 10**6), rng.randrange(2, 64)
+        push, reduce, blocks = (
+            rng.randrange(1, 10**6),
+            rng.randrange(1, 10**6),
+            rng.randrange(2, 64),
+        )
         got = _C.combine_push_blocks(push, reduce, blocks)
         assert 1 <= got <= blocks - 1  # both sides have work: each keeps a block
         # The byte-proportional share rounded up (pushers that finish early reduce too),
