@@ -66,22 +66,31 @@ def test_poison_fills_only_when_status_is_set():
         c.host_status_free(st)
 
 
+def _dispatched(world: int):
+    """(Buffer, x, topk_idx, recv_x, recv_topk_weights, handle) of a 512-token top-1 dispatch
+    that sends rows to every rank, on a Buffer kept for the session (peers may still write
+    into it after a timeout)."""
+    from uccl_ep_megatron import Buffer
+
+    buf = Buffer(None, nvl_bytes_for(world, 4096), 0, backend="kernels")
+    _keep.append(buf)
+    num_tokens, hidden = 512, 4096
+    idx = (torch.arange(num_tokens, device="cuda") % world).view(-1, 1)
+    w = torch.rand(num_tokens, 1, device="cuda")
+    x = torch.randn(num_tokens, hidden, device="cuda").to(torch.bfloat16)
+    lay = buf.get_dispatch_layout(idx, world)[:4]
+    recv_x, _, recv_w, _, handle, _ = dispatch(buf, x, lay, idx, w)
+    return buf, x, idx, recv_x, recv_w, handle
+
+
 def poison_case(rank: int, world: int, op: str) -> str:
     """All ranks dispatch once; then rank 0 alone runs ``op`` (cached dispatch or combine),
     times out, and must get poisoned outputs; its next call raises CommTimeoutError."""
     import torch.distributed as dist
 
-    from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.errors import CommTimeoutError
 
-    buf = Buffer(None, nvl_bytes_for(world, 4096), 0, backend="kernels")
-    _keep.append(buf)  # peers may still write into it: never freed during the session
-    num_tokens, hidden = 512, 4096
-    idx = (torch.arange(num_tokens, device="cuda") % world).view(-1, 1)  # every rank gets rows
-    w = torch.rand(num_tokens, 1, device="cuda")
-    x = torch.randn(num_tokens, hidden, device="cuda").to(torch.bfloat16)
-    lay = buf.get_dispatch_layout(idx, world)[:4]
-    recv_x, _, recv_w, _, handle, _ = dispatch(buf, x, lay, idx, w)
+    buf, x, idx, recv_x, recv_w, handle = _dispatched(world)
     torch.cuda.synchronize()
     assert not recv_x.isnan().any()
     dist.barrier()
@@ -129,17 +138,9 @@ def stalled_peer_case(rank: int, world: int) -> str:
     site (not at the entry barrier), its outputs poisoned; its next call raises."""
     import torch.distributed as dist
 
-    from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.errors import CommTimeoutError
 
-    buf = Buffer(None, nvl_bytes_for(world, 4096), 0, backend="kernels")
-    _keep.append(buf)  # rank 0 still pushes into rank 1's staging: never freed here
-    num_tokens, hidden = 512, 4096
-    idx = (torch.arange(num_tokens, device="cuda") % world).view(-1, 1)  # rows to every rank
-    w = torch.rand(num_tokens, 1, device="cuda")
-    x = torch.randn(num_tokens, hidden, device="cuda").to(torch.bfloat16)
-    lay = buf.get_dispatch_layout(idx, world)[:4]
-    recv_x, _, recv_w, _, handle, _ = dispatch(buf, x, lay, idx, w)
+    buf, _, idx, recv_x, recv_w, handle = _dispatched(world)
     out, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
     torch.cuda.synchronize()
     assert not out.isnan().any()
