@@ -1,8 +1,8 @@
 // Intranode combine, one pipelined kernel: an entry barrier (staging reuse, call headers),
 // then pusher blocks send every received row back to its source rank's staging (ordered by
-// expert rank and position) chunk by chunk, publishing each chunk, while reducer blocks sum
-// each token's rows in rank order in fp32 as soon as the chunks holding them have landed
-// (rows this rank kept for itself are read in place).
+// expert rank and position) chunk by chunk, publishing each chunk, while reducer warps (and
+// pushers once done) sum each token's rows in rank order in fp32 as soon as the chunks
+// holding them have landed (rows this rank kept for itself are read in place).
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -318,9 +318,11 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
   }
   if (ok) reduce_role<kDtype, kVec, kUnroll, kRanks>(p, s);
   // Every block read the sequence before its CTA barrier above; the last one to get here
-  // advances it past this combine, for the next call on this stream.
+  // advances it past this combine, for the next call on this stream, and zeroes the token
+  // counter (the fence orders the block's grabs, even a failed warp's last, before that).
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();
     unsigned* done = seq_done_blocks(p.bufs.p[p.rank]);
     if (atomicAdd(done, 1u) == gridDim.x - 1) {
       *done = 0;
