@@ -144,9 +144,10 @@ __device__ void push_role(const CombineParams& p, const Plan& s, int b, int nb, 
     }
 #endif
     for (int i = warp; i < last - first && (!kTma || p.has_w); i += kCombineWarps) {
-      if constexpr (!kTma)
-        copy_row<V, kUnroll>(p.x + (row0 + i) * p.row_bytes, p.row_bytes, base + kDataOffset + (drow0 + i) * p.row_bytes,
-                             lane);
+      if constexpr (!kTma) {
+        copy_row<V, kUnroll>(p.x + (row0 + i) * p.row_bytes, p.row_bytes,
+                             base + kDataOffset + (drow0 + i) * p.row_bytes, lane);
+      }
       if (p.has_w) {
         float* dw = reinterpret_cast<float*>(base + p.w_offset);
         for (int q = lane; q < p.num_topk; q += dev::kWarpSize)
@@ -309,8 +310,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
     extern __shared__ __align__(128) uint8_t s_tma[];
     __shared__ uint64_t s_bar[kCombineWarps * kTmaStages];
     TmaPipe pipe;
-    const int warp = threadIdx.x / dev::kWarpSize;
-    if constexpr (kTma) pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, threadIdx.x % dev::kWarpSize);
+    const int warp = threadIdx.x / dev::kWarpSize, lane = threadIdx.x % dev::kWarpSize;
+    if constexpr (kTma) pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, lane);
     push_role<V, 8, kTma>(p, s, b, P, &pipe);
 #else
     push_role<V, 8, kTma>(p, s, b, P, nullptr);
