@@ -108,11 +108,12 @@ __device__ void make_plan(const CombineParams& p, Plan& s) {
         if (blockIdx.x == 0) record_status(p.status, kStatusCombineOverflow, src, rows, p.staging_rows);
       }
     }
-    int64_t back = p.num_tokens;
-    for (int r = 0; r < R; ++r) back += sent_rows(p.prefix, R, p.rank, r);
-    const int64_t own = sent_rows(p.prefix, R, p.rank, p.rank);
-    const int64_t push = (R > 0 ? p.prefix[(R - 1) * R + p.rank] : 0) - own;
-    s.push_blocks = combine_push_blocks(push, back, gridDim.x);
+    // Rows pushed: those received from peers. Reduce transfers: every returned row read (own
+    // included), one row written per token.
+    int64_t reduce = p.num_tokens;
+    for (int r = 0; r < R; ++r) reduce += sent_rows(p.prefix, R, p.rank, r);
+    const int64_t push = p.prefix[(R - 1) * R + p.rank] - sent_rows(p.prefix, R, p.rank, p.rank);
+    s.push_blocks = combine_push_blocks(push, reduce, gridDim.x);
   }
 }
 
