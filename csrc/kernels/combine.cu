@@ -360,6 +360,39 @@ HostPlan plan(const CombineArgs& a) {
   return h;
 }
 
+template <int kDtype, bool kVec, int kUnroll, int kRanks>
+void launch(const CombineParams& p, int blocks, bool tma, gpuStream_t s) {
+#if defined(UCCL_EP_DEVICE_CUDA)
+  if constexpr (kVec) {
+    if (tma) {
+      auto* k = combine_kernel<kDtype, true, kUnroll, kRanks, true>;
+      constexpr int smem = tma_smem_bytes(kCombineWarps);
+      GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      k<<<blocks, kCombineThreads, smem, s>>>(p);
+      return;
+    }
+  }
+#endif
+  combine_kernel<kDtype, kVec, kUnroll, kRanks, false><<<blocks, kCombineThreads, 0, s>>>(p);
+}
+
+// kRanks bounds the reducer's rank loop so its per-source loads stay in registers, and kUnroll
+// fills them: with 16-byte loads, 2 x 8 (2 ranks) or 4 x 4 (4 ranks) vectors per lane, ~8 KB in
+// flight per warp and ~100-120 registers without spills; 8 ranks keep 8 x 2 (the loads a token
+// has in flight grow with the ranks it reached).
+template <int kDtype>
+void launch_dtype(const CombineParams& p, int R, bool vec, bool tma, int blocks, gpuStream_t s) {
+  if (!vec) {
+    launch<kDtype, false, 2, kMaxRanks>(p, blocks, false, s);
+  } else if (R <= 2) {
+    launch<kDtype, true, 8, 2>(p, blocks, tma, s);
+  } else if (R <= 4) {
+    launch<kDtype, true, 4, 4>(p, blocks, tma, s);
+  } else {
+    launch<kDtype, true, 2, kMaxRanks>(p, blocks, tma, s);
+  }
+}
+
 }  // namespace
 
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk) {
@@ -396,42 +429,13 @@ void intranode_combine(const CombineArgs& a, intptr_t stream) {
   const int blocks = std::max(R > 1 ? 2 : 1, a.num_sms);
   const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0 && a.out % 16 == 0 && a.bias0 % 16 == 0 && a.bias1 % 16 == 0;
   const bool tma = vec && a.use_tma && tma_supported();
-#if defined(UCCL_EP_DEVICE_CUDA)
-  constexpr int smem = tma_smem_bytes(kCombineWarps);
-#define UCCL_EP_LAUNCH_TMA(DT, UNROLL, RANKS)                                                                    \
-  do {                                                                                                         \
-    auto* k = combine_kernel<DT, true, UNROLL, RANKS, true>;                                                   \
-    GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));                     \
-    k<<<blocks, kCombineThreads, smem, s>>>(p);                                                                \
-  } while (0)
-#else
-#define UCCL_EP_LAUNCH_TMA(DT, UNROLL, RANKS) UCCL_EP_CHECK_ARG(false, "bulk copies need an sm_90+ NVIDIA GPU")
-#endif
-  // kRanks bounds the reducer's rank loop (2 for EP2, else kMaxRanks) so its per-source loads
-  // stay in registers: more loads in flight per warp is what a local reduce needs.
-#define UCCL_EP_LAUNCH_COMBINE(DT)                                                   \
-  do {                                                                               \
-    if (tma && R <= 2) {                                                             \
-      UCCL_EP_LAUNCH_TMA(DT, 4, 2);                                                  \
-    } else if (tma) {                                                                \
-      UCCL_EP_LAUNCH_TMA(DT, 2, kMaxRanks);                                          \
-    } else if (vec && R <= 2) {                                                      \
-      combine_kernel<DT, true, 4, 2, false><<<blocks, kCombineThreads, 0, s>>>(p);   \
-    } else if (vec) {                                                                \
-      combine_kernel<DT, true, 2, kMaxRanks, false><<<blocks, kCombineThreads, 0, s>>>(p); \
-    } else {                                                                         \
-      combine_kernel<DT, false, 2, kMaxRanks, false><<<blocks, kCombineThreads, 0, s>>>(p); \
-    }                                                                                \
-  } while (0)
   if (a.dtype == 0) {
-    UCCL_EP_LAUNCH_COMBINE(0);
+    launch_dtype<0>(p, R, vec, tma, blocks, s);
   } else if (a.dtype == 1) {
-    UCCL_EP_LAUNCH_COMBINE(1);
+    launch_dtype<1>(p, R, vec, tma, blocks, s);
   } else {
-    UCCL_EP_LAUNCH_COMBINE(2);
+    launch_dtype<2>(p, R, vec, tma, blocks, s);
   }
-#undef UCCL_EP_LAUNCH_COMBINE
-#undef UCCL_EP_LAUNCH_TMA
   GPU_CHECK(gpuGetLastError());
 }
 
