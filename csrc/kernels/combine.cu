@@ -59,9 +59,9 @@ __device__ __forceinline__ int chunk_rows(int rows) {
   return per > kCombineMinChunkRows ? per : kCombineMinChunkRows;
 }
 
-// Tokens handed out to reducer warps so far in this combine (kSeqOffset's third word).
+// Tokens handed out to reducer warps so far in this combine (see kSeqOffset).
 __device__ __forceinline__ unsigned* reduce_tokens(uint8_t* buf) {
-  return reinterpret_cast<unsigned*>(buf + kSeqOffset + 12);
+  return reinterpret_cast<unsigned*>(buf + kSeqOffset + 16);
 }
 
 __device__ __forceinline__ uint64_t* combine_flag(uint8_t* buf, int expert_rank, int chunk) {

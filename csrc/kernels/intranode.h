@@ -49,12 +49,13 @@ constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxCh
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
 // The call sequence lives on the device, not in kernel arguments, so a captured CUDA graph
 // replays with fresh sequence numbers: uint64 last sequence used, then a uint32 count of the
-// combine blocks that finished (the last one advances the sequence and zeroes both counts),
-// then a uint32 count of the tokens handed out to the combine's reducer warps.
+// combine blocks that finished (the last one advances the sequence and zeroes both counts);
+// at +16 a uint32 count of the tokens handed out to the combine's reducer warps (+12 is left
+// to the dispatch).
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
 // combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
-static_assert(kSeqOffset + 16 <= kDataOffset, "control overlap");
+static_assert(kSeqOffset + 20 <= kDataOffset, "control overlap");
 // Peer abort: a rank whose own checks reject a call before it launches anything writes, into
 // every peer's control region, its reason (text, NUL-padded) and then a word
 // {call number << 8 | error class code} at [its rank]. A barrier wait that finds a peer's word
