@@ -9,6 +9,7 @@ cases that need real allocations are in ``tests/gpu/test_bindings_checks.py``.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from uccl_ep_megatron import _C
 from uccl_ep_megatron.errors import InvalidInputError
@@ -50,12 +51,52 @@ def test_kernel_launches_check_their_buffers_first():
         _C.IntranodeContext([MADE_UP, MADE_UP + 4096], 1 << 20, 2, 2, 0, 1, False)
     with pytest.raises(InvalidInputError, match="buffer_bytes=0 must be positive"):
         _C.IntranodeContext([MADE_UP], 0, 0, 1, 0, 1, False)
-    common = _C.internode.Common()
-    common.num_ranks, common.ranks_per_node, common.nvl = 2, 1, [MADE_UP]
-    common.region, common.region_bytes = MADE_UP, 1 << 20
-    with pytest.raises(InvalidInputError, match="internode node_barrier: region"):
-        _C.internode.node_barrier(common, 1, 0)
-    d = _C.internode.DispatchArgs()
-    d.common, d.row_bytes = common, 16
-    with pytest.raises(InvalidInputError, match="internode dispatch: region"):
-        _C.internode.dispatch(d, 0)
+
+
+def _internode_context(**change):
+    """``_C.internode.Context`` arguments of a 2-node group (one rank per node), changed by
+    ``change``; the region is made up, so only checks that come before it can pass."""
+    num_fifos = 8
+    handle_bytes = 64  # sizeof(FifoDeviceHandle)
+    kw = dict(
+        rank=0,
+        num_ranks=2,
+        ranks_per_node=1,
+        fifo_handles=torch.zeros(num_fifos * handle_bytes, dtype=torch.uint8),
+        num_fifos=num_fifos,
+        counters=0,
+        state=torch.zeros(int(_C.internode.STATE_WORDS), dtype=torch.int64),
+        region=MADE_UP,
+        region_bytes=1 << 20,
+        nvl=[MADE_UP],
+        stage_offset=4096,
+        status=0,
+        timeout_ns=10**9,
+    )
+    kw.update(change)
+    return _C.internode.Context(**kw)
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({}, "internode Context: region"),
+        ({"rank": 2}, "internode Context: rank=2 num_ranks=2 ranks_per_node=1"),
+        ({"ranks_per_node": 3}, "num_ranks=2 ranks_per_node=3"),
+        ({"nvl": [MADE_UP, MADE_UP]}, "got 2 NVLink buffers for 1 ranks per node"),
+        ({"region_bytes": 0}, "region_bytes=0 must be positive"),
+        ({"num_fifos": 0}, "num_fifos=0 must be positive"),
+        (
+            {"fifo_handles": torch.zeros(3, dtype=torch.uint8)},
+            r"fifo_handles has shape \[3\]; expected 1-D with 512 rows",
+        ),
+        (
+            {"state": torch.zeros(int(_C.internode.STATE_WORDS), dtype=torch.int32)},
+            "internode Context: state has dtype int32",
+        ),
+        ({"state": None}, "internode Context: state is None"),
+    ],
+)
+def test_internode_context_checks_its_fields(change, needle):
+    with pytest.raises(InvalidInputError, match=needle):
+        _internode_context(**change)

@@ -42,7 +42,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import math
 from typing import Any
 
 import torch
@@ -62,6 +61,11 @@ from uccl_ep_megatron.token_dispatcher.permute import (
     unpermute,
     unpermute_fused,
     unpermute_megatron,
+)
+from uccl_ep_megatron.token_dispatcher.sizing import (
+    DropLog,
+    quantization_alignment,
+    sync_free_sizes,
 )
 
 from uccl_ep_megatron.api import ops
@@ -87,23 +91,6 @@ def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
         log.info(message)
-
-
-def quantization_alignment(config: Any) -> int:
-    """Rows per expert are padded to this multiple (1 = no padding) for FP8/FP4 GEMMs."""
-    enabled = getattr(config, "moe_router_padding_for_quantization", False) or getattr(
-        config, "moe_router_padding_for_fp8", False
-    )
-    if not enabled:
-        return 1
-    try:
-        from megatron.core.transformer.moe.moe_utils import get_align_size_for_quantization
-    except ImportError:  # megatron-core < 0.16: FP8 only
-        from megatron.core.fp8_utils import get_fp8_align_size
-
-        return int(get_fp8_align_size(config.fp8_recipe))
-    # 0.19 answers 0 (no padding) when neither FP8 nor FP4 is on.
-    return max(1, int(get_align_size_for_quantization(config)))
 
 
 class UcclEpTokenDispatcher(MoETokenDispatcher):
@@ -158,9 +145,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         # Sync-free mode: sizes per number of input tokens (fixed in training), drop counter.
         self._sizes: dict[int, tuple[int, int]] = {}
         self.dropped: torch.Tensor | None = None  # int64 [1] on the device, accumulated
-        self._forwards = 0
-        self._drop_read: tuple[torch.Tensor, Any] | None = None  # (pinned copy, event)
-        self._drops_logged = 0
+        self._drop_log = DropLog(self.options.drop_log_interval, self.layer_number, log)
         # Per-forward state (set by dispatch, consumed by combine).
         self.hidden_shape: torch.Size | None = None
         self.token_indices: torch.Tensor | None = None
@@ -246,22 +231,15 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
     def _sync_free_sizes(self, num_tokens: int) -> tuple[int, int]:
         """(capacity per local expert, num_worst_tokens) for ``num_tokens`` tokens per rank."""
         sizes = self._sizes.get(num_tokens)
-        if sizes is not None:
-            return sizes
-        cfg = self.config
-        megatron = bool(getattr(cfg, "moe_pad_expert_input_to_capacity", False))
-        factor = cfg.moe_expert_capacity_factor if megatron else self.options.capacity_factor
-        per_source = math.ceil(num_tokens * cfg.moe_router_topk / cfg.num_moe_experts * factor)
-        capacity = per_source * self.num_ranks
-        capacity = -(-capacity // self.align) * self.align
-        if megatron:
-            # The router capped every expert at `per_source` tokens of this rank, so a source
-            # sends a rank at most min(tokens, L x per_source) rows.
-            worst = self.num_ranks * min(num_tokens, self.num_local_experts * per_source)
-        else:
-            worst = self.num_ranks * num_tokens
-        sizes = (max(capacity, self.align), max(worst, 1))
-        self._sizes[num_tokens] = sizes
+        if sizes is None:
+            sizes = self._sizes[num_tokens] = sync_free_sizes(
+                self.config,
+                self.options.capacity_factor,
+                num_tokens,
+                self.num_ranks,
+                self.num_local_experts,
+                self.align,
+            )
         return sizes
 
     def set_shared_experts(self, shared_experts: Any) -> None:
@@ -419,42 +397,11 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             permuted_probs = permuted_probs.to(torch.float64)
         self.tokens_per_expert = torch.tensor(self.plan.tokens_per_expert, dtype=torch.int64)
         if capacity:
-            self._note_drops()
+            self._drop_log.note(self.dropped)
         return rows, self.tokens_per_expert, permuted_probs
 
     def _aligned(self, counts: list[int]) -> list[int]:
         return [(c + self.align - 1) // self.align * self.align for c in counts]
-
-    # ---- dropped pairs (sync-free mode) -----------------------------------------------------
-    def _note_drops(self) -> None:
-        """Every ``drop_log_interval`` forwards: log the count copied at the previous interval
-        (if that copy has finished; never waited for), then start the next asynchronous copy."""
-        interval = self.options.drop_log_interval
-        self._forwards += 1
-        if not interval or self._forwards % interval:
-            return
-        if self.dropped.device.type != "cuda":
-            self._log_drops(int(self.dropped[0]))
-            return
-        if self._drop_read is not None and self._drop_read[1].query():
-            self._log_drops(int(self._drop_read[0][0]))
-        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
-        host.copy_(self.dropped, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._drop_read = (host, event)
-
-    def _log_drops(self, total: int) -> None:
-        if total > self._drops_logged:
-            log.warning(
-                "uccl_ep layer %s: %d (token, expert) pairs dropped by the sync-free capacity "
-                "so far (%d since the last report); raise --moe-uccl-ep-capacity-factor to drop "
-                "fewer",
-                self.layer_number,
-                total,
-                total - self._drops_logged,
-            )
-            self._drops_logged = total
 
     def dropped_pairs(self) -> int:
         """Pairs dropped by the capacity so far on this rank (reads the GPU counter: a sync)."""

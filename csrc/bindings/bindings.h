@@ -10,6 +10,9 @@ void bind_kernels(pybind11::module_& m);
 // The intranode backend's per-call entry points (intranode_calls.cc), bound by bind_kernels.
 void bind_intranode_calls(pybind11::module_& m);
 void bind_internode(pybind11::module_& m);
+// The internode backend's per-call entry points (internode_calls.cc), bound by bind_internode
+// into the `internode` submodule.
+void bind_internode_calls(pybind11::module_& m);
 void bind_permute(pybind11::module_& m);
 void bind_proxy(pybind11::module_& m);
 

@@ -17,6 +17,7 @@
 #include <Python.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <initializer_list>
@@ -171,10 +172,19 @@ struct Context {
   intptr_t status = 0;
   int64_t timeout_ns = 0;
   bool use_tma = false;
+  // Receive arenas (zero-copy dispatch), every rank's as mapped here; empty when off.
+  std::vector<intptr_t> arenas;
+  std::vector<int64_t> arena_sizes;  // bytes of each rank's arena
 
   // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
+  void fill(k::DispatchArgs& a) const {
+    fill_common(a);
+    a.arenas = arenas;
+  }
+  void fill(k::CombineArgs& a) const { fill_common(a); }
+
   template <typename Args>
-  void fill(Args& a) const {
+  void fill_common(Args& a) const {
     a.buffers = buffers;
     a.buffer_bytes = buffer_bytes;
     a.rank = rank;
@@ -189,6 +199,18 @@ struct Context {
                       " num_ranks=", num_ranks, " (at most ", k::kMaxRanks, ")");
     check_buffers(buffers, num_ranks, buffer_bytes, what);
     check_status_of(status, what);
+  }
+
+  // Zero-copy dispatch: every output that holds bytes lies inside this rank's arena.
+  void check_in_arena(std::initializer_list<const TensorView*> outs) const {
+    UCCL_EP_CHECK_ARG(!arenas.empty(), "intranode_dispatch: zero_copy=True but this context has no receive arenas");
+    const intptr_t lo = arenas[rank], hi = lo + arena_sizes[rank];
+    for (const TensorView* v : outs) {
+      if (v->none || v->bytes() == 0) continue;
+      UCCL_EP_CHECK_ARG(v->ptr >= lo && v->ptr + v->bytes() <= hi, "intranode_dispatch: a zero-copy output [",
+                        v->ptr, ", +", v->bytes(), ") lies outside this rank's receive arena [", lo, ", +",
+                        arena_sizes[rank], ")");
+    }
   }
 };
 
@@ -241,8 +263,8 @@ int64_t rows_sent(const std::vector<int64_t>& pm, int num_ranks, int s, int j) {
 // positions are reused); `topk_idx` None: no ids to scan.
 void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::handle per_expert_t,
                  py::handle info_t, py::handle in_rank_t, py::handle send_pos_t, py::handle topk_idx_t,
-                 py::handle out_bounds_t, int experts_per_rank, int expert_alignment, int num_worst_tokens,
-                 int num_experts, int64_t header) {
+                 bool readback, int experts_per_rank, int expert_alignment, int num_worst_tokens,
+                 int num_experts, int64_t header, const std::vector<int64_t>& recv_entry) {
   c.check("intranode_notify");
   const int R = c.num_ranks;
   UCCL_EP_CHECK_ARG(experts_per_rank >= 0 && experts_per_rank <= k::kMaxLocalExperts && num_worst_tokens >= 0 &&
@@ -258,16 +280,54 @@ void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::h
       arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + experts_per_rank, -1, {Dt::kInt32});
   const TensorView send_pos = arg(send_pos_t, "intranode_notify: send_pos", true, 2, T, R, {Dt::kInt32});
   const TensorView idx = arg(topk_idx_t, "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
-  const TensorView bounds =
-      arg(out_bounds_t, "intranode_notify: out_bounds", true, 1, int64_t{R} * k::kCheckWords, -1, {Dt::kInt64});
+  UCCL_EP_CHECK_ARG(recv_entry.empty() || static_cast<int>(recv_entry.size()) == k::kRecvEntryArgs,
+                    "intranode_notify: recv_entry has ", recv_entry.size(), " words; expected ", k::kRecvEntryArgs,
+                    " or none");
+  if (!recv_entry.empty() && recv_entry[0] == 1) {
+    UCCL_EP_CHECK_ARG(!c.arenas.empty(), "intranode_notify: a zero-copy recv_entry but no receive arenas");
+    for (int i = 1; i < k::kRecvEntryArgs; ++i)
+      UCCL_EP_CHECK_ARG(recv_entry[i] >= -1 && recv_entry[i] < c.arena_sizes[c.rank], "intranode_notify: recv_entry[",
+                        i, "]=", recv_entry[i], " is outside the ", c.arena_sizes[c.rank], "-byte receive arena");
+  }
   check_ptr(per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
   check_ptr(info.ptr, true, "intranode_notify: out_info");
   check_ptr(in_rank.ptr, !send_pos.none && T > 0, "intranode_notify: is_token_in_rank");
+  intptr_t rb = 0;
+  if (readback) {
+    // Cleared before the launch: the host's store precedes the kernel's.
+    auto* w = reinterpret_cast<volatile int64_t*>(c.status);
+    w[k::kReadbackWord] = 0;
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    rb = c.status + static_cast<intptr_t>(sizeof(int64_t)) * k::kReadbackWord;
+  }
   // The prefix matrix is info's head: the kernel writes both from one pass.
   k::intranode_notify(c.buffers, c.rank, R, per_rank.ptr, per_expert.ptr, experts_per_rank, expert_alignment,
                       info.ptr, info.ptr, c.status, c.timeout_ns, in_rank.ptr, static_cast<int>(T), send_pos.ptr,
                       stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64,
-                      idx.none ? 0 : static_cast<int>(idx.size[1]), bounds.ptr, num_worst_tokens, num_experts, header);
+                      idx.none ? 0 : static_cast<int>(idx.size[1]), rb, num_worst_tokens, num_experts, header,
+                      recv_entry);
+}
+
+// The readback of the notify launched with `readback`: (1, out_info's `num_info` words + every
+// rank's checks), (-1, []) when its barrier failed (the status words say why), (0, []) when it
+// did not finish within two timeouts (the stream is stuck behind earlier work).
+py::tuple read_counts(const Context& c, int num_info) {
+  const int R = c.num_ranks;
+  UCCL_EP_CHECK_ARG(num_info >= R * R && num_info <= R * R + k::kMaxLocalExperts, "intranode_read_counts: num_info=",
+                    num_info, " is not R*R + local experts for R=", R);
+  c.check("intranode_read_counts");
+  int state = 0;
+  {
+    py::gil_scoped_release nogil;
+    state = k::host_readback_wait(c.status, 2 * c.timeout_ns);
+  }
+  py::list out;
+  if (state != 1) return py::make_tuple(state, out);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const volatile int64_t* w = reinterpret_cast<const volatile int64_t*>(c.status) + k::kReadbackWord;
+  for (int i = 0; i < num_info; ++i) out.append(static_cast<int64_t>(w[k::kReadbackInfo + i]));
+  for (int i = 0; i < R * k::kCheckWords; ++i) out.append(static_cast<int64_t>(w[k::kReadbackChecks + i]));
+  return py::make_tuple(state, out);
 }
 
 // The dispatch kernel, then the poison fold of its outputs. `topk_idx`/`topk_weights` and
@@ -277,7 +337,7 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
                    py::handle weights_t, py::handle in_rank_t, py::handle info_t, py::handle send_pos_t,
                    py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t, py::handle recv_w_t,
                    py::handle recv_src_t, bool cached, int num_sms, int experts_per_rank, int num_recv, int own_rows,
-                   int64_t send_rows, int64_t staging_rows) {
+                   int64_t send_rows, int64_t staging_rows, bool zero_copy, bool entry_published) {
   c.check("intranode_dispatch");
   const int R = c.num_ranks;
   const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
@@ -332,6 +392,9 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
   a.send_rows = send_rows;
   a.staging_rows = staging_rows;
   a.num_sms = num_sms;
+  a.zero_copy = zero_copy;
+  a.entry_published = entry_published;
+  if (zero_copy) c.check_in_arena({&recv_x, &recv_scales, &recv_idx, &recv_w, &recv_src});
   check_dispatch(a);
   k::intranode_dispatch(a, stream);
   // A failure inside this call is raised at the next one; until then the outputs say so.
@@ -451,25 +514,42 @@ void bind_intranode_calls(py::module_& m) {
                       "The per-Buffer part of every intranode launch (buffers, rank, status, timeout), "
                       "checked when built; rebuilt after a buffer regrow.")
       .def(py::init([](std::vector<intptr_t> buffers, int64_t buffer_bytes, int rank, int num_ranks,
-                       intptr_t status, int64_t timeout_ns, bool use_tma) {
-             Context c{std::move(buffers), buffer_bytes, rank, num_ranks, status, timeout_ns, use_tma};
+                       intptr_t status, int64_t timeout_ns, bool use_tma, std::vector<intptr_t> arenas,
+                       std::vector<int64_t> arena_sizes) {
+             Context c{std::move(buffers), buffer_bytes, rank,  num_ranks,         status,
+                       timeout_ns,         use_tma,      std::move(arenas), std::move(arena_sizes)};
              c.check("IntranodeContext");
+             if (!c.arenas.empty()) {
+               UCCL_EP_CHECK_ARG(static_cast<int>(c.arenas.size()) == num_ranks && c.arena_sizes.size() == c.arenas.size(),
+                                 "IntranodeContext: ", c.arenas.size(), " receive arenas and ", c.arena_sizes.size(),
+                                 " sizes for ", num_ranks, " ranks");
+               for (int r = 0; r < num_ranks; ++r)
+                 check_buffers({c.arenas[r]}, 1, c.arena_sizes[r], "IntranodeContext: receive arena");
+             }
              return c;
            }),
            py::arg("buffers"), py::arg("buffer_bytes"), py::arg("rank"), py::arg("num_ranks"), py::arg("status"),
-           py::arg("timeout_ns"), py::arg("use_tma"))
+           py::arg("timeout_ns"), py::arg("use_tma"), py::arg("arenas") = std::vector<intptr_t>{},
+           py::arg("arena_sizes") = std::vector<int64_t>{})
       .def_readonly("buffers", &Context::buffers)
       .def_readonly("buffer_bytes", &Context::buffer_bytes);
   // Positional only (no keyword matching per call): argument order as in the C++ functions.
   m.def("intranode_notify_call", &notify_call,
         "notify(ctx, stream, num_tokens_per_rank, num_tokens_per_expert|None, out_info, is_token_in_rank, "
-        "send_pos|None (cached), topk_idx|None, out_bounds|None, experts_per_rank, expert_alignment, "
-        "num_worst_tokens, num_experts, header): the counts exchange and entry barrier of a dispatch.");
+        "send_pos|None (cached), topk_idx|None, readback, experts_per_rank, expert_alignment, "
+        "num_worst_tokens, num_experts, header, recv_entry ([] or {mode, 5 arena offsets}, published to every "
+        "peer before the barrier)): the counts exchange and entry barrier of a dispatch; with `readback` the "
+        "counts and every rank's checks also go to the host (intranode_read_counts).");
+  m.def("intranode_read_counts", &read_counts, py::arg("ctx"), py::arg("num_info"),
+        "(state, words) of the notify launched with readback: state 1 with out_info's num_info words and "
+        "every rank's checks, -1 when its barrier failed (status words), 0 when it did not finish in time.");
   m.def("intranode_dispatch_call", &dispatch_call,
         "dispatch(ctx, stream, x, x_scales, topk_idx, topk_weights, is_token_in_rank, rank_prefix_matrix, "
         "send_pos, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, num_sms, "
-        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows): the dispatch kernel and the poison "
-        "fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out).");
+        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows, zero_copy, entry_published): the dispatch "
+        "kernel and the "
+        "poison fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out); zero_copy: "
+        "the outputs lie in this rank's receive arena and peers write them directly.");
   m.def("intranode_combine_call", &combine_call,
         "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
         "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "

@@ -20,9 +20,25 @@ struct Peers {
   uint8_t* p[kMaxRanks];
 };
 
+// The table of `buffers` (one per rank) after checking its size.
+inline Peers make_peers(const std::vector<intptr_t>& buffers, int num_ranks) {
+  UCCL_EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks=", num_ranks,
+                    " is outside 1..", kMaxRanks, " (the intranode kernels serve one node)");
+  UCCL_EP_CHECK_ARG(static_cast<int>(buffers.size()) == num_ranks, "got ", buffers.size(), " buffers for ",
+                    num_ranks, " ranks");
+  Peers p{};
+  for (int r = 0; r < num_ranks; ++r) p.p[r] = reinterpret_cast<uint8_t*>(buffers[r]);
+  return p;
+}
+
 // Site codes reported in the status words (Python maps them to names).
-// kSiteCombineReceive: a combine reducer waits for a chunk of the rows an expert rank returns.
-enum BarrierSite : int { kSiteNotify = 1, kSiteDispatchDone = 2, kSiteCombineEntry = 3, kSiteCombineReceive = 4 };
+enum BarrierSite : int {
+  kSiteNotify = 1,
+  kSiteDispatchDone = 2,
+  kSiteCombineEntry = 3,
+  kSiteCombineReceive = 4,  // a combine reducer waiting for a chunk of the rows a rank returns
+  kSiteDispatchEntry = 5,  // a sender waiting for a destination's receive entry (zero-copy)
+};
 
 __device__ __forceinline__ uint64_t* flags_of(uint8_t* buf) {
   return reinterpret_cast<uint64_t*>(buf + kFlagsOffset);
@@ -56,6 +72,28 @@ __device__ __forceinline__ bool status_set(const StatusRef& s) {
 __device__ __forceinline__ uint64_t* seq_counter(uint8_t* buf) { return reinterpret_cast<uint64_t*>(buf + kSeqOffset); }
 __device__ __forceinline__ unsigned* seq_done_blocks(uint8_t* buf) {
   return reinterpret_cast<unsigned*>(buf + kSeqOffset + 8);
+}
+__device__ __forceinline__ unsigned* send_done_blocks(uint8_t* buf) {
+  return reinterpret_cast<unsigned*>(buf + kSeqOffset + 12);
+}
+
+// The control slot (kNotifySlots) of the notify with sequence `seq`, and its arrays there.
+__device__ __forceinline__ int notify_slot(uint64_t seq) { return static_cast<int>(seq % kNotifySlots); }
+__device__ __forceinline__ int* tokens_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kTokensOffset) + slot * kMaxRanks;
+}
+// The receive entry words a launch publishes (kernel parameter; see intranode_notify).
+struct RecvEntryArgs {
+  int64_t w[kRecvEntryArgs];
+  bool on;
+};
+
+// Source `src`'s receive entry in `buf` (see kRecvEntryOffset), and the done words.
+__device__ __forceinline__ uint64_t* recv_entry(uint8_t* buf, int slot, int src) {
+  return reinterpret_cast<uint64_t*>(buf + kRecvEntryOffset) + (slot * kMaxRanks + src) * kRecvEntryWords;
+}
+__device__ __forceinline__ uint64_t* recv_done(uint8_t* buf) {
+  return reinterpret_cast<uint64_t*>(buf + kRecvDoneOffset);
 }
 
 // Records a failure unless one is already recorded: the first failure wins (a CAS on the

@@ -1,11 +1,12 @@
-// Intranode dispatch: notify (count exchange, entry barrier, send positions), then one
-// pipelined kernel: sender blocks write each row once to every destination at its final row
-// index (own rows straight into the outputs, peer rows into the peer's staging) and publish
-// per-chunk progress; receiver blocks copy landed peer chunks into the fresh outputs.
+// Intranode dispatch (after notify, notify.cu): one pipelined kernel. Sender blocks write each
+// row once to every destination at its final row index: own rows straight into the outputs,
+// a peer's into its outputs in its receive arena when it receives zero-copy, else into its
+// staging with per-chunk progress, which a staged rank's receiver blocks copy out as it lands.
 #include <algorithm>
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/dispatch_params.cuh"
 
 namespace uccl_ep::kernels {
 
@@ -27,263 +28,7 @@ StagingLayout dispatch_staging_layout(int64_t rows, int64_t row_bytes, int num_s
 
 namespace {
 
-constexpr int kNotifyThreads = 1024;
-constexpr int kNotifyWarps = kNotifyThreads / dev::kWarpSize;
-constexpr int kSendThreads = 512;
-constexpr int kSendWarps = kSendThreads / dev::kWarpSize;
-
-// send_pos[t][r] = position of token t among the tokens sent to rank r (an exclusive scan of
-// column r of is_token_in_rank), -1 where not sent; one block, tile by tile with warp ballots.
-__device__ void scan_send_pos(const bool* in_rank, int num_tokens, int R, int* send_pos) {
-  __shared__ int s_running[kMaxRanks];
-  __shared__ int s_warp[kNotifyWarps][kMaxRanks];
-  const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
-  if (tid < kMaxRanks) s_running[tid] = 0;
-  __syncthreads();
-  for (int tile = 0; tile < num_tokens; tile += blockDim.x) {
-    const int t = tile + tid;
-    const bool valid = t < num_tokens;
-    bool flag[kMaxRanks];
-    int lane_pos[kMaxRanks];
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r) {
-      flag[r] = valid && r < R && in_rank[static_cast<int64_t>(t) * R + r];
-      const lane_mask_t b = dev::warp_ballot(flag[r]);
-      lane_pos[r] = dev::popc_mask(b & dev::lanemask_lt());
-      if (lane == 0) s_warp[warp][r] = dev::popc_mask(b);
-    }
-    __syncthreads();
-    if (tid < R) {
-      int running = s_running[tid];
-      for (int w = 0; w < kNotifyWarps; ++w) {
-        const int v = s_warp[w][tid];
-        s_warp[w][tid] = running;
-        running += v;
-      }
-      s_running[tid] = running;
-    }
-    __syncthreads();
-    if (valid) {
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r)
-        if (r < R) send_pos[static_cast<int64_t>(t) * R + r] = flag[r] ? s_warp[warp][r] + lane_pos[r] : -1;
-    }
-    __syncthreads();
-  }
-}
-
-// The control slot (kNotifySlots) of the notify with sequence `seq`, and its arrays there.
-__device__ __forceinline__ int notify_slot(uint64_t seq) { return static_cast<int>(seq % kNotifySlots); }
-__device__ __forceinline__ int* tokens_of(uint8_t* buf, int slot) {
-  return reinterpret_cast<int*>(buf + kTokensOffset) + slot * kMaxRanks;
-}
-__device__ __forceinline__ int* counts_of(uint8_t* buf, int slot) {
-  return reinterpret_cast<int*>(buf + kCountsOffset) + slot * kMaxRanks * kMaxRanks;
-}
-__device__ __forceinline__ int* expert_counts_of(uint8_t* buf, int slot) {
-  return reinterpret_cast<int*>(buf + kExpertCountsOffset) + static_cast<int64_t>(slot) * kMaxRanks * kMaxLocalExperts;
-}
-
-__device__ __forceinline__ int64_t* id_bounds_of(uint8_t* buf, int slot) {
-  return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * kCheckWords;
-}
-
-// Sync-free mode: the first bad input of any rank, judged from data every rank holds alike
-// (each rank's checks and the whole count matrix), so every rank records the same error and
-// skips the same data movement; nothing reaches the host until its next call reads the word.
-// Order: call headers, expert ids of ranks 0..R-1, then layouts, then received row counts.
-__device__ void record_input_error(const volatile int64_t* checks, const int* counts_raw, int R, int worst,
-                                   int num_experts, const StatusRef& status) {
-  const volatile int* counts = counts_raw;
-  int64_t code = 0, who = 0, value = 0, extra = 0;
-  // Ranks that disagree on the call (packed header, word 5) first: their other checks and
-  // counts mean different things.
-  for (int r = 1; r < R && code == 0; ++r) {
-    if (checks[r * kCheckWords + 5] != checks[5]) code = kStatusHeaderMismatch, who = r, value = 0, extra = 0;
-  }
-  for (int r = 0; r < R && code == 0; ++r) {
-    const int64_t lo = checks[r * kCheckWords], hi = checks[r * kCheckWords + 1];
-    if (num_experts > 0 && (lo < -1 || hi >= num_experts)) {
-      code = kStatusBadExpertId, who = r, value = lo < -1 ? lo : hi, extra = num_experts;
-    }
-  }
-  for (int r = 0; r < R && code == 0; ++r) {
-    const int64_t dest = checks[r * kCheckWords + 2];
-    if (dest >= 0) {
-      code = kStatusLayoutMismatch, who = r, value = dest;
-      extra = (checks[r * kCheckWords + 3] << 32) | (checks[r * kCheckWords + 4] & 0xFFFFFFFFll);
-    }
-  }
-  for (int j = 0; j < R && code == 0; ++j) {
-    int64_t rows = 0;
-    for (int s = 0; s < R; ++s) rows += counts[s * kMaxRanks + j];
-    if (rows > worst) code = kStatusDispatchOverflow, who = j, value = rows, extra = worst;
-  }
-  if (code != 0) record_status(status, code, who, value, extra);
-}
-
-__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
-                                                                const int* per_rank, const int* per_expert,
-                                                                int experts_per_rank, int alignment,
-                                                                int* prefix_out, int* info, StatusRef status,
-                                                                int64_t timeout_ns, const bool* in_rank,
-                                                                int num_tokens, int* send_pos,
-                                                                const void* topk_idx, bool idx_is_64, int num_topk,
-                                                                int64_t* out_bounds,
-                                                                int num_worst_tokens, int num_experts,
-                                                                int64_t header) {
-  const int tid = threadIdx.x;
-  const int R = num_ranks;
-  __shared__ uint64_t s_seq;
-  if (tid == 0) {
-    // One block: every thread reads s_seq below, so storing the new value now is safe.
-    uint64_t* c = seq_counter(bufs.p[rank]);
-    s_seq = *c + 1;
-    *c = s_seq;
-  }
-  __syncthreads();
-  const uint64_t seq = s_seq;
-  const int slot = notify_slot(seq);
-  // Tokens is_token_in_rank sends to each rank; the outputs are sized from num_tokens_per_rank,
-  // so the two must agree. Before the barrier (a few microseconds for T*R flags), so every rank
-  // learns of a mismatch with the counts.
-  __shared__ int s_sent[kMaxRanks];
-  if (tid < kMaxRanks) s_sent[tid] = 0;
-  __syncthreads();
-  if (send_pos != nullptr) {
-    int local[kMaxRanks] = {};
-    for (int t = tid; t < num_tokens; t += blockDim.x) {
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r)
-        if (r < R) local[r] += in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
-    }
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r)
-      if (r < R && local[r] != 0) atomicAdd(&s_sent[r], local[r]);
-  }
-  // The id range, reduced over the block (a tree: the barrier below waits for it).
-  __shared__ int64_t s_lo[kNotifyThreads], s_hi[kNotifyThreads];
-  if (topk_idx != nullptr) {
-    int64_t lo = INT64_MAX, hi = INT64_MIN;
-    const int64_t n = static_cast<int64_t>(num_tokens) * num_topk;
-    for (int64_t i = tid; i < n; i += blockDim.x) {
-      const int64_t e = idx_is_64 ? static_cast<const int64_t*>(topk_idx)[i]
-                                  : static_cast<int64_t>(static_cast<const int32_t*>(topk_idx)[i]);
-      lo = e < lo ? e : lo;
-      hi = e > hi ? e : hi;
-    }
-    s_lo[tid] = lo;
-    s_hi[tid] = hi;
-    __syncthreads();
-    for (int stride = kNotifyThreads / 2; stride > 0; stride >>= 1) {
-      if (tid < stride) {
-        s_lo[tid] = s_lo[tid + stride] < s_lo[tid] ? s_lo[tid + stride] : s_lo[tid];
-        s_hi[tid] = s_hi[tid + stride] > s_hi[tid] ? s_hi[tid + stride] : s_hi[tid];
-      }
-      __syncthreads();
-    }
-  }
-  __syncthreads();
-  if (tid < R) {
-    tokens_of(bufs.p[tid], slot)[rank] = num_tokens;
-    int bad = -1;
-    for (int r = 0; send_pos != nullptr && r < R && bad < 0; ++r)
-      if (s_sent[r] != per_rank[r]) bad = r;
-    int64_t* b = id_bounds_of(bufs.p[tid], slot) + kCheckWords * rank;
-    // No ids (or none to check): (-1, -1), which every check accepts.
-    const bool ids = topk_idx != nullptr && num_tokens > 0 && num_topk > 0;
-    b[0] = ids ? s_lo[0] : -1;
-    b[1] = ids ? s_hi[0] : -1;
-    b[2] = bad;
-    b[3] = bad >= 0 ? per_rank[bad] : 0;
-    b[4] = bad >= 0 ? s_sent[bad] : 0;
-    b[5] = header;
-  }
-  // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
-  for (int i = tid; i < R * R; i += blockDim.x) {
-    const int r = i / R, j = i % R;
-    counts_of(bufs.p[r], slot)[rank * kMaxRanks + j] = per_rank[j];
-  }
-  if (per_expert != nullptr) {
-    for (int i = tid; i < R * experts_per_rank; i += blockDim.x) {
-      const int r = i / experts_per_rank, e = i % experts_per_rank;
-      expert_counts_of(bufs.p[r], slot)[rank * kMaxLocalExperts + e] = per_expert[r * experts_per_rank + e];
-    }
-  }
-  // A cached dispatch reads nothing back: its header is compared here, on the GPU (the header
-  // slot by sequence parity, like the counts).
-  const size_t header_offset =
-      send_pos == nullptr && header != 0 ? kCachedHeaderOffset + 8ull * kMaxRanks * slot : 0;
-  if (!barrier_block(bufs, rank, R, seq, true, status, timeout_ns, kSiteNotify,
-                     BarrierExtras{true, header_offset, header}))
-    return;
-  if (out_bounds != nullptr && tid < kCheckWords * R)
-    out_bounds[tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
-  if (num_worst_tokens > 0 && tid == 0)
-    record_input_error(reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot)),
-                       counts_of(bufs.p[rank], slot), R, num_worst_tokens, num_experts, status);
-  // After the barrier, so the scan (a few microseconds) never delays a peer's wait.
-  if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
-
-  // Control data is read through volatile loads: peers wrote it, no L1 line may serve it.
-  const volatile int* counts = counts_of(bufs.p[rank], slot);
-  for (int i = tid; i < R * R; i += blockDim.x) {
-    const int s = i / R, j = i % R;
-    int sum = 0;
-    for (int s2 = 0; s2 <= s; ++s2) sum += counts[s2 * kMaxRanks + j];
-    prefix_out[i] = sum;
-    info[i] = sum;
-  }
-  if (per_expert != nullptr) {
-    const volatile int* ec = expert_counts_of(bufs.p[rank], slot);
-    for (int e = tid; e < experts_per_rank; e += blockDim.x) {
-      int sum = 0;
-      for (int s = 0; s < R; ++s) sum += ec[s * kMaxLocalExperts + e];
-      info[R * R + e] = (sum + alignment - 1) / alignment * alignment;
-    }
-  }
-}
-
-// Per-destination bases of the five row arrays: own outputs for d == rank, peer staging else.
-struct RowPtrs {
-  uint8_t* x[kMaxRanks];
-  float* scales[kMaxRanks];
-  uint8_t* idx[kMaxRanks];
-  float* w[kMaxRanks];
-  int* src[kMaxRanks];
-};
-
-struct SendParams {
-  Peers bufs;
-  RowPtrs dst;
-  int rank, num_ranks, num_tokens, experts_per_rank;
-  const uint8_t* x;
-  int64_t row_bytes;
-  const float* scales;
-  int num_scales;
-  const void* topk_idx;
-  bool idx_is_64;
-  const float* topk_weights;
-  int num_topk;
-  const int* prefix;
-  const int* send_pos;
-  int num_send_blocks;
-  // Receive side: own staging (local) and outputs.
-  const uint8_t* st_x;
-  const float* st_scales;
-  const uint8_t* st_idx;
-  const float* st_w;
-  const int* st_src;
-  uint8_t* out_x;
-  float* out_scales;
-  uint8_t* out_idx;
-  float* out_w;
-  int* out_src;
-  int idx_size;
-  int num_out_rows;
-  StatusRef status;
-  int64_t timeout_ns;
-};
+using namespace dispatch_detail;  // NOLINT(build/namespaces): this file's own helpers
 
 __host__ __device__ inline int chunk_tokens(int num_tokens) {
   const int per = (num_tokens + kMaxChunks - 1) / kMaxChunks;
@@ -300,9 +45,10 @@ __device__ __forceinline__ uint64_t pack_chunk(uint64_t seq, int first, int rows
 
 // Sender blocks [0, num_send_blocks) take chunks of consecutive tokens round-robin; each warp
 // sends whole tokens (row read once, written to every destination at its final row), then
-// the chunk's row range is published to each peer with one release store. Receiver blocks
-// copy each peer's chunks out of staging as they land, so the local copy hides under the
-// NVLink transfer instead of following it.
+// the chunk's row range is published to each staged peer with one release store. Receiver
+// blocks (staged rank only) copy each peer's chunks out of staging as they land, so the local
+// copy hides under the NVLink transfer instead of following it. On a zero-copy rank all blocks
+// send; the kernel ends once every peer's "done" arrived.
 template <typename V, int kUnroll, bool kTma>
 __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
@@ -328,8 +74,17 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   if constexpr (kTma) pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, lane);
 #endif
 
+  publish_entry(p, seq);
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // ---------------------------------------------------------------- sender
+    __shared__ RowPtrs s_dst;
+    __shared__ unsigned s_zc;  // destinations receiving zero-copy
+    if (tid == 0) s_zc = 0;
+    __syncthreads();
+    if (!load_entries(p, seq, s_dst, &s_zc)) s_failed = 1;
+    __syncthreads();
+    if (s_failed) return;
+    const unsigned zc = s_zc;
     const int ct = chunk_tokens(p.num_tokens);
     const int nchunks = (p.num_tokens + ct - 1) / ct;
     for (int c = blockIdx.x; c < nchunks; c += p.num_send_blocks) {
@@ -347,7 +102,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
             if (pos >= 0) {
               mask |= 1u << r;
               row[r] = s_prefix_row[r] + pos;
-              dst_x[r] = p.dst.x[r] + static_cast<int64_t>(row[r]) * p.row_bytes;
+              dst_x[r] = s_dst.x[r] + static_cast<int64_t>(row[r]) * p.row_bytes;
             }
           }
         }
@@ -364,8 +119,8 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
           if (!(mask >> r & 1u)) continue;
           const int64_t drow = row[r];
           for (int s = lane; s < p.num_scales; s += dev::kWarpSize)
-            p.dst.scales[r][drow * p.num_scales + s] = p.scales[static_cast<int64_t>(t) * p.num_scales + s];
-          if (p.dst.src[r] != nullptr && lane == 0) p.dst.src[r][drow] = t;
+            s_dst.scales[r][drow * p.num_scales + s] = p.scales[static_cast<int64_t>(t) * p.num_scales + s];
+          if (s_dst.src[r] != nullptr && lane == 0) s_dst.src[r][drow] = t;
           if (p.topk_idx != nullptr) {
             for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
               const int64_t i = static_cast<int64_t>(t) * p.num_topk + k;
@@ -375,11 +130,11 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
               const bool mine = e >= 0 && local >= 0 && local < p.experts_per_rank;
               const int64_t o = drow * p.num_topk + k;
               if (p.idx_is_64) {
-                reinterpret_cast<int64_t*>(p.dst.idx[r])[o] = mine ? local : -1;
+                reinterpret_cast<int64_t*>(s_dst.idx[r])[o] = mine ? local : -1;
               } else {
-                reinterpret_cast<int32_t*>(p.dst.idx[r])[o] = mine ? static_cast<int32_t>(local) : -1;
+                reinterpret_cast<int32_t*>(s_dst.idx[r])[o] = mine ? static_cast<int32_t>(local) : -1;
               }
-              p.dst.w[r][o] = mine ? p.topk_weights[i] : 0.0f;
+              s_dst.w[r][o] = mine ? p.topk_weights[i] : 0.0f;
             }
           }
         }
@@ -393,7 +148,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
       // position among the rows sent to r grows with t, so the chunk's range is given by its
       // first and last token bound to r: scan in from both ends (usually one load each)
       // instead of walking all of the chunk's tokens while the block waits.
-      if (tid < R && tid != p.rank) {
+      if (tid < R && tid != p.rank && !(zc >> tid & 1u)) {
         const int r = tid;
         int first = -1, last = -1;
         for (int t = t_begin; t < t_end && first < 0; ++t) first = p.send_pos[static_cast<int64_t>(t) * R + r];
@@ -403,6 +158,15 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
                             pack_chunk(seq, first < 0 ? 0 : first, first < 0 ? 0 : last - first + 1));
       }
     }
+    signal_done(p, seq, zc);
+    if (!p.zero_copy) return;
+    // Zero-copy: no receiver blocks, so the senders fill the padding rows, and block 0 keeps
+    // the kernel alive until every peer's rows have landed (stream order is all a consumer
+    // of the outputs relies on).
+    const int64_t nw = static_cast<int64_t>(gridDim.x) * kSendWarps;
+    fill_padding(p, s_recv_begin[R], static_cast<int64_t>(blockIdx.x) * kSendWarps + warp, nw, lane);
+    if (blockIdx.x == 0 && tid < R && tid != p.rank)
+      wait_at_least(recv_done(p.bufs.p[p.rank]) + tid, seq, tid, kSiteDispatchDone, p.status, p.timeout_ns);
     return;
   }
 
@@ -489,31 +253,10 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
       __syncthreads();  // s_flag is rewritten for the next chunk
     }
   }
-  // num_worst_tokens padding: ids -1, weights 0, source index -1. The rows and their scales are
-  // left unwritten (DeepEP's contract: unspecified): at 8 ranks zeroing them was ~1.2 GB of
-  // HBM writes per call across the GPU.
-  for (int64_t r = s_recv_begin[R] + static_cast<int64_t>(j) * warps + warp; r < p.num_out_rows;
-       r += static_cast<int64_t>(nrecv) * warps) {
-    if (p.out_idx != nullptr) {
-      for (int k = lane; k < meta_idx_words; k += dev::kWarpSize)
-        reinterpret_cast<int*>(p.out_idx)[r * meta_idx_words + k] = -1;  // all-ones: -1 as int32 and int64
-      for (int k = lane; k < p.num_topk; k += dev::kWarpSize) p.out_w[r * p.num_topk + k] = 0.0f;
-    }
-    if (p.out_src != nullptr && lane == 0) p.out_src[r] = -1;
-  }
+  fill_padding(p, s_recv_begin[R], static_cast<int64_t>(j) * warps + warp, static_cast<int64_t>(nrecv) * warps, lane);
 #if UCCL_EP_HAS_TMA
   if constexpr (kTma) pipe.drain();  // the stores read shared memory until they are done
 #endif
-}
-
-Peers make_peers(const std::vector<intptr_t>& buffers, int num_ranks) {
-  UCCL_EP_CHECK_ARG(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks=", num_ranks,
-                    " is outside 1..", kMaxRanks, " (the intranode kernels serve one node)");
-  UCCL_EP_CHECK_ARG(static_cast<int>(buffers.size()) == num_ranks, "got ", buffers.size(), " buffers for ",
-                    num_ranks, " ranks");
-  Peers p{};
-  for (int r = 0; r < num_ranks; ++r) p.p[r] = reinterpret_cast<uint8_t*>(buffers[r]);
-  return p;
 }
 
 bool aligned16(intptr_t v) { return v % 16 == 0; }
@@ -541,7 +284,9 @@ namespace {
 // left the receivers with twice the bytes per SM of the senders (bench/NOTES.md).
 // Without the counts on the host (sync-free mode) assume every token goes to every rank: that
 // gives the same ~40% (2 ranks) / ~55% (4 ranks) split the measured top-8 of 256 workloads had.
+// A zero-copy rank has no receiver blocks: peers write its outputs, its senders pad.
 int dispatch_recv_blocks(const DispatchArgs& a, int blocks) {
+  if (a.zero_copy) return 0;
   if (a.num_ranks == 1) return 1;  // padding rows only
   const bool known = a.own_rows >= 0 && a.send_rows >= 0;
   const int64_t R = a.num_ranks;
@@ -554,26 +299,6 @@ int dispatch_recv_blocks(const DispatchArgs& a, int blocks) {
 }
 
 }  // namespace
-
-void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks, intptr_t num_tokens_per_rank,
-                      intptr_t num_tokens_per_expert, int experts_per_rank, int expert_alignment,
-                      intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status, int64_t timeout_ns,
-                      intptr_t is_token_in_rank, int num_tokens, intptr_t send_pos, intptr_t stream,
-                      intptr_t topk_idx, bool idx_is_64, int num_topk, intptr_t out_bounds, int num_worst_tokens,
-                      int num_experts, int64_t header) {
-  const Peers peers = make_peers(buffers, num_ranks);
-  UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
-                    " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
-  UCCL_EP_CHECK_ARG(expert_alignment >= 1, "expert_alignment=", expert_alignment, " must be >= 1");
-  notify_kernel<<<1, kNotifyThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
-      peers, rank, num_ranks, reinterpret_cast<const int*>(num_tokens_per_rank),
-      reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment,
-      reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), status_ref(status),
-      timeout_ns, reinterpret_cast<const bool*>(is_token_in_rank), num_tokens, reinterpret_cast<int*>(send_pos),
-      reinterpret_cast<const void*>(topk_idx), idx_is_64, num_topk, reinterpret_cast<int64_t*>(out_bounds),
-      num_worst_tokens, num_experts, header);
-  GPU_CHECK(gpuGetLastError());
-}
 
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size) {
   return dispatch_staging_layout(rows, row_bytes, num_scales, num_topk, idx_size).end;
@@ -588,6 +313,9 @@ static void check_dispatch_args(const DispatchArgs& a) {
       dispatch_staging_bytes(a.staging_rows, a.row_bytes, a.num_scales, a.num_topk, a.idx_is_64 ? 8 : 4);
   UCCL_EP_CHECK_ARG(need <= a.buffer_bytes, "dispatch staging needs ", need, " bytes but the buffer has ",
                     a.buffer_bytes);
+  UCCL_EP_CHECK_ARG(a.arenas.empty() || static_cast<int>(a.arenas.size()) == a.num_ranks, "got ", a.arenas.size(),
+                    " receive arenas for ", a.num_ranks, " ranks");
+  UCCL_EP_CHECK_ARG(!a.zero_copy || !a.arenas.empty(), "zero_copy dispatch without receive arenas");
 }
 
 void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
@@ -646,6 +374,12 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.num_out_rows = a.num_out_rows;
   p.status = status_ref(a.status);
   p.timeout_ns = a.timeout_ns;
+  p.arenas = a.arenas.empty() ? Peers{} : make_peers(a.arenas, a.num_ranks);
+  p.zero_copy = a.zero_copy;
+  p.entry_published = a.entry_published;
+  const intptr_t outs[5] = {a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights,
+                            a.cached ? 0 : a.recv_src_idx};
+  for (int i = 0; i < 5; ++i) p.recv_off[i] = a.zero_copy && outs[i] != 0 ? outs[i] - a.arenas[a.rank] : -1;
   const int blocks = std::max(2, a.num_sms);
   p.num_send_blocks = blocks - dispatch_recv_blocks(a, blocks);
   auto s = reinterpret_cast<gpuStream_t>(stream);

@@ -45,7 +45,8 @@ enum Site : int {
                               // [2] verdict code, [5] value); no kernel moved any data
 };
 
-// Pinned, device-mapped status words; the host pointer is also the device pointer (UVA).
+// Pinned, device-mapped status words with their device flag (kernels::host_status_alloc, on the
+// current device); the host pointer is also the device pointer (UVA).
 intptr_t status_alloc();
 void status_free(intptr_t ptr);
 std::vector<int64_t> status_read(intptr_t ptr);

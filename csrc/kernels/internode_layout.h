@@ -46,8 +46,7 @@ enum StateKind : int {
   kDispatchCalls = 4
 };
 constexpr int kNumStateKinds = 5;
-constexpr int kStateAbortWord = kNumStateKinds * kMaxChannels * kMaxNodes;
-constexpr int kStateWords = kStateAbortWord + 1;
+constexpr int kStateWords = kNumStateKinds * kMaxChannels * kMaxNodes;
 UCCL_EP_HD int state_index(int kind, int channel, int node) { return (kind * kMaxChannels + channel) * kMaxNodes + node; }
 
 // Tokens of a rank are split into contiguous per-channel ranges (DeepEP's task split): channel

@@ -9,8 +9,10 @@
 //   [kDataOffset, ..) staging: rows peers push to this rank, placed at their final row index
 //                     (dispatch) or at (expert rank, position) order (combine), so a sender
 //                     never waits for a receiver to free ring slots.
-// Rows a rank sends to itself go straight into its output tensors; only peer rows are staged
-// and then copied locally (HBM, ~12x cheaper than the link) into the fresh outputs.
+// Rows a rank sends to itself go straight into its output tensors. Peer rows go straight into
+// the receiver's output tensors too when they lie in its receive arena (a second registered
+// region, mapped by every peer once: zero-copy receive, see kRecvEntryOffset); otherwise they
+// are staged and then copied locally (HBM, ~12x cheaper than the link) into the outputs.
 #pragma once
 
 #include <cstddef>
@@ -48,10 +50,11 @@ constexpr int kCheckWords = 6;
 constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
 // The call sequence lives on the device, not in kernel arguments, so a captured CUDA graph
-// replays with fresh sequence numbers: uint64 last sequence used, then a uint32 count of the
-// combine blocks that finished (the last one advances the sequence and zeroes both counts);
-// at +16 a uint32 count of the tokens handed out to the combine's reducer warps (+12 is left
-// to the dispatch).
+// replays with fresh sequence numbers: uint64 last sequence used; at +8 a uint32 count of the
+// combine blocks that finished (the last one advances the sequence and zeroes this count and
+// the one at +16); at +12 a uint32 count of the dispatch sender blocks that finished (the last
+// one signals the zero-copy destinations and resets it); at +16 a uint32 count of the tokens
+// handed out to the combine's reducer warps.
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
 // combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
@@ -69,21 +72,48 @@ constexpr size_t kCombineHeaderOffset = kAbortReasonOffset + kAbortReasonBytes *
 // Cached dispatch's call header, exchanged with notify's barrier: int64 [kNotifySlots][kMaxRanks]
 // (by sequence parity, like the counts: back-to-back dispatches follow each other directly).
 constexpr size_t kCachedHeaderOffset = kCombineHeaderOffset + 8 * kMaxRanks;
+static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kDataOffset, "control overlap");
+// Zero-copy receive. A rank whose outputs of a dispatch lie in its receive arena (a second
+// registered region every peer maps once) tells each peer where, at the start of its dispatch
+// kernel: entry [slot by notify sequence parity][source rank] of kRecvEntryWords uint64 =
+// {sequence (written last, release), mode (1 zero-copy, 0 staged), byte offsets in the arena of
+// recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx (-1: none), 0}. Senders
+// wait for a destination's entry, then write its rows at their final row (mode 1) or into its
+// staging (mode 0). Double-buffered like the counts: a peer's next dispatch kernel can start
+// while a slow sender still reads this one's entry.
+constexpr int kRecvEntryWords = 8;
+constexpr size_t kRecvEntryOffset = kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks;
+// A sender's "all my rows have landed" for a zero-copy destination: uint64 [kMaxRanks source]
+// holding the dispatch's sequence (monotonic, so no slots), stored with release by the source's
+// last sender block; the destination's kernel waits for every source's before it ends.
+constexpr size_t kRecvDoneOffset = kRecvEntryOffset + 8ull * kRecvEntryWords * kNotifySlots * kMaxRanks;
+static_assert(kRecvEntryOffset % 64 == 0, "entry alignment");
 // Combine progress, at the end of the spare 64 KiB: uint64 [kMaxRanks expert rank][kCombineChunks],
 // the combine's sequence once chunk c of the rows that expert rank returns here has landed. Both
 // sides derive the chunk size from the same row count (the dispatch's prefix matrix).
 constexpr int kCombineChunks = 512;
 constexpr int kCombineMinChunkRows = 64;
 constexpr size_t kCombineFlagsOffset = kDataOffset - 8ull * kMaxRanks * kCombineChunks;
-static_assert(kCachedHeaderOffset + 8 * kNotifySlots * kMaxRanks <= kCombineFlagsOffset, "control overlap");
+static_assert(kRecvDoneOffset + 8 * kMaxRanks <= kCombineFlagsOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out or, in sync-free
 // mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code.
 // The kernels read a device-memory flag set with them instead (StatusRef in common.cuh): any
 // non-zero flag makes every later kernel of the Buffer skip its data movement.
 constexpr int kStatusWords = 4;
-// Word kStatusFlagWord of the host block (after the status words, host side only) holds the
-// device address of that flag (host_status_alloc allocates both).
-constexpr int kStatusFlagWord = kStatusWords;
+// Word kStatusFlagWord of the host block (past the status words of either path: 4 here, 6 for
+// the internode kernels; host side only) holds the device address of that flag
+// (host_status_alloc allocates both; the internode status_alloc uses it too).
+constexpr int kStatusFlagWord = 8;
+// Then the readback of an exact dispatch's notify (int64 words): [ready, info[R*R + local
+// experts] (as notify's out_info), every rank's checks[R * kCheckWords]] at fixed offsets.
+// The host clears `ready` before the launch and spins on it (intranode_read_counts): notify
+// writes the words into mapped host memory (posted writes) and then sets ready = 1, or -1 when
+// its barrier failed. No copy kernel, no stream synchronize, and the host resumes while notify
+// still scans the send positions.
+constexpr int kReadbackWord = kStatusFlagWord + 1;
+constexpr int kReadbackInfo = 1;
+constexpr int kReadbackChecks = kReadbackInfo + kMaxRanks * kMaxRanks + kMaxLocalExperts;
+constexpr int kHostBlockWords = kReadbackWord + kReadbackChecks + kMaxRanks * kCheckWords;
 // {kStatusTimeout, stalled peer rank, barrier sequence, site code}
 constexpr int64_t kStatusTimeout = 1;
 // {code, rank, value, extra}: rank r's topk_idx holds expert id `value` outside [-1, E) (extra = E)
@@ -121,6 +151,10 @@ void host_status_free(intptr_t ptr);
 // non-zero code): the host words, then the device flag (synchronously), so every later kernel
 // of the Buffer skips its data movement and poisons its outputs.
 void host_status_record(intptr_t ptr, const std::vector<int64_t>& words);
+// Waits (spinning, up to `timeout_ns`) for the readback of the notify launched with it:
+// 1 = the words are there, -1 = notify's barrier failed (the status words say why), 0 = notify
+// did not finish in time (the stream is stuck behind earlier work).
+int host_readback_wait(intptr_t ptr, int64_t timeout_ns);
 // When the status word is set (a wait of this call timed out, so its kernels skipped their data
 // movement), fills each region [ptrs[i], ptrs[i] + bytes[i]) with the 8-byte `patterns[i]`
 // (little-endian, repeated; regions start 8-byte aligned); otherwise does nothing. Launched on
@@ -147,9 +181,10 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
 // ids: (-1, -1)), scanned here before the barrier instead of by separate launches, and, when
 // `send_pos` is set, the check of
 // num_tokens_per_rank against is_token_in_rank (a mismatch would place rows past the outputs)
-// travel to every rank with the counts; `out_bounds` (device int64 [R, kCheckWords] or 0)
-// receives every rank's, so all ranks see a bad input of any rank at the host read that sizes
-// the outputs, and raise together before any row moves. `header` (the call's dtype, hidden,
+// travel to every rank with the counts; with `readback` (the host block's kReadbackWord, or 0)
+// every rank's checks and out_info go to the host (see kReadbackWord), so all ranks see a bad
+// input of any rank at the host read that sizes the outputs, and raise together before any
+// row moves. `header` (the call's dtype, hidden,
 // scales, top-k, experts, packed by the caller) travels with the checks (word 5); a cached
 // dispatch (`send_pos` 0) compares it with the barrier instead (kStatusHeaderMismatch).
 // Sync-free mode (`num_worst_tokens` > 0): notify itself judges every rank's checks and the
@@ -162,8 +197,15 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
                       intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
                       int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
                       intptr_t send_pos, intptr_t stream, intptr_t topk_idx = 0, bool idx_is_64 = true,
-                      int num_topk = 0, intptr_t out_bounds = 0, int num_worst_tokens = 0,
-                      int num_experts = 0, int64_t header = 0);
+                      int num_topk = 0, intptr_t readback = 0, int num_worst_tokens = 0,
+                      int num_experts = 0, int64_t header = 0,
+                      const std::vector<int64_t>& recv_entry = {});
+// `recv_entry` of notify: this rank's receive entry words after the sequence ({mode, offsets of
+// recv_x, scales, ids, weights, sources}, kRecvEntryOffset), written into every peer before the
+// barrier, so the dispatch kernel's senders find it at once. Sync-free calls give it (their
+// outputs exist before notify); empty: the dispatch kernel publishes it (DispatchArgs).
+constexpr int kRecvEntryArgs = 6;
+static_assert(1 + kRecvEntryArgs <= kRecvEntryWords, "receive entry words");
 
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
@@ -193,13 +235,21 @@ struct DispatchArgs {
   bool use_tma = false;           // bulk copies (TMA) for the rows when the GPU has them
   intptr_t status = 0;
   int64_t timeout_ns = 0;
+  // Receive arena base of every rank as this rank maps it (own included; empty: no arenas).
+  std::vector<intptr_t> arenas;
+  // This rank's recv_* lie in its own arena: peers write them directly (no staging, no
+  // receiver blocks); otherwise they stage this rank's rows as before.
+  bool zero_copy = false;
+  bool entry_published = false;   // notify already wrote this call's receive entry (recv_entry)
 };
 // Bytes of registered buffer (control region included) a dispatch with these sizes needs.
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);
-// One pipelined kernel: sender blocks write every row to each destination rank (peer staging
-// or own outputs) chunk by chunk and publish each chunk's row range in the receiver's control
-// region; receiver blocks copy each peer chunk from staging into the outputs as soon as it
-// lands (overlapping the local copy with the NVLink transfer), then fill padding rows.
+// One pipelined kernel: sender blocks write every row to each destination rank chunk by
+// chunk: straight into its outputs when it receives zero-copy (own rows always), else into its
+// staging, publishing each chunk's row range in its control region. On a staged rank receiver
+// blocks copy each peer chunk from staging into the outputs as soon as it lands (overlapping
+// the local copy with the NVLink transfer); on a zero-copy rank every block sends, and the
+// kernel ends only after every peer said its rows landed. Then padding rows are filled.
 void intranode_dispatch(const DispatchArgs& a, intptr_t stream);
 
 // ---- combine ------------------------------------------------------------------------------

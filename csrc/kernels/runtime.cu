@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include <algorithm>
+#include <chrono>
 
 #include "common/gpu.h"
 #include "kernels/common.cuh"
@@ -99,13 +100,13 @@ intptr_t host_status_alloc() {
   const int64_t zero = 0;
   GPU_CHECK(gpuMemcpy(flag, &zero, sizeof(zero), gpuMemcpyHostToDevice));
   void* p = nullptr;
-  const gpuError_t err = gpuHostAlloc(&p, (kStatusWords + 1) * sizeof(int64_t), gpuHostAllocMapped);
+  const gpuError_t err = gpuHostAlloc(&p, kHostBlockWords * sizeof(int64_t), gpuHostAllocMapped);
   if (err != gpuSuccess) {
     (void)gpuFree(flag);
     GPU_CHECK(err);
   }
   auto* w = static_cast<int64_t*>(p);
-  std::memset(w, 0, kStatusWords * sizeof(int64_t));
+  std::memset(w, 0, kHostBlockWords * sizeof(int64_t));
   w[kStatusFlagWord] = reinterpret_cast<int64_t>(flag);
   return reinterpret_cast<intptr_t>(p);
 }
@@ -126,6 +127,16 @@ void host_status_record(intptr_t ptr, const std::vector<int64_t>& words) {
   st[0] = words[0];
   const int64_t code = words[0];
   GPU_CHECK(gpuMemcpy(s.flag, &code, sizeof(code), gpuMemcpyHostToDevice));
+}
+
+int host_readback_wait(intptr_t ptr, int64_t timeout_ns) {
+  const volatile int64_t* ready = reinterpret_cast<const volatile int64_t*>(ptr) + kReadbackWord;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(timeout_ns);
+  for (uint32_t i = 0;; ++i) {
+    const int64_t v = *ready;
+    if (v != 0) return v > 0 ? 1 : -1;
+    if ((i & 255u) == 255u && std::chrono::steady_clock::now() > deadline) return 0;
+  }
 }
 
 namespace {

@@ -101,8 +101,41 @@ def fill_free_memory(stream, byte: int, large_bytes: int = 3 << 28) -> None:
 def poison(buf, byte: int = 0xFF) -> None:
     """Fill free memory of the comm stream with ``byte`` (``fill_free_memory``): 0xFF gives
     NaN / -1 patterns; 0x7F gives values that are neither NaN, -1 nor 0, where a test must tell
-    the kernels' own poison fill from leftovers."""
+    the kernels' own poison fill from leftovers. The free bytes of a kernels Buffer's receive
+    arena (zero-copy outputs) too."""
     fill_free_memory(buf.get_comm_stream(), byte)
+    arena = getattr(getattr(buf, "_backend", None), "recv_arena", None)
+    if arena is not None:
+        arena.fill_free(byte, buf.get_comm_stream())
+
+
+# Receive arena of the test Buffers: room for a DeepSeek-V3-sized dispatch and its cached
+# re-dispatch at 8 ranks, also when one rank receives every row (skewed routing).
+ARENA_BYTES = 1280 << 20
+
+
+def kernels_buffer(nvl_bytes: int, arena: bool = True, arena_bytes: int = ARENA_BYTES):
+    """A ``kernels`` Buffer with the receive arena (zero-copy dispatch) on or off."""
+    from uccl_ep_megatron import Buffer
+
+    saved = os.environ.get("UCCL_EP_RECV_ARENA_BYTES")
+    os.environ["UCCL_EP_RECV_ARENA_BYTES"] = str(arena_bytes if arena else 0)
+    try:
+        return Buffer(None, nvl_bytes, 0, backend="kernels")
+    finally:
+        if saved is None:
+            os.environ.pop("UCCL_EP_RECV_ARENA_BYTES")
+        else:
+            os.environ["UCCL_EP_RECV_ARENA_BYTES"] = saved
+
+
+def in_arena(buf, t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes lie in ``buf``'s receive arena (a zero-copy output)."""
+    arena = buf._backend.recv_arena
+    if not arena.enabled or t.numel() == 0:
+        return False
+    lo = arena.base
+    return lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= lo + arena.nbytes
 
 
 def routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int, topk: int, gen):

@@ -14,7 +14,8 @@
 #      default 0.19.2),
 #      RANKS (intranode tests, default 2,4,8), BENCH_RANKS (bench intranode, default 2,4,8), RPN (internode ranks per node, default 1,2,4),
 #      BENCH_ARGS (extra bench intranode flags), PYTEST_K (-k filter), INTERNODE_K (-k filter of the
-#      internode suite), MAXFAIL (pytest --maxfail, default 3), DEADLINE_S (default 570).
+#      internode suite), MAXFAIL (pytest --maxfail, default 3), DEADLINE_S (default 570),
+#      INTRANODE_S (limit of the intranode step, default 300).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 CMAKE_BUILD_PARALLEL_LEVEL=16 MAX_JOBS=16
@@ -121,7 +122,7 @@ if want mps_probe; then # which client setting lets the ipc proxies' copies run 
     )
   done
 fi
-want intranode && UCCL_EP_TEST_RANKS=${RANKS:-2,4,8} step intranode 300 "${PYTEST[@]}" \
+want intranode && UCCL_EP_TEST_RANKS=${RANKS:-2,4,8} step intranode "${INTRANODE_S:-300}" "${PYTEST[@]}" \
   "$REPO/tests/gpu/test_intranode.py"
 want internode && UCCL_EP_TEST_RANKS_PER_NODE=${RPN:-1,2,4} UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 \
   step internode 300 "${PYTEST[@]}" ${INTERNODE_K:+-k "$INTERNODE_K"} \

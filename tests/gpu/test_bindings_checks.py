@@ -82,13 +82,21 @@ def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
     with pytest.raises(InvalidInputError, match="status"):
         _C.IntranodeContext([buf, buf], nbytes, 0, 2, 0, 10**9, False)
     ctx = _C.IntranodeContext([buf, buf], nbytes, 0, 2, st, 10**9, False)
-    args = [per_rank, None, info, in_rank, None, None, None, 0, 1, 0, 0, 0]
+    args = [per_rank, None, info, in_rank, None, None, False, 0, 1, 0, 0, 0, []]
     with pytest.raises(InvalidInputError, match="out_info is None"):
         _C.intranode_notify_call(ctx, stream, *args[:2], None, *args[3:])
     with pytest.raises(InvalidInputError, match=r"out_info has shape \[4\]; expected 1-D with 6"):
         _C.intranode_notify_call(ctx, stream, per_rank, per_expert, *args[2:7], 2, *args[8:])
     with pytest.raises(InvalidInputError, match="num_tokens_per_rank has dtype int64"):
         _C.intranode_notify_call(ctx, stream, per_rank.long(), *args[1:])
+    # Zero-copy receive: arenas come one per rank with their sizes, and a receive entry
+    # naming arena offsets needs them.
+    with pytest.raises(InvalidInputError, match="1 receive arenas and 1 sizes for 2 ranks"):
+        _C.IntranodeContext([buf, buf], nbytes, 0, 2, st, 10**9, False, [buf], [nbytes])
+    with pytest.raises(InvalidInputError, match="zero-copy recv_entry but no receive arenas"):
+        _C.intranode_notify_call(ctx, stream, *args[:-1], [1, 0, -1, -1, -1, 0])
+    with pytest.raises(InvalidInputError, match="recv_entry has 2 words"):
+        _C.intranode_notify_call(ctx, stream, *args[:-1], [1, 0])
     _C.device_free(buf)
     # A context outliving its buffers raises at the call (checked again each time).
     with pytest.raises(InvalidInputError, match=r"intranode_notify: buffers\[0\]"):
@@ -103,4 +111,124 @@ def test_transport_region_past_a_tensor_end_raises():
         _C.IpcTransport(0, 1, 1, 1, region.data_ptr(), 1 << 40, torch.cuda.current_device())
     with pytest.raises(InvalidInputError, match="not device memory"):
         _C.IpcTransport(0, 1, 1, 1, 0x1000, 4096, torch.cuda.current_device())
+    _context_alive()
+
+
+def test_internode_calls_check_their_tensors_before_launch():
+    # Every call below must raise before any launch: a valid one would start kernels that wait
+    # for proxies this test does not run.
+    dev = torch.device("cuda")
+    c_in = _C.internode
+    region_bytes = 1 << 20
+    region = _C.device_alloc_zeroed(region_bytes)
+    nvl = _C.device_alloc_zeroed(1 << 16)
+    st = c_in.status_alloc()
+    counters = _C.Counters(int(c_in.NUM_COUNTERS), True)
+    fifo = torch.zeros(8 * 64, dtype=torch.uint8, device=dev)  # 8 FifoDeviceHandles
+    state = torch.zeros(int(c_in.STATE_WORDS), dtype=torch.int64, device=dev)
+    with pytest.raises(InvalidInputError, match="internode Context: counters"):
+        c_in.Context(0, 2, 1, fifo, 8, 0xDEAD0000, state, region, region_bytes, [nvl], 4096, st, 1)
+    # Two nodes of one rank each, 2 channels; rows of 64 bf16 (128 bytes).
+    ctx = c_in.Context(
+        0, 2, 1, fifo, 8, counters.dev_ptr, state, region, region_bytes, [nvl], 4096, st, 10**9
+    )
+    stream = torch.cuda.current_stream().cuda_stream
+    T, H, R, N, L, C, rows = 4, 64, 2, 2, 1, 2, 6
+    i32 = {"dtype": torch.int32, "device": dev}
+    bf16 = {"dtype": torch.bfloat16, "device": dev}
+    f32 = {"dtype": torch.float32, "device": dev}
+    d = {  # in dispatch_call's order
+        "x": torch.zeros(T, H, **bf16),
+        "x_scales": None,
+        "topk_idx": None,
+        "topk_weights": None,
+        "dst_row": torch.zeros(T, R, **i32),
+        "lists": torch.zeros(N, T, **i32),
+        "list_count": torch.zeros(C, N, **i32),
+        "plan": torch.zeros(N, 3, L, **i32),
+        "recv_rows": torch.zeros(L, **i32),
+        "recv_prefix": torch.zeros(R + 1, **i32),
+        "recv_x": torch.zeros(rows, H, **bf16),
+        "recv_scales": None,
+        "recv_topk_idx": None,
+        "recv_topk_weights": None,
+        "recv_src_idx": torch.zeros(rows, **i32),
+    }
+
+    def dispatch(verdict=None, **change):
+        c_in.dispatch_call(ctx, stream, verdict, C, 8, 4, *{**d, **change}.values(), False, 2)
+
+    for change, needle in [
+        ({"x": None}, "internode dispatch: x is None"),
+        ({"dst_row": torch.zeros(T, R, dtype=torch.int64, device=dev)}, "dst_row has dtype int64"),
+        (
+            {"lists": torch.zeros(N, T + 1, **i32)},
+            r"lists has shape \[2, 5\]; expected 2-D with 2 rows and 4",
+        ),
+        (
+            {"plan": torch.zeros(N, 3, **i32)},
+            r"plan has shape \[2, 3\]; expected 3-D with shape \[2, any, 1\]",
+        ),
+        (
+            {"recv_x": torch.zeros(rows, H, dtype=torch.float16, device=dev)},
+            "recv_x has dtype float16",
+        ),
+        ({"topk_idx": torch.zeros(T, 2, dtype=torch.int64, device=dev)}, "topk_weights is None"),
+        ({"recv_src_idx": None}, "recv_src_idx is None"),
+        (
+            {"recv_prefix": torch.zeros(R, **i32)},
+            r"recv_prefix has shape \[2\]; expected 1-D with 3",
+        ),
+        (
+            {"x": torch.zeros(T, 4, **bf16), "recv_x": torch.zeros(rows, 4, **bf16)},
+            "rows of 8 bytes; the kernels move rows in 16-byte vectors",
+        ),
+        ({"verdict": torch.zeros(2, dtype=torch.int64, device=dev)}, r"verdict has shape \[2\]"),
+    ]:
+        with pytest.raises(InvalidInputError, match=needle):
+            dispatch(**change)
+
+    c = {  # in combine_call's order
+        "x": torch.zeros(rows, H, **bf16),
+        "topk_weights": torch.zeros(rows, 2, **f32),
+        "bias0": None,
+        "bias1": None,
+        "out": torch.zeros(T, H, **bf16),
+        "out_weights": torch.zeros(T, 2, **f32),
+        "recv_count": torch.zeros(1, **i32),
+        "plan": torch.zeros(N, 3, L, **i32),
+        "lists": torch.zeros(N, 3, **i32),
+        "list_count": torch.zeros(C, N, **i32),
+        "src_tokens": torch.zeros(N, **i32),
+        "dst_row": torch.zeros(T, R, **i32),
+        "stream_cum": torch.zeros(T, N, **i32),
+    }
+
+    def combine(num_recv=rows, **change):
+        c_in.combine_call(ctx, stream, None, C, 8, 4, *{**c, **change}.values(), num_recv)
+
+    for change, needle in [
+        ({"out_weights": None}, "internode combine: out_weights is None"),
+        ({"bias1": torch.zeros(T, H, **bf16)}, r"bias\[1\] given without bias\[0\]"),
+        ({"stream_cum": torch.zeros(T, N + 1, **i32)}, r"stream_cum has shape \[4, 3\]"),
+        (
+            {"lists": torch.zeros(N, 4, **i32)},
+            r"lists has shape \[2, 4\]; expected 2-D with 2 rows and 3",
+        ),
+        ({"x": torch.zeros(rows, H, **f32)}, "internode combine: out has dtype bfloat16"),
+        ({"num_recv": rows + 1}, "num_recv=7 but x has 6 rows"),
+    ]:
+        with pytest.raises(InvalidInputError, match=needle):
+            combine(**change)
+
+    # A context outliving its region raises at the call (its allocations are checked each time).
+    _C.device_free(region)
+    with pytest.raises(InvalidInputError, match="internode dispatch: region"):
+        dispatch()
+    with pytest.raises(InvalidInputError, match="internode combine: region"):
+        combine()
+    assert ctx.barrier_seq == 0  # no barrier was taken
+    _C.device_free(nvl)
+    c_in.status_free(st)
+    del counters
     _context_alive()

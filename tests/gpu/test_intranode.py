@@ -12,6 +12,7 @@ allocated from poisoned memory so an unwritten element shows up as a mismatch.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import sys
@@ -28,7 +29,9 @@ from gpu_common import (  # noqa: E402
     assert_same,
     combine_inputs,
     dispatch,
+    in_arena,
     inputs,
+    kernels_buffer,
     poison,
     pool_fixture,
     rank_counts,
@@ -44,25 +47,29 @@ _buffers: dict[str, object] = {}
 _keep: list[object] = []
 
 
-def _get_buffers(copy: str = "tma"):
-    """Kernels Buffers (bulk-copy and load/store row paths) and a reference Buffer per
-    process, reused by every case."""
-    from uccl_ep_megatron import Buffer
+def _get_buffers(copy: str = "tma", arena: bool = True):
+    """A kernels Buffer of the row copy (bulk-copy or load/store) with the receive arena on
+    (zero-copy dispatch) or off (staged), and a reference Buffer, per process, reused by every
+    case. Created on first use (collective: every rank runs the same cases)."""
     from uccl_ep_megatron.cluster.local import reference_oracle
 
-    if not _buffers:
-        for name, flag in (("tma", "1"), ("ldst", "0")):
-            os.environ["UCCL_EP_INTRANODE_TMA"] = flag  # read when the backend is created
-            _buffers[name] = Buffer(None, NVL_BYTES, 0, backend="kernels")
-        os.environ.pop("UCCL_EP_INTRANODE_TMA")
+    if "reference" not in _buffers:
         _buffers["reference"] = reference_oracle(None, NVL_BYTES)
-    return _buffers[copy], _buffers["reference"]
+    key = f"{copy}-{'arena' if arena else 'staged'}"
+    if key not in _buffers:
+        os.environ["UCCL_EP_INTRANODE_TMA"] = "1" if copy == "tma" else "0"  # read at creation
+        try:
+            _buffers[key] = kernels_buffer(NVL_BYTES, arena)
+        finally:
+            os.environ.pop("UCCL_EP_INTRANODE_TMA")
+    return _buffers[key], _buffers["reference"]
 
 
 def case(rank: int, world: int, params: dict) -> int:
     from uccl_ep_megatron import Buffer, Config
 
-    kb, rb = _get_buffers(params.get("copy", "tma"))
+    arena = params.get("arena", True)
+    kb, rb = _get_buffers(params.get("copy", "tma"), arena)
     assert kb.backend == "kernels" and rb.backend == "reference"
     num_tokens, hidden = params["tokens"], params["hidden"]
     gen = torch.Generator(device="cuda").manual_seed(1000 * params["seed"] + rank)
@@ -100,6 +107,10 @@ def case(rank: int, world: int, params: dict) -> int:
     rout = dispatch(rb, x_in, rlay, idx, w, **kw)
     krx, kidx, kw_, kcounts, kh, _ = kout
     rrx, ridx, rw_, rcounts, rh, _ = rout
+    # The path under test was taken: outputs in the arena (zero-copy) or torch's (staged).
+    rows = krx[0] if params.get("fp8") else krx
+    if rows.shape[0] > 0:
+        assert in_arena(kb, rows) == arena, (arena, kb._backend.recv_arena.fallbacks)
     assert_recv_same(kout, rout, params.get("fp8", False), count=int(kh.recv_count))
     got = int(kh.recv_count)  # sync-free padding rows of recv_x are unspecified
     assert_same("num_recv_tokens_per_expert", kcounts, rcounts)
@@ -453,6 +464,154 @@ def grow_case(rank: int, world: int) -> dict:
     return {"grows": grows_after_dispatch, "bytes": size_after_dispatch, "small": small}
 
 
+# ---- zero-copy receive: the lifetime of outputs carved from the receive arena --------------
+LIFE_ARENA = 256 << 20
+LIFE_NVL = 256 << 20  # their dispatches are small (the staging grows if one is not)
+
+
+def _life_buffer():
+    """A kernels Buffer whose arena only the lifetime cases use (so their first block starts
+    at the arena's base), created on first use."""
+    if "life" not in _buffers:
+        _buffers["life"] = kernels_buffer(LIFE_NVL, arena_bytes=LIFE_ARENA)
+    return _buffers["life"]
+
+
+def _layer_call(kb, rb, rank, world, seed, tokens=300, hidden=2048):
+    """One dispatch of a small random case on both Buffers: (kernels out, reference out)."""
+    params = dict(tokens=tokens, hidden=hidden, routing="random", seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
+    x_in, _, idx, w, num_experts = inputs(rank, world, params, gen)
+    kout = dispatch(kb, x_in, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
+    rout = dispatch(rb, x_in, rb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
+    return kout, rout
+
+
+def _check_layer(name, kout, rout) -> None:
+    assert_recv_same(kout, rout)
+    assert_same(f"{name}: recv_src_idx", kout[4].recv_src_idx, rout[4].recv_src_idx)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def lifetime_case(rank: int, world: int) -> list[int]:
+    """Four dispatches whose outputs all stay alive while later dispatches, combines and
+    poisonings of the free arena run: each keeps its own block and its values."""
+    kb = _life_buffer()
+    _, rb = _get_buffers()
+    live = []
+    for i in range(4):
+        poison(kb)  # free arena bytes only: live outputs must not change
+        kout, rout = _layer_call(kb, rb, rank, world, seed=50 + i, tokens=200 + 100 * i)
+        assert in_arena(kb, kout[0]), i
+        live.append((kout, rout))
+        kb.combine(kout[0], kout[4])
+    poison(kb)
+    spans = sorted(_span(k[0]) for k, _ in live)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False)), spans  # disjoint
+    for i, (kout, rout) in enumerate(live):
+        _check_layer(f"live dispatch {i}", kout, rout)
+    torch.cuda.synchronize()
+    return [s[0] for s in spans]
+
+
+def reuse_case(rank: int, world: int) -> bool:
+    """A block goes back to the allocator only when the last tensor using it dies: a view of
+    one output keeps the whole block; once it dies the next dispatch of the same size reuses
+    the block (first fit from the arena's base)."""
+    kb = _life_buffer()
+    _, rb = _get_buffers()
+    arena = kb._backend.recv_arena
+    gc.collect()  # outputs of earlier cases caught in reference cycles
+    assert arena.live_blocks() == 0, "a previous case left outputs alive"
+    a = _layer_call(kb, rb, rank, world, seed=60)[0]
+    base = a[0].data_ptr()
+    assert base == arena.base, (base, arena.base)
+    a_rows_end = _span(a[0])[1]
+    keep = a[0][:1]  # one row of recv_x: a view of the block
+    want = keep.clone()
+    del a
+    gc.collect()
+    poison(kb)
+    b, rb_out = _layer_call(kb, rb, rank, world, seed=61)
+    assert b[0].data_ptr() >= a_rows_end, "block reused while a view of it lives"
+    poison(kb)  # fills free arena bytes: the kept block is not free
+    assert_same("kept view of the first dispatch", keep, want)
+    del keep
+    gc.collect()
+    c, rc_out = _layer_call(kb, rb, rank, world, seed=60)  # same sizes as a
+    assert c[0].data_ptr() == base, (c[0].data_ptr(), base)
+    _check_layer("after reuse (b)", b, rb_out)
+    _check_layer("after reuse (c)", c, rc_out)
+    del b, c
+    gc.collect()
+    torch.cuda.synchronize()
+    assert arena.live_blocks() == 0
+    return True
+
+
+def arena_full_case(rank: int, world: int) -> dict:
+    """Rank 0's arena is too small for a large dispatch, the others' is not: rank 0 takes the
+    staged path (counted) while its peers receive zero-copy, in the same calls; results equal
+    the reference. A small dispatch still fits rank 0's arena."""
+    if "small_arena" not in _buffers:
+        small = (1 << 20) if rank == 0 else LIFE_ARENA
+        _buffers["small_arena"] = kernels_buffer(LIFE_NVL, arena_bytes=small)
+    kb = _buffers["small_arena"]
+    _, rb = _get_buffers()
+    arena = kb._backend.recv_arena
+    before = arena.fallbacks
+    poison(kb)
+    big, rbig = _layer_call(kb, rb, rank, world, seed=70, tokens=2048, hidden=4096)
+    assert in_arena(kb, big[0]) == (rank != 0), rank
+    assert arena.fallbacks == before + (rank == 0)
+    _check_layer("large dispatch", big, rbig)
+    kcx, _, _ = kb.combine(big[0], big[4])
+    rcx, _, _ = rb.combine(rbig[0], rbig[4])
+    torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
+    poison(kb)
+    small, rsmall = _layer_call(kb, rb, rank, world, seed=71, tokens=16, hidden=256)
+    assert in_arena(kb, small[0])
+    _check_layer("small dispatch", small, rsmall)
+    torch.cuda.synchronize()
+    return {"fallbacks": arena.fallbacks - before}
+
+
+def megatron_pattern_case(rank: int, world: int) -> int:
+    """Megatron's order, twice: dispatch N layers forward (outputs saved for backward), then
+    backward in reverse, each layer's saved outputs checked, its gradient re-dispatched with
+    the cached handle and combined, then freed. Every block is back when all are dead."""
+    kb = _life_buffer()
+    _, rb = _get_buffers()
+    arena = kb._backend.recv_arena
+    num_layers = 4
+    for step in range(2):
+        saved = []
+        for layer in range(num_layers):
+            kout, rout = _layer_call(kb, rb, rank, world, seed=80 + 10 * step + layer)
+            assert in_arena(kb, kout[0])
+            kb.combine(kout[0], kout[4])  # the forward's combine after the experts
+            saved.append((kout, rout))
+        for layer in reversed(range(num_layers)):
+            kout, rout = saved.pop()
+            _check_layer(f"step {step} layer {layer}", kout, rout)
+            # The backward of combine: a cached dispatch of the output's gradient (a block of
+            # its own); of dispatch: a combine of the received rows' gradient.
+            gen = torch.Generator(device="cuda").manual_seed(900 + 10 * step + layer + rank)
+            g = torch.randn(300, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+            kg = kb.dispatch(g, handle=kout[4])[0]
+            rg = rb.dispatch(g, handle=rout[4])[0]
+            assert_same(f"step {step} layer {layer}: cached re-dispatch", kg, rg)
+            kb.combine((kout[0].float() * 0.5).to(torch.bfloat16), kout[4])
+            del kout, rout, kg, rg
+        gc.collect()
+        torch.cuda.synchronize()
+        assert arena.live_blocks() == 0, (step, arena.live_blocks())
+    return num_layers
+
+
 CASES = {
     "t1_h7168_random": dict(tokens=1, hidden=7168, routing="random", seed=1),
     "t127_h2048_random_i32": dict(
@@ -493,8 +652,25 @@ CASES = {
     ),
     "t33000_h128_every_rank": dict(tokens=33000, hidden=128, routing="every_rank", topk=8, seed=19),
 }
-# A stalled case fails in 20 s instead of the 100 s default wait.
-ENV = {"UCCL_EP_TIMEOUT_MS": "20000"}
+# A stalled case fails in 20 s instead of the 100 s default wait. Buffers a case creates for
+# itself get a small receive arena (the shared ones: gpu_common.ARENA_BYTES).
+ENV = {"UCCL_EP_TIMEOUT_MS": "20000", "UCCL_EP_RECV_ARENA_BYTES": str(64 << 20)}
+# The staged path (arena off) over the cases that cover its modes: sync-free, cached (every
+# case), FP8, uneven and empty ranks, -1 slots, int32 ids, async, no tokens, odd row sizes,
+# both row copies.
+STAGED_CASES = [
+    "t127_h2048_random_i32",
+    "t4096_h7168_dsv3_fp8",
+    "t8192_h4096_skewed",
+    "t777_h2048_to_rank0_ldst",
+    "t513_h7168_holes_align",
+    "t300_h2048_worst",
+    "t300_h2048_worst_fp8",
+    "t2048_h4096_async",
+    "t0_h2048",
+    "t100_h100_unaligned",
+    "t4096_h7168_dsv3_ldst",
+]
 for _p in CASES.values():
     if _p.pop("async_", False):
         _p["async"] = True
@@ -506,6 +682,12 @@ gpu_pool = pool_fixture(RANKS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_dispatch_combine_matches_reference(gpu_pool, name):
     recv = gpu_pool.run(__file__, "case", CASES[name], env=ENV)
+    assert len(recv) == gpu_pool.world_size
+
+
+@pytest.mark.parametrize("name", STAGED_CASES)
+def test_staged_dispatch_combine_matches_reference(gpu_pool, name):
+    recv = gpu_pool.run(__file__, "case", {**CASES[name], "arena": False}, env=ENV)
     assert len(recv) == gpu_pool.world_size
 
 
@@ -568,5 +750,24 @@ def test_back_to_back_dispatches_with_new_counts(gpu_pool, second):
 
 
 def test_wait_times_out_with_clear_error(gpu_pool):
-    out = gpu_pool.run(__file__, "timeout_case", env={"UCCL_EP_TIMEOUT_MS": "2000"})
+    env = {**ENV, "UCCL_EP_TIMEOUT_MS": "2000"}
+    out = gpu_pool.run(__file__, "timeout_case", env=env)
     assert out[0] == "timeout"
+
+
+def test_live_zero_copy_outputs_stay_intact(gpu_pool):
+    starts = gpu_pool.run(__file__, "lifetime_case", env=ENV)
+    assert all(len(set(s)) == 4 for s in starts), starts
+
+
+def test_arena_block_reused_only_after_its_tensors_die(gpu_pool):
+    assert all(gpu_pool.run(__file__, "reuse_case", env=ENV))
+
+
+def test_full_arena_falls_back_to_staged_with_same_results(gpu_pool):
+    out = gpu_pool.run(__file__, "arena_full_case", env=ENV)
+    assert [o["fallbacks"] for o in out] == [1] + [0] * (gpu_pool.world_size - 1), out
+
+
+def test_megatron_order_of_dispatches_and_frees(gpu_pool):
+    assert gpu_pool.run(__file__, "megatron_pattern_case", env=ENV) == [4] * gpu_pool.world_size

@@ -13,13 +13,14 @@ import dataclasses
 import itertools
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.api.calls import CallAgreement, worst_of
+from uccl_ep_megatron.api.streams import CommStream, cached_outputs, dispatch_outputs
 from uccl_ep_megatron.api.topology import detect_placement, group_device, sm_budget
 from uccl_ep_megatron.api.validation import ArgumentChecks, XType
 from uccl_ep_megatron.backends import create_backend
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 _uids = itertools.count(1)
 
 
-class Buffer(CallAgreement, ArgumentChecks):
+class Buffer(CallAgreement, ArgumentChecks, CommStream):
     """Expert-parallel dispatch/combine over ``group`` (DeepEP normal-mode API).
 
     Args:
@@ -130,10 +131,10 @@ class Buffer(CallAgreement, ArgumentChecks):
         backend_name = backend or os.environ.get("UCCL_EP_BACKEND", "auto").strip() or "auto"
         self.device = group_device(self.group, backend_name, device)
         # The int form for per-call stream lookups (a torch.device goes through slower checks).
-        self._device_index = self.device.index
-        if self._device_index is None:
+        device_index = self.device.index
+        if device_index is None:
             cuda = self.device.type == "cuda"
-            self._device_index = torch.cuda.current_device() if cuda else -1
+            device_index = torch.cuda.current_device() if cuda else -1
         ranks_per_node, sharers = detect_placement(self.group, self.device)
         self.topology = Topology(self.rank, self.group_size, ranks_per_node)
         # Ranks sharing this GPU (under CUDA MPS) run their kernels side by side, and the
@@ -152,12 +153,7 @@ class Buffer(CallAgreement, ArgumentChecks):
                 f"the reference backend over a gloo group moves CPU tensors, not {self.device}; "
                 "pass device='cpu', use an NCCL group, or backend='kernels' for the GPU kernels"
             )
-        self._comm_stream = None
-        if self.device.type == "cuda":
-            self._comm_stream = torch.cuda.Stream(device=self.device)
-            # Made once: the joins of every call into and out of the comm stream (see _run).
-            self._joined = torch.cuda.Event()
-            self._finished = torch.cuda.Event()
+        self._init_comm_stream(self.device, device_index)
         self._destroyed = False
         self._calls = 0  # dispatch/combine calls so far: the `seq` of the call header
         # Default configs per (op, Buffer.num_sms): they read the environment (ranks per
@@ -368,7 +364,7 @@ class Buffer(CallAgreement, ArgumentChecks):
 
         # After a failed check the event may be what failed: run() raises before it matters.
         inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
-        outputs = _dispatch_outputs if handle is None else _cached_outputs
+        outputs = dispatch_outputs if handle is None else cached_outputs
         result, event = self._run(
             run, inputs, event_in, async_finish, allocate_on_comm_stream, outputs
         )
@@ -447,108 +443,3 @@ class Buffer(CallAgreement, ArgumentChecks):
             run, inputs, event_in, async_finish, allocate_on_comm_stream
         )
         return combined, combined_weights, event
-
-    # ---- stream handling -------------------------------------------------------------------
-    def _run(
-        self,
-        fn: Callable[[], Any],
-        inputs: Sequence[torch.Tensor],
-        previous_event: EventOverlap | None,
-        async_finish: bool,
-        allocate_on_comm_stream: bool,
-        outputs: Callable[[Any], Sequence[torch.Tensor | None]] | None = None,
-    ) -> tuple[Any, EventOverlap]:
-        """Run ``fn`` on the comm stream, ordered after the caller's work.
-
-        Inputs are recorded on the comm stream and outputs on the caller's stream, so the
-        caching allocator never recycles memory one stream still uses. ``fn`` allocates its
-        outputs with the comm stream current whatever ``allocate_on_comm_stream`` says (see
-        ``dispatch``). ``outputs(result)`` names the result's tensors (None entries skipped);
-        without it every tensor inside the result (nested tuples) counts.
-        """
-        self._check_event(previous_event)
-        comm = self._comm_stream
-        if comm is None:
-            return fn(), EventOverlap(None)
-        index = self._device_index
-        compute = torch.cuda.current_stream(index)
-        if previous_event is not None and previous_event.event is not None:
-            comm.wait_event(previous_event.event)
-        else:
-            # Stream.wait_stream with an event made once (it creates one per call): a wait
-            # takes the event's latest record, so reusing it orders the same work.
-            self._joined.record(compute)
-            comm.wait_event(self._joined)
-        if torch.cuda.current_device() == index:
-            # torch.cuda.stream() without its context manager (host time): set_stream keeps
-            # the current device when the stream is on it, so restoring `compute` is exact.
-            torch.cuda.set_stream(comm)
-            try:
-                out = fn()
-            finally:
-                torch.cuda.set_stream(compute)
-        else:
-            with torch.cuda.stream(comm):
-                out = fn()
-        for t in inputs:
-            if t.is_cuda:
-                t.record_stream(comm)
-        produced = _tensors(out) if outputs is None else outputs(out)
-        for t in produced:
-            if t is not None and t.is_cuda:
-                t.record_stream(compute)
-        if async_finish:
-            event = torch.cuda.Event()
-            event.record(comm)
-            kept = [t for t in produced if t is not None]
-            return out, EventOverlap(event, [*inputs, *kept])
-        self._finished.record(comm)
-        compute.wait_event(self._finished)
-        return out, EventOverlap(None)
-
-
-def _dispatch_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
-    """The tensors of a backend's ``DispatchResult`` that a caller gets (what ``_tensors``
-    finds in it), each storage once: views of the rank prefix matrix's tensor (the kernels
-    backend's recv_count and per-expert counts) are covered by recording the matrix."""
-    prefix = r.rank_prefix_matrix
-    base = prefix._base
-    count, per_expert = r.recv_count, r.recv_tokens_per_expert
-    if base is not None:
-        if count is not None and count._base is base:
-            count = None
-        if per_expert is not None and per_expert._base is base:
-            per_expert = None
-    return (
-        r.recv_x,
-        r.recv_x_scales,
-        r.recv_topk_idx,
-        r.recv_topk_weights,
-        prefix,
-        r.recv_src_idx,
-        count,
-        per_expert,
-    )
-
-
-def _cached_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
-    """What a cached dispatch hands back: received rows (and FP8 scales). The result's other
-    tensors are the handle's, recorded when the handle was made."""
-    return r.recv_x, r.recv_x_scales
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor inside nested tuples/lists/NamedTuples (outputs to record on a stream).
-    A sequence that starts with a plain number is taken as numbers only (a count list of
-    hundreds of ints would otherwise cost ~200 us per dispatch to walk)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if not isinstance(obj, tuple | list) or (obj and isinstance(obj[0], int | float)):
-        return []
-    out: list[torch.Tensor] = []
-    for item in obj:
-        if isinstance(item, torch.Tensor):
-            out.append(item)
-        elif isinstance(item, tuple | list):
-            out.extend(_tensors(item))
-    return out

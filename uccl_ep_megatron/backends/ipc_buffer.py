@@ -160,7 +160,9 @@ class IpcBuffers:
             )
         return True
 
-    def close(self, collective: bool = True, timeout_ms: int | None = None) -> None:
+    def close(
+        self, collective: bool = True, timeout_ms: int | None = None, keep_local: bool = False
+    ) -> None:
         """Close the peer mappings, then free this rank's buffer once no peer maps it.
 
         ``collective`` (``Buffer.destroy()``; every rank of the group must call it, as with
@@ -170,6 +172,8 @@ class IpcBuffers:
         only the mappings are closed and the own buffer is left allocated (the driver reclaims
         it at process exit): freeing it while a peer still maps it is undefined in CUDA. When
         the barrier times out the buffer is likewise kept and ``CommTimeoutError`` raised.
+        ``keep_local``: after a collective close, leave the own buffer allocated for the
+        caller to free with ``free_local()`` (memory that tensors may still use).
         """
         if not self.ptrs:
             return
@@ -197,6 +201,13 @@ class IpcBuffers:
             with torch.cuda.device(self._device):
                 work = dist.barrier(group=self._group, async_op=True)
             wait_work(work, timeout_ms, expired)
+        if not keep_local:
+            self.free_local()
+
+    def free_local(self) -> None:
+        """Free this rank's buffer (after ``close``: no peer maps it any more)."""
+        if not self.local:
+            return
         with torch.cuda.device(self._device):
             self._c.device_free(self.local)
         self.local = 0

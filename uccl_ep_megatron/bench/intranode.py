@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import statistics
-import time
 from typing import Any
 
 import torch
@@ -38,6 +35,8 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
 from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
+from uccl_ep_megatron.bench.intranode_report import merge, print_kernels, print_table
+from uccl_ep_megatron.bench.timing import floor_bandwidth, profile_kernels, time_call
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 OPS = (
@@ -160,78 +159,32 @@ def _import_deepep(required: bool = False):
     return deep_ep
 
 
-def time_call(fn, iters: int, warmup: int) -> dict[str, list[float]]:
-    """Per-iteration device (events) and host (CPU inside ``fn``) microseconds on this rank;
-    every iteration starts together on all ranks (barrier after a device sync)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    dev, host = [], []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        fn()
-        t1 = time.perf_counter()
-        end.record()
-        end.synchronize()
-        dev.append(start.elapsed_time(end) * 1e3)
-        host.append((t1 - t0) * 1e6)
-    return {"device_us": dev, "host_us": host}
-
-
-def _kernel_name(full: str) -> str:
-    """``void ns::(anonymous namespace)::dispatch_kernel<int4, 8, true>(Params)`` ->
-    ``dispatch_kernel``: the kernel's own name, without namespaces, templates or arguments."""
-    name = full.replace("(anonymous namespace)::", "")
-    name = re.sub(r"<.*", "", name.split("(")[0])
-    return name.split("::")[-1].split()[-1] if name.strip() else full[:40]
-
-
-def profile_kernels(fn, calls: int, rank: int) -> dict[str, float]:
-    """Mean device microseconds per call of each kernel ``fn`` launches, on rank 0 (every rank
-    makes the calls: they are collective); empty on the other ranks."""
-    torch.cuda.synchronize()
-    dist.barrier()
-    if rank != 0:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        return {}
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    per_kernel: dict[str, float] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = _kernel_name(ev.name)
-            per_kernel[name] = per_kernel.get(name, 0.0) + ev.device_time / calls
-    return per_kernel
-
-
 def _calls(buf, cfgs: tuple[Any, Any], x, x_fp8, layout: dict, state: dict, worst: int) -> dict:
     """The timed calls on one Buffer (ours or DeepEP's: same API); ``worst`` is the
     ``num_worst_tokens`` of the sync-free pair."""
     dcfg, ccfg = cfgs
 
+    # Each call's previous result dies first, as between a layer's calls: a zero-copy output
+    # block is then reused instead of the arena filling with results the bench drops anyway
+    # (a cached result keeps its handle's block: it returns the handle's source indices).
     def disp_bf16():
+        state.pop("cached", None)
+        state.pop("out", None)
         state["out"] = buf.dispatch(x, config=dcfg, **layout)
 
     def disp_fp8():
+        state.pop("fp8", None)
         state["fp8"] = buf.dispatch(x_fp8, config=dcfg, **layout)
 
     def disp_cached():
+        state.pop("cached", None)
         state["cached"] = buf.dispatch(x, handle=state["out"][4], config=dcfg)
 
     def comb():
         state["comb"] = buf.combine(state["out"][0], state["out"][4], config=ccfg)
 
     def disp_worst():
+        state.pop("worst", None)
         state["worst"] = buf.dispatch(x, config=dcfg, num_worst_tokens=worst, **layout)
 
     def comb_worst():
@@ -267,38 +220,6 @@ def _compare(ours: dict, theirs: dict) -> dict[str, Any]:
     return same
 
 
-def _floor_bandwidth(rank: int, world: int, shared: bool) -> float:
-    """Bytes/s for the floor: NVLink peer copy (own GPUs, every rank to its right neighbour at
-    once) or HBM device-to-device copy counting read + write (shared GPU, rank 0 alone)."""
-    n = 256 << 20
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(1)
-    if shared:
-        dst = torch.empty_like(src)
-        scale = 2.0  # read + write
-        if rank != 0:
-            dist.barrier()
-            dist.barrier()
-            return 0.0
-    else:
-        dst = torch.empty(n, dtype=torch.uint8, device=f"cuda:{(rank + 1) % world}")
-        scale = 1.0
-    times = []
-    for i in range(13):
-        if not shared:
-            dist.barrier()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(dst.device)
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(time.perf_counter() - t)
-    if shared:
-        dist.barrier()
-        dist.barrier()
-    return scale * n / statistics.median(times)
-
-
 def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.core.config import Config
@@ -314,10 +235,18 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     if a["copy"] != "both":
         copies = {a["copy"]: copies[a["copy"]]}
     ours = {}
+    # The receive arena holds the four dispatch results the bench keeps (plain, FP8, cached,
+    # sync-free: each at most tokens x ranks rows) unless the caller set its size.
+    arena_env = "UCCL_EP_RECV_ARENA_BYTES"
+    arena_set = arena_env in os.environ
+    if not arena_set:
+        os.environ[arena_env] = str(4 * T * world * (H * x.element_size() + 256))
     for name, flag in copies.items():
         os.environ["UCCL_EP_INTRANODE_TMA"] = flag  # read once, when the backend is created
         ours[name] = Buffer(None, a["nvl_bytes"], 0, backend="kernels", explicitly_destroy=True)
     os.environ.pop("UCCL_EP_INTRANODE_TMA", None)
+    if not arena_set:
+        os.environ.pop(arena_env)
     deep_ep = None if a["deepep"] == "off" else _import_deepep(a["deepep"] == "on")
     # Every rank must agree on whether DeepEP runs (an import may fail on one rank only).
     flags: list[Any] = [None] * world
@@ -371,7 +300,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
             a["iters"],
             a["warmup"],
         )
-    res["floor_Bps"] = _floor_bandwidth(rank, world, shared)
+    res["floor_Bps"] = floor_bandwidth(rank, world, shared)
 
     for asked in sms_list:
         # Ranks sharing a GPU must fit side by side (Buffer.max_num_sms); DeepEP gets the same.
@@ -420,6 +349,8 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
             res["timings"].append({"op": op, "impl": impl, "copy": copy, "sms": at, **t})
 
     torch.cuda.synchronize()
+    # Dispatches of ours whose outputs did not fit the receive arena (staged, not zero-copy).
+    res["arena_fallbacks"] = sum(b._backend.recv_arena.fallbacks for b in ours.values())
     dist.barrier()
     for b in ours.values():
         b.destroy()
@@ -427,114 +358,6 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         theirs.destroy()
     dist.barrier()
     return res
-
-
-# ---- merging and printing (launching process) -------------------------------------------
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def merge(per_rank: list[dict], shared: bool) -> dict:
-    """One result for the rank count: per-iteration max over ranks, then median/min/max."""
-    r0 = per_rank[0]
-    world = r0["world"]
-    out = {k: r0[k] for k in ("world", "tokens", "hidden", "experts", "topk", "device", "deepep")}
-    out["shared_gpu"] = shared
-    out["recv_bytes"] = max(r["recv_bytes"] for r in per_rank)
-    if shared:
-        moved = 2 * sum(r["recv_bytes"] for r in per_rank)  # every row read once, written once
-        bw = r0["floor_Bps"]
-        out["floor"] = {"what": "HBM read+write of all ranks' rows", "GBps": bw / 1e9}
-    else:
-        moved = max(r["cross_bytes"] for r in per_rank)
-        bw = min(r["floor_Bps"] for r in per_rank)
-        out["floor"] = {"what": "peer copy of the rows crossing the link", "GBps": bw / 1e9}
-    out["floor"]["us"] = moved / bw * 1e6
-    out["agreement"] = [r["agreement"] for r in per_rank]
-    if "nccl" in r0:
-        out["nccl"] = _max_over_ranks([r["nccl"] for r in per_rank])
-    rows = []
-    for i, t0 in enumerate(r0["timings"]):
-        row = {k: t0[k] for k in ("op", "impl", "copy", "sms")}
-        row.update(_max_over_ranks([r["timings"][i] for r in per_rank]))
-        byts = out["recv_bytes"] * ((1 + 4 / 128) / 2 if "fp8" in row["op"] else 1.0)
-        row["GBps"] = byts / (row["device_us"]["median"] * 1e-6) / 1e9
-        rows.append(row)
-    out["rows"] = rows
-    for row in rows:
-        if row["impl"] != "ours":
-            continue
-        same = [
-            q
-            for q in rows
-            if q["impl"] == "deepep"
-            and q["op"] == row["op"]
-            and (q["sms"] == row["sms"] or per_rank[0]["deepep_sms"])
-        ]
-        peer = same[0] if same else None
-        if peer is not None:
-            row["vs_deepep"] = row["device_us"]["median"] / peer["device_us"]["median"]
-    out["kernels"] = r0["kernels"]
-    out["world"] = world
-    return out
-
-
-def _max_over_ranks(timings: list[dict]) -> dict[str, dict[str, float]]:
-    res = {}
-    for key in ("device_us", "host_us"):
-        per_iter = [max(vals) for vals in zip(*(t[key] for t in timings), strict=True)]
-        res[key] = _stats(per_iter)
-    return res
-
-
-def print_table(r: dict) -> None:
-    mode = "ranks sharing GPUs under MPS (gloo)" if r["shared_gpu"] else "one rank per GPU (NCCL)"
-    print(
-        f"# bench intranode: {r['world']} ranks, {mode}, {r['device']}; {r['tokens']} tok/rank, "
-        f"hidden {r['hidden']}, top-{r['topk']} of {r['experts']} (max over ranks per iteration)"
-    )
-    f = r["floor"]
-    print(f"# floor: {f['what']} at {f['GBps']:.0f} GB/s -> {f['us']:.1f} us")
-    if "nccl" in r:
-        print(f"# NCCL all_to_all_single of dedup rows: {r['nccl']['device_us']['median']:.1f} us")
-    if r["deepep"]:
-        bad = [
-            (i, k, v)
-            for i, ag in enumerate(r["agreement"])
-            for k, v in _flat(ag)
-            if v is False or (k.endswith("max_abs_diff") and v > 0.05)
-        ]
-        print("# ours vs DeepEP V1 outputs: " + ("identical" if not bad else f"DIFFER {bad[:4]}"))
-    print(
-        f"{'op':<22}{'impl':>7}{'copy':>5}{'SMs':>4}{'device us':>10}{'(min-max)':>16}"
-        f"{'host us':>9}{'GB/s':>7}{'/floor':>7}{'/DeepEP':>8}"
-    )
-    for row in r["rows"]:
-        d, h = row["device_us"], row["host_us"]
-        ratio = f"{row['vs_deepep']:.2f}" if "vs_deepep" in row else "-"
-        spread = f"({d['min']:.0f}-{d['max']:.0f})"
-        print(
-            f"{row['op']:<22}{row['impl']:>7}{row['copy']:>5}{row['sms']:>4}{d['median']:>10.1f}"
-            f"{spread:>16}{h['median']:>9.1f}{row['GBps']:>7.1f}"
-            f"{d['median'] / r['floor']['us']:>7.2f}{ratio:>8}"
-        )
-
-
-def print_kernels(r: dict) -> None:
-    """Rank 0's mean device us per kernel per call (``--kernels``), largest first."""
-    for k in r.get("kernels", []):
-        parts = sorted(k["us"].items(), key=lambda kv: -kv[1])
-        total = sum(v for _, v in parts)
-        shown = ", ".join(f"{n} {v:.1f}" for n, v in parts[:5])
-        print(f"# kernels {k['op']} {k['impl']} {k['sms']} SMs: {total:.1f} us = {shown}")
-
-
-def _flat(ag: dict, prefix: str = ""):
-    for k, v in ag.items():
-        if isinstance(v, dict):
-            yield from _flat(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
 
 
 def main(argv: list[str] | None = None) -> int:

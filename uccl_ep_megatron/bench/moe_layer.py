@@ -127,11 +127,14 @@ SYNC_CALLS = (
 def _profiled_syncs(fn: Any, repeat: int) -> tuple[int, int]:
     from torch.profiler import ProfilerActivity, profile
 
+    from uccl_ep_megatron.backends.intranode.status import host_waits
+
     torch.cuda.synchronize()
+    waits = host_waits()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(repeat):
             fn()
-    syncs = copies = 0
+    syncs, copies = host_waits() - waits, 0
     for event in prof.events():
         name = event.name
         if name in SYNC_CALLS:
@@ -142,7 +145,8 @@ def _profiled_syncs(fn: Any, repeat: int) -> tuple[int, int]:
 
 
 def count_host_syncs(fn: Any, repeat: int = 1) -> dict[str, float]:
-    """Host syncs per call of ``fn`` under ``torch.profiler``: runtime synchronize calls, and
+    """Host syncs per call of ``fn`` under ``torch.profiler``: runtime synchronize calls plus
+    uccl_ep's host waits on mapped memory (``host_waits``: an exact dispatch's count read), and
     device-to-host copies (``Memcpy DtoH`` on the device timeline, each of which a host read
     such as ``.item()``/``.tolist()`` waits for). Averaged over ``repeat`` calls, less what a
     profiled no-op records: on the device (session 5) every variant, ``alltoall`` included,

@@ -11,16 +11,13 @@
 
 namespace uccl_ep::internode {
 
-intptr_t status_alloc() {
-  void* p = nullptr;
-  GPU_CHECK(gpuHostAlloc(&p, kStatusWords * sizeof(int64_t), gpuHostAllocMapped));
-  std::memset(p, 0, kStatusWords * sizeof(int64_t));
-  return reinterpret_cast<intptr_t>(p);
-}
+// The intranode host block: the status words (kStatusWords <= kStatusFlagWord of the internode
+// layout), the device flag's address, and a readback region the internode path leaves unused.
+static_assert(kStatusWords <= kernels::kStatusFlagWord, "internode status words overlap the flag address");
 
-void status_free(intptr_t ptr) {
-  if (ptr) GPU_CHECK(gpuFreeHost(reinterpret_cast<void*>(ptr)));
-}
+intptr_t status_alloc() { return kernels::host_status_alloc(); }
+
+void status_free(intptr_t ptr) { kernels::host_status_free(ptr); }
 
 std::vector<int64_t> status_read(intptr_t ptr) {
   const volatile int64_t* w = reinterpret_cast<const volatile int64_t*>(ptr);
@@ -60,7 +57,7 @@ DevCommon make_common(const Common& c) {
   for (int j = 0; j < c.ranks_per_node; ++j) d.nvl[j] = reinterpret_cast<uint8_t*>(c.nvl[j]);
   d.cap = c.cap;
   d.chunk = c.chunk;
-  d.status = kernels::StatusRef{reinterpret_cast<int64_t*>(c.status), d.state + kStateAbortWord};
+  d.status = kernels::status_ref(c.status);
   d.timeout_ns = static_cast<uint64_t>(c.timeout_ns);
   d.verdict = reinterpret_cast<const int64_t*>(c.verdict);
   return d;

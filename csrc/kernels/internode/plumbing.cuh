@@ -27,7 +27,7 @@ struct DevCommon {
   uint8_t* region;
   uint8_t* nvl[kMaxLocal];
   int cap, chunk;
-  // Host words: the internode status words; flag: the abort word of `state` (fail() below).
+  // The internode status words and their device flag (kernels::host_status_alloc's block).
   kernels::StatusRef status;
   uint64_t timeout_ns;
   const int64_t* verdict;  // sync-free call: the GPU check of the call headers (or null)
@@ -49,13 +49,14 @@ __device__ __forceinline__ int64_t ld_counter(const int64_t* p) {
 }
 
 __device__ __forceinline__ bool aborted(const DevCommon& p) {
-  return *reinterpret_cast<volatile int64_t*>(p.state + kStateAbortWord) != 0;
+  return kernels::status_set(p.status);
 }
 
-// First failure wins (CAS in device memory, where atomics are cheap and always atomic); its
-// details go to the mapped host status words, published by [0] last.
+// First failure wins (CAS on the device flag, where atomics are cheap and always atomic; the
+// intranode record_status, which the NVLink barrier uses, CASes the same word); its details go
+// to the mapped host status words, published by [0] last.
 __device__ inline void fail(const DevCommon& p, int site, int peer, int64_t want, int channel, int64_t got) {
-  auto* word = reinterpret_cast<unsigned long long*>(p.state + kStateAbortWord);
+  auto* word = reinterpret_cast<unsigned long long*>(p.status.flag);
   if (atomicCAS(word, 0ull, 1ull) != 0ull) return;
   volatile int64_t* st = p.status.host;
   st[1] = peer;

@@ -1,7 +1,9 @@
 """``InternodeBackend``: the host side of one internode dispatch / combine (see the package
 docstring for the design). It checks sizes, builds the index tables on the GPU
-(``tables.py``), fills the launch structs and launches; errors the kernels recorded are read
-from the status words (``diagnostics.py``)."""
+(``tables.py``) and launches each step with one ``_C.internode`` call that takes the tensors
+themselves (``csrc/bindings/internode_calls.cc`` checks their shapes and dtypes and reads the
+sizes off them) and a per-Buffer ``Context``; errors the kernels recorded are read from the
+status words (``diagnostics.py``)."""
 
 from __future__ import annotations
 
@@ -32,8 +34,6 @@ from uccl_ep_megatron.backends.internode.tables import (
 from uccl_ep_megatron.backends.intranode.backend import KernelsBackend
 from uccl_ep_megatron.backends.intranode.launch import (
     launch_layout,
-    poison_dispatch,
-    poison_on_timeout,
     prepare_combine,
     warm_poison,
 )
@@ -148,14 +148,16 @@ class InternodeBackend(CallHeaderExchange, Backend):
         handles = self._ep.device_handles()
         self._fifo_handles = torch.frombuffer(bytearray(handles), dtype=torch.uint8).to(device)
         self._state = torch.zeros(int(c.internode.STATE_WORDS), dtype=torch.int64, device=device)
-        self._status = c.internode.status_alloc()
+        with torch.cuda.device(device):  # its device flag lives on this GPU
+            self._status = c.internode.status_alloc()
         warm_poison(c, self._status, device)
         # Loads the kernels of the sync-free per-expert count, which runs right after the
         # dispatch kernels (see dispatch_outputs on lazy loading).
         for dtype in (torch.int64, torch.int32):
             received_expert_counts(torch.full((1, 1), -1, dtype=dtype, device=device), 1, 1)
         torch.cuda.synchronize(device)
-        self._barrier_seq = 0
+        self._ctx: Any = None
+        self._ctx_grows = -1
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -165,10 +167,6 @@ class InternodeBackend(CallHeaderExchange, Backend):
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
-
-    def _next_barrier(self) -> int:
-        self._barrier_seq += 1
-        return self._barrier_seq
 
     def check(self) -> None:
         """Raise the first failure of a kernel wait, a FIFO push, a proxy thread, or the GPU
@@ -190,31 +188,44 @@ class InternodeBackend(CallHeaderExchange, Backend):
 
     check_errors = check
 
-    def _common(self, config: Config, verdict: torch.Tensor | None = None) -> Any:
-        topo = self.topology
-        cm = self._in.Common()
-        cm.rank, cm.num_ranks = topo.rank, topo.num_ranks
-        cm.ranks_per_node = topo.ranks_per_node
-        cm.num_channels = config.num_channels
+    def _context(self) -> Any:
+        """The per-Buffer part of every launch (``_C.internode.Context``), built once and again
+        after the NVLink buffers grew (their addresses change; the barrier count carries on)."""
+        grows = self._ipc.grows
+        if self._ctx is None or self._ctx_grows != grows:
+            topo = self.topology
+            self._ctx = self._in.Context(
+                topo.rank,
+                topo.num_ranks,
+                topo.ranks_per_node,
+                self._fifo_handles,
+                NUM_FIFO_CHANNELS,
+                self._ep.counters.dev_ptr,
+                self._state,
+                self._region,
+                self._region_bytes,
+                list(self._ipc.ptrs),
+                _NVL_STAGE_OFFSET,
+                self._status,
+                self._timeout_ms * 1_000_000,
+                0 if self._ctx is None else self._ctx.barrier_seq,
+            )
+            self._ctx_grows = grows
+        return self._ctx
+
+    def _rings(self, config: Config) -> tuple[int, int, int]:
+        """The ring shape of a call's launches: (channels, slots per ring, tokens per write)."""
         if config.num_channels > self._in.MAX_CHANNELS:
             raise UnsupportedError(
                 f"Config.num_sms={config.num_sms} gives {config.num_channels} channels; the "
                 f"internode kernels support up to {self._in.MAX_CHANNELS} (num_sms <= "
                 f"{2 * self._in.MAX_CHANNELS})"
             )
-        cm.fifo_handles = self._fifo_handles.data_ptr()
-        cm.num_fifos = NUM_FIFO_CHANNELS
-        cm.counters = self._ep.counters.dev_ptr
-        cm.state = self._state.data_ptr()
-        cm.region = self._region
-        cm.region_bytes = self._region_bytes
-        cm.nvl = list(self._ipc.ptrs)
-        cm.cap = config.num_max_rdma_chunked_recv_tokens
-        cm.chunk = config.num_max_rdma_chunked_send_tokens
-        cm.status = self._status
-        cm.timeout_ns = self._timeout_ms * 1_000_000
-        cm.verdict = 0 if verdict is None else verdict.data_ptr()
-        return cm
+        return (
+            config.num_channels,
+            config.num_max_rdma_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens,
+        )
 
     def _fit_staging(self, rows_of_rank: tuple[int, ...], slot_bytes: int, op: str) -> None:
         if self.topology.ranks_per_node > 1:  # else no NVLink staging: only barrier flags
@@ -308,36 +319,31 @@ class InternodeBackend(CallHeaderExchange, Backend):
             if pad:
                 recv_src.fill_(-1)
 
-        a = self._in.DispatchArgs()
-        a.common = self._common(cfg, verdict)
-        a.num_tokens, a.experts_per_rank = num_tokens, args.num_experts // topo.num_ranks
-        a.num_topk, a.num_scales, a.row_bytes = num_topk, num_scales, row_bytes
-        a.x = x.data_ptr()
-        a.x_scales = 0 if scales is None else scales.data_ptr()
-        if topk_idx is not None:
-            a.topk_idx = topk_idx.data_ptr()
-            a.idx_is_64 = topk_idx.dtype == torch.int64
-            a.topk_weights = topk_w.data_ptr()
-            a.recv_topk_idx = recv_idx.data_ptr()
-            a.recv_topk_weights = recv_w.data_ptr()
-        a.dst_row = state.dst_row.data_ptr()
-        a.lists = lists.data_ptr()
-        a.list_count = list_count.data_ptr()
-        a.recv_x = recv_x.data_ptr()
-        a.recv_scales = 0 if recv_scales is None else recv_scales.data_ptr()
-        a.recv_src_idx = 0 if cached is not None else recv_src.data_ptr()
-        a.plan = 0 if cached is not None else state.plan.data_ptr()
-        a.plan_tokens = state.plan_tokens
-        a.stage_offset = _NVL_STAGE_OFFSET
-        a.recv_rows = state.recv_rows.data_ptr()
-        a.recv_prefix = state.recv_prefix.data_ptr()
-        a.out_rows = rows_out
-        stream = self._stream()
-        self._in.dispatch(a, stream)
-        if local_n > 1:
-            self._in.dispatch_finish(a, self._next_barrier(), stream)
-        outs = (recv_x, recv_scales, recv_idx, recv_w, recv_src if cached is None else None)
-        poison_dispatch(self._c, self._status, stream, *outs)
+        # The kernels, the node barrier and staged rows (ranks per node > 1), then the poison
+        # fold of the outputs; sizes are read off the tensors in _C.
+        self._in.dispatch_call(
+            self._context(),
+            self._stream(),
+            verdict,
+            *self._rings(cfg),
+            x,
+            scales,
+            topk_idx,
+            topk_w,
+            state.dst_row,
+            lists,
+            list_count,
+            state.plan,
+            state.recv_rows,
+            state.recv_prefix,
+            recv_x,
+            recv_scales,
+            recv_idx,
+            recv_w,
+            None if cached is not None else recv_src,
+            cached is not None,
+            args.num_experts // topo.num_ranks,
+        )
         if cached is None and per_expert is None and recv_idx is not None:
             epr = args.num_experts // topo.num_ranks
             per_expert = received_expert_counts(recv_idx, epr, args.expert_alignment)
@@ -392,34 +398,29 @@ class InternodeBackend(CallHeaderExchange, Backend):
         # own node's rows never cross the network: the plan has none for it).
         lists, counts, _ = streams((state.plan >= 0).any(-1), state.src_tokens, cch)
 
-        a = self._in.CombineArgs()
-        a.common = self._common(config, verdict)
-        a.dtype = t.dtype_code
-        a.num_topk, a.num_tokens, a.num_recv = num_topk, num_tokens, state.out_rows
-        a.recv_count = state.recv_count.data_ptr()
-        a.row_bytes = row_bytes
-        a.x = x.data_ptr()
-        a.topk_weights = 0 if t.weights is None else t.weights.data_ptr()
-        a.plan = state.plan.data_ptr()
-        a.plan_tokens = state.plan_tokens
-        a.lists = lists.data_ptr()
-        a.list_count = counts.data_ptr()
-        a.src_tokens = state.src_tokens.data_ptr()
-        a.dst_row = state.dst_row.data_ptr()
-        a.stream_cum = cum.data_ptr()
-        a.bias0 = t.biases[0].data_ptr() if len(t.biases) > 0 else 0
-        a.bias1 = t.biases[1].data_ptr() if len(t.biases) > 1 else 0
-        a.out = t.out.data_ptr()
-        a.out_weights = 0 if t.out_weights is None else t.out_weights.data_ptr()
-        a.stage_offset = _NVL_STAGE_OFFSET
-        stream = self._stream()
-        if local_n > 1:
-            self._in.combine_prepare(a, self._next_barrier(), stream)
-        self._in.combine(a, stream)
-        if local_n > 1:
-            # Peers read this rank's staging until here; the next call may overwrite it.
-            self._in.node_barrier(a.common, self._next_barrier(), stream)
-        poison_on_timeout(self._c, self._status, stream, (t.out, "nan"), (t.out_weights, "nan"))
+        biases = t.biases
+        # Staging and a node barrier (ranks per node > 1), the kernel, a closing node barrier
+        # (peers read this rank's staging until then), then the poison fold of the outputs.
+        self._in.combine_call(
+            self._context(),
+            self._stream(),
+            verdict,
+            *self._rings(config),
+            x,
+            t.weights,
+            biases[0] if len(biases) > 0 else None,
+            biases[1] if len(biases) > 1 else None,
+            t.out,
+            t.out_weights,
+            state.recv_count,
+            state.plan,
+            lists,
+            counts,
+            state.src_tokens,
+            state.dst_row,
+            cum,
+            state.out_rows,
+        )
         # Keep the index tables alive until the kernels ran (the caching allocator is
         # stream-ordered, so freeing them after the launch on this stream is safe).
         del lists, counts, cum, verdict

@@ -18,6 +18,13 @@ every peer's buffer directly. A dispatch is two launches on the communication st
    allocated outputs as soon as it lands (local HBM copy hidden under the NVLink transfer),
    and fill ``num_worst_tokens`` padding.
 
+Zero-copy receive (``arena.py``, ``UCCL_EP_RECV_ARENA_BYTES``): when a rank's outputs fit in
+its receive arena (a second registered region every peer maps once), they are views of one
+arena block, and the dispatch kernel hands the block's offsets to every peer at its start;
+senders write that rank's rows straight into its outputs (no staging, no copy-out, every block
+sends), signal "done" after their last row, and its kernel ends once every peer's arrived.
+Each rank decides per call; a rank whose outputs do not fit is staged as above.
+
 Combine mirrors it: ``push`` sends each received row back to its source rank's staging and
 ``reduce`` sums each token's rows in rank order in fp32 (rows kept locally read in place).
 Every wait has a deadline (``UCCL_EP_TIMEOUT_MS``); a timeout is recorded in mapped host

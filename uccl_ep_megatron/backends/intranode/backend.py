@@ -20,6 +20,7 @@ from uccl_ep_megatron.backends.base import (
     Layout,
     Topology,
 )
+from uccl_ep_megatron.backends.intranode.arena import RecvArena, output_layout
 from uccl_ep_megatron.backends.intranode.launch import (
     as_int32,
     launch_layout,
@@ -30,12 +31,18 @@ from uccl_ep_megatron.backends.intranode.status import (
     CHECK_WORDS,
     check_all_ranks,
     describe_call,
+    note_host_wait,
     status_error,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 from uccl_ep_megatron.core._c import load as load_c
 from uccl_ep_megatron.core.config import Config
-from uccl_ep_megatron.core.errors import BufferTooSmallError, UcclEpError, UnsupportedError
+from uccl_ep_megatron.core.errors import (
+    BufferTooSmallError,
+    CommTimeoutError,
+    UcclEpError,
+    UnsupportedError,
+)
 
 
 @dataclass
@@ -48,6 +55,16 @@ class _State:
     send_pos: torch.Tensor  # [T, R] int32: position of token t among rows sent to rank r, -1
     # Rows of every rank's combine staging: exact, or num_worst_tokens when sync-free.
     combine_rows: int
+
+
+@dataclass
+class _Outputs:
+    """A dispatch's five outputs (recv_x, scales, ids, weights, source indices; None where
+    absent), whether they live in the receive arena, and the receive entry naming them."""
+
+    tensors: tuple[Any, ...]
+    zero_copy: bool
+    entry: list[int]  # {mode, arena offsets}: see kRecvEntryOffset
 
 
 class KernelsBackend(Backend):
@@ -130,6 +147,15 @@ class KernelsBackend(Backend):
         self._timeout_ms = int(env["UCCL_EP_TIMEOUT_MS"])
         self._use_tma = bool(env["UCCL_EP_INTRANODE_TMA"])
         self._timeout_ns = self._timeout_ms * 1_000_000
+        # Zero-copy receive: dispatch outputs carved from a registered arena (arena.py).
+        self.recv_arena = RecvArena(
+            c,
+            group,
+            topology.rank,
+            self._device_index,
+            int(env["UCCL_EP_RECV_ARENA_BYTES"]),
+            topology.num_ranks,
+        )
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -175,6 +201,8 @@ class KernelsBackend(Backend):
                 self._status,
                 self._timeout_ns,
                 self._use_tma,
+                self.recv_arena.ptrs,
+                self.recv_arena.sizes,
             )
             self._ctx_grows = grows
         return self._ctx
@@ -290,6 +318,14 @@ class KernelsBackend(Backend):
         ctx = self._context()
         stream = self._stream()
         in_rank = args.is_token_in_rank
+        # Sync-free calls know their output sizes now: their outputs exist before notify, which
+        # hands their place (the receive entry) to every peer with the counts.
+        outs = entry = None
+        if worst > 0:
+            outs = self._recv_outputs(
+                worst, hidden, dtype, num_scales, topk_idx, cached, dev, capturing
+            )
+            entry = outs.entry
         if cached is None:
             send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
             per_expert = as_int32(args.num_tokens_per_expert)
@@ -299,11 +335,10 @@ class KernelsBackend(Backend):
         # rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it.
         nrr = num_ranks * num_ranks
         info = torch.empty(nrr + experts_per_rank, dtype=torch.int32, device=dev)
-        # Every rank's input checks come back with the counts (see check_all_ranks); in
-        # sync-free mode notify judges them itself and records a failure in the status word.
-        all_bounds = None
-        if cached is None and worst == 0:
-            all_bounds = torch.empty(num_ranks * CHECK_WORDS, dtype=torch.int64, device=dev)
+        # Exact mode: every rank's input checks come back with the counts through mapped host
+        # memory (see check_all_ranks); in sync-free mode notify judges them itself and records
+        # a failure in the status word.
+        readback = cached is None and worst == 0
         # The call header every rank must agree on: read back with the counts (exact mode),
         # judged by notify (sync-free) or compared with its barrier (cached dispatch).
         header = self._header(dtype, hidden, num_scales, num_topk, num_experts)
@@ -320,12 +355,13 @@ class KernelsBackend(Backend):
             in_rank,
             None if cached is not None else send_pos,
             topk_idx,
-            all_bounds,
+            readback,
             experts_per_rank,
             args.expert_alignment,
             worst,
             num_experts,
             header,
+            entry or [],
         )
         expert_counts: list[int] = []
         prefix_host: tuple[int, ...] | None = None
@@ -337,8 +373,17 @@ class KernelsBackend(Backend):
                 prefix_host = cached.state.prefix_host
             else:
                 # The one host sync (output sizes depend on it); every rank's checks ride along.
-                info_host = torch.cat([info.to(torch.int64), all_bounds]).tolist()
+                state, info_host = c.intranode_read_counts(ctx, nrr + experts_per_rank)
+                note_host_wait()
                 self._check_status()
+                if state == -1:  # the status words were clear: cannot happen, but never hang
+                    raise UcclEpError(f"rank {rank}: the dispatch's notify barrier failed")
+                if state == 0:
+                    raise CommTimeoutError(
+                        f"rank {rank}: the dispatch's notify kernel did not finish within "
+                        f"{2 * self._timeout_ms} ms (twice UCCL_EP_TIMEOUT_MS): earlier work on "
+                        "the stream is stuck; the GPU may need a process restart"
+                    )
                 check_all_ranks(info_host[-CHECK_WORDS * num_ranks :], num_experts)
                 prefix_host = tuple(info_host[:nrr])
                 expert_counts = info_host[nrr : nrr + experts_per_rank]
@@ -353,17 +398,11 @@ class KernelsBackend(Backend):
             )
             ctx = self._context()  # a regrow replaced the buffers
 
-        recv_x = torch.empty(rows_out, hidden, dtype=dtype, device=dev)
-        recv_scales = recv_idx = recv_w = None
-        if scales is not None:
-            recv_scales = torch.empty(rows_out, num_scales, dtype=torch.float32, device=dev)
-        if topk_idx is not None:
-            recv_idx = torch.empty(rows_out, num_topk, dtype=topk_idx.dtype, device=dev)
-            recv_w = torch.empty(rows_out, num_topk, dtype=torch.float32, device=dev)
-        if cached is None:
-            recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
-        else:
-            recv_src = cached.recv_src_idx
+        if outs is None:
+            outs = self._recv_outputs(
+                rows_out, hidden, dtype, num_scales, topk_idx, cached, dev, False
+            )
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs.tensors
         # The kernel, then (same call) the poison fold: a failure inside this call is raised at
         # the next one; until then the outputs say so.
         c.intranode_dispatch_call(
@@ -388,6 +427,8 @@ class KernelsBackend(Backend):
             own_rows,
             send_rows,
             staging_rows,
+            outs.zero_copy,
+            entry is not None,
         )
         if cached is not None:
             return DispatchResult(
@@ -415,6 +456,53 @@ class KernelsBackend(Backend):
             info[last_row : last_row + 1],
             info[nrr:],
         )
+
+    def _recv_outputs(
+        self,
+        rows: int,
+        hidden: int,
+        dtype: torch.dtype,
+        num_scales: int,
+        topk_idx: torch.Tensor | None,
+        cached: DispatchHandle | None,
+        dev: torch.device,
+        capturing: bool,
+    ) -> _Outputs:
+        """A dispatch's outputs: views of one receive-arena block (zero-copy) when they fit,
+        else torch allocations (staged). Not while capturing a graph: replays would keep
+        writing a block the arena may hand out again."""
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        idx_dtype = torch.int64 if topk_idx is None else topk_idx.dtype
+        lay = output_layout(
+            rows, hidden * dtype.itemsize, num_scales, num_topk, idx_dtype.itemsize, cached is None
+        )
+        arena = self.recv_arena
+        block = None
+        if rows > 0 and not capturing:
+            block = arena.take(lay.end, torch.cuda.current_stream(self._device_index))
+
+        def out(at: int, cols: int, dt: torch.dtype) -> torch.Tensor:
+            if block is None:
+                return torch.empty(rows, cols, dtype=dt, device=dev)
+            return block[at : at + rows * cols * dt.itemsize].view(dt).view(rows, cols)
+
+        recv_x = out(lay.x, hidden, dtype)
+        recv_scales = recv_idx = recv_w = None
+        if num_scales:
+            recv_scales = out(lay.scales, num_scales, torch.float32)
+        if topk_idx is not None:
+            recv_idx = out(lay.idx, num_topk, idx_dtype)
+            recv_w = out(lay.w, num_topk, torch.float32)
+        if cached is None:
+            recv_src = out(lay.src, 1, torch.int32).view(rows)
+        else:
+            recv_src = cached.recv_src_idx
+        tensors = (recv_x, recv_scales, recv_idx, recv_w, recv_src)
+        entry = [0] + [-1] * 5
+        if block is not None:
+            mine = tensors if cached is None else tensors[:4] + (None,)
+            entry = [1] + [-1 if t is None else t.data_ptr() - arena.base for t in mine]
+        return _Outputs(tensors, block is not None, entry)
 
     # ---- combine ------------------------------------------------------------------------
     def combine(
@@ -477,6 +565,7 @@ class KernelsBackend(Backend):
         c = self._c
         pending = None
         try:
+            self.recv_arena.close(collective, self._timeout_ms)
             self._ipc.close(collective, self._timeout_ms)
             # close() synchronized the device: the status words are final. An input error no
             # call has raised yet is raised now (after the release), as the contract says.

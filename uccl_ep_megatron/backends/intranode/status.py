@@ -13,8 +13,29 @@ from uccl_ep_megatron.backends.agreement import check_packed_headers, error_clas
 from uccl_ep_megatron.backends.base import check_expert_ids
 from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UcclEpError
 
-_SITES = {1: "dispatch notify", 2: "dispatch receive", 3: "combine entry", 4: "combine receive"}
+_SITES = {
+    1: "dispatch notify",
+    2: "dispatch receive",
+    3: "combine entry",
+    4: "combine receive",
+    5: "dispatch receive-entry",  # a sender waiting for a peer's zero-copy output addresses
+}
 CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
+
+# Host waits on the GPU that the CUDA runtime does not see: an exact dispatch spins on the
+# counts its notify writes into mapped host memory (no synchronize, no copy). Counted per
+# process so that sync counters (bench layer, tests) can add them to the runtime's.
+_host_waits = 0
+
+
+def note_host_wait() -> None:
+    global _host_waits
+    _host_waits += 1
+
+
+def host_waits() -> int:
+    """Host waits on mapped memory so far in this process (exact dispatches' count reads)."""
+    return _host_waits
 
 
 def describe_call(

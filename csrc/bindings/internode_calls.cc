@@ -1,0 +1,349 @@
+// The internode backend's per-call entry points: one binding call per dispatch (the kernel, the
+// node barrier and staged-row copy, the poison fold) and one per combine (staging, the kernel,
+// the closing node barrier, the poison fold), each taking the torch tensors themselves and a
+// per-Buffer context built once. The Python side used to fill ~41 launch-struct fields per call.
+//
+// Every tensor is read once into a typed view (tensor_view.h) and checked here, before anything
+// is launched; the sizes the kernels need (tokens, row bytes, top-k, scales, output rows, plan
+// tokens) are read off those views, so no size is passed twice. The index tables themselves are
+// built on the GPU (backends/internode/tables.py); only their shapes are checked here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings/bindings.h"
+
+#ifdef UCCL_EP_WITH_GPU
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bindings/pointer_checks.h"
+#include "bindings/tensor_view.h"
+#include "common/errors.h"
+#include "common/registry.h"
+#include "fifo/fifo.h"
+#include "kernels/internode.h"
+#endif
+
+namespace py = pybind11;
+
+namespace uccl_ep::bindings {
+
+#ifdef UCCL_EP_WITH_GPU
+namespace {
+
+namespace in = uccl_ep::internode;
+using views::arg;
+using views::Dt;
+using views::TensorView;
+
+constexpr uint64_t kStatusBytes = in::kStatusWords * sizeof(int64_t);
+constexpr uint64_t kMinusOne = ~0ull;
+const uint64_t kF32Nan = views::repeat(0x7FC00000u, 4);
+
+// `ptr` must lie in a live `_C` allocation of one of `kinds` ("internode <op>: <name>" on
+// failure; the name is built only then, as these checks run at every call).
+void check_alloc(intptr_t ptr, uint64_t bytes, std::initializer_list<AllocKind> kinds, const char* op,
+                 const std::string& name) {
+  const AllocRegistry& reg = AllocRegistry::get();
+  if (reg.contains(static_cast<uintptr_t>(ptr), bytes, kinds)) return;
+  reg.check(static_cast<uintptr_t>(ptr), bytes, kinds, detail::concat("internode ", op, ": ", name).c_str());
+}
+
+// The per-Buffer part of every launch: the group's shape, the proxy's FIFOs and counters, the
+// RDMA region, the node's NVLink buffers and the status words, as the launch's own
+// `in::Common`. Checked when built, and its `_C` allocations again at each call (a freed one
+// must raise, never fault). It also counts the node barriers, whose sequence numbers every
+// rank of a node must use alike.
+struct Context {
+  in::Common base;          // all but the call's ring shape (channels, cap, chunk) and verdict
+  TensorView fifo_handles;  // uint8 [num_fifos * sizeof(FifoDeviceHandle)], device memory
+  TensorView state;         // int64 [kStateWords], device memory
+  int64_t stage_offset = 0;  // where NVLink staging starts in each NVLink buffer
+  uint64_t barrier_seq = 0;  // the last node barrier's sequence number
+
+  int num_nodes() const { return base.num_ranks / base.ranks_per_node; }
+
+  void check(const char* op) const {
+    const in::Common& b = base;
+    UCCL_EP_CHECK_ARG(b.num_ranks >= 1 && b.ranks_per_node >= 1 && b.num_ranks % b.ranks_per_node == 0 &&
+                          b.rank >= 0 && b.rank < b.num_ranks,
+                      "internode ", op, ": rank=", b.rank, " num_ranks=", b.num_ranks, " ranks_per_node=",
+                      b.ranks_per_node);
+    UCCL_EP_CHECK_ARG(static_cast<int>(b.nvl.size()) == b.ranks_per_node, "internode ", op, ": got ", b.nvl.size(),
+                      " NVLink buffers for ", b.ranks_per_node, " ranks per node");
+    UCCL_EP_CHECK_ARG(b.region_bytes > 0, "internode ", op, ": region_bytes=", b.region_bytes, " must be positive");
+    check_alloc(b.region, static_cast<uint64_t>(b.region_bytes), {AllocKind::kDeviceBuffer}, op, "region");
+    for (size_t j = 0; j < b.nvl.size(); ++j) {
+      check_alloc(b.nvl[j], 1, {AllocKind::kDeviceBuffer, AllocKind::kIpcMapping}, op, detail::concat("nvl[", j, "]"));
+    }
+    check_alloc(b.status, kStatusBytes, {AllocKind::kHostStatus}, op, "status");
+    check_alloc(b.counters, in::kNumCounters * sizeof(int64_t), {AllocKind::kMappedCounters}, op, "counters");
+  }
+
+  // The launch's common fields: the ring shape comes from the call's Config, and `verdict` is
+  // a sync-free call's device verdict (0 without one).
+  in::Common common(int num_channels, int cap, int chunk, intptr_t verdict) const {
+    in::Common c = base;
+    c.num_channels = num_channels;
+    c.cap = cap;
+    c.chunk = chunk;
+    c.verdict = verdict;
+    return c;
+  }
+};
+
+Context make_context(int rank, int num_ranks, int ranks_per_node, py::handle fifo_handles_t, int num_fifos,
+                     intptr_t counters, py::handle state_t, intptr_t region, int64_t region_bytes,
+                     std::vector<intptr_t> nvl, int64_t stage_offset, intptr_t status, int64_t timeout_ns,
+                     uint64_t barrier_seq) {
+  UCCL_EP_CHECK_ARG(num_fifos >= 1, "internode Context: num_fifos=", num_fifos, " must be positive");
+  UCCL_EP_CHECK_ARG(stage_offset >= 0 && timeout_ns > 0, "internode Context: stage_offset=", stage_offset,
+                    " timeout_ns=", timeout_ns);
+  Context c;
+  c.fifo_handles = arg(fifo_handles_t, "internode Context: fifo_handles", false,
+                       {int64_t{num_fifos} * static_cast<int64_t>(sizeof(FifoDeviceHandle))}, {Dt::kUInt8});
+  c.state = arg(state_t, "internode Context: state", false, {in::kStateWords}, {Dt::kInt64});
+  c.stage_offset = stage_offset;
+  c.barrier_seq = barrier_seq;
+  in::Common& b = c.base;
+  b.rank = rank;
+  b.num_ranks = num_ranks;
+  b.ranks_per_node = ranks_per_node;
+  b.fifo_handles = c.fifo_handles.ptr;
+  b.num_fifos = num_fifos;
+  b.counters = counters;
+  b.state = c.state.ptr;
+  b.region = region;
+  b.region_bytes = region_bytes;
+  b.nvl = std::move(nvl);
+  b.status = status;
+  b.timeout_ns = timeout_ns;
+  c.check("Context");
+  check_ptr(b.fifo_handles, true, "internode Context: fifo_handles");
+  check_ptr(b.state, true, "internode Context: state");
+  return c;
+}
+
+intptr_t verdict_of(py::handle verdict_t, const char* what) {
+  return arg(verdict_t, what, true, {3}, {Dt::kInt64}).ptr;
+}
+
+// Sizes come from the views, so none is negative; rows must still suit the kernels' copies.
+void check_row_bytes(int64_t row_bytes, const char* op) {
+  UCCL_EP_CHECK_ARG(row_bytes > 0 && row_bytes % 16 == 0, "internode ", op, ": rows of ", row_bytes,
+                    " bytes; the kernels move rows in 16-byte vectors (a positive multiple of 16)");
+}
+
+void check_dispatch(const in::DispatchArgs& a, bool cached) {
+  check_row_bytes(a.row_bytes, "dispatch");
+  const bool send = a.num_tokens > 0, recv = a.out_rows > 0;
+  check_ptr(a.recv_rows, true, "internode dispatch: recv_rows");
+  check_ptr(a.recv_prefix, true, "internode dispatch: recv_prefix");
+  check_ptr(a.x, send, "internode dispatch: x");
+  check_ptr(a.x_scales, send && a.num_scales > 0, "internode dispatch: x_scales");
+  check_ptr(a.topk_idx, send && a.num_topk > 0, "internode dispatch: topk_idx");
+  check_ptr(a.topk_weights, send && a.num_topk > 0, "internode dispatch: topk_weights");
+  check_ptr(a.dst_row, send, "internode dispatch: dst_row");
+  check_ptr(a.lists, send, "internode dispatch: lists");
+  check_ptr(a.list_count, true, "internode dispatch: list_count");
+  check_ptr(a.recv_x, recv, "internode dispatch: recv_x");
+  check_ptr(a.recv_scales, recv && a.num_scales > 0, "internode dispatch: recv_scales");
+  check_ptr(a.recv_topk_idx, recv && a.num_topk > 0, "internode dispatch: recv_topk_idx");
+  check_ptr(a.recv_topk_weights, recv && a.num_topk > 0, "internode dispatch: recv_topk_weights");
+  check_ptr(a.recv_src_idx, recv && !cached, "internode dispatch: recv_src_idx");
+  check_ptr(a.plan, !cached, "internode dispatch: plan");
+}
+
+// A dispatch: the sender/forwarder kernel, then (ranks per node > 1) the node barrier and the
+// copy of rows peers staged here, then the poison fold of the outputs. Top-k (`topk_idx`,
+// `topk_weights`, `recv_topk_*`) and FP8 scales (`x_scales`, `recv_scales`) come with their
+// outputs or not at all. A cached dispatch reuses the handle's `plan` (only its shape is
+// read) and passes `recv_src_idx` None.
+void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, int num_channels, int cap, int chunk,
+                   py::handle x_t, py::handle scales_t, py::handle idx_t, py::handle weights_t, py::handle dst_row_t,
+                   py::handle lists_t, py::handle list_count_t, py::handle plan_t, py::handle recv_rows_t,
+                   py::handle recv_prefix_t, py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t,
+                   py::handle recv_w_t, py::handle recv_src_t, bool cached, int experts_per_rank) {
+  c.check("dispatch");
+  const int64_t R = c.base.num_ranks, L = c.base.ranks_per_node, N = c.num_nodes();
+  const intptr_t verdict = verdict_of(verdict_t, "internode dispatch: verdict");
+  const TensorView x = arg(x_t, "internode dispatch: x", false, {-1, -1},
+                           {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
+  const int64_t T = x.size[0], H = x.size[1];
+  const TensorView scales = arg(scales_t, "internode dispatch: x_scales", true, {T, -1}, {Dt::kFloat32});
+  const int64_t S = scales.none ? 0 : scales.size[1];
+  const TensorView idx = arg(idx_t, "internode dispatch: topk_idx", true, {T, -1}, {Dt::kInt64, Dt::kInt32});
+  const int64_t K = idx.none ? 0 : idx.size[1];
+  const Dt idx_dt = idx.none ? Dt::kInt64 : idx.dtype->dt;
+  const TensorView weights = arg(weights_t, "internode dispatch: topk_weights", idx.none, {T, K}, {Dt::kFloat32});
+  const TensorView dst_row = arg(dst_row_t, "internode dispatch: dst_row", false, {T, R}, {Dt::kInt32});
+  const TensorView lists = arg(lists_t, "internode dispatch: lists", false, {N, T}, {Dt::kInt32});
+  const TensorView list_count =
+      arg(list_count_t, "internode dispatch: list_count", false, {num_channels, N}, {Dt::kInt32});
+  const TensorView plan = arg(plan_t, "internode dispatch: plan", false, {N, -1, L}, {Dt::kInt32});
+  const TensorView recv_rows = arg(recv_rows_t, "internode dispatch: recv_rows", false, {L}, {Dt::kInt32});
+  const TensorView recv_prefix = arg(recv_prefix_t, "internode dispatch: recv_prefix", false, {R + 1}, {Dt::kInt32});
+  const TensorView recv_x = arg(recv_x_t, "internode dispatch: recv_x", false, {-1, H}, {x.dtype->dt});
+  const int64_t rows = recv_x.size[0];
+  const TensorView recv_scales =
+      arg(recv_scales_t, "internode dispatch: recv_scales", scales.none, {rows, S}, {Dt::kFloat32});
+  const TensorView recv_idx = arg(recv_idx_t, "internode dispatch: recv_topk_idx", idx.none, {rows, K}, {idx_dt});
+  const TensorView recv_w =
+      arg(recv_w_t, "internode dispatch: recv_topk_weights", idx.none, {rows, K}, {Dt::kFloat32});
+  // A cached dispatch writes no sources: the handle has them.
+  const TensorView recv_src =
+      cached ? TensorView{} : arg(recv_src_t, "internode dispatch: recv_src_idx", false, {rows}, {Dt::kInt32});
+
+  in::DispatchArgs a;
+  a.common = c.common(num_channels, cap, chunk, verdict);
+  a.num_tokens = static_cast<int>(T);
+  a.experts_per_rank = experts_per_rank;
+  a.num_topk = static_cast<int>(K);
+  a.num_scales = static_cast<int>(S);
+  a.row_bytes = H * x.dtype->itemsize;
+  a.x = x.ptr;
+  a.x_scales = scales.ptr;
+  a.topk_idx = idx.ptr;
+  a.topk_weights = weights.ptr;
+  a.idx_is_64 = idx_dt == Dt::kInt64;
+  a.dst_row = dst_row.ptr;
+  a.lists = lists.ptr;
+  a.list_count = list_count.ptr;
+  a.recv_x = recv_x.ptr;
+  a.recv_scales = recv_scales.ptr;
+  a.recv_topk_idx = recv_idx.ptr;
+  a.recv_topk_weights = recv_w.ptr;
+  a.recv_src_idx = recv_src.ptr;
+  // A cached dispatch forwards the same tokens to the same rows: the plan stays as it is.
+  a.plan = cached ? 0 : plan.ptr;
+  a.plan_tokens = static_cast<int>(plan.size[1]);
+  a.stage_offset = c.stage_offset;
+  a.recv_rows = recv_rows.ptr;
+  a.recv_prefix = recv_prefix.ptr;
+  a.out_rows = static_cast<int>(rows);
+  check_dispatch(a, cached);
+  in::dispatch(a, stream);
+  if (L > 1) in::dispatch_finish(a, ++c.barrier_seq, stream);
+  // A failure inside this call is raised at the next one; until then the outputs say so.
+  views::poison(c.base.status, stream,
+                {{&recv_x, x.dtype->nan},
+                 {&recv_scales, kF32Nan},
+                 {&recv_idx, kMinusOne},
+                 {&recv_w, 0},
+                 {&recv_src, kMinusOne}});
+}
+
+void check_combine(const in::CombineArgs& a) {
+  check_row_bytes(a.row_bytes, "combine");
+  check_ptr(a.x, a.num_recv > 0, "internode combine: x");
+  check_ptr(a.topk_weights, a.num_recv > 0 && a.num_topk > 0, "internode combine: topk_weights");
+  check_ptr(a.recv_count, a.num_recv > 0, "internode combine: recv_count");
+  check_ptr(a.src_tokens, true, "internode combine: src_tokens");
+  check_ptr(a.plan, true, "internode combine: plan");
+  check_ptr(a.lists, true, "internode combine: lists");
+  check_ptr(a.list_count, true, "internode combine: list_count");
+  check_ptr(a.dst_row, a.num_tokens > 0, "internode combine: dst_row");
+  check_ptr(a.stream_cum, a.num_tokens > 0, "internode combine: stream_cum");
+  check_ptr(a.out, a.num_tokens > 0, "internode combine: out");
+  check_ptr(a.out_weights, a.num_tokens > 0 && a.num_topk > 0, "internode combine: out_weights");
+}
+
+// A combine: (ranks per node > 1) this rank's rows staged for its node peers and a node
+// barrier, the kernel, a closing node barrier (peers read the staging until then), then the
+// poison fold of the outputs. `num_recv` rows of `x` are combined: the received count, or its
+// bound num_worst_tokens (the kernels read the real count from `recv_count` on the device).
+// The tables come from the dispatch's handle (`plan`, `src_tokens`, `dst_row`, `recv_count`)
+// and from this call's streams (`lists`, `list_count` of the forwarded tokens, `stream_cum`).
+void combine_call(Context& c, intptr_t stream, py::handle verdict_t, int num_channels, int cap, int chunk,
+                  py::handle x_t, py::handle weights_t, py::handle bias0_t, py::handle bias1_t, py::handle out_t,
+                  py::handle out_w_t, py::handle recv_count_t, py::handle plan_t, py::handle lists_t,
+                  py::handle list_count_t, py::handle src_tokens_t, py::handle dst_row_t, py::handle stream_cum_t,
+                  int num_recv) {
+  c.check("combine");
+  const int64_t R = c.base.num_ranks, L = c.base.ranks_per_node, N = c.num_nodes();
+  const intptr_t verdict = verdict_of(verdict_t, "internode combine: verdict");
+  const TensorView x = arg(x_t, "internode combine: x", false, {-1, -1}, {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
+  const int64_t H = x.size[1];
+  UCCL_EP_CHECK_ARG(num_recv >= 0 && num_recv <= x.size[0], "internode combine: num_recv=", num_recv, " but x has ",
+                    x.size[0], " rows");
+  const TensorView out = arg(out_t, "internode combine: out", false, {-1, H}, {x.dtype->dt});
+  const int64_t T = out.size[0];
+  const TensorView weights = arg(weights_t, "internode combine: topk_weights", true, {x.size[0], -1}, {Dt::kFloat32});
+  const int64_t K = weights.none ? 0 : weights.size[1];
+  const TensorView out_w = arg(out_w_t, "internode combine: out_weights", weights.none, {T, K}, {Dt::kFloat32});
+  const TensorView bias0 = arg(bias0_t, "internode combine: bias[0]", true, {T, H}, {x.dtype->dt});
+  const TensorView bias1 = arg(bias1_t, "internode combine: bias[1]", true, {T, H}, {x.dtype->dt});
+  UCCL_EP_CHECK_ARG(bias1.none || !bias0.none, "internode combine: bias[1] given without bias[0]");
+  const TensorView recv_count = arg(recv_count_t, "internode combine: recv_count", false, {1}, {Dt::kInt32});
+  const TensorView plan = arg(plan_t, "internode combine: plan", false, {N, -1, L}, {Dt::kInt32});
+  const int64_t P = plan.size[1];
+  const TensorView lists = arg(lists_t, "internode combine: lists", false, {N, P}, {Dt::kInt32});
+  const TensorView list_count =
+      arg(list_count_t, "internode combine: list_count", false, {num_channels, N}, {Dt::kInt32});
+  const TensorView src_tokens = arg(src_tokens_t, "internode combine: src_tokens", false, {N}, {Dt::kInt32});
+  const TensorView dst_row = arg(dst_row_t, "internode combine: dst_row", false, {T, R}, {Dt::kInt32});
+  const TensorView stream_cum = arg(stream_cum_t, "internode combine: stream_cum", false, {T, N}, {Dt::kInt32});
+
+  in::CombineArgs a;
+  a.common = c.common(num_channels, cap, chunk, verdict);
+  a.dtype = x.dtype->dt == Dt::kBFloat16 ? 0 : x.dtype->dt == Dt::kFloat16 ? 1 : 2;
+  a.num_topk = static_cast<int>(K);
+  a.num_tokens = static_cast<int>(T);
+  a.num_recv = num_recv;
+  a.recv_count = recv_count.ptr;
+  a.row_bytes = H * x.dtype->itemsize;
+  a.x = x.ptr;
+  a.topk_weights = weights.ptr;
+  a.plan = plan.ptr;
+  a.plan_tokens = static_cast<int>(P);
+  a.lists = lists.ptr;
+  a.list_count = list_count.ptr;
+  a.src_tokens = src_tokens.ptr;
+  a.dst_row = dst_row.ptr;
+  a.stream_cum = stream_cum.ptr;
+  a.bias0 = bias0.ptr;
+  a.bias1 = bias1.ptr;
+  a.out = out.ptr;
+  a.out_weights = out_w.ptr;
+  a.stage_offset = c.stage_offset;
+  check_combine(a);
+  if (L > 1) in::combine_prepare(a, ++c.barrier_seq, stream);
+  in::combine(a, stream);
+  if (L > 1) in::node_barrier(a.common, ++c.barrier_seq, stream);
+  views::poison(c.base.status, stream, {{&out, x.dtype->nan}, {&out_w, kF32Nan}});
+}
+
+}  // namespace
+#endif
+
+void bind_internode_calls(py::module_& s) {
+#ifdef UCCL_EP_WITH_GPU
+  py::class_<Context>(s, "Context",
+                      "The per-Buffer part of every internode launch (group shape, FIFOs, counters, RDMA "
+                      "region, NVLink buffers, status, timeout) and the node-barrier sequence, checked when "
+                      "built; rebuilt (carrying barrier_seq over) after the NVLink buffers grow.")
+      .def(py::init(&make_context), py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"),
+           py::arg("fifo_handles"), py::arg("num_fifos"), py::arg("counters"), py::arg("state"), py::arg("region"),
+           py::arg("region_bytes"), py::arg("nvl"), py::arg("stage_offset"), py::arg("status"),
+           py::arg("timeout_ns"), py::arg("barrier_seq") = 0)
+      .def_readonly("barrier_seq", &Context::barrier_seq)
+      .def_property_readonly("nvl", [](const Context& c) { return c.base.nvl; });
+  // Positional only (no keyword matching per call): argument order as in the C++ functions.
+  s.def("dispatch_call", &dispatch_call,
+        "dispatch(ctx, stream, verdict|None, num_channels, cap, chunk, x, x_scales|None, topk_idx|None, "
+        "topk_weights|None, dst_row, lists, list_count, plan, recv_rows, recv_prefix, recv_x, recv_scales|None, "
+        "recv_topk_idx|None, recv_topk_weights|None, recv_src_idx|None (cached), cached, experts_per_rank): the "
+        "dispatch kernels and the poison fold of their outputs (NaN rows, -1 ids and sources, 0 weights when a "
+        "wait timed out).");
+  s.def("combine_call", &combine_call,
+        "combine(ctx, stream, verdict|None, num_channels, cap, chunk, x, topk_weights|None, bias0|None, "
+        "bias1|None, out, out_weights|None, recv_count, plan, lists, list_count, src_tokens, dst_row, "
+        "stream_cum, num_recv): the combine kernels and the poison fold of the outputs (NaN when a wait "
+        "timed out).");
+#endif
+}
+
+}  // namespace uccl_ep::bindings

@@ -1,0 +1,135 @@
+"""The communication stream of a ``Buffer``: every call runs there, ordered after the caller's
+work, and its inputs and outputs are recorded on the streams that use them, so the caching
+allocator never recycles memory one stream still reads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from uccl_ep_megatron.backends.base import DispatchResult
+from uccl_ep_megatron.core.events import EventOverlap
+
+
+class CommStream:
+    """Mixin of ``Buffer``: its communication stream and ``_run``. Uses the ``Buffer``'s
+    ``_check_event`` (``ArgumentChecks``)."""
+
+    def _init_comm_stream(self, device: torch.device, device_index: int) -> None:
+        """A dedicated stream on a CUDA ``device`` (none on the CPU), and the two events that
+        join every call into and out of it, made once."""
+        self._device_index = device_index
+        self._comm_stream = None
+        if device.type == "cuda":
+            self._comm_stream = torch.cuda.Stream(device=device)
+            self._joined = torch.cuda.Event()
+            self._finished = torch.cuda.Event()
+
+    def _run(
+        self,
+        fn: Callable[[], Any],
+        inputs: Sequence[torch.Tensor],
+        previous_event: EventOverlap | None,
+        async_finish: bool,
+        allocate_on_comm_stream: bool,
+        outputs: Callable[[Any], Sequence[torch.Tensor | None]] | None = None,
+    ) -> tuple[Any, EventOverlap]:
+        """Run ``fn`` on the comm stream, ordered after the caller's work.
+
+        Inputs are recorded on the comm stream and outputs on the caller's stream, so the
+        caching allocator never recycles memory one stream still uses. ``fn`` allocates its
+        outputs with the comm stream current whatever ``allocate_on_comm_stream`` says (see
+        ``dispatch``). ``outputs(result)`` names the result's tensors (None entries skipped);
+        without it every tensor inside the result (nested tuples) counts.
+        """
+        self._check_event(previous_event)
+        comm = self._comm_stream
+        if comm is None:
+            return fn(), EventOverlap(None)
+        index = self._device_index
+        compute = torch.cuda.current_stream(index)
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            # Stream.wait_stream with an event made once (it creates one per call): a wait
+            # takes the event's latest record, so reusing it orders the same work.
+            self._joined.record(compute)
+            comm.wait_event(self._joined)
+        if torch.cuda.current_device() == index:
+            # torch.cuda.stream() without its context manager (host time): set_stream keeps
+            # the current device when the stream is on it, so restoring `compute` is exact.
+            torch.cuda.set_stream(comm)
+            try:
+                out = fn()
+            finally:
+                torch.cuda.set_stream(compute)
+        else:
+            with torch.cuda.stream(comm):
+                out = fn()
+        for t in inputs:
+            if t.is_cuda:
+                t.record_stream(comm)
+        produced = tensors(out) if outputs is None else outputs(out)
+        for t in produced:
+            if t is not None and t.is_cuda:
+                t.record_stream(compute)
+        if async_finish:
+            event = torch.cuda.Event()
+            event.record(comm)
+            kept = [t for t in produced if t is not None]
+            return out, EventOverlap(event, [*inputs, *kept])
+        self._finished.record(comm)
+        compute.wait_event(self._finished)
+        return out, EventOverlap(None)
+
+
+def dispatch_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
+    """The tensors of a backend's ``DispatchResult`` that a caller gets (what ``tensors``
+    finds in it), each storage once: views of the rank prefix matrix's tensor (the kernels
+    backend's recv_count and per-expert counts) are covered by recording the matrix."""
+    prefix = r.rank_prefix_matrix
+    base = prefix._base
+    count, per_expert = r.recv_count, r.recv_tokens_per_expert
+    if base is not None:
+        if count is not None and count._base is base:
+            count = None
+        if per_expert is not None and per_expert._base is base:
+            per_expert = None
+    return (
+        r.recv_x,
+        r.recv_x_scales,
+        r.recv_topk_idx,
+        r.recv_topk_weights,
+        prefix,
+        r.recv_src_idx,
+        count,
+        per_expert,
+    )
+
+
+def cached_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
+    """What a cached dispatch hands back: received rows (and FP8 scales). The result's other
+    tensors are the handle's, recorded when the handle was made."""
+    return r.recv_x, r.recv_x_scales
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples/lists/NamedTuples (outputs to record on a stream).
+    A sequence that starts with a plain number is taken as numbers only (a count list of
+    hundreds of ints would otherwise cost ~200 us per dispatch to walk)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if not isinstance(obj, tuple | list) or (obj and isinstance(obj[0], int | float)):
+        return []
+    out: list[torch.Tensor] = []
+    for item in obj:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, tuple | list):
+            out.extend(tensors(item))
+    return out
+
+
+__all__ = ["CommStream", "cached_outputs", "dispatch_outputs", "tensors"]
