@@ -280,16 +280,16 @@ struct CombineArgs {
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);
 // Blocks of a combine grid of `blocks` that push rows back before they reduce (the rest reduce
-// from the start), in proportion to the rows each side moves (bench/NOTES.md "Pipelined
-// combine"): a pushed row is read and written (2 row transfers); `reduce_rows` counts every
-// returned row read plus one row written per token. Rounded up, and by bytes alone although a
-// reduced row cost the two-kernel reduce 1.5-2.3x a pushed one: pushers that are done reduce
-// too, so an over-share costs little, while an under-share leaves reducers waiting for rows.
-// At least one block per side that has work.
+// from the start), from the rows each side moves (bench/NOTES.md "Pipelined combine"): a
+// pushed row is read and written (2 row transfers); `reduce_rows` counts every returned row
+// read plus one row written per token, weighted 1/2 (measured: ~0.9 of a push transfer's cost,
+// less with more loads in flight). Rounded up: pushers that are done reduce too, so an
+// over-share costs little, while an under-share makes the kernel wait for its pushes. At
+// least one block per side that has work.
 constexpr int combine_push_blocks(int64_t push_rows, int64_t reduce_rows, int blocks) {
   if (push_rows <= 0) return 0;
   if (reduce_rows <= 0) return blocks;
-  const int64_t push = 2 * push_rows, reduce = reduce_rows;
+  const int64_t push = 4 * push_rows, reduce = reduce_rows;
   const int64_t share = (blocks * push + push + reduce - 1) / (push + reduce);
   return static_cast<int>(share < 1 ? 1 : share > blocks - 1 ? blocks - 1 : share);
 }
