@@ -341,17 +341,12 @@ struct HostPlan {
 };
 
 HostPlan plan(const CombineArgs& a) {
-  UCCL_EP_CHECK_ARG(a.num_ranks >= 1 && a.num_ranks <= kMaxRanks, "num_ranks=", a.num_ranks, " is outside 1..",
-                    kMaxRanks);
-  UCCL_EP_CHECK_ARG(static_cast<int>(a.buffers.size()) == a.num_ranks, "got ", a.buffers.size(), " buffers for ",
-                    a.num_ranks, " ranks");
+  HostPlan h{};
+  h.peers = make_peers(a.buffers, a.num_ranks);
   UCCL_EP_CHECK_ARG(a.rank_prefix_matrix != 0, "rank_prefix_matrix is a null pointer");
   UCCL_EP_CHECK_ARG(a.staging_rows >= 0, "staging_rows=", a.staging_rows, " must be non-negative");
   UCCL_EP_CHECK_ARG(a.dtype >= 0 && a.dtype <= 2, "combine dtype code ", a.dtype, " is not bf16/fp16/fp32");
   UCCL_EP_CHECK_ARG(a.num_topk <= kMaxTopk, "num_topk=", a.num_topk, " exceeds ", kMaxTopk);
-  HostPlan h{};
-  const int R = a.num_ranks;
-  for (int r = 0; r < R; ++r) h.peers.p[r] = reinterpret_cast<uint8_t*>(a.buffers[r]);
   h.staging_rows = a.staging_rows;
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * (a.dtype == 2 ? 4 : 2);
   const int64_t need = combine_layout(h.staging_rows, row_bytes, a.num_topk).end;
