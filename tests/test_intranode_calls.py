@@ -60,3 +60,40 @@ def test_fill_word_is_torchs_nan(dtype):
 def test_fill_word_of_integers_is_zero():
     assert _C.intranode_fill_word(torch.int64) == 0
     assert _C.intranode_fill_word(torch.int32) == 0
+
+
+def _dsv3_rows(num_ranks: int, tokens: int = 4096) -> tuple[int, int]:
+    """(rows a rank pushes back, rows its reducers read plus write) of a combine after a
+    DeepSeek-V3 dispatch (top-8 of 256 experts, uniform routing): a token reaches a given rank
+    with p = 1 - C(256 - 256/R, 8) / C(256, 8)."""
+    from math import comb
+
+    p = 1 - comb(256 - 256 // num_ranks, 8) / comb(256, 8)
+    push = round(tokens * p * (num_ranks - 1))  # rows received from peers go back
+    reduce = round(tokens * p * num_ranks) + tokens  # every returned row read, one row written
+    return push, reduce
+
+
+@pytest.mark.parametrize(("num_ranks", "pushers"), [(2, 7), (4, 9), (8, 9)])
+def test_combine_split_of_dsv3_at_12_sms(num_ranks, pushers):
+    # The split bench/NOTES.md ("Pipelined combine") predicts from session 6's timings.
+    assert _C.combine_push_blocks(*_dsv3_rows(num_ranks), 12) == pushers
+
+
+def test_combine_split_properties():
+    assert _C.combine_push_blocks(0, 100, 12) == 0  # one rank, or nothing received: all reduce
+    assert _C.combine_push_blocks(100, 0, 12) == 12  # no tokens of its own: all push
+    rng = random.Random(5)
+    for _ in range(200):
+        push, reduce, blocks = (
+            rng.randrange(1, 10**6),
+            rng.randrange(1, 10**6),
+            rng.randrange(2, 64),
+        )
+        got = _C.combine_push_blocks(push, reduce, blocks)
+        assert 1 <= got <= blocks - 1  # both sides have work: each keeps a block
+        # The pushers' share of the weighted transfers, rounded up (pushers that are done
+        # reduce too), unless clamped.
+        share = blocks * 4 * push / (4 * push + reduce)
+        assert share <= got < share + 1 or got in (1, blocks - 1), (push, reduce, blocks, got)
+        assert _C.combine_push_blocks(push * 2, reduce, blocks) >= got  # more to push: no fewer

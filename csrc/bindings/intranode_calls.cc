@@ -282,7 +282,7 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
          {{&recv_x, x_nan}, {&recv_scales, f32_nan}, {&recv_idx, kMinusOne}, {&recv_w, 0}, {&recv_src, kMinusOne}});
 }
 
-// Combine's push and reduce, then the poison fold of its outputs.
+// The pipelined combine kernel, then the poison fold of its outputs.
 void combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle weights_t, py::handle bias0_t,
                   py::handle bias1_t, py::handle out_t, py::handle out_w_t, py::handle prefix_t, py::handle send_pos_t,
                   int num_recv, int64_t staging_rows, int num_sms, int64_t header) {
@@ -330,8 +330,7 @@ void combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle 
   check_ptr(a.out, a.num_tokens > 0, "intranode_combine: out");
   check_ptr(a.topk_weights, a.num_recv > 0 && a.num_topk > 0, "intranode_combine: topk_weights");
   check_ptr(a.out_weights, a.num_tokens > 0 && a.num_topk > 0, "intranode_combine: out_weights");
-  k::intranode_combine_push(a, stream);
-  k::intranode_combine_reduce(a, stream);
+  k::intranode_combine(a, stream);
   poison(c, stream, {{&out, x.dtype->nan}, {&out_w, repeat(0x7FC00000u, 4)}});
 }
 

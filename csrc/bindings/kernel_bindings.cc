@@ -186,6 +186,9 @@ void bind_kernels(py::module_& m) {
         py::arg("num_scales"), py::arg("num_topk"), py::arg("idx_size"));
   m.def("combine_staging_bytes", &k::combine_staging_bytes, py::arg("rows"), py::arg("row_bytes"),
         py::arg("num_topk"));
+  m.def("combine_push_blocks", &k::combine_push_blocks, py::arg("push_rows"), py::arg("reduce_rows"),
+        py::arg("blocks"),
+        "Blocks of a combine grid that push rows back (the rest reduce): the kernel's own split.");
   bind_intranode_calls(m);
 #endif
 }

@@ -1,6 +1,8 @@
-// Intranode combine: push (entry barrier, then every received row goes back to its source
-// rank's staging, ordered by expert rank and position) and reduce (barrier, then each token
-// sums its rows in rank order in fp32; rows this rank kept for itself are read in place).
+// Intranode combine, one pipelined kernel: an entry barrier (staging reuse, call headers),
+// then pusher blocks send every received row back to its source rank's staging (ordered by
+// expert rank and position) chunk by chunk, publishing each chunk, while reducer warps (and
+// pushers once done) sum each token's rows in rank order in fp32 as soon as the chunks
+// holding them have landed (rows this rank kept for itself are read in place).
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -8,8 +10,11 @@
 namespace uccl_ep::kernels {
 namespace {
 
-constexpr int kPushThreads = 512;
-constexpr int kReduceThreads = 512;
+constexpr int kCombineThreads = 512;
+constexpr int kCombineWarps = kCombineThreads / dev::kWarpSize;
+// Tokens a reducer warp takes at a time from the call's counter: small, so the warps finish
+// together (a block-wide tile of 64 tokens left up to ~100 us of tail at 8 ranks).
+constexpr int kWarpTokens = 2;
 
 struct CombineLayout {
   int64_t x, w, end;
@@ -23,17 +28,21 @@ CombineLayout combine_layout(int64_t rows, int64_t row_bytes, int num_topk) {
   return l;
 }
 
-struct PushParams {
+struct CombineParams {
   Peers bufs;
-  int rank, num_ranks;
-  const uint8_t* x;
+  int rank, num_ranks, num_tokens, num_topk;
   int64_t row_bytes;
+  const uint8_t* x;  // rows this rank received, in dispatch's receive order
   const float* w;
-  bool has_w;
-  int num_topk;
+  bool has_w;        // weights go back with the rows
+  const int* send_pos;
   const int* prefix;  // device [R, R] rank prefix matrix of the dispatch
   int64_t staging_rows;
-  int64_t w_offset;
+  int64_t w_offset;   // weights in every rank's staging
+  const uint8_t* bias0;
+  const uint8_t* bias1;
+  uint8_t* out;
+  float* out_w;
   StatusRef status;
   int64_t timeout_ns;
   int64_t header;
@@ -44,219 +53,283 @@ __device__ __forceinline__ int sent_rows(const int* prefix, int R, int s, int j)
   return prefix[s * R + j] - (s > 0 ? prefix[(s - 1) * R + j] : 0);
 }
 
-template <typename V, int kUnroll, bool kTma>
-__global__ void __launch_bounds__(kPushThreads) push_kernel(PushParams p) {
-  // Offsets from the device matrix (no host copy needed): my rows from source s, and the first
-  // row of my region in s's staging (regions ordered by expert rank, mine after lower ranks').
-  __shared__ int s_recv_begin[kMaxRanks + 1];
-  __shared__ int s_dst_off[kMaxRanks];
-  __shared__ int s_overflow;
-  __shared__ uint64_t s_seq;
-  const int R = p.num_ranks;
-  if (threadIdx.x == 0) s_seq = *seq_counter(p.bufs.p[p.rank]) + 1;
-  if (threadIdx.x <= R) s_recv_begin[threadIdx.x] = threadIdx.x > 0 ? p.prefix[(threadIdx.x - 1) * R + p.rank] : 0;
-  if (threadIdx.x < R) {
-    const int s = threadIdx.x;
-    int off = 0;
-    for (int j = 0; j < p.rank; ++j)
-      if (j != s) off += sent_rows(p.prefix, R, s, j);
-    s_dst_off[s] = off;
-  }
-  if (threadIdx.x == 0) {
-    // Every rank holds the same matrix, so all find the same overflow and all skip.
-    s_overflow = -1;
-    for (int s = 0; s < R && s_overflow < 0; ++s) {
-      int64_t rows = 0;
-      for (int j = 0; j < R; ++j)
-        if (j != s) rows += sent_rows(p.prefix, R, s, j);
-      if (rows > p.staging_rows) {
-        s_overflow = s;
-        if (blockIdx.x == 0) record_status(p.status, kStatusCombineOverflow, s, rows, p.staging_rows);
-      }
-    }
-  }
-  __syncthreads();
-  if (!barrier_block(p.bufs, p.rank, R, s_seq, blockIdx.x == 0, p.status, p.timeout_ns, kSiteCombineEntry,
-                     BarrierExtras{true, kCombineHeaderOffset, p.header}))
-    return;
-  if (s_overflow >= 0) return;
-  const int num_recv = s_recv_begin[R];
-  const int lane = threadIdx.x % dev::kWarpSize;
-  const int warps = blockDim.x / dev::kWarpSize;
-  const int nwarps = gridDim.x * warps;
-#if UCCL_EP_HAS_TMA
-  extern __shared__ __align__(128) uint8_t s_tma[];
-  __shared__ uint64_t s_bar[kPushThreads / dev::kWarpSize * kTmaStages];
-  TmaPipe pipe;
-  if constexpr (kTma) {
-    // The rows from one source are contiguous here and in its staging: one byte range per
-    // source, its pieces spread over every warp of the grid and pipelined across sources.
-    const int warp = threadIdx.x / dev::kWarpSize;
-    pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, lane);
-    for (int s = 0; s < R; ++s) {
-      if (s == p.rank) continue;  // the source reads rows it kept for itself in place
-      pipe.push_range(p.x + static_cast<int64_t>(s_recv_begin[s]) * p.row_bytes,
-                      p.bufs.p[s] + kDataOffset + static_cast<int64_t>(s_dst_off[s]) * p.row_bytes,
-                      static_cast<int64_t>(s_recv_begin[s + 1] - s_recv_begin[s]) * p.row_bytes,
-                      static_cast<int64_t>(blockIdx.x) * warps + warp, nwarps);
-    }
-  }
-#endif
-  // Rows (ld/st path) and their top-k weights, a warp per row.
-  for (int i = blockIdx.x * warps + threadIdx.x / dev::kWarpSize; i < num_recv && (!kTma || p.has_w); i += nwarps) {
-    int s = 0;
-    while (s + 1 < R && s_recv_begin[s + 1] <= i) ++s;
-    if (s == p.rank) continue;  // the source reads rows it kept for itself in place
-    const int64_t drow = s_dst_off[s] + (i - s_recv_begin[s]);
-    uint8_t* base = p.bufs.p[s];
-    if constexpr (!kTma) {
-      copy_row<V, kUnroll>(p.x + static_cast<int64_t>(i) * p.row_bytes, p.row_bytes,
-                           base + kDataOffset + drow * p.row_bytes, lane);
-    }
-    if (p.has_w) {
-      float* dw = reinterpret_cast<float*>(base + p.w_offset);
-      for (int k = lane; k < p.num_topk; k += dev::kWarpSize)
-        dw[drow * p.num_topk + k] = p.w[static_cast<int64_t>(i) * p.num_topk + k];
-    }
-  }
-#if UCCL_EP_HAS_TMA
-  if constexpr (kTma) pipe.drain();  // the stores read shared memory until they are done
-#endif
+// Rows per progress chunk of the `rows` rows one rank returns to another.
+__device__ __forceinline__ int chunk_rows(int rows) {
+  const int per = (rows + kCombineChunks - 1) / kCombineChunks;
+  return per > kCombineMinChunkRows ? per : kCombineMinChunkRows;
 }
 
-struct ReduceParams {
-  Peers bufs;
-  int rank, num_ranks, num_tokens, num_topk;
-  int64_t row_bytes;
-  const uint8_t* x;  // local combine input (rows this rank received)
-  const float* w;
-  const int* send_pos;
-  const int* prefix;           // device [R, R] rank prefix matrix of the dispatch
-  const uint8_t* st_x;
-  const float* st_w;
-  const uint8_t* bias0;
-  const uint8_t* bias1;
-  uint8_t* out;
-  float* out_w;
-  StatusRef status;
-  int64_t timeout_ns;
+// Tokens handed out to reducer warps so far in this combine (see kSeqOffset).
+__device__ __forceinline__ unsigned* reduce_tokens(uint8_t* buf) {
+  return reinterpret_cast<unsigned*>(buf + kSeqOffset + 16);
+}
+
+__device__ __forceinline__ uint64_t* combine_flag(uint8_t* buf, int expert_rank, int chunk) {
+  return reinterpret_cast<uint64_t*>(buf + kCombineFlagsOffset) + expert_rank * kCombineChunks + chunk;
+}
+
+// Per-rank offsets every block derives from the device matrix (no host copy: sync-free calls).
+struct Plan {
+  int recv_begin[kMaxRanks + 1];  // my rows from source s: x rows [recv_begin[s], [s+1])
+  int dst_off[kMaxRanks];         // first row of my region in s's staging (after lower ranks')
+  int src_off[kMaxRanks];         // first row of rank r's returned rows (own: in my x)
+  int back[kMaxRanks];            // rows rank r returns to me
+  int push_blocks;
+  int overflow;                   // first rank whose staging is too small, or -1
+  uint64_t seq;
 };
 
-// kRanks bounds the rank loop (2 for EP2, else kMaxRanks) so the per-source load arrays stay
-// in registers: more loads in flight per warp is what a local reduce needs.
+__device__ void make_plan(const CombineParams& p, Plan& s) {
+  const int R = p.num_ranks, tid = threadIdx.x;
+  if (tid <= R) s.recv_begin[tid] = tid > 0 ? p.prefix[(tid - 1) * R + p.rank] : 0;
+  if (tid < R) {
+    int off = 0;
+    for (int j = 0; j < p.rank; ++j)
+      if (j != tid) off += sent_rows(p.prefix, R, tid, j);
+    s.dst_off[tid] = off;
+    s.back[tid] = sent_rows(p.prefix, R, p.rank, tid);
+  }
+  if (tid == 0) {
+    s.seq = *seq_counter(p.bufs.p[p.rank]) + 1;
+    int off = 0;
+    for (int r = 0; r < R; ++r) {
+      s.src_off[r] = off;
+      if (r != p.rank) off += sent_rows(p.prefix, R, p.rank, r);
+    }
+    s.src_off[p.rank] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + p.rank] : 0;
+    // Every rank holds the same matrix, so all find the same overflow and all skip.
+    s.overflow = -1;
+    for (int src = 0; src < R && s.overflow < 0; ++src) {
+      int64_t rows = 0;
+      for (int j = 0; j < R; ++j)
+        if (j != src) rows += sent_rows(p.prefix, R, src, j);
+      if (rows > p.staging_rows) {
+        s.overflow = src;
+        if (blockIdx.x == 0) record_status(p.status, kStatusCombineOverflow, src, rows, p.staging_rows);
+      }
+    }
+    // Rows pushed: those received from peers. Reduce transfers: every returned row read (own
+    // included), one row written per token.
+    int64_t reduce = p.num_tokens;
+    for (int r = 0; r < R; ++r) reduce += sent_rows(p.prefix, R, p.rank, r);
+    const int64_t push = p.prefix[(R - 1) * R + p.rank] - sent_rows(p.prefix, R, p.rank, p.rank);
+    s.push_blocks = combine_push_blocks(push, reduce, gridDim.x);
+  }
+}
+
+// Pusher block `b` of `nb`: chunk c of the rows from every source before chunk c + 1 of any,
+// so each source's reducers get their first rows early. After a chunk's rows (and weights)
+// are stored, one system fence (cumulative over the block's stores, ordered by the CTA
+// barrier) and one release store of the sequence publish it in the source's control region.
+template <typename V, int kUnroll, bool kTma>
+__device__ void push_role(const CombineParams& p, const Plan& s, int b, int nb, void* pipe_ptr) {
+  const int R = p.num_ranks, tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
+  int max_chunks = 0;
+  for (int src = 0; src < R; ++src) {
+    const int n = s.recv_begin[src + 1] - s.recv_begin[src];
+    if (src != p.rank) max_chunks = max(max_chunks, (n + chunk_rows(n) - 1) / chunk_rows(n));
+  }
+  const int peers = R - 1;
+  for (int u = b; u < max_chunks * peers; u += nb) {
+    const int c = u / peers, k = u % peers, src = k < p.rank ? k : k + 1;
+    const int n = s.recv_begin[src + 1] - s.recv_begin[src], ct = chunk_rows(n);
+    const int first = c * ct, last = min(n, first + ct);
+    if (first >= last) continue;
+    uint8_t* base = p.bufs.p[src];
+    const int64_t row0 = s.recv_begin[src] + first, drow0 = s.dst_off[src] + first;
+#if UCCL_EP_HAS_TMA
+    if constexpr (kTma) {
+      // The chunk's rows are contiguous here and in the source's staging: one byte range.
+      static_cast<TmaPipe*>(pipe_ptr)->push_range(p.x + row0 * p.row_bytes, base + kDataOffset + drow0 * p.row_bytes,
+                                                  (last - first) * p.row_bytes, warp, kCombineWarps);
+    }
+#endif
+    for (int i = warp; i < last - first && (!kTma || p.has_w); i += kCombineWarps) {
+      if constexpr (!kTma) {
+        copy_row<V, kUnroll>(p.x + (row0 + i) * p.row_bytes, p.row_bytes,
+                             base + kDataOffset + (drow0 + i) * p.row_bytes, lane);
+      }
+      if (p.has_w) {
+        float* dw = reinterpret_cast<float*>(base + p.w_offset);
+        for (int q = lane; q < p.num_topk; q += dev::kWarpSize)
+          dw[(drow0 + i) * p.num_topk + q] = p.w[(row0 + i) * p.num_topk + q];
+      }
+    }
+#if UCCL_EP_HAS_TMA
+    if constexpr (kTma) static_cast<TmaPipe*>(pipe_ptr)->drain();  // this warp's bulk stores have landed
+#endif
+    __syncthreads();
+    if (tid == 0) {
+      dev::fence_system();
+      dev::st_release_sys(combine_flag(base, p.rank, c), s.seq);
+    }
+  }
+}
+
+// Sums token t's rows in rank order in fp32 (plus biases), as the two-kernel combine did, so
+// results are bit-identical to it. Peer rows are in staging, written while this kernel runs:
+// they are read around L1 (ld_cg), so a line fetched for a landed row never serves a later one.
 template <int kDtype, bool kVec, int kUnroll, int kRanks>
-__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceParams p) {
+__device__ __forceinline__ void reduce_token(const CombineParams& p, const Plan& s, const uint8_t* st_x,
+                                             const float* st_w, int t, int lane) {
   using E = Elt<kDtype>;
   using raw = typename E::raw;
   constexpr int kPerVec = kVec ? 16 / static_cast<int>(sizeof(raw)) : 1;
   using V = typename std::conditional<kVec, int4, raw>::type;
-  // First row of each expert rank's rows in my staging (own rows: in my receive layout).
-  __shared__ int s_src_off[kMaxRanks];
-  __shared__ uint64_t s_seq;
   const int R = p.num_ranks;
-  if (threadIdx.x == 0) {
-    s_seq = *seq_counter(p.bufs.p[p.rank]) + 2;
-    int off = 0;
-    for (int r = 0; r < R; ++r) {
-      s_src_off[r] = off;
-      if (r != p.rank) off += sent_rows(p.prefix, R, p.rank, r);
-    }
-    s_src_off[p.rank] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + p.rank] : 0;
-  }
-  __syncthreads();
-  const uint64_t seq = s_seq;
-  // A failed barrier skips the rows (the loop starts past the end) but still counts the block
-  // below, so the sequence advances the same on every rank whatever happened.
-  const bool ok = barrier_block(p.bufs, p.rank, p.num_ranks, seq, blockIdx.x == 0, p.status, p.timeout_ns,
-                                kSiteCombineDone, BarrierExtras{true});
-  const int lane = threadIdx.x % dev::kWarpSize;
-  const int warps = blockDim.x / dev::kWarpSize;
-  const int nwarps = gridDim.x * warps;
   const int64_t n = p.row_bytes / static_cast<int64_t>(sizeof(V));
-  const int t0 = ok ? static_cast<int>(blockIdx.x) * warps + static_cast<int>(threadIdx.x) / dev::kWarpSize
-                    : p.num_tokens;
-  for (int t = t0; t < p.num_tokens; t += nwarps) {
-    const uint8_t* src[kRanks];
-    const float* srcw[kRanks];
-    unsigned mask = 0;
+  const uint8_t* src[kRanks];
+  const float* srcw[kRanks];
+  unsigned mask = 0;
+#pragma unroll
+  for (int r = 0; r < kRanks; ++r) {
+    src[r] = nullptr;
+    srcw[r] = nullptr;
+    if (r < R) {
+      const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
+      if (pos >= 0) {
+        mask |= 1u << r;
+        const int64_t row = s.src_off[r] + pos;
+        src[r] = (r == p.rank ? p.x : st_x) + row * p.row_bytes;
+        // Decide by the output: this rank's own weight tensor is empty (null) when it
+        // received nothing, yet peers still return weights for its tokens.
+        if (p.out_w != nullptr) srcw[r] = (r == p.rank ? p.w : st_w) + row * p.num_topk;
+      }
+    }
+  }
+  for (int64_t base = 0; base < n; base += kUnroll * dev::kWarpSize) {
+    V v[kRanks][kUnroll];
 #pragma unroll
     for (int r = 0; r < kRanks; ++r) {
-      src[r] = nullptr;
-      srcw[r] = nullptr;
-      if (r < R) {
-        const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
-        if (pos >= 0) {
-          mask |= 1u << r;
-          const int64_t row = s_src_off[r] + pos;
-          src[r] = (r == p.rank ? p.x : p.st_x) + row * p.row_bytes;
-          // Decide by the output: this rank's own weight tensor is empty (null) when it
-          // received nothing, yet peers still return weights for its tokens.
-          if (p.out_w != nullptr) srcw[r] = (r == p.rank ? p.w : p.st_w) + row * p.num_topk;
+      if (mask >> r & 1u) {
+        const V* row = reinterpret_cast<const V*>(src[r]);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t i = base + u * dev::kWarpSize + lane;
+          if (i < n) v[r][u] = r == p.rank ? dev::ld_stream(row + i) : dev::ld_cg(row + i);
         }
       }
     }
-    for (int64_t base = 0; base < n; base += kUnroll * dev::kWarpSize) {
-      V v[kRanks][kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * dev::kWarpSize + lane;
+      if (i >= n) continue;
+      float acc[kPerVec];
+#pragma unroll
+      for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
 #pragma unroll
       for (int r = 0; r < kRanks; ++r) {
         if (mask >> r & 1u) {
+          const raw* vals = reinterpret_cast<const raw*>(&v[r][u]);
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int64_t i = base + u * dev::kWarpSize + lane;
-            if (i < n) v[r][u] = dev::ld_stream(reinterpret_cast<const V*>(src[r]) + i);
-          }
+          for (int e = 0; e < kPerVec; ++e) acc[e] += E::to_f(vals[e]);
         }
       }
+      const uint8_t* biases[2] = {p.bias0, p.bias1};
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * dev::kWarpSize + lane;
-        if (i >= n) continue;
-        float acc[kPerVec];
+      for (int b = 0; b < 2; ++b) {
+        if (biases[b] != nullptr) {
+          const V bv = reinterpret_cast<const V*>(biases[b] + static_cast<int64_t>(t) * p.row_bytes)[i];
+          const raw* vals = reinterpret_cast<const raw*>(&bv);
 #pragma unroll
-        for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kRanks; ++r) {
-          if (mask >> r & 1u) {
-            const raw* vals = reinterpret_cast<const raw*>(&v[r][u]);
-#pragma unroll
-            for (int e = 0; e < kPerVec; ++e) acc[e] += E::to_f(vals[e]);
-          }
+          for (int e = 0; e < kPerVec; ++e) acc[e] += E::to_f(vals[e]);
         }
-        const uint8_t* biases[2] = {p.bias0, p.bias1};
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          if (biases[b] != nullptr) {
-            const V bv = reinterpret_cast<const V*>(biases[b] + static_cast<int64_t>(t) * p.row_bytes)[i];
-            const raw* vals = reinterpret_cast<const raw*>(&bv);
-#pragma unroll
-            for (int e = 0; e < kPerVec; ++e) acc[e] += E::to_f(vals[e]);
-          }
-        }
-        V o;
-        raw* ov = reinterpret_cast<raw*>(&o);
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) ov[e] = E::from_f(acc[e]);
-        reinterpret_cast<V*>(p.out + static_cast<int64_t>(t) * p.row_bytes)[i] = o;
       }
-    }
-    if (p.out_w != nullptr) {
-      for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
-        float acc = 0.0f;
+      V o;
+      raw* ov = reinterpret_cast<raw*>(&o);
 #pragma unroll
-        for (int r = 0; r < kRanks; ++r)
-          if (mask >> r & 1u) acc += srcw[r][k];
-        p.out_w[static_cast<int64_t>(t) * p.num_topk + k] = acc;
-      }
+      for (int e = 0; e < kPerVec; ++e) ov[e] = E::from_f(acc[e]);
+      reinterpret_cast<V*>(p.out + static_cast<int64_t>(t) * p.row_bytes)[i] = o;
     }
   }
+  if (p.out_w != nullptr) {
+    for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRanks; ++r)
+        if (mask >> r & 1u) acc += r == p.rank ? srcw[r][k] : dev::ld_cg(srcw[r] + k);
+      p.out_w[static_cast<int64_t>(t) * p.num_topk + k] = acc;
+    }
+  }
+}
+
+// Reducer warps take kWarpTokens tokens at a time from a counter, so tokens go out in order
+// (the order pushers publish in) and a pusher block that is done joins in. Before a token,
+// lane r waits for the chunk holding its row from rank r: the row sits at the token's send
+// position in r's pushes. Positions grow with the token, so a warp's chunks from r only grow:
+// lane r polls a chunk once, then remembers it.
+template <int kDtype, bool kVec, int kUnroll, int kRanks>
+__device__ void reduce_role(const CombineParams& p, const Plan& s) {
+  const int R = p.num_ranks, lane = threadIdx.x % dev::kWarpSize;
+  uint8_t* own = p.bufs.p[p.rank];
+  const uint8_t* st_x = own + kDataOffset;
+  const float* st_w = reinterpret_cast<const float*>(own + p.w_offset);
+  unsigned* counter = reduce_tokens(own);
+  const bool watch = lane < R && lane != p.rank && s.back[lane] > 0;
+  const int ct = watch ? chunk_rows(s.back[lane]) : 1;
+  int seen = -1;  // lane r: the last chunk of rank r seen landed
+  int t0 = dev::warp_shfl(lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0, 0);
+  while (t0 < p.num_tokens) {
+    // The next grab is in flight while this one is reduced.
+    const int next = lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0;
+    for (int t = t0; t < min(p.num_tokens, t0 + kWarpTokens); ++t) {
+      bool failed = false;
+      if (watch) {
+        const int pos = p.send_pos[static_cast<int64_t>(t) * R + lane];
+        if (pos >= 0 && pos / ct != seen) {
+          seen = pos / ct;
+          failed = !wait_flag(combine_flag(own, lane, seen), s.seq, p.status, p.timeout_ns, lane, s.seq,
+                              kSiteCombineReceive);
+        }
+      }
+      // The ballot reconverges the warp after the waits; the warp barrier orders the other
+      // lanes' row loads after the waiting lanes' acquire.
+      if (dev::warp_ballot(failed) != 0) return;
+      dev::warp_sync();
+      reduce_token<kDtype, kVec, kUnroll, kRanks>(p, s, st_x, st_w, t, lane);
+    }
+    t0 = dev::warp_shfl(next, 0);
+  }
+}
+
+// Pushers take the low block indices, so they are scheduled first (reducers wait on them).
+template <int kDtype, bool kVec, int kUnroll, int kRanks, bool kTma>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
+  __shared__ Plan s;
+  make_plan(p, s);
+  __syncthreads();
+  const int R = p.num_ranks;
+  // A failed barrier skips the rows but still counts the block below, so the sequence
+  // advances the same on every rank whatever happened.
+  const bool ok = barrier_block(p.bufs, p.rank, R, s.seq, blockIdx.x == 0, p.status, p.timeout_ns, kSiteCombineEntry,
+                                BarrierExtras{true, kCombineHeaderOffset, p.header}) &&
+                  s.overflow < 0;
+  const int b = blockIdx.x, P = s.push_blocks;
+  if (ok && b < P) {
+    using V = typename std::conditional<kVec, int4, uint8_t>::type;
+#if UCCL_EP_HAS_TMA
+    extern __shared__ __align__(128) uint8_t s_tma[];
+    __shared__ uint64_t s_bar[kCombineWarps * kTmaStages];
+    TmaPipe pipe;
+    const int warp = threadIdx.x / dev::kWarpSize, lane = threadIdx.x % dev::kWarpSize;
+    if constexpr (kTma) pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, lane);
+    push_role<V, 8, kTma>(p, s, b, P, &pipe);
+#else
+    push_role<V, 8, kTma>(p, s, b, P, nullptr);
+#endif
+  }
+  if (ok) reduce_role<kDtype, kVec, kUnroll, kRanks>(p, s);
   // Every block read the sequence before its CTA barrier above; the last one to get here
-  // advances it past this combine's two barriers, for the next call on this stream.
+  // advances it past this combine, for the next call on this stream, and zeroes the token
+  // counter (the fence orders the block's grabs, even a failed warp's last, before that).
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();
     unsigned* done = seq_done_blocks(p.bufs.p[p.rank]);
     if (atomicAdd(done, 1u) == gridDim.x - 1) {
       *done = 0;
-      *seq_counter(p.bufs.p[p.rank]) = seq;
+      *reduce_tokens(p.bufs.p[p.rank]) = 0;
+      *seq_counter(p.bufs.p[p.rank]) = s.seq;
       __threadfence();
     }
   }
@@ -268,17 +341,12 @@ struct HostPlan {
 };
 
 HostPlan plan(const CombineArgs& a) {
-  UCCL_EP_CHECK_ARG(a.num_ranks >= 1 && a.num_ranks <= kMaxRanks, "num_ranks=", a.num_ranks, " is outside 1..",
-                    kMaxRanks);
-  UCCL_EP_CHECK_ARG(static_cast<int>(a.buffers.size()) == a.num_ranks, "got ", a.buffers.size(), " buffers for ",
-                    a.num_ranks, " ranks");
+  HostPlan h{};
+  h.peers = make_peers(a.buffers, a.num_ranks);
   UCCL_EP_CHECK_ARG(a.rank_prefix_matrix != 0, "rank_prefix_matrix is a null pointer");
   UCCL_EP_CHECK_ARG(a.staging_rows >= 0, "staging_rows=", a.staging_rows, " must be non-negative");
   UCCL_EP_CHECK_ARG(a.dtype >= 0 && a.dtype <= 2, "combine dtype code ", a.dtype, " is not bf16/fp16/fp32");
   UCCL_EP_CHECK_ARG(a.num_topk <= kMaxTopk, "num_topk=", a.num_topk, " exceeds ", kMaxTopk);
-  HostPlan h{};
-  const int R = a.num_ranks;
-  for (int r = 0; r < R; ++r) h.peers.p[r] = reinterpret_cast<uint8_t*>(a.buffers[r]);
   h.staging_rows = a.staging_rows;
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * (a.dtype == 2 ? 4 : 2);
   const int64_t need = combine_layout(h.staging_rows, row_bytes, a.num_topk).end;
@@ -287,54 +355,50 @@ HostPlan plan(const CombineArgs& a) {
   return h;
 }
 
+template <int kDtype, bool kVec, int kUnroll, int kRanks>
+void launch(const CombineParams& p, int blocks, bool tma, gpuStream_t s) {
+#if defined(UCCL_EP_DEVICE_CUDA)
+  if constexpr (kVec) {
+    if (tma) {
+      auto* k = combine_kernel<kDtype, true, kUnroll, kRanks, true>;
+      constexpr int smem = tma_smem_bytes(kCombineWarps);
+      GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      k<<<blocks, kCombineThreads, smem, s>>>(p);
+      return;
+    }
+  }
+#endif
+  combine_kernel<kDtype, kVec, kUnroll, kRanks, false><<<blocks, kCombineThreads, 0, s>>>(p);
+}
+
+// kRanks bounds the reducer's rank loop so its per-source loads stay in registers, and kUnroll
+// fills them: with 16-byte loads, 2 x 8 (2 ranks) or 4 x 4 (4 ranks) vectors per lane, ~8 KB in
+// flight per warp and ~100-120 registers without spills; 8 ranks keep 8 x 2 (the loads a token
+// has in flight grow with the ranks it reached).
+template <int kDtype>
+void launch_dtype(const CombineParams& p, int R, bool vec, bool tma, int blocks, gpuStream_t s) {
+  if (!vec) {
+    launch<kDtype, false, 2, kMaxRanks>(p, blocks, false, s);
+  } else if (R <= 2) {
+    launch<kDtype, true, 8, 2>(p, blocks, tma, s);
+  } else if (R <= 4) {
+    launch<kDtype, true, 4, 4>(p, blocks, tma, s);
+  } else {
+    launch<kDtype, true, 2, kMaxRanks>(p, blocks, tma, s);
+  }
+}
+
 }  // namespace
 
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk) {
   return combine_layout(rows, row_bytes, num_topk).end;
 }
 
-void intranode_combine_push(const CombineArgs& a, intptr_t stream) {
+void intranode_combine(const CombineArgs& a, intptr_t stream) {
   const HostPlan h = plan(a);
   const int R = a.num_ranks;
   const int64_t row_bytes = static_cast<int64_t>(a.hidden) * (a.dtype == 2 ? 4 : 2);
-  PushParams p{};
-  p.bufs = h.peers;
-  p.rank = a.rank;
-  p.num_ranks = R;
-  p.x = reinterpret_cast<const uint8_t*>(a.x);
-  p.row_bytes = row_bytes;
-  p.w = reinterpret_cast<const float*>(a.topk_weights);
-  p.has_w = a.num_topk > 0 && a.topk_weights != 0;
-  p.num_topk = a.num_topk;
-  p.prefix = reinterpret_cast<const int*>(a.rank_prefix_matrix);
-  p.staging_rows = h.staging_rows;
-  p.w_offset = combine_layout(h.staging_rows, row_bytes, a.num_topk).w;
-  p.status = status_ref(a.status);
-  p.timeout_ns = a.timeout_ns;
-  p.header = a.header;
-  auto s = reinterpret_cast<gpuStream_t>(stream);
-  const int blocks = std::max(1, a.num_sms);
-  const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0;
-  if (vec && a.use_tma && tma_supported()) {
-#if defined(UCCL_EP_DEVICE_CUDA)
-    constexpr int smem = tma_smem_bytes(kPushThreads / dev::kWarpSize);
-    GPU_CHECK(cudaFuncSetAttribute(push_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    push_kernel<int4, 8, true><<<blocks, kPushThreads, smem, s>>>(p);
-#endif
-  } else if (vec) {
-    push_kernel<int4, 8, false><<<blocks, kPushThreads, 0, s>>>(p);
-  } else {
-    push_kernel<uint8_t, 8, false><<<blocks, kPushThreads, 0, s>>>(p);
-  }
-  GPU_CHECK(gpuGetLastError());
-}
-
-void intranode_combine_reduce(const CombineArgs& a, intptr_t stream) {
-  const HostPlan h = plan(a);
-  const int R = a.num_ranks;
-  const int64_t row_bytes = static_cast<int64_t>(a.hidden) * (a.dtype == 2 ? 4 : 2);
-  const CombineLayout l = combine_layout(h.staging_rows, row_bytes, a.num_topk);
-  ReduceParams p{};
+  CombineParams p{};
   p.bufs = h.peers;
   p.rank = a.rank;
   p.num_ranks = R;
@@ -343,37 +407,30 @@ void intranode_combine_reduce(const CombineArgs& a, intptr_t stream) {
   p.row_bytes = row_bytes;
   p.x = reinterpret_cast<const uint8_t*>(a.x);
   p.w = reinterpret_cast<const float*>(a.topk_weights);
+  p.has_w = a.num_topk > 0 && a.topk_weights != 0;
   p.send_pos = reinterpret_cast<const int*>(a.send_pos);
   p.prefix = reinterpret_cast<const int*>(a.rank_prefix_matrix);
-  p.st_x = h.peers.p[a.rank] + l.x;
-  p.st_w = reinterpret_cast<const float*>(h.peers.p[a.rank] + l.w);
+  p.staging_rows = h.staging_rows;
+  p.w_offset = combine_layout(h.staging_rows, row_bytes, a.num_topk).w;
   p.bias0 = reinterpret_cast<const uint8_t*>(a.bias0);
   p.bias1 = reinterpret_cast<const uint8_t*>(a.bias1);
   p.out = reinterpret_cast<uint8_t*>(a.out);
   p.out_w = reinterpret_cast<float*>(a.out_weights);
   p.status = status_ref(a.status);
   p.timeout_ns = a.timeout_ns;
+  p.header = a.header;
   auto s = reinterpret_cast<gpuStream_t>(stream);
-  const int blocks = std::max(1, a.num_sms);
+  // With peers, both roles may have work: at least one block each (combine_push_blocks).
+  const int blocks = std::max(R > 1 ? 2 : 1, a.num_sms);
   const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0 && a.out % 16 == 0 && a.bias0 % 16 == 0 && a.bias1 % 16 == 0;
-#define UCCL_EP_LAUNCH_REDUCE(DT)                                                    \
-  do {                                                                               \
-    if (vec && R <= 2) {                                                             \
-      reduce_kernel<DT, true, 4, 2><<<blocks, kReduceThreads, 0, s>>>(p);            \
-    } else if (vec) {                                                                \
-      reduce_kernel<DT, true, 2, kMaxRanks><<<blocks, kReduceThreads, 0, s>>>(p);    \
-    } else {                                                                         \
-      reduce_kernel<DT, false, 2, kMaxRanks><<<blocks, kReduceThreads, 0, s>>>(p);   \
-    }                                                                                \
-  } while (0)
+  const bool tma = vec && a.use_tma && tma_supported();
   if (a.dtype == 0) {
-    UCCL_EP_LAUNCH_REDUCE(0);
+    launch_dtype<0>(p, R, vec, tma, blocks, s);
   } else if (a.dtype == 1) {
-    UCCL_EP_LAUNCH_REDUCE(1);
+    launch_dtype<1>(p, R, vec, tma, blocks, s);
   } else {
-    UCCL_EP_LAUNCH_REDUCE(2);
+    launch_dtype<2>(p, R, vec, tma, blocks, s);
   }
-#undef UCCL_EP_LAUNCH_REDUCE
   GPU_CHECK(gpuGetLastError());
 }
 

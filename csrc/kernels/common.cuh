@@ -36,7 +36,7 @@ enum BarrierSite : int {
   kSiteNotify = 1,
   kSiteDispatchDone = 2,
   kSiteCombineEntry = 3,
-  kSiteCombineDone = 4,
+  kSiteCombineReceive = 4,  // a combine reducer waiting for a chunk of the rows a rank returns
   kSiteDispatchEntry = 5,  // a sender waiting for a destination's receive entry (zero-copy)
 };
 
@@ -109,6 +109,24 @@ __device__ __forceinline__ void record_status(const StatusRef& s, int64_t code, 
   __threadfence_system();
   st[0] = code;
   __threadfence_system();
+}
+
+// Waits until a peer's release store makes *flag equal `want` (a progress flag tagged with the
+// call's sequence). Gives up, returning false, when another wait of this rank failed (checked
+// every 1024 polls) or after timeout_ns, which records {kStatusTimeout, peer, seq, site}. One
+// thread calls it.
+__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t want, const StatusRef& status,
+                                          int64_t timeout_ns, int peer, uint64_t seq, int site) {
+  const uint64_t start = dev::global_timer_ns();
+  uint32_t iter = 0;
+  while (dev::ld_acquire_sys(flag) != want) {
+    if ((++iter & 1023u) == 0 && status_set(status)) return false;
+    if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+      record_status(status, kStatusTimeout, peer, static_cast<int64_t>(seq), site);
+      return false;
+    }
+  }
+  return true;
 }
 
 // What the intranode barriers do besides waiting (the internode NVL barrier uses none of it:

@@ -55,6 +55,15 @@ __device__ __forceinline__ void warp_sync() {
 #endif
 }
 
+// Lane `src`'s value of v, in every lane; every lane must participate.
+__device__ __forceinline__ int warp_shfl(int v, int src) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  return __shfl(v, src);
+#else
+  return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
+
 // Nanoseconds from a clock that ticks the same on every SM (for timeouts only).
 __device__ __forceinline__ uint64_t global_timer_ns() {
 #if defined(UCCL_EP_DEVICE_HIP)

@@ -50,14 +50,15 @@ constexpr int kCheckWords = 6;
 constexpr size_t kIdBoundsOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks;
 constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks + 64 * 1024;
 // The call sequence lives on the device, not in kernel arguments, so a captured CUDA graph
-// replays with fresh sequence numbers: uint64 last sequence used, then a uint32 count of the
-// combine reduce blocks that finished (the last one advances the sequence).
+// replays with fresh sequence numbers: uint64 last sequence used; at +8 a uint32 count of the
+// combine blocks that finished (the last one advances the sequence and zeroes this count and
+// the one at +16); at +12 a uint32 count of the dispatch sender blocks that finished (the last
+// one signals the zero-copy destinations and resets it); at +16 a uint32 count of the tokens
+// handed out to the combine's reducer warps.
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
-// combine push: last + 1, reduce: last + 2, and reduce's last block stores last + 2.
-// Then a uint32 count of the dispatch sender blocks that finished (the last one signals the
-// zero-copy destinations and resets it).
+// combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
-static_assert(kSeqOffset + 16 <= kDataOffset, "control overlap");
+static_assert(kSeqOffset + 20 <= kDataOffset, "control overlap");
 // Peer abort: a rank whose own checks reject a call before it launches anything writes, into
 // every peer's control region, its reason (text, NUL-padded) and then a word
 // {call number << 8 | error class code} at [its rank]. A barrier wait that finds a peer's word
@@ -87,7 +88,13 @@ constexpr size_t kRecvEntryOffset = kCachedHeaderOffset + 8 * kNotifySlots * kMa
 // last sender block; the destination's kernel waits for every source's before it ends.
 constexpr size_t kRecvDoneOffset = kRecvEntryOffset + 8ull * kRecvEntryWords * kNotifySlots * kMaxRanks;
 static_assert(kRecvEntryOffset % 64 == 0, "entry alignment");
-static_assert(kRecvDoneOffset + 8 * kMaxRanks <= kDataOffset, "control overlap");
+// Combine progress, at the end of the spare 64 KiB: uint64 [kMaxRanks expert rank][kCombineChunks],
+// the combine's sequence once chunk c of the rows that expert rank returns here has landed. Both
+// sides derive the chunk size from the same row count (the dispatch's prefix matrix).
+constexpr int kCombineChunks = 512;
+constexpr int kCombineMinChunkRows = 64;
+constexpr size_t kCombineFlagsOffset = kDataOffset - 8ull * kMaxRanks * kCombineChunks;
+static_assert(kRecvDoneOffset + 8 * kMaxRanks <= kCombineFlagsOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out or, in sync-free
 // mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code.
 // The kernels read a device-memory flag set with them instead (StatusRef in common.cuh): any
@@ -272,9 +279,25 @@ struct CombineArgs {
 };
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);
-// Entry barrier, then pushes each received row back to its source rank's staging.
-void intranode_combine_push(const CombineArgs& a, intptr_t stream);
-// Barrier, then sums each token's rows (own rows read locally) in rank order in fp32.
-void intranode_combine_reduce(const CombineArgs& a, intptr_t stream);
+// Blocks of a combine grid of `blocks` that push rows back before they reduce (the rest reduce
+// from the start), from the rows each side moves (bench/NOTES.md "Pipelined combine"): a
+// pushed row is read and written (2 row transfers); `reduce_rows` counts every returned row
+// read plus one row written per token, weighted 1/2 (measured: ~0.9 of a push transfer's cost,
+// less with more loads in flight). Rounded up: pushers that are done reduce too, so an
+// over-share costs little, while an under-share makes the kernel wait for its pushes. At
+// least one block per side that has work.
+constexpr int combine_push_blocks(int64_t push_rows, int64_t reduce_rows, int blocks) {
+  if (push_rows <= 0) return 0;
+  if (reduce_rows <= 0) return blocks;
+  const int64_t push = 4 * push_rows, reduce = reduce_rows;
+  const int64_t share = (blocks * push + push + reduce - 1) / (push + reduce);
+  return static_cast<int>(share < 1 ? 1 : share > blocks - 1 ? blocks - 1 : share);
+}
+// One pipelined kernel: an entry barrier, then pusher blocks send each received row back to
+// its source rank's staging chunk by chunk, publishing each chunk in the source's control
+// region (kCombineFlagsOffset), while reducer warps (and pushers once done) take tokens in
+// order and sum each token's rows (own rows read in place) in rank order in fp32 as soon as
+// the chunks holding them have landed.
+void intranode_combine(const CombineArgs& a, intptr_t stream);
 
 }  // namespace uccl_ep::kernels

@@ -142,8 +142,9 @@ def routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int,
     """``topk_idx`` of a routing ``kind``: "random"; "skewed" (every token picks expert 0, half
     also the last rank's first expert); "local" (no token leaves its rank); "to_rank0" (every
     rank but 0 receives nothing); "remote" (every token goes to the rank half a world away:
-    with two virtual nodes, it leaves its node); "holes" (random with -1 slots, and a tenth of
-    the tokens going nowhere)."""
+    with two virtual nodes, it leaves its node); "every_rank" (each token picks an expert of
+    every rank, so its combine sums a row from each; needs topk >= world); "holes" (random
+    with -1 slots, and a tenth of the tokens going nowhere)."""
     scores = torch.rand(num_tokens, num_experts, generator=gen, device="cuda")
     epr = num_experts // world
     if kind == "skewed":
@@ -153,6 +154,9 @@ def routing(kind: str, rank: int, world: int, num_tokens: int, num_experts: int,
         scores[:, rank * epr : (rank + 1) * epr] += 10.0
     elif kind == "to_rank0":
         scores[:, :epr] += 10.0
+    elif kind == "every_rank":
+        assert topk >= world
+        scores[:, ::epr] += 10.0
     elif kind == "remote":
         other = (rank + world // 2) % world
         scores[:, other * epr : (other + 1) * epr] += 10.0

@@ -658,6 +658,16 @@ CASES = {
         tokens=777, hidden=2048, routing="to_rank0", seed=15, bias=1, copy="ldst"
     ),
     "t100_h100_unaligned": dict(tokens=100, hidden=100, routing="holes", seed=16),
+    # The pipelined combine: every token sums a row from every rank (many chunks per rank);
+    # with 2 SMs, one pusher and one reducer block; 33000 tokens give 65-row chunks, 508 per
+    # rank (the control region holds 512).
+    "t3000_h2048_every_rank": dict(
+        tokens=3000, hidden=2048, routing="every_rank", topk=8, seed=17, bias=1
+    ),
+    "t3000_h2048_every_rank_2sms_ldst": dict(
+        tokens=3000, hidden=2048, routing="every_rank", topk=8, seed=18, sms=2, copy="ldst"
+    ),
+    "t33000_h128_every_rank": dict(tokens=33000, hidden=128, routing="every_rank", topk=8, seed=19),
 }
 # A stalled case fails in 20 s instead of the 100 s default wait. Buffers a case creates for
 # itself get a small receive arena (the shared ones: gpu_common.ARENA_BYTES).

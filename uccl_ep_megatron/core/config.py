@@ -44,7 +44,7 @@ class Config:
     Args:
         num_sms: SMs (CUs on AMD) the dispatch/combine kernels may occupy; even. The knob that
             matters on one node: the intranode dispatch splits these blocks between senders
-            and receivers, the combine push and reduce each launch this many, and the
+            and receivers, the combine kernel between pushers and reducers, and the
             internode kernels run ``num_sms / 2`` channels of two blocks.
         num_max_nvl_chunked_send_tokens: validated and used only by
             ``get_nvl_buffer_size_hint``: the NVLink paths here have no ring. They stage a

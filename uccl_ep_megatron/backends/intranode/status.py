@@ -17,7 +17,7 @@ _SITES = {
     1: "dispatch notify",
     2: "dispatch receive",
     3: "combine entry",
-    4: "combine finish",
+    4: "combine receive",
     5: "dispatch receive-entry",  # a sender waiting for a peer's zero-copy output addresses
 }
 CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
