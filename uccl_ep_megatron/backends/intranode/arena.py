@@ -149,6 +149,16 @@ def output_layout(
     return OutputLayout(0, scales, idx, w, src_at, end)
 
 
+@dataclass
+class RecvOutputs:
+    """A dispatch's five outputs (recv_x, scales, ids, weights, source indices; None where
+    absent), whether they live in the receive arena, and the receive entry naming them."""
+
+    tensors: tuple[Any, ...]
+    zero_copy: bool
+    entry: list[int]  # {mode, arena offsets}: see kRecvEntryOffset
+
+
 class _View:
     """``nbytes`` of device memory at ``ptr`` as ``torch.as_tensor`` reads them (version 3 of
     the CUDA array interface, no "stream" key: the caller orders the work)."""
@@ -263,6 +273,55 @@ class RecvArena:
             self.enabled = False
             return None
         return block
+
+    def outputs(
+        self,
+        rows: int,
+        hidden: int,
+        dtype: torch.dtype,
+        num_scales: int,
+        topk_idx: torch.Tensor | None,
+        cached_src: torch.Tensor | None,
+        dev: torch.device,
+        capturing: bool,
+    ) -> RecvOutputs:
+        """A dispatch's outputs: views of one block (zero-copy) when they fit, else torch
+        allocations (staged). ``cached_src``: a cached dispatch's source indices (the handle's),
+        reused instead of allocated. Not while capturing a graph: replays would keep writing a
+        block the arena may hand out again."""
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        idx_dtype = torch.int64 if topk_idx is None else topk_idx.dtype
+        lay = output_layout(
+            rows,
+            hidden * dtype.itemsize,
+            num_scales,
+            num_topk,
+            idx_dtype.itemsize,
+            cached_src is None,
+        )
+        block = None
+        if rows > 0 and not capturing:
+            block = self.take(lay.end, torch.cuda.current_stream(self._device))
+
+        def out(at: int, cols: int, dt: torch.dtype) -> torch.Tensor:
+            if block is None:
+                return torch.empty(rows, cols, dtype=dt, device=dev)
+            return block[at : at + rows * cols * dt.itemsize].view(dt).view(rows, cols)
+
+        recv_x = out(lay.x, hidden, dtype)
+        recv_scales = recv_idx = recv_w = None
+        if num_scales:
+            recv_scales = out(lay.scales, num_scales, torch.float32)
+        if topk_idx is not None:
+            recv_idx = out(lay.idx, num_topk, idx_dtype)
+            recv_w = out(lay.w, num_topk, torch.float32)
+        recv_src = out(lay.src, 1, torch.int32).view(rows) if cached_src is None else cached_src
+        tensors = (recv_x, recv_scales, recv_idx, recv_w, recv_src)
+        entry = [0] + [-1] * 5
+        if block is not None:
+            mine = tensors if cached_src is None else tensors[:4] + (None,)
+            entry = [1] + [-1 if t is None else t.data_ptr() - self.base for t in mine]
+        return RecvOutputs(tensors, block is not None, entry)
 
     def live_blocks(self) -> int:
         """Blocks whose tensors are still alive (frees queued so far folded in)."""

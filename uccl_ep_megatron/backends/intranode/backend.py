@@ -20,7 +20,7 @@ from uccl_ep_megatron.backends.base import (
     Layout,
     Topology,
 )
-from uccl_ep_megatron.backends.intranode.arena import RecvArena, output_layout
+from uccl_ep_megatron.backends.intranode.arena import RecvArena
 from uccl_ep_megatron.backends.intranode.launch import (
     as_int32,
     launch_layout,
@@ -55,16 +55,6 @@ class _State:
     send_pos: torch.Tensor  # [T, R] int32: position of token t among rows sent to rank r, -1
     # Rows of every rank's combine staging: exact, or num_worst_tokens when sync-free.
     combine_rows: int
-
-
-@dataclass
-class _Outputs:
-    """A dispatch's five outputs (recv_x, scales, ids, weights, source indices; None where
-    absent), whether they live in the receive arena, and the receive entry naming them."""
-
-    tensors: tuple[Any, ...]
-    zero_copy: bool
-    entry: list[int]  # {mode, arena offsets}: see kRecvEntryOffset
 
 
 class KernelsBackend(Backend):
@@ -321,9 +311,10 @@ class KernelsBackend(Backend):
         # Sync-free calls know their output sizes now: their outputs exist before notify, which
         # hands their place (the receive entry) to every peer with the counts.
         outs = entry = None
+        cached_src = None if cached is None else cached.recv_src_idx
         if worst > 0:
-            outs = self._recv_outputs(
-                worst, hidden, dtype, num_scales, topk_idx, cached, dev, capturing
+            outs = self.recv_arena.outputs(
+                worst, hidden, dtype, num_scales, topk_idx, cached_src, dev, capturing
             )
             entry = outs.entry
         if cached is None:
@@ -399,8 +390,8 @@ class KernelsBackend(Backend):
             ctx = self._context()  # a regrow replaced the buffers
 
         if outs is None:
-            outs = self._recv_outputs(
-                rows_out, hidden, dtype, num_scales, topk_idx, cached, dev, False
+            outs = self.recv_arena.outputs(
+                rows_out, hidden, dtype, num_scales, topk_idx, cached_src, dev, False
             )
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs.tensors
         # The kernel, then (same call) the poison fold: a failure inside this call is raised at
@@ -456,53 +447,6 @@ class KernelsBackend(Backend):
             info[last_row : last_row + 1],
             info[nrr:],
         )
-
-    def _recv_outputs(
-        self,
-        rows: int,
-        hidden: int,
-        dtype: torch.dtype,
-        num_scales: int,
-        topk_idx: torch.Tensor | None,
-        cached: DispatchHandle | None,
-        dev: torch.device,
-        capturing: bool,
-    ) -> _Outputs:
-        """A dispatch's outputs: views of one receive-arena block (zero-copy) when they fit,
-        else torch allocations (staged). Not while capturing a graph: replays would keep
-        writing a block the arena may hand out again."""
-        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-        idx_dtype = torch.int64 if topk_idx is None else topk_idx.dtype
-        lay = output_layout(
-            rows, hidden * dtype.itemsize, num_scales, num_topk, idx_dtype.itemsize, cached is None
-        )
-        arena = self.recv_arena
-        block = None
-        if rows > 0 and not capturing:
-            block = arena.take(lay.end, torch.cuda.current_stream(self._device_index))
-
-        def out(at: int, cols: int, dt: torch.dtype) -> torch.Tensor:
-            if block is None:
-                return torch.empty(rows, cols, dtype=dt, device=dev)
-            return block[at : at + rows * cols * dt.itemsize].view(dt).view(rows, cols)
-
-        recv_x = out(lay.x, hidden, dtype)
-        recv_scales = recv_idx = recv_w = None
-        if num_scales:
-            recv_scales = out(lay.scales, num_scales, torch.float32)
-        if topk_idx is not None:
-            recv_idx = out(lay.idx, num_topk, idx_dtype)
-            recv_w = out(lay.w, num_topk, torch.float32)
-        if cached is None:
-            recv_src = out(lay.src, 1, torch.int32).view(rows)
-        else:
-            recv_src = cached.recv_src_idx
-        tensors = (recv_x, recv_scales, recv_idx, recv_w, recv_src)
-        entry = [0] + [-1] * 5
-        if block is not None:
-            mine = tensors if cached is None else tensors[:4] + (None,)
-            entry = [1] + [-1 if t is None else t.data_ptr() - arena.base for t in mine]
-        return _Outputs(tensors, block is not None, entry)
 
     # ---- combine ------------------------------------------------------------------------
     def combine(
