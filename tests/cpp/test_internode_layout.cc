@@ -66,7 +66,7 @@ TEST(InternodeLayout, CountersAreUniqueAndFitTheImmediate) {
       }
   EXPECT_EQ(static_cast<int>(seen.size()), kNumCounters);
   EXPECT_LE(kNumCounters, static_cast<int>(cmd_limits::kNumAtomicCounters));
-  EXPECT_LT(state_index(kNumStateKinds - 1, kMaxChannels - 1, kMaxNodes - 1), kStateAbortWord);
+  EXPECT_LT(state_index(kNumStateKinds - 1, kMaxChannels - 1, kMaxNodes - 1), kStateWords);
 }
 
 TEST(InternodeLayout, RingHalvesAreDisjointAndAligned) {
