@@ -111,22 +111,32 @@ __device__ __forceinline__ void record_status(const StatusRef& s, int64_t code, 
   __threadfence_system();
 }
 
-// Waits until a peer's release store makes *flag equal `want` (a progress flag tagged with the
-// call's sequence). Gives up, returning false, when another wait of this rank failed (checked
-// every 1024 polls) or after timeout_ns, which records {kStatusTimeout, peer, seq, site}. One
-// thread calls it.
-__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t want, const StatusRef& status,
-                                          int64_t timeout_ns, int peer, uint64_t seq, int site) {
+// Waits until `done(*flag)` holds for a peer's progress word (read with acquire), storing the
+// last value read in `*last` when given. Gives up, returning false, when another wait of this
+// rank failed (checked every 1024 polls) or after timeout_ns, which records {kStatusTimeout,
+// peer, seq, site}. One thread calls it.
+template <typename Done>
+__device__ __forceinline__ bool wait_until(const uint64_t* flag, Done done, const StatusRef& status,
+                                           int64_t timeout_ns, int peer, uint64_t seq, int site,
+                                           uint64_t* last = nullptr) {
   const uint64_t start = dev::global_timer_ns();
   uint32_t iter = 0;
-  while (dev::ld_acquire_sys(flag) != want) {
+  uint64_t v;
+  while (!done(v = dev::ld_acquire_sys(flag))) {
     if ((++iter & 1023u) == 0 && status_set(status)) return false;
     if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
       record_status(status, kStatusTimeout, peer, static_cast<int64_t>(seq), site);
       return false;
     }
   }
+  if (last != nullptr) *last = v;
   return true;
+}
+
+// wait_until *flag == want (a progress flag tagged with the call's sequence).
+__device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t want, const StatusRef& status,
+                                          int64_t timeout_ns, int peer, uint64_t seq, int site) {
+  return wait_until(flag, [want](uint64_t v) { return v == want; }, status, timeout_ns, peer, seq, site);
 }
 
 // What the intranode barriers do besides waiting (the internode NVL barrier uses none of it:

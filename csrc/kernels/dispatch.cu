@@ -183,23 +183,10 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
     const int nchunks = (ts + ct - 1) / ct;
     for (int c = j; c < nchunks; c += nrecv) {
       if (tid == 0) {
-        const uint64_t* f = chunk_flag(p.bufs.p[p.rank], s, c);
-        const uint64_t start = dev::global_timer_ns();
-        uint64_t v = dev::ld_acquire_sys(f);
-        uint32_t iter = 0;
-        while ((v >> 40) != (seq & 0xFFFFFFull)) {
-          if ((++iter & 1023u) == 0 && status_set(p.status)) {
-            s_failed = 1;
-            break;
-          }
-          if (dev::global_timer_ns() - start > static_cast<uint64_t>(p.timeout_ns)) {
-            record_status(p.status, kStatusTimeout, s, static_cast<int64_t>(seq), kSiteDispatchDone);
-            s_failed = 1;
-            break;
-          }
-          v = dev::ld_acquire_sys(f);
-        }
-        s_flag = v;
+        const uint64_t tag = seq & 0xFFFFFFull;
+        if (!wait_until(chunk_flag(p.bufs.p[p.rank], s, c), [tag](uint64_t v) { return (v >> 40) == tag; },
+                        p.status, p.timeout_ns, s, seq, kSiteDispatchDone, &s_flag))
+          s_failed = 1;
       }
       __syncthreads();
       if (s_failed) {

@@ -65,16 +65,7 @@ struct SendParams {
 // a timeout (kStatusTimeout, peer, want, site) or an earlier failure. One thread calls it.
 __device__ __forceinline__ bool wait_at_least(const uint64_t* f, uint64_t want, int peer, int site,
                                               const StatusRef& status, int64_t timeout_ns) {
-  const uint64_t start = dev::global_timer_ns();
-  uint32_t iter = 0;
-  while (dev::ld_acquire_sys(f) < want) {
-    if ((++iter & 1023u) == 0 && status_set(status)) return false;
-    if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-      record_status(status, kStatusTimeout, peer, static_cast<int64_t>(want), site);
-      return false;
-    }
-  }
-  return true;
+  return wait_until(f, [want](uint64_t v) { return v >= want; }, status, timeout_ns, peer, want, site);
 }
 
 // Block 0 tells every peer where this rank receives (kRecvEntryOffset): the mode and offsets,
