@@ -1,98 +1,208 @@
-"""Where a dispatch/combine call spends its CPU time: cProfile of N calls on one rank.
+"""Where a dispatch/combine call spends its CPU time, on 1 to 8 ranks (shared GPU: under MPS).
 
-One process, a one-rank gloo group, the ``kernels`` backend, the DeepSeek-V3 HT shape. For each
-call kind (exact dispatch, sync-free dispatch, cached dispatch, combine) it prints the median
-host microseconds per call (perf_counter around the call, after warm-up) and the functions with
-the most own time under cProfile. Run on a GPU machine:
+The ranks come from the one launcher (``uccl_ep_megatron.cluster.local``); the calls are
+``bench intranode``'s (same inputs, same closures, our ``kernels`` backend at ``--sms`` SMs,
+DeepEP V1 beside it when ``deep_ep`` imports). For each call kind it prints, per rank count:
 
-    python bench/profile_host.py [--iters 200] [--top 25]
+- host and device microseconds per call (median over ``--iters``, each iteration the maximum
+  over ranks; device = events around the call on the caller's stream), ours and DeepEP's;
+- ours split at the ``_C`` entry points (rank 0, median): Python before notify is launched,
+  the notify launch, the wait for the counts (exact dispatch), Python between the counts and
+  the kernel launch, the kernel launch, Python after it;
+- with ``--top N``, the N functions of rank 0 with the most own time under cProfile.
+
+Run on a GPU machine:
+
+    python bench/profile_host.py [--ranks 1,2,4] [--iters 100] [--top 0]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import io
 import os
 import pstats
 import statistics
-import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+OPS = ("dispatch_bf16", "dispatch_bf16_worst", "dispatch_bf16_cached", "combine_bf16")
+# The _C entry points a call's host time is split at.
+MARKS = (
+    "intranode_notify_call",
+    "intranode_read_counts",
+    "intranode_dispatch_call",
+    "intranode_combine_call",
+)
+
+
+class _Timed:
+    """``_C`` with its per-call entry points stamped (perf_counter_ns on entry and exit)."""
+
+    def __init__(self, c: Any, log: list[tuple[str, int, int]]) -> None:
+        self._c, self._log = c, log
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._c, name)
+        if name not in MARKS:
+            return real
+        log = self._log
+
+        def stamped(*args: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            out = real(*args)
+            log.append((name, t0, time.perf_counter_ns()))
+            return out
+
+        return stamped
+
+
+def _segments(t0: int, t1: int, log: list[tuple[str, int, int]]) -> dict[str, float]:
+    """One call's host time between its ``_C`` stamps, in microseconds."""
+    seg: dict[str, float] = {}
+    at = t0
+    for name, a, b in log:
+        short = name.replace("intranode_", "").replace("_call", "")
+        seg[f"py->{short}"] = (a - at) / 1e3
+        seg[short] = (b - a) / 1e3
+        at = b
+    seg["py->return"] = (t1 - at) / 1e3
+    return seg
+
+
+def _rank(rank: int, world: int, a: dict) -> dict:
+    from uccl_ep_megatron.api.buffer import Buffer
+    from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
+    from uccl_ep_megatron.bench.intranode import _calls, _import_deepep
+    from uccl_ep_megatron.core.config import Config
+
+    T, E = a["tokens"], a["experts"]
+    idx, w, x = routed_inputs(a, rank)
+    # Room for the results kept at once (as bench intranode sizes it): every call zero-copy.
+    os.environ.setdefault("UCCL_EP_RECV_ARENA_BYTES", str(4 * T * world * (a["hidden"] * 2 + 256)))
+    buf = Buffer(None, 2 << 30, 0, backend="kernels", explicitly_destroy=True)
+    log: list[tuple[str, int, int]] = []
+    buf._backend._c = _Timed(buf._backend._c, log)
+    kw = dispatch_kwargs(buf.get_dispatch_layout(idx, E)[:4], idx, w)
+    sms = min(a["sms"], buf.max_num_sms or a["sms"])
+    impls = {"ours": (buf, (Config(sms), Config(sms)), kw)}
+    deep_ep = _import_deepep()
+    flags: list[Any] = [None] * world
+    dist.all_gather_object(flags, deep_ep is not None)
+    theirs = None
+    if all(flags) and world > 1:  # DeepEP V1's intranode kernels take 2, 4 or 8 ranks
+        theirs = deep_ep.Buffer(dist.group.WORLD, 2 << 30, 0, explicitly_destroy=True)
+        deep_ep.Buffer.set_num_sms(min(a["deepep_sms"], buf.max_num_sms or a["deepep_sms"]))
+        cfgs = (
+            deep_ep.Buffer.get_dispatch_config(world),
+            deep_ep.Buffer.get_combine_config(world),
+        )
+        impls["deepep"] = (
+            theirs,
+            cfgs,
+            dispatch_kwargs(theirs.get_dispatch_layout(idx, E), idx, w),
+        )
+    out: dict[str, Any] = {}
+    for impl, (b, cfgs, layout) in impls.items():
+        state: dict[str, Any] = {}
+        # No FP8 call is timed here: x stands in for the FP8 input _calls wants.
+        fns = _calls(b, cfgs, x, x, layout, state, T * world)
+        for op in OPS:
+            fn = fns[op]
+            for _ in range(a["warmup"]):
+                fn()
+            host, dev, segs = [], [], []
+            for _ in range(a["iters"]):
+                torch.cuda.synchronize()
+                dist.barrier()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                log.clear()
+                start.record()
+                t0 = time.perf_counter_ns()
+                fn()
+                t1 = time.perf_counter_ns()
+                end.record()
+                end.synchronize()
+                host.append((t1 - t0) / 1e3)
+                dev.append(start.elapsed_time(end) * 1e3)
+                if impl == "ours":
+                    segs.append(_segments(t0, t1, list(log)))
+            prof_text = ""
+            if a["top"] and impl == "ours":
+                prof = cProfile.Profile()
+                for _ in range(a["iters"]):
+                    torch.cuda.synchronize()
+                    dist.barrier()
+                    prof.enable()
+                    fn()
+                    prof.disable()
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a["top"])
+                prof_text = s.getvalue()
+            seg_med = {}
+            if segs:
+                for k in segs[0]:
+                    seg_med[k] = statistics.median(s.get(k, 0.0) for s in segs)
+            out[f"{op}/{impl}"] = {"host": host, "dev": dev, "seg": seg_med, "prof": prof_text}
+        state.clear()
+    torch.cuda.synchronize()
+    out["fallbacks"] = buf._backend.recv_arena.fallbacks  # staged (not zero-copy) dispatches
+    dist.barrier()
+    buf.destroy()
+    if theirs is not None:
+        theirs.destroy()
+    return out
+
+
+def _report(world: int, per_rank: list[dict], iters: int) -> None:
+    print(f"\n# {world} rank(s): host / device us per call (median over {iters} of max over ranks)")
+    print(
+        f"{'op':24} {'ours host':>9} {'dev':>7} {'DeepEP host':>11} {'dev':>7}  ours on rank 0 (us)"
+    )
+    for op in OPS:
+        row = [op]
+        for impl in ("ours", "deepep"):
+            key = f"{op}/{impl}"
+            if key not in per_rank[0]:
+                row += ["-", "-"]
+                continue
+            h = [max(r[key]["host"][i] for r in per_rank) for i in range(iters)]
+            d = [max(r[key]["dev"][i] for r in per_rank) for i in range(iters)]
+            row += [f"{statistics.median(h):.1f}", f"{statistics.median(d):.1f}"]
+        seg = per_rank[0][f"{op}/ours"]["seg"]
+        split = " ".join(f"{k}={v:.1f}" for k, v in seg.items())
+        print(f"{row[0]:24} {row[1]:>9} {row[2]:>7} {row[3]:>11} {row[4]:>7}  {split}")
+    print(f"arena fallbacks per rank: {[r['fallbacks'] for r in per_rank]}")
+    for op in OPS:
+        text = per_rank[0][f"{op}/ours"]["prof"]
+        if text:
+            print(f"\n==== {world} rank(s), {op}, rank 0, cProfile by own time\n{text}")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--ranks", default="1,2,4", help="comma-separated rank counts")
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--top", type=int, default=0, help="cProfile rows per call (0: none)")
+    ap.add_argument("--sms", type=int, default=12, help="our SM budget")
+    ap.add_argument("--deepep-sms", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
     args = ap.parse_args()
-    store = tempfile.mktemp()
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    torch.cuda.set_device(0)
-    from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
-    T, H, E, K = args.tokens, args.hidden, 256, 8
-    g = torch.Generator(device="cuda").manual_seed(0)
-    idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, device="cuda", generator=g)
-    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
-    buf = Buffer(None, 1 << 30, 0, backend="kernels")
-    lay = buf.get_dispatch_layout(idx, E)
-    kw = dict(
-        num_tokens_per_rank=lay[0],
-        num_tokens_per_rdma_rank=lay[1],
-        num_tokens_per_expert=lay[2],
-        is_token_in_rank=lay[3],
-        topk_idx=idx,
-        topk_weights=w,
-    )
-    state = {}
-
-    def exact():
-        state["exact"] = buf.dispatch(x, **kw)
-
-    def worst():
-        state["worst"] = buf.dispatch(x, num_worst_tokens=T, **kw)
-
-    def cached():
-        buf.dispatch(x, handle=state["worst"][4])
-
-    def combine():
-        buf.combine(state["worst"][0], state["worst"][4])
-
-    def layout():
-        buf.get_dispatch_layout(idx, E)
-
-    for name, fn in (
-        ("layout", layout),
-        ("dispatch exact", exact),
-        ("dispatch sync-free", worst),
-        ("cached dispatch", cached),
-        ("combine", combine),
-    ):
-        for _ in range(20):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.iters):
-            fn()
-        prof.disable()
-        torch.cuda.synchronize()
-        print(f"==== {name}: host {statistics.median(times):.1f} us/call (median of {args.iters})")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
-    buf.destroy()
-    dist.destroy_process_group()
-    os.unlink(store)
+    for world in [int(s) for s in args.ranks.split(",") if s.strip()]:
+        with RankPool(world, num_gpus=visible_gpus(), task_timeout_s=900) as pool:
+            per_rank = pool.run((os.path.abspath(__file__), "_rank"), vars(args))
+        _report(world, per_rank, args.iters)
 
 
 if __name__ == "__main__":
