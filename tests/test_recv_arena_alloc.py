@@ -1,24 +1,52 @@
-"""The receive arena's block allocator (``backends/intranode/arena.py``) against a reference
-model: a map of which ALIGN-sized units are in use, where first fit is the lowest run of free
-units that holds the request. Random take/free sequences must give the same offsets, the same
-exhaustion answers and the same free ranges (coalesced) as the model; events of freed blocks
-must reach the next user of any of their bytes, and completed ones must not."""
+"""The receive arena's allocator and output factory (``_C.RecvArenaCore``,
+csrc/bindings/recv_arena.cc) on a host arena, against a reference model: a map of which
+ALIGN-sized units are in use, where first fit is the lowest run of free units that holds the
+request. Random take/free sequences (a block is freed when its last tensor dies) must give the
+same offsets, exhaustion answers and coalesced free ranges as the model. The stream events of a
+GPU arena are exercised by the GPU suites (tests/gpu/test_intranode.py reuses blocks across
+calls on poisoned memory)."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
+import torch
 
-from uccl_ep_megatron.backends.intranode.arena import ALIGN, BlockAllocator, output_layout
+from uccl_ep_megatron.core._c import load
+
+ALIGN = 256
+
+
+@pytest.fixture(scope="module")
+def c():
+    return load()
+
+
+class HostArena:
+    """A RecvArenaCore over ``capacity`` bytes of host memory (kept alive here)."""
+
+    def __init__(self, c, capacity: int) -> None:
+        self.mem = torch.zeros(capacity + ALIGN, dtype=torch.uint8)
+        self.base = (self.mem.data_ptr() + ALIGN - 1) // ALIGN * ALIGN
+        self.core = c.RecvArenaCore(self.base, capacity, 0, False)
+
+    def take(self, nbytes: int):
+        """One uint8 output of ``nbytes`` rows x 1 column (the block is ``nbytes`` rounded up),
+        or None when full."""
+        got = self.core.outputs(nbytes, 1, 1, 8, 0, 0, 64, False, 0, 0)
+        return None if got is None else got[0]
+
+    def offset(self, t: torch.Tensor) -> int:
+        return t.data_ptr() - self.base
 
 
 class Model:
-    """Units of ALIGN bytes, each free or not, plus the events pending on each unit."""
+    """Units of ALIGN bytes, each free or not."""
 
     def __init__(self, capacity: int) -> None:
         self.used = [False] * (capacity // ALIGN)
-        self.events: list[set] = [set() for _ in self.used]
 
     def take(self, nbytes: int) -> int | None:
         n = -(-nbytes // ALIGN)
@@ -32,24 +60,11 @@ class Model:
                 return start * ALIGN
         return None
 
-    def events_of(self, offset: int, nbytes: int) -> set:
-        n = -(-nbytes // ALIGN)
-        out = set()
-        for j in range(offset // ALIGN, offset // ALIGN + n):
-            out |= self.events[j]
-        return out
-
-    def free(self, offset: int, nbytes: int, event) -> None:
+    def free(self, offset: int, nbytes: int) -> None:
         n = -(-nbytes // ALIGN)
         for j in range(offset // ALIGN, offset // ALIGN + n):
             assert self.used[j]
             self.used[j] = False
-            self.events[j] = {event}
-
-    def clear_events(self, offset: int, nbytes: int) -> None:
-        n = -(-nbytes // ALIGN)
-        for j in range(offset // ALIGN, offset // ALIGN + n):
-            self.events[j] = set()
 
     def free_ranges(self) -> list[tuple[int, int]]:
         out, start = [], None
@@ -63,113 +78,113 @@ class Model:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_sequences_match_first_fit_model(seed):
+def test_random_sequences_match_first_fit_model(c, seed):
     rng = random.Random(seed)
     capacity = 64 * ALIGN
-    alloc = BlockAllocator(capacity)
+    arena = HostArena(c, capacity)
     model = Model(capacity)
-    live: list[tuple[int, int]] = []
-    next_event = 0
+    live: list[tuple[torch.Tensor, int, int]] = []
     for _ in range(400):
         if live and rng.random() < 0.45:
-            offset, nbytes = live.pop(rng.randrange(len(live)))
-            alloc.free(offset, nbytes, [next_event])
-            model.free(offset, nbytes, next_event)
-            next_event += 1
+            t, offset, nbytes = live.pop(rng.randrange(len(live)))
+            del t
+            model.free(offset, nbytes)
         else:
             nbytes = rng.choice([1, ALIGN, ALIGN + 1, 3 * ALIGN, rng.randrange(1, 20 * ALIGN)])
             want = model.take(nbytes)
-            got = alloc.take(nbytes)
+            t = arena.take(nbytes)
             if want is None:
-                assert got is None, (nbytes, got)
+                assert t is None, nbytes
                 continue
-            assert got is not None and got[0] == want, (nbytes, got, want)
-            # Every event of a free that covered any byte of the block is passed on (none
-            # completes here); the allocator may be conservative only within the range it
-            # carved the block from, so the model's set must be contained in what it returns.
-            need = model.events_of(want, nbytes)
-            assert need <= set(got[1]), (got, need)
-            model.clear_events(want, nbytes)
-            live.append((want, nbytes))
-        assert alloc.free_ranges() == model.free_ranges()
-        assert alloc.live == len(live)
+            assert t is not None and arena.offset(t) == want, (nbytes, want)
+            assert t.shape == (nbytes, 1) and t.dtype == torch.uint8
+            live.append((t, want, nbytes))
+        assert arena.core.free_ranges() == model.free_ranges()
+        assert arena.core.live == len(live)
 
 
-def test_coalescing_restores_one_range_whatever_the_free_order():
-    alloc = BlockAllocator(10 * ALIGN)
-    blocks = [alloc.take(2 * ALIGN)[0] for _ in range(5)]
-    assert blocks == [0, 2 * ALIGN, 4 * ALIGN, 6 * ALIGN, 8 * ALIGN]
-    assert alloc.take(1) is None  # full
-    for b in (2 * ALIGN, 6 * ALIGN, 0, 8 * ALIGN, 4 * ALIGN):
-        alloc.free(b, 2 * ALIGN, [])
-    assert alloc.free_ranges() == [(0, 10 * ALIGN)]
-    assert alloc.take(10 * ALIGN)[0] == 0
+def test_coalescing_restores_one_range_whatever_the_free_order(c):
+    arena = HostArena(c, 10 * ALIGN)
+    blocks = [arena.take(2 * ALIGN) for _ in range(5)]
+    assert [arena.offset(b) for b in blocks] == [0, 2 * ALIGN, 4 * ALIGN, 6 * ALIGN, 8 * ALIGN]
+    assert arena.take(1) is None  # full
+    for i in (1, 3, 0, 4, 2):
+        blocks[i] = None
+    assert arena.core.free_ranges() == [(0, 10 * ALIGN)]
+    assert arena.offset(arena.take(10 * ALIGN)) == 0
 
 
-def test_exhaustion_and_fragmentation():
-    alloc = BlockAllocator(4 * ALIGN)
-    a = alloc.take(ALIGN)[0]
-    b = alloc.take(ALIGN)[0]
-    c = alloc.take(2 * ALIGN)[0]
-    assert (a, b, c) == (0, ALIGN, 2 * ALIGN)
-    assert alloc.take(1) is None
-    alloc.free(a, ALIGN, [])
-    alloc.free(c, 2 * ALIGN, [])
-    # 3 units free but not contiguous: 2 fit (at c), 3 do not.
-    assert alloc.take(3 * ALIGN) is None
-    assert alloc.take(2 * ALIGN)[0] == 2 * ALIGN
-    assert alloc.take(ALIGN)[0] == 0
+def test_exhaustion_and_fragmentation(c):
+    arena = HostArena(c, 4 * ALIGN)
+    a, b, d = arena.take(ALIGN), arena.take(ALIGN), arena.take(2 * ALIGN)
+    assert [arena.offset(t) for t in (a, b, d)] == [0, ALIGN, 2 * ALIGN]
+    assert arena.take(1) is None
+    del a, d
+    # 3 units free but not contiguous: 2 fit (where d was), 3 do not.
+    assert arena.take(3 * ALIGN) is None
+    e = arena.take(2 * ALIGN)
+    f = arena.take(ALIGN)
+    assert (arena.offset(e), arena.offset(f)) == (2 * ALIGN, 0)
+    assert b is not None
 
 
-def test_completed_events_are_dropped_and_pending_ones_kept():
-    done = {"e1"}
-    alloc = BlockAllocator(4 * ALIGN, done=lambda e: e in done)
-    a = alloc.take(ALIGN)[0]
-    b = alloc.take(ALIGN)[0]
-    alloc.free(a, ALIGN, ["e1"])
-    alloc.free(b, ALIGN, ["e2"])
-    offset, events = alloc.take(2 * ALIGN)
-    assert offset == 0 and events == ["e2"]
-
-
-def test_double_free_raises():
-    alloc = BlockAllocator(4 * ALIGN)
-    a = alloc.take(ALIGN)[0]
-    alloc.free(a, ALIGN, [])
-    alloc.free(a, ALIGN, [])
-    with pytest.raises(RuntimeError, match="freed twice"):
-        alloc.free_ranges()
-
-
-def test_bad_sizes_raise():
-    with pytest.raises(ValueError, match="capacity"):
-        BlockAllocator(-1)
-    with pytest.raises(ValueError, match="nbytes"):
-        BlockAllocator(ALIGN).take(0)
-
-
-def test_output_layout_is_aligned_and_disjoint():
-    lay = output_layout(rows=37, row_bytes=7168, num_scales=56, num_topk=8, idx_size=8, src=True)
-    spans = [
-        (lay.x, 37 * 7168),
-        (lay.scales, 37 * 56 * 4),
-        (lay.idx, 37 * 8 * 8),
-        (lay.w, 37 * 8 * 4),
-        (lay.src, 37 * 4),
-    ]
+def test_outputs_are_aligned_disjoint_typed_and_named_by_the_entry(c):
+    arena = HostArena(c, 1 << 20)
+    rows, hidden, scales, topk = 37, 128, 3, 8
+    x, s, idx, w, src, entry = arena.core.outputs(rows, hidden, 4, 16, scales, topk, 32, True, 0, 0)
+    assert (x.dtype, x.shape) == (torch.bfloat16, (rows, hidden))
+    assert (s.dtype, s.shape) == (torch.float32, (rows, scales))
+    assert (idx.dtype, idx.shape) == (torch.int32, (rows, topk))
+    assert (w.dtype, w.shape) == (torch.float32, (rows, topk))
+    assert (src.dtype, src.shape) == (torch.int32, (rows,))
+    tensors = (x, s, idx, w, src)
+    assert entry == [1] + [arena.offset(t) for t in tensors]
+    spans = sorted((arena.offset(t), t.numel() * t.element_size()) for t in tensors)
     for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
         assert a % ALIGN == 0 and a + n <= b
-    assert lay.src + 37 * 4 <= lay.end and lay.end % ALIGN == 0
-    no_src = output_layout(37, 7168, 0, 0, 8, src=False)
-    assert no_src.end == no_src.src  # nothing after the (empty) weights
+    assert all(t.is_contiguous() for t in tensors)
+    # Writes land in the arena's memory, where the entry says.
+    idx.fill_(7)
+    at = arena.base - arena.mem.data_ptr() + entry[3]
+    assert arena.mem[at : at + 4].tolist() == [7, 0, 0, 0]
+    # No scales, ids or source indices: absent outputs are None and -1 in the entry.
+    got = arena.core.outputs(5, 64, 1, 8, 0, 0, 64, False, 0, 0)
+    assert got[1:5] == (None, None, None, None) and got[5][2:] == [-1, -1, -1, -1]
 
 
-def test_merging_drops_completed_events():
-    done: set = set()
-    alloc = BlockAllocator(3 * ALIGN, done=lambda e: e in done)
-    a, b = alloc.take(ALIGN)[0], alloc.take(ALIGN)[0]
-    alloc.free(a, ALIGN, ["ea"])
-    alloc.free_ranges()
-    done.add("ea")
-    alloc.free(b, ALIGN, ["eb"])
-    assert alloc.take(3 * ALIGN) == (0, ["eb"])
+def test_a_view_keeps_the_block_until_the_last_one_dies(c):
+    arena = HostArena(c, 8 * ALIGN)
+    outs = arena.core.outputs(2, 64, 2, 32, 0, 1, 64, True, 0, 0)
+    tail = outs[0][1:]  # a view of recv_x
+    weights = outs[3]
+    del outs
+    gc.collect()
+    assert arena.core.live == 1
+    del weights
+    assert arena.core.live == 1
+    del tail
+    assert arena.core.live == 0 and arena.core.free_ranges() == [(0, 8 * ALIGN)]
+
+
+def test_close_reports_whether_blocks_live(c):
+    arena = HostArena(c, 4 * ALIGN)
+    t = arena.take(ALIGN)
+    assert arena.core.close(False) is False
+    with pytest.raises(Exception, match="closed"):
+        arena.take(ALIGN)
+    del t
+    assert arena.core.live == 0
+    assert HostArena(c, 4 * ALIGN).core.close(False) is True
+
+
+def test_bad_arguments_raise(c):
+    with pytest.raises(Exception, match="aligned"):
+        c.RecvArenaCore(ALIGN + 8, 1024, 0, False)
+    arena = HostArena(c, 4 * ALIGN)
+    with pytest.raises(Exception, match="rows=0"):
+        arena.core.outputs(0, 8, 1, 8, 0, 0, 64, False, 0, 0)
+    with pytest.raises(Exception, match="idx_bits=16"):
+        arena.core.outputs(1, 8, 1, 8, 0, 1, 16, False, 0, 0)
+    if not c.kernels_built():
+        with pytest.raises(Exception, match="GPU build"):
+            c.RecvArenaCore(0, 0, 0, True)

@@ -15,5 +15,7 @@ void bind_internode(pybind11::module_& m);
 void bind_internode_calls(pybind11::module_& m);
 void bind_permute(pybind11::module_& m);
 void bind_proxy(pybind11::module_& m);
+// The receive arena's allocator and output factory (recv_arena.cc).
+void bind_recv_arena(pybind11::module_& m);
 
 }  // namespace uccl_ep::bindings

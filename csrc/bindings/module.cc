@@ -10,4 +10,5 @@ PYBIND11_MODULE(_C, m) {
   uccl_ep::bindings::bind_internode(m);
   uccl_ep::bindings::bind_permute(m);
   uccl_ep::bindings::bind_proxy(m);
+  uccl_ep::bindings::bind_recv_arena(m);
 }

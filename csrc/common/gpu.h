@@ -41,6 +41,16 @@ using gpuIpcMemHandle_t = hipIpcMemHandle_t;
 #define gpuIpcMemLazyEnablePeerAccess hipIpcMemLazyEnablePeerAccess
 #define gpuDeviceGetAttribute hipDeviceGetAttribute
 #define gpuFuncSetAttribute hipFuncSetAttribute
+#define gpuEventCreateWithFlags hipEventCreateWithFlags
+#define gpuEventDisableTiming hipEventDisableTiming
+#define gpuEventDestroy hipEventDestroy
+#define gpuEventRecord hipEventRecord
+#define gpuEventQuery hipEventQuery
+#define gpuErrorNotReady hipErrorNotReady
+#define gpuStreamWaitEvent hipStreamWaitEvent
+#define gpuStreamIsCapturing hipStreamIsCapturing
+#define gpuStreamCaptureStatus hipStreamCaptureStatus
+#define gpuStreamCaptureStatusNone hipStreamCaptureStatusNone
 #else
 #include <cuda_runtime.h>
 #define UCCL_EP_DEVICE_CUDA 1
@@ -78,6 +88,16 @@ using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
 #define gpuIpcMemLazyEnablePeerAccess cudaIpcMemLazyEnablePeerAccess
 #define gpuDeviceGetAttribute cudaDeviceGetAttribute
 #define gpuFuncSetAttribute cudaFuncSetAttribute
+#define gpuEventCreateWithFlags cudaEventCreateWithFlags
+#define gpuEventDisableTiming cudaEventDisableTiming
+#define gpuEventDestroy cudaEventDestroy
+#define gpuEventRecord cudaEventRecord
+#define gpuEventQuery cudaEventQuery
+#define gpuErrorNotReady cudaErrorNotReady
+#define gpuStreamWaitEvent cudaStreamWaitEvent
+#define gpuStreamIsCapturing cudaStreamIsCapturing
+#define gpuStreamCaptureStatus cudaStreamCaptureStatus
+#define gpuStreamCaptureStatusNone cudaStreamCaptureStatusNone
 #endif
 
 // Checked runtime call: a failure becomes uccl_ep::GpuError with the call text and site.

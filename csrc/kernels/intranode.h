@@ -166,6 +166,19 @@ void poison_if_failed(intptr_t status, const std::vector<intptr_t>& ptrs, const 
 // Whether the current GPU has bulk copies (TMA, sm_90+), used when `use_tma` is set.
 bool tma_supported();
 
+// ---- stream ordering of the receive arena (bindings/recv_arena.cc) ------------------------
+// Events without timing, created on `device` (the current device is restored). Any thread.
+intptr_t event_create(int device);
+void event_destroy(intptr_t event);
+void event_record(intptr_t event, intptr_t stream);
+// Whether the work the event's last record covers has finished (a never-recorded event has).
+bool event_done(intptr_t event);
+void stream_wait_event(intptr_t stream, intptr_t event);
+// Whether `stream` is being captured into a CUDA graph (no event may be recorded on it then).
+bool stream_capturing(intptr_t stream);
+// device_free on `device` (the current device is restored).
+void device_free_on(int device, intptr_t ptr);
+
 // ---- layout -------------------------------------------------------------------------------
 void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int num_topk,
                          int num_ranks, int num_experts, intptr_t num_tokens_per_rank,

@@ -24,6 +24,66 @@ void device_free(intptr_t ptr) {
   if (ptr) GPU_CHECK(gpuFree(reinterpret_cast<void*>(ptr)));
 }
 
+namespace {
+// Runs `f` with `device` current, then restores the previous device.
+template <typename F>
+auto on_device(int device, F&& f) {
+  int prev = 0;
+  GPU_CHECK(gpuGetDevice(&prev));
+  if (prev != device) GPU_CHECK(gpuSetDevice(device));
+  struct Restore {
+    int prev, device;
+    ~Restore() {
+      if (prev != device) (void)gpuSetDevice(prev);
+    }
+  } restore{prev, device};
+  return f();
+}
+}  // namespace
+
+intptr_t event_create(int device) {
+  return on_device(device, [] {
+    gpuEvent_t e = nullptr;
+    GPU_CHECK(gpuEventCreateWithFlags(&e, gpuEventDisableTiming));
+    return reinterpret_cast<intptr_t>(e);
+  });
+}
+
+void event_destroy(intptr_t event) {
+  if (event) GPU_CHECK(gpuEventDestroy(reinterpret_cast<gpuEvent_t>(event)));
+}
+
+void event_record(intptr_t event, intptr_t stream) {
+  GPU_CHECK(gpuEventRecord(reinterpret_cast<gpuEvent_t>(event), reinterpret_cast<gpuStream_t>(stream)));
+}
+
+bool event_done(intptr_t event) {
+  const gpuError_t err = gpuEventQuery(reinterpret_cast<gpuEvent_t>(event));
+  if (err == gpuErrorNotReady) {
+    (void)gpuGetLastError();  // not an error: clear it
+    return false;
+  }
+  GPU_CHECK(err);
+  return true;
+}
+
+void stream_wait_event(intptr_t stream, intptr_t event) {
+  GPU_CHECK(gpuStreamWaitEvent(reinterpret_cast<gpuStream_t>(stream), reinterpret_cast<gpuEvent_t>(event), 0));
+}
+
+bool stream_capturing(intptr_t stream) {
+  gpuStreamCaptureStatus st = gpuStreamCaptureStatusNone;
+  GPU_CHECK(gpuStreamIsCapturing(reinterpret_cast<gpuStream_t>(stream), &st));
+  return st != gpuStreamCaptureStatusNone;
+}
+
+void device_free_on(int device, intptr_t ptr) {
+  on_device(device, [ptr] {
+    device_free(ptr);
+    return 0;
+  });
+}
+
 void device_copy(intptr_t dst, intptr_t src, size_t bytes) {
   if (bytes == 0) return;
   GPU_CHECK(gpuMemcpy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes, gpuMemcpyDefault));

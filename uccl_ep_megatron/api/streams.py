@@ -15,7 +15,8 @@ from uccl_ep_megatron.core.events import EventOverlap
 
 class CommStream:
     """Mixin of ``Buffer``: its communication stream and ``_run``. Uses the ``Buffer``'s
-    ``_check_event`` (``ArgumentChecks``)."""
+    ``_check_event`` (``ArgumentChecks``) and tells its backend the caller's stream
+    (``Backend.caller_stream``)."""
 
     def _init_comm_stream(self, device: torch.device, device_index: int) -> None:
         """A dedicated stream on a CUDA ``device`` (none on the CPU), and the two events that
@@ -50,6 +51,7 @@ class CommStream:
             return fn(), EventOverlap(None)
         index = self._device_index
         compute = torch.cuda.current_stream(index)
+        self._backend.caller_stream = compute.cuda_stream
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:

@@ -136,6 +136,9 @@ class Backend(abc.ABC):
 
     # How a user asks for this backend (``Buffer(backend=...)``), for the unavailability error.
     requested_as: str = "'auto'"
+    # The caller's stream handle of the call in progress (set by ``Buffer`` before each call;
+    # 0 = the call's own stream): where its outputs are used.
+    caller_stream: int = 0
 
     @classmethod
     def unsupported_reason(cls, topology: Topology, device: torch.device) -> str | None:

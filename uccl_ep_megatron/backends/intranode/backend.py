@@ -314,7 +314,16 @@ class KernelsBackend(Backend):
         cached_src = None if cached is None else cached.recv_src_idx
         if worst > 0:
             outs = self.recv_arena.outputs(
-                worst, hidden, dtype, num_scales, topk_idx, cached_src, dev, capturing
+                worst,
+                hidden,
+                dtype,
+                num_scales,
+                topk_idx,
+                cached_src,
+                dev,
+                capturing,
+                stream,
+                self.caller_stream or stream,
             )
             entry = outs.entry
         if cached is None:
@@ -391,7 +400,16 @@ class KernelsBackend(Backend):
 
         if outs is None:
             outs = self.recv_arena.outputs(
-                rows_out, hidden, dtype, num_scales, topk_idx, cached_src, dev, False
+                rows_out,
+                hidden,
+                dtype,
+                num_scales,
+                topk_idx,
+                cached_src,
+                dev,
+                False,
+                stream,
+                self.caller_stream or stream,
             )
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs.tensors
         # The kernel, then (same call) the poison fold: a failure inside this call is raised at
