@@ -27,6 +27,22 @@ class CommStream:
             self._comm_stream = torch.cuda.Stream(device=device)
             self._joined = torch.cuda.Event()
             self._finished = torch.cuda.Event()
+            c = self._comm_stream
+            self._comm_ids = (c.stream_id, c.device_index, c.device_type)
+            # torch.cuda.Stream of each (stream_id, device_index, device_type) a caller used:
+            # torch.cuda.current_stream() builds a new one per call (~10 us under MPS).
+            self._callers: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+    def _caller_stream(self, index: int) -> torch.cuda.Stream:
+        ids = torch._C._cuda_getCurrentStream(index)
+        stream = self._callers.get(ids)
+        if stream is None:
+            if len(self._callers) > 64:  # streams a caller made and dropped
+                self._callers.clear()
+            stream = self._callers[ids] = torch.cuda.Stream(
+                stream_id=ids[0], device_index=ids[1], device_type=ids[2]
+            )
+        return stream
 
     def _run(
         self,
@@ -50,7 +66,7 @@ class CommStream:
         if comm is None:
             return fn(), EventOverlap(None)
         index = self._device_index
-        compute = torch.cuda.current_stream(index)
+        compute = self._caller_stream(index)
         self._backend.caller_stream = compute.cuda_stream
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
@@ -59,14 +75,20 @@ class CommStream:
             # takes the event's latest record, so reusing it orders the same work.
             self._joined.record(compute)
             comm.wait_event(self._joined)
-        if torch.cuda.current_device() == index:
-            # torch.cuda.stream() without its context manager (host time): set_stream keeps
-            # the current device when the stream is on it, so restoring `compute` is exact.
-            torch.cuda.set_stream(comm)
+        if torch._C._cuda_getDevice() == index:
+            # torch.cuda.stream() without its context manager (host time): setting a stream
+            # keeps the current device when the stream is on it, so restoring is exact.
+            set_stream = torch._C._cuda_setStream
+            comm_ids = self._comm_ids
+            set_stream(stream_id=comm_ids[0], device_index=comm_ids[1], device_type=comm_ids[2])
             try:
                 out = fn()
             finally:
-                torch.cuda.set_stream(compute)
+                set_stream(
+                    stream_id=compute.stream_id,
+                    device_index=compute.device_index,
+                    device_type=compute.device_type,
+                )
         else:
             with torch.cuda.stream(comm):
                 out = fn()

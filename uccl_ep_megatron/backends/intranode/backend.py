@@ -205,8 +205,8 @@ class KernelsBackend(Backend):
         return word
 
     def _stream(self) -> int:
-        # An int index: torch resolves a torch.device through slower checks on every call.
-        return torch.cuda.current_stream(self._device_index).cuda_stream
+        # The raw handle, without building a torch.cuda.Stream (host time).
+        return torch._C._cuda_getCurrentRawStream(self._device_index)
 
     def _capturing(self) -> bool:
         if torch.cuda.is_current_stream_capturing():
