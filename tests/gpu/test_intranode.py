@@ -493,12 +493,13 @@ def _life_buffer():
     return _buffers["life"]
 
 
-def _layer_call(kb, rb, rank, world, seed, tokens=300, hidden=2048):
-    """One dispatch of a small random case on both Buffers: (kernels out, reference out)."""
+def _layer_call(kb, rb, rank, world, seed, tokens=300, hidden=2048, **kw):
+    """One dispatch of a small random case on both Buffers: (kernels out, reference out);
+    ``kw`` goes to the kernels Buffer's dispatch."""
     params = dict(tokens=tokens, hidden=hidden, routing="random", seed=seed)
     gen = torch.Generator(device="cuda").manual_seed(1000 * seed + rank)
     x_in, _, idx, w, num_experts = inputs(rank, world, params, gen)
-    kout = dispatch(kb, x_in, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
+    kout = dispatch(kb, x_in, kb.get_dispatch_layout(idx, num_experts)[:4], idx, w, **kw)
     rout = dispatch(rb, x_in, rb.get_dispatch_layout(idx, num_experts)[:4], idx, w)
     return kout, rout
 
@@ -565,6 +566,37 @@ def reuse_case(rank: int, world: int) -> bool:
     gc.collect()
     torch.cuda.synchronize()
     assert arena.live_blocks() == 0
+    return True
+
+
+def stream_order_case(rank: int, world: int) -> bool:
+    """A block whose last tensor dies while the caller's stream still has work reading it is
+    written again only after that work. The next dispatch is ordered after an event captured
+    before that work (previous_event), so only the event the arena records when the tensor dies
+    keeps this rank's kernel and its peers' writes out of the block until the read is done."""
+    from uccl_ep_megatron import Buffer
+
+    kb = _life_buffer()
+    rb = _reference()
+    arena = kb._backend.recv_arena
+    gc.collect()
+    assert arena.live_blocks() == 0, "a previous case left outputs alive"
+    a, ra = _layer_call(kb, rb, rank, world, seed=80)
+    torch.cuda.synchronize()
+    base = a[0].data_ptr()
+    before = Buffer.capture()  # the caller's stream before the slow read
+    torch.cuda._sleep(50_000_000)  # tens of ms of the caller's stream, then the read
+    copy = a[0].clone()
+    del a
+    gc.collect()
+    c, rc = _layer_call(kb, rb, rank, world, seed=81, previous_event=before, async_finish=True)
+    assert c[0].data_ptr() == base, "the next dispatch did not reuse the freed block"
+    c[5].current_stream_wait()
+    torch.cuda.synchronize()
+    assert_same("a read queued before the block was reused", copy, ra[0])
+    _check_layer("the dispatch that reused the block", c, rc)
+    del c
+    gc.collect()
     return True
 
 
@@ -779,6 +811,10 @@ def test_live_zero_copy_outputs_stay_intact(gpu_pool):
 
 def test_arena_block_reused_only_after_its_tensors_die(gpu_pool):
     assert all(gpu_pool.run(__file__, "reuse_case", env=ENV))
+
+
+def test_arena_block_reused_only_after_the_callers_reads(gpu_pool):
+    assert all(gpu_pool.run(__file__, "stream_order_case", env=ENV))
 
 
 def test_full_arena_falls_back_to_staged_with_same_results(gpu_pool):
