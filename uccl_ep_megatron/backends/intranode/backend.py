@@ -208,6 +208,31 @@ class KernelsBackend(Backend):
         # The raw handle, without building a torch.cuda.Stream (host time).
         return torch._C._cuda_getCurrentRawStream(self._device_index)
 
+    def _outputs(
+        self,
+        rows: int,
+        x: torch.Tensor,
+        num_scales: int,
+        topk_idx: torch.Tensor | None,
+        cached_src: torch.Tensor | None,
+        capturing: bool,
+        stream: int,
+    ) -> Any:
+        """A dispatch's outputs for ``rows`` received rows of ``x``'s width and dtype (see
+        ``RecvArena.outputs``), used on the caller's stream."""
+        return self.recv_arena.outputs(
+            rows,
+            x.shape[1],
+            x.dtype,
+            num_scales,
+            topk_idx,
+            cached_src,
+            x.device,
+            capturing,
+            stream,
+            self.caller_stream or stream,
+        )
+
     def _capturing(self) -> bool:
         if torch.cuda.is_current_stream_capturing():
             self._captured = True
@@ -313,18 +338,7 @@ class KernelsBackend(Backend):
         outs = entry = None
         cached_src = None if cached is None else cached.recv_src_idx
         if worst > 0:
-            outs = self.recv_arena.outputs(
-                worst,
-                hidden,
-                dtype,
-                num_scales,
-                topk_idx,
-                cached_src,
-                dev,
-                capturing,
-                stream,
-                self.caller_stream or stream,
-            )
+            outs = self._outputs(worst, x, num_scales, topk_idx, cached_src, capturing, stream)
             entry = outs.entry
         if cached is None:
             send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
@@ -399,18 +413,7 @@ class KernelsBackend(Backend):
             ctx = self._context()  # a regrow replaced the buffers
 
         if outs is None:
-            outs = self.recv_arena.outputs(
-                rows_out,
-                hidden,
-                dtype,
-                num_scales,
-                topk_idx,
-                cached_src,
-                dev,
-                False,
-                stream,
-                self.caller_stream or stream,
-            )
+            outs = self._outputs(rows_out, x, num_scales, topk_idx, cached_src, False, stream)
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outs.tensors
         # The kernel, then (same call) the poison fold: a failure inside this call is raised at
         # the next one; until then the outputs say so.
