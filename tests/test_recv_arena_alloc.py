@@ -188,3 +188,62 @@ def test_bad_arguments_raise(c):
     if not c.kernels_built():
         with pytest.raises(Exception, match="GPU build"):
             c.RecvArenaCore(0, 0, 0, True)
+
+
+def test_a_reservation_holds_its_block_and_makes_the_same_tensors_later(c):
+    arena = HostArena(c, 1 << 20)
+    rows, hidden, scales, topk = 21, 64, 2, 4
+    res = arena.core.reserve(rows, hidden, 4, 16, scales, topk, 64, True, 0, 0)
+    assert arena.core.live == 1
+    # The same layout as outputs() gives a block taken at the same place.
+    ref = HostArena(c, 1 << 20)
+    want = ref.core.outputs(rows, hidden, 4, 16, scales, topk, 64, True, 0, 0)
+    assert res.entry == want[5]
+    # A block taken while the reservation lives does not overlap it.
+    other = arena.take(ALIGN)
+    assert arena.offset(other) >= res.entry[5] + rows * 4
+    x, s, idx, w, src = res.tensors()
+    assert [(t.dtype, tuple(t.shape)) for t in (x, s, idx, w, src)] == [
+        (t.dtype, tuple(t.shape)) for t in want[:5]
+    ]
+    assert [1] + [arena.offset(t) for t in (x, s, idx, w, src)] == res.entry
+    with pytest.raises(Exception, match="made already"):
+        res.tensors()
+    # The block lives while the reservation or any tensor does.
+    del res
+    gc.collect()
+    assert arena.core.live == 2
+    del x, s, idx, w
+    assert arena.core.live == 2
+    del src, other
+    gc.collect()
+    assert arena.core.live == 0 and arena.core.free_ranges() == [(0, 1 << 20)]
+
+
+def test_a_reservation_never_made_gives_its_block_back(c):
+    arena = HostArena(c, 4 * ALIGN)
+    res = arena.core.reserve(3 * ALIGN, 1, 1, 8, 0, 0, 64, False, 0, 0)
+    assert arena.core.reserve(2 * ALIGN, 1, 1, 8, 0, 0, 64, False, 0, 0) is None  # full
+    del res
+    gc.collect()
+    assert arena.core.live == 0 and arena.core.free_ranges() == [(0, 4 * ALIGN)]
+
+
+def test_a_reservation_makes_tensors_of_its_first_rows(c):
+    # A launch-ahead dispatch reserves its bound and makes tensors of the rows it received:
+    # the same places, fewer rows; more rows than reserved raise.
+    arena = HostArena(c, 1 << 20)
+    rows, hidden, topk = 40, 32, 2
+    too_many = arena.core.reserve(rows, hidden, 4, 16, 0, topk, 32, True, 0, 0)
+    with pytest.raises(Exception, match="rows=41 exceeds the 40 rows reserved"):
+        too_many.tensors(rows + 1)
+    res = arena.core.reserve(rows, hidden, 4, 16, 0, topk, 32, True, 0, 0)
+    x, s, idx, w, src = res.tensors(7)
+    assert s is None
+    assert [tuple(t.shape) for t in (x, idx, w, src)] == [(7, hidden), (7, topk), (7, topk), (7,)]
+    assert [1] + [arena.offset(t) if t is not None else -1 for t in (x, s, idx, w, src)] == (
+        res.entry
+    )
+    del too_many, res, x, idx, w, src
+    gc.collect()
+    assert arena.core.live == 0

@@ -215,33 +215,68 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
                    py::handle weights_t, py::handle in_rank_t, py::handle info_t, py::handle send_pos_t,
                    py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t, py::handle recv_w_t,
                    py::handle recv_src_t, bool cached, int num_sms, int experts_per_rank, int num_recv, int own_rows,
-                   int64_t send_rows, int64_t staging_rows, bool zero_copy, bool entry_published) {
+                   int64_t send_rows, int64_t staging_rows, bool zero_copy, bool entry_published, bool judge,
+                   int num_experts) {
   c.check("intranode_dispatch");
   const int R = c.num_ranks;
   const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
                            {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
   const int64_t T = x.size[0], H = x.size[1];
-  const TensorView recv_x = arg(recv_x_t, "intranode_dispatch: recv_x", false, 2, -1, H, {x.dtype->dt});
-  const int64_t rows = recv_x.size[0];
+  // recv_x may be a receive-arena reservation (RecvArenaCore.reserve): the outputs' tensors are
+  // made after this launch, so their places come from it (the other recv_* are None then).
+  ReservedOutputs res;
+  const bool reserved = reserved_outputs(recv_x_t, &res);
+  TensorView recv_x;
+  if (!reserved) recv_x = arg(recv_x_t, "intranode_dispatch: recv_x", false, 2, -1, H, {x.dtype->dt});
+  const int64_t rows = reserved ? res.rows : recv_x.size[0];
   // FP8 scales and top-k come with their outputs or not at all.
   const TensorView scales = arg(scales_t, "intranode_dispatch: x_scales", true, 2, T, -1, {Dt::kFloat32});
   const int64_t S = scales.none ? 0 : scales.size[1];
-  const TensorView recv_scales =
-      arg(recv_scales_t, "intranode_dispatch: recv_scales", scales.none, 2, rows, S, {Dt::kFloat32});
   const TensorView idx = arg(idx_t, "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
   const int64_t K = idx.none ? 0 : idx.size[1];
   const Dt idx_dt = idx.none ? Dt::kInt64 : idx.dtype->dt;
   const TensorView weights = arg(weights_t, "intranode_dispatch: topk_weights", idx.none, 2, T, K, {Dt::kFloat32});
-  const TensorView recv_idx = arg(recv_idx_t, "intranode_dispatch: recv_topk_idx", idx.none, 2, rows, K, {idx_dt});
-  const TensorView recv_w =
-      arg(recv_w_t, "intranode_dispatch: recv_topk_weights", idx.none, 2, rows, K, {Dt::kFloat32});
   const TensorView in_rank = arg(in_rank_t, "intranode_dispatch: is_token_in_rank", false, 2, T, R, {Dt::kBool});
   // notify's out_info: the matrix first, then the per-expert counts.
   const TensorView info = arg(info_t, "intranode_dispatch: rank_prefix_matrix", false, 1, -1, -1, {Dt::kInt32});
   UCCL_EP_CHECK_ARG(info.size[0] >= int64_t{R} * R, "intranode_dispatch: rank_prefix_matrix has shape ",
                     shape_text(info), "; it needs ", R * R, " entries");
   const TensorView send_pos = arg(send_pos_t, "intranode_dispatch: send_pos", false, 2, T, R, {Dt::kInt32});
-  const TensorView recv_src = arg(recv_src_t, "intranode_dispatch: recv_src_idx", cached, 1, rows, -1, {Dt::kInt32});
+  TensorView recv_scales, recv_idx, recv_w, recv_src;
+  if (reserved) {
+    UCCL_EP_CHECK_ARG(zero_copy && recv_scales_t.is_none() && recv_idx_t.is_none() && recv_w_t.is_none() &&
+                          recv_src_t.is_none(),
+                      "intranode_dispatch: a reservation in place of recv_x is a zero-copy call whose other "
+                      "recv_* are None");
+    const int64_t idx_bytes = idx.none ? 0 : idx.dtype->itemsize;
+    UCCL_EP_CHECK_ARG(res.row_bytes == H * x.dtype->itemsize && res.num_scales == S && res.num_topk == K &&
+                          res.idx_bytes == idx_bytes && (res.src != 0) == !cached,
+                      "intranode_dispatch: the reservation was made for rows of ", res.row_bytes, " bytes, ",
+                      res.num_scales, " scales, ", res.num_topk, " top-k of ", res.idx_bytes, " bytes",
+                      res.src != 0 ? " and sources" : "", ", not for this call's ", H * x.dtype->itemsize, ", ", S,
+                      ", ", K, " of ", idx_bytes, cached ? "" : " and sources");
+    auto view = [rows](intptr_t ptr, int64_t cols, const views::DtypeInfo* dt) {
+      TensorView v;
+      if (ptr == 0) return v;
+      v.none = false;
+      v.ptr = ptr;
+      v.dim = cols > 0 ? 2 : 1;
+      v.size[0] = rows;
+      v.size[1] = cols;
+      v.dtype = dt;
+      return v;
+    };
+    recv_x = view(res.x, H, x.dtype);
+    recv_scales = view(res.scales, S, scales.dtype);
+    recv_idx = view(res.idx, K, idx.dtype);
+    recv_w = view(res.w, K, weights.dtype);
+    recv_src = view(res.src, 0, send_pos.dtype);
+  } else {
+    recv_scales = arg(recv_scales_t, "intranode_dispatch: recv_scales", scales.none, 2, rows, S, {Dt::kFloat32});
+    recv_idx = arg(recv_idx_t, "intranode_dispatch: recv_topk_idx", idx.none, 2, rows, K, {idx_dt});
+    recv_w = arg(recv_w_t, "intranode_dispatch: recv_topk_weights", idx.none, 2, rows, K, {Dt::kFloat32});
+    recv_src = arg(recv_src_t, "intranode_dispatch: recv_src_idx", cached, 1, rows, -1, {Dt::kInt32});
+  }
 
   k::DispatchArgs a;
   c.fill(a);
@@ -272,6 +307,8 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
   a.num_sms = num_sms;
   a.zero_copy = zero_copy;
   a.entry_published = entry_published;
+  a.judge = judge;
+  a.num_experts = num_experts;
   if (zero_copy) c.check_in_arena({&recv_x, &recv_scales, &recv_idx, &recv_w, &recv_src});
   check_dispatch(a);
   k::intranode_dispatch(a, stream);
@@ -424,10 +461,14 @@ void bind_intranode_calls(py::module_& m) {
   m.def("intranode_dispatch_call", &dispatch_call,
         "dispatch(ctx, stream, x, x_scales, topk_idx, topk_weights, is_token_in_rank, rank_prefix_matrix, "
         "send_pos, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, num_sms, "
-        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows, zero_copy, entry_published): the dispatch "
-        "kernel and the "
-        "poison fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out); zero_copy: "
-        "the outputs lie in this rank's receive arena and peers write them directly.");
+        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows, zero_copy, entry_published, judge, "
+        "num_experts): the dispatch kernel and the "
+        "poison fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out); recv_x may "
+        "be a RecvReservation (zero-copy outputs whose tensors are made after this launch; the other recv_* None "
+        "then); zero_copy: "
+        "the outputs lie in this rank's receive arena and peers write them directly; judge: a launch-ahead call "
+        "(launched before the host read its counts) that every rank skips alike when any rank's checks fail or "
+        "a rank receives more rows than the outputs hold (num_experts: the id range to check).");
   m.def("intranode_combine_call", &combine_call,
         "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
         "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "

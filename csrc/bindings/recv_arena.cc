@@ -141,7 +141,33 @@ OutputLayout output_layout(int64_t rows, int64_t row_bytes, int64_t num_scales, 
   return l;
 }
 
+// A block taken for one dispatch whose tensors are made after the launches that fill it
+// (`RecvArenaCore.reserve`): it holds one reference of the block until it dies.
+struct Reservation {
+  Block* block = nullptr;
+  intptr_t at = 0;  // the block's device address
+  OutputLayout lay;
+  int64_t rows = 0, hidden = 0, num_scales = 0, num_topk = 0;
+  DLDataType x_dt{};
+  int idx_bits = 64;
+  bool made = false;
+  Reservation() = default;
+  Reservation(const Reservation&) = delete;
+  Reservation& operator=(const Reservation&) = delete;
+  ~Reservation();
+  py::list entry() const {
+    py::list e;
+    e.append(1);
+    for (int64_t o : {lay.x, lay.scales, lay.idx, lay.w, lay.src}) e.append(o < 0 ? int64_t{-1} : block_offset() + o);
+    return e;
+  }
+  int64_t block_offset() const;
+  py::tuple tensors(int64_t rows_made);
+};
+
 class Arena : public std::enable_shared_from_this<Arena> {
+  friend struct Reservation;  // makes its tensors
+
  public:
   Arena(intptr_t base, int64_t capacity, int device, bool cuda)
       : base_(base), capacity_(capacity / kAlign * kAlign), device_(device), cuda_(cuda) {
@@ -173,6 +199,18 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // the block does not fit. x_code/x_bits: recv_x's DLPack dtype (FP8 comes as uint8).
   py::object outputs(int64_t rows, int64_t hidden, int x_code, int x_bits, int64_t num_scales, int64_t num_topk,
                      int idx_bits, bool with_src, intptr_t stream, intptr_t use_stream) {
+    std::unique_ptr<Reservation> r =
+        reserve(rows, hidden, x_code, x_bits, num_scales, num_topk, idx_bits, with_src, stream, use_stream);
+    if (!r) return py::none();
+    py::tuple t = r->tensors(-1);
+    return py::make_tuple(t[0], t[1], t[2], t[3], t[4], r->entry());
+  }
+
+  // One dispatch's block, its tensors made later (Reservation::tensors), or null when it does
+  // not fit.
+  std::unique_ptr<Reservation> reserve(int64_t rows, int64_t hidden, int x_code, int x_bits, int64_t num_scales,
+                                       int64_t num_topk, int idx_bits, bool with_src, intptr_t stream,
+                                       intptr_t use_stream) {
     UCCL_EP_CHECK_ARG(rows > 0 && hidden > 0 && x_bits % 8 == 0 && x_bits > 0 && num_scales >= 0 &&
                           num_topk >= 0 && (idx_bits == 32 || idx_bits == 64),
                       "RecvArenaCore.outputs: rows=", rows, " hidden=", hidden, " x_bits=", x_bits,
@@ -180,37 +218,27 @@ class Arena : public std::enable_shared_from_this<Arena> {
     const int64_t row_bytes = hidden * (x_bits / 8);
     const OutputLayout lay = output_layout(rows, row_bytes, num_scales, num_topk, idx_bits / 8, with_src);
     const std::optional<int64_t> got = take(lay.end, stream);
-    if (!got) return py::none();
+    if (!got) return nullptr;
+    auto r = std::make_unique<Reservation>();
     auto* block = new Block;
     block->arena = shared_from_this();
     block->offset = *got;
     block->size = lay.end;
     block->alloc_stream = stream;
     block->use_stream = use_stream;
-    // This call's own reference: the block outlives a failure half way (each tensor made so
+    // The reservation's reference: the block outlives a failure half way (each tensor made so
     // far holds one too) and goes back when the last reference drops.
     block->refs.store(1);
-    py::tuple out;
-    try {
-      const int64_t at = base_ + *got;
-      py::object none = py::none();
-      const auto x_dt = DLDataType{static_cast<uint8_t>(x_code), static_cast<uint8_t>(x_bits), 1};
-      py::object x = make(block, at + lay.x, rows, hidden, x_dt);
-      py::object scales = lay.scales < 0 ? none : make(block, at + lay.scales, rows, num_scales, {2, 32, 1});
-      py::object idx = lay.idx < 0 ? none
-                                   : make(block, at + lay.idx, rows, num_topk, {0, static_cast<uint8_t>(idx_bits), 1});
-      py::object w = lay.w < 0 ? none : make(block, at + lay.w, rows, num_topk, {2, 32, 1});
-      py::object src = lay.src < 0 ? none : make(block, at + lay.src, rows, 0, {0, 32, 1});
-      py::list entry;
-      entry.append(1);
-      for (int64_t o : {lay.x, lay.scales, lay.idx, lay.w, lay.src}) entry.append(o < 0 ? int64_t{-1} : *got + o);
-      out = py::make_tuple(x, scales, idx, w, src, entry);
-    } catch (...) {
-      unref(block);
-      throw;
-    }
-    unref(block);
-    return out;
+    r->block = block;
+    r->at = base_ + *got;
+    r->lay = lay;
+    r->rows = rows;
+    r->hidden = hidden;
+    r->num_scales = num_scales;
+    r->num_topk = num_topk;
+    r->x_dt = DLDataType{static_cast<uint8_t>(x_code), static_cast<uint8_t>(x_bits), 1};
+    r->idx_bits = idx_bits;
+    return r;
   }
 
   // Drops one reference of `b`; the last one hands the block back (deleters: any thread).
@@ -439,9 +467,58 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::shared_ptr<std::mutex> pool_mu_ = std::make_shared<std::mutex>();
 };
 
+Reservation::~Reservation() {
+  if (block != nullptr) Arena::unref(block);
+}
+
+int64_t Reservation::block_offset() const { return block->offset; }
+
+py::tuple Reservation::tensors(int64_t rows_made) {
+  UCCL_EP_CHECK_ARG(!made, "RecvReservation.tensors: the tensors were made already");
+  const int64_t n = rows_made < 0 ? rows : rows_made;
+  UCCL_EP_CHECK_ARG(n <= rows, "RecvReservation.tensors: rows=", rows_made, " exceeds the ", rows,
+                    " rows reserved");
+  made = true;
+  Arena& a = *block->arena;
+  py::object none = py::none();
+  py::object x = a.make(block, at + lay.x, n, hidden, x_dt);
+  py::object scales = lay.scales < 0 ? none : a.make(block, at + lay.scales, n, num_scales, {2, 32, 1});
+  py::object idx =
+      lay.idx < 0 ? none : a.make(block, at + lay.idx, n, num_topk, {0, static_cast<uint8_t>(idx_bits), 1});
+  py::object w = lay.w < 0 ? none : a.make(block, at + lay.w, n, num_topk, {2, 32, 1});
+  py::object src = lay.src < 0 ? none : a.make(block, at + lay.src, n, 0, {0, 32, 1});
+  return py::make_tuple(x, scales, idx, w, src);
+}
+
 }  // namespace
 
+bool reserved_outputs(py::handle h, ReservedOutputs* out) {
+  if (!py::isinstance<Reservation>(h)) return false;
+  const Reservation& r = h.cast<const Reservation&>();
+  UCCL_EP_CHECK_ARG(r.block != nullptr, "a receive-arena reservation without a block");
+  auto at = [&r](int64_t o) { return o < 0 ? intptr_t{0} : r.at + o; };
+  out->x = at(r.lay.x);
+  out->scales = at(r.lay.scales);
+  out->idx = at(r.lay.idx);
+  out->w = at(r.lay.w);
+  out->src = at(r.lay.src);
+  out->rows = r.rows;
+  out->row_bytes = r.hidden * (r.x_dt.bits / 8);
+  out->num_scales = r.lay.scales < 0 ? 0 : r.num_scales;
+  out->num_topk = r.lay.idx < 0 ? 0 : r.num_topk;
+  out->idx_bytes = r.lay.idx < 0 ? 0 : r.idx_bits / 8;
+  return true;
+}
+
 void bind_recv_arena(py::module_& m) {
+  py::class_<Reservation>(m, "RecvReservation",
+                          "One dispatch's block of the receive arena whose tensors are made after the launches "
+                          "that fill it (RecvArenaCore.reserve); it holds the block until it dies.")
+      .def_property_readonly("entry", &Reservation::entry,
+                             "The receive entry words {1, offsets of recv_x, scales, ids, weights, sources}.")
+      .def("tensors", &Reservation::tensors, py::arg("rows") = -1,
+           "(recv_x, scales, topk_idx, weights, src_idx) viewing the block (once), each of its first `rows` rows "
+           "(-1: all reserved); each keeps the block alive.");
   py::class_<Arena, std::shared_ptr<Arena>>(m, "RecvArenaCore",
                                             "The receive arena's block allocator and output factory "
                                             "(bindings/recv_arena.cc).")
@@ -452,6 +529,19 @@ void bind_recv_arena(py::module_& m) {
            py::arg("use_stream"),
            "(recv_x, scales, topk_idx, weights, src_idx, entry) viewing one new block, or None when it does not "
            "fit; `stream` waits for the block's earlier users first.")
+      .def(
+          "reserve",
+          [](Arena& a, int64_t rows, int64_t hidden, int x_code, int x_bits, int64_t num_scales, int64_t num_topk,
+             int idx_bits, bool with_src, intptr_t stream, intptr_t use_stream) -> py::object {
+            std::unique_ptr<Reservation> r =
+                a.reserve(rows, hidden, x_code, x_bits, num_scales, num_topk, idx_bits, with_src, stream, use_stream);
+            if (!r) return py::none();
+            return py::cast(std::move(r));
+          },
+          py::arg("rows"), py::arg("hidden"), py::arg("x_code"), py::arg("x_bits"), py::arg("num_scales"),
+          py::arg("num_topk"), py::arg("idx_bits"), py::arg("with_src"), py::arg("stream"), py::arg("use_stream"),
+          "As outputs, but a RecvReservation whose tensors are made later (after the launches that fill the "
+          "block: intranode_dispatch_call takes it in place of recv_x), or None when it does not fit.")
       .def("free_ranges", &Arena::free_ranges, "(offset, bytes) of every free range, offset order.")
       .def_property_readonly("live", &Arena::live, "Blocks whose tensors are alive.")
       .def("close", &Arena::close, py::arg("own"),

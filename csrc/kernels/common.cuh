@@ -82,6 +82,47 @@ __device__ __forceinline__ int notify_slot(uint64_t seq) { return static_cast<in
 __device__ __forceinline__ int* tokens_of(uint8_t* buf, int slot) {
   return reinterpret_cast<int*>(buf + kTokensOffset) + slot * kMaxRanks;
 }
+__device__ __forceinline__ int* counts_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kCountsOffset) + slot * kMaxRanks * kMaxRanks;
+}
+__device__ __forceinline__ int* expert_counts_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int*>(buf + kExpertCountsOffset) + static_cast<int64_t>(slot) * kMaxRanks * kMaxLocalExperts;
+}
+__device__ __forceinline__ int64_t* id_bounds_of(uint8_t* buf, int slot) {
+  return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * kCheckWords;
+}
+
+// The first bad input of any rank in a dispatch, judged from data every rank holds alike after
+// notify's barrier (each rank's checks and the whole count matrix), so every rank reaches the
+// same verdict: {code, rank, value, extra} as the status words say it, code 0 when none.
+// Order: call headers, expert ids of ranks 0..R-1, then layouts, then received row counts
+// (more than `max_rows` for some rank; max_rows < 0: not checked).
+struct Verdict {
+  int64_t code, who, value, extra;
+};
+__device__ inline Verdict dispatch_verdict(const volatile int64_t* checks, const volatile int* counts, int R,
+                                           int64_t max_rows, int num_experts) {
+  // Ranks that disagree on the call (packed header, word 5) first: their other checks and
+  // counts mean different things.
+  for (int r = 1; r < R; ++r) {
+    if (checks[r * kCheckWords + 5] != checks[5]) return {kStatusHeaderMismatch, r, 0, 0};
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t lo = checks[r * kCheckWords], hi = checks[r * kCheckWords + 1];
+    if (num_experts > 0 && (lo < -1 || hi >= num_experts)) return {kStatusBadExpertId, r, lo < -1 ? lo : hi, num_experts};
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t dest = checks[r * kCheckWords + 2];
+    if (dest >= 0)
+      return {kStatusLayoutMismatch, r, dest, (checks[r * kCheckWords + 3] << 32) | (checks[r * kCheckWords + 4] & 0xFFFFFFFFll)};
+  }
+  for (int j = 0; j < R && max_rows >= 0; ++j) {
+    int64_t rows = 0;
+    for (int s = 0; s < R; ++s) rows += counts[s * kMaxRanks + j];
+    if (rows > max_rows) return {kStatusDispatchOverflow, j, rows, max_rows};
+  }
+  return {0, 0, 0, 0};
+}
 // The receive entry words a launch publishes (kernel parameter; see intranode_notify).
 struct RecvEntryArgs {
   int64_t w[kRecvEntryArgs];

@@ -58,8 +58,20 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   __shared__ uint64_t s_seq;  // this dispatch's notify sequence (tags the chunk flags)
   const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
   const int R = p.num_ranks;
-  if (tid == 0) s_seq = *seq_counter(p.bufs.p[p.rank]);
-  if (tid == 0) s_failed = status_set(p.status) ? 1 : 0;
+  if (tid == 0) {
+    s_seq = *seq_counter(p.bufs.p[p.rank]);
+    s_failed = status_set(p.status) ? 1 : 0;
+    // Launched before the host read the counts (launch-ahead): every rank judges the same
+    // checks and count matrix alike and all skip the call, which the host then raises (a bad
+    // input) or runs again with exact sizes (a rank receives more than num_out_rows).
+    if (p.judge && !s_failed) {
+      uint8_t* own = p.bufs.p[p.rank];
+      const int slot = notify_slot(s_seq);
+      s_failed = dispatch_verdict(id_bounds_of(own, slot), counts_of(own, slot), p.num_ranks, p.num_out_rows,
+                                  p.num_experts)
+                             .code != 0;
+    }
+  }
   if (tid < R) s_prefix_row[tid] = p.rank > 0 ? p.prefix[(p.rank - 1) * R + tid] : 0;
   // From the device matrix notify wrote, so sync-free calls need no host copy of it.
   if (tid <= R) s_recv_begin[tid] = tid > 0 ? p.prefix[(tid - 1) * R + p.rank] : 0;
@@ -303,6 +315,8 @@ static void check_dispatch_args(const DispatchArgs& a) {
   UCCL_EP_CHECK_ARG(a.arenas.empty() || static_cast<int>(a.arenas.size()) == a.num_ranks, "got ", a.arenas.size(),
                     " receive arenas for ", a.num_ranks, " ranks");
   UCCL_EP_CHECK_ARG(!a.zero_copy || !a.arenas.empty(), "zero_copy dispatch without receive arenas");
+  UCCL_EP_CHECK_ARG(!a.judge || (!a.cached && a.entry_published), "a launch-ahead dispatch (judge) must be a "
+                    "non-cached call whose notify published the receive entry");
 }
 
 void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
@@ -364,6 +378,8 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.arenas = a.arenas.empty() ? Peers{} : make_peers(a.arenas, a.num_ranks);
   p.zero_copy = a.zero_copy;
   p.entry_published = a.entry_published;
+  p.judge = a.judge;
+  p.num_experts = a.num_experts;
   const intptr_t outs[5] = {a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights,
                             a.cached ? 0 : a.recv_src_idx};
   for (int i = 0; i < 5; ++i) p.recv_off[i] = a.zero_copy && outs[i] != 0 ? outs[i] - a.arenas[a.rank] : -1;

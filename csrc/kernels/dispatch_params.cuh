@@ -57,7 +57,9 @@ struct SendParams {
   // for a missing one), which the receive entry hands to the peers.
   Peers arenas;
   bool zero_copy;
-  bool entry_published;  // notify wrote the entry (sync-free calls)
+  bool entry_published;  // notify wrote the entry (sync-free and launch-ahead calls)
+  bool judge;            // launch-ahead: skip the call on dispatch_verdict (DispatchArgs::judge)
+  int num_experts;       // the id range dispatch_verdict checks (judge only)
   int64_t recv_off[5];
 };
 

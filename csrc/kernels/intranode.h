@@ -254,6 +254,14 @@ struct DispatchArgs {
   // receiver blocks); otherwise they stage this rank's rows as before.
   bool zero_copy = false;
   bool entry_published = false;   // notify already wrote this call's receive entry (recv_entry)
+  // Launch-ahead (an exact dispatch launched before the host read its counts; outputs of
+  // num_out_rows rows, num_recv = num_out_rows): the kernel first judges every rank's checks
+  // and the count matrix of its notify (as sync-free notify does, with num_out_rows as the
+  // bound, over `num_experts` ids) and, on any failure, skips the call on every rank alike
+  // without recording a status; the host raises the input error from the readback, or runs the
+  // call again with exact sizes when a rank receives more than num_out_rows rows.
+  bool judge = false;
+  int num_experts = 0;
 };
 // Bytes of registered buffer (control region included) a dispatch with these sizes needs.
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);

@@ -51,52 +51,6 @@ __device__ void scan_send_pos(const bool* in_rank, int num_tokens, int R, int* s
   }
 }
 
-// The notify slot's arrays (notify_slot, tokens_of: common.cuh).
-__device__ __forceinline__ int* counts_of(uint8_t* buf, int slot) {
-  return reinterpret_cast<int*>(buf + kCountsOffset) + slot * kMaxRanks * kMaxRanks;
-}
-__device__ __forceinline__ int* expert_counts_of(uint8_t* buf, int slot) {
-  return reinterpret_cast<int*>(buf + kExpertCountsOffset) + static_cast<int64_t>(slot) * kMaxRanks * kMaxLocalExperts;
-}
-
-__device__ __forceinline__ int64_t* id_bounds_of(uint8_t* buf, int slot) {
-  return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * kCheckWords;
-}
-
-// Sync-free mode: the first bad input of any rank, judged from data every rank holds alike
-// (each rank's checks and the whole count matrix), so every rank records the same error and
-// skips the same data movement; nothing reaches the host until its next call reads the word.
-// Order: call headers, expert ids of ranks 0..R-1, then layouts, then received row counts.
-__device__ void record_input_error(const volatile int64_t* checks, const int* counts_raw, int R, int worst,
-                                   int num_experts, const StatusRef& status) {
-  const volatile int* counts = counts_raw;
-  int64_t code = 0, who = 0, value = 0, extra = 0;
-  // Ranks that disagree on the call (packed header, word 5) first: their other checks and
-  // counts mean different things.
-  for (int r = 1; r < R && code == 0; ++r) {
-    if (checks[r * kCheckWords + 5] != checks[5]) code = kStatusHeaderMismatch, who = r, value = 0, extra = 0;
-  }
-  for (int r = 0; r < R && code == 0; ++r) {
-    const int64_t lo = checks[r * kCheckWords], hi = checks[r * kCheckWords + 1];
-    if (num_experts > 0 && (lo < -1 || hi >= num_experts)) {
-      code = kStatusBadExpertId, who = r, value = lo < -1 ? lo : hi, extra = num_experts;
-    }
-  }
-  for (int r = 0; r < R && code == 0; ++r) {
-    const int64_t dest = checks[r * kCheckWords + 2];
-    if (dest >= 0) {
-      code = kStatusLayoutMismatch, who = r, value = dest;
-      extra = (checks[r * kCheckWords + 3] << 32) | (checks[r * kCheckWords + 4] & 0xFFFFFFFFll);
-    }
-  }
-  for (int j = 0; j < R && code == 0; ++j) {
-    int64_t rows = 0;
-    for (int s = 0; s < R; ++s) rows += counts[s * kMaxRanks + j];
-    if (rows > worst) code = kStatusDispatchOverflow, who = j, value = rows, extra = worst;
-  }
-  if (code != 0) record_status(status, code, who, value, extra);
-}
-
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int rank, int num_ranks,
                                                                 const int* per_rank, const int* per_expert,
                                                                 int experts_per_rank, int alignment,
@@ -207,9 +161,14 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
   }
   if (readback != nullptr && tid < kCheckWords * R)
     readback[kReadbackChecks + tid] = reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot))[tid];
-  if (num_worst_tokens > 0 && tid == 0)
-    record_input_error(reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot)),
-                       counts_of(bufs.p[rank], slot), R, num_worst_tokens, num_experts, status);
+  // Sync-free mode: every rank records the same first bad input (dispatch_verdict), so the
+  // dispatch kernel that follows skips its data movement everywhere; nothing reaches the host
+  // until its next call reads the word.
+  if (num_worst_tokens > 0 && tid == 0) {
+    const Verdict v = dispatch_verdict(reinterpret_cast<const volatile int64_t*>(id_bounds_of(bufs.p[rank], slot)),
+                                       counts_of(bufs.p[rank], slot), R, num_worst_tokens, num_experts);
+    if (v.code != 0) record_status(status, v.code, v.who, v.value, v.extra);
+  }
 
   // Control data is read through volatile loads: peers wrote it, no L1 line may serve it.
   const volatile int* counts = counts_of(bufs.p[rank], slot);

@@ -105,6 +105,50 @@ def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
     _context_alive()
 
 
+def test_dispatch_checks_a_reservation_against_its_call():
+    # A launch-ahead dispatch passes a receive-arena reservation in place of recv_x (its
+    # tensors are made after the launch): one made for other rows, or given to a call that
+    # is not zero-copy, raises before anything is launched.
+    dev = torch.device("cuda")
+    st = _C.host_status_alloc()
+    nbytes = int(_C.KERNELS_DATA_OFFSET) + (1 << 20)
+    buf = _C.device_alloc_zeroed(nbytes)
+    arena_bytes = 1 << 20
+    arena = _C.device_alloc_zeroed(arena_bytes)
+    ctx = _C.IntranodeContext(
+        [buf, buf], nbytes, 0, 2, st, 10**9, False, [arena, arena], [arena_bytes, arena_bytes]
+    )
+    core = _C.RecvArenaCore(arena, arena_bytes, torch.cuda.current_device(), True)
+    stream = torch.cuda.current_stream().cuda_stream
+    T, H, K = 4, 64, 2
+    x = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros(T, K, dtype=torch.int64, device=dev)
+    w = torch.zeros(T, K, device=dev)
+    in_rank = torch.zeros(T, 2, dtype=torch.bool, device=dev)
+    info = torch.zeros(5, dtype=torch.int32, device=dev)
+    send_pos = torch.zeros(T, 2, dtype=torch.int32, device=dev)
+
+    def call(reservation, zero_copy=True):
+        _C.intranode_dispatch_call(
+            ctx, stream, x, None, idx, w, in_rank, info, send_pos, reservation, None, None,
+            None, None, False, 2, 1, 8, -1, -1, 8, zero_copy, True, True, 2,
+        )  # fmt: skip
+
+    wide = core.reserve(8, 2 * H, 4, 16, 0, K, 64, True, stream, stream)
+    with pytest.raises(InvalidInputError, match="reservation was made for rows of 256 bytes"):
+        call(wide)
+    fits = core.reserve(8, H, 4, 16, 0, K, 64, True, stream, stream)
+    with pytest.raises(InvalidInputError, match="zero-copy call whose other recv_"):
+        call(fits, zero_copy=False)
+    del wide, fits
+    torch.cuda.synchronize()
+    assert core.close(False)
+    _C.device_free(arena)
+    _C.device_free(buf)
+    _C.host_status_free(st)
+    _context_alive()
+
+
 def test_transport_region_past_a_tensor_end_raises():
     region = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
     with pytest.raises(InvalidInputError, match="runs past the end of the device allocation"):

@@ -71,17 +71,28 @@ def _reference():
     return _buffers["reference"]
 
 
+def _trim() -> None:
+    """Return this process's cached, unused GPU memory: at 8 ranks on one GPU the caching
+    allocators of eight processes, holding the blocks of earlier cases' many output sizes
+    (launch-ahead adds bound-sized ones), left a new Buffer no room (session 9 call 3)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def _drop_case_buffers() -> None:
     """Destroys the Buffers the oracle cases cached (collective: every rank runs the same case)
     before a case that creates Buffers of its own: at 8 ranks on one GPU, four 1 GiB NVLink
     buffers and two receive arenas per process left no room for them (session 7 call 4)."""
     for key in [k for k in _buffers if k.startswith(("tma-", "ldst-"))]:
         _buffers.pop(key).destroy()
+    _trim()
 
 
 def case(rank: int, world: int, params: dict) -> int:
     from uccl_ep_megatron import Buffer, Config
 
+    _trim()  # the previous case's outputs are dead now
     arena = params.get("arena", True)
     kb, rb = _get_buffers(params.get("copy", "tma"), arena)
     assert kb.backend == "kernels" and rb.backend == "reference"
@@ -160,6 +171,7 @@ def case(rank: int, world: int, params: dict) -> int:
 def autograd_case(rank: int, world: int, seed: int) -> None:
     from uccl_ep_megatron import ops
 
+    _trim()
     kb, rb = _get_buffers()
     num_tokens, hidden, num_experts, topk = 96, 256, 4 * world, 2
     gen = torch.Generator(device="cuda").manual_seed(seed * 10 + rank)
@@ -189,6 +201,7 @@ def back_to_back_case(rank: int, world: int, second: str) -> list[int]:
     new token counts into rank 0's control region. Both must equal the reference exactly."""
     from uccl_ep_megatron import Config
 
+    _trim()
     kb, rb = _get_buffers()
     hidden, num_experts, topk = 7168, 8 * world, 4
     t1 = 4096
@@ -431,7 +444,8 @@ def grow_case(rank: int, world: int) -> dict:
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.errors import BufferTooSmallError
 
-    _, rb = _get_buffers()
+    rb = _reference()
+    _trim()
     num_tokens, hidden, num_experts = 4096, 7168, 8 * world
     # DeepEP's hint (what Megatron's DeepEP path allocates), while rank 0 receives every row:
     # world x 4096 rows x ~14.4 KB is about 1.3x the hint.
@@ -661,6 +675,74 @@ def megatron_pattern_case(rank: int, world: int) -> int:
     return num_layers
 
 
+def launch_ahead_case(rank: int, world: int) -> dict:
+    """Exact dispatches launched ahead of their counts (UCCL_EP_LAUNCH_AHEAD, on by default):
+    a call whose counts exceed the bound the previous call set runs again with exact sizes on
+    every rank alike; a call within the bound is served by its first launch, with outputs of
+    exactly the received rows; a bad id on one rank in a launch-ahead call raises on every rank
+    and the next call is right; off on one rank is off for the group. Every result equals the
+    reference."""
+    from uccl_ep_megatron.errors import InvalidInputError
+
+    kb, rb = _get_buffers()
+    be = kb._backend
+    small, _ = _layer_call(kb, rb, rank, world, seed=90, tokens=64)
+    assert be._ahead_rows > 0, "no launch-ahead bound after an exact dispatch"
+    del small
+    calls, reruns = be.ahead_calls, be.ahead_reruns
+    poison(kb)
+    k, r = _layer_call(kb, rb, rank, world, seed=91, tokens=1024)  # 16x the rows: over
+    _check_layer("counts over the bound", k, r)
+    assert (be.ahead_calls, be.ahead_reruns) == (calls, reruns + 1), (be.ahead_calls, calls)
+    poison(kb)
+    k, r = _layer_call(kb, rb, rank, world, seed=92, tokens=1024)  # same size: within
+    _check_layer("counts within the bound", k, r)
+    assert (be.ahead_calls, be.ahead_reruns) == (calls + 1, reruns + 1)
+    assert k[0].shape[0] == k[4].num_recv_tokens and in_arena(kb, k[0])
+    kcx = kb.combine(k[0], k[4])[0]
+    rcx = rb.combine(r[0], r[4])[0]
+    torch.testing.assert_close(kcx.float(), rcx.float().to(kcx.device), rtol=1e-2, atol=1e-2)
+    del k, r
+    # A bad id on the last rank only, in a launch-ahead call (the layout is the good ids').
+    params = dict(tokens=1024, hidden=2048, routing="random", seed=93)
+    gen = torch.Generator(device="cuda").manual_seed(93000 + rank)
+    x_in, _, idx, w, num_experts = inputs(rank, world, params, gen)
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    bad = idx.clone()
+    if rank == world - 1:
+        bad[5, 0] = num_experts
+    message = ""
+    try:
+        dispatch(kb, x_in, lay, bad, w)
+    except InvalidInputError as exc:
+        message = str(exc)
+    assert f"rank {world - 1}:" in message and f"expert id {num_experts}" in message, message
+    poison(kb)
+    k, r = _layer_call(kb, rb, rank, world, seed=94, tokens=1024)
+    _check_layer("after the rejected launch-ahead call", k, r)
+    assert be.ahead_calls == calls + 2, (be.ahead_calls, calls)
+    del k, r
+    # Off on the last rank only: off for the group.
+    _drop_case_buffers()
+    saved = os.environ.get("UCCL_EP_LAUNCH_AHEAD")
+    if rank == world - 1:
+        os.environ["UCCL_EP_LAUNCH_AHEAD"] = "0"
+    try:
+        off = kernels_buffer(LIFE_NVL, arena_bytes=64 << 20)
+    finally:
+        os.environ.pop("UCCL_EP_LAUNCH_AHEAD", None)
+        if saved is not None:
+            os.environ["UCCL_EP_LAUNCH_AHEAD"] = saved
+    for seed in (95, 96):
+        k, r = _layer_call(off, rb, rank, world, seed=seed, tokens=256)
+        _check_layer(f"launch-ahead off, seed {seed}", k, r)
+    off_calls = off._backend.ahead_calls
+    del k, r
+    off.destroy()
+    torch.cuda.synchronize()
+    return {"calls": be.ahead_calls - calls, "reruns": be.ahead_reruns - reruns, "off": off_calls}
+
+
 CASES = {
     "t1_h7168_random": dict(tokens=1, hidden=7168, routing="random", seed=1),
     "t127_h2048_random_i32": dict(
@@ -818,8 +900,14 @@ def test_arena_block_reused_only_after_the_callers_reads(gpu_pool):
 
 
 def test_full_arena_falls_back_to_staged_with_same_results(gpu_pool):
-    out = gpu_pool.run(__file__, "arena_full_case", env=ENV)
+    # Exact sizes: launch-ahead would size the small call from the large call's counts.
+    out = gpu_pool.run(__file__, "arena_full_case", env={**ENV, "UCCL_EP_LAUNCH_AHEAD": "0"})
     assert [o["fallbacks"] for o in out] == [1] + [0] * (gpu_pool.world_size - 1), out
+
+
+def test_exact_dispatch_launched_ahead_of_its_counts(gpu_pool):
+    out = gpu_pool.run(__file__, "launch_ahead_case", env=ENV)
+    assert out == [{"calls": 2, "reruns": 1, "off": 0}] * gpu_pool.world_size, out
 
 
 def test_megatron_order_of_dispatches_and_frees(gpu_pool):

@@ -112,7 +112,10 @@ class CommStream:
 def dispatch_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
     """The tensors of a backend's ``DispatchResult`` that a caller gets (what ``tensors``
     finds in it), each storage once: views of the rank prefix matrix's tensor (the kernels
-    backend's recv_count and per-expert counts) are covered by recording the matrix."""
+    backend's recv_count and per-expert counts) are covered by recording the matrix. Receive
+    arena outputs (``r.arena``) are left out: ``record_stream`` does nothing for memory the
+    caching allocator did not hand out (the arena orders its blocks itself), and each call
+    costs host time."""
     prefix = r.rank_prefix_matrix
     base = prefix._base
     count, per_expert = r.recv_count, r.recv_tokens_per_expert
@@ -121,6 +124,8 @@ def dispatch_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
             count = None
         if per_expert is not None and per_expert._base is base:
             per_expert = None
+    if r.arena:
+        return (prefix, count, per_expert)
     return (
         r.recv_x,
         r.recv_x_scales,
@@ -134,9 +139,10 @@ def dispatch_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
 
 
 def cached_outputs(r: DispatchResult) -> tuple[torch.Tensor | None, ...]:
-    """What a cached dispatch hands back: received rows (and FP8 scales). The result's other
-    tensors are the handle's, recorded when the handle was made."""
-    return r.recv_x, r.recv_x_scales
+    """What a cached dispatch hands back: received rows (and FP8 scales), unless they live in
+    the receive arena (see ``dispatch_outputs``). The result's other tensors are the handle's,
+    recorded when the handle was made."""
+    return () if r.arena else (r.recv_x, r.recv_x_scales)
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:

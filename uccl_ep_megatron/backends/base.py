@@ -91,6 +91,10 @@ class DispatchResult(NamedTuple):
     # GPU int32 [num_local_experts]: received rows per local expert, rounded up to
     # expert_alignment (the numbers of the exact-mode list); None for cached dispatch.
     recv_tokens_per_expert: torch.Tensor | None = None
+    # The received rows, scales, ids, weights and source indices live in memory the backend
+    # orders across streams itself (the receive arena), not in the caching allocator's: the
+    # Buffer then records only the other outputs on the caller's stream.
+    arena: bool = False
 
 
 class DispatchHandle(NamedTuple):

@@ -43,11 +43,26 @@ _NO_ENTRY = [0] + [-1] * 5
 @dataclass
 class RecvOutputs:
     """A dispatch's five outputs (recv_x, scales, ids, weights, source indices; None where
-    absent), whether they live in the receive arena, and the receive entry naming them."""
+    absent), whether they live in the receive arena, and the receive entry naming them.
+    A reserved block's tensors are made after the launches that fill it (``made``): until
+    then ``tensors`` is None and ``reservation`` (a ``_C.RecvReservation``) holds the block."""
 
-    tensors: tuple[Any, ...]
+    tensors: tuple[Any, ...] | None
     zero_copy: bool
     entry: list[int]  # {mode, arena offsets}: see kRecvEntryOffset
+    reservation: Any = None
+    dtype: torch.dtype | None = None  # recv_x's (FP8 rows come as uint8 and are viewed)
+
+    def made(self, rows: int = -1) -> tuple[Any, ...]:
+        """The five outputs, made from the reservation on first use (of its first ``rows``
+        rows; -1: all)."""
+        if self.tensors is None:
+            x, scales, idx, w, src = self.reservation.tensors(rows)
+            if x.dtype != self.dtype:
+                x = x.view(self.dtype)
+            self.tensors = (x, scales, idx, w, src)
+            self.reservation = None  # the tensors hold the block now
+        return self.tensors
 
 
 class _View:
@@ -115,19 +130,22 @@ class RecvArena:
         capturing: bool,
         stream: int,
         use_stream: int,
+        later: bool = False,
     ) -> RecvOutputs:
         """A dispatch's outputs: views of one block (zero-copy) when they fit, else torch
         allocations (staged). ``cached_src``: a cached dispatch's source indices (the handle's),
         reused instead of allocated. ``stream``: the call's (it waits for the block's earlier
         users); ``use_stream``: the caller's. Not while capturing a graph: replays would keep
-        writing a block the arena may hand out again."""
+        writing a block the arena may hand out again. ``later``: a zero-copy block's tensors
+        are made by ``RecvOutputs.made`` (after the launches), not now."""
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         got = None
         if rows > 0 and not capturing and self.enabled and not self._closed:
             code, bits = _DL.get(dtype, (1, 8))
             idx_bits = 32 if topk_idx is not None and topk_idx.dtype == torch.int32 else 64
             try:
-                got = self._core.outputs(
+                take = self._core.reserve if later and cached_src is None else self._core.outputs
+                got = take(
                     rows,
                     hidden,
                     code,
@@ -149,6 +167,8 @@ class RecvArena:
                 self.enabled = False
             if got is None and self.enabled:
                 self._full(rows)
+        if got is not None and not isinstance(got, tuple):  # a reservation
+            return RecvOutputs(None, True, got.entry, got, dtype)
         if got is not None:
             x, scales, idx, w, src, entry = got
             if x.dtype != dtype:  # FP8 rows

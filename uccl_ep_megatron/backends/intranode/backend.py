@@ -57,6 +57,25 @@ class _State:
     combine_rows: int
 
 
+@dataclass(slots=True)
+class _Launch:
+    """What the notify and dispatch launches of one dispatch call share."""
+
+    ctx: Any  # _C.IntranodeContext (replaced after a regrow)
+    stream: int
+    x: torch.Tensor
+    scales: torch.Tensor | None
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    in_rank: torch.Tensor
+    info: torch.Tensor  # [rank_prefix_matrix (R*R) | aligned rows per local expert]
+    send_pos: torch.Tensor
+    cached: bool
+    num_sms: int
+    experts_per_rank: int
+    num_experts: int
+
+
 class KernelsBackend(Backend):
     """Intranode dispatch/combine kernels for ranks of one node (up to 8)."""
 
@@ -146,6 +165,14 @@ class KernelsBackend(Backend):
             int(env["UCCL_EP_RECV_ARENA_BYTES"]),
             topology.num_ranks,
         )
+        # Launch-ahead of exact dispatches (see dispatch): every rank must take the same path
+        # in every call, so it is on only where it is on for every rank.
+        flags: list[Any] = [None] * topology.num_ranks
+        dist.all_gather_object(flags, bool(env["UCCL_EP_LAUNCH_AHEAD"]), group=group)
+        self._launch_ahead = all(flags)
+        self._ahead_rows = 0  # the next call's bound (_note_counts): identical on every rank
+        self.ahead_calls = 0  # exact dispatches served by launch-ahead
+        self.ahead_reruns = 0  # launch-ahead calls that ran again with exact sizes
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -217,6 +244,7 @@ class KernelsBackend(Backend):
         cached_src: torch.Tensor | None,
         capturing: bool,
         stream: int,
+        later: bool = False,
     ) -> Any:
         """A dispatch's outputs for ``rows`` received rows of ``x``'s width and dtype (see
         ``RecvArena.outputs``), used on the caller's stream."""
@@ -231,6 +259,7 @@ class KernelsBackend(Backend):
             capturing,
             stream,
             self.caller_stream or stream,
+            later,
         )
 
     def _capturing(self) -> bool:
@@ -330,15 +359,27 @@ class KernelsBackend(Backend):
             # anything is launched (every rank passes the same num_worst_tokens).
             need = c.dispatch_staging_bytes(worst, row_bytes, num_scales, num_topk, idx_size)
             self._fit(need, f"dispatch of up to {worst} rows of {row_bytes} bytes", capturing)
-        ctx = self._context()
+        # Launch-ahead (exact calls): outputs and staging for the bound every rank holds alike,
+        # without growing the buffer (a regrow is collective and synchronizes). Every rank must
+        # decide alike, so from what the call header makes equal: ids sized as int64.
+        ahead = 0
+        if worst == 0 and cached is None and self._ahead_rows > 0:
+            bound = self._ahead_rows
+            need = c.dispatch_staging_bytes(bound, row_bytes, num_scales, num_topk, 8)
+            ahead = bound if need <= self._buffer_bytes else 0
         stream = self._stream()
-        in_rank = args.is_token_in_rank
-        # Sync-free calls know their output sizes now: their outputs exist before notify, which
-        # hands their place (the receive entry) to every peer with the counts.
+        # Sync-free and launch-ahead calls know their output sizes now: their outputs exist
+        # before notify, which hands their place (the receive entry) to every peer with the
+        # counts.
         outs = entry = None
         cached_src = None if cached is None else cached.recv_src_idx
-        if worst > 0:
-            outs = self._outputs(worst, x, num_scales, topk_idx, cached_src, capturing, stream)
+        if worst > 0 or ahead > 0:
+            # A launch-ahead block's tensors are made after the launches (host time then
+            # overlaps the kernels).
+            rows = worst or ahead
+            outs = self._outputs(
+                rows, x, num_scales, topk_idx, cached_src, capturing, stream, later=ahead > 0
+            )
             entry = outs.entry
         if cached is None:
             send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
@@ -349,36 +390,50 @@ class KernelsBackend(Backend):
         # rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it.
         nrr = num_ranks * num_ranks
         info = torch.empty(nrr + experts_per_rank, dtype=torch.int32, device=dev)
-        # Exact mode: every rank's input checks come back with the counts through mapped host
-        # memory (see check_all_ranks); in sync-free mode notify judges them itself and records
-        # a failure in the status word.
-        readback = cached is None and worst == 0
         # The call header every rank must agree on: read back with the counts (exact mode),
         # judged by notify (sync-free) or compared with its barrier (cached dispatch).
         header = self._header(dtype, hidden, num_scales, num_topk, num_experts)
         kind = "cached dispatch" if cached is not None else "dispatch"
         self._last_call = (kind, dtype, hidden, num_scales)
-        # Notify scans the id range itself (no extra launches); ids are checked whenever given,
-        # so args.check_ids (the range is still unchecked) is always honoured.
-        c.intranode_notify_call(
-            ctx,
+        launch = _Launch(
+            self._context(),
             stream,
-            as_int32(args.num_tokens_per_rank),
-            per_expert,
-            info,
-            in_rank,
-            None if cached is not None else send_pos,
+            x,
+            scales,
             topk_idx,
-            readback,
+            None if topk_idx is None else args.topk_weights,
+            args.is_token_in_rank,
+            info,
+            send_pos,
+            cached is not None,
+            args.config.num_sms,
             experts_per_rank,
-            args.expert_alignment,
-            worst,
             num_experts,
-            header,
-            entry or [],
         )
+        self._notify(launch, args, per_expert, worst, header, entry)
         expert_counts: list[int] = []
         prefix_host: tuple[int, ...] | None = None
+        if ahead > 0:
+            # The data kernel goes now, right behind notify; it judges every rank's checks and
+            # counts itself and skips the call on every rank alike when they fail or a rank
+            # receives more than `ahead` rows. The host reads the counts while it runs.
+            self._launch(launch, outs, ahead, -1, -1, ahead, True, judge=True)
+            prefix_host, expert_counts = self._read_counts(launch, nrr)
+            num_recv, _, _, _, combine_rows = c.intranode_exact_rows(prefix_host, rank, num_ranks)
+            if self._note_counts(prefix_host) <= ahead:
+                self.ahead_calls += 1
+                if outs.tensors is None:  # reserved: tensors of exactly the received rows
+                    tensors = outs.made(num_recv)
+                else:  # staged (the arena was full): views of them
+                    tensors = tuple(None if t is None else t[:num_recv] for t in outs.tensors)
+                return self._dispatch_result(
+                    launch, tensors, expert_counts, prefix_host, num_recv, combine_rows, outs
+                )
+            # Some rank receives more: every rank holds the same matrix, so every data kernel
+            # skipped the call and every rank runs it again here with exact sizes.
+            self.ahead_reruns += 1
+            outs = entry = None
+            self._notify(launch, args, per_expert, 0, header, None)
         if worst > 0:
             rows_out = num_recv = staging_rows = combine_rows = worst
             own_rows = send_rows = -1
@@ -387,20 +442,8 @@ class KernelsBackend(Backend):
                 prefix_host = cached.state.prefix_host
             else:
                 # The one host sync (output sizes depend on it); every rank's checks ride along.
-                state, info_host = c.intranode_read_counts(ctx, nrr + experts_per_rank)
-                note_host_wait()
-                self._check_status()
-                if state == -1:  # the status words were clear: cannot happen, but never hang
-                    raise UcclEpError(f"rank {rank}: the dispatch's notify barrier failed")
-                if state == 0:
-                    raise CommTimeoutError(
-                        f"rank {rank}: the dispatch's notify kernel did not finish within "
-                        f"{2 * self._timeout_ms} ms (twice UCCL_EP_TIMEOUT_MS): earlier work on "
-                        "the stream is stuck; the GPU may need a process restart"
-                    )
-                check_all_ranks(info_host[-CHECK_WORDS * num_ranks :], num_experts)
-                prefix_host = tuple(info_host[:nrr])
-                expert_counts = info_host[nrr : nrr + experts_per_rank]
+                prefix_host, expert_counts = self._read_counts(launch, nrr)
+                self._note_counts(prefix_host)
             num_recv, staging_rows, own_rows, send_rows, combine_rows = c.intranode_exact_rows(
                 prefix_host, rank, num_ranks
             )
@@ -410,39 +453,13 @@ class KernelsBackend(Backend):
             self._fit(
                 need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes", False
             )
-            ctx = self._context()  # a regrow replaced the buffers
+            launch.ctx = self._context()  # a regrow replaced the buffers
 
         if outs is None:
             outs = self._outputs(rows_out, x, num_scales, topk_idx, cached_src, False, stream)
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = outs.tensors
-        # The kernel, then (same call) the poison fold: a failure inside this call is raised at
-        # the next one; until then the outputs say so.
-        c.intranode_dispatch_call(
-            ctx,
-            stream,
-            x,
-            scales,
-            topk_idx,
-            None if topk_idx is None else args.topk_weights,
-            in_rank,
-            info,
-            send_pos,
-            recv_x,
-            recv_scales,
-            recv_idx,
-            recv_w,
-            None if cached is not None else recv_src,
-            cached is not None,
-            args.config.num_sms,
-            experts_per_rank,
-            num_recv,
-            own_rows,
-            send_rows,
-            staging_rows,
-            outs.zero_copy,
-            entry is not None,
-        )
+        self._launch(launch, outs, num_recv, own_rows, send_rows, staging_rows, entry is not None)
         if cached is not None:
+            recv_x, recv_scales, _, _, recv_src = outs.tensors
             return DispatchResult(
                 recv_x,
                 recv_scales,
@@ -453,20 +470,150 @@ class KernelsBackend(Backend):
                 recv_src,
                 num_recv,
                 cached.state,
+                arena=outs.zero_copy,
             )
-        last_row = nrr - num_ranks + rank
+        return self._dispatch_result(
+            launch, outs.tensors, expert_counts, prefix_host, num_recv, combine_rows, outs
+        )
+
+    def _notify(
+        self,
+        launch: _Launch,
+        args: DispatchArgs,
+        per_expert: torch.Tensor | None,
+        worst: int,
+        header: int,
+        entry: list[int] | None,
+    ) -> None:
+        """Notify: the count exchange and entry barrier. Exact calls read the counts and
+        every rank's checks back through mapped host memory (see check_all_ranks); sync-free
+        notify judges them itself and records a failure in the status word. Notify scans the
+        id range itself (no extra launches); ids are checked whenever given, so
+        ``args.check_ids`` (the range is still unchecked) is always honoured."""
+        cached = launch.cached
+        self._c.intranode_notify_call(
+            launch.ctx,
+            launch.stream,
+            as_int32(args.num_tokens_per_rank),
+            per_expert,
+            launch.info,
+            launch.in_rank,
+            None if cached else launch.send_pos,
+            launch.topk_idx,
+            not cached and worst == 0,
+            launch.experts_per_rank,
+            args.expert_alignment,
+            worst,
+            launch.num_experts,
+            header,
+            entry or [],
+        )
+
+    def _read_counts(self, launch: _Launch, nrr: int) -> tuple[tuple[int, ...], list[int]]:
+        """The readback of an exact call's notify: (host prefix matrix, aligned received rows
+        per local expert), after raising any rank's bad input on every rank."""
+        c = self._c
+        rank = self.topology.rank
+        state, info_host = c.intranode_read_counts(launch.ctx, nrr + launch.experts_per_rank)
+        note_host_wait()
+        self._check_status()
+        if state == -1:  # the status words were clear: cannot happen, but never hang
+            raise UcclEpError(f"rank {rank}: the dispatch's notify barrier failed")
+        if state == 0:
+            raise CommTimeoutError(
+                f"rank {rank}: the dispatch's notify kernel did not finish within "
+                f"{2 * self._timeout_ms} ms (twice UCCL_EP_TIMEOUT_MS): earlier work on "
+                "the stream is stuck; the GPU may need a process restart"
+            )
+        check_all_ranks(info_host[-CHECK_WORDS * self.topology.num_ranks :], launch.num_experts)
+        return tuple(info_host[:nrr]), info_host[nrr : nrr + launch.experts_per_rank]
+
+    def _note_counts(self, prefix_host: tuple[int, ...]) -> int:
+        """The most rows any rank receives in this call (the prefix matrix's last row), and
+        the launch-ahead bound of the next call from it: that plus 1/16 and 64 rows, rounded
+        up to 64 (every rank holds the same matrix, so the same bound)."""
+        R = self.topology.num_ranks
+        most = max(prefix_host[R * (R - 1) :])
+        if self._launch_ahead:
+            self._ahead_rows = (most + most // 16 + 127) // 64 * 64
+        return most
+
+    def _launch(
+        self,
+        launch: _Launch,
+        outs: Any,
+        num_recv: int,
+        own_rows: int,
+        send_rows: int,
+        staging_rows: int,
+        entry_published: bool,
+        judge: bool = False,
+    ) -> None:
+        """The dispatch kernel, then (same call) the poison fold: a failure inside this call
+        is raised at the next one; until then the outputs say so. ``judge``: a launch-ahead
+        call (the kernel judges every rank's checks and counts first)."""
+        outputs = outs.tensors
+        if outputs is None:  # a reservation: its tensors are made after this launch
+            outputs = (outs.reservation, None, None, None, None)
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = outputs
+        self._c.intranode_dispatch_call(
+            launch.ctx,
+            launch.stream,
+            launch.x,
+            launch.scales,
+            launch.topk_idx,
+            launch.topk_weights,
+            launch.in_rank,
+            launch.info,
+            launch.send_pos,
+            recv_x,
+            recv_scales,
+            recv_idx,
+            recv_w,
+            None if launch.cached else recv_src,
+            launch.cached,
+            launch.num_sms,
+            launch.experts_per_rank,
+            num_recv,
+            own_rows,
+            send_rows,
+            staging_rows,
+            outs.zero_copy,
+            entry_published,
+            judge,
+            launch.num_experts,
+        )
+
+    def _dispatch_result(
+        self,
+        launch: _Launch,
+        outputs: tuple[Any, ...],
+        expert_counts: list[int],
+        prefix_host: tuple[int, ...] | None,
+        num_recv: int,
+        combine_rows: int,
+        outs: Any,
+    ) -> DispatchResult:
+        """A non-cached dispatch's result; the handle's matrix and counts are views of
+        notify's ``info``."""
+        recv_x, recv_scales, recv_idx, recv_w, recv_src = outputs
+        R, rank = self.topology.num_ranks, self.topology.rank
+        nrr = R * R
+        info = launch.info
+        last_row = nrr - R + rank
         return DispatchResult(
             recv_x,
             recv_scales,
             recv_idx,
             recv_w,
             expert_counts,
-            info[:nrr].view(num_ranks, num_ranks),
+            info[:nrr].view(R, R),
             recv_src,
             num_recv,
-            _State(prefix_host, send_pos, combine_rows),
+            _State(prefix_host, launch.send_pos, combine_rows),
             info[last_row : last_row + 1],
             info[nrr:],
+            outs.zero_copy,
         )
 
     # ---- combine ------------------------------------------------------------------------
