@@ -93,7 +93,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     T, E = a["tokens"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
     # Room for the results kept at once (as bench intranode sizes it): every call zero-copy.
-    os.environ.setdefault("UCCL_EP_RECV_ARENA_BYTES", str(4 * T * world * (a["hidden"] * 2 + 256)))
+    os.environ.setdefault("UCCL_EP_RECV_ARENA_BYTES", str(5 * T * world * (a["hidden"] * 2 + 256)))
     buf = Buffer(None, 2 << 30, 0, backend="kernels", explicitly_destroy=True)
     log: list[tuple[str, int, int]] = []
     buf._backend._c = _Timed(buf._backend._c, log)

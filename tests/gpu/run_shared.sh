@@ -131,7 +131,7 @@ want fifo && step fifo 120 "${PYTEST[@]}" "$REPO/tests/gpu/test_fifo_gpu.py"
 if want others; then # every other GPU test file, and the CPU tests that need a GPU build
   others=$(ls "$REPO"/tests/gpu/test_*.py | grep -vE "test_(intranode|internode|fifo_gpu|megatron_gpu|pretrain_gpt_gpu)\.py")
   # shellcheck disable=SC2086
-  step others 200 "${PYTEST[@]}" $others "$REPO/tests/test_bindings_checks.py"
+  step others 260 "${PYTEST[@]}" $others "$REPO/tests/test_bindings_checks.py"
 fi
 want megatron && step megatron 150 "${PYTEST[@]}" -s "$REPO/tests/gpu/test_megatron_gpu.py"
 want pretrain && OUT=$LOGS step pretrain 300 "${PYTEST[@]}" -s \

@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Hopper bulk copies (tma), or both",
     )
     parser.add_argument(
+        "--launch-ahead",
+        choices=["on", "off", "both"],
+        default="on",
+        help="exact dispatches of ours launched ahead of their counts (UCCL_EP_LAUNCH_AHEAD, "
+        "the default) or waiting for them (copy column '<copy>/w'), or both in the same run",
+    )
+    parser.add_argument(
         "--deepep",
         choices=["auto", "on", "off"],
         default="auto",
@@ -236,15 +243,27 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         copies = {a["copy"]: copies[a["copy"]]}
     ours = {}
     # The receive arena holds the four dispatch results the bench keeps (plain, FP8, cached,
-    # sync-free: each at most tokens x ranks rows) unless the caller set its size.
+    # sync-free: each at most tokens x ranks rows, a launch-ahead block up to 1/16 and 127
+    # rows more) unless the caller set its size.
     arena_env = "UCCL_EP_RECV_ARENA_BYTES"
     arena_set = arena_env in os.environ
     if not arena_set:
-        os.environ[arena_env] = str(4 * T * world * (H * x.element_size() + 256))
+        os.environ[arena_env] = str(5 * T * world * (H * x.element_size() + 256))
+    aheads = {"on": ("1",), "off": ("0",), "both": ("1", "0")}[a.get("launch_ahead", "on")]
+    saved_ahead = os.environ.get("UCCL_EP_LAUNCH_AHEAD")
     for name, flag in copies.items():
-        os.environ["UCCL_EP_INTRANODE_TMA"] = flag  # read once, when the backend is created
-        ours[name] = Buffer(None, a["nvl_bytes"], 0, backend="kernels", explicitly_destroy=True)
+        for ahead in aheads:
+            # Both read once, when the backend is created.
+            os.environ["UCCL_EP_INTRANODE_TMA"] = flag
+            os.environ["UCCL_EP_LAUNCH_AHEAD"] = ahead
+            label = name if ahead == "1" else f"{name}/w"
+            ours[label] = Buffer(
+                None, a["nvl_bytes"], 0, backend="kernels", explicitly_destroy=True
+            )
     os.environ.pop("UCCL_EP_INTRANODE_TMA", None)
+    os.environ.pop("UCCL_EP_LAUNCH_AHEAD", None)
+    if saved_ahead is not None:
+        os.environ["UCCL_EP_LAUNCH_AHEAD"] = saved_ahead
     if not arena_set:
         os.environ.pop(arena_env)
     deep_ep = None if a["deepep"] == "off" else _import_deepep(a["deepep"] == "on")
@@ -323,7 +342,9 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
             if name == next(iter(ours)):
                 ours_state = state
         if theirs is not None and (not a["deepep_sms"] or asked == sms_list[0]):
-            d_sms = min(a["deepep_sms"] or asked, buf.max_num_sms or asked)
+            d_sms = a["deepep_sms"] or asked
+            if buf.max_num_sms:  # ranks sharing a GPU: DeepEP fits in the same budget
+                d_sms = min(d_sms, buf.max_num_sms)
             deep_ep.Buffer.set_num_sms(d_sms)
             cfgs = (
                 deep_ep.Buffer.get_dispatch_config(world),
@@ -355,6 +376,10 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     torch.cuda.synchronize()
     # Dispatches of ours whose outputs did not fit the receive arena (staged, not zero-copy).
     res["arena_fallbacks"] = sum(b._backend.recv_arena.fallbacks for b in ours.values())
+    # Exact dispatches served by launch-ahead, and those that ran again with exact sizes.
+    res["launch_ahead"] = {
+        k: [b._backend.ahead_calls, b._backend.ahead_reruns] for k, b in ours.items()
+    }
     dist.barrier()
     for b in ours.values():
         b.destroy()

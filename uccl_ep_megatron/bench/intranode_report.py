@@ -18,6 +18,7 @@ def merge(per_rank: list[dict], shared: bool) -> dict:
     out = {k: r0[k] for k in ("world", "tokens", "hidden", "experts", "topk", "device", "deepep")}
     out["shared_gpu"] = shared
     out["arena_fallbacks"] = [r.get("arena_fallbacks", 0) for r in per_rank]
+    out["launch_ahead"] = r0.get("launch_ahead", {})  # rank 0's [served, ran again] per Buffer
     out["recv_bytes"] = max(r["recv_bytes"] for r in per_rank)
     if shared:
         moved = 2 * sum(r["recv_bytes"] for r in per_rank)  # every row read once, written once
@@ -83,8 +84,10 @@ def print_table(r: dict) -> None:
             if v is False or (k.endswith("max_abs_diff") and v > 0.05)
         ]
         print("# ours vs DeepEP V1 outputs: " + ("identical" if not bad else f"DIFFER {bad[:4]}"))
+    for label, (served, again) in r.get("launch_ahead", {}).items():
+        print(f"# launch-ahead ({label}, rank 0): {served} exact dispatches served, {again} rerun")
     print(
-        f"{'op':<22}{'impl':>7}{'copy':>5}{'SMs':>4}{'device us':>10}{'(min-max)':>16}"
+        f"{'op':<22}{'impl':>7}{'copy':>7}{'SMs':>4}{'device us':>10}{'(min-max)':>16}"
         f"{'host us':>9}{'GB/s':>7}{'/floor':>7}{'/DeepEP':>8}"
     )
     for row in r["rows"]:
@@ -92,7 +95,7 @@ def print_table(r: dict) -> None:
         ratio = f"{row['vs_deepep']:.2f}" if "vs_deepep" in row else "-"
         spread = f"({d['min']:.0f}-{d['max']:.0f})"
         print(
-            f"{row['op']:<22}{row['impl']:>7}{row['copy']:>5}{row['sms']:>4}{d['median']:>10.1f}"
+            f"{row['op']:<22}{row['impl']:>7}{row['copy']:>7}{row['sms']:>4}{d['median']:>10.1f}"
             f"{spread:>16}{h['median']:>9.1f}{row['GBps']:>7.1f}"
             f"{d['median'] / r['floor']['us']:>7.2f}{ratio:>8}"
         )
