@@ -22,6 +22,7 @@ pytest.importorskip("importlinter")
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "uccl_ep_megatron"
 
+
 def _installed_dir() -> Path:
     spec = importlib.util.find_spec(PACKAGE)
     assert spec is not None and spec.origin is not None, f"{PACKAGE} is not installed"

@@ -62,13 +62,26 @@ struct Context {
   // Receive arenas (zero-copy dispatch), every rank's as mapped here; empty when off.
   std::vector<intptr_t> arenas;
   std::vector<int64_t> arena_sizes;  // bytes of each rank's arena
+  // A combine whose x (and weights) lie in this rank's arena is read there by its peers
+  // instead of pushed (UCCL_EP_COMBINE_IN_PLACE).
+  bool combine_in_place = true;
 
   // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
   void fill(k::DispatchArgs& a) const {
     fill_common(a);
     a.arenas = arenas;
   }
-  void fill(k::CombineArgs& a) const { fill_common(a); }
+  void fill(k::CombineArgs& a) const {
+    fill_common(a);
+    a.arenas = arenas;
+  }
+
+  // Byte offset in this rank's arena of a tensor lying wholly inside it, else -1.
+  int64_t arena_place(const TensorView& v) const {
+    if (arenas.empty() || v.none || v.bytes() == 0) return -1;
+    const intptr_t lo = arenas[rank], hi = lo + arena_sizes[rank];
+    return v.ptr >= lo && v.ptr + v.bytes() <= hi ? static_cast<int64_t>(v.ptr - lo) : -1;
+  }
 
   template <typename Args>
   void fill_common(Args& a) const {
@@ -319,8 +332,9 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
          {{&recv_x, x_nan}, {&recv_scales, f32_nan}, {&recv_idx, kMinusOne}, {&recv_w, 0}, {&recv_src, kMinusOne}});
 }
 
-// The pipelined combine kernel, then the poison fold of its outputs.
-void combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle weights_t, py::handle bias0_t,
+// The pipelined combine kernel, then the poison fold of its outputs. Returns whether this rank
+// combined in place (peers read its x in its arena).
+bool combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle weights_t, py::handle bias0_t,
                   py::handle bias1_t, py::handle out_t, py::handle out_w_t, py::handle prefix_t, py::handle send_pos_t,
                   int num_recv, int64_t staging_rows, int num_sms, int64_t header) {
   c.check("intranode_combine");
@@ -367,8 +381,18 @@ void combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle 
   check_ptr(a.out, a.num_tokens > 0, "intranode_combine: out");
   check_ptr(a.topk_weights, a.num_recv > 0 && a.num_topk > 0, "intranode_combine: topk_weights");
   check_ptr(a.out_weights, a.num_tokens > 0 && a.num_topk > 0, "intranode_combine: out_weights");
+  // In place when x (16-byte aligned rows: peers may read them as vectors) and the weights, if
+  // any, lie in this rank's arena.
+  if (c.combine_in_place && x.ptr % 16 == 0 && (H * x.dtype->itemsize) % 16 == 0) {
+    const int64_t xp = c.arena_place(x), wp = c.arena_place(weights);
+    if (xp >= 0 && (weights.none || weights.bytes() == 0 || wp >= 0)) {
+      a.x_place = xp;
+      a.w_place = wp;
+    }
+  }
   k::intranode_combine(a, stream);
   poison(c, stream, {{&out, x.dtype->nan}, {&out_w, repeat(0x7FC00000u, 4)}});
+  return a.x_place >= 0;
 }
 
 // The layout kernel (see k::get_dispatch_layout); sizes come from the views: tokens and top-k
@@ -430,9 +454,9 @@ void bind_intranode_calls(py::module_& m) {
                       "checked when built; rebuilt after a buffer regrow.")
       .def(py::init([](std::vector<intptr_t> buffers, int64_t buffer_bytes, int rank, int num_ranks,
                        intptr_t status, int64_t timeout_ns, bool use_tma, std::vector<intptr_t> arenas,
-                       std::vector<int64_t> arena_sizes) {
-             Context c{std::move(buffers), buffer_bytes, rank,  num_ranks,         status,
-                       timeout_ns,         use_tma,      std::move(arenas), std::move(arena_sizes)};
+                       std::vector<int64_t> arena_sizes, bool combine_in_place) {
+             Context c{std::move(buffers), buffer_bytes,           rank,    num_ranks, status, timeout_ns,
+                       use_tma,            std::move(arenas), std::move(arena_sizes), combine_in_place};
              c.check("IntranodeContext");
              if (!c.arenas.empty()) {
                UCCL_EP_CHECK_ARG(static_cast<int>(c.arenas.size()) == num_ranks && c.arena_sizes.size() == c.arenas.size(),
@@ -445,7 +469,7 @@ void bind_intranode_calls(py::module_& m) {
            }),
            py::arg("buffers"), py::arg("buffer_bytes"), py::arg("rank"), py::arg("num_ranks"), py::arg("status"),
            py::arg("timeout_ns"), py::arg("use_tma"), py::arg("arenas") = std::vector<intptr_t>{},
-           py::arg("arena_sizes") = std::vector<int64_t>{})
+           py::arg("arena_sizes") = std::vector<int64_t>{}, py::arg("combine_in_place") = true)
       .def_readonly("buffers", &Context::buffers)
       .def_readonly("buffer_bytes", &Context::buffer_bytes);
   // Positional only (no keyword matching per call): argument order as in the C++ functions.
@@ -472,7 +496,9 @@ void bind_intranode_calls(py::module_& m) {
   m.def("intranode_combine_call", &combine_call,
         "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
         "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "
-        "fold of the outputs (NaN when a wait timed out).");
+        "fold of the outputs (NaN when a wait timed out); when the context allows it and x (and topk_weights) "
+        "lie in this rank's receive arena, peers read its rows there and it pushes none (in place); returns "
+        "whether it did.");
   m.def("dispatch_layout_call", &layout_call,
         "layout(stream, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank): the layout "
         "kernel into the three output tensors (shared by the intranode and internode backends).");

@@ -3,6 +3,11 @@
 // expert rank and position) chunk by chunk, publishing each chunk, while reducer warps (and
 // pushers once done) sum each token's rows in rank order in fp32 as soon as the chunks
 // holding them have landed (rows this rank kept for itself are read in place).
+//
+// In place: a rank whose x lies in its receive arena (x_place >= 0; e.g. dispatch's zero-copy
+// recv_x, or expert outputs written there) pushes nothing. It says where x is with the entry
+// barrier, peers read its rows there directly (one read of each row instead of a read, a
+// write and a read), and its kernel ends only after every peer said it is done reading.
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -46,6 +51,8 @@ struct CombineParams {
   StatusRef status;
   int64_t timeout_ns;
   int64_t header;
+  Peers arenas;            // every rank's receive arena as mapped here (null: none)
+  int64_t x_place, w_place;  // this rank's x / weights offsets in its arena (-1: it pushes)
 };
 
 // rows[s][j] of the dispatch: rows rank j received from rank s.
@@ -77,6 +84,9 @@ struct Plan {
   int push_blocks;
   int overflow;                   // first rank whose staging is too small, or -1
   uint64_t seq;
+  unsigned pull;                  // bit r: rank r combines in place; its rows are read below
+  const uint8_t* pull_x[kMaxRanks];  // my first row in rank r's x (bit r of pull set)
+  const float* pull_w[kMaxRanks];    // and its weights (null: none)
 };
 
 __device__ void make_plan(const CombineParams& p, Plan& s) {
@@ -112,9 +122,40 @@ __device__ void make_plan(const CombineParams& p, Plan& s) {
     // included), one row written per token.
     int64_t reduce = p.num_tokens;
     for (int r = 0; r < R; ++r) reduce += sent_rows(p.prefix, R, p.rank, r);
-    const int64_t push = p.prefix[(R - 1) * R + p.rank] - sent_rows(p.prefix, R, p.rank, p.rank);
+    const int64_t push =
+        p.x_place >= 0 ? 0 : p.prefix[(R - 1) * R + p.rank] - sent_rows(p.prefix, R, p.rank, p.rank);
     s.push_blocks = combine_push_blocks(push, reduce, gridDim.x);
+    s.pull = 0;
   }
+}
+
+// Before the entry barrier: thread r tells peer r where this rank's x lies (or that it pushes);
+// the barrier's fence and signal, by the same thread, publish it.
+__device__ __forceinline__ void publish_place(const CombineParams& p, uint64_t seq) {
+  const int r = threadIdx.x;
+  if (blockIdx.x != 0 || r >= p.num_ranks || r == p.rank) return;
+  volatile int64_t* slot = combine_place(p.bufs.p[r], seq, p.rank);
+  slot[0] = p.x_place;
+  slot[1] = p.w_place;
+}
+
+// After the entry barrier: which peers combine in place, and where my rows lie in their x
+// (after the rows of lower source ranks, as dispatch placed them).
+__device__ void read_places(const CombineParams& p, Plan& s) {
+  const int R = p.num_ranks, r = threadIdx.x;
+  if (r < R && r != p.rank) {
+    const volatile int64_t* slot = combine_place(p.bufs.p[p.rank], s.seq, r);
+    const int64_t xo = slot[0], wo = slot[1];
+    s.pull_x[r] = nullptr;
+    s.pull_w[r] = nullptr;
+    if (xo >= 0 && p.arenas.p[r] != nullptr) {
+      const int64_t first = p.rank > 0 ? p.prefix[(p.rank - 1) * R + r] : 0;
+      s.pull_x[r] = p.arenas.p[r] + xo + first * p.row_bytes;
+      if (wo >= 0) s.pull_w[r] = reinterpret_cast<const float*>(p.arenas.p[r] + wo) + first * p.num_topk;
+      atomicOr(&s.pull, 1u << r);
+    }
+  }
+  __syncthreads();
 }
 
 // Pusher block `b` of `nb`: chunk c of the rows from every source before chunk c + 1 of any,
@@ -189,11 +230,16 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, const Plan&
       const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
       if (pos >= 0) {
         mask |= 1u << r;
-        const int64_t row = s.src_off[r] + pos;
-        src[r] = (r == p.rank ? p.x : st_x) + row * p.row_bytes;
-        // Decide by the output: this rank's own weight tensor is empty (null) when it
-        // received nothing, yet peers still return weights for its tokens.
-        if (p.out_w != nullptr) srcw[r] = (r == p.rank ? p.w : st_w) + row * p.num_topk;
+        if (s.pull >> r & 1u) {
+          src[r] = s.pull_x[r] + pos * p.row_bytes;
+          if (p.out_w != nullptr) srcw[r] = s.pull_w[r] + static_cast<int64_t>(pos) * p.num_topk;
+        } else {
+          const int64_t row = s.src_off[r] + pos;
+          src[r] = (r == p.rank ? p.x : st_x) + row * p.row_bytes;
+          // Decide by the output: this rank's own weight tensor is empty (null) when it
+          // received nothing, yet peers still return weights for its tokens.
+          if (p.out_w != nullptr) srcw[r] = (r == p.rank ? p.w : st_w) + row * p.num_topk;
+        }
       }
     }
   }
@@ -265,7 +311,7 @@ __device__ void reduce_role(const CombineParams& p, const Plan& s) {
   const uint8_t* st_x = own + kDataOffset;
   const float* st_w = reinterpret_cast<const float*>(own + p.w_offset);
   unsigned* counter = reduce_tokens(own);
-  const bool watch = lane < R && lane != p.rank && s.back[lane] > 0;
+  const bool watch = lane < R && lane != p.rank && s.back[lane] > 0 && !(s.pull >> lane & 1u);
   const int ct = watch ? chunk_rows(s.back[lane]) : 1;
   int seen = -1;  // lane r: the last chunk of rank r seen landed
   int t0 = dev::warp_shfl(lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0, 0);
@@ -296,14 +342,17 @@ __device__ void reduce_role(const CombineParams& p, const Plan& s) {
 template <int kDtype, bool kVec, int kUnroll, int kRanks, bool kTma>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
   __shared__ Plan s;
+  __shared__ int s_last;
   make_plan(p, s);
   __syncthreads();
   const int R = p.num_ranks;
+  publish_place(p, s.seq);
   // A failed barrier skips the rows but still counts the block below, so the sequence
   // advances the same on every rank whatever happened.
   const bool ok = barrier_block(p.bufs, p.rank, R, s.seq, blockIdx.x == 0, p.status, p.timeout_ns, kSiteCombineEntry,
                                 BarrierExtras{true, kCombineHeaderOffset, p.header}) &&
                   s.overflow < 0;
+  if (ok) read_places(p, s);
   const int b = blockIdx.x, P = s.push_blocks;
   if (ok && b < P) {
     using V = typename std::conditional<kVec, int4, uint8_t>::type;
@@ -323,15 +372,28 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
   // advances it past this combine, for the next call on this stream, and zeroes the token
   // counter (the fence orders the block's grabs, even a failed warp's last, before that).
   __syncthreads();
+  uint8_t* own = p.bufs.p[p.rank];
   if (threadIdx.x == 0) {
     __threadfence();
-    unsigned* done = seq_done_blocks(p.bufs.p[p.rank]);
-    if (atomicAdd(done, 1u) == gridDim.x - 1) {
-      *done = 0;
-      *reduce_tokens(p.bufs.p[p.rank]) = 0;
-      *seq_counter(p.bufs.p[p.rank]) = s.seq;
-      __threadfence();
-    }
+    s_last = atomicAdd(seq_done_blocks(own), 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  // Every block's reads of peers' x are done (their fences, then the counter): tell every peer,
+  // whether or not it combined in place (and whatever failed, so no peer waits for nothing);
+  // then, in place, keep x alive until every peer has said so.
+  const int r = threadIdx.x;
+  if (r < R && r != p.rank) {
+    dev::fence_system();
+    dev::st_release_sys(combine_done(p.bufs.p[r]) + p.rank, s.seq);
+    if (p.x_place >= 0) wait_at_least(combine_done(own) + r, s.seq, r, kSiteCombineDone, p.status, p.timeout_ns);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *seq_done_blocks(own) = 0;
+    *reduce_tokens(own) = 0;
+    *seq_counter(own) = s.seq;
+    __threadfence();
   }
 }
 
@@ -419,6 +481,11 @@ void intranode_combine(const CombineArgs& a, intptr_t stream) {
   p.status = status_ref(a.status);
   p.timeout_ns = a.timeout_ns;
   p.header = a.header;
+  if (!a.arenas.empty()) p.arenas = make_peers(a.arenas, R);
+  p.x_place = a.x_place;
+  p.w_place = a.w_place;
+  UCCL_EP_CHECK_ARG(a.x_place < 0 || !a.arenas.empty(), "intranode_combine: x_place=", a.x_place,
+                    " without receive arenas");
   auto s = reinterpret_cast<gpuStream_t>(stream);
   // With peers, both roles may have work: at least one block each (combine_push_blocks).
   const int blocks = std::max(R > 1 ? 2 : 1, a.num_sms);

@@ -38,6 +38,7 @@ enum BarrierSite : int {
   kSiteCombineEntry = 3,
   kSiteCombineReceive = 4,  // a combine reducer waiting for a chunk of the rows a rank returns
   kSiteDispatchEntry = 5,  // a sender waiting for a destination's receive entry (zero-copy)
+  kSiteCombineDone = 6,    // a rank combining in place, waiting for a peer to finish reading
 };
 
 __device__ __forceinline__ uint64_t* flags_of(uint8_t* buf) {
@@ -137,6 +138,16 @@ __device__ __forceinline__ uint64_t* recv_done(uint8_t* buf) {
   return reinterpret_cast<uint64_t*>(buf + kRecvDoneOffset);
 }
 
+// Combine in place (kCombinePlaceOffset): {x offset, weights offset} of `source`'s input in its
+// arena, slot by the combine's sequence parity; and the readers' done words (kCombineDoneOffset).
+__device__ __forceinline__ volatile int64_t* combine_place(uint8_t* buf, uint64_t seq, int source) {
+  return reinterpret_cast<volatile int64_t*>(buf + kCombinePlaceOffset) + (seq % kNotifySlots) * kMaxRanks * 2 +
+         source * 2;
+}
+__device__ __forceinline__ uint64_t* combine_done(uint8_t* buf) {
+  return reinterpret_cast<uint64_t*>(buf + kCombineDoneOffset);
+}
+
 // Records a failure unless one is already recorded: the first failure wins (a CAS on the
 // device flag), so the host reports the cause, not a consequence. Word 0 of the host words is
 // published last, after the detail words; the host reads them after the kernels are done.
@@ -178,6 +189,13 @@ __device__ __forceinline__ bool wait_until(const uint64_t* flag, Done done, cons
 __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t want, const StatusRef& status,
                                           int64_t timeout_ns, int peer, uint64_t seq, int site) {
   return wait_until(flag, [want](uint64_t v) { return v == want; }, status, timeout_ns, peer, seq, site);
+}
+
+// Waits until *f >= want (monotonic sequence words written by `peer`), or records why not:
+// a timeout (kStatusTimeout, peer, want, site) or an earlier failure. One thread calls it.
+__device__ __forceinline__ bool wait_at_least(const uint64_t* f, uint64_t want, int peer, int site,
+                                              const StatusRef& status, int64_t timeout_ns) {
+  return wait_until(f, [want](uint64_t v) { return v >= want; }, status, timeout_ns, peer, want, site);
 }
 
 // What the intranode barriers do besides waiting (the internode NVL barrier uses none of it:

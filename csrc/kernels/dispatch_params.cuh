@@ -63,13 +63,6 @@ struct SendParams {
   int64_t recv_off[5];
 };
 
-// Waits until *f >= want (monotonic sequence words written by `peer`), or records why not:
-// a timeout (kStatusTimeout, peer, want, site) or an earlier failure. One thread calls it.
-__device__ __forceinline__ bool wait_at_least(const uint64_t* f, uint64_t want, int peer, int site,
-                                              const StatusRef& status, int64_t timeout_ns) {
-  return wait_until(f, [want](uint64_t v) { return v >= want; }, status, timeout_ns, peer, want, site);
-}
-
 // Block 0 tells every peer where this rank receives (kRecvEntryOffset): the mode and offsets,
 // then, after a system fence, the sequence with release (unless notify did: sync-free calls).
 // A staged rank says so too, so every sender knows each destination's mode from one word.

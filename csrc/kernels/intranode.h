@@ -88,13 +88,24 @@ constexpr size_t kRecvEntryOffset = kCachedHeaderOffset + 8 * kNotifySlots * kMa
 // last sender block; the destination's kernel waits for every source's before it ends.
 constexpr size_t kRecvDoneOffset = kRecvEntryOffset + 8ull * kRecvEntryWords * kNotifySlots * kMaxRanks;
 static_assert(kRecvEntryOffset % 64 == 0, "entry alignment");
+// Combine in place. A rank whose combine input x (and its weights, when given) lies in its
+// receive arena tells every peer where with combine's entry barrier: int64 [kNotifySlots by the
+// combine's sequence parity][source rank][2] = {byte offset of x in the source's arena (-1: the
+// source pushes its rows, as before), of its weights (-1: none)}. Peers then read its rows where
+// they lie instead of waiting for them in their staging; the source pushes nothing.
+constexpr size_t kCombinePlaceOffset = kRecvDoneOffset + 8 * kMaxRanks;
+// A combine's "I have read what I needed from your x": uint64 [kMaxRanks reader] holding the
+// combine's sequence (monotonic), stored with release by every rank's last block when its
+// reduce is done; a rank that combines in place waits for every peer's before its kernel ends,
+// so its x stays intact (stream order) until nobody reads it.
+constexpr size_t kCombineDoneOffset = kCombinePlaceOffset + 16ull * kNotifySlots * kMaxRanks;
 // Combine progress, at the end of the spare 64 KiB: uint64 [kMaxRanks expert rank][kCombineChunks],
 // the combine's sequence once chunk c of the rows that expert rank returns here has landed. Both
 // sides derive the chunk size from the same row count (the dispatch's prefix matrix).
 constexpr int kCombineChunks = 512;
 constexpr int kCombineMinChunkRows = 64;
 constexpr size_t kCombineFlagsOffset = kDataOffset - 8ull * kMaxRanks * kCombineChunks;
-static_assert(kRecvDoneOffset + 8 * kMaxRanks <= kCombineFlagsOffset, "control overlap");
+static_assert(kCombineDoneOffset + 8 * kMaxRanks <= kCombineFlagsOffset, "control overlap");
 // Status words in mapped host memory, set by the first wait that times out or, in sync-free
 // mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code.
 // The kernels read a device-memory flag set with them instead (StatusRef in common.cuh): any
@@ -297,6 +308,11 @@ struct CombineArgs {
   intptr_t status = 0;
   int64_t timeout_ns = 0;
   int64_t header = 0;  // what every rank's combine must agree on (kCombineHeaderOffset)
+  // Receive arena base of every rank as this rank maps it (empty: no arenas), and the byte
+  // offsets in this rank's arena of x and of topk_weights when it combines in place (x_place
+  // >= 0: peers read its rows there, it pushes none; -1: it pushes, see kCombinePlaceOffset).
+  std::vector<intptr_t> arenas;
+  int64_t x_place = -1, w_place = -1;
 };
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);
@@ -318,7 +334,8 @@ constexpr int combine_push_blocks(int64_t push_rows, int64_t reduce_rows, int bl
 // its source rank's staging chunk by chunk, publishing each chunk in the source's control
 // region (kCombineFlagsOffset), while reducer warps (and pushers once done) take tokens in
 // order and sum each token's rows (own rows read in place) in rank order in fp32 as soon as
-// the chunks holding them have landed.
+// the chunks holding them have landed. A rank whose x lies in its receive arena (x_place) is
+// not pushed from: the others read its rows there (kCombinePlaceOffset, kCombineDoneOffset).
 void intranode_combine(const CombineArgs& a, intptr_t stream);
 
 }  // namespace uccl_ep::kernels

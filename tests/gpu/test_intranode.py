@@ -162,8 +162,26 @@ def case(rank: int, world: int, params: dict) -> int:
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
     # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
     assert_combine_close(kcx, kcw, rcx, rcw, exact=world == 2)
+    backend = kb._backend
+    placed = backend.combine_in_place_calls
     plain, _, _ = kb.combine(krx, kh, config=config)
     assert_combined_is_x_times_reached(plain, x, klay[3])
+    # recv_x in the arena (zero-copy, 16-byte rows) is combined in place: peers read it there.
+    in_place = in_arena(kb, krx) and (hidden * 2) % 16 == 0
+    assert backend.combine_in_place_calls - placed == int(in_place)
+    # The transformed rows written into recv_x, with recv_topk_weights (both in the arena):
+    # every rank in place; then odd ranks pass a copy of the rows and push them back while the
+    # others are read in place; then even ranks pass a copy of the weights (pushed).
+    krx.copy_(y)
+    for variant in ("in place", "odd ranks copy x", "even ranks copy weights"):
+        xin, win = krx, kw_
+        if variant == "odd ranks copy x" and rank % 2:
+            xin = krx.clone()
+        if variant == "even ranks copy weights" and rank % 2 == 0:
+            win = kw_.clone()
+        poison(kb)
+        icx, icw, _ = kb.combine(xin, kh, topk_weights=win, bias=bias or None, config=config)
+        assert_combine_close(icx, icw, rcx, rcw, exact=world == 2)
     torch.cuda.synchronize()
     return kh.num_recv_tokens
 

@@ -155,6 +155,8 @@ class KernelsBackend(Backend):
         env = effective_env()
         self._timeout_ms = int(env["UCCL_EP_TIMEOUT_MS"])
         self._use_tma = bool(env["UCCL_EP_INTRANODE_TMA"])
+        # Combine reads an arena-resident x where it lies (per rank, told to peers per call).
+        self._combine_in_place = bool(env["UCCL_EP_COMBINE_IN_PLACE"])
         self._timeout_ns = self._timeout_ms * 1_000_000
         # Zero-copy receive: dispatch outputs carved from a registered arena (arena.py).
         self.recv_arena = RecvArena(
@@ -173,6 +175,7 @@ class KernelsBackend(Backend):
         self._ahead_rows = 0  # the next call's bound (_note_counts): identical on every rank
         self.ahead_calls = 0  # exact dispatches served by launch-ahead
         self.ahead_reruns = 0  # launch-ahead calls that ran again with exact sizes
+        self.combine_in_place_calls = 0  # combines whose x peers read in this rank's arena
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -220,6 +223,7 @@ class KernelsBackend(Backend):
                 self._use_tma,
                 self.recv_arena.ptrs,
                 self.recv_arena.sizes,
+                self._combine_in_place,
             )
             self._ctx_grows = grows
         return self._ctx
@@ -650,7 +654,7 @@ class KernelsBackend(Backend):
         self._last_call = ("combine", x.dtype, hidden, 0, extra)
         # Rows of x to return: the received count, or its bound in sync-free mode (the kernels
         # read the real count from the device matrix).
-        c.intranode_combine_call(
+        self.combine_in_place_calls += c.intranode_combine_call(
             self._context(),
             self._stream(),
             x,

@@ -19,6 +19,7 @@ _SITES = {
     3: "combine entry",
     4: "combine receive",
     5: "dispatch receive-entry",  # a sender waiting for a peer's zero-copy output addresses
+    6: "combine done",  # a rank combining in place, waiting for a peer to finish reading its x
 }
 CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
 
