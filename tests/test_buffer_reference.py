@@ -232,6 +232,12 @@ def w_round_trip_and_cached(rank, world, seed):
     assert (a, b, c, d) == (None, None, None, None)
     combined2, _, _ = buf.combine(recv2, handle)
     torch.testing.assert_close(combined2, x2 * fan_out[:, None], rtol=1e-6, atol=1e-6)
+    # get_combine_input: an ordinary tensor on this backend (no arena), combined as any x.
+    xin = buf.get_combine_input(recv2.shape[0], hidden, recv2.dtype)
+    assert xin.shape == recv2.shape and xin.dtype == recv2.dtype and xin.device == recv2.device
+    xin.copy_(recv2)
+    combined3, _, _ = buf.combine(xin, handle)
+    torch.testing.assert_close(combined3, x2 * fan_out[:, None], rtol=1e-6, atol=1e-6)
 
 
 def w_events(rank, world):

@@ -413,7 +413,10 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         if self.plan is None:
             raise InvalidInputError("combine_preprocess called before dispatch_postprocess")
         if isinstance(self.plan, FusedPlan):
-            return unpermute_fused(self.plan, hidden_states)
+            # Into the receive arena where the backend has one: combine then reads it in place.
+            buffer = self.buffer
+            alloc = None if buffer is None else buffer.get_combine_input
+            return unpermute_fused(self.plan, hidden_states, alloc)
         if isinstance(self.plan, MegatronPlan):
             return unpermute_megatron(self.plan, hidden_states)
         return unpermute(self.plan, hidden_states)

@@ -5,6 +5,7 @@ tensors when ``_C`` has them; same results as the torch path (``permute_torch.py
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,9 @@ import torch
 from uccl_ep_megatron.token_dispatcher.permute_torch import check_capacity
 
 from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+
+# (rows, hidden, dtype) -> an uninitialized [rows, hidden] tensor for an unpermute's output.
+Allocator = Callable[[int, int, torch.dtype], torch.Tensor]
 
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -131,7 +135,10 @@ def _gather(src: torch.Tensor, row_map: torch.Tensor, hidden: int) -> torch.Tens
 
 
 def _reduce(
-    src: torch.Tensor, pair_dest: torch.Tensor, src_probs: torch.Tensor | None = None
+    src: torch.Tensor,
+    pair_dest: torch.Tensor,
+    src_probs: torch.Tensor | None = None,
+    alloc: Allocator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if src.dtype not in _DTYPE_CODES:
         raise UnsupportedError(
@@ -139,7 +146,10 @@ def _reduce(
         )
     src = src.contiguous()
     num_recv, num_topk = pair_dest.shape
-    out = torch.empty(num_recv, src.shape[1], dtype=src.dtype, device=src.device)
+    if alloc is not None:
+        out = alloc(num_recv, src.shape[1], src.dtype)
+    else:
+        out = torch.empty(num_recv, src.shape[1], dtype=src.dtype, device=src.device)
     out_probs = None
     if src_probs is not None:
         src_probs = src_probs.to(torch.float32).contiguous()
@@ -185,15 +195,15 @@ class _FusedPermute(torch.autograd.Function):
 
 class _FusedUnpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, expert_out: torch.Tensor, plan: FusedPlan):
+    def forward(ctx: Any, expert_out: torch.Tensor, plan: FusedPlan, alloc: Allocator | None):
         ctx.plan = plan
-        out, _ = _reduce(expert_out, plan.pair_dest)
+        out, _ = _reduce(expert_out, plan.pair_dest, alloc=alloc)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         plan: FusedPlan = ctx.plan
-        return _gather(grad_out, plan.src_row, grad_out.shape[1]), None
+        return _gather(grad_out, plan.src_row, grad_out.shape[1]), None, None
 
 
 def permute_fused(
@@ -249,15 +259,19 @@ def permute_fused(
     return rows, probs, spec["plan"]
 
 
-def unpermute_fused(plan: FusedPlan, expert_out: torch.Tensor) -> torch.Tensor:
+def unpermute_fused(
+    plan: FusedPlan, expert_out: torch.Tensor, alloc: Allocator | None = None
+) -> torch.Tensor:
     """``unpermute`` on the GPU kernels: per received row, the fp32 sum of its expert rows in
-    top-k slot order, cast back (bf16, fp16 or fp32); zero for padding rows."""
+    top-k slot order, cast back (bf16, fp16 or fp32); zero for padding rows. ``alloc(rows,
+    hidden, dtype)`` gives the output tensor (e.g. ``Buffer.get_combine_input``, so that the
+    combine that follows reads it in place); default: ``torch.empty``."""
     if expert_out.shape[0] != plan.src_row.numel():
         raise InvalidInputError(
             f"expert output has {expert_out.shape[0]} rows but dispatch produced "
             f"{plan.src_row.numel()}; pass the experts' output for this dispatch"
         )
-    return _FusedUnpermute.apply(expert_out, plan)
+    return _FusedUnpermute.apply(expert_out, plan, alloc)
 
 
 __all__ = ["FusedPlan", "fused_available", "permute_fused", "unpermute_fused"]

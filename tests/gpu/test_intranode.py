@@ -660,6 +660,42 @@ def arena_full_case(rank: int, world: int) -> dict:
     return {"fallbacks": arena.fallbacks - before}
 
 
+def combine_input_case(rank: int, world: int) -> list[bool]:
+    """``Buffer.get_combine_input``: expert outputs written into the arena tensor it gives are
+    combined in place (peers read them there) with the oracle's result; the tensor dies right
+    after each combine, so the next dispatch reuses its block at once (stream order and the
+    combine's final "done" wait keep the peers' reads before that). Odd ranks allocate their
+    last input with torch instead: mixed ranks in one combine. Returns per call whether this
+    rank combined in place."""
+    kb = _life_buffer()
+    rb = _reference()
+    backend = kb._backend
+    placed = []
+    for i in range(4):
+        kout, rout = _layer_call(kb, rb, rank, world, seed=300 + i)
+        _check_layer(f"call {i}", kout, rout)
+        n, hidden = kout[0].shape
+        gen = torch.Generator(device="cuda").manual_seed(500 + 10 * i + rank)
+        y = torch.randn(n, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        if i == 3 and rank % 2:
+            xin = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
+        else:
+            xin = kb.get_combine_input(n, hidden)
+            assert xin.shape == (n, hidden) and xin.dtype == torch.bfloat16
+            assert in_arena(kb, xin) or n == 0, i
+        xin.copy_(y)
+        before = backend.combine_in_place_calls
+        kcx = kb.combine(xin, kout[4])[0]
+        placed.append(backend.combine_in_place_calls - before == 1)
+        del xin, kout  # the blocks go back while peers may still be combining
+        rcx = rb.combine(y, rout[4])[0]
+        torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
+        if world == 2:  # two summands in fp32: exact
+            assert_same(f"call {i}: combined", kcx, rcx)
+    torch.cuda.synchronize()
+    return placed
+
+
 def megatron_pattern_case(rank: int, world: int) -> int:
     """Megatron's order, twice: dispatch N layers forward (outputs saved for backward), then
     backward in reverse, each layer's saved outputs checked, its gradient re-dispatched with
@@ -926,6 +962,11 @@ def test_full_arena_falls_back_to_staged_with_same_results(gpu_pool):
 def test_exact_dispatch_launched_ahead_of_its_counts(gpu_pool):
     out = gpu_pool.run(__file__, "launch_ahead_case", env=ENV)
     assert out == [{"calls": 2, "reruns": 1, "off": 0}] * gpu_pool.world_size, out
+
+
+def test_combine_input_in_the_arena_is_combined_in_place(gpu_pool):
+    out = gpu_pool.run(__file__, "combine_input_case", env=ENV)
+    assert out == [[True] * 3 + [r % 2 == 0] for r in range(gpu_pool.world_size)], out
 
 
 def test_megatron_order_of_dispatches_and_frees(gpu_pool):

@@ -204,6 +204,24 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         self._check_alive()
         return self._comm_stream
 
+    def get_combine_input(
+        self, num_rows: int, hidden: int, dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
+        """An uninitialized ``[num_rows, hidden]`` tensor to write ``combine``'s ``x`` into (on
+        the current stream), e.g. the experts' unpermuted output. With the ``kernels`` backend
+        it lies in this rank's receive arena, so the ``combine`` that takes it is read in place
+        by the peers instead of pushing its rows (``UCCL_EP_COMBINE_IN_PLACE``); it is an
+        ordinary tensor otherwise (other backends, arena off or full, graph capture). Freed like
+        any tensor; work on a third stream must be done before it dies."""
+        self._check_alive()
+        comm = self._comm_stream
+        t = self._backend.combine_input(
+            num_rows, hidden, dtype, 0 if comm is None else comm.cuda_stream
+        )
+        if t is None:
+            t = torch.empty(num_rows, hidden, dtype=dtype, device=self.device)
+        return t
+
     def destroy(self) -> None:
         """Release backend resources; collective: every rank of the group calls it (as with
         DeepEP), so no rank frees memory a peer still maps. Idempotent; the ``Buffer`` is

@@ -188,6 +188,13 @@ class Backend(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each received row back into its source token (and top-k weights likewise)."""
 
+    def combine_input(
+        self, rows: int, hidden: int, dtype: torch.dtype, comm_stream: int
+    ) -> torch.Tensor | None:
+        """A ``[rows, hidden]`` tensor that this backend's combine reads in place, or ``None``
+        (the caller allocates an ordinary one). ``comm_stream``: the raw handle combine runs on."""
+        return None
+
     def check_errors(self) -> None:  # noqa: B027 - optional hook
         """Raise an error that earlier GPU work recorded and no call has raised yet (sync-free
         calls report through the status word); never synchronizes the device. The default

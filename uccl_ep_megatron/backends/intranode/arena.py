@@ -192,6 +192,18 @@ class RecvArena:
         )
         return RecvOutputs((recv_x, recv_scales, recv_idx, recv_w, recv_src), False, _NO_ENTRY)
 
+    def combine_input(
+        self, rows: int, hidden: int, dtype: torch.dtype, stream: int, use_stream: int
+    ) -> torch.Tensor | None:
+        """A ``[rows, hidden]`` block for a combine's x (``Buffer.get_combine_input``): taken
+        on ``stream`` (its writer), also used on ``use_stream`` (combine's); ``None`` when the
+        arena is off, the dtype is not a combine dtype or the block does not fit."""
+        if rows <= 0 or hidden <= 0 or not self.enabled or self._closed or dtype not in _DL:
+            return None
+        code, bits = _DL[dtype]
+        got = self._core.outputs(rows, hidden, code, bits, 0, 0, 64, False, stream, use_stream)
+        return None if got is None else got[0]
+
     def _full(self, rows: int) -> None:
         self.fallbacks += 1
         if self.fallbacks == 1:

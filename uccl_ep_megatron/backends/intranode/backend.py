@@ -621,6 +621,17 @@ class KernelsBackend(Backend):
         )
 
     # ---- combine ------------------------------------------------------------------------
+    def combine_input(
+        self, rows: int, hidden: int, dtype: torch.dtype, comm_stream: int
+    ) -> torch.Tensor | None:
+        # Written on the current stream (the block's earlier users are waited for there), read
+        # by combine on the communication stream: at death an event is recorded on both.
+        if not self._combine_in_place or self._capturing():
+            return None
+        return self.recv_arena.combine_input(
+            rows, hidden, dtype, self._stream(), comm_stream or self._stream()
+        )
+
     def combine(
         self,
         x: torch.Tensor,
