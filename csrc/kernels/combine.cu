@@ -135,8 +135,9 @@ __device__ __forceinline__ void publish_place(const CombineParams& p, uint64_t s
   const int r = threadIdx.x;
   if (blockIdx.x != 0 || r >= p.num_ranks || r == p.rank) return;
   volatile int64_t* slot = combine_place(p.bufs.p[r], seq, p.rank);
-  slot[0] = p.x_place;
-  slot[1] = p.w_place;
+  slot[1] = p.x_place;
+  slot[2] = p.w_place;
+  slot[0] = static_cast<int64_t>(seq);
 }
 
 // After the entry barrier: which peers combine in place, and where my rows lie in their x
@@ -145,10 +146,11 @@ __device__ void read_places(const CombineParams& p, Plan& s) {
   const int R = p.num_ranks, r = threadIdx.x;
   if (r < R && r != p.rank) {
     const volatile int64_t* slot = combine_place(p.bufs.p[p.rank], s.seq, r);
-    const int64_t xo = slot[0], wo = slot[1];
+    const bool current = slot[0] == static_cast<int64_t>(s.seq);
+    const int64_t xo = slot[1], wo = slot[2];
     s.pull_x[r] = nullptr;
     s.pull_w[r] = nullptr;
-    if (xo >= 0 && p.arenas.p[r] != nullptr) {
+    if (current && xo >= 0 && p.arenas.p[r] != nullptr) {
       const int64_t first = p.rank > 0 ? p.prefix[(p.rank - 1) * R + r] : 0;
       s.pull_x[r] = p.arenas.p[r] + xo + first * p.row_bytes;
       if (wo >= 0) s.pull_w[r] = reinterpret_cast<const float*>(p.arenas.p[r] + wo) + first * p.num_topk;

@@ -138,11 +138,12 @@ __device__ __forceinline__ uint64_t* recv_done(uint8_t* buf) {
   return reinterpret_cast<uint64_t*>(buf + kRecvDoneOffset);
 }
 
-// Combine in place (kCombinePlaceOffset): {x offset, weights offset} of `source`'s input in its
-// arena, slot by the combine's sequence parity; and the readers' done words (kCombineDoneOffset).
+// Combine in place (kCombinePlaceOffset): {sequence, x offset, weights offset, 0} of `source`'s
+// input in its arena, slot by the combine's sequence parity; and the readers' done words
+// (kCombineDoneOffset).
 __device__ __forceinline__ volatile int64_t* combine_place(uint8_t* buf, uint64_t seq, int source) {
-  return reinterpret_cast<volatile int64_t*>(buf + kCombinePlaceOffset) + (seq % kNotifySlots) * kMaxRanks * 2 +
-         source * 2;
+  return reinterpret_cast<volatile int64_t*>(buf + kCombinePlaceOffset) + (seq % kNotifySlots) * kMaxRanks * 4 +
+         source * 4;
 }
 __device__ __forceinline__ uint64_t* combine_done(uint8_t* buf) {
   return reinterpret_cast<uint64_t*>(buf + kCombineDoneOffset);

@@ -90,15 +90,16 @@ constexpr size_t kRecvDoneOffset = kRecvEntryOffset + 8ull * kRecvEntryWords * k
 static_assert(kRecvEntryOffset % 64 == 0, "entry alignment");
 // Combine in place. A rank whose combine input x (and its weights, when given) lies in its
 // receive arena tells every peer where with combine's entry barrier: int64 [kNotifySlots by the
-// combine's sequence parity][source rank][2] = {byte offset of x in the source's arena (-1: the
-// source pushes its rows, as before), of its weights (-1: none)}. Peers then read its rows where
-// they lie instead of waiting for them in their staging; the source pushes nothing.
+// combine's sequence parity][source rank][4] = {the combine's sequence, byte offset of x in the
+// source's arena (-1: the source pushes its rows, as before), of its weights (-1: none), 0}.
+// Peers then read its rows where they lie instead of waiting for them in their staging; the
+// source pushes nothing. A slot of another sequence (never written) means "pushes".
 constexpr size_t kCombinePlaceOffset = kRecvDoneOffset + 8 * kMaxRanks;
 // A combine's "I have read what I needed from your x": uint64 [kMaxRanks reader] holding the
 // combine's sequence (monotonic), stored with release by every rank's last block when its
 // reduce is done; a rank that combines in place waits for every peer's before its kernel ends,
 // so its x stays intact (stream order) until nobody reads it.
-constexpr size_t kCombineDoneOffset = kCombinePlaceOffset + 16ull * kNotifySlots * kMaxRanks;
+constexpr size_t kCombineDoneOffset = kCombinePlaceOffset + 32ull * kNotifySlots * kMaxRanks;
 // Combine progress, at the end of the spare 64 KiB: uint64 [kMaxRanks expert rank][kCombineChunks],
 // the combine's sequence once chunk c of the rows that expert rank returns here has landed. Both
 // sides derive the chunk size from the same row count (the dispatch's prefix matrix).
