@@ -212,9 +212,10 @@ __device__ void push_role(const CombineParams& p, const Plan& s, int b, int nb, 
 // Sums token t's rows in rank order in fp32 (plus biases), as the two-kernel combine did, so
 // results are bit-identical to it. Peer rows are in staging, written while this kernel runs:
 // they are read around L1 (ld_cg), so a line fetched for a landed row never serves a later one.
+// `lane_pos`: in lane r < R, the token's send position to rank r (-1: not sent there).
 template <int kDtype, bool kVec, int kUnroll, int kRanks>
 __device__ __forceinline__ void reduce_token(const CombineParams& p, const Plan& s, const uint8_t* st_x,
-                                             const float* st_w, int t, int lane) {
+                                             const float* st_w, int t, int lane_pos, int lane) {
   using E = Elt<kDtype>;
   using raw = typename E::raw;
   constexpr int kPerVec = kVec ? 16 / static_cast<int>(sizeof(raw)) : 1;
@@ -229,7 +230,7 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, const Plan&
     src[r] = nullptr;
     srcw[r] = nullptr;
     if (r < R) {
-      const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
+      const int pos = dev::warp_shfl(lane_pos, r);  // R is warp-uniform: every lane takes part
       if (pos >= 0) {
         mask |= 1u << r;
         if (s.pull >> r & 1u) {
@@ -316,14 +317,23 @@ __device__ void reduce_role(const CombineParams& p, const Plan& s) {
   const bool watch = lane < R && lane != p.rank && s.back[lane] > 0 && !(s.pull >> lane & 1u);
   const int ct = watch ? chunk_rows(s.back[lane]) : 1;
   int seen = -1;  // lane r: the last chunk of rank r seen landed
+  // Lane r < R: a token's send position to rank r, loaded one token ahead on up to 4 ranks (its
+  // latency hides under the previous token's rows; at 8 ranks the extra register spills).
+  constexpr bool kAhead = kRanks <= 4;
+  auto pos_of = [&](int t) {
+    return lane < R && t < p.num_tokens ? p.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
+  };
   int t0 = dev::warp_shfl(lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0, 0);
+  int pos_next = kAhead ? pos_of(t0) : -1;
   while (t0 < p.num_tokens) {
     // The next grab is in flight while this one is reduced.
     const int next = lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0;
-    for (int t = t0; t < min(p.num_tokens, t0 + kWarpTokens); ++t) {
+    const int t_end = min(p.num_tokens, t0 + kWarpTokens);
+    for (int t = t0; t < t_end; ++t) {
+      const int pos = kAhead ? pos_next : pos_of(t);
+      if constexpr (kAhead) pos_next = pos_of(t + 1 < t_end ? t + 1 : dev::warp_shfl(next, 0));  // uniform
       bool failed = false;
       if (watch) {
-        const int pos = p.send_pos[static_cast<int64_t>(t) * R + lane];
         if (pos >= 0 && pos / ct != seen) {
           seen = pos / ct;
           failed = !wait_flag(combine_flag(own, lane, seen), s.seq, p.status, p.timeout_ns, lane, s.seq,
@@ -334,7 +344,7 @@ __device__ void reduce_role(const CombineParams& p, const Plan& s) {
       // lanes' row loads after the waiting lanes' acquire.
       if (dev::warp_ballot(failed) != 0) return;
       dev::warp_sync();
-      reduce_token<kDtype, kVec, kUnroll, kRanks>(p, s, st_x, st_w, t, lane);
+      reduce_token<kDtype, kVec, kUnroll, kRanks>(p, s, st_x, st_w, t, pos, lane);
     }
     t0 = dev::warp_shfl(next, 0);
   }

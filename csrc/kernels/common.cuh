@@ -274,19 +274,30 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
 }
 
 // Warp-wide copy of one row of `nbytes` (a multiple of sizeof(V)) to every destination whose
-// bit is set in `mask`: the source is read once, kUnroll vectors per lane in flight before the
-// first store, so each warp keeps kUnroll*warp*sizeof(V) bytes moving over the link.
+// bit is set in `mask`: the source is read once. Two batches of kUnroll vectors per lane are in
+// flight: the next batch's loads are issued before the current one is stored, so a row costs
+// about one load latency plus its bytes, not one latency per batch (a warp copies one row at a
+// time, so at <= 12 SMs the dispatch was latency-bound: bench/NOTES.md, session 11).
 template <typename V, int kUnroll>
 __device__ __forceinline__ void copy_row_multi(const uint8_t* src, int64_t nbytes, uint8_t* const (&dst)[kMaxRanks],
                                                unsigned mask, int lane) {
   const int64_t n = nbytes / static_cast<int64_t>(sizeof(V));
+  constexpr int64_t kStep = static_cast<int64_t>(kUnroll) * dev::kWarpSize;
   const V* s = reinterpret_cast<const V*>(src);
-  for (int64_t base = 0; base < n; base += kUnroll * dev::kWarpSize) {
-    V v[kUnroll];
+  V cur[kUnroll], nxt[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * dev::kWarpSize + lane;
-      if (i < n) v[u] = dev::ld_stream(s + i);
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = u * dev::kWarpSize + lane;
+    if (i < n) cur[u] = dev::ld_stream(s + i);
+  }
+  for (int64_t base = 0; base < n; base += kStep) {
+    const int64_t next = base + kStep;
+    if (next < n) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = next + u * dev::kWarpSize + lane;
+        if (i < n) nxt[u] = dev::ld_stream(s + i);
+      }
     }
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) {
@@ -295,9 +306,13 @@ __device__ __forceinline__ void copy_row_multi(const uint8_t* src, int64_t nbyte
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t i = base + u * dev::kWarpSize + lane;
-          if (i < n) d[i] = v[u];
+          if (i < n) d[i] = cur[u];
         }
       }
+    }
+    if (next < n) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) cur[u] = nxt[u];
     }
   }
 }

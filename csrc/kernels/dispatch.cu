@@ -99,10 +99,38 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
     const unsigned zc = s_zc;
     const int ct = chunk_tokens(p.num_tokens);
     const int nchunks = (p.num_tokens + ct - 1) / ct;
-    for (int c = blockIdx.x; c < nchunks; c += p.num_send_blocks) {
-      const int t_begin = c * ct, t_end = min(p.num_tokens, t_begin + ct);
-      for (int t = t_begin + warp; t < t_end; t += kSendWarps) {
-        unsigned mask = 0;
+    // A token's metadata goes to every destination from registers, loaded before its row (one
+    // load latency per token instead of one per destination and array): scales (<= two per
+    // lane; more are read per destination), one top-k id and weight per lane.
+    const int K = p.topk_idx != nullptr ? p.num_topk : 0;
+    const int S = p.num_scales;
+    const bool scales_in_regs = S > 0 && S <= 2 * dev::kWarpSize;
+    // Sends tokens t_first, t_first + stride, ... below t_end (this warp's share).
+    auto send_tokens = [&](int t_first, int t_end, int stride) {
+      // Lane r < R holds the token's position among the rows sent to rank r (-1: not sent),
+      // loaded a token ahead.
+      int pos_next = -1;
+      if (lane < R && t_first < t_end) pos_next = p.send_pos[static_cast<int64_t>(t_first) * R + lane];
+      for (int t = t_first; t < t_end; t += stride) {
+        const int pos = pos_next;
+        const int t_next = t + stride;
+        pos_next = lane < R && t_next < t_end ? p.send_pos[static_cast<int64_t>(t_next) * R + lane] : -1;
+        const unsigned mask = static_cast<unsigned>(dev::warp_ballot(lane < R && pos >= 0)) & ((1u << R) - 1u);
+        if (mask == 0) continue;
+        float sc0 = 0.0f, sc1 = 0.0f;
+        if (scales_in_regs) {
+          const float* sc = p.scales + static_cast<int64_t>(t) * S;
+          if (lane < S) sc0 = sc[lane];
+          if (lane + dev::kWarpSize < S) sc1 = sc[lane + dev::kWarpSize];
+        }
+        int64_t e = -1;
+        float wt = 0.0f;
+        if (lane < K) {
+          const int64_t i = static_cast<int64_t>(t) * K + lane;
+          e = p.idx_is_64 ? static_cast<const int64_t*>(p.topk_idx)[i]
+                          : static_cast<int64_t>(static_cast<const int32_t*>(p.topk_idx)[i]);
+          wt = p.topk_weights[i];
+        }
         int row[kMaxRanks];
         uint8_t* dst_x[kMaxRanks];
 #pragma unroll
@@ -110,15 +138,13 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
           row[r] = 0;
           dst_x[r] = nullptr;
           if (r < R) {
-            const int pos = p.send_pos[static_cast<int64_t>(t) * R + r];
-            if (pos >= 0) {
-              mask |= 1u << r;
-              row[r] = s_prefix_row[r] + pos;
+            const int pr = dev::warp_shfl(pos, r);  // R is warp-uniform: every lane takes part
+            if (pr >= 0) {
+              row[r] = s_prefix_row[r] + pr;
               dst_x[r] = s_dst.x[r] + static_cast<int64_t>(row[r]) * p.row_bytes;
             }
           }
         }
-        if (mask == 0) continue;
         if constexpr (kTma) {
 #if UCCL_EP_HAS_TMA
           pipe.push_row(p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, dst_x, mask);
@@ -130,44 +156,60 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
         for (int r = 0; r < kMaxRanks; ++r) {
           if (!(mask >> r & 1u)) continue;
           const int64_t drow = row[r];
-          for (int s = lane; s < p.num_scales; s += dev::kWarpSize)
-            s_dst.scales[r][drow * p.num_scales + s] = p.scales[static_cast<int64_t>(t) * p.num_scales + s];
+          if (scales_in_regs) {
+            float* ds = s_dst.scales[r] + drow * S;
+            if (lane < S) ds[lane] = sc0;
+            if (lane + dev::kWarpSize < S) ds[lane + dev::kWarpSize] = sc1;
+          } else {
+            for (int s = lane; s < S; s += dev::kWarpSize)
+              s_dst.scales[r][drow * S + s] = p.scales[static_cast<int64_t>(t) * S + s];
+          }
           if (s_dst.src[r] != nullptr && lane == 0) s_dst.src[r][drow] = t;
-          if (p.topk_idx != nullptr) {
-            for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
-              const int64_t i = static_cast<int64_t>(t) * p.num_topk + k;
-              const int64_t e = p.idx_is_64 ? static_cast<const int64_t*>(p.topk_idx)[i]
-                                            : static_cast<int64_t>(static_cast<const int32_t*>(p.topk_idx)[i]);
-              const int64_t local = e - static_cast<int64_t>(r) * p.experts_per_rank;
-              const bool mine = e >= 0 && local >= 0 && local < p.experts_per_rank;
-              const int64_t o = drow * p.num_topk + k;
-              if (p.idx_is_64) {
-                reinterpret_cast<int64_t*>(s_dst.idx[r])[o] = mine ? local : -1;
-              } else {
-                reinterpret_cast<int32_t*>(s_dst.idx[r])[o] = mine ? static_cast<int32_t>(local) : -1;
-              }
-              s_dst.w[r][o] = mine ? p.topk_weights[i] : 0.0f;
+          if (lane < K) {
+            const int64_t local = e - static_cast<int64_t>(r) * p.experts_per_rank;
+            const bool mine = e >= 0 && local >= 0 && local < p.experts_per_rank;
+            const int64_t o = drow * K + lane;
+            if (p.idx_is_64) {
+              reinterpret_cast<int64_t*>(s_dst.idx[r])[o] = mine ? local : -1;
+            } else {
+              reinterpret_cast<int32_t*>(s_dst.idx[r])[o] = mine ? static_cast<int32_t>(local) : -1;
             }
+            s_dst.w[r][o] = mine ? wt : 0.0f;
           }
         }
       }
+    };
+    // Every peer receives zero-copy (the usual case): no chunk is published, so the tokens are
+    // dealt evenly over all sender warps of the grid, without a block barrier per chunk (64-token
+    // chunks dealt to 12 blocks left a 6-vs-5.3-chunk tail, and each chunk waited for its slowest
+    // warp).
+    if ((zc | 1u << p.rank) == (1u << R) - 1u) {
+      send_tokens(static_cast<int>(blockIdx.x) * kSendWarps + warp, p.num_tokens, p.num_send_blocks * kSendWarps);
 #if UCCL_EP_HAS_TMA
-      if constexpr (kTma) pipe.drain();  // this warp's bulk stores of the chunk have landed
+      if constexpr (kTma) pipe.drain();  // this warp's bulk stores have landed
 #endif
-      __syncthreads();
-      // Publish the chunk's rows to each peer: one system fence (cumulative over the block's
-      // stores, ordered by the barrier above) and one release store per peer. A token's
-      // position among the rows sent to r grows with t, so the chunk's range is given by its
-      // first and last token bound to r: scan in from both ends (usually one load each)
-      // instead of walking all of the chunk's tokens while the block waits.
-      if (tid < R && tid != p.rank && !(zc >> tid & 1u)) {
-        const int r = tid;
-        int first = -1, last = -1;
-        for (int t = t_begin; t < t_end && first < 0; ++t) first = p.send_pos[static_cast<int64_t>(t) * R + r];
-        for (int t = t_end - 1; first >= 0 && last < 0; --t) last = p.send_pos[static_cast<int64_t>(t) * R + r];
-        dev::fence_system();
-        dev::st_release_sys(chunk_flag(p.bufs.p[r], p.rank, c),
-                            pack_chunk(seq, first < 0 ? 0 : first, first < 0 ? 0 : last - first + 1));
+    } else {
+      for (int c = blockIdx.x; c < nchunks; c += p.num_send_blocks) {
+        const int t_begin = c * ct, t_end = min(p.num_tokens, t_begin + ct);
+        send_tokens(t_begin + warp, t_end, kSendWarps);
+#if UCCL_EP_HAS_TMA
+        if constexpr (kTma) pipe.drain();  // this warp's bulk stores of the chunk have landed
+#endif
+        __syncthreads();
+        // Publish the chunk's rows to each peer: one system fence (cumulative over the block's
+        // stores, ordered by the barrier above) and one release store per peer. A token's
+        // position among the rows sent to r grows with t, so the chunk's range is given by its
+        // first and last token bound to r: scan in from both ends (usually one load each)
+        // instead of walking all of the chunk's tokens while the block waits.
+        if (tid < R && tid != p.rank && !(zc >> tid & 1u)) {
+          const int r = tid;
+          int first = -1, last = -1;
+          for (int t = t_begin; t < t_end && first < 0; ++t) first = p.send_pos[static_cast<int64_t>(t) * R + r];
+          for (int t = t_end - 1; first >= 0 && last < 0; --t) last = p.send_pos[static_cast<int64_t>(t) * R + r];
+          dev::fence_system();
+          dev::st_release_sys(chunk_flag(p.bufs.p[r], p.rank, c),
+                              pack_chunk(seq, first < 0 ? 0 : first, first < 0 ? 0 : last - first + 1));
+        }
       }
     }
     signal_done(p, seq, zc);
