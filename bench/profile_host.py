@@ -88,6 +88,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
     from uccl_ep_megatron.bench.intranode import _calls, _import_deepep
+    from uccl_ep_megatron.bench.timing import time_call
     from uccl_ep_megatron.core.config import Config
 
     T, E = a["tokens"], a["experts"]
@@ -123,25 +124,14 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         fns = _calls(b, cfgs, x, x, layout, state, T * world)
         for op in OPS:
             fn = fns[op]
-            for _ in range(a["warmup"]):
-                fn()
-            host, dev, segs = [], [], []
-            for _ in range(a["iters"]):
-                torch.cuda.synchronize()
-                dist.barrier()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                log.clear()
-                start.record()
-                t0 = time.perf_counter_ns()
-                fn()
-                t1 = time.perf_counter_ns()
-                end.record()
-                end.synchronize()
-                host.append((t1 - t0) / 1e3)
-                dev.append(start.elapsed_time(end) * 1e3)
+            segs: list[dict[str, float]] = []
+
+            def split(t0: int, t1: int, impl: str = impl, segs: list = segs) -> None:
                 if impl == "ours":
                     segs.append(_segments(t0, t1, list(log)))
+
+            timed = time_call(fn, a["iters"], a["warmup"], before=log.clear, after=split)
+            host, dev = timed["host_us"], timed["device_us"]
             prof_text = ""
             if a["top"] and impl == "ours":
                 prof = cProfile.Profile()

@@ -261,7 +261,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     arena_set = arena_env in os.environ
     if not arena_set:
         os.environ[arena_env] = str(5 * T * world * (H * x.element_size() + 256))
-    aheads = {"on": ("1",), "off": ("0",), "both": ("1", "0")}[a.get("launch_ahead", "on")]
+    aheads = {"on": ("1",), "off": ("0",), "both": ("1", "0")}[a["launch_ahead"]]
     saved_ahead = os.environ.get("UCCL_EP_LAUNCH_AHEAD")
     for name, flag in copies.items():
         for ahead in aheads:

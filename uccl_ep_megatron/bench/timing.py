@@ -12,9 +12,11 @@ import torch
 import torch.distributed as dist
 
 
-def time_call(fn, iters: int, warmup: int) -> dict[str, list[float]]:
+def time_call(fn, iters: int, warmup: int, before=None, after=None) -> dict[str, list[float]]:
     """Per-iteration device (events) and host (CPU inside ``fn``) microseconds on this rank;
-    every iteration starts together on all ranks (barrier after a device sync)."""
+    every iteration starts together on all ranks (barrier after a device sync). ``before()``
+    runs just ahead of each timed call's start event, ``after(t0_ns, t1_ns)`` right after its
+    end event is recorded, with the ``perf_counter_ns`` stamps taken around ``fn``."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -23,14 +25,18 @@ def time_call(fn, iters: int, warmup: int) -> dict[str, list[float]]:
         torch.cuda.synchronize()
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before is not None:
+            before()
         start.record()
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         fn()
-        t1 = time.perf_counter()
+        t1 = time.perf_counter_ns()
         end.record()
+        if after is not None:
+            after(t0, t1)
         end.synchronize()
         dev.append(start.elapsed_time(end) * 1e3)
-        host.append((t1 - t0) * 1e6)
+        host.append((t1 - t0) / 1e3)
     return {"device_us": dev, "host_us": host}
 
 

@@ -431,7 +431,13 @@ class KernelsBackend(Backend):
                 else:  # staged (the arena was full): views of them
                     tensors = tuple(None if t is None else t[:num_recv] for t in outs.tensors)
                 return self._dispatch_result(
-                    launch, tensors, expert_counts, prefix_host, num_recv, combine_rows, outs
+                    launch,
+                    tensors,
+                    expert_counts,
+                    prefix_host,
+                    num_recv,
+                    combine_rows,
+                    outs.zero_copy,
                 )
             # Some rank receives more: every rank holds the same matrix, so every data kernel
             # skipped the call and every rank runs it again here with exact sizes.
@@ -477,7 +483,7 @@ class KernelsBackend(Backend):
                 arena=outs.zero_copy,
             )
         return self._dispatch_result(
-            launch, outs.tensors, expert_counts, prefix_host, num_recv, combine_rows, outs
+            launch, outs.tensors, expert_counts, prefix_host, num_recv, combine_rows, outs.zero_copy
         )
 
     def _notify(
@@ -596,10 +602,10 @@ class KernelsBackend(Backend):
         prefix_host: tuple[int, ...] | None,
         num_recv: int,
         combine_rows: int,
-        outs: Any,
+        zero_copy: bool,
     ) -> DispatchResult:
         """A non-cached dispatch's result; the handle's matrix and counts are views of
-        notify's ``info``."""
+        notify's ``info``. ``zero_copy``: the outputs lie in the receive arena."""
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outputs
         R, rank = self.topology.num_ranks, self.topology.rank
         nrr = R * R
@@ -617,7 +623,7 @@ class KernelsBackend(Backend):
             _State(prefix_host, launch.send_pos, combine_rows),
             info[last_row : last_row + 1],
             info[nrr:],
-            outs.zero_copy,
+            zero_copy,
         )
 
     # ---- combine ------------------------------------------------------------------------
