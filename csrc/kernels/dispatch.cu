@@ -48,7 +48,8 @@ __device__ __forceinline__ uint64_t pack_chunk(uint64_t seq, int first, int rows
 // the chunk's row range is published to each staged peer with one release store. Receiver
 // blocks (staged rank only) copy each peer's chunks out of staging as they land, so the local
 // copy hides under the NVLink transfer instead of following it. On a zero-copy rank all blocks
-// send; the kernel ends once every peer's "done" arrived.
+// send; the kernel ends once every peer's "done" arrived. When no peer is staged there is
+// nothing to publish per chunk: the tokens are then dealt over all sender warps directly.
 template <typename V, int kUnroll, bool kTma>
 __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
   __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
