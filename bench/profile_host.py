@@ -91,6 +91,11 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.bench.timing import time_call
     from uccl_ep_megatron.core.config import Config
 
+    if a["pin"]:
+        # One CPU per rank, spread over the machine: tells CPU sharing between the ranks'
+        # processes apart from the per-call path itself.
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[(rank * len(cpus)) // max(world, 1)]})
     T, E = a["tokens"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
     # Room for the results kept at once (as bench intranode sizes it): every call zero-copy.
@@ -190,6 +195,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=0, help="cProfile rows per call (0: none)")
     ap.add_argument("--sms", type=int, default=12, help="our SM budget")
     ap.add_argument("--deepep-sms", type=int, default=24)
+    ap.add_argument("--pin", action="store_true", help="pin each rank to its own CPU")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)

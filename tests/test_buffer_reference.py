@@ -406,6 +406,70 @@ def w_bad_inputs(rank, world):
     expect(Exception, "destroyed", buf.combine, recv_x, handle)
 
 
+def w_checked_key_memo(rank, world):
+    """A Buffer skips the checks of arguments whose checked_key passed once (backends that
+    defer their id and routing checks). The reference backend makes those checks itself, so
+    the memo is switched on here by hand and only ``_prepare_dispatch`` runs: after a good call
+    is remembered, every bad argument set must still raise the error the full checks raise,
+    and a good one must build the same DispatchArgs as the full checks."""
+    from uccl_ep_megatron import InvalidInputError
+
+    hidden, num_experts = 32, NUM_EXPERTS_PER_RANK * world
+    inp = all_inputs(3, world, 6, hidden, "random")[rank]
+    buf = make_buffer(world, hidden, 4)
+    per_rank, per_rdma, per_expert, in_rank = buf.get_dispatch_layout(inp.topk_idx, num_experts)[:4]
+    good = dict(
+        x=inp.x,
+        handle=None,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=inp.topk_idx,
+        topk_weights=inp.topk_weights,
+        expert_alignment=1,
+        num_worst_tokens=0,
+        config=None,
+        previous_event=None,
+    )
+    # The memo's condition: ids and routing left to the backend's own checks.
+    buf._backend.defers_id_check, buf._backend.agrees_per_call = True, False
+    full = buf._prepare_dispatch(1, **good)
+    assert len(buf._checked) == 1
+    memo = buf._prepare_dispatch(2, **good)
+    for field in ("x", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert"):
+        a, b = getattr(full.args, field), getattr(memo.args, field)
+        assert a is b, field  # the same (already contiguous) tensors
+    assert memo.args.num_experts == full.args.num_experts == num_experts
+    assert memo.args.check_ids == full.args.check_ids == (inp.topk_idx.numel() > 0)
+    assert memo.args.config == full.args.config and memo.num_tokens == full.num_tokens
+    # Each bad set differs from the good one in one checked property only.
+    bad = [
+        ("x.dtype", dict(x=inp.x.to(torch.int32))),
+        ("2-D", dict(x=inp.x.view(-1))),
+        ("rows", dict(x=torch.zeros(inp.x.shape[0] + 1, hidden))),
+        ("together", dict(topk_weights=None)),
+        ("topk_weights.dtype", dict(topk_weights=inp.topk_weights.double())),
+        ("topk_idx.dtype", dict(topk_idx=inp.topk_idx.float())),
+        ("FP8", dict(x=(inp.x, torch.ones(inp.x.shape[0], 1)))),
+        ("expert_alignment", dict(expert_alignment=0)),
+        ("expert_alignment", dict(expert_alignment=True)),
+        ("num_worst_tokens", dict(num_worst_tokens=-1)),
+        ("is_token_in_rank", dict(is_token_in_rank=in_rank.int())),
+        ("not divisible", dict(num_tokens_per_expert=per_expert[:-1])),
+        ("previous_event", dict(previous_event=object())),
+    ]
+    for needle, change in bad:
+        with pytest.raises(InvalidInputError, match=needle):
+            buf._prepare_dispatch(3, **{**good, **change})
+    # A non-contiguous x of the remembered shape is made contiguous on the memo path too.
+    wide = torch.cat([inp.x, inp.x], dim=1)[:, :hidden]
+    assert not wide.is_contiguous() or wide.numel() == 0
+    twice = buf._prepare_dispatch(4, **{**good, "x": wide})
+    assert twice.args.x.is_contiguous() and torch.equal(twice.args.x, inp.x)
+    buf.destroy()
+
+
 def w_gradcheck(rank, world):
     from uccl_ep_megatron import ops
 
@@ -476,6 +540,10 @@ def test_virtual_nodes(pool):
 
 def test_bad_inputs(pool2):
     pool2.run(HERE, "w_bad_inputs")
+
+
+def test_checked_key_memo(pool2):
+    pool2.run(HERE, "w_checked_key_memo")
 
 
 def test_gradcheck_float64(pool2):

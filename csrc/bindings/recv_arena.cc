@@ -10,8 +10,9 @@
 // mutex and make CUDA calls.
 //
 // Stream order (GPU arenas): a block is handed out on the call's stream (the Buffer's
-// communication stream) for use on the caller's stream. When its last tensor dies, an event is
-// recorded on both streams, and a later take of any of its bytes makes its stream wait for
+// communication stream, or the caller's for a synchronous call) for use on the caller's stream.
+// When its last tensor dies, an event is recorded on both streams (and on the one note_stream
+// named), and a later take of any of its bytes makes its stream wait for
 // those events (dropping those already complete): the caching allocator's guarantee for memory
 // a tensor used on its allocation stream and on a record_stream'd one. Work on a third stream
 // must be ordered before the tensor dies. While either stream is being captured into a CUDA
@@ -275,6 +276,10 @@ class Arena : public std::enable_shared_from_this<Arena> {
     return false;
   }
 
+  // From now on every block's death is recorded on `stream` too (the Buffer's communication
+  // stream once an asynchronous call ran there: it may read blocks taken on the caller's).
+  void note_stream(intptr_t stream) { extra_stream_.store(stream, std::memory_order_relaxed); }
+
   // A block's last tensor died (a deleter: any thread, no GIL, never throws).
   void release(const Block& b) noexcept {
     try {
@@ -282,11 +287,16 @@ class Arena : public std::enable_shared_from_this<Arena> {
       bool deferred = false;
 #ifdef UCCL_EP_WITH_GPU
       if (cuda_) {
-        if (kernels::stream_capturing(b.alloc_stream) || kernels::stream_capturing(b.use_stream)) {
+        const intptr_t extra = extra_stream_.load(std::memory_order_relaxed);
+        const bool more = extra != 0 && extra != b.alloc_stream && extra != b.use_stream;
+        if (kernels::stream_capturing(b.alloc_stream) ||
+            (b.use_stream != b.alloc_stream && kernels::stream_capturing(b.use_stream)) ||
+            (more && kernels::stream_capturing(extra))) {
           deferred = true;
         } else {
           r.events.push_back(recorded(b.alloc_stream));
           if (b.use_stream != b.alloc_stream) r.events.push_back(recorded(b.use_stream));
+          if (more) r.events.push_back(recorded(extra));
         }
       }
 #endif
@@ -461,6 +471,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
   std::vector<Range> pending_;  // freed, not yet folded
   std::vector<bool> deferred_;  // per pending_: freed during a capture (no events)
   int live_ = 0;
+  std::atomic<intptr_t> extra_stream_{0};  // see note_stream
   bool closed_ = false;
   bool own_memory_ = false;
   std::shared_ptr<std::vector<intptr_t>> pool_ = std::make_shared<std::vector<intptr_t>>();
@@ -542,6 +553,9 @@ void bind_recv_arena(py::module_& m) {
           py::arg("num_topk"), py::arg("idx_bits"), py::arg("with_src"), py::arg("stream"), py::arg("use_stream"),
           "As outputs, but a RecvReservation whose tensors are made later (after the launches that fill the "
           "block: intranode_dispatch_call takes it in place of recv_x), or None when it does not fit.")
+      .def("note_stream", &Arena::note_stream, py::arg("stream"),
+           "Record every later block death on `stream` too (besides the streams each block was taken and used "
+           "on): memory handed out for one stream that a later call reads on another.")
       .def("free_ranges", &Arena::free_ranges, "(offset, bytes) of every free range, offset order.")
       .def_property_readonly("live", &Arena::live, "Blocks whose tensors are alive.")
       .def("close", &Arena::close, py::arg("own"),

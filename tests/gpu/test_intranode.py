@@ -605,7 +605,10 @@ def stream_order_case(rank: int, world: int) -> bool:
     """A block whose last tensor dies while the caller's stream still has work reading it is
     written again only after that work. The next dispatch is ordered after an event captured
     before that work (previous_event), so only the event the arena records when the tensor dies
-    keeps this rank's kernel and its peers' writes out of the block until the read is done."""
+    keeps this rank's kernel and its peers' writes out of the block until the read is done.
+    Both dispatches run on the comm stream (asynchronous): a synchronous first one would run on
+    the caller's stream, and the second would then be ordered after all of it (see
+    api/streams.py), which hides the arena's event."""
     from uccl_ep_megatron import Buffer
 
     kb = _life_buffer()
@@ -613,7 +616,8 @@ def stream_order_case(rank: int, world: int) -> bool:
     arena = kb._backend.recv_arena
     gc.collect()
     assert arena.live_blocks() == 0, "a previous case left outputs alive"
-    a, ra = _layer_call(kb, rb, rank, world, seed=80)
+    a, ra = _layer_call(kb, rb, rank, world, seed=80, async_finish=True)
+    a[5].current_stream_wait()
     torch.cuda.synchronize()
     base = a[0].data_ptr()
     before = Buffer.capture()  # the caller's stream before the slow read
@@ -629,6 +633,28 @@ def stream_order_case(rank: int, world: int) -> bool:
     _check_layer("the dispatch that reused the block", c, rc)
     del c
     gc.collect()
+    return True
+
+
+def stream_switch_case(rank: int, world: int) -> bool:
+    """Calls keep their order when the caller's stream changes between them: a synchronous
+    dispatch on stream A behind ~50 ms of sleep there, then the combine of its rows on stream
+    B, which never waits for A itself. The Buffer orders the combine after the dispatch (as a
+    comm stream did), so it combines the dispatched rows."""
+    kb = _life_buffer()
+    params = dict(tokens=300, hidden=2048, routing="random", seed=82)
+    gen = torch.Generator(device="cuda").manual_seed(82_000 + rank)
+    x, _, idx, w, num_experts = inputs(rank, world, params, gen)
+    torch.cuda.synchronize()
+    first, second = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(first):
+        torch.cuda._sleep(50_000_000)
+        layout = kb.get_dispatch_layout(idx, num_experts)[:4]
+        recv_x, _, _, _, handle, _ = dispatch(kb, x, layout, idx, w)
+    with torch.cuda.stream(second):
+        combined, _, _ = kb.combine(recv_x, handle)
+    torch.cuda.synchronize()
+    assert_combined_is_x_times_reached(combined, x, layout[3])
     return True
 
 
@@ -951,6 +977,10 @@ def test_arena_block_reused_only_after_its_tensors_die(gpu_pool):
 
 def test_arena_block_reused_only_after_the_callers_reads(gpu_pool):
     assert all(gpu_pool.run(__file__, "stream_order_case", env=ENV))
+
+
+def test_calls_keep_their_order_across_caller_streams(gpu_pool):
+    assert all(gpu_pool.run(__file__, "stream_switch_case", env=ENV))
 
 
 def test_full_arena_falls_back_to_staged_with_same_results(gpu_pool):

@@ -154,12 +154,15 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
                 "pass device='cpu', use an NCCL group, or backend='kernels' for the GPU kernels"
             )
         self._init_comm_stream(self.device, device_index)
+        self._direct = self._backend.runs_on_caller_stream and self._comm_stream is not None
         self._destroyed = False
         self._calls = 0  # dispatch/combine calls so far: the `seq` of the call header
         # Default configs per (op, Buffer.num_sms): they read the environment (ranks per
         # node), which is not worth tens of microseconds on every call.
         self._default_configs: dict[tuple[str, int], Config] = {}
         self._sizes_ok: set[tuple[int, Config]] = set()  # (hidden bytes, config) that fit
+        # checked_key of dispatch arguments that passed every check -> their check_ids.
+        self._checked: dict[tuple[Any, ...], bool] = {}
 
     # ---- properties and static helpers ---------------------------------------------------
     @property
@@ -200,7 +203,9 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         return _capture()
 
     def get_comm_stream(self) -> torch.cuda.Stream | None:
-        """The stream communication runs on; ``None`` for a CPU (gloo) group."""
+        """The communication stream: where asynchronous calls run, and every call of the
+        ``reference`` and internode backends (synchronous ``kernels`` calls run on the
+        caller's stream, see ``dispatch``); ``None`` for a CPU (gloo) group."""
         self._check_alive()
         return self._comm_stream
 
@@ -215,8 +220,10 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         any tensor; work on a third stream must be done before it dies."""
         self._check_alive()
         comm = self._comm_stream
+        # Combine runs on the comm stream, or (synchronous, see api/streams.py) on the
+        # current one: 0 tells the backend so.
         t = self._backend.combine_input(
-            num_rows, hidden, dtype, 0 if comm is None else comm.cuda_stream
+            num_rows, hidden, dtype, 0 if comm is None or self._direct else comm.cuda_stream
         )
         if t is None:
             t = torch.empty(num_rows, hidden, dtype=dtype, device=self.device)
@@ -279,7 +286,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         self._check_topk_idx(topk_idx, num_experts, None, check_range=False)
         layout, event = self._run(
             lambda: self._backend.get_dispatch_layout(topk_idx, num_experts),
-            (topk_idx,),
+            lambda: [topk_idx],
             previous_event,
             async_finish,
             allocate_on_comm_stream,
@@ -336,11 +343,16 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             config: chunking/SM config; default ``Buffer.get_dispatch_config(group size)``.
             previous_event: wait for this event before starting instead of the current stream.
             async_finish: return an event to wait on instead of joining the current stream.
+                A call with neither ``async_finish`` nor ``previous_event`` is synchronous:
+                the ``kernels`` backend runs it on the current stream itself (the same order
+                as the comm stream joined both ways, without the joins; see
+                ``api/streams.py``); the other backends on the comm stream.
             allocate_on_comm_stream: accepted and ignored (on every call of every backend):
-                outputs are always allocated while the communication stream is current and
-                recorded on the caller's stream, so they are safe to use and to free there.
-                That is what DeepEP does with ``True``; with ``False`` DeepEP allocates them on
-                the caller's stream instead, and it requires ``previous_event`` and
+                outputs are allocated while the stream the call runs on is current (the comm
+                stream, or the current stream of a synchronous ``kernels`` call) and recorded
+                on the caller's stream, so they are safe to use and to free there. That is
+                what DeepEP does with ``True``; with ``False`` DeepEP allocates them on the
+                caller's stream instead, and it requires ``previous_event`` and
                 ``async_finish`` for ``True``, which this ``Buffer`` does not.
 
         Returns:
@@ -381,7 +393,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             return self._backend.dispatch(args)
 
         # After a failed check the event may be what failed: run() raises before it matters.
-        inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
+        inputs, event_in = (list, None) if prepared is None else (prepared.inputs, previous_event)
         outputs = dispatch_outputs if handle is None else cached_outputs
         result, event = self._run(
             run, inputs, event_in, async_finish, allocate_on_comm_stream, outputs
@@ -456,7 +468,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             x_, weights, biases, config_ = prepared.args
             return self._backend.combine(x_, handle, weights, biases, config_)
 
-        inputs, event_in = ([], None) if prepared is None else (prepared.inputs, previous_event)
+        inputs, event_in = (list, None) if prepared is None else (prepared.inputs, previous_event)
         (combined, combined_weights), event = self._run(
             run, inputs, event_in, async_finish, allocate_on_comm_stream
         )

@@ -18,11 +18,6 @@ from uccl_ep_megatron.backends.base import DispatchHandle
 from uccl_ep_megatron.core.config import Config
 
 
-def _join(event) -> None:
-    # Autograd hands outputs to the next node on the current stream: join before returning.
-    event.current_stream_wait()
-
-
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -38,13 +33,13 @@ class _Dispatch(torch.autograd.Function):
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ):
-        per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(
-            topk_idx,
-            num_experts,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
+        # Autograd hands the outputs to the next node on the current stream, so they are
+        # joined to it before returning whatever async_finish says: the calls are made
+        # synchronously (the kernels backend then runs them on the current stream itself).
+        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+            topk_idx, num_experts, allocate_on_comm_stream=allocate_on_comm_stream
         )
-        recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
             x,
             num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma,
@@ -55,11 +50,8 @@ class _Dispatch(torch.autograd.Function):
             expert_alignment=expert_alignment,
             num_worst_tokens=num_worst_tokens,
             config=config,
-            previous_event=event if async_finish else None,
-            async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )
-        _join(event)
         ctx.buffer, ctx.handle, ctx.config = buffer, handle, config
         ctx.x_meta = (x.shape[1], x.dtype, x.device)
         ctx.save_for_backward(recv_idx)
@@ -93,14 +85,10 @@ class _Combine(torch.autograd.Function):
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ):
-        combined, _, event = buffer.combine(
-            x,
-            handle,
-            config=config,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
+        # Synchronous, as in _Dispatch.forward (async_finish changes nothing here).
+        combined, _, _ = buffer.combine(
+            x, handle, config=config, allocate_on_comm_stream=allocate_on_comm_stream
         )
-        _join(event)
         ctx.buffer, ctx.handle, ctx.config = buffer, handle, config
         return combined
 
@@ -127,7 +115,10 @@ def dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], DispatchHandle]:
     """Differentiable layout + dispatch.
 
-    Gradients flow to ``x`` and ``topk_weights``.
+    Gradients flow to ``x`` and ``topk_weights``. ``async_finish`` and
+    ``allocate_on_comm_stream`` are accepted as DeepEP-style callers pass them: the outputs are
+    joined to the current stream before this returns (autograd hands them on there), so the
+    calls are made synchronously.
 
     Returns:
         ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``
@@ -156,5 +147,6 @@ def combine(
     async_finish: bool = False,
     allocate_on_comm_stream: bool = False,
 ) -> torch.Tensor:
-    """Differentiable combine: sums the rows back into source tokens; gradient flows to ``x``."""
+    """Differentiable combine: sums the rows back into source tokens; gradient flows to ``x``.
+    Synchronous whatever ``async_finish`` says, as ``dispatch``."""
     return _Combine.apply(x, handle, buffer, config, async_finish, allocate_on_comm_stream)

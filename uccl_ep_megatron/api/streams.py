@@ -1,6 +1,16 @@
-"""The communication stream of a ``Buffer``: every call runs there, ordered after the caller's
-work, and its inputs and outputs are recorded on the streams that use them, so the caching
-allocator never recycles memory one stream still reads."""
+"""Where a ``Buffer`` call runs: on the communication stream, ordered after the caller's work,
+with its inputs and outputs recorded on the streams that use them, so the caching allocator
+never recycles memory one stream still reads; or, for a synchronous call (no ``async_finish``,
+no ``previous_event``) of a backend that ``runs_on_caller_stream``, on the caller's stream
+itself.
+
+A synchronous call on the communication stream is bracketed by two joins (the comm stream
+waits for the caller's, then the caller's waits for the comm stream), so its work is ordered
+exactly as if it ran on the caller's stream; running it there drops two events, two stream
+waits, the stream switches and every ``record_stream`` (host time, tens of microseconds under
+MPS) and changes nothing the caller can observe. What the Buffer itself must keep is the order
+of its own calls (they share its staging buffers): a call on another stream than the previous
+one first makes its stream wait for an event recorded then on the previous call's stream."""
 
 from __future__ import annotations
 
@@ -32,6 +42,29 @@ class CommStream:
             # torch.cuda.Stream of each (stream_id, device_index, device_type) a caller used:
             # torch.cuda.current_stream() builds a new one per call (~10 us under MPS).
             self._callers: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+            # The stream this Buffer's previous call ran on (raw handle, 0: none yet): a call
+            # on another stream is ordered after it first (see the module docstring).
+            self._last_raw = 0
+            self._last_stream: torch.cuda.Stream | None = None
+            # Synchronous calls run on the caller's stream (set by Buffer from its backend).
+            self._direct = False
+            self._comm_used = False  # an asynchronous call has run on the comm stream
+
+    def _follow(self, raw: int, stream: torch.cuda.Stream | None) -> None:
+        """Make ``stream`` (raw handle ``raw``; None: the current stream) wait for this
+        Buffer's previous call, which ran on another stream: an event recorded now on that
+        stream covers it. Only when the stream changes between calls, and not while the
+        current stream is being captured into a CUDA graph: a captured stream cannot wait for
+        work outside the capture (torch.cuda.graph synchronizes the device before capturing,
+        and a replay is ordered by its caller)."""
+        if stream is None:
+            stream = self._caller_stream(self._device_index)
+        last = self._last_stream
+        if last is not None and not torch.cuda.is_current_stream_capturing():
+            event = torch.cuda.Event()
+            event.record(last)
+            stream.wait_event(event)
+        self._last_raw, self._last_stream = raw, stream
 
     def _caller_stream(self, index: int) -> torch.cuda.Stream:
         ids = torch._C._cuda_getCurrentStream(index)
@@ -47,25 +80,43 @@ class CommStream:
     def _run(
         self,
         fn: Callable[[], Any],
-        inputs: Sequence[torch.Tensor],
+        inputs: Callable[[], Sequence[torch.Tensor]],
         previous_event: EventOverlap | None,
         async_finish: bool,
         allocate_on_comm_stream: bool,
         outputs: Callable[[Any], Sequence[torch.Tensor | None]] | None = None,
     ) -> tuple[Any, EventOverlap]:
-        """Run ``fn`` on the comm stream, ordered after the caller's work.
+        """Run ``fn`` on the comm stream, ordered after the caller's work, or (a synchronous
+        call of a ``runs_on_caller_stream`` backend) on the caller's stream.
 
-        Inputs are recorded on the comm stream and outputs on the caller's stream, so the
-        caching allocator never recycles memory one stream still uses. ``fn`` allocates its
-        outputs with the comm stream current whatever ``allocate_on_comm_stream`` says (see
-        ``dispatch``). ``outputs(result)`` names the result's tensors (None entries skipped);
-        without it every tensor inside the result (nested tuples) counts.
+        On the comm stream, what ``fn`` reads (``inputs()``) is recorded there and what it
+        returns on the caller's stream, so the caching allocator never recycles memory one
+        stream still uses; ``fn`` allocates its outputs with the comm stream current whatever
+        ``allocate_on_comm_stream`` says (see ``dispatch``). ``outputs(result)`` names the
+        result's tensors (None entries skipped); without it every tensor inside the result
+        (nested tuples) counts.
         """
         self._check_event(previous_event)
         comm = self._comm_stream
         if comm is None:
             return fn(), EventOverlap(None)
         index = self._device_index
+        if (
+            self._direct
+            and not async_finish
+            and previous_event is None
+            and torch._C._cuda_getDevice() == index
+        ):
+            # On the caller's stream (see the module docstring): nothing to join or record.
+            raw = torch._C._cuda_getCurrentRawStream(index)
+            if raw != self._last_raw:
+                self._follow(raw, None)
+            self._backend.caller_stream = raw
+            return fn(), EventOverlap(None)
+        if not self._comm_used:
+            # Memory a synchronous call handed out may now be read on the comm stream.
+            self._comm_used = True
+            self._backend.note_stream(comm.cuda_stream)
         compute = self._caller_stream(index)
         self._backend.caller_stream = compute.cuda_stream
         if previous_event is not None and previous_event.event is not None:
@@ -75,6 +126,9 @@ class CommStream:
             # takes the event's latest record, so reusing it orders the same work.
             self._joined.record(compute)
             comm.wait_event(self._joined)
+        if self._last_raw != comm.cuda_stream:
+            # The previous call ran on a third stream (the join above covers the caller's).
+            self._follow(comm.cuda_stream, comm)
         if torch._C._cuda_getDevice() == index:
             # torch.cuda.stream() without its context manager (host time): setting a stream
             # keeps the current device when the stream is on it, so restoring is exact.
@@ -92,7 +146,8 @@ class CommStream:
         else:
             with torch.cuda.stream(comm):
                 out = fn()
-        for t in inputs:
+        read = inputs()
+        for t in read:
             if t.is_cuda:
                 t.record_stream(comm)
         produced = tensors(out) if outputs is None else outputs(out)
@@ -103,7 +158,7 @@ class CommStream:
             event = torch.cuda.Event()
             event.record(comm)
             kept = [t for t in produced if t is not None]
-            return out, EventOverlap(event, [*inputs, *kept])
+            return out, EventOverlap(event, [*read, *kept])
         self._finished.record(comm)
         compute.wait_event(self._finished)
         return out, EventOverlap(None)

@@ -278,23 +278,102 @@ class ArgumentChecks:
                 if bits:
                     raise InvalidInputError(describe_layout_bits(bits))
                 checks = None
-        args = DispatchArgs(
-            x=x,
-            x_scales=x_scales,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-            is_token_in_rank=is_token_in_rank.contiguous(),
-            num_tokens_per_rank=num_tokens_per_rank,
-            num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
-            num_tokens_per_expert=num_tokens_per_expert,
-            num_experts=num_experts,
-            expert_alignment=expert_alignment,
-            num_worst_tokens=num_worst_tokens,
-            config=config,
-            cached=None,
-            check_ids=check_ids,
+        args = dispatch_args(
+            x,
+            x_scales,
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+            check_ids,
         )
         return args, checks
+
+
+def dispatch_args(
+    x: torch.Tensor,
+    x_scales: torch.Tensor | None,
+    num_tokens_per_rank: torch.Tensor,
+    num_tokens_per_rdma_rank: torch.Tensor | None,
+    is_token_in_rank: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    topk_idx: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+    expert_alignment: int,
+    num_worst_tokens: int,
+    config: Config,
+    check_ids: bool,
+) -> DispatchArgs:
+    """The ``DispatchArgs`` of checked arguments (ids, weights and the token mask made
+    contiguous; ``x`` and its scales are already)."""
+    return DispatchArgs(
+        x=x,
+        x_scales=x_scales,
+        topk_idx=None if topk_idx is None else topk_idx.contiguous(),
+        topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+        is_token_in_rank=is_token_in_rank.contiguous(),
+        num_tokens_per_rank=num_tokens_per_rank,
+        num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+        num_tokens_per_expert=num_tokens_per_expert,
+        num_experts=num_tokens_per_expert.shape[0],
+        expert_alignment=expert_alignment,
+        num_worst_tokens=num_worst_tokens,
+        config=config,
+        cached=None,
+        check_ids=check_ids,
+    )
+
+
+def _meta(t: Any) -> Any:
+    """What the argument checks read of one argument: a tensor's class, device, shape and
+    dtype; anything else's type."""
+    if isinstance(t, torch.Tensor):
+        return (type(t), t.device, t.shape, t.dtype)
+    return type(t)
+
+
+def checked_key(
+    x: Any,
+    num_tokens_per_rank: Any,
+    num_tokens_per_rdma_rank: Any,
+    is_token_in_rank: Any,
+    num_tokens_per_expert: Any,
+    topk_idx: Any,
+    topk_weights: Any,
+    expert_alignment: Any,
+    num_worst_tokens: Any,
+    config: Config,
+) -> tuple[Any, ...] | None:
+    """Everything the checks of a dispatch without a handle read (``_split_x``,
+    ``_check_buffer_size``, ``_dispatch_args`` of a backend that defers its id and routing
+    checks), or None for arguments no key covers. Two calls with one key pass or fail the
+    same checks; a Buffer keeps the keys that passed and skips the checks for them (tens of
+    microseconds of host time per call under MPS). ``config`` is a checked ``Config``."""
+    if type(expert_alignment) is not int or type(num_worst_tokens) is not int:
+        return None
+    if isinstance(x, tuple | list):
+        if len(x) != 2:
+            return None
+        xk: Any = (type(x), _meta(x[0]), _meta(x[1]))
+    else:
+        xk = _meta(x)
+    return (
+        xk,
+        _meta(num_tokens_per_rank),
+        _meta(num_tokens_per_rdma_rank),
+        _meta(is_token_in_rank),
+        _meta(num_tokens_per_expert),
+        _meta(topk_idx),
+        _meta(topk_weights),
+        expert_alignment,
+        num_worst_tokens,
+        config,
+    )
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:

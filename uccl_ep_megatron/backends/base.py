@@ -120,6 +120,21 @@ class DispatchHandle(NamedTuple):
     # expert_alignment (the numbers of the exact-mode num_recv_tokens_per_expert_list).
     recv_tokens_per_expert: torch.Tensor | None = None
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors a combine or cached dispatch with this handle reads on the device (an
+        asynchronous call records them on its stream): the handle's own and those its
+        backend's ``state`` names in ``tensors``."""
+        own = (
+            self.rank_prefix_matrix,
+            self.is_token_in_rank,
+            self.num_tokens_per_rank,
+            self.recv_src_idx,
+            self.recv_count,
+            self.recv_tokens_per_expert,
+        )
+        held = [t for t in own if isinstance(t, torch.Tensor)]
+        return held + list(getattr(self.state, "tensors", ()))
+
 
 class Backend(abc.ABC):
     """Moves the bytes for one ``Buffer``; runs on the stream current at call time."""
@@ -143,6 +158,10 @@ class Backend(abc.ABC):
     # The caller's stream handle of the call in progress (set by ``Buffer`` before each call;
     # 0 = the call's own stream): where its outputs are used.
     caller_stream: int = 0
+    # True: ``Buffer`` runs this backend's synchronous calls on the caller's stream, not on its
+    # communication stream (``api/streams.py``); the backend then hears of the comm stream's
+    # first use through ``note_stream``.
+    runs_on_caller_stream: bool = False
 
     @classmethod
     def unsupported_reason(cls, topology: Topology, device: torch.device) -> str | None:
@@ -194,6 +213,10 @@ class Backend(abc.ABC):
         """A ``[rows, hidden]`` tensor that this backend's combine reads in place, or ``None``
         (the caller allocates an ordinary one). ``comm_stream``: the raw handle combine runs on."""
         return None
+
+    def note_stream(self, stream: int) -> None:  # noqa: B027 - optional hook
+        """The communication stream (raw handle) now runs calls too: memory this backend
+        handed out earlier may be read there (``runs_on_caller_stream`` backends)."""
 
     def check_errors(self) -> None:  # noqa: B027 - optional hook
         """Raise an error that earlier GPU work recorded and no call has raised yet (sync-free

@@ -9,13 +9,15 @@ a DLPack capsule whose deleter drops a reference of the block, so the block goes
 last view of any output dies, in whatever order Megatron frees saved activations, and one call
 makes all five (the Python version cost ~15 torch operations per dispatch).
 
-Stream order: the block is taken on the call's stream (the Buffer's communication stream) for
-use on the caller's stream (the one current when the Buffer was called). When the block's last
-tensor dies an event is recorded on both, and the next call that reuses any of its bytes makes
-its stream wait for them: the caching allocator's guarantee for memory used on its allocation
-stream and a ``record_stream``'d one (``Tensor.record_stream`` is a no-op for this memory). Work
-on a third stream must be ordered before the tensor dies (as the Buffer's own comm/compute
-hand-off is). A call whose outputs do not fit takes the staged path.
+Stream order: the block is taken on the call's stream (the Buffer's communication stream, or
+the caller's for a synchronous call: ``api/streams.py``) for use on the caller's stream (the one
+current when the Buffer was called). When the block's last tensor dies an event is recorded on
+both (and on the communication stream once an asynchronous call ran there, ``note_stream``),
+and the next call that reuses any of its bytes makes its stream wait for them: the caching
+allocator's guarantee for memory used on its allocation stream and a ``record_stream``'d one
+(``Tensor.record_stream`` is a no-op for this memory). Work on a third stream must be ordered
+before the tensor dies (as the Buffer's own comm/compute hand-off is). A call whose outputs do
+not fit takes the staged path.
 """
 
 from __future__ import annotations
@@ -203,6 +205,13 @@ class RecvArena:
         code, bits = _DL[dtype]
         got = self._core.outputs(rows, hidden, code, bits, 0, 0, 64, False, stream, use_stream)
         return None if got is None else got[0]
+
+    def note_stream(self, stream: int) -> None:
+        """Record the death of every block on ``stream`` too, from now on (besides the
+        streams it was taken and used on): a block taken on the caller's stream may be read
+        by a later call on the communication stream."""
+        if self._core is not None:
+            self._core.note_stream(stream)
 
     def _full(self, rows: int) -> None:
         self.fallbacks += 1

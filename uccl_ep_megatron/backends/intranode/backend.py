@@ -56,6 +56,11 @@ class _State:
     # Rows of every rank's combine staging: exact, or num_worst_tokens when sync-free.
     combine_rows: int
 
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the handle's later calls read on the device (``DispatchHandle.device_tensors``)."""
+        return (self.send_pos,)
+
 
 @dataclass(slots=True)
 class _Launch:
@@ -82,6 +87,7 @@ class KernelsBackend(Backend):
     name = "kernels"
     requested_as = "'kernels'"
     defers_id_check = True
+    runs_on_caller_stream = True
     x_dtypes = frozenset(
         {
             torch.bfloat16,
@@ -265,6 +271,9 @@ class KernelsBackend(Backend):
             self.caller_stream or stream,
             later,
         )
+
+    def note_stream(self, stream: int) -> None:
+        self.recv_arena.note_stream(stream)
 
     def _capturing(self) -> bool:
         if torch.cuda.is_current_stream_capturing():
@@ -631,7 +640,8 @@ class KernelsBackend(Backend):
         self, rows: int, hidden: int, dtype: torch.dtype, comm_stream: int
     ) -> torch.Tensor | None:
         # Written on the current stream (the block's earlier users are waited for there), read
-        # by combine on the communication stream: at death an event is recorded on both.
+        # by combine on the communication stream (comm_stream), or on the current one (0: a
+        # synchronous call runs there): at death an event is recorded on each.
         if not self._combine_in_place or self._capturing():
             return None
         return self.recv_arena.combine_input(
