@@ -8,7 +8,8 @@ DeepEP V1 beside it when ``deep_ep`` imports). For each call kind it prints, per
   over ranks; device = events around the call on the caller's stream), ours and DeepEP's;
 - ours split at the ``_C`` entry points (rank 0, median): Python before notify is launched,
   the notify launch, the wait for the counts (exact dispatch), Python between the counts and
-  the kernel launch, the kernel launch, Python after it;
+  the kernel launch, the kernel launch, Python after it; with ``--fine`` at the Python steps
+  too (argument checks, status read, receive-arena outputs, torch.empty, the result);
 - with ``--top N``, the N functions of rank 0 with the most own time under cProfile.
 
 Run on a GPU machine:
@@ -60,14 +61,33 @@ class _Timed:
         return stamped
 
 
+# With --fine, these Python steps are stamped too (each runs between the _C entry points,
+# never inside one of them or of each other), and torch.empty and RecvOutputs.made.
+FINE_BUFFER = ("_prepare_dispatch", "_prepare_combine")
+FINE_BACKEND = ("_check_status", "_capturing", "_outputs", "_dispatch_result")
+
+
+def _stamped(real: Any, name: str, log: list[tuple[str, int, int]]) -> Any:
+    """``real`` with its calls stamped into ``log`` as ``name``."""
+
+    def stamped(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        out = real(*args, **kwargs)
+        log.append((name, t0, time.perf_counter_ns()))
+        return out
+
+    return stamped
+
+
 def _segments(t0: int, t1: int, log: list[tuple[str, int, int]]) -> dict[str, float]:
-    """One call's host time between its ``_C`` stamps, in microseconds."""
+    """One call's host time between its stamps, in microseconds (a step stamped twice: the
+    sum of both)."""
     seg: dict[str, float] = {}
     at = t0
     for name, a, b in log:
-        short = name.replace("intranode_", "").replace("_call", "")
-        seg[f"py->{short}"] = (a - at) / 1e3
-        seg[short] = (b - a) / 1e3
+        short = name.replace("intranode_", "").replace("_call", "").lstrip("_")
+        seg[f"py->{short}"] = seg.get(f"py->{short}", 0.0) + (a - at) / 1e3
+        seg[short] = seg.get(short, 0.0) + (b - a) / 1e3
         at = b
     seg["py->return"] = (t1 - at) / 1e3
     return seg
@@ -91,11 +111,6 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.bench.timing import time_call
     from uccl_ep_megatron.core.config import Config
 
-    if a["pin"]:
-        # One CPU per rank, spread over the machine: tells CPU sharing between the ranks'
-        # processes apart from the per-call path itself.
-        cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cpus[(rank * len(cpus)) // max(world, 1)]})
     T, E = a["tokens"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
     # Room for the results kept at once (as bench intranode sizes it): every call zero-copy.
@@ -103,6 +118,14 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     buf = Buffer(None, 2 << 30, 0, backend="kernels", explicitly_destroy=True)
     log: list[tuple[str, int, int]] = []
     buf._backend._c = _Timed(buf._backend._c, log)
+    if a["fine"]:
+        from uccl_ep_megatron.backends.intranode.arena import RecvOutputs
+
+        for obj, names in ((buf, FINE_BUFFER), (buf._backend, FINE_BACKEND)):
+            for name in names:
+                setattr(obj, name, _stamped(getattr(obj, name), name, log))
+        RecvOutputs.made = _stamped(RecvOutputs.made, "made", log)
+        torch.empty = _stamped(torch.empty, "empty", log)
     kw = dispatch_kwargs(buf.get_dispatch_layout(idx, E)[:4], idx, w)
     sms = min(a["sms"], buf.max_num_sms or a["sms"])
     impls = {"ours": (buf, (Config(sms), Config(sms)), kw)}
@@ -195,7 +218,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=0, help="cProfile rows per call (0: none)")
     ap.add_argument("--sms", type=int, default=12, help="our SM budget")
     ap.add_argument("--deepep-sms", type=int, default=24)
-    ap.add_argument("--pin", action="store_true", help="pin each rank to its own CPU")
+    ap.add_argument("--fine", action="store_true", help="stamp the Python steps too (FINE_* below)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)

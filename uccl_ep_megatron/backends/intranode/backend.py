@@ -619,19 +619,20 @@ class KernelsBackend(Backend):
         R, rank = self.topology.num_ranks, self.topology.rank
         nrr = R * R
         info = launch.info
-        last_row = nrr - R + rank
+        # One as_strided per view (slicing then viewing is two torch calls: host time).
+        view = info.as_strided
         return DispatchResult(
             recv_x,
             recv_scales,
             recv_idx,
             recv_w,
             expert_counts,
-            info[:nrr].view(R, R),
+            view((R, R), (R, 1), 0),
             recv_src,
             num_recv,
             _State(prefix_host, launch.send_pos, combine_rows),
-            info[last_row : last_row + 1],
-            info[nrr:],
+            view((1,), (1,), nrr - R + rank),  # this rank's received rows: the last row's
+            view((launch.experts_per_rank,), (1,), nrr),
             zero_copy,
         )
 
