@@ -432,6 +432,9 @@ def w_checked_key_memo(rank, world):
         config=None,
         previous_event=None,
     )
+    recv_x, _, _, _, handle, _ = buf.dispatch(**{**good, "handle": None, "previous_event": None})
+    other = make_buffer(world, hidden, 4)
+    other_handle = other.dispatch(**{**good, "handle": None})[4]
     # The memo's condition: ids and routing left to the backend's own checks.
     buf._backend.defers_id_check, buf._backend.agrees_per_call = True, False
     full = buf._prepare_dispatch(1, **good)
@@ -467,6 +470,50 @@ def w_checked_key_memo(rank, world):
     assert not wide.is_contiguous() or wide.numel() == 0
     twice = buf._prepare_dispatch(4, **{**good, "x": wide})
     assert twice.args.x.is_contiguous() and torch.equal(twice.args.x, inp.x)
+
+    # Cached dispatch: the handle is checked on every call, the rest once per key.
+    cached = dict(good, handle=handle, topk_idx=None, topk_weights=None)
+    for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
+        cached[name] = None
+    first = buf._prepare_dispatch(5, **cached)
+    again = buf._prepare_dispatch(6, **cached)
+    assert again.args.cached is handle and first.args.cached is handle
+    assert again.args.is_token_in_rank is handle.is_token_in_rank
+    assert again.args.num_worst_tokens == first.args.num_worst_tokens
+    assert sum(k[0] == "cached" for k in buf._checked) == 1  # remembered once, then used
+    for needle, change in (
+        ("another Buffer", dict(handle=other_handle)),
+        ("handle must be", dict(handle=tuple(handle))),
+        ("tokens but the handle", dict(x=torch.zeros(inp.x.shape[0] + 1, hidden))),
+        ("no topk_idx", dict(topk_idx=inp.topk_idx, topk_weights=inp.topk_weights)),
+        ("x.dtype", dict(x=inp.x.to(torch.int32))),
+    ):
+        with pytest.raises(InvalidInputError, match=needle):
+            buf._prepare_dispatch(7, **{**cached, **change})
+
+    # Combine: once per key as well.
+    comb = dict(x=recv_x, handle=handle, topk_weights=None, bias=None, config=None)
+    comb["previous_event"] = None
+    plain = buf._prepare_combine(8, **comb)
+    memo_c = buf._prepare_combine(9, **comb)
+    assert memo_c.args[0] is plain.args[0] and memo_c.args[2] == () == plain.args[2]
+    assert sum(k[0] == "combine" for k in buf._checked) == 1
+    with_bias = buf._prepare_combine(10, **{**comb, "bias": [inp.x, inp.x]})
+    assert (
+        buf._prepare_combine(11, **{**comb, "bias": [inp.x, inp.x]}).args[2] == (with_bias.args[2])
+    )
+    rows = recv_x.shape[0]
+    for needle, change in (
+        ("rows", dict(x=torch.zeros(rows + 1, hidden))),
+        ("x.dtype", dict(x=recv_x.to(torch.int32))),
+        ("topk_weights.dtype", dict(topk_weights=torch.zeros(rows, TOPK, dtype=torch.float64))),
+        ("at most 2", dict(bias=(inp.x, inp.x, inp.x))),
+        ("hidden", dict(bias=inp.x[:, : hidden // 2])),
+        ("another Buffer", dict(handle=other_handle)),
+    ):
+        with pytest.raises(InvalidInputError, match=needle):
+            buf._prepare_combine(12, **{**comb, **change})
+    other.destroy()
     buf.destroy()
 
 

@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
-from uccl_ep_megatron.api.validation import XType, check_dtype, checked_key, dispatch_args
+from uccl_ep_megatron.api.validation import (
+    XType,
+    cached_args,
+    check_dtype,
+    checked_key,
+    combine_key,
+    dispatch_args,
+)
 from uccl_ep_megatron.backends.agreement import (
     DTYPE_CODES,
     KIND_CACHED,
@@ -70,11 +77,12 @@ class CallAgreement:
         self._check_event(previous_event)
         config = self._check_config(config, "dispatch")
         checks = None
-        key = None
+        key: Any = None
         backend = self._backend
-        if handle is None and backend.defers_id_check and not backend.agrees_per_call:
+        if not backend.agrees_per_call and (handle is not None or backend.defers_id_check):
             # The checks read only what the key holds: arguments that match a key that passed
-            # once pass again (see checked_key), so they are built without running them.
+            # once pass again (see checked_key), so they are built without running them. A
+            # cached dispatch's handle is checked on every call (below).
             key = checked_key(
                 x,
                 num_tokens_per_rank,
@@ -87,11 +95,23 @@ class CallAgreement:
                 num_worst_tokens,
                 config,
             )
+            if key is not None and handle is not None:
+                key = ("cached", key)
         check_ids = self._checked.get(key) if key is not None else None
         if check_ids is not None:
             x_data, x_scales = (x, None) if isinstance(x, torch.Tensor) else x
             x_data = x_data.contiguous()
             x_scales = None if x_scales is None else x_scales.contiguous()
+            if handle is not None:
+                if (
+                    isinstance(handle, DispatchHandle)
+                    and handle.owner == self.uid
+                    and x_data.shape[0] == handle.is_token_in_rank.shape[0]
+                ):
+                    args = cached_args(x_data, x_scales, handle, expert_alignment, config)
+                    return self._prepared(seq, args, handle, None)
+                key = None  # the full checks below raise what is wrong with the handle
+        if check_ids is not None and key is not None:
             args = dispatch_args(
                 x_data,
                 x_scales,
@@ -124,21 +144,7 @@ class CallAgreement:
                     f"cached dispatch: x has {num_tokens} tokens but the handle was made for "
                     f"{handle.is_token_in_rank.shape[0]}"
                 )
-            args = DispatchArgs(
-                x=x_data,
-                x_scales=x_scales,
-                topk_idx=None,
-                topk_weights=None,
-                is_token_in_rank=handle.is_token_in_rank,
-                num_tokens_per_rank=handle.num_tokens_per_rank,
-                num_tokens_per_rdma_rank=None,
-                num_tokens_per_expert=None,
-                num_experts=0,
-                expert_alignment=expert_alignment,
-                num_worst_tokens=handle.num_worst_tokens,
-                config=config,
-                cached=handle,
-            )
+            args = cached_args(x_data, x_scales, handle, expert_alignment, config)
         else:
             args, checks = self._dispatch_args(
                 x_data,
@@ -153,11 +159,15 @@ class CallAgreement:
                 num_worst_tokens,
                 config,
             )
-            if key is not None:
-                if len(self._checked) >= 64:  # shapes a caller used and dropped
-                    self._checked.clear()
-                self._checked[key] = args.check_ids
+        if key is not None:
+            self._remember(key, args.check_ids)
         return self._prepared(seq, args, handle, checks)
+
+    def _remember(self, key: Any, value: bool) -> None:
+        """Keep a key whose arguments passed every check (``checked_key``, ``combine_key``)."""
+        if len(self._checked) >= 64:  # shapes a caller used and dropped
+            self._checked.clear()
+        self._checked[key] = value
 
     def _prepared(
         self,
@@ -219,6 +229,15 @@ class CallAgreement:
         config = self._check_config(config, "combine")
         self._check_handle(handle)
         expected_rows = handle.num_worst_tokens or handle.num_recv_tokens
+        num_tokens = handle.is_token_in_rank.shape[0]
+        key = None
+        if not self._backend.agrees_per_call:  # as in _prepare_dispatch
+            key = combine_key(x, topk_weights, bias, config, expected_rows, num_tokens)
+            if key is not None and key in self._checked:
+                biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else bias
+                return self._combine_prepared(
+                    seq, x.contiguous(), handle, topk_weights, tuple(biases), config
+                )
         self._check_tensor("x", x, dims=2, rows=expected_rows)
         if x.dtype not in self._backend.x_dtypes or x.dtype.itemsize == 1:
             raise InvalidInputError(
@@ -229,7 +248,6 @@ class CallAgreement:
         if topk_weights is not None:
             self._check_tensor("topk_weights", topk_weights, dims=2, rows=expected_rows)
             check_dtype("topk_weights", topk_weights, (torch.float32,))
-        num_tokens = handle.is_token_in_rank.shape[0]
         biases: tuple[torch.Tensor, ...] = ()
         if bias is not None:
             biases = (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
@@ -241,7 +259,20 @@ class CallAgreement:
                     raise InvalidInputError(
                         f"combine: bias[{i}] has hidden {b.shape[1]}, x has {x.shape[1]}"
                     )
-        x = x.contiguous()
+        if key is not None:
+            self._remember(key, True)
+        return self._combine_prepared(seq, x.contiguous(), handle, topk_weights, biases, config)
+
+    def _combine_prepared(
+        self,
+        seq: int,
+        x: torch.Tensor,
+        handle: DispatchHandle,
+        topk_weights: torch.Tensor | None,
+        biases: tuple[torch.Tensor, ...],
+        config: Config,
+    ) -> _Prepared:
+        """A checked combine's ``_Prepared``: its row of the call header and its inputs."""
         header = None
         if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
             header = CallHeader(
@@ -261,6 +292,7 @@ class CallAgreement:
             weights = [topk_weights] if topk_weights is not None else []
             return [x, *biases, *weights, *handle.device_tensors()]
 
+        num_tokens = handle.is_token_in_rank.shape[0]
         return _Prepared((x, topk_weights, biases, config), header, None, None, num_tokens, inputs)
 
     def _next_call(self) -> int:

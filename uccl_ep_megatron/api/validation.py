@@ -329,6 +329,31 @@ def dispatch_args(
     )
 
 
+def cached_args(
+    x: torch.Tensor,
+    x_scales: torch.Tensor | None,
+    handle: DispatchHandle,
+    expert_alignment: int,
+    config: Config,
+) -> DispatchArgs:
+    """The ``DispatchArgs`` of a checked cached dispatch: the layout is the handle's."""
+    return DispatchArgs(
+        x=x,
+        x_scales=x_scales,
+        topk_idx=None,
+        topk_weights=None,
+        is_token_in_rank=handle.is_token_in_rank,
+        num_tokens_per_rank=handle.num_tokens_per_rank,
+        num_tokens_per_rdma_rank=None,
+        num_tokens_per_expert=None,
+        num_experts=0,
+        expert_alignment=expert_alignment,
+        num_worst_tokens=handle.num_worst_tokens,
+        config=config,
+        cached=handle,
+    )
+
+
 def _meta(t: Any) -> Any:
     """What the argument checks read of one argument: a tensor's class, device, shape and
     dtype; anything else's type."""
@@ -374,6 +399,20 @@ def checked_key(
         num_worst_tokens,
         config,
     )
+
+
+def combine_key(
+    x: Any, topk_weights: Any, bias: Any, config: Config, rows: int, num_tokens: int
+) -> tuple[Any, ...] | None:
+    """What the checks of a combine read besides its handle (``checked_key`` for combine):
+    ``rows`` the handle's received (or worst-case) rows, ``num_tokens`` its tokens."""
+    if bias is None or isinstance(bias, torch.Tensor):
+        bias_key: Any = _meta(bias)
+    elif isinstance(bias, tuple | list) and len(bias) <= 2:
+        bias_key = (type(bias), *(_meta(b) for b in bias))
+    else:
+        return None
+    return ("combine", _meta(x), _meta(topk_weights), bias_key, config, rows, num_tokens)
 
 
 def check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
