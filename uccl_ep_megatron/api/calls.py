@@ -79,22 +79,23 @@ class CallAgreement:
         checks = None
         key: Any = None
         backend = self._backend
+        # Everything but x, in the order checked_key, dispatch_args and _dispatch_args take it.
+        given = (
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+            config,
+        )
         if not backend.agrees_per_call and (handle is not None or backend.defers_id_check):
             # The checks read only what the key holds: arguments that match a key that passed
             # once pass again (see checked_key), so they are built without running them. A
             # cached dispatch's handle is checked on every call (below).
-            key = checked_key(
-                x,
-                num_tokens_per_rank,
-                num_tokens_per_rdma_rank,
-                is_token_in_rank,
-                num_tokens_per_expert,
-                topk_idx,
-                topk_weights,
-                expert_alignment,
-                num_worst_tokens,
-                config,
-            )
+            key = checked_key(x, *given)
             if key is not None and handle is not None:
                 key = ("cached", key)
         check_ids = self._checked.get(key) if key is not None else None
@@ -112,20 +113,7 @@ class CallAgreement:
                     return self._prepared(seq, args, handle, None)
                 key = None  # the full checks below raise what is wrong with the handle
         if check_ids is not None and key is not None:
-            args = dispatch_args(
-                x_data,
-                x_scales,
-                num_tokens_per_rank,
-                num_tokens_per_rdma_rank,
-                is_token_in_rank,
-                num_tokens_per_expert,
-                topk_idx,
-                topk_weights,
-                expert_alignment,
-                num_worst_tokens,
-                config,
-                check_ids,
-            )
+            args = dispatch_args(x_data, x_scales, *given, check_ids)
             return self._prepared(seq, args, None, None)
         x_data, x_scales = self._split_x(x)
         num_tokens, hidden = x_data.shape
@@ -146,19 +134,7 @@ class CallAgreement:
                 )
             args = cached_args(x_data, x_scales, handle, expert_alignment, config)
         else:
-            args, checks = self._dispatch_args(
-                x_data,
-                x_scales,
-                num_tokens_per_rank,
-                num_tokens_per_rdma_rank,
-                is_token_in_rank,
-                num_tokens_per_expert,
-                topk_idx,
-                topk_weights,
-                expert_alignment,
-                num_worst_tokens,
-                config,
-            )
+            args, checks = self._dispatch_args(x_data, x_scales, *given)
         if key is not None:
             self._remember(key, args.check_ids)
         return self._prepared(seq, args, handle, checks)
