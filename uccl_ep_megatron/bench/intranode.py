@@ -37,7 +37,13 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
 from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
-from uccl_ep_megatron.bench.intranode_report import merge, print_kernels, print_table
+from uccl_ep_megatron.bench.intranode_report import (
+    merge,
+    print_kernels,
+    print_repeats,
+    print_table,
+    ratio_medians,
+)
 from uccl_ep_megatron.bench.timing import floor_bandwidth, profile_kernels, time_call
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
@@ -104,6 +110,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="after timing, profile N more calls per op on rank 0 and print the mean device "
         "time per kernel (torch.profiler); 0 = off",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="time every rank count N times, each in fresh rank processes, and end with each "
+        "op's ratio to DeepEP per run and their median",
+    )
     add_json_argument(parser)
 
 
@@ -145,16 +158,22 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--deepep-sms={args.deepep_sms}: give a positive even SM count or 0")
     if args.kernels < 0:
         raise SystemExit(f"--kernels={args.kernels}: give a call count >= 0")
+    if args.repeat < 1:
+        raise SystemExit(f"--repeat={args.repeat}: give a run count >= 1")
     if args.deepep == "on":
         _import_deepep(required=True)
     results = []
-    for world in rank_counts(args.ranks, gpus):
-        with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
-            per_rank = pool.run(_worker, vars(args), sms)
-            results.append(merge(per_rank, pool.placement.shared))
-        print_table(results[-1])
-        print_kernels(results[-1])
-    write_json(args.json, results)
+    for run_index in range(args.repeat):
+        for world in rank_counts(args.ranks, gpus):
+            # Fresh rank processes per run: where the OS places them moves the host time.
+            with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
+                per_rank = pool.run(_worker, vars(args), sms)
+                results.append({**merge(per_rank, pool.placement.shared), "run": run_index})
+            print_table(results[-1])
+            print_kernels(results[-1])
+    summary = ratio_medians(results) if args.repeat > 1 else []
+    print_repeats(summary)
+    write_json(args.json, results + ([{"ratio_medians": summary}] if summary else []))
     return 0
 
 

@@ -110,6 +110,34 @@ def print_kernels(r: dict) -> None:
         print(f"# kernels {k['op']} {k['impl']} {k['sms']} SMs: {total:.1f} us = {shown}")
 
 
+def ratio_medians(results: list[dict]) -> list[dict]:
+    """Every row of ours that has a DeepEP ratio, per rank count: its ratio in each result
+    (one per ``--repeat`` run, in run order) and their median."""
+    runs: dict[tuple, list[float]] = {}
+    for r in results:
+        for row in r["rows"]:
+            if "vs_deepep" in row:
+                key = (r["world"], row["op"], row["copy"], row["sms"])
+                runs.setdefault(key, []).append(row["vs_deepep"])
+    return [
+        {"world": w, "op": op, "copy": c, "sms": s, "ratios": v, "median": statistics.median(v)}
+        for (w, op, c, s), v in runs.items()
+    ]
+
+
+def print_repeats(summary: list[dict]) -> None:
+    """The ``ratio_medians`` table (nothing for a single run)."""
+    if not summary:
+        return
+    print("# ours / DeepEP V1 device time per run (fresh rank processes each) and the median")
+    for row in summary:
+        each = " ".join(f"{x:.2f}" for x in row["ratios"])
+        print(
+            f"{row['world']:>2} ranks {row['op']:<22}{row['copy']:>7}{row['sms']:>4}  {each}"
+            f"  median {row['median']:.2f}"
+        )
+
+
 def _flat(ag: dict, prefix: str = ""):
     for k, v in ag.items():
         if isinstance(v, dict):
@@ -118,4 +146,4 @@ def _flat(ag: dict, prefix: str = ""):
             yield f"{prefix}{k}", v
 
 
-__all__ = ["merge", "print_kernels", "print_table"]
+__all__ = ["merge", "print_kernels", "print_repeats", "print_table", "ratio_medians"]
