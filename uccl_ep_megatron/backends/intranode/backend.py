@@ -387,11 +387,12 @@ class KernelsBackend(Backend):
         outs = entry = None
         cached_src = None if cached is None else cached.recv_src_idx
         if worst > 0 or ahead > 0:
-            # A launch-ahead block's tensors are made after the launches (host time then
-            # overlaps the kernels).
+            # The block's tensors are made after the launches (host time then overlaps the
+            # kernels instead of delaying them); a cached dispatch's at once (it reuses the
+            # handle's source indices).
             rows = worst or ahead
             outs = self._outputs(
-                rows, x, num_scales, topk_idx, cached_src, capturing, stream, later=ahead > 0
+                rows, x, num_scales, topk_idx, cached_src, capturing, stream, later=True
             )
             entry = outs.entry
         if cached is None:
@@ -491,8 +492,9 @@ class KernelsBackend(Backend):
                 cached.state,
                 arena=outs.zero_copy,
             )
+        tensors = outs.made()  # a sync-free call's reserved block: all its rows
         return self._dispatch_result(
-            launch, outs.tensors, expert_counts, prefix_host, num_recv, combine_rows, outs.zero_copy
+            launch, tensors, expert_counts, prefix_host, num_recv, combine_rows, outs.zero_copy
         )
 
     def _notify(
