@@ -79,7 +79,7 @@ class CallAgreement:
         checks = None
         key: Any = None
         backend = self._backend
-        # Everything but x, in the order checked_key, dispatch_args and _dispatch_args take it.
+        # Everything but x, in the order checked_key, _dispatch_args and dispatch_args take it.
         given = (
             num_tokens_per_rank,
             num_tokens_per_rdma_rank,
@@ -134,7 +134,8 @@ class CallAgreement:
                 )
             args = cached_args(x_data, x_scales, handle, expert_alignment, config)
         else:
-            args, checks = self._dispatch_args(x_data, x_scales, *given)
+            check_ids, checks = self._dispatch_args(x_data, x_scales, *given)
+            args = dispatch_args(x_data, x_scales, *given, check_ids)
         if key is not None:
             self._remember(key, args.check_ids)
         return self._prepared(seq, args, handle, checks)

@@ -202,8 +202,9 @@ class ArgumentChecks:
         expert_alignment: int,
         num_worst_tokens: int,
         config: Config,
-    ) -> tuple[DispatchArgs, torch.Tensor | None]:
-        """The checked ``DispatchArgs``, and the routing checks still to run on every rank
+    ) -> tuple[bool, torch.Tensor | None]:
+        """Every check of a dispatch without a handle: ``check_ids`` for its ``DispatchArgs``
+        (``dispatch_args``), and the routing checks still to run on every rank
         (``routing_check``) when the backend defers them to its call-header exchange."""
         num_tokens = x.shape[0]
         missing = [
@@ -278,21 +279,7 @@ class ArgumentChecks:
                 if bits:
                     raise InvalidInputError(describe_layout_bits(bits))
                 checks = None
-        args = dispatch_args(
-            x,
-            x_scales,
-            num_tokens_per_rank,
-            num_tokens_per_rdma_rank,
-            is_token_in_rank,
-            num_tokens_per_expert,
-            topk_idx,
-            topk_weights,
-            expert_alignment,
-            num_worst_tokens,
-            config,
-            check_ids,
-        )
-        return args, checks
+        return check_ids, checks
 
 
 def dispatch_args(
