@@ -33,6 +33,7 @@ import torch.distributed as dist
 OPS = ("dispatch_bf16", "dispatch_bf16_worst", "dispatch_bf16_cached", "combine_bf16")
 # The _C entry points a call's host time is split at.
 MARKS = (
+    "intranode_dispatch_begin",
     "intranode_notify_call",
     "intranode_read_counts",
     "intranode_dispatch_call",
@@ -64,7 +65,7 @@ class _Timed:
 # With --fine, these Python steps are stamped too (each runs between the _C entry points,
 # never inside one of them or of each other), and torch.empty and RecvOutputs.made.
 FINE_BUFFER = ("_prepare_dispatch", "_prepare_combine")
-FINE_BACKEND = ("_check_status", "_capturing", "_outputs", "_dispatch_result")
+FINE_BACKEND = ("_check_status", "_capturing", "_outputs", "_dispatch_result", "_read_counts")
 
 
 def _stamped(real: Any, name: str, log: list[tuple[str, int, int]]) -> Any:

@@ -247,3 +247,43 @@ def test_a_reservation_makes_tensors_of_its_first_rows(c):
     del too_many, res, x, idx, w, src
     gc.collect()
     assert arena.core.live == 0
+
+
+def test_a_reservation_with_aux_holds_the_handles_send_pos_and_info(c):
+    # intranode_dispatch_begin reserves one block for the outputs and the handle's send_pos
+    # [tokens, ranks] and info [words] (int32): past the outputs, aligned, disjoint; the block
+    # lives while any of the seven tensors does (a handle outlives its received rows).
+    arena = HostArena(c, 1 << 20)
+    rows, hidden, topk, tokens, ranks, info_words = 30, 64, 4, 50, 8, 8 * 8 + 32
+    plain = arena.core.reserve(rows, hidden, 4, 16, 0, topk, 64, True, 0, 0)
+    with pytest.raises(Exception, match="holds no send_pos/info"):
+        plain.aux()
+    aux = (tokens, ranks, info_words)
+    res = arena.core.reserve(rows, hidden, 4, 16, 0, topk, 64, True, 0, 0, *aux)
+    send_pos, info = res.aux()
+    with pytest.raises(Exception, match="made already"):
+        res.aux()
+    assert (send_pos.dtype, tuple(send_pos.shape)) == (torch.int32, (tokens, ranks))
+    assert (info.dtype, tuple(info.shape)) == (torch.int32, (info_words,))
+    # The outputs keep the places a block without aux gives them (the entry is the same).
+    assert [e - res.entry[1] if e >= 0 else -1 for e in res.entry[1:]] == [
+        e - plain.entry[1] if e >= 0 else -1 for e in plain.entry[1:]
+    ]
+    x, _, idx, w, src = res.tensors(rows)
+    spans = sorted(
+        (arena.offset(t), t.numel() * t.element_size()) for t in (x, idx, w, src, send_pos, info)
+    )
+    for (a, n), (b, _) in zip(spans, spans[1:], strict=False):
+        assert a % ALIGN == 0 and a + n <= b
+    assert arena.offset(src) < arena.offset(send_pos) < arena.offset(info)
+    # The block's size covers info: the next block starts past it.
+    after = arena.take(ALIGN)
+    assert arena.offset(after) >= arena.offset(info) + info_words * 4
+    del plain, res, x, idx, w, src, after
+    gc.collect()
+    assert arena.core.live == 1  # send_pos and info keep the block
+    del send_pos
+    assert arena.core.live == 1
+    del info
+    gc.collect()
+    assert arena.core.live == 0 and arena.core.free_ranges() == [(0, 1 << 20)]

@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include <array>
 #include <cstdint>
 
 namespace uccl_ep::bindings {
@@ -23,11 +24,25 @@ void bind_recv_arena(pybind11::module_& m);
 // Where a receive-arena reservation (`RecvArenaCore.reserve`, outputs whose tensors are made
 // after the launches that fill them) puts each output: device addresses (0: absent), rows,
 // and the element sizes it was made for (recv_x bytes per row; 0 for an absent output).
+// `send_pos`/`info`: the handle's int32 tensors when the block holds them (reserve_outputs
+// with aux), else 0; `entry`: the receive entry words {1, arena offsets of the five outputs}.
 struct ReservedOutputs {
-  intptr_t x = 0, scales = 0, idx = 0, w = 0, src = 0;
+  intptr_t x = 0, scales = 0, idx = 0, w = 0, src = 0, send_pos = 0, info = 0;
   int64_t rows = 0, row_bytes = 0, num_scales = 0, num_topk = 0, idx_bytes = 0;
+  std::array<int64_t, 6> entry{};
 };
 // `h`'s outputs when it is a reservation (recv_arena.cc), else false.
 bool reserved_outputs(pybind11::handle h, ReservedOutputs* out);
+
+// The handle's tensors a block reserved by one launch call also holds (0: none): send_pos
+// [tokens, ranks] and info [info] int32.
+struct ReserveAux {
+  int64_t tokens = 0, ranks = 0, info = 0;
+};
+// A reservation (`RecvReservation`, with source indices and `aux`) of `core` (a
+// `RecvArenaCore`) for `rows` rows, its places in `out`; None when it does not fit.
+pybind11::object reserve_outputs(pybind11::handle core, int64_t rows, int64_t hidden, int x_code, int x_bits,
+                                 int64_t num_scales, int64_t num_topk, int idx_bits, const ReserveAux& aux,
+                                 intptr_t stream, intptr_t use_stream, ReservedOutputs* out);
 
 }  // namespace uccl_ep::bindings

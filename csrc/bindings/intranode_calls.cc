@@ -150,27 +150,14 @@ int64_t rows_sent(const std::vector<int64_t>& pm, int num_ranks, int s, int j) {
   return pm[s * num_ranks + j] - (s ? pm[(s - 1) * num_ranks + j] : 0);
 }
 
-// notify: see k::intranode_notify. `send_pos` None marks a cached dispatch (the handle's
-// positions are reused); `topk_idx` None: no ids to scan.
-void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::handle per_expert_t,
-                 py::handle info_t, py::handle in_rank_t, py::handle send_pos_t, py::handle topk_idx_t,
-                 bool readback, int experts_per_rank, int expert_alignment, int num_worst_tokens,
-                 int num_experts, int64_t header, const std::vector<int64_t>& recv_entry) {
-  c.check("intranode_notify");
+// notify: see k::intranode_notify, on checked views (notify_call, dispatch_begin). `send_pos`
+// none marks a cached dispatch (the handle's positions are reused); `idx` none: no ids to scan.
+void notify_launch(const Context& c, intptr_t stream, const TensorView& per_rank, const TensorView& per_expert,
+                   const TensorView& info, const TensorView& in_rank, const TensorView& send_pos,
+                   const TensorView& idx, bool readback, int experts_per_rank, int expert_alignment,
+                   int num_worst_tokens, int num_experts, int64_t header, const std::vector<int64_t>& recv_entry) {
   const int R = c.num_ranks;
-  UCCL_EP_CHECK_ARG(experts_per_rank >= 0 && experts_per_rank <= k::kMaxLocalExperts && num_worst_tokens >= 0 &&
-                        num_experts >= 0 && expert_alignment >= 1,
-                    "intranode_notify: experts_per_rank=", experts_per_rank, " num_worst_tokens=", num_worst_tokens,
-                    " num_experts=", num_experts, " expert_alignment=", expert_alignment);
-  const TensorView in_rank = arg(in_rank_t, "intranode_notify: is_token_in_rank", false, 2, -1, R, {Dt::kBool});
   const int64_t T = in_rank.size[0];
-  const TensorView per_rank = arg(per_rank_t, "intranode_notify: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
-  const TensorView per_expert = arg(per_expert_t, "intranode_notify: num_tokens_per_expert", experts_per_rank == 0, 1,
-                                    int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
-  const TensorView info =
-      arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + experts_per_rank, -1, {Dt::kInt32});
-  const TensorView send_pos = arg(send_pos_t, "intranode_notify: send_pos", true, 2, T, R, {Dt::kInt32});
-  const TensorView idx = arg(topk_idx_t, "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
   UCCL_EP_CHECK_ARG(recv_entry.empty() || static_cast<int>(recv_entry.size()) == k::kRecvEntryArgs,
                     "intranode_notify: recv_entry has ", recv_entry.size(), " words; expected ", k::kRecvEntryArgs,
                     " or none");
@@ -199,6 +186,34 @@ void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::h
                       recv_entry);
 }
 
+void check_notify_scalars(int experts_per_rank, int expert_alignment, int num_worst_tokens, int num_experts) {
+  UCCL_EP_CHECK_ARG(experts_per_rank >= 0 && experts_per_rank <= k::kMaxLocalExperts && num_worst_tokens >= 0 &&
+                        num_experts >= 0 && expert_alignment >= 1,
+                    "intranode_notify: experts_per_rank=", experts_per_rank, " num_worst_tokens=", num_worst_tokens,
+                    " num_experts=", num_experts, " expert_alignment=", expert_alignment);
+}
+
+// notify (the binding): the views of the tensors, checked, then notify_launch.
+void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::handle per_expert_t,
+                 py::handle info_t, py::handle in_rank_t, py::handle send_pos_t, py::handle topk_idx_t,
+                 bool readback, int experts_per_rank, int expert_alignment, int num_worst_tokens,
+                 int num_experts, int64_t header, const std::vector<int64_t>& recv_entry) {
+  c.check("intranode_notify");
+  const int R = c.num_ranks;
+  check_notify_scalars(experts_per_rank, expert_alignment, num_worst_tokens, num_experts);
+  const TensorView in_rank = arg(in_rank_t, "intranode_notify: is_token_in_rank", false, 2, -1, R, {Dt::kBool});
+  const int64_t T = in_rank.size[0];
+  const TensorView per_rank = arg(per_rank_t, "intranode_notify: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
+  const TensorView per_expert = arg(per_expert_t, "intranode_notify: num_tokens_per_expert", experts_per_rank == 0, 1,
+                                    int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
+  const TensorView info =
+      arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + experts_per_rank, -1, {Dt::kInt32});
+  const TensorView send_pos = arg(send_pos_t, "intranode_notify: send_pos", true, 2, T, R, {Dt::kInt32});
+  const TensorView idx = arg(topk_idx_t, "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
+  notify_launch(c, stream, per_rank, per_expert, info, in_rank, send_pos, idx, readback, experts_per_rank,
+                expert_alignment, num_worst_tokens, num_experts, header, recv_entry);
+}
+
 // The readback of the notify launched with `readback`: (1, out_info's `num_info` words + every
 // rank's checks), (-1, []) when its barrier failed (the status words say why), (0, []) when it
 // did not finish within two timeouts (the stream is stuck behind earlier work).
@@ -219,6 +234,72 @@ py::tuple read_counts(const Context& c, int num_info) {
   for (int i = 0; i < num_info; ++i) out.append(static_cast<int64_t>(w[k::kReadbackInfo + i]));
   for (int i = 0; i < R * k::kCheckWords; ++i) out.append(static_cast<int64_t>(w[k::kReadbackChecks + i]));
   return py::make_tuple(state, out);
+}
+
+// The view of `rows` x `cols` (0: 1-D) elements of `dt` at `ptr` (none when 0): a place in a
+// receive-arena reservation, whose tensors are made after the launches.
+TensorView placed(intptr_t ptr, int64_t rows, int64_t cols, const views::DtypeInfo* dt) {
+  TensorView v;
+  if (ptr == 0) return v;
+  v.none = false;
+  v.ptr = ptr;
+  v.dim = cols > 0 ? 2 : 1;
+  v.size[0] = rows;
+  v.size[1] = cols;
+  v.dtype = dt;
+  return v;
+}
+
+// The dispatch kernel on checked views (dispatch_call, dispatch_begin), then the poison fold of
+// its outputs: a failure inside this call is raised at the next one; until then the outputs say so.
+void dispatch_launch(const Context& c, intptr_t stream, const TensorView& x, const TensorView& scales,
+                     const TensorView& idx, const TensorView& weights, const TensorView& in_rank,
+                     const TensorView& info, const TensorView& send_pos, const TensorView& recv_x,
+                     const TensorView& recv_scales, const TensorView& recv_idx, const TensorView& recv_w,
+                     const TensorView& recv_src, int64_t rows, bool cached, int num_sms, int experts_per_rank,
+                     int num_recv, int own_rows, int64_t send_rows, int64_t staging_rows, bool zero_copy,
+                     bool entry_published, bool judge, int num_experts) {
+  const int64_t T = x.size[0], H = x.size[1];
+  const int64_t S = scales.none ? 0 : scales.size[1];
+  const int64_t K = idx.none ? 0 : idx.size[1];
+  k::DispatchArgs a;
+  c.fill(a);
+  a.num_tokens = static_cast<int>(T);
+  a.experts_per_rank = experts_per_rank;
+  a.x = x.ptr;
+  a.row_bytes = H * x.dtype->itemsize;
+  a.x_scales = scales.ptr;
+  a.num_scales = static_cast<int>(S);
+  a.topk_idx = idx.ptr;
+  a.idx_is_64 = idx.none || idx.dtype->dt == Dt::kInt64;
+  a.topk_weights = weights.ptr;
+  a.num_topk = static_cast<int>(K);
+  a.is_token_in_rank = in_rank.ptr;
+  a.rank_prefix_matrix = info.ptr;
+  a.send_pos = send_pos.ptr;
+  a.cached = cached;
+  a.recv_x = recv_x.ptr;
+  a.recv_scales = recv_scales.ptr;
+  a.recv_topk_idx = recv_idx.ptr;
+  a.recv_topk_weights = recv_w.ptr;
+  a.recv_src_idx = cached ? 0 : recv_src.ptr;
+  a.num_recv = num_recv;
+  a.num_out_rows = static_cast<int>(rows);
+  a.own_rows = own_rows;
+  a.send_rows = send_rows;
+  a.staging_rows = staging_rows;
+  a.num_sms = num_sms;
+  a.zero_copy = zero_copy;
+  a.entry_published = entry_published;
+  a.judge = judge;
+  a.num_experts = num_experts;
+  if (zero_copy) c.check_in_arena({&recv_x, &recv_scales, &recv_idx, &recv_w, &recv_src});
+  check_dispatch(a);
+  k::intranode_dispatch(a, stream);
+  const uint64_t x_nan = x.dtype->nan;
+  const uint64_t f32_nan = repeat(0x7FC00000u, 4);
+  poison(c, stream,
+         {{&recv_x, x_nan}, {&recv_scales, f32_nan}, {&recv_idx, kMinusOne}, {&recv_w, 0}, {&recv_src, kMinusOne}});
 }
 
 // The dispatch kernel, then the poison fold of its outputs. `topk_idx`/`topk_weights` and
@@ -268,22 +349,11 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
                       res.num_scales, " scales, ", res.num_topk, " top-k of ", res.idx_bytes, " bytes",
                       res.src != 0 ? " and sources" : "", ", not for this call's ", H * x.dtype->itemsize, ", ", S,
                       ", ", K, " of ", idx_bytes, cached ? "" : " and sources");
-    auto view = [rows](intptr_t ptr, int64_t cols, const views::DtypeInfo* dt) {
-      TensorView v;
-      if (ptr == 0) return v;
-      v.none = false;
-      v.ptr = ptr;
-      v.dim = cols > 0 ? 2 : 1;
-      v.size[0] = rows;
-      v.size[1] = cols;
-      v.dtype = dt;
-      return v;
-    };
-    recv_x = view(res.x, H, x.dtype);
-    recv_scales = view(res.scales, S, scales.dtype);
-    recv_idx = view(res.idx, K, idx.dtype);
-    recv_w = view(res.w, K, weights.dtype);
-    recv_src = view(res.src, 0, send_pos.dtype);
+    recv_x = placed(res.x, rows, H, x.dtype);
+    recv_scales = placed(res.scales, rows, S, scales.dtype);
+    recv_idx = placed(res.idx, rows, K, idx.dtype);
+    recv_w = placed(res.w, rows, K, weights.dtype);
+    recv_src = placed(res.src, rows, 0, send_pos.dtype);
   } else {
     recv_scales = arg(recv_scales_t, "intranode_dispatch: recv_scales", scales.none, 2, rows, S, {Dt::kFloat32});
     recv_idx = arg(recv_idx_t, "intranode_dispatch: recv_topk_idx", idx.none, 2, rows, K, {idx_dt});
@@ -291,53 +361,92 @@ void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle
     recv_src = arg(recv_src_t, "intranode_dispatch: recv_src_idx", cached, 1, rows, -1, {Dt::kInt32});
   }
 
-  k::DispatchArgs a;
-  c.fill(a);
-  a.num_tokens = static_cast<int>(T);
-  a.experts_per_rank = experts_per_rank;
-  a.x = x.ptr;
-  a.row_bytes = H * x.dtype->itemsize;
-  a.x_scales = scales.ptr;
-  a.num_scales = static_cast<int>(S);
-  a.topk_idx = idx.ptr;
-  a.idx_is_64 = idx.none || idx.dtype->dt == Dt::kInt64;
-  a.topk_weights = weights.ptr;
-  a.num_topk = static_cast<int>(K);
-  a.is_token_in_rank = in_rank.ptr;
-  a.rank_prefix_matrix = info.ptr;
-  a.send_pos = send_pos.ptr;
-  a.cached = cached;
-  a.recv_x = recv_x.ptr;
-  a.recv_scales = recv_scales.ptr;
-  a.recv_topk_idx = recv_idx.ptr;
-  a.recv_topk_weights = recv_w.ptr;
-  a.recv_src_idx = cached ? 0 : recv_src.ptr;
-  a.num_recv = num_recv;
-  a.num_out_rows = static_cast<int>(rows);
-  a.own_rows = own_rows;
-  a.send_rows = send_rows;
-  a.staging_rows = staging_rows;
-  a.num_sms = num_sms;
-  a.zero_copy = zero_copy;
-  a.entry_published = entry_published;
-  a.judge = judge;
-  a.num_experts = num_experts;
-  if (zero_copy) c.check_in_arena({&recv_x, &recv_scales, &recv_idx, &recv_w, &recv_src});
-  check_dispatch(a);
-  k::intranode_dispatch(a, stream);
-  // A failure inside this call is raised at the next one; until then the outputs say so.
-  const uint64_t x_nan = x.dtype->nan;
-  const uint64_t f32_nan = repeat(0x7FC00000u, 4);
-  poison(c, stream,
-         {{&recv_x, x_nan}, {&recv_scales, f32_nan}, {&recv_idx, kMinusOne}, {&recv_w, 0}, {&recv_src, kMinusOne}});
+  dispatch_launch(c, stream, x, scales, idx, weights, in_rank, info, send_pos, recv_x, recv_scales, recv_idx, recv_w,
+                  recv_src, rows, cached, num_sms, experts_per_rank, num_recv, own_rows, send_rows, staging_rows,
+                  zero_copy, entry_published, judge, num_experts);
 }
 
-// The pipelined combine kernel, then the poison fold of its outputs. Returns whether this rank
-// combined in place (peers read its x in its arena).
-bool combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle weights_t, py::handle bias0_t,
+// DLPack (code, bits) of recv_x's dtype as the receive arena makes it (FP8 rows as uint8).
+std::pair<int, int> dlpack_dtype(Dt dt, int itemsize) {
+  switch (dt) {
+    case Dt::kBFloat16:
+      return {4, 16};
+    case Dt::kFloat16:
+    case Dt::kFloat32:
+      return {2, 8 * itemsize};
+    default:
+      return {1, 8 * itemsize};
+  }
+}
+
+// A zero-copy dispatch whose output rows are known before notify (`rows`: num_worst_tokens of a
+// sync-free call, or the launch-ahead bound of an exact one) in one call: the status word, the
+// capture state and the staging size are looked at, one receive-arena block is reserved for the
+// outputs and the handle's send_pos and info, then notify and the dispatch kernel are launched
+// on `stream`. Returns the RecvReservation (its tensors are made after this), or None when the
+// call must take the step-by-step path: the status word is set (that path raises it), the
+// stream is being captured, the staging does not hold `rows`, or the block does not fit.
+// `sync_free`: rows is num_worst_tokens (else an exact call with launch-ahead, judged by its
+// kernel, its counts read back by intranode_read_counts).
+py::object dispatch_begin(const Context& c, intptr_t stream, py::handle arena, intptr_t use_stream, py::handle x_t,
+                          py::handle scales_t, py::handle idx_t, py::handle weights_t, py::handle in_rank_t,
+                          py::handle per_rank_t, py::handle per_expert_t, int num_sms, int experts_per_rank,
+                          int expert_alignment, int num_experts, int rows, bool sync_free, int64_t header) {
+  c.check("intranode_dispatch_begin");
+  const volatile int64_t* status = reinterpret_cast<const volatile int64_t*>(c.status);
+  if (status[0] != 0 || arena.is_none() || k::stream_capturing(stream)) return py::none();
+  const int R = c.num_ranks;
+  check_notify_scalars(experts_per_rank, expert_alignment, sync_free ? rows : 0, num_experts);
+  UCCL_EP_CHECK_ARG(rows > 0, "intranode_dispatch_begin: rows=", rows, " must be positive");
+  const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
+                           {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
+  const int64_t T = x.size[0], H = x.size[1];
+  const TensorView scales = arg(scales_t, "intranode_dispatch: x_scales", true, 2, T, -1, {Dt::kFloat32});
+  const int64_t S = scales.none ? 0 : scales.size[1];
+  const TensorView idx = arg(idx_t, "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
+  const int64_t K = idx.none ? 0 : idx.size[1];
+  const TensorView weights = arg(weights_t, "intranode_dispatch: topk_weights", idx.none, 2, T, K, {Dt::kFloat32});
+  const TensorView in_rank = arg(in_rank_t, "intranode_dispatch: is_token_in_rank", false, 2, T, R, {Dt::kBool});
+  const TensorView per_rank = arg(per_rank_t, "intranode_notify: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
+  const TensorView per_expert = arg(per_expert_t, "intranode_notify: num_tokens_per_expert", experts_per_rank == 0, 1,
+                                    int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
+  // Staging for `rows` (a launch-ahead bound is sized with 8-byte ids, as every rank decides
+  // alike from what the call header makes equal).
+  const int idx_size = idx.none || !sync_free ? 8 : idx.dtype->itemsize;
+  if (k::dispatch_staging_bytes(rows, H * x.dtype->itemsize, static_cast<int>(S), static_cast<int>(K), idx_size) >
+      c.buffer_bytes)
+    return py::none();
+  const auto [code, bits] = dlpack_dtype(x.dtype->dt, x.dtype->itemsize);
+  const int64_t num_info = int64_t{R} * R + experts_per_rank;
+  ReservedOutputs res;
+  py::object reservation =
+      reserve_outputs(arena, rows, H, code, bits, S, K, idx.none ? 64 : 8 * idx.dtype->itemsize,
+                      ReserveAux{T, R, num_info}, stream, use_stream, &res);
+  if (reservation.is_none()) return reservation;
+  const views::DtypeInfo* i32 = per_rank.dtype;  // int32 (checked above)
+  const TensorView send_pos = placed(res.send_pos, T, R, i32);
+  const TensorView info = placed(res.info, num_info, 0, i32);
+  const std::vector<int64_t> entry(res.entry.begin(), res.entry.end());
+  notify_launch(c, stream, per_rank, per_expert, info, in_rank, send_pos, idx, !sync_free, experts_per_rank,
+                expert_alignment, sync_free ? rows : 0, num_experts, header, entry);
+  dispatch_launch(c, stream, x, scales, idx, weights, in_rank, info, send_pos, placed(res.x, rows, H, x.dtype),
+                  placed(res.scales, rows, S, scales.dtype), placed(res.idx, rows, K, idx.dtype),
+                  placed(res.w, rows, K, weights.dtype), placed(res.src, rows, 0, i32), rows, false, num_sms,
+                  experts_per_rank, rows, -1, -1, rows, true, true, !sync_free, num_experts);
+  return reservation;
+}
+
+// The pipelined combine kernel, then the poison fold of its outputs. Returns kCombinedInPlace
+// when this rank combined in place (peers read its x in its arena), plus kCombineCaptured while
+// `stream` is being captured; kCombineStatusSet, launching nothing, when the status word is set
+// (the caller raises it).
+constexpr int kCombinedInPlace = 1, kCombineCaptured = 2, kCombineStatusSet = -1;
+
+int combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle weights_t, py::handle bias0_t,
                   py::handle bias1_t, py::handle out_t, py::handle out_w_t, py::handle prefix_t, py::handle send_pos_t,
                   int num_recv, int64_t staging_rows, int num_sms, int64_t header) {
   c.check("intranode_combine");
+  if (reinterpret_cast<const volatile int64_t*>(c.status)[0] != 0) return kCombineStatusSet;
   const int R = c.num_ranks;
   const TensorView x = arg(x_t, "intranode_combine: x", false, 2, -1, -1, {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
   const int64_t H = x.size[1];
@@ -392,7 +501,7 @@ bool combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle 
   }
   k::intranode_combine(a, stream);
   poison(c, stream, {{&out, x.dtype->nan}, {&out_w, repeat(0x7FC00000u, 4)}});
-  return a.x_place >= 0;
+  return (a.x_place >= 0 ? kCombinedInPlace : 0) | (k::stream_capturing(stream) ? kCombineCaptured : 0);
 }
 
 // The layout kernel (see k::get_dispatch_layout); sizes come from the views: tokens and top-k
@@ -493,12 +602,24 @@ void bind_intranode_calls(py::module_& m) {
         "the outputs lie in this rank's receive arena and peers write them directly; judge: a launch-ahead call "
         "(launched before the host read its counts) that every rank skips alike when any rank's checks fail or "
         "a rank receives more rows than the outputs hold (num_experts: the id range to check).");
+  m.def("intranode_dispatch_begin", &dispatch_begin,
+        "dispatch_begin(ctx, stream, arena (RecvArenaCore|None), use_stream, x, x_scales|None, topk_idx|None, "
+        "topk_weights|None, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert|None, num_sms, "
+        "experts_per_rank, expert_alignment, num_experts, rows, sync_free, header): a zero-copy dispatch of "
+        "`rows` output rows (num_worst_tokens, or the launch-ahead bound) in one call: one receive-arena block "
+        "for the outputs and the handle's send_pos/info, notify and the dispatch kernel. Returns the "
+        "RecvReservation (tensors: .tensors(rows), .aux()), or None when the status word is set, the stream is "
+        "being captured, the staging or the arena does not hold the rows (take the step-by-step path).");
   m.def("intranode_combine_call", &combine_call,
         "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
         "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "
         "fold of the outputs (NaN when a wait timed out); when the context allows it and x (and topk_weights) "
-        "lie in this rank's receive arena, peers read its rows there and it pushes none (in place); returns "
-        "whether it did.");
+        "lie in this rank's receive arena, peers read its rows there and it pushes none (in place). Returns "
+        "COMBINED_IN_PLACE when it did, plus COMBINE_CAPTURED while the stream is being captured; "
+        "COMBINE_STATUS_SET, launching nothing, when the status word is set (raise it).");
+  m.attr("COMBINED_IN_PLACE") = kCombinedInPlace;
+  m.attr("COMBINE_CAPTURED") = kCombineCaptured;
+  m.attr("COMBINE_STATUS_SET") = kCombineStatusSet;
   m.def("dispatch_layout_call", &layout_call,
         "layout(stream, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank): the layout "
         "kernel into the three output tensors (shared by the intranode and internode backends).");

@@ -116,12 +116,14 @@ struct Managed {
 };
 
 // Byte offsets of a dispatch's outputs inside its block ("-1": absent), and the block size.
+// `send_pos` and `info` (int32) are the handle's tensors of a dispatch launched in one call
+// (intranode_dispatch_begin): [aux_tokens, aux_ranks] and [aux_info]; absent otherwise.
 struct OutputLayout {
-  int64_t x = 0, scales = -1, idx = -1, w = -1, src = -1, end = 0;
+  int64_t x = 0, scales = -1, idx = -1, w = -1, src = -1, send_pos = -1, info = -1, end = 0;
 };
 
 OutputLayout output_layout(int64_t rows, int64_t row_bytes, int64_t num_scales, int64_t num_topk,
-                           int64_t idx_bytes, bool src) {
+                           int64_t idx_bytes, bool src, const ReserveAux& aux = {}) {
   OutputLayout l;
   int64_t at = align_up(rows * row_bytes);
   if (num_scales > 0) {
@@ -138,6 +140,12 @@ OutputLayout output_layout(int64_t rows, int64_t row_bytes, int64_t num_scales, 
     l.src = at;
     at = align_up(at + rows * 4);
   }
+  if (aux.info > 0) {
+    l.send_pos = at;
+    at = align_up(at + aux.tokens * aux.ranks * 4);
+    l.info = at;
+    at = align_up(at + aux.info * 4);
+  }
   l.end = at;
   return l;
 }
@@ -149,9 +157,10 @@ struct Reservation {
   intptr_t at = 0;  // the block's device address
   OutputLayout lay;
   int64_t rows = 0, hidden = 0, num_scales = 0, num_topk = 0;
+  ReserveAux aux;
   DLDataType x_dt{};
   int idx_bits = 64;
-  bool made = false;
+  bool made = false, aux_made = false;
   Reservation() = default;
   Reservation(const Reservation&) = delete;
   Reservation& operator=(const Reservation&) = delete;
@@ -164,6 +173,7 @@ struct Reservation {
   }
   int64_t block_offset() const;
   py::tuple tensors(int64_t rows_made);
+  py::tuple aux_tensors();
 };
 
 class Arena : public std::enable_shared_from_this<Arena> {
@@ -211,13 +221,15 @@ class Arena : public std::enable_shared_from_this<Arena> {
   // not fit.
   std::unique_ptr<Reservation> reserve(int64_t rows, int64_t hidden, int x_code, int x_bits, int64_t num_scales,
                                        int64_t num_topk, int idx_bits, bool with_src, intptr_t stream,
-                                       intptr_t use_stream) {
+                                       intptr_t use_stream, const ReserveAux& aux = {}) {
     UCCL_EP_CHECK_ARG(rows > 0 && hidden > 0 && x_bits % 8 == 0 && x_bits > 0 && num_scales >= 0 &&
-                          num_topk >= 0 && (idx_bits == 32 || idx_bits == 64),
+                          num_topk >= 0 && (idx_bits == 32 || idx_bits == 64) && aux.tokens >= 0 &&
+                          aux.ranks >= 0 && aux.info >= 0,
                       "RecvArenaCore.outputs: rows=", rows, " hidden=", hidden, " x_bits=", x_bits,
-                      " num_scales=", num_scales, " num_topk=", num_topk, " idx_bits=", idx_bits);
+                      " num_scales=", num_scales, " num_topk=", num_topk, " idx_bits=", idx_bits,
+                      " aux tokens=", aux.tokens, " ranks=", aux.ranks, " info=", aux.info);
     const int64_t row_bytes = hidden * (x_bits / 8);
-    const OutputLayout lay = output_layout(rows, row_bytes, num_scales, num_topk, idx_bits / 8, with_src);
+    const OutputLayout lay = output_layout(rows, row_bytes, num_scales, num_topk, idx_bits / 8, with_src, aux);
     const std::optional<int64_t> got = take(lay.end, stream);
     if (!got) return nullptr;
     auto r = std::make_unique<Reservation>();
@@ -237,6 +249,7 @@ class Arena : public std::enable_shared_from_this<Arena> {
     r->hidden = hidden;
     r->num_scales = num_scales;
     r->num_topk = num_topk;
+    r->aux = aux;
     r->x_dt = DLDataType{static_cast<uint8_t>(x_code), static_cast<uint8_t>(x_bits), 1};
     r->idx_bits = idx_bits;
     return r;
@@ -501,11 +514,19 @@ py::tuple Reservation::tensors(int64_t rows_made) {
   return py::make_tuple(x, scales, idx, w, src);
 }
 
+py::tuple Reservation::aux_tensors() {
+  UCCL_EP_CHECK_ARG(lay.info >= 0 && !aux_made,
+                    "RecvReservation.aux: ", lay.info < 0 ? "this block holds no send_pos/info" : "made already");
+  aux_made = true;
+  Arena& a = *block->arena;
+  return py::make_tuple(a.make(block, at + lay.send_pos, aux.tokens, aux.ranks, {0, 32, 1}),
+                        a.make(block, at + lay.info, aux.info, 0, {0, 32, 1}));
+}
+
 }  // namespace
 
-bool reserved_outputs(py::handle h, ReservedOutputs* out) {
-  if (!py::isinstance<Reservation>(h)) return false;
-  const Reservation& r = h.cast<const Reservation&>();
+namespace {
+void describe(const Reservation& r, ReservedOutputs* out) {
   UCCL_EP_CHECK_ARG(r.block != nullptr, "a receive-arena reservation without a block");
   auto at = [&r](int64_t o) { return o < 0 ? intptr_t{0} : r.at + o; };
   out->x = at(r.lay.x);
@@ -518,7 +539,33 @@ bool reserved_outputs(py::handle h, ReservedOutputs* out) {
   out->num_scales = r.lay.scales < 0 ? 0 : r.num_scales;
   out->num_topk = r.lay.idx < 0 ? 0 : r.num_topk;
   out->idx_bytes = r.lay.idx < 0 ? 0 : r.idx_bits / 8;
+  out->send_pos = at(r.lay.send_pos);
+  out->info = at(r.lay.info);
+  const int64_t off = r.block_offset();
+  out->entry = {1,
+                off + r.lay.x,
+                r.lay.scales < 0 ? -1 : off + r.lay.scales,
+                r.lay.idx < 0 ? -1 : off + r.lay.idx,
+                r.lay.w < 0 ? -1 : off + r.lay.w,
+                r.lay.src < 0 ? -1 : off + r.lay.src};
+}
+}  // namespace
+
+bool reserved_outputs(py::handle h, ReservedOutputs* out) {
+  if (!py::isinstance<Reservation>(h)) return false;
+  describe(h.cast<const Reservation&>(), out);
   return true;
+}
+
+py::object reserve_outputs(py::handle core, int64_t rows, int64_t hidden, int x_code, int x_bits, int64_t num_scales,
+                           int64_t num_topk, int idx_bits, const ReserveAux& aux, intptr_t stream, intptr_t use_stream,
+                           ReservedOutputs* out) {
+  Arena& a = core.cast<Arena&>();
+  std::unique_ptr<Reservation> r =
+      a.reserve(rows, hidden, x_code, x_bits, num_scales, num_topk, idx_bits, true, stream, use_stream, aux);
+  if (!r) return py::none();
+  describe(*r, out);
+  return py::cast(std::move(r));
 }
 
 void bind_recv_arena(py::module_& m) {
@@ -529,7 +576,10 @@ void bind_recv_arena(py::module_& m) {
                              "The receive entry words {1, offsets of recv_x, scales, ids, weights, sources}.")
       .def("tensors", &Reservation::tensors, py::arg("rows") = -1,
            "(recv_x, scales, topk_idx, weights, src_idx) viewing the block (once), each of its first `rows` rows "
-           "(-1: all reserved); each keeps the block alive.");
+           "(-1: all reserved); each keeps the block alive.")
+      .def("aux", &Reservation::aux_tensors,
+           "(send_pos [tokens, ranks], info [words]) int32 of a block reserved by intranode_dispatch_begin (once); "
+           "each keeps the block alive.");
   py::class_<Arena, std::shared_ptr<Arena>>(m, "RecvArenaCore",
                                             "The receive arena's block allocator and output factory "
                                             "(bindings/recv_arena.cc).")
@@ -543,16 +593,21 @@ void bind_recv_arena(py::module_& m) {
       .def(
           "reserve",
           [](Arena& a, int64_t rows, int64_t hidden, int x_code, int x_bits, int64_t num_scales, int64_t num_topk,
-             int idx_bits, bool with_src, intptr_t stream, intptr_t use_stream) -> py::object {
-            std::unique_ptr<Reservation> r =
-                a.reserve(rows, hidden, x_code, x_bits, num_scales, num_topk, idx_bits, with_src, stream, use_stream);
+             int idx_bits, bool with_src, intptr_t stream, intptr_t use_stream, int64_t aux_tokens,
+             int64_t aux_ranks, int64_t aux_info) -> py::object {
+            std::unique_ptr<Reservation> r = a.reserve(rows, hidden, x_code, x_bits, num_scales, num_topk, idx_bits,
+                                                       with_src, stream, use_stream,
+                                                       ReserveAux{aux_tokens, aux_ranks, aux_info});
             if (!r) return py::none();
             return py::cast(std::move(r));
           },
           py::arg("rows"), py::arg("hidden"), py::arg("x_code"), py::arg("x_bits"), py::arg("num_scales"),
           py::arg("num_topk"), py::arg("idx_bits"), py::arg("with_src"), py::arg("stream"), py::arg("use_stream"),
+          py::arg("aux_tokens") = 0, py::arg("aux_ranks") = 0, py::arg("aux_info") = 0,
           "As outputs, but a RecvReservation whose tensors are made later (after the launches that fill the "
-          "block: intranode_dispatch_call takes it in place of recv_x), or None when it does not fit.")
+          "block: intranode_dispatch_call takes it in place of recv_x), or None when it does not fit. With "
+          "aux_info > 0 the block also holds a dispatch handle's send_pos [aux_tokens, aux_ranks] and info "
+          "[aux_info] int32 (RecvReservation.aux), as intranode_dispatch_begin reserves it.")
       .def("note_stream", &Arena::note_stream, py::arg("stream"),
            "Record every later block death on `stream` too (besides the streams each block was taken and used "
            "on): memory handed out for one stream that a later call reads on another.")

@@ -769,7 +769,7 @@ def launch_ahead_case(rank: int, world: int) -> dict:
     small, _ = _layer_call(kb, rb, rank, world, seed=90, tokens=64)
     assert be._ahead_rows > 0, "no launch-ahead bound after an exact dispatch"
     del small
-    calls, reruns = be.ahead_calls, be.ahead_reruns
+    calls, reruns, one_call = be.ahead_calls, be.ahead_reruns, be.one_call_dispatches
     poison(kb)
     k, r = _layer_call(kb, rb, rank, world, seed=91, tokens=1024)  # 16x the rows: over
     _check_layer("counts over the bound", k, r)
@@ -801,6 +801,8 @@ def launch_ahead_case(rank: int, world: int) -> dict:
     k, r = _layer_call(kb, rb, rank, world, seed=94, tokens=1024)
     _check_layer("after the rejected launch-ahead call", k, r)
     assert be.ahead_calls == calls + 2, (be.ahead_calls, calls)
+    # Every launch-ahead call (the rejected one too) was launched by one binding call.
+    assert be.one_call_dispatches - one_call == 4, (be.one_call_dispatches, one_call)
     del k, r
     # Off on the last rank only: off for the group.
     _drop_case_buffers()

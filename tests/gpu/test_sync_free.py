@@ -88,12 +88,15 @@ def sync_free_case(rank: int, world: int, params: dict) -> int:
     rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
 
     poison(kb)
+    one_call = kb._backend.one_call_dispatches
     kout = dispatch(kb, x_in, klay, idx, w, **kw)
     rout = dispatch(rb, x_in, rlay, idx, w, **kw)
     krx, kidx, kw_, kcounts, kh, _ = kout
     rrx, ridx, rw_, rcounts, rh, _ = rout
-    # The path under test was taken: outputs in the arena (zero-copy) or torch's (staged).
+    # The path under test was taken: outputs in the arena (zero-copy, launched by one binding
+    # call) or torch's (staged, step by step).
     assert in_arena(kb, krx[0] if params.get("fp8") else krx) == arena
+    assert kb._backend.one_call_dispatches == one_call + int(arena)
     assert_recv_same(kout, rout, params.get("fp8", False), count=int(kh.recv_count))
     num_recv = int(kh.recv_count)
     assert kcounts == [] and rcounts == []

@@ -111,6 +111,11 @@ class RecvArena:
         self._core = c.RecvArenaCore(self.base, self.nbytes, device, True)
 
     @property
+    def core(self) -> Any:
+        """The C++ allocator (``_C.RecvArenaCore``) while blocks can be taken, else None."""
+        return self._core if self.enabled and not self._closed else None
+
+    @property
     def ptrs(self) -> list[int]:
         """Every rank's arena as mapped here (own included), or [] when disabled."""
         return self._ipc.ptrs if self._ipc is not None else []

@@ -20,7 +20,7 @@ from uccl_ep_megatron.backends.base import (
     Layout,
     Topology,
 )
-from uccl_ep_megatron.backends.intranode.arena import RecvArena
+from uccl_ep_megatron.backends.intranode.arena import RecvArena, RecvOutputs
 from uccl_ep_megatron.backends.intranode.launch import (
     as_int32,
     launch_layout,
@@ -182,6 +182,8 @@ class KernelsBackend(Backend):
         self.ahead_calls = 0  # exact dispatches served by launch-ahead
         self.ahead_reruns = 0  # launch-ahead calls that ran again with exact sizes
         self.combine_in_place_calls = 0  # combines whose x peers read in this rank's arena
+        # Dispatches launched by one binding call (intranode_dispatch_begin; see dispatch).
+        self.one_call_dispatches = 0
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -302,6 +304,13 @@ class KernelsBackend(Backend):
             error.add_note(f"uccl_ep: could not tell the peers ({exc}); they will time out")
 
     def _check_status(self) -> None:
+        self._check_usable()
+        words = self._c.host_status_read(self._status)
+        if words[0]:
+            raise self._status_error(*words)
+
+    def _check_usable(self) -> None:
+        """Raise when this backend was destroyed or this rank aborted a call (host flags)."""
         if self._destroyed:
             raise UcclEpError("the kernels backend was destroyed; create a new Buffer")
         if self._aborted is not None:
@@ -309,9 +318,6 @@ class KernelsBackend(Backend):
                 f"rank {self.topology.rank} rejected {self._aborted} and told its peers to stop; "
                 "the group's calls no longer match, so this Buffer is unusable: create a new one"
             )
-        words = self._c.host_status_read(self._status)
-        if words[0]:
-            raise self._status_error(*words)
 
     def _status_error(self, code: int, a: int, b: int, extra: int) -> UcclEpError:
         """The exception the status words describe (``status.status_error``)."""
@@ -338,10 +344,10 @@ class KernelsBackend(Backend):
 
     # ---- dispatch -----------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        self._check_status()
+        # The status word is read by intranode_dispatch_begin, or below on the other path.
+        self._check_usable()
         c = self._c
-        topo = self.topology
-        rank, num_ranks = topo.rank, topo.num_ranks
+        num_ranks = self.topology.num_ranks
         x = args.x.contiguous()
         num_tokens, hidden = x.shape
         dev = x.device
@@ -359,6 +365,70 @@ class KernelsBackend(Backend):
                 f"{c.KERNELS_MAX_LOCAL_EXPERTS}; use the reference backend"
             )
         worst = args.num_worst_tokens
+        per_expert = None if cached is not None else as_int32(args.num_tokens_per_expert)
+        # The call header every rank must agree on: read back with the counts (exact mode),
+        # judged by notify (sync-free) or compared with its barrier (cached dispatch).
+        header = self._header(dtype, hidden, num_scales, num_topk, num_experts)
+        kind = "cached dispatch" if cached is not None else "dispatch"
+        self._last_call = (kind, dtype, hidden, num_scales)
+        ahead = self._ahead_rows if worst == 0 and cached is None else 0
+        core = self.recv_arena.core
+        if (worst > 0 or ahead > 0) and cached is None and core is not None:
+            # Rows known before notify (sync-free, launch-ahead): one binding call looks at the
+            # status word, the capture state and the staging size, reserves the block (outputs,
+            # send_pos, info) and launches notify and the dispatch kernel. None: take the
+            # step-by-step path below (it raises a set status word, handles a capture, grows
+            # the staging or goes staged), which decides exactly as this call would have.
+            stream = self._stream()
+            ctx = self._context()
+            weights = None if topk_idx is None else args.topk_weights
+            reserved = c.intranode_dispatch_begin(
+                ctx,
+                stream,
+                core,
+                self.caller_stream or stream,
+                x,
+                scales,
+                topk_idx,
+                weights,
+                args.is_token_in_rank,
+                as_int32(args.num_tokens_per_rank),
+                per_expert,
+                args.config.num_sms,
+                experts_per_rank,
+                args.expert_alignment,
+                num_experts,
+                worst or ahead,
+                worst > 0,
+                header,
+            )
+            if reserved is not None:
+                self.one_call_dispatches += 1
+                send_pos, info = reserved.aux()
+                launch = _Launch(
+                    ctx,
+                    stream,
+                    x,
+                    scales,
+                    topk_idx,
+                    weights,
+                    args.is_token_in_rank,
+                    info,
+                    send_pos,
+                    False,
+                    args.config.num_sms,
+                    experts_per_rank,
+                    num_experts,
+                )
+                outs = RecvOutputs(None, True, [], reserved, dtype)
+                if worst > 0:
+                    return self._dispatch_result(launch, outs.made(), [], None, worst, worst, True)
+                result = self._ahead_result(launch, outs, ahead)
+                if result is not None:
+                    return result
+                self._notify(launch, args, per_expert, 0, header, None)
+                return self._exact(launch, args, None)
+        self._check_status()
         capturing = self._capturing()
         if capturing and worst == 0:
             raise UnsupportedError(
@@ -375,11 +445,9 @@ class KernelsBackend(Backend):
         # Launch-ahead (exact calls): outputs and staging for the bound every rank holds alike,
         # without growing the buffer (a regrow is collective and synchronizes). Every rank must
         # decide alike, so from what the call header makes equal: ids sized as int64.
-        ahead = 0
-        if worst == 0 and cached is None and self._ahead_rows > 0:
-            bound = self._ahead_rows
-            need = c.dispatch_staging_bytes(bound, row_bytes, num_scales, num_topk, 8)
-            ahead = bound if need <= self._buffer_bytes else 0
+        if ahead > 0:
+            need = c.dispatch_staging_bytes(ahead, row_bytes, num_scales, num_topk, 8)
+            ahead = ahead if need <= self._buffer_bytes else 0
         stream = self._stream()
         # Sync-free and launch-ahead calls know their output sizes now: their outputs exist
         # before notify, which hands their place (the receive entry) to every peer with the
@@ -397,18 +465,12 @@ class KernelsBackend(Backend):
             entry = outs.entry
         if cached is None:
             send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
-            per_expert = as_int32(args.num_tokens_per_expert)
         else:
-            send_pos, per_expert = cached.state.send_pos, None
+            send_pos = cached.state.send_pos
         # [rank_prefix_matrix (R*R) | aligned received rows per local expert]: the handle's
         # rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it.
         nrr = num_ranks * num_ranks
         info = torch.empty(nrr + experts_per_rank, dtype=torch.int32, device=dev)
-        # The call header every rank must agree on: read back with the counts (exact mode),
-        # judged by notify (sync-free) or compared with its barrier (cached dispatch).
-        header = self._header(dtype, hidden, num_scales, num_topk, num_experts)
-        kind = "cached dispatch" if cached is not None else "dispatch"
-        self._last_call = (kind, dtype, hidden, num_scales)
         launch = _Launch(
             self._context(),
             stream,
@@ -425,76 +487,102 @@ class KernelsBackend(Backend):
             num_experts,
         )
         self._notify(launch, args, per_expert, worst, header, entry)
-        expert_counts: list[int] = []
-        prefix_host: tuple[int, ...] | None = None
         if ahead > 0:
             # The data kernel goes now, right behind notify; it judges every rank's checks and
             # counts itself and skips the call on every rank alike when they fail or a rank
             # receives more than `ahead` rows. The host reads the counts while it runs.
             self._launch(launch, outs, ahead, -1, -1, ahead, True, judge=True)
-            prefix_host, expert_counts = self._read_counts(launch, nrr)
-            num_recv, _, _, _, combine_rows = c.intranode_exact_rows(prefix_host, rank, num_ranks)
-            if self._note_counts(prefix_host) <= ahead:
-                self.ahead_calls += 1
-                if outs.tensors is None:  # reserved: tensors of exactly the received rows
-                    tensors = outs.made(num_recv)
-                else:  # staged (the arena was full): views of them
-                    tensors = tuple(None if t is None else t[:num_recv] for t in outs.tensors)
-                return self._dispatch_result(
-                    launch,
-                    tensors,
-                    expert_counts,
-                    prefix_host,
-                    num_recv,
-                    combine_rows,
-                    outs.zero_copy,
-                )
-            # Some rank receives more: every rank holds the same matrix, so every data kernel
-            # skipped the call and every rank runs it again here with exact sizes.
-            self.ahead_reruns += 1
-            outs = entry = None
+            result = self._ahead_result(launch, outs, ahead)
+            if result is not None:
+                return result
             self._notify(launch, args, per_expert, 0, header, None)
+            return self._exact(launch, args, None)
         if worst > 0:
-            rows_out = num_recv = staging_rows = combine_rows = worst
-            own_rows = send_rows = -1
-        else:
+            self._launch(launch, outs, worst, -1, -1, worst, entry is not None)
             if cached is not None:
-                prefix_host = cached.state.prefix_host
-            else:
-                # The one host sync (output sizes depend on it); every rank's checks ride along.
-                prefix_host, expert_counts = self._read_counts(launch, nrr)
-                self._note_counts(prefix_host)
-            num_recv, staging_rows, own_rows, send_rows, combine_rows = c.intranode_exact_rows(
-                prefix_host, rank, num_ranks
+                return self._cached_result(cached, outs, worst)
+            return self._dispatch_result(
+                launch, outs.made(), [], None, worst, worst, outs.zero_copy
             )
-            rows_out = num_recv
-            need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
-            # Every rank holds the same prefix matrix, so all decide the same here.
-            self._fit(
-                need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes", False
-            )
-            launch.ctx = self._context()  # a regrow replaced the buffers
+        return self._exact(launch, args, outs)
 
-        if outs is None:
-            outs = self._outputs(rows_out, x, num_scales, topk_idx, cached_src, False, stream)
-        self._launch(launch, outs, num_recv, own_rows, send_rows, staging_rows, entry is not None)
-        if cached is not None:
-            recv_x, recv_scales, _, _, recv_src = outs.tensors
-            return DispatchResult(
-                recv_x,
-                recv_scales,
-                None,
-                None,
-                [],
-                cached.rank_prefix_matrix,
-                recv_src,
-                num_recv,
-                cached.state,
-                arena=outs.zero_copy,
-            )
-        tensors = outs.made()  # a sync-free call's reserved block: all its rows
+    def _ahead_result(self, launch: _Launch, outs: Any, ahead: int) -> DispatchResult | None:
+        """A launch-ahead call's result once the host has read its counts, or None when some
+        rank receives more than ``ahead`` rows: every rank holds the same matrix, so every data
+        kernel skipped the call and every rank runs it again with exact sizes (``_exact``,
+        after notify again)."""
+        c = self._c
+        rank, num_ranks = self.topology.rank, self.topology.num_ranks
+        prefix_host, expert_counts = self._read_counts(launch, num_ranks * num_ranks)
+        num_recv, _, _, _, combine_rows = c.intranode_exact_rows(prefix_host, rank, num_ranks)
+        if self._note_counts(prefix_host) > ahead:
+            self.ahead_reruns += 1
+            return None
+        self.ahead_calls += 1
+        if outs.tensors is None:  # reserved: tensors of exactly the received rows
+            tensors = outs.made(num_recv)
+        else:  # staged (the arena was full): views of them
+            tensors = tuple(None if t is None else t[:num_recv] for t in outs.tensors)
         return self._dispatch_result(
             launch, tensors, expert_counts, prefix_host, num_recv, combine_rows, outs.zero_copy
+        )
+
+    def _exact(self, launch: _Launch, args: DispatchArgs, outs: Any) -> DispatchResult:
+        """An exact-size dispatch after its notify: the counts read back (the one host sync;
+        a cached dispatch has them in its handle), then outputs of exactly the received rows
+        (``outs`` when made already) and the data kernel."""
+        c = self._c
+        rank, num_ranks = self.topology.rank, self.topology.num_ranks
+        cached = args.cached
+        x = launch.x
+        num_scales = 0 if launch.scales is None else launch.scales.shape[1]
+        topk_idx = launch.topk_idx
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        row_bytes = x.shape[1] * x.element_size()
+        idx_size = topk_idx.element_size() if topk_idx is not None else 8
+        expert_counts: list[int] = []
+        if cached is not None:
+            prefix_host = cached.state.prefix_host
+        else:
+            # The one host sync (output sizes depend on it); every rank's checks ride along.
+            prefix_host, expert_counts = self._read_counts(launch, num_ranks * num_ranks)
+            self._note_counts(prefix_host)
+        num_recv, staging_rows, own_rows, send_rows, combine_rows = c.intranode_exact_rows(
+            prefix_host, rank, num_ranks
+        )
+        need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
+        # Every rank holds the same prefix matrix, so all decide the same here.
+        self._fit(
+            need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes", False
+        )
+        launch.ctx = self._context()  # a regrow replaced the buffers
+        cached_src = None if cached is None else cached.recv_src_idx
+        if outs is None:
+            outs = self._outputs(
+                num_recv, x, num_scales, topk_idx, cached_src, False, launch.stream
+            )
+        self._launch(launch, outs, num_recv, own_rows, send_rows, staging_rows, False)
+        if cached is not None:
+            return self._cached_result(cached, outs, num_recv)
+        return self._dispatch_result(
+            launch, outs.made(), expert_counts, prefix_host, num_recv, combine_rows, outs.zero_copy
+        )
+
+    @staticmethod
+    def _cached_result(cached: DispatchHandle, outs: Any, num_recv: int) -> DispatchResult:
+        """A cached dispatch's result: its rows (and FP8 scales), the handle's layout."""
+        recv_x, recv_scales, _, _, recv_src = outs.tensors
+        return DispatchResult(
+            recv_x,
+            recv_scales,
+            None,
+            None,
+            [],
+            cached.rank_prefix_matrix,
+            recv_src,
+            num_recv,
+            cached.state,
+            arena=outs.zero_copy,
         )
 
     def _notify(
@@ -659,12 +747,14 @@ class KernelsBackend(Backend):
         bias: tuple[torch.Tensor, ...],
         config: Config,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self._check_status()
+        # The status word is read by intranode_combine_call (or here after a bad argument).
+        self._check_usable()
         c = self._c
         num_tokens = handle.is_token_in_rank.shape[0]
         try:
             t = prepare_combine(x, topk_weights, bias, num_tokens, "the kernels backend")
         except UcclEpError as exc:
+            self._check_status()  # an earlier call's failure is raised first
             self.abort_peers("combine", exc)
             raise
         x, hidden = t.x, t.x.shape[1]
@@ -673,18 +763,20 @@ class KernelsBackend(Backend):
         staging_rows = state.combine_rows
         row_bytes = hidden * x.element_size()
         need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
-        self._fit(
-            need,
-            f"combine of up to {staging_rows} returned rows of {row_bytes} bytes",
-            self._capturing(),
-        )
+        if need > self._buffer_bytes:
+            self._check_status()
+            self._fit(
+                need,
+                f"combine of up to {staging_rows} returned rows of {row_bytes} bytes",
+                self._capturing(),
+            )
         biases = t.biases
         num_bias = len(biases)
         extra = f"topk_weights columns={num_topk}, biases={num_bias}"
         self._last_call = ("combine", x.dtype, hidden, 0, extra)
         # Rows of x to return: the received count, or its bound in sync-free mode (the kernels
         # read the real count from the device matrix).
-        self.combine_in_place_calls += c.intranode_combine_call(
+        done = c.intranode_combine_call(
             self._context(),
             self._stream(),
             x,
@@ -701,6 +793,12 @@ class KernelsBackend(Backend):
             # pack_combine_header's word: weights' columns as top-k, biases as experts.
             self._header(x.dtype, hidden, 0, num_topk, num_bias),
         )
+        if done == c.COMBINE_STATUS_SET:  # nothing was launched
+            self._check_status()
+            raise UcclEpError(f"rank {self.topology.rank}: the status word was set, then cleared")
+        if done & c.COMBINE_CAPTURED:
+            self._captured = True  # its kernels hold the buffer addresses: no regrow from now
+        self.combine_in_place_calls += done & c.COMBINED_IN_PLACE
         return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
