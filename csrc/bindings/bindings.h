@@ -39,10 +39,10 @@ bool reserved_outputs(pybind11::handle h, ReservedOutputs* out);
 struct ReserveAux {
   int64_t tokens = 0, ranks = 0, info = 0;
 };
-// A reservation (`RecvReservation`, with source indices and `aux`) of `core` (a
-// `RecvArenaCore`) for `rows` rows, its places in `out`; None when it does not fit.
+// A reservation (`RecvReservation`, with `aux`) of `core` (a `RecvArenaCore`) for `rows` rows,
+// its places in `out`; None when it does not fit.
 pybind11::object reserve_outputs(pybind11::handle core, int64_t rows, int64_t hidden, int x_code, int x_bits,
-                                 int64_t num_scales, int64_t num_topk, int idx_bits, const ReserveAux& aux,
-                                 intptr_t stream, intptr_t use_stream, ReservedOutputs* out);
+                                 int64_t num_scales, int64_t num_topk, int idx_bits, bool with_src,
+                                 const ReserveAux& aux, intptr_t stream, intptr_t use_stream, ReservedOutputs* out);
 
 }  // namespace uccl_ep::bindings

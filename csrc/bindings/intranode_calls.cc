@@ -379,25 +379,32 @@ std::pair<int, int> dlpack_dtype(Dt dt, int itemsize) {
   }
 }
 
-// A zero-copy dispatch whose output rows are known before notify (`rows`: num_worst_tokens of a
-// sync-free call, or the launch-ahead bound of an exact one) in one call: the status word, the
+// A zero-copy dispatch whose output rows are known before notify, in one call: `rows` is
+// num_worst_tokens (`sync_free`), the launch-ahead bound of an exact call (judged by its kernel,
+// its counts read back by intranode_read_counts), or a cached dispatch's received rows (from its
+// handle: `cached_send_pos` is the handle's send_pos, None otherwise). The status word, the
 // capture state and the staging size are looked at, one receive-arena block is reserved for the
-// outputs and the handle's send_pos and info, then notify and the dispatch kernel are launched
-// on `stream`. Returns the RecvReservation (its tensors are made after this), or None when the
-// call must take the step-by-step path: the status word is set (that path raises it), the
-// stream is being captured, the staging does not hold `rows`, or the block does not fit.
-// `sync_free`: rows is num_worst_tokens (else an exact call with launch-ahead, judged by its
-// kernel, its counts read back by intranode_read_counts).
+// outputs and the handle's send_pos and info (a cached dispatch: info only; its source indices
+// are the handle's), then notify and the dispatch kernel are launched on `stream`. Returns the
+// RecvReservation (its tensors are made after this), or None when the call must take the
+// step-by-step path: the status word is set (that path raises it), the stream is being
+// captured, the staging does not hold `staging_rows`, or the block does not fit. own_rows,
+// send_rows, staging_rows: see k::DispatchArgs (-1, -1, rows unless an exact cached call).
 py::object dispatch_begin(const Context& c, intptr_t stream, py::handle arena, intptr_t use_stream, py::handle x_t,
                           py::handle scales_t, py::handle idx_t, py::handle weights_t, py::handle in_rank_t,
-                          py::handle per_rank_t, py::handle per_expert_t, int num_sms, int experts_per_rank,
-                          int expert_alignment, int num_experts, int rows, bool sync_free, int64_t header) {
+                          py::handle per_rank_t, py::handle per_expert_t, py::handle cached_send_pos_t, int num_sms,
+                          int experts_per_rank, int expert_alignment, int num_experts, int rows, bool sync_free,
+                          int own_rows, int64_t send_rows, int64_t staging_rows, int64_t header) {
   c.check("intranode_dispatch_begin");
   const volatile int64_t* status = reinterpret_cast<const volatile int64_t*>(c.status);
   if (status[0] != 0 || arena.is_none() || k::stream_capturing(stream)) return py::none();
   const int R = c.num_ranks;
+  const bool cached = !cached_send_pos_t.is_none();
+  const bool judge = !sync_free && !cached;  // launch-ahead
   check_notify_scalars(experts_per_rank, expert_alignment, sync_free ? rows : 0, num_experts);
-  UCCL_EP_CHECK_ARG(rows > 0, "intranode_dispatch_begin: rows=", rows, " must be positive");
+  UCCL_EP_CHECK_ARG(rows > 0 && staging_rows >= rows && (cached || (own_rows == -1 && send_rows == -1)),
+                    "intranode_dispatch_begin: rows=", rows, " own_rows=", own_rows, " send_rows=", send_rows,
+                    " staging_rows=", staging_rows);
   const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
                            {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
   const int64_t T = x.size[0], H = x.size[1];
@@ -405,34 +412,36 @@ py::object dispatch_begin(const Context& c, intptr_t stream, py::handle arena, i
   const int64_t S = scales.none ? 0 : scales.size[1];
   const TensorView idx = arg(idx_t, "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
   const int64_t K = idx.none ? 0 : idx.size[1];
+  UCCL_EP_CHECK_ARG(!cached || idx.none, "intranode_dispatch_begin: a cached dispatch takes no topk_idx");
   const TensorView weights = arg(weights_t, "intranode_dispatch: topk_weights", idx.none, 2, T, K, {Dt::kFloat32});
   const TensorView in_rank = arg(in_rank_t, "intranode_dispatch: is_token_in_rank", false, 2, T, R, {Dt::kBool});
   const TensorView per_rank = arg(per_rank_t, "intranode_notify: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
   const TensorView per_expert = arg(per_expert_t, "intranode_notify: num_tokens_per_expert", experts_per_rank == 0, 1,
                                     int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
-  // Staging for `rows` (a launch-ahead bound is sized with 8-byte ids, as every rank decides
-  // alike from what the call header makes equal).
-  const int idx_size = idx.none || !sync_free ? 8 : idx.dtype->itemsize;
-  if (k::dispatch_staging_bytes(rows, H * x.dtype->itemsize, static_cast<int>(S), static_cast<int>(K), idx_size) >
-      c.buffer_bytes)
+  const TensorView handle_send_pos =
+      arg(cached_send_pos_t, "intranode_dispatch: send_pos", true, 2, T, R, {Dt::kInt32});
+  // Staging for `staging_rows` (a launch-ahead bound is sized with 8-byte ids, as every rank
+  // decides alike from what the call header makes equal).
+  const int idx_size = idx.none || judge ? 8 : idx.dtype->itemsize;
+  if (k::dispatch_staging_bytes(staging_rows, H * x.dtype->itemsize, static_cast<int>(S), static_cast<int>(K),
+                                idx_size) > c.buffer_bytes)
     return py::none();
   const auto [code, bits] = dlpack_dtype(x.dtype->dt, x.dtype->itemsize);
   const int64_t num_info = int64_t{R} * R + experts_per_rank;
   ReservedOutputs res;
-  py::object reservation =
-      reserve_outputs(arena, rows, H, code, bits, S, K, idx.none ? 64 : 8 * idx.dtype->itemsize,
-                      ReserveAux{T, R, num_info}, stream, use_stream, &res);
+  py::object reservation = reserve_outputs(arena, rows, H, code, bits, S, K, idx.none ? 64 : 8 * idx.dtype->itemsize,
+                                           !cached, ReserveAux{cached ? 0 : T, R, num_info}, stream, use_stream, &res);
   if (reservation.is_none()) return reservation;
   const views::DtypeInfo* i32 = per_rank.dtype;  // int32 (checked above)
-  const TensorView send_pos = placed(res.send_pos, T, R, i32);
+  const TensorView send_pos = cached ? handle_send_pos : placed(res.send_pos, T, R, i32);
   const TensorView info = placed(res.info, num_info, 0, i32);
   const std::vector<int64_t> entry(res.entry.begin(), res.entry.end());
-  notify_launch(c, stream, per_rank, per_expert, info, in_rank, send_pos, idx, !sync_free, experts_per_rank,
-                expert_alignment, sync_free ? rows : 0, num_experts, header, entry);
+  notify_launch(c, stream, per_rank, per_expert, info, in_rank, cached ? TensorView{} : send_pos, idx, judge,
+                experts_per_rank, expert_alignment, sync_free ? rows : 0, num_experts, header, entry);
   dispatch_launch(c, stream, x, scales, idx, weights, in_rank, info, send_pos, placed(res.x, rows, H, x.dtype),
                   placed(res.scales, rows, S, scales.dtype), placed(res.idx, rows, K, idx.dtype),
-                  placed(res.w, rows, K, weights.dtype), placed(res.src, rows, 0, i32), rows, false, num_sms,
-                  experts_per_rank, rows, -1, -1, rows, true, true, !sync_free, num_experts);
+                  placed(res.w, rows, K, weights.dtype), placed(res.src, rows, 0, i32), rows, cached, num_sms,
+                  experts_per_rank, rows, own_rows, send_rows, staging_rows, true, true, judge, num_experts);
   return reservation;
 }
 
@@ -604,12 +613,14 @@ void bind_intranode_calls(py::module_& m) {
         "a rank receives more rows than the outputs hold (num_experts: the id range to check).");
   m.def("intranode_dispatch_begin", &dispatch_begin,
         "dispatch_begin(ctx, stream, arena (RecvArenaCore|None), use_stream, x, x_scales|None, topk_idx|None, "
-        "topk_weights|None, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert|None, num_sms, "
-        "experts_per_rank, expert_alignment, num_experts, rows, sync_free, header): a zero-copy dispatch of "
-        "`rows` output rows (num_worst_tokens, or the launch-ahead bound) in one call: one receive-arena block "
-        "for the outputs and the handle's send_pos/info, notify and the dispatch kernel. Returns the "
-        "RecvReservation (tensors: .tensors(rows), .aux()), or None when the status word is set, the stream is "
-        "being captured, the staging or the arena does not hold the rows (take the step-by-step path).");
+        "topk_weights|None, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert|None, "
+        "cached_send_pos|None, num_sms, experts_per_rank, expert_alignment, num_experts, rows, sync_free, "
+        "own_rows, send_rows, staging_rows, header): a zero-copy dispatch of `rows` output rows "
+        "(num_worst_tokens, the launch-ahead bound, or a cached dispatch's received rows) in one call: one "
+        "receive-arena block for the outputs and the handle's send_pos/info (info only when cached), notify "
+        "and the dispatch kernel. Returns the RecvReservation (tensors: .tensors(rows), .aux()), or None when "
+        "the status word is set, the stream is being captured, the staging or the arena does not hold the "
+        "rows (take the step-by-step path).");
   m.def("intranode_combine_call", &combine_call,
         "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
         "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "

@@ -558,11 +558,11 @@ bool reserved_outputs(py::handle h, ReservedOutputs* out) {
 }
 
 py::object reserve_outputs(py::handle core, int64_t rows, int64_t hidden, int x_code, int x_bits, int64_t num_scales,
-                           int64_t num_topk, int idx_bits, const ReserveAux& aux, intptr_t stream, intptr_t use_stream,
-                           ReservedOutputs* out) {
+                           int64_t num_topk, int idx_bits, bool with_src, const ReserveAux& aux, intptr_t stream,
+                           intptr_t use_stream, ReservedOutputs* out) {
   Arena& a = core.cast<Arena&>();
   std::unique_ptr<Reservation> r =
-      a.reserve(rows, hidden, x_code, x_bits, num_scales, num_topk, idx_bits, true, stream, use_stream, aux);
+      a.reserve(rows, hidden, x_code, x_bits, num_scales, num_topk, idx_bits, with_src, stream, use_stream, aux);
   if (!r) return py::none();
   describe(*r, out);
   return py::cast(std::move(r));

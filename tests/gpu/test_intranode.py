@@ -148,9 +148,14 @@ def case(rank: int, world: int, params: dict) -> int:
     # Cached dispatch of a new x with the same layout.
     x2 = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     poison(kb)
+    one_call = kb._backend.one_call_dispatches
     kc = kb.dispatch(x2, handle=kh, config=config)[0]
     rc = rb.dispatch(x2, handle=rh, config=config)[0]
     assert_same("cached recv_x", kc[:got], rc[:got])
+    # A zero-copy cached dispatch of received rows is launched by one binding call.
+    if arena and kh.num_recv_tokens > 0:
+        assert kb._backend.one_call_dispatches == one_call + 1
+        assert in_arena(kb, kc)
 
     if params.get("fp8"):
         return kh.num_recv_tokens
@@ -771,9 +776,12 @@ def launch_ahead_case(rank: int, world: int) -> dict:
     del small
     calls, reruns, one_call = be.ahead_calls, be.ahead_reruns, be.one_call_dispatches
     poison(kb)
+    live = be.recv_arena.live_blocks()
     k, r = _layer_call(kb, rb, rank, world, seed=91, tokens=1024)  # 16x the rows: over
     _check_layer("counts over the bound", k, r)
     assert (be.ahead_calls, be.ahead_reruns) == (calls, reruns + 1), (be.ahead_calls, calls)
+    # The bound's block went back when the call ran again: only the exact outputs' is held.
+    assert be.recv_arena.live_blocks() == live + 1, (be.recv_arena.live_blocks(), live)
     poison(kb)
     k, r = _layer_call(kb, rb, rank, world, seed=92, tokens=1024)  # same size: within
     _check_layer("counts within the bound", k, r)

@@ -120,7 +120,9 @@ def sync_free_case(rank: int, world: int, params: dict) -> int:
     if not params.get("fp8"):
         x2_in = (x.float() * 2 - 1).to(torch.bfloat16)
     poison(kb)
+    one_call = kb._backend.one_call_dispatches
     kc = kb.dispatch(x2_in, handle=kh)[0]
+    assert kb._backend.one_call_dispatches == one_call + int(arena)
     rc = rb.dispatch(x2_in, handle=rh)[0]
     if params.get("fp8"):
         assert_same("cached recv_x", kc[0][:num_recv], rc[0][:num_recv])

@@ -373,12 +373,20 @@ class KernelsBackend(Backend):
         self._last_call = (kind, dtype, hidden, num_scales)
         ahead = self._ahead_rows if worst == 0 and cached is None else 0
         core = self.recv_arena.core
-        if (worst > 0 or ahead > 0) and cached is None and core is not None:
-            # Rows known before notify (sync-free, launch-ahead): one binding call looks at the
-            # status word, the capture state and the staging size, reserves the block (outputs,
-            # send_pos, info) and launches notify and the dispatch kernel. None: take the
-            # step-by-step path below (it raises a set status word, handles a capture, grows
-            # the staging or goes staged), which decides exactly as this call would have.
+        rows = worst or ahead
+        own_rows = send_rows = -1
+        staging_rows = rows
+        if cached is not None and worst == 0 and core is not None:
+            # An exact cached dispatch: its sizes come from the handle's host matrix.
+            rows, staging_rows, own_rows, send_rows, _ = c.intranode_exact_rows(
+                cached.state.prefix_host, self.topology.rank, num_ranks
+            )
+        if rows > 0 and core is not None:
+            # Rows known before notify (sync-free, launch-ahead, cached): one binding call looks
+            # at the status word, the capture state and the staging size, reserves the block
+            # (outputs, send_pos, info) and launches notify and the dispatch kernel. None: take
+            # the step-by-step path below (it raises a set status word, handles a capture,
+            # grows the staging or goes staged), which decides exactly as this call would have.
             stream = self._stream()
             ctx = self._context()
             weights = None if topk_idx is None else args.topk_weights
@@ -394,14 +402,23 @@ class KernelsBackend(Backend):
                 args.is_token_in_rank,
                 as_int32(args.num_tokens_per_rank),
                 per_expert,
+                None if cached is None else cached.state.send_pos,
                 args.config.num_sms,
                 experts_per_rank,
                 args.expert_alignment,
                 num_experts,
-                worst or ahead,
+                rows,
                 worst > 0,
+                own_rows,
+                send_rows,
+                staging_rows,
                 header,
             )
+            if reserved is not None and cached is not None:
+                self.one_call_dispatches += 1
+                outs = RecvOutputs(None, True, [], reserved, dtype)
+                outs.made()  # its info stays in the block, which the rows keep alive
+                return self._cached_result(cached, outs, rows)
             if reserved is not None:
                 self.one_call_dispatches += 1
                 send_pos, info = reserved.aux()
@@ -426,6 +443,14 @@ class KernelsBackend(Backend):
                 result = self._ahead_result(launch, outs, ahead)
                 if result is not None:
                     return result
+                # Run again with exact sizes (notify writes send_pos and info afresh): into
+                # tensors of their own, so that the bound's block goes back now instead of
+                # living as long as the handle.
+                del send_pos, info, outs, reserved
+                launch.send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
+                launch.info = torch.empty(
+                    num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev
+                )
                 self._notify(launch, args, per_expert, 0, header, None)
                 return self._exact(launch, args, None)
         self._check_status()
@@ -571,7 +596,7 @@ class KernelsBackend(Backend):
     @staticmethod
     def _cached_result(cached: DispatchHandle, outs: Any, num_recv: int) -> DispatchResult:
         """A cached dispatch's result: its rows (and FP8 scales), the handle's layout."""
-        recv_x, recv_scales, _, _, recv_src = outs.tensors
+        recv_x, recv_scales = outs.tensors[:2]
         return DispatchResult(
             recv_x,
             recv_scales,
@@ -579,7 +604,7 @@ class KernelsBackend(Backend):
             None,
             [],
             cached.rank_prefix_matrix,
-            recv_src,
+            cached.recv_src_idx,
             num_recv,
             cached.state,
             arena=outs.zero_copy,
