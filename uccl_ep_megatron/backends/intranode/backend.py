@@ -520,6 +520,7 @@ class KernelsBackend(Backend):
             result = self._ahead_result(launch, outs, ahead)
             if result is not None:
                 return result
+            outs = None  # the bound's block goes back before the exact call takes its own
             self._notify(launch, args, per_expert, 0, header, None)
             return self._exact(launch, args, None)
         if worst > 0:
