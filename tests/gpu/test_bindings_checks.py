@@ -276,3 +276,56 @@ def test_internode_calls_check_their_tensors_before_launch():
     c_in.status_free(st)
     del counters
     _context_alive()
+
+
+def test_dispatch_begin_checks_its_tensors_and_declines_without_launching():
+    # intranode_dispatch_begin (one binding call: arena block, notify and the data kernel)
+    # raises a bad tensor naming it, and returns None, having taken no block and launched
+    # nothing, when the status word is set, there is no arena, the staging does not hold the
+    # rows or the arena is full (the caller then takes the step-by-step path).
+    dev = torch.device("cuda")
+    st = _C.host_status_alloc()
+    nbytes = int(_C.KERNELS_DATA_OFFSET) + (4 << 20)  # staging for the arena's rows and more
+    buf = _C.device_alloc_zeroed(nbytes)
+    arena_bytes = 1 << 20
+    arena = _C.device_alloc_zeroed(arena_bytes)
+    ctx = _C.IntranodeContext(
+        [buf, buf], nbytes, 0, 2, st, 10**9, False, [arena, arena], [arena_bytes, arena_bytes]
+    )
+    core = _C.RecvArenaCore(arena, arena_bytes, torch.cuda.current_device(), True)
+    stream = torch.cuda.current_stream().cuda_stream
+    T, H, K = 4, 64, 2
+    x = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros(T, K, dtype=torch.int64, device=dev)
+    w = torch.zeros(T, K, device=dev)
+    in_rank = torch.zeros(T, 2, dtype=torch.bool, device=dev)
+    per_rank = torch.zeros(2, dtype=torch.int32, device=dev)
+    per_expert = torch.zeros(4, dtype=torch.int32, device=dev)
+
+    def begin(arena_core=core, rows=8, cached=None, **kw):
+        t = dict(x=x, idx=idx, w=w, in_rank=in_rank) | kw
+        return _C.intranode_dispatch_begin(
+            ctx, stream, arena_core, stream, t["x"], None, t["idx"], t["w"], t["in_rank"],
+            per_rank, per_expert, cached, 2, 2, 1, 4, rows, True, -1, -1, rows, 0,
+        )  # fmt: skip
+
+    with pytest.raises(InvalidInputError, match="intranode_dispatch: x has dtype int64"):
+        begin(x=x.long())
+    with pytest.raises(InvalidInputError, match="topk_weights has shape"):
+        begin(w=w[:, :1])
+    with pytest.raises(InvalidInputError, match="is_token_in_rank has shape"):
+        begin(in_rank=in_rank[:, :1])
+    with pytest.raises(InvalidInputError, match="takes no topk_idx"):
+        begin(cached=torch.zeros(T, 2, dtype=torch.int32, device=dev))
+    assert begin(arena_core=None) is None
+    assert begin(rows=1 << 20) is None  # the staging does not hold the rows
+    assert begin(rows=(arena_bytes // (H * 2)) + 1) is None  # the block does not fit
+    _C.host_status_record(st, [1, 0, 0, 0])
+    assert begin() is None  # the status word is set: the step-by-step path raises it
+    assert core.live == 0
+    torch.cuda.synchronize()
+    assert core.close(False)
+    _C.device_free(arena)
+    _C.device_free(buf)
+    _C.host_status_free(st)
+    _context_alive()
