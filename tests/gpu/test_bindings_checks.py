@@ -5,6 +5,8 @@ short must raise ``InvalidInputError``, and the CUDA context must still work aft
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -105,48 +107,61 @@ def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
     _context_alive()
 
 
-def test_dispatch_checks_a_reservation_against_its_call():
-    # A launch-ahead dispatch passes a receive-arena reservation in place of recv_x (its
-    # tensors are made after the launch): one made for other rows, or given to a call that
-    # is not zero-copy, raises before anything is launched.
+# A 2-rank intranode context with receive arenas (both ranks' buffers and arenas are this
+# process's own, so nothing may launch) and a small call's tensors: T tokens of H bf16, K ids.
+T, H, K = 4, 64, 2
+ARENA_BYTES = 1 << 20
+
+
+@pytest.fixture
+def arena_ctx():
     dev = torch.device("cuda")
     st = _C.host_status_alloc()
-    nbytes = int(_C.KERNELS_DATA_OFFSET) + (1 << 20)
+    nbytes = int(_C.KERNELS_DATA_OFFSET) + (4 << 20)  # staging for the arena's rows and more
     buf = _C.device_alloc_zeroed(nbytes)
-    arena_bytes = 1 << 20
-    arena = _C.device_alloc_zeroed(arena_bytes)
-    ctx = _C.IntranodeContext(
-        [buf, buf], nbytes, 0, 2, st, 10**9, False, [arena, arena], [arena_bytes, arena_bytes]
+    arena = _C.device_alloc_zeroed(ARENA_BYTES)
+    ns = SimpleNamespace(
+        st=st,
+        ctx=_C.IntranodeContext(
+            [buf, buf], nbytes, 0, 2, st, 10**9, False, [arena, arena], [ARENA_BYTES] * 2
+        ),
+        core=_C.RecvArenaCore(arena, ARENA_BYTES, torch.cuda.current_device(), True),
+        stream=torch.cuda.current_stream().cuda_stream,
+        x=torch.zeros(T, H, dtype=torch.bfloat16, device=dev),
+        idx=torch.zeros(T, K, dtype=torch.int64, device=dev),
+        w=torch.zeros(T, K, device=dev),
+        in_rank=torch.zeros(T, 2, dtype=torch.bool, device=dev),
     )
-    core = _C.RecvArenaCore(arena, arena_bytes, torch.cuda.current_device(), True)
-    stream = torch.cuda.current_stream().cuda_stream
-    T, H, K = 4, 64, 2
-    x = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
-    idx = torch.zeros(T, K, dtype=torch.int64, device=dev)
-    w = torch.zeros(T, K, device=dev)
-    in_rank = torch.zeros(T, 2, dtype=torch.bool, device=dev)
-    info = torch.zeros(5, dtype=torch.int32, device=dev)
-    send_pos = torch.zeros(T, 2, dtype=torch.int32, device=dev)
-
-    def call(reservation, zero_copy=True):
-        _C.intranode_dispatch_call(
-            ctx, stream, x, None, idx, w, in_rank, info, send_pos, reservation, None, None,
-            None, None, False, 2, 1, 8, -1, -1, 8, zero_copy, True, True, 2,
-        )  # fmt: skip
-
-    wide = core.reserve(8, 2 * H, 4, 16, 0, K, 64, True, stream, stream)
-    with pytest.raises(InvalidInputError, match="reservation was made for rows of 256 bytes"):
-        call(wide)
-    fits = core.reserve(8, H, 4, 16, 0, K, 64, True, stream, stream)
-    with pytest.raises(InvalidInputError, match="zero-copy call whose other recv_"):
-        call(fits, zero_copy=False)
-    del wide, fits
+    yield ns
     torch.cuda.synchronize()
-    assert core.close(False)
+    assert ns.core.close(False), "a test left a receive-arena block alive"
     _C.device_free(arena)
     _C.device_free(buf)
     _C.host_status_free(st)
     _context_alive()
+
+
+def test_dispatch_checks_a_reservation_against_its_call(arena_ctx):
+    # A launch-ahead dispatch passes a receive-arena reservation in place of recv_x (its
+    # tensors are made after the launch): one made for other rows, or given to a call that
+    # is not zero-copy, raises before anything is launched.
+    a = arena_ctx
+    info = torch.zeros(5, dtype=torch.int32, device="cuda")
+    send_pos = torch.zeros(T, 2, dtype=torch.int32, device="cuda")
+
+    def call(reservation, zero_copy=True):
+        _C.intranode_dispatch_call(
+            a.ctx, a.stream, a.x, None, a.idx, a.w, a.in_rank, info, send_pos, reservation,
+            None, None, None, None, False, 2, 1, 8, -1, -1, 8, zero_copy, True, True, 2,
+        )  # fmt: skip
+
+    wide = a.core.reserve(8, 2 * H, 4, 16, 0, K, 64, True, a.stream, a.stream)
+    with pytest.raises(InvalidInputError, match="reservation was made for rows of 256 bytes"):
+        call(wide)
+    fits = a.core.reserve(8, H, 4, 16, 0, K, 64, True, a.stream, a.stream)
+    with pytest.raises(InvalidInputError, match="zero-copy call whose other recv_"):
+        call(fits, zero_copy=False)
+    del wide, fits
 
 
 def test_transport_region_past_a_tensor_end_raises():
@@ -278,54 +293,33 @@ def test_internode_calls_check_their_tensors_before_launch():
     _context_alive()
 
 
-def test_dispatch_begin_checks_its_tensors_and_declines_without_launching():
+def test_dispatch_begin_checks_its_tensors_and_declines_without_launching(arena_ctx):
     # intranode_dispatch_begin (one binding call: arena block, notify and the data kernel)
     # raises a bad tensor naming it, and returns None, having taken no block and launched
     # nothing, when the status word is set, there is no arena, the staging does not hold the
     # rows or the arena is full (the caller then takes the step-by-step path).
-    dev = torch.device("cuda")
-    st = _C.host_status_alloc()
-    nbytes = int(_C.KERNELS_DATA_OFFSET) + (4 << 20)  # staging for the arena's rows and more
-    buf = _C.device_alloc_zeroed(nbytes)
-    arena_bytes = 1 << 20
-    arena = _C.device_alloc_zeroed(arena_bytes)
-    ctx = _C.IntranodeContext(
-        [buf, buf], nbytes, 0, 2, st, 10**9, False, [arena, arena], [arena_bytes, arena_bytes]
-    )
-    core = _C.RecvArenaCore(arena, arena_bytes, torch.cuda.current_device(), True)
-    stream = torch.cuda.current_stream().cuda_stream
-    T, H, K = 4, 64, 2
-    x = torch.zeros(T, H, dtype=torch.bfloat16, device=dev)
-    idx = torch.zeros(T, K, dtype=torch.int64, device=dev)
-    w = torch.zeros(T, K, device=dev)
-    in_rank = torch.zeros(T, 2, dtype=torch.bool, device=dev)
-    per_rank = torch.zeros(2, dtype=torch.int32, device=dev)
-    per_expert = torch.zeros(4, dtype=torch.int32, device=dev)
+    a = arena_ctx
+    per_rank = torch.zeros(2, dtype=torch.int32, device="cuda")
+    per_expert = torch.zeros(4, dtype=torch.int32, device="cuda")
 
-    def begin(arena_core=core, rows=8, cached=None, **kw):
-        t = dict(x=x, idx=idx, w=w, in_rank=in_rank) | kw
+    def begin(arena_core=a.core, rows=8, cached=None, **kw):
+        t = dict(x=a.x, idx=a.idx, w=a.w, in_rank=a.in_rank) | kw
         return _C.intranode_dispatch_begin(
-            ctx, stream, arena_core, stream, t["x"], None, t["idx"], t["w"], t["in_rank"],
+            a.ctx, a.stream, arena_core, a.stream, t["x"], None, t["idx"], t["w"], t["in_rank"],
             per_rank, per_expert, cached, 2, 2, 1, 4, rows, True, -1, -1, rows, 0,
         )  # fmt: skip
 
     with pytest.raises(InvalidInputError, match="intranode_dispatch: x has dtype int64"):
-        begin(x=x.long())
+        begin(x=a.x.long())
     with pytest.raises(InvalidInputError, match="topk_weights has shape"):
-        begin(w=w[:, :1])
+        begin(w=a.w[:, :1])
     with pytest.raises(InvalidInputError, match="is_token_in_rank has shape"):
-        begin(in_rank=in_rank[:, :1])
+        begin(in_rank=a.in_rank[:, :1])
     with pytest.raises(InvalidInputError, match="takes no topk_idx"):
-        begin(cached=torch.zeros(T, 2, dtype=torch.int32, device=dev))
+        begin(cached=torch.zeros(T, 2, dtype=torch.int32, device="cuda"))
     assert begin(arena_core=None) is None
     assert begin(rows=1 << 20) is None  # the staging does not hold the rows
-    assert begin(rows=(arena_bytes // (H * 2)) + 1) is None  # the block does not fit
-    _C.host_status_record(st, [1, 0, 0, 0])
+    assert begin(rows=(ARENA_BYTES // (H * 2)) + 1) is None  # the block does not fit
+    _C.host_status_record(a.st, [1, 0, 0, 0])
     assert begin() is None  # the status word is set: the step-by-step path raises it
-    assert core.live == 0
-    torch.cuda.synchronize()
-    assert core.close(False)
-    _C.device_free(arena)
-    _C.device_free(buf)
-    _C.host_status_free(st)
-    _context_alive()
+    assert a.core.live == 0
