@@ -518,7 +518,7 @@ def w_checked_key_memo(rank, world):
 
 
 def w_gradcheck(rank, world):
-    from uccl_ep_megatron import ops
+    from uccl_ep_megatron.api import ops
 
     hidden, num_experts = 6, NUM_EXPERTS_PER_RANK * world
     inp = all_inputs(7, world, 5, hidden, "random")[rank]

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from uccl_ep_megatron import Buffer, Config, InvalidInputError
-from uccl_ep_megatron.config import effective_env, env_registry, ranks_per_node
+from uccl_ep_megatron.core.config import effective_env, env_registry, ranks_per_node
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
@@ -80,12 +80,12 @@ def test_readme_documents_every_env_var():
 
 
 def test_readme_env_table_is_current():
-    from uccl_ep_megatron.config import env_markdown
+    from uccl_ep_megatron.core.config import env_markdown
 
     text = open(README).read()
     assert env_markdown() in text, (
         "README.md's environment table is stale; regenerate it with "
-        "python -c 'from uccl_ep_megatron.config import env_markdown; print(env_markdown())'"
+        "python -c 'from uccl_ep_megatron.core.config import env_markdown; print(env_markdown())'"
     )
 
 
@@ -132,7 +132,7 @@ def test_every_registered_variable_is_read_somewhere():
             for f in files:
                 path = os.path.join(dirpath, f)
                 if f.endswith(exts) and not path.endswith(
-                    ("env.h", "env.cc", os.path.join("commands", "doctor.py"), "launch.py")
+                    ("env.h", "env.cc", os.path.join("cli", "doctor.py"), "launch.py")
                 ):
                     out.append(open(path).read())
     cpp_text, py_text = "\n".join(cpp), "\n".join(py)

@@ -255,7 +255,7 @@ def w_configured_by_arguments(rank, world):
     from uccl_ep_megatron.token_dispatcher import UcclEpOptions, set_options
     from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
 
-    from uccl_ep_megatron.buffer import Buffer
+    from uccl_ep_megatron.api.buffer import Buffer
 
     before_sms, before_env = Buffer.num_sms, dict(os.environ)
     options = UcclEpOptions(backend="reference", num_sms=8, num_proxy_threads=3, transport="ipc")

@@ -6,7 +6,7 @@ import json
 import os
 
 from uccl_ep_megatron import _C, cli
-from uccl_ep_megatron.commands import doctor
+from uccl_ep_megatron.cli import doctor
 
 
 def _fake_sysfs(root):

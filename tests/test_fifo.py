@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from uccl_ep_megatron import _C
-from uccl_ep_megatron.errors import CommTimeoutError, InvalidInputError
+from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError
 from uccl_ep_megatron.proxy import cmd_atomic, cmd_barrier, cmd_drain, cmd_write, cmd_write_atomic
 
 LIM = _C.cmd_limits
@@ -122,7 +122,7 @@ def test_bench_fifo_without_gpu_explains(capsys):
     import torch
 
     from uccl_ep_megatron import cli
-    from uccl_ep_megatron.errors import UnsupportedError
+    from uccl_ep_megatron.core.errors import UnsupportedError
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present; tests/gpu/test_fifo_gpu.py covers the benchmark")

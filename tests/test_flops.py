@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from uccl_ep_megatron.errors import InvalidInputError
-from uccl_ep_megatron.flops import (
+from uccl_ep_megatron.core.errors import InvalidInputError
+from uccl_ep_megatron.telemetry.flops import (
     forward_flops_per_token,
     param_counts,
     tflops_per_gpu,
     training_flops_per_token,
 )
-from uccl_ep_megatron.recipes import load_recipe
+from uccl_ep_megatron.training.recipes import load_recipe
 
 # A tiny DeepSeek-V3-shaped config whose numbers are derived by hand below.
 SMALL = {

@@ -34,7 +34,7 @@ from uccl_ep_megatron.backends.internode import (
     stream_tables,
     streams,
 )
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 IN = _C.internode
 

@@ -13,7 +13,7 @@ import torch
 
 from uccl_ep_megatron import _C
 from uccl_ep_megatron.backends.base import Topology
-from uccl_ep_megatron.errors import BufferTooSmallError, CommTimeoutError, InvalidInputError
+from uccl_ep_megatron.core.errors import BufferTooSmallError, CommTimeoutError, InvalidInputError
 
 if not _C.kernels_built():  # the status codes below are attributes of a GPU build only
     pytest.skip("_C was built without the GPU kernels", allow_module_level=True)

@@ -10,8 +10,8 @@ import subprocess
 import pytest
 
 from uccl_ep_megatron.cli import main
-from uccl_ep_megatron.launch import nic_presets, plan_launch, render
-from uccl_ep_megatron.recipes import load_recipe
+from uccl_ep_megatron.cluster.launch import nic_presets, plan_launch, render
+from uccl_ep_megatron.training.recipes import load_recipe
 
 
 def _dry_run(capsys, *args: str) -> str:

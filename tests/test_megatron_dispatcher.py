@@ -200,7 +200,7 @@ def w_two_layers_interleaved(rank, world, tp):
 
 def w_metrics(rank, world):
     """Per-layer records: bytes of received rows, unpadded tokens per local expert, times."""
-    from uccl_ep_megatron import dispatch_metrics
+    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
 
     dispatch_metrics.collect()  # drop anything earlier tests left
     dispatch_metrics.enable(True)
@@ -234,7 +234,7 @@ def w_metrics(rank, world):
 
 
 def w_rejects(rank, world):
-    from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+    from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
     d, _ = _make_dispatcher(rank, world, 1)
     with pytest.raises(InvalidInputError, match="before dispatch_preprocess"):

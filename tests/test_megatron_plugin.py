@@ -63,7 +63,7 @@ def _run(cmd: list[str], timeout: int = 240, **env_extra: str) -> subprocess.Com
 def test_version_policy():
     import warnings
 
-    from uccl_ep_megatron.errors import UnsupportedError
+    from uccl_ep_megatron.core.errors import UnsupportedError
     from uccl_ep_megatron.megatron_plugin import (
         TESTED_VERSIONS,
         UntestedVersionWarning,
@@ -105,7 +105,7 @@ def test_install_refuses_older_megatron_and_changes_nothing(monkeypatch):
     from megatron.core import package_info
 
     from uccl_ep_megatron import megatron_plugin
-    from uccl_ep_megatron.errors import UnsupportedError
+    from uccl_ep_megatron.core.errors import UnsupportedError
 
     megatron_plugin.uninstall()
     before = _snapshot()
@@ -135,7 +135,7 @@ def test_missing_api_fails_clearly_and_restores_everything(monkeypatch):
     from megatron.core.transformer.moe import moe_layer
 
     from uccl_ep_megatron import megatron_plugin
-    from uccl_ep_megatron.errors import UnsupportedError
+    from uccl_ep_megatron.core.errors import UnsupportedError
 
     megatron_plugin.uninstall()
     before = _snapshot()
@@ -179,7 +179,7 @@ def test_failed_install_removes_the_deep_ep_module_it_added():
         "import sys\n"
         "sys.modules['megatron'] = None\n"
         "from uccl_ep_megatron import megatron_plugin\n"
-        "from uccl_ep_megatron.errors import UnsupportedError\n"
+        "from uccl_ep_megatron.core.errors import UnsupportedError\n"
         "try:\n"
         "    megatron_plugin.install(deep_ep_compat=True)\n"
         "except UnsupportedError as exc:\n"
@@ -497,8 +497,8 @@ def test_run_entry_point_rejects_missing_script():
 
 def test_deep_ep_module_is_off_by_default_and_opt_in():
     from uccl_ep_megatron import Buffer, deep_ep_compat
-    from uccl_ep_megatron.errors import UnsupportedError
-    from uccl_ep_megatron.event import EventOverlap
+    from uccl_ep_megatron.core.errors import UnsupportedError
+    from uccl_ep_megatron.core.events import EventOverlap
 
     assert not deep_ep_compat.is_installed()
     if "megatron.core.transformer.moe.fused_a2a" in sys.modules:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from uccl_ep_megatron.token_dispatcher.permute import make_plan, permute, unpermute
 
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 
 def _segments(idx: torch.Tensor, num_local: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from uccl_ep_megatron import _C
-from uccl_ep_megatron.errors import CommTimeoutError, InvalidInputError
+from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError
 from uccl_ep_megatron.proxy import (
     ProxyConfig,
     ProxyEndpoint,

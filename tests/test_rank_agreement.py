@@ -74,7 +74,7 @@ def _still_works(buf, rank, world, seed=7):
 
 # ---- ranks that disagree ---------------------------------------------------------------------
 def w_disagree(rank, world, case):
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     buf = _buffer(world, hidden=256)
     num_experts = EPR * world
@@ -122,7 +122,7 @@ def test_ranks_that_disagree_all_raise_the_same_error(pool, case, needle):
 
 
 def w_combine_weights_on_one_rank(rank, world):
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     buf = _buffer(world)
     inp = _inputs(rank, world)
@@ -144,7 +144,7 @@ def test_topk_weights_on_one_rank_only(pool2):
 
 
 def w_handle_of_another_dispatch(rank, world):
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     buf = _buffer(world)
     inp = _inputs(rank, world)
@@ -162,7 +162,7 @@ def test_combine_with_handles_of_different_dispatches(pool2):
 
 
 def w_different_calls(rank, world):
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     buf = _buffer(world)
     inp = _inputs(rank, world)
@@ -184,7 +184,7 @@ def test_rank_in_dispatch_while_another_is_in_combine(pool2):
 
 # ---- a validation error on one rank ----------------------------------------------------------
 def w_one_rank_rejects(rank, world, case):
-    from uccl_ep_megatron import errors
+    from uccl_ep_megatron.core import errors
 
     nvl = None
     if case == "undersized" and rank == 1:
@@ -235,7 +235,7 @@ def test_an_error_on_one_rank_reaches_every_rank(pool, case, call, needle):
 
 
 def w_worst_tokens_on_one_rank(rank, world):
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     buf = _buffer(world)
     inp = _inputs(rank, world)
@@ -257,7 +257,7 @@ def test_num_worst_tokens_too_small_on_one_rank(pool2):
 
 # ---- a rank that never arrives: bounded by UCCL_EP_TIMEOUT_MS ------------------------------
 def w_absent_rank(rank, world, case):
-    from uccl_ep_megatron.errors import CommTimeoutError
+    from uccl_ep_megatron.core.errors import CommTimeoutError
 
     buf = _buffer(world)
     inp = _inputs(rank, world)
@@ -287,7 +287,7 @@ def test_a_rank_that_never_arrives_times_out_in_bounded_time(case):
 
 # ---- layout tensors are checked against topk_idx --------------------------------------------
 def w_bad_layout(rank, world, case):
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     buf = _buffer(world)
     num_experts = EPR * world
@@ -352,7 +352,7 @@ def test_packed_header_round_trips_and_names_the_odd_rank():
         describe_packed_header,
         pack_dispatch_header,
     )
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     bf16 = pack_dispatch_header(torch.bfloat16, 7168, 0, 8, 256)
     assert describe_packed_header(bf16) == (

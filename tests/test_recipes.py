@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from uccl_ep_megatron.errors import InvalidInputError
-from uccl_ep_megatron.recipes import DEFAULT_RECIPE, list_recipes, load_recipe, parse_override
+from uccl_ep_megatron.core.errors import InvalidInputError
+from uccl_ep_megatron.training.recipes import DEFAULT_RECIPE, list_recipes, load_recipe, parse_override
 
 EXPECTED = {
     "deepseek-v3/full",

@@ -8,9 +8,9 @@ import struct
 import pytest
 
 from uccl_ep_megatron.cli import main
-from uccl_ep_megatron.errors import InvalidInputError
-from uccl_ep_megatron.metrics import MetricsLogger, expert_load_imbalance, read_jsonl
-from uccl_ep_megatron.report import comparison_table, summarize
+from uccl_ep_megatron.core.errors import InvalidInputError
+from uccl_ep_megatron.telemetry.metrics import MetricsLogger, expert_load_imbalance, read_jsonl
+from uccl_ep_megatron.telemetry.report import comparison_table, summarize
 
 pytest.importorskip("matplotlib")
 
@@ -93,8 +93,8 @@ def test_jsonl_roundtrip_keeps_non_finite_as_null(tmp_path):
 def test_megatron_lm_training_log_hook_logs_dispatch_metrics_at_the_iteration():
     import torch
 
-    from uccl_ep_megatron import dispatch_metrics
-    from uccl_ep_megatron.megatron_lm_metrics import PREFIX, wrap_training_log
+    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
+    from uccl_ep_megatron.telemetry.megatron_lm import PREFIX, wrap_training_log
 
     # Megatron-LM's training_log signature (core_r0.13+); the hook finds `iteration` by name.
     calls = []
@@ -165,8 +165,8 @@ def test_megatron_lm_training_log_hook_logs_dispatch_metrics_at_the_iteration():
 
 
 def test_megatron_lm_hook_rejects_an_unknown_signature():
-    from uccl_ep_megatron.errors import UnsupportedError
-    from uccl_ep_megatron.megatron_lm_metrics import wrap_training_log
+    from uccl_ep_megatron.core.errors import UnsupportedError
+    from uccl_ep_megatron.telemetry.megatron_lm import wrap_training_log
 
     with pytest.raises(UnsupportedError, match="no 'iteration' parameter"):
         wrap_training_log(lambda step: None, list, dict)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from uccl_ep_megatron.cli import main
-from uccl_ep_megatron.metrics import read_jsonl
-from uccl_ep_megatron.recipes import load_recipe
-from uccl_ep_megatron.train import NO_GPU_MESSAGE
-from uccl_ep_megatron.train_cpu import SmokeShapes, route, smoke_shapes
+from uccl_ep_megatron.telemetry.metrics import read_jsonl
+from uccl_ep_megatron.training.recipes import load_recipe
+from uccl_ep_megatron.training.job import NO_GPU_MESSAGE
+from uccl_ep_megatron.training.cpu import SmokeShapes, route, smoke_shapes
 
 KEYS = {
     "loss",
@@ -83,7 +83,7 @@ def test_smoke_jsonl_metrics(smoke_run):
 def test_smoke_offline_wandb_run_reads_back(smoke_run):
     wandb = pytest.importorskip("wandb")
     del wandb
-    from uccl_ep_megatron.metrics import read_wandb_offline
+    from uccl_ep_megatron.telemetry.metrics import read_wandb_offline
 
     _, _, run_dir = smoke_run
     (wandb_dir,) = sorted((run_dir / "wandb").glob("offline-run-*"))
@@ -164,7 +164,7 @@ def test_default_run_is_the_short_recipe():
 
 def _fake_run(run_dir, dispatcher, tokens_per_s, losses, mfu=True):
     """A finished run's files as MetricsLogger writes them (the table's input)."""
-    from uccl_ep_megatron.metrics import MetricsLogger
+    from uccl_ep_megatron.telemetry.metrics import MetricsLogger
 
     config = {"dispatcher": dispatcher, "experts": "SequentialMLP", "world_size": 1}
     with MetricsLogger(run_dir, config, use_wandb=False) as logger:
@@ -179,7 +179,7 @@ def _fake_run(run_dir, dispatcher, tokens_per_s, losses, mfu=True):
 def test_results_table_rows_and_ratio(tmp_path):
     from rich.console import Console
 
-    from uccl_ep_megatron.train import results_table
+    from uccl_ep_megatron.training.job import results_table
 
     _fake_run(tmp_path / "a", "uccl_ep", 1000.0, [12.0, 11.9, 11.8, 11.7, 11.6])
     _fake_run(tmp_path / "b", "alltoall", 500.0, [12.0, 11.9, 11.8, 11.7, 11.5], mfu=False)
@@ -197,8 +197,8 @@ def test_results_table_rows_and_ratio(tmp_path):
 
 
 def test_peak_table_and_mfu():
-    from uccl_ep_megatron.errors import InvalidInputError
-    from uccl_ep_megatron.flops import mfu, peak_bf16_tflops
+    from uccl_ep_megatron.core.errors import InvalidInputError
+    from uccl_ep_megatron.telemetry.flops import mfu, peak_bf16_tflops
 
     assert peak_bf16_tflops("NVIDIA H200") == 989.4
     assert peak_bf16_tflops("NVIDIA H100 80GB HBM3") == 989.4
@@ -223,7 +223,7 @@ def test_list_recipes(capsys):
 @pytest.mark.megatron
 def test_transformer_config_from_the_proxy_recipe():
     pytest.importorskip("megatron.core")
-    from uccl_ep_megatron.train_gpu import transformer_config
+    from uccl_ep_megatron.training.gpu import transformer_config
 
     r = load_recipe()
     par = r.resolved_parallelism(2)
@@ -252,8 +252,8 @@ def test_expert_path_choice_and_config():
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
-    from uccl_ep_megatron.train_gpu import expert_config, expert_path, transformer_config
+    from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
+    from uccl_ep_megatron.training.gpu import expert_config, expert_path, transformer_config
 
     name, why = expert_path()
     if importlib.util.find_spec("transformer_engine") is not None:
@@ -283,8 +283,8 @@ def test_token_windows_over_an_indexed_dataset(tmp_path):
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from uccl_ep_megatron.train import check_data_path
-    from uccl_ep_megatron.train_gpu import TokenWindows
+    from uccl_ep_megatron.training.job import check_data_path
+    from uccl_ep_megatron.training.gpu import TokenWindows
 
     prefix = str(tmp_path / "corpus_text_document")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
@@ -305,7 +305,7 @@ def test_token_windows_over_an_indexed_dataset(tmp_path):
 @pytest.mark.megatron
 def test_synthetic_batches_are_per_rank_and_resumable():
     pytest.importorskip("megatron.core")
-    from uccl_ep_megatron.train_gpu import batches
+    from uccl_ep_megatron.training.gpu import batches
 
     r = load_recipe(overrides={"model": {"seq_length": 16, "max_position_embeddings": 16}})
     par = r.resolved_parallelism(2)  # DP 2, micro-batch 2, 4 micro-batches per rank
@@ -326,7 +326,7 @@ def test_synthetic_batches_are_per_rank_and_resumable():
 def test_gpu_relaunch_command_parses_back_to_the_same_options(tmp_path):
     """`train` outside torchrun restarts itself under torch.distributed.run with these args."""
     from uccl_ep_megatron.cli import build_parser
-    from uccl_ep_megatron.train import TrainOptions, _relaunch_args
+    from uccl_ep_megatron.training.job import TrainOptions, _relaunch_args
 
     opts = TrainOptions(
         recipe="deepseek-v3/proxy",
@@ -364,9 +364,9 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
 get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-from uccl_ep_megatron.flops import param_counts
-from uccl_ep_megatron.recipes import load_recipe
-from uccl_ep_megatron.train_gpu import batches, build_model, forward_step, transformer_config
+from uccl_ep_megatron.telemetry.flops import param_counts
+from uccl_ep_megatron.training.recipes import load_recipe
+from uccl_ep_megatron.training.gpu import batches, build_model, forward_step, transformer_config
 small = dict(hidden_size=256, num_attention_heads=4, kv_channels=64, num_layers=3,
              ffn_hidden_size=512, num_experts=16, moe_ffn_hidden_size=64,
              moe_shared_expert_intermediate_size=64, vocab_size=1000, seq_length=32,
@@ -465,7 +465,7 @@ R.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
 
 def main():
     import uccl_ep_megatron.training.gpu.loop as T
-    from uccl_ep_megatron.train import TrainOptions, load
+    from uccl_ep_megatron.training.job import TrainOptions, load
     batches = T.batches
     T.batches = lambda r, p, d, s, dp, dev: batches(r, p, d, s, dp, torch.device("cpu"))
     fp32 = len(sys.argv) > 4 and sys.argv[4] == "fp32"

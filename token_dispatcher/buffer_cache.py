@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.api.buffer import Buffer
-from uccl_ep_megatron.config import Config, default_combine_config, default_dispatch_config
+from uccl_ep_megatron.core.config import Config, default_combine_config, default_dispatch_config
 
 
 def configs(num_ranks: int, num_sms: int) -> tuple[Config, Config]:

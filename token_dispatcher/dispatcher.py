@@ -6,7 +6,7 @@ expanded so that every expert-TP rank of an expert's EP slot receives the token 
 TP shards are summed by combine. Routing probabilities travel as float32 next to the tokens.
 
 Flow (one MoE layer forward; backward runs the opposite collectives through
-``uccl_ep_megatron.ops``):
+``uccl_ep_megatron.api.ops``):
 
 ``dispatch_preprocess``  routing map [T, E] -> top-k ids [T, tp*k] over the TP×EP group
 ``token_dispatch``        ``ops.dispatch`` (layout + dispatch, async on the comm stream)
@@ -70,8 +70,8 @@ from uccl_ep_megatron.token_dispatcher.sizing import (
 
 from uccl_ep_megatron.api import ops
 from uccl_ep_megatron.api.buffer import Buffer
-from uccl_ep_megatron.config import MAX_TOPK
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.config import MAX_TOPK
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
 
 log = logging.getLogger(__name__)

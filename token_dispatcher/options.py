@@ -18,7 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 BACKENDS = ("auto", "kernels", "reference")
 TRANSPORTS = ("auto", "verbs", "ipc")
@@ -40,7 +40,7 @@ class UcclEpOptions:
         backend: ``Buffer`` backend ``auto``/``kernels``/``reference``; ``None`` keeps
             ``UCCL_EP_BACKEND`` (default ``auto``).
         metrics: record per-layer dispatch/combine time, tokens per local expert and bytes
-            (``uccl_ep_megatron.dispatch_metrics``).
+            (``uccl_ep_megatron.telemetry.dispatch``).
         capacity_factor: sync-free mode without Megatron's capacity options: every local
             expert gets ``ceil(factor x tokens x topk / experts) x group size`` rows (rounded
             up to the quantization alignment); pairs past that are dropped and counted.

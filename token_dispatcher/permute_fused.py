@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from uccl_ep_megatron.token_dispatcher.permute_torch import check_capacity
 
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 # (rows, hidden, dtype) -> an uninitialized [rows, hidden] tensor for an unpermute's output.
 Allocator = Callable[[int, int, torch.dtype], torch.Tensor]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 
 @dataclass

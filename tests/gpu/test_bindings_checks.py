@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from uccl_ep_megatron import _C
-from uccl_ep_megatron.errors import InvalidInputError
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 pytestmark = [
     pytest.mark.gpu,

@@ -413,7 +413,7 @@ def sync_free_reject_case(rank: int, world: int) -> str:
     every rank's outputs are poisoned, and every rank's next host-visible point raises an
     InvalidInputError naming that rank and id."""
     from uccl_ep_megatron import Buffer, Config
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
     _keep.append(buf)  # unusable after the rejection; peers may still map its memory
@@ -523,7 +523,7 @@ def dead_peer_case(rank: int, world: int) -> str:
     """The last rank's proxy is stopped (a dead peer): every rank's dispatch must end in an
     error that names a rank it waited for, instead of hanging."""
     from uccl_ep_megatron import Buffer, Config
-    from uccl_ep_megatron.errors import UcclEpError
+    from uccl_ep_megatron.core.errors import UcclEpError
 
     buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
     _keep.append(buf)  # peers may still address its memory: never freed during the session

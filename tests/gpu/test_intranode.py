@@ -192,7 +192,7 @@ def case(rank: int, world: int, params: dict) -> int:
 
 
 def autograd_case(rank: int, world: int, seed: int) -> None:
-    from uccl_ep_megatron import ops
+    from uccl_ep_megatron.api import ops
 
     _trim()
     kb, rb = _get_buffers()
@@ -257,7 +257,7 @@ def timeout_case(rank: int, world: int) -> str:
     import torch.distributed as dist
 
     from uccl_ep_megatron import Buffer
-    from uccl_ep_megatron.errors import CommTimeoutError
+    from uccl_ep_megatron.core.errors import CommTimeoutError
 
     _drop_case_buffers()
     buf = Buffer(None, 1 << 24, 0, backend="kernels")
@@ -296,7 +296,7 @@ def _small_inputs(rank: int, world: int, seed: int):
 
 def _rejected(kb, x, lay, idx, w, what: str) -> str:
     """The InvalidInputError message of a dispatch that must reject ``what``."""
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     try:
         dispatch(kb, x, lay, idx, w)
@@ -366,7 +366,7 @@ def peer_abort_case(rank: int, world: int, where: str) -> str:
     import time
 
     from uccl_ep_megatron import Buffer
-    from uccl_ep_megatron.errors import InvalidInputError, UcclEpError
+    from uccl_ep_megatron.core.errors import InvalidInputError, UcclEpError
 
     kb = Buffer(None, 1 << 26, 0, backend="kernels")
     _keep.append(kb)  # the group's calls no longer match afterwards: never freed here
@@ -415,7 +415,7 @@ def header_mismatch_case(rank: int, world: int) -> str:
     """The last rank dispatches float16 rows while the others send bfloat16 (same bytes per
     row, so nothing else would notice): every rank raises InvalidInputError at that dispatch
     naming each rank's dtype, and the Buffer still dispatches correctly afterwards."""
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     kb, rb = _get_buffers()
     num_experts, idx, w, x = _small_inputs(rank, world, 61 + rank)
@@ -439,7 +439,7 @@ def device_header_mismatch_case(rank: int, world: int, where: str) -> str:
     header exchanged with the barrier tells. Every rank's outputs of that call are NaN and its
     next call raises InvalidInputError naming a rank whose call differs."""
     from uccl_ep_megatron import Buffer
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     kb = Buffer(None, 1 << 26, 0, backend="kernels")
     _keep.append(kb)
@@ -465,7 +465,7 @@ def grow_case(rank: int, world: int) -> dict:
     """A Buffer far smaller than a call stages grows at that call, on every rank, and the
     results still equal the reference; with UCCL_EP_GROW_NVL_BUFFER=0 the call raises."""
     from uccl_ep_megatron import Buffer
-    from uccl_ep_megatron.errors import BufferTooSmallError
+    from uccl_ep_megatron.core.errors import BufferTooSmallError
 
     rb = _reference()
     _trim()
@@ -767,7 +767,7 @@ def launch_ahead_case(rank: int, world: int) -> dict:
     exactly the received rows; a bad id on one rank in a launch-ahead call raises on every rank
     and the next call is right; off on one rank is off for the group. Every result equals the
     reference."""
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     kb, rb = _get_buffers()
     be = kb._backend

@@ -68,7 +68,8 @@ def w_equivalence(rank, world, backend, tokens):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher
 
-    from uccl_ep_megatron import dispatch_metrics, megatron_plugin
+    from uccl_ep_megatron import megatron_plugin
+    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
     from uccl_ep_megatron.bench.moe_layer import copy_weights
 
     megatron_plugin.install(backend=backend)

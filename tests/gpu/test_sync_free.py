@@ -279,7 +279,7 @@ def graph_case(rank: int, world: int, replays: int) -> int:
 
 
 def _expect_raise(fn, what: str) -> str:
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     try:
         fn()

@@ -36,7 +36,7 @@ def _zero_free_memory(stream) -> None:
 
 def test_poison_fills_only_when_status_is_set():
     from uccl_ep_megatron.backends.intranode.launch import poison_on_timeout
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     c = require_kernels()
     st = c.host_status_alloc()
@@ -88,7 +88,7 @@ def poison_case(rank: int, world: int, op: str) -> str:
     times out, and must get poisoned outputs; its next call raises CommTimeoutError."""
     import torch.distributed as dist
 
-    from uccl_ep_megatron.errors import CommTimeoutError
+    from uccl_ep_megatron.core.errors import CommTimeoutError
 
     buf, x, idx, recv_x, recv_w, handle = _dispatched(world)
     torch.cuda.synchronize()
@@ -138,7 +138,7 @@ def stalled_peer_case(rank: int, world: int) -> str:
     site (not at the entry barrier), its outputs poisoned; its next call raises."""
     import torch.distributed as dist
 
-    from uccl_ep_megatron.errors import CommTimeoutError
+    from uccl_ep_megatron.core.errors import CommTimeoutError
 
     buf, _, idx, recv_x, recv_w, handle = _dispatched(world)
     out, _, _ = buf.combine(recv_x, handle, topk_weights=recv_w)

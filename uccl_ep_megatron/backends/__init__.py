@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends.base import Backend, Topology
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 log = logging.getLogger(__name__)
 

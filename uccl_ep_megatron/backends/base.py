@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends.agreement import Agreement
-from uccl_ep_megatron.config import Config, effective_env
-from uccl_ep_megatron.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.config import Config, effective_env
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 
 @dataclass(frozen=True)

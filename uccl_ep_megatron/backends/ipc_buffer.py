@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.errors import BufferTooSmallError
+from uccl_ep_megatron.core.errors import BufferTooSmallError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class IpcBuffers:
         """
         if all(n <= s for n, s in zip(needs, self.sizes, strict=True)):
             return False
-        from uccl_ep_megatron.config import effective_env
+        from uccl_ep_megatron.core.config import effective_env
 
         if not effective_env()["UCCL_EP_GROW_NVL_BUFFER"]:
             worst = max(range(len(needs)), key=lambda r: needs[r] - self.sizes[r])
@@ -188,7 +188,7 @@ class IpcBuffers:
             return
         if not alone:
             from uccl_ep_megatron.backends.agreement import timeout_error, wait_work
-            from uccl_ep_megatron.config import effective_env
+            from uccl_ep_megatron.core.config import effective_env
 
             if timeout_ms is None:
                 timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])

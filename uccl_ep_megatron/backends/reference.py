@@ -26,8 +26,8 @@ from uccl_ep_megatron.backends.base import (
     DispatchResult,
     Layout,
 )
-from uccl_ep_megatron.config import Config
-from uccl_ep_megatron.errors import InvalidInputError, UcclEpError
+from uccl_ep_megatron.core.config import Config
+from uccl_ep_megatron.core.errors import InvalidInputError, UcclEpError
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

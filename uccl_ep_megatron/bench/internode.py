@@ -70,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    """Adds ``internode`` to a ``bench`` subparser set (for commands/bench.py)."""
+    """Adds ``internode`` to a ``bench`` subparser set (for cli/bench.py)."""
     register_bench(
         subparsers,
         "internode",

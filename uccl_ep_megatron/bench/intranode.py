@@ -121,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers: Any) -> None:
-    """Adds ``intranode`` to a ``bench`` subparser set (for commands/bench.py)."""
+    """Adds ``intranode`` to a ``bench`` subparser set (for cli/bench.py)."""
     register_bench(
         subparsers,
         "intranode",

@@ -78,7 +78,7 @@ def register(subparsers: Any) -> None:
 
 
 def _variants(text: str) -> list[str]:
-    from uccl_ep_megatron.errors import InvalidInputError
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     names = [v.strip() for v in text.split(",") if v.strip()]
     unknown = sorted(set(names) - set(VARIANTS))
@@ -120,7 +120,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     variants = _variants(args.variants)
     if not torch.cuda.is_available():
-        from uccl_ep_megatron.errors import UnsupportedError
+        from uccl_ep_megatron.core.errors import UnsupportedError
 
         raise UnsupportedError("bench layer needs a CUDA GPU")
     _init_single_rank(args.device)

@@ -3,7 +3,7 @@
 Megatron-LM logs loss, throughput and TFLOP/s itself (``training_log`` in
 ``megatron/training/training.py``) to its wandb and tensorboard writers. :func:`install` wraps
 that function so that, on every call, the per-step dispatch/combine metrics the ``uccl_ep``
-dispatcher recorded (``uccl_ep_megatron.dispatch_metrics``: time, GB/s, expert-load imbalance)
+dispatcher recorded (``uccl_ep_megatron.telemetry.dispatch``: time, GB/s, expert-load imbalance)
 go to the same writers at the same iteration, under ``uccl_ep/<metric>``. Every rank collects
 (which resets its records); Megatron-LM creates the writers on the last rank only, so that
 rank's values are the ones logged.

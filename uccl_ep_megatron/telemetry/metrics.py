@@ -13,7 +13,7 @@ Metric names (all optional per record; ``step`` always present):
 ``step_time_s``                 wall time of the step
 ``tokens_per_s``                global tokens per second
 ``tokens_per_s_per_gpu``        ``tokens_per_s / world_size``
-``tflops_per_gpu``              model TFLOP/s per GPU (``uccl_ep_megatron.flops``)
+``tflops_per_gpu``              model TFLOP/s per GPU (``uccl_ep_megatron.telemetry.flops``)
 ``dispatch_time_ms``            device time of token dispatch per step, summed over MoE layers
                                 (forward): CUDA events on the caller's stream around the
                                 dispatcher's ``token_dispatch`` (``telemetry.dispatch``)

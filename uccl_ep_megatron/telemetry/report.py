@@ -1,6 +1,6 @@
 """Plots and comparison tables of training runs (``uccl-ep-megatron report``).
 
-Reads ``RUN_DIR/metrics.jsonl`` (written by :class:`uccl_ep_megatron.metrics.MetricsLogger`),
+Reads ``RUN_DIR/metrics.jsonl`` (written by :class:`uccl_ep_megatron.telemetry.metrics.MetricsLogger`),
 plots loss, tokens/s, TFLOP/s per GPU and dispatch/combine time per step as PNGs, and, for two
 or more runs, prints a side-by-side table of their steady-state means (the first
 ``warmup_steps`` steps are left out: they include compilation and allocator growth).

@@ -14,7 +14,7 @@ import torch
 
 from uccl_ep_megatron.backends.agreement import verdict_message
 from uccl_ep_megatron.backends.base import Topology
-from uccl_ep_megatron.errors import CommTimeoutError, InvalidInputError, UcclEpError
+from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UcclEpError
 
 # Site of the NVLink barrier (word 1 is then the peer's local index); kernels/internode.h.
 _SITE_NVL_BARRIER = 17

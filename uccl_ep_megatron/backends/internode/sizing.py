@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from uccl_ep_megatron.config import Config
-from uccl_ep_megatron.errors import BufferTooSmallError, InvalidInputError
+from uccl_ep_megatron.core.config import Config
+from uccl_ep_megatron.core.errors import BufferTooSmallError, InvalidInputError
 
 
 def check_rings(

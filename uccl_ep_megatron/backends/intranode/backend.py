@@ -156,7 +156,7 @@ class KernelsBackend(Backend):
         warm_poison(c, self._status, device)
         self._ctx: Any = None  # see _context
         self._ctx_grows = -1
-        from uccl_ep_megatron.config import effective_env
+        from uccl_ep_megatron.core.config import effective_env
 
         env = effective_env()
         self._timeout_ms = int(env["UCCL_EP_TIMEOUT_MS"])

@@ -1,1 +1,0 @@
-"""Old home of the subcommands, kept as aliases: they live in ``uccl_ep_megatron.cli``."""
