@@ -182,6 +182,46 @@ py::dict stats_dict(const ProxyStats& s) {
 
 }  // namespace
 
+
+namespace {
+// The body of ipc_copy_test (bindings above): one thread drives endpoint 0 of the transport.
+std::pair<double, uint64_t> ipc_copy_test(IpcTransport& t, uint32_t peer, uint64_t src_offset, uint64_t dst_offset,
+                                         uint64_t span, uint32_t write_bytes, uint32_t writes, uint32_t window,
+                                         uint32_t expect_recvs, double timeout_s) {
+  UCCL_EP_CHECK_ARG(write_bytes > 0 && span >= write_bytes && window >= 1, "ipc_copy_test: write_bytes=",
+                    write_bytes, " span=", span, " window=", window);
+  Endpoint& ep = t.endpoint(0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto deadline = t0 + std::chrono::duration<double>(timeout_s);
+  const uint64_t slots = span / write_bytes;
+  uint64_t posted = 0, done = 0, recvs = 0;
+  auto t_last = t0;
+  Completion out[256];
+  while (done < writes || recvs < expect_recvs) {
+    while (posted < writes && posted - done < window) {
+      const uint64_t off = (posted % slots) * write_bytes;
+      ep.post_write(peer, 0, src_offset + off, dst_offset + off, write_bytes, 0, posted);
+      ++posted;
+    }
+    ep.flush();
+    const int n = ep.poll(out, 256);
+    for (int i = 0; i < n; ++i) {
+      if (out[i].kind == Completion::kSend) {
+        ++done;
+        t_last = std::chrono::steady_clock::now();
+      } else {
+        ++recvs;
+      }
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      UCCL_EP_THROW(TimeoutError, "ipc_copy_test: ", done, " of ", writes, " writes completed and ", recvs, " of ",
+                    expect_recvs, " received after ", timeout_s, " s");
+    }
+  }
+  return {std::chrono::duration<double>(t_last - t0).count(), recvs};
+}
+}  // namespace
+
 void bind_proxy(py::module_& m) {
   // ---- TransferCmd ----
   m.def("cmd_write", [](uint32_t d, uint64_t s, uint64_t o, uint32_t n) { return cmd_tuple(build_write(d, s, o, n)); },
@@ -305,10 +345,12 @@ void bind_proxy(py::module_& m) {
           "Connect given every rank's local_info() (indexed by rank).")
       .def("peer_region_bytes", &Transport::peer_region_bytes, py::arg("peer"));
 
-  py::class_<IpcTransport, Transport>(m, "IpcTransport", "Single-host transport with the reorder/delay injector.")
+  py::class_<IpcTransport, Transport>(m, "IpcTransport",
+                                      "Single-host transport: the NIC model (line rate, latency, RC/SRD, faults).")
       .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
                        uint64_t bytes, int gpu_device, bool reorder, uint64_t seed, uint32_t max_delay_us,
-                       uint32_t inbox_capacity, const std::string& shm_name, uint64_t copy_timeout_ms) {
+                       uint32_t inbox_capacity, const std::string& shm_name, uint64_t copy_timeout_ms,
+                       double link_gbps, double latency_us, const std::string& fault, uint32_t copy_streams) {
              const TransportSetup s = transport_setup(rank, world, threads, channels, region, bytes, gpu_device);
              IpcOptions o;
              o.reorder = reorder;
@@ -316,6 +358,10 @@ void bind_proxy(py::module_& m) {
              o.max_delay_us = max_delay_us;
              o.inbox_capacity = inbox_capacity;
              o.copy_timeout_ms = copy_timeout_ms;
+             o.link_gbps = link_gbps;
+             o.latency_us = latency_us;
+             o.faults = parse_ipc_faults(fault);
+             o.copy_streams = copy_streams;
              o.peer_access = Env::load().ipc_peer_access;
              o.gpu = hooks_or_null();
              return std::make_unique<IpcTransport>(s, o, shm_name);
@@ -323,7 +369,40 @@ void bind_proxy(py::module_& m) {
            py::arg("rank"), py::arg("world_size"), py::arg("num_threads"), py::arg("num_channels"),
            py::arg("region_ptr"), py::arg("region_bytes"), py::arg("gpu_device") = -1, py::arg("reorder") = false,
            py::arg("seed") = 0, py::arg("max_delay_us") = 50, py::arg("inbox_capacity") = 4096,
-           py::arg("shm_name") = "", py::arg("copy_timeout_ms") = 30000);
+           py::arg("shm_name") = "", py::arg("copy_timeout_ms") = 30000, py::arg("link_gbps") = 0.0,
+           py::arg("latency_us") = 0.0, py::arg("fault") = "", py::arg("copy_streams") = 4)
+      .def(
+          "nic_stats",
+          [](const IpcTransport& t) {
+            const IpcNicStats s = t.nic_stats();
+            py::dict d;
+            d["writes"] = s.writes;
+            d["bytes"] = s.bytes;
+            d["copies"] = s.copies;
+            d["batches"] = s.batches;
+            d["delivered"] = s.delivered;
+            d["wire_busy_ns"] = s.wire_busy_ns;
+            d["cpu_seconds"] = s.cpu_seconds;
+            return d;
+          },
+          "What the virtual NIC did: messages, bytes, copies after coalescing, copy submissions, "
+          "immediates delivered, egress busy time, CPU seconds of its thread.");
+  m.def(
+      "ipc_copy_test",
+      [](IpcTransport& t, uint32_t peer, uint64_t src_offset, uint64_t dst_offset, uint64_t span, uint32_t write_bytes,
+         uint32_t writes, uint32_t window, uint32_t expect_recvs, double timeout_s) {
+        py::gil_scoped_release nogil;
+        return ipc_copy_test(t, peer, src_offset, dst_offset, span, write_bytes, writes, window, expect_recvs,
+                             timeout_s);
+      },
+      py::arg("transport"), py::arg("peer"), py::arg("src_offset"), py::arg("dst_offset"), py::arg("span"),
+      py::arg("write_bytes"), py::arg("writes"), py::arg("window"), py::arg("expect_recvs"), py::arg("timeout_s"),
+      "Copy-only test of a connected ipc transport with no proxy: posts `writes` writes of `write_bytes` "
+      "to `peer` (cycling over `span` bytes from the offsets), at most `window` outstanding, and polls until "
+      "all completed and `expect_recvs` writes from peers arrived. Returns (seconds to the last send "
+      "completion, receives seen).");
+  m.def("parse_ipc_faults", [](const std::string& spec) { return parse_ipc_faults(spec).size(); }, py::arg("spec"),
+        "Checks a UCCL_EP_IPC_FAULT string; returns how many faults it names (raises on a malformed one).");
 
 #ifdef UCCL_EP_WITH_VERBS
   py::class_<VerbsTransport, Transport>(m, "VerbsTransport", "RDMA transport: RC or EFA SRD over libibverbs.")

@@ -52,6 +52,7 @@ bool Worker::run_once() {
     // One store of head per visit (up to `batch` commands), not per command: see advance().
     ch.fifo->publish();
   }
+  ep_.flush();  // one doorbell for every write this pass posted
   if (!progress && (++idle_passes_ & 1023u) == 0) check_gaps();
   return progress;
 }

@@ -25,6 +25,10 @@ struct GpuHooks {
   // Enqueues dst <- src (any host/device pointers); returns the copy's ticket (1, 2, ...). The
   // caller keeps fewer than `depth` copies in flight (submitted - completed).
   uint64_t (*copy_submit)(void* queue, void* dst, const void* src, size_t bytes) = nullptr;
+  // Enqueues n copies dst[i] <- src[i] as one submission (cudaMemcpyBatchAsync where the runtime
+  // has it); returns one ticket for all of them. Null: the caller submits copies one at a time.
+  uint64_t (*copy_submit_batch)(void* queue, void* const* dst, const void* const* src, const size_t* bytes,
+                                size_t n) = nullptr;
   // Tickets completed so far, in submission order (every ticket <= the value landed); polls the
   // events, never blocks.
   uint64_t (*copy_completed)(void* queue) = nullptr;

@@ -1,20 +1,37 @@
-// The single-host transport: no NIC. A proxy executes a write as a copy into the peer's mapped
-// region (GPU regions: enqueued on the endpoint's own stream and polled through events, never
-// waited on), then hands the immediate to the peer proxy through a shared-memory inbox. It lets the
-// whole internode path run on one machine by splitting its GPUs into virtual nodes.
+// The single-host transport and NIC model: no NIC, the same semantics as the verbs transport.
 //
-// Reorder/delay injector (seeded): instead of executing a posted write at once, the endpoint
-// gives it a random latency in [0, max_delay_us] and executes it when that elapsed, so data and
-// immediates of one stream land out of order, as on EFA SRD.
+// Each rank has one virtual NIC, a thread of its own ("uenic<rank>"). A proxy thread's
+// post_write only puts a work request into its send queue (flush() rings the doorbell for all
+// posted since the last one) and returns, as ibv_post_send does. The NIC thread takes work
+// requests from every send queue, puts them on its egress wire (line rate and latency, below),
+// moves their bytes with the GPU's copy engines (batched, several copy streams, contiguous
+// writes to one peer coalesced) or memcpy for host regions, and once a write's bytes landed AND
+// its modelled arrival time passed, hands its immediate to the peer's proxy through a
+// shared-memory inbox; the sender's completion follows one latency later (the ack). Proxies poll
+// completions; nothing in a proxy thread waits for the GPU.
+//
+// Model (per virtual NIC):
+// - line rate B (UCCL_EP_IPC_LINK_GBPS, GB/s; 0 = as fast as the copies go): egress is one
+//   serial wire; a message occupies it for (length + 64 bytes per 4096-byte packet) / B;
+// - latency L (UCCL_EP_IPC_LATENCY_US): a write arrives L after its last byte left; its send
+//   completion comes L after that;
+// - RC (default): a QP (proxy thread x peer) delivers in post order. SRD (the reorder injector,
+//   UCCL_EP_IPC_REORDER): each message gets an extra random delay in [0, max_delay_us] and
+//   messages are delivered in arrival order, not post order;
+// - faults (UCCL_EP_IPC_FAULT, ipc_fault.h): completion errors and dead peers; a failed
+//   completion makes the proxy thread's poll() throw TransportError naming rank, QP and status.
+// Not modelled: incast at a receiver's ingress, PCIe between NIC and GPU, packet loss.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
-#include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "transport/gpu_hooks.h"
+#include "transport/ipc_fault.h"
 #include "transport/shm.h"
 #include "transport/transport.h"
 
@@ -22,14 +39,28 @@ namespace uccl_ep {
 
 struct IpcOptions {
   uint32_t inbox_capacity = 4096;  // immediates per (peer, thread) inbox ring; power of two
-  bool reorder = false;            // enable the injector
-  uint64_t seed = 0;               // injector seed (combined with rank and thread)
-  uint32_t max_delay_us = 50;      // largest injected latency of a write
-  uint32_t max_held = 256;         // more held writes than this: execute the earliest at once
-  uint32_t copy_queue_depth = 256;  // GPU copies in flight per proxy thread (and device)
+  bool reorder = false;            // SRD: unordered delivery after random delays
+  uint64_t seed = 0;               // injector seed (combined with rank)
+  uint32_t max_delay_us = 50;      // largest injected extra delay of a message
+  double link_gbps = 0;            // egress line rate, GB/s (1e9 bytes/s); 0 = unthrottled
+  double latency_us = 0;           // one-way latency of the virtual wire
+  std::vector<IpcFault> faults;    // injected faults (every rank gets the same list)
+  uint32_t copy_queue_depth = 256;  // GPU copy batches in flight per copy stream
+  uint32_t copy_streams = 4;        // copy streams per GPU the NIC spreads batches over
   uint64_t copy_timeout_ms = 30000;  // a GPU copy pending longer: TransportError (keep < proxy timeout)
   bool peer_access = true;          // enable P2P to same-process GPU peers (UCCL_EP_IPC_PEER_ACCESS)
   const GpuHooks* gpu = nullptr;   // required when the region is GPU memory
+};
+
+// What the NIC model did; its thread's CPU time is reported apart from the proxies'.
+struct IpcNicStats {
+  uint64_t writes = 0;         // messages put on the wire (writes and immediate-only messages)
+  uint64_t bytes = 0;          // payload bytes
+  uint64_t copies = 0;         // copy-engine copies after coalescing
+  uint64_t batches = 0;        // copy submissions (one API call each)
+  uint64_t delivered = 0;      // immediates handed to peers
+  uint64_t wire_busy_ns = 0;   // time the egress wire was occupied (line-rate model only)
+  double cpu_seconds = 0;      // CPU time of the NIC thread
 };
 
 // Host memory in a named shared-memory segment, so an ipc peer in another process can map it.
@@ -54,20 +85,26 @@ class IpcTransport : public Transport {
   std::string name() const override { return options_.reorder ? "ipc+reorder" : "ipc"; }
   bool ordered() const override { return !options_.reorder; }
   std::string local_info() const override;
+  // Maps every peer, creates the copy streams and starts the NIC thread.
   void connect(const std::vector<std::string>& infos) override;
   Endpoint& endpoint(uint32_t thread) override;
   uint64_t peer_region_bytes(uint32_t peer) const override;
+  IpcNicStats nic_stats() const;
+  const IpcOptions& options() const { return options_; }
+  const TransportSetup& setup() const { return setup_; }
 
   struct Peer;
   class IpcEndpoint;
+  class Nic;
 
  private:
   TransportSetup setup_;
   IpcOptions options_;
   std::string shared_region_name_;
-  std::unique_ptr<SharedMemory> inbox_;  // this rank's inboxes: [thread][src rank] rings
+  std::unique_ptr<SharedMemory> inbox_;  // this rank's inboxes: header, then [thread][src rank] rings
   std::vector<std::unique_ptr<Peer>> peers_;
   std::vector<std::unique_ptr<IpcEndpoint>> endpoints_;
+  std::unique_ptr<Nic> nic_;
 };
 
 }  // namespace uccl_ep

@@ -36,6 +36,10 @@ class Endpoint {
   // Up to `max` send and receive completions; returns how many. Throws TransportError naming the
   // peer on a failed completion.
   virtual int poll(Completion* out, int max) = 0;
+  // Rings the doorbell for everything posted since the last flush (one notification of the NIC
+  // per batch of posts, as a chained ibv_post_send). A transport may post at once and ignore it;
+  // poll() flushes too.
+  virtual void flush() {}
 };
 
 // Where the local symmetric region lives.

@@ -1,5 +1,6 @@
-// GpuHooks for the host-only transports: IPC handles of (interior) device pointers, per-endpoint
-// copy queues (stream + events, polled, never waited on), P2P enabling, DMA-BUF export for verbs.
+// GpuHooks for the host-only transports: IPC handles of (interior) device pointers, the ipc NIC's
+// copy queues (stream + events, polled, never waited on; batched submissions), P2P enabling,
+// DMA-BUF export for verbs.
 #include <cstring>
 #include <map>
 #include <memory>
@@ -108,10 +109,10 @@ void hook_ipc_close(void* ptr, int /*device*/) {
   (void)gpuIpcCloseMemHandle(base);
 }
 
-// One proxy endpoint's copies: its own non-blocking stream (copies never serialize behind the
+// One copy stream of the ipc NIC: its own non-blocking stream (copies never serialize behind the
 // kernels that push the commands; those kernels wait for these copies) and a ring of events,
-// one per copy in flight. Created and destroyed by the thread that connects the transport, used
-// by one proxy thread in between: no locking.
+// one per submission in flight. Created and destroyed by the thread that connects the
+// transport, used by the NIC thread in between: no locking.
 struct CopyQueue {
   int device = -1;
   gpuStream_t stream = nullptr;
@@ -170,6 +171,41 @@ uint64_t hook_copy_submit(void* queue, void* dst, const void* src, size_t bytes)
                     q->events.size(), " copies in flight already");
   GPU_CHECK(gpuSetDevice(q->device));
   GPU_CHECK(gpuMemcpyAsync(dst, src, bytes, gpuMemcpyDefault, q->stream));
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipEventRecord(q->events[q->submitted % q->events.size()], q->stream));
+#else
+  GPU_CHECK(cudaEventRecord(q->events[q->submitted % q->events.size()], q->stream));
+#endif
+  return ++q->submitted;
+}
+
+uint64_t hook_copy_submit_batch(void* queue, void* const* dst, const void* const* src, const size_t* bytes,
+                                size_t n) {
+  auto* q = static_cast<CopyQueue*>(queue);
+  UCCL_EP_CHECK_ARG(n >= 1 && q->submitted - q->completed < q->events.size(), "copy queue of device ", q->device,
+                    ": batch of ", n, " copies with ", q->submitted - q->completed, " of ", q->events.size(),
+                    " submissions in flight");
+  GPU_CHECK(gpuSetDevice(q->device));
+#if !defined(UCCL_EP_DEVICE_HIP) && CUDART_VERSION >= 12080
+  if (n > 1) {
+    // One API call for the whole batch; the driver may spread it over several copy engines.
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+    GPU_CHECK(cudaMemcpyBatchAsync(dst, src, bytes, n, &attr, &attr_idx, 1, q->stream));
+#else
+    size_t fail_idx = 0;
+    GPU_CHECK(cudaMemcpyBatchAsync(const_cast<void**>(dst), const_cast<void**>(src), const_cast<size_t*>(bytes), n,
+                                   &attr, &attr_idx, 1, &fail_idx, q->stream));
+#endif
+  } else {
+    GPU_CHECK(gpuMemcpyAsync(dst[0], src[0], bytes[0], gpuMemcpyDefault, q->stream));
+  }
+#else
+  for (size_t i = 0; i < n; ++i) GPU_CHECK(gpuMemcpyAsync(dst[i], src[i], bytes[i], gpuMemcpyDefault, q->stream));
+#endif
 #if defined(UCCL_EP_DEVICE_HIP)
   GPU_CHECK(hipEventRecord(q->events[q->submitted % q->events.size()], q->stream));
 #else
@@ -267,6 +303,7 @@ const GpuHooks kHooks = [] {
   h.copy_queue_create = hook_copy_queue_create;
   h.copy_queue_destroy = hook_copy_queue_destroy;
   h.copy_submit = hook_copy_submit;
+  h.copy_submit_batch = hook_copy_submit_batch;
   h.copy_completed = hook_copy_completed;
   h.enable_peer_access = hook_enable_peer_access;
   h.dmabuf_fd = hook_dmabuf_fd;

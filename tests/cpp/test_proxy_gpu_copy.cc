@@ -201,8 +201,8 @@ TEST_P(GpuTestTraffic, LandsExactlyWithDeferredCopies) {
   std::tie(s.channels, s.threads, s.reorder) = GetParam();
   FakeGpu::reset(s.copy_delay_us, false);
   GpuWorld w(s);
-  EXPECT_EQ(FakeGpu::queues_created.load(), static_cast<int>(s.world * s.threads))
-      << "copy queues must be created at connect time (one per proxy thread), not by the proxy threads";
+  EXPECT_EQ(FakeGpu::queues_created.load(), static_cast<int>(s.world * IpcOptions{}.copy_streams))
+      << "copy streams must be created at connect time (copy_streams per rank's NIC), not by the NIC thread";
   EXPECT_EQ(FakeGpu::peer_enables.load(), static_cast<int>(s.world * (s.world - 1)));
   w.start();
   std::vector<std::thread> warps;
@@ -401,7 +401,7 @@ TEST(GpuCopyQueue, PeerAccessCanBeLeftOff) {
   FakeGpu::reset(0, false);
   GpuWorld w(s);
   EXPECT_EQ(FakeGpu::peer_enables.load(), 0);
-  EXPECT_EQ(FakeGpu::queues_created.load(), static_cast<int>(s.world * s.threads));
+  EXPECT_EQ(FakeGpu::queues_created.load(), static_cast<int>(s.world * IpcOptions{}.copy_streams));
 }
 
 TEST(GpuCopyQueue, RejectsBadOptions) {

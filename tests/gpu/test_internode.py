@@ -15,6 +15,10 @@ dispatched rows unchanged gives x times the number of ranks each token reached. 
 from poisoned memory, so an unwritten element is a mismatch. Small-ring cases make every
 (channel, node) ring wrap many times, so flow control (head/tail software atomics) is exercised.
 
+The transport is the ipc NIC model at 50 GB/s per GPU and 3 us (``UCCL_EP_TEST_IPC_LINK_GBPS``,
+``UCCL_EP_TEST_IPC_LATENCY_US``); ``-k nic_fault`` injects completion errors and a dead peer
+(``UCCL_EP_IPC_FAULT``) and checks that every rank ends in an error naming what failed.
+
 Sync-free mode (``-k sync_free``, num_worst_tokens = W): outputs equal the reference oracle's,
 the handle's device counts equal exact mode's list, and a profiler count finds no host sync on
 the calling thread after a warm-up; a bad expert id on one rank is raised on every rank.
@@ -63,6 +67,9 @@ def _env(pool, reorder: bool, seed: int) -> dict[str, str]:
         "UCCL_EP_IPC_REORDER_SEED": str(seed),
         "UCCL_EP_IPC_MAX_DELAY_US": "20",
         "UCCL_EP_TIMEOUT_MS": os.environ.get("UCCL_EP_TEST_KERNEL_TIMEOUT_MS", "20000"),
+        # The NIC model at a 400 Gb/s line rate (50 GB/s per GPU) and 3 us, as the bench runs it.
+        "UCCL_EP_IPC_LINK_GBPS": os.environ.get("UCCL_EP_TEST_IPC_LINK_GBPS", "50"),
+        "UCCL_EP_IPC_LATENCY_US": os.environ.get("UCCL_EP_TEST_IPC_LATENCY_US", "3"),
     }
 
 
@@ -556,3 +563,57 @@ def test_dead_peer_times_out_naming_the_rank(gpu_pool):
     partner = dead - world // 2
     assert re.search(rf"rank {dead}\b", out[partner]), out[partner]
     assert re.search(r"waiting for rank \d+|rank \d+ has not acknowledged", out[dead]), out[dead]
+
+
+def nic_fault_case(rank: int, world: int) -> dict:
+    """A dispatch + combine loop under an injected NIC fault: returns each rank's error (or
+    "" when it finished) and how long it took to get it."""
+    import time
+
+    from uccl_ep_megatron import Buffer, Config
+    from uccl_ep_megatron.core.errors import UcclEpError
+
+    buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
+    _keep.append(buf)  # peers may still address its memory: never freed during the session
+    num_tokens, hidden, experts = 2048, 2048, 4 * world
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    idx = torch.rand(num_tokens, experts, generator=gen, device="cuda").topk(world, dim=1).indices
+    w = torch.rand(num_tokens, world, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    layout = buf.get_dispatch_layout(idx, experts)[:4]
+    t0 = time.monotonic()
+    try:
+        for _ in range(20):
+            out = dispatch(buf, x, layout, idx, w, config=Config(min(24, buf.max_num_sms or 24)))
+            buf.combine(out[0], out[4], topk_weights=out[2])
+            torch.cuda.synchronize()
+            buf._backend.check()
+    except UcclEpError as exc:
+        return {"error": str(exc), "seconds": time.monotonic() - t0}
+    return {"error": "", "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("fault", ["retry_exceeded", "dead_peer"])
+def test_nic_fault_ends_in_a_clear_error_on_every_rank(gpu_pool, fault):
+    world = gpu_pool.world_size
+    dead = world - 1
+    spec = {
+        "retry_exceeded": "retry_exceeded:rank=0,qp=0,after=30,detect_ms=50",
+        "dead_peer": f"dead_peer:rank={dead},after=30,detect_ms=50",
+    }[fault]
+    env = _env(gpu_pool, False, 0)
+    env.update(UCCL_EP_TIMEOUT_MS="3000", UCCL_EP_IPC_FAULT=spec)
+    out = gpu_pool.run(__file__, "nic_fault_case", env=env)
+    # Nothing hangs: every rank is told within a few timeouts.
+    assert all(o["seconds"] < 30 for o in out), out
+    failing = 0 if fault == "retry_exceeded" else dead
+    partner = (failing + world // 2) % world
+    err = out[failing]["error"]
+    assert "IBV_WC_RETRY_EXC_ERR" in err, err
+    if fault == "retry_exceeded":
+        assert "ipc rank 0" in err and "proxy thread 0" in err, err
+    else:
+        assert "stopped answering" in err, err
+    # The failing rank's rail partner on the other node names it.
+    assert out[partner]["error"], out
+    assert re.search(rf"rank {failing}\b", out[partner]["error"]), out[partner]

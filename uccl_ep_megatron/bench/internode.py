@@ -1,30 +1,35 @@
-"""``uccl-ep-megatron bench internode``: internode HT dispatch/combine on virtual nodes.
+"""``uccl-ep-megatron bench internode``: internode HT dispatch/combine on virtual nodes, over the
+``ipc`` NIC model.
 
 Spawns ``--ranks`` ranks (default: one per visible GPU; ranks beyond the GPU count share GPUs
-under CUDA MPS in a gloo group, see ``uccl_ep_megatron.cluster.local``), splits them into
-virtual nodes of ``--ranks-per-node`` (default: half the ranks, so 2 nodes) and times, on the
-DeepSeek-V3 HT setting (default 4096 tokens/rank, hidden 7168, top-8 of 256 experts, BF16),
-``Buffer.dispatch`` and ``Buffer.combine`` of the ``kernels_internode`` backend for each proxy
-thread count (``UCCL_EP_NUM_PROXY_THREADS`` 1, 2, 4, 8 by default). Per op it reports:
+under CUDA MPS), splits them into virtual nodes of ``--ranks-per-node`` (default: half the
+ranks, so 2 nodes), gives each rank a virtual NIC of ``--link-gbps`` GB/s and ``--latency-us``
+(``0`` = as fast as the copy engines go) and times, on the DeepSeek-V3 HT setting (4096
+tokens/rank, hidden 7168, top-8 of 256 experts), ``Buffer.dispatch`` (BF16, and FP8 with
+``--fp8``) and ``Buffer.combine`` for each line rate, proxy thread count and RDMA chunk size.
+Per op it reports:
 
-- ``us``: median device time of the call on the caller's stream (events; a dispatch includes
-  its notify and the one host sync for output sizes);
-- ``GB/s``: DeepEP's metric, bytes of ``recv_x`` over the time;
-- ``rdma_MB``: bytes the proxy posted through the transport per call (token slots incl. their
-  metadata; what would cross the NICs), ``nvl_MB``: bytes that reached this rank over NVLink
-  from a node peer (0 with one GPU per virtual node);
-- ``cmds/s``: TransferCmds the proxy consumed per second of the timed calls;
-- ``proxy_cpu``: CPU time of the proxy threads over the wall time (1.0 = one core busy).
+- ``us``: median device time of the call on the caller's stream (a dispatch includes its notify
+  and the host sync for output sizes), the max over ranks of each iteration;
+- ``rdma_MB``: bytes the proxy posted per call and rank (token slots with their metadata: what
+  crosses the NIC); ``GB/s``: those bytes over ``us`` (inter-node bytes per GPU) and ``line``:
+  that as a fraction of the line rate;
+- ``cmds/s``: commands the proxy consumed per second of the timed calls; ``proxy_cpu`` and
+  ``nic_cpu``: CPU cores busy in the proxy threads and in the NIC model's thread;
+- ``copies``: copy-engine copies per call after the NIC coalesced contiguous writes;
+- the same tokens through the intranode kernels with all ranks in one node (``--intranode-ref``).
 
-What the numbers mean: the transport is ``ipc`` (each "RDMA write" is an asynchronous GPU copy
-into the peer's IPC mapping, issued by a CPU proxy thread on its copy queue), not a NIC, so the
-times measure the GPU-initiated protocol end to end (FIFO, proxy, ordering, flow control,
-forwarding) on this host, not network performance; there is no speed target on ``ipc``.
+``--copy-only`` times the NIC model alone: every rank writes to its same-rail peer on the
+other node through one endpoint, no proxy, no kernels (``_C.ipc_copy_test``).
+
+No NIC is involved: the model stands for one, with the semantics of the verbs transport (see
+docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -39,16 +44,21 @@ from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 
+def _floats(text: str) -> list[float]:
+    return [float(t) for t in str(text).split(",") if t.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(t) for t in str(text).split(",") if t.strip()]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``bench internode`` (see README, internode section)."""
+    """Flags of ``bench internode``."""
     parser.add_argument(
         "--ranks", type=int, default=0, help="ranks; 0 = one per visible GPU (at least 2)"
     )
     parser.add_argument(
-        "--ranks-per-node",
-        type=int,
-        default=0,
-        help="ranks per virtual node (UCCL_EP_RANKS_PER_NODE); 0 = half the ranks",
+        "--ranks-per-node", type=int, default=0, help="ranks per virtual node; 0 = half the ranks"
     )
     parser.add_argument(
         "--num-gpus", type=int, default=0, help="GPUs to place the ranks on; 0 = all visible"
@@ -58,12 +68,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--experts", type=int, default=256, help="routed experts in total")
     parser.add_argument("--topk", type=int, default=8, help="experts per token")
     parser.add_argument("--sms", type=int, default=24, help="SM budget (2 per channel)")
+    parser.add_argument("--threads", default="4", help="proxy thread counts, comma-separated")
     parser.add_argument(
-        "--threads", default="1,2,4,8", help="comma-separated proxy thread counts to time"
+        "--link-gbps",
+        default="50",
+        help="NIC line rates in GB/s per GPU, comma-separated; 0 = none",
     )
+    parser.add_argument("--latency-us", type=float, default=3.0, help="one-way NIC latency")
+    parser.add_argument(
+        "--chunk",
+        default="0",
+        help="dispatch tokens per RDMA write (Config.num_max_rdma_chunked_send_tokens), "
+        "comma-separated; 0 = the library's default",
+    )
+    parser.add_argument(
+        "--combine-chunk", type=int, default=0, help="combine tokens per RDMA write; 0 = default"
+    )
+    parser.add_argument("--ring", type=int, default=0, help="ring slots per channel; 0 = default")
+    parser.add_argument("--fp8", action="store_true", help="also time FP8 dispatch")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per op")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per op")
-    parser.add_argument("--reorder", action="store_true", help="ipc reorder/delay injector on")
+    parser.add_argument("--reorder", action="store_true", help="SRD: unordered delivery")
+    parser.add_argument(
+        "--intranode-ref", action="store_true", help="also time the tokens intranode (one node)"
+    )
+    parser.add_argument(
+        "--copy-only",
+        default="",
+        help="time the NIC model alone with writes of these sizes in bytes, comma-separated",
+    )
     parser.add_argument("--rdma-bytes", type=int, default=1 << 30, help="Buffer num_rdma_bytes")
     parser.add_argument("--nvl-bytes", type=int, default=1 << 30, help="Buffer num_nvl_bytes")
     add_json_argument(parser)
@@ -74,14 +107,14 @@ def register(subparsers: Any) -> None:
     register_bench(
         subparsers,
         "internode",
-        "internode HT dispatch/combine over virtual nodes (ipc proxy)",
+        "internode HT dispatch/combine over virtual nodes (ipc NIC model)",
         add_arguments,
         run,
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    """Spawn the ranks, time every thread count, print the table."""
+    """Spawn the ranks, time every configuration, print the table."""
     gpus = args.num_gpus or visible_gpus()
     world = args.ranks or gpus
     local = args.ranks_per_node or world // 2
@@ -92,11 +125,11 @@ def run(args: argparse.Namespace) -> int:
             f"--ranks={world} --ranks-per-node={local}: give at least 2 virtual nodes of equal "
             "size, e.g. --ranks 4 --ranks-per-node 2"
         )
-    threads = [int(t) for t in str(args.threads).split(",") if t.strip()]
+    threads, links, chunks = _ints(args.threads), _floats(args.link_gbps), _ints(args.chunk)
     if not threads or any(t < 1 or t > 8 for t in threads):
-        raise SystemExit(f"--threads={args.threads!r}: give counts in 1..8, e.g. 1,2,4,8")
-    with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
-        rows = pool.run(_worker, vars(args), local, threads)
+        raise SystemExit(f"--threads={args.threads!r}: give counts in 1..8, e.g. 1,2,4")
+    if not links or any(v < 0 for v in links) or args.latency_us < 0:
+        raise SystemExit("--link-gbps and --latency-us must be >= 0 (0 = unthrottled / none)")
     meta = {
         "tokens": args.tokens,
         "hidden": args.hidden,
@@ -105,22 +138,31 @@ def run(args: argparse.Namespace) -> int:
         "sms": args.sms,
         "world": world,
         "ranks_per_node": local,
-        "shared_gpu": pool.placement.shared,
+        "latency_us": args.latency_us,
+        "reorder": bool(args.reorder),
     }
+    with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
+        meta["shared_gpu"] = pool.placement.shared
+        if args.copy_only:
+            rows = pool.run(_copy_worker, vars(args), local, links, _ints(args.copy_only))
+        else:
+            rows = pool.run(_worker, vars(args), local, threads, links, chunks)
     results = {"meta": meta, "rows": [r for part in rows for r in part]}
+    meta["gpu"] = next((r["gpu"] for r in results["rows"] if "gpu" in r), "")
     _print(results)
     write_json(args.json, results)
     return 0
 
 
-def proxy_cpu_seconds() -> float:
-    """CPU seconds (user + system) of this process's proxy threads (named ``ueproxy*``)."""
+def cpu_seconds(prefix: str) -> float:
+    """CPU seconds (user + system) of this process's threads whose name starts with ``prefix``
+    (``ueproxy``: the proxy threads; ``uenic``: the NIC model's)."""
     total = 0
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                if not f.read().startswith("ueproxy"):
+                if not f.read().startswith(prefix):
                     continue
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
@@ -130,81 +172,205 @@ def proxy_cpu_seconds() -> float:
     return total / tick
 
 
-def _dispatch(buf, layout, x, idx, w, config, state: dict) -> None:
-    out = buf.dispatch(x, config=config, **dispatch_kwargs(layout, idx, w))
-    state["recv_x"], state["handle"], state["w"] = out[0], out[4], out[2]
+def _set_env(**values: Any) -> None:
+    for k, v in values.items():
+        os.environ[k] = str(v)
 
 
-def _combine(buf, config, state: dict) -> None:
-    buf.combine(state["recv_x"], state["handle"], topk_weights=state["w"], config=config)
+def _time(fn, iters: int, warmup: int) -> list[float]:
+    """Device µs of each call after ``warmup`` untimed ones; ranks start each call together."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
 
 
-def _worker(rank: int, world: int, a: dict, local: int, threads: list[int]) -> list[dict]:
-    os.environ["UCCL_EP_RANKS_PER_NODE"] = str(local)
-    os.environ["UCCL_EP_TRANSPORT"] = "ipc"
-    os.environ["UCCL_EP_IPC_REORDER"] = "1" if a["reorder"] else "0"
+def _slowest(times: list[float]) -> float:
+    """Median over iterations of the slowest rank's time."""
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def _ops(buf, a: dict, x, x_fp8, layout, idx, w, cfgs) -> tuple[dict, dict]:
+    """The timed calls, name -> function, and the state they share (what combine needs)."""
+    state: dict[str, Any] = {}
+    dcfg, ccfg = cfgs
+
+    def dispatch(inp):
+        out = buf.dispatch(inp, config=dcfg, **dispatch_kwargs(layout, idx, w))
+        state["recv_x"], state["handle"], state["w"] = out[0], out[4], out[2]
+
+    def combine():
+        buf.combine(state["recv_x"], state["handle"], topk_weights=state["w"], config=ccfg)
+
+    ops = {"dispatch": functools.partial(dispatch, x)}
+    if a["fp8"]:
+        ops["dispatch_fp8"] = functools.partial(dispatch, x_fp8)
+    ops["combine"] = combine
+    return ops, state
+
+
+def _configs(world: int, a: dict, chunk: int):
+    """The library's internode dispatch and combine configs at ``a``'s SM budget, with the
+    chunk sizes and ring capacity the flags override."""
     from uccl_ep_megatron.api.buffer import Buffer
-    from uccl_ep_megatron.core.config import Config
 
-    H, E = a["hidden"], a["experts"]
+    d = {"num_sms": a["sms"]}
+    c = {"num_sms": a["sms"]}
+    if chunk:
+        d["num_max_rdma_chunked_send_tokens"] = chunk
+    if a["combine_chunk"]:
+        c["num_max_rdma_chunked_send_tokens"] = a["combine_chunk"]
+    if a["ring"]:
+        d["num_max_rdma_chunked_recv_tokens"] = c["num_max_rdma_chunked_recv_tokens"] = a["ring"]
+    return (
+        dataclasses.replace(Buffer.get_dispatch_config(world), **d),
+        dataclasses.replace(Buffer.get_combine_config(world), **c),
+    )
+
+
+def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
+    ep = buf._backend.proxy
+    s0, n0 = ep.stats(), ep.nic_stats()
+    c0, k0, t0 = cpu_seconds("ueproxy"), cpu_seconds("uenic"), time.perf_counter()
+    times = _time(fn, a["iters"], a["warmup"])
+    wall = time.perf_counter() - t0
+    s1, n1 = ep.stats(), ep.nic_stats()
+    c1, k1 = cpu_seconds("ueproxy"), cpu_seconds("uenic")
+    buf._backend.check()
+    calls = a["iters"] + a["warmup"]
+    us = _slowest(times)
+    rdma = (s1["bytes_posted"] - s0["bytes_posted"]) / calls
+    return {
+        "rank": rank,
+        "op": name,
+        "us": us,
+        "rdma_mb": rdma / 1e6,
+        "gbps": rdma / us / 1e3,
+        "cmds_per_s": (s1["commands"] - s0["commands"]) / wall,
+        "proxy_cpu": (c1 - c0) / wall,
+        "nic_cpu": (k1 - k0) / wall,
+        "copies": (n1["copies"] - n0["copies"]) / calls,
+        "writes": (n1["writes"] - n0["writes"]) / calls,
+        "held_out_of_order": s1["held_out_of_order"] - s0["held_out_of_order"],
+        "gpu": torch.cuda.get_device_name(),
+    }
+
+
+def _worker(rank, world, a, local, threads, links, chunks) -> list[dict]:
+    from uccl_ep_megatron.api.buffer import Buffer
+
+    _set_env(
+        UCCL_EP_RANKS_PER_NODE=local,
+        UCCL_EP_TRANSPORT="ipc",
+        UCCL_EP_IPC_REORDER=int(a["reorder"]),
+        UCCL_EP_IPC_LATENCY_US=a["latency_us"],
+    )
+    H, E, T = a["hidden"], a["experts"], a["tokens"]
     idx, w, x = routed_inputs(a, rank)
-    config = Config(a["sms"])
+    x_fp8 = (
+        x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
+        torch.rand(T, H // 128, device="cuda") + 0.5,
+    )
     rows = []
-    for nt in threads:
-        os.environ["UCCL_EP_NUM_PROXY_THREADS"] = str(nt)
-        buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], backend="kernels")
-        ep = buf._backend.proxy
-        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        state: dict[str, Any] = {}
-
-        layout = (per_rank, per_rdma, per_expert, in_rank)
-        do_dispatch = functools.partial(_dispatch, buf, layout, x, idx, w, config, state)
-        do_combine = functools.partial(_combine, buf, config, state)
-
-        for name, fn in (("dispatch", do_dispatch), ("combine", do_combine)):
-            for _ in range(a["warmup"]):
-                fn()
-            torch.cuda.synchronize()
-            buf._backend.check()
-            s0, c0, t0 = ep.stats(), proxy_cpu_seconds(), time.perf_counter()
-            times = []
-            for _ in range(a["iters"]):
-                dist.barrier()
-                torch.cuda.synchronize()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-            wall = time.perf_counter() - t0
-            s1, c1 = ep.stats(), proxy_cpu_seconds()
-            buf._backend.check()
-            h = state["handle"]
-            num_recv = h.num_recv_tokens
-            recv_bytes = num_recv * H * x.element_size()
-            prefix = h.rank_prefix_matrix[:, rank].tolist()
-            col = [prefix[0]] + [prefix[s] - prefix[s - 1] for s in range(1, world)]
-            nvl_rows = sum(col[s] for s in range(world) if s % local != rank % local)
-            us = statistics.median(times)
-            rows.append(
-                {
-                    "rank": rank,
-                    "threads": nt,
-                    "op": name,
-                    "us": us,
-                    "gbps": recv_bytes / us / 1e3,
-                    "rdma_mb": (s1["bytes_posted"] - s0["bytes_posted"]) / a["iters"] / 1e6,
-                    "nvl_mb": nvl_rows * H * x.element_size() / 1e6,
-                    "cmds_per_s": (s1["commands"] - s0["commands"]) / wall,
-                    "proxy_cpu": (c1 - c0) / wall,
-                    "held_out_of_order": s1["held_out_of_order"] - s0["held_out_of_order"],
-                }
-            )
+    for link in links:
+        for nt in threads:
+            for chunk in chunks:
+                _set_env(UCCL_EP_NUM_PROXY_THREADS=nt, UCCL_EP_IPC_LINK_GBPS=link)
+                buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], backend="kernels")
+                cfgs = _configs(world, a, chunk)
+                layout = buf.get_dispatch_layout(idx, E)[:4]
+                ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
+                for name, fn in ops.items():
+                    r = _measure(buf, name, fn, a, rank)
+                    r.update(
+                        threads=nt,
+                        link_gbps=link,
+                        chunk=cfgs[
+                            0 if name.startswith("dispatch") else 1
+                        ].num_max_rdma_chunked_send_tokens,
+                        line=(r["gbps"] / link) if link else None,
+                    )
+                    rows.append(r)
+                buf.destroy()
+    if a["intranode_ref"]:
+        _set_env(UCCL_EP_RANKS_PER_NODE=world)
+        buf = Buffer(None, a["nvl_bytes"], 0, backend="kernels")
+        layout = buf.get_dispatch_layout(idx, E)[:4]
+        cfgs = (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world))
+        ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
+        for name, fn in ops.items():
+            us = _slowest(_time(fn, a["iters"], a["warmup"]))
+            rows.append({"rank": rank, "op": name, "us": us, "intranode_ref": True})
         buf.destroy()
     dist.barrier()
     return rows
+
+
+def _copy_worker(rank, world, a, local, links, sizes) -> list[dict]:
+    from uccl_ep_megatron.core import _c
+    from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint
+
+    c = _c.load()
+    span = 256 << 20
+    region = torch.empty(2 * span, dtype=torch.uint8, device="cuda")
+    peer = (rank + local) % world  # same rail, next virtual node
+    rows = []
+    for link in links:
+        cfg = ProxyConfig(
+            num_channels=1,
+            num_threads=1,
+            transport="ipc",
+            ipc_link_gbps=link,
+            ipc_latency_us=a["latency_us"],
+        )
+        ep = ProxyEndpoint(
+            region.data_ptr(), region.numel(), device=torch.cuda.current_device(), config=cfg
+        )
+        ep.connect(start_proxy=False)
+        for size in sizes:
+            writes = max(64, int((2 << 30) // size))  # ~2 GiB per rank and size
+            dist.barrier()
+            n0, k0 = ep.nic_stats(), cpu_seconds("uenic")
+            secs, _ = c.ipc_copy_test(
+                ep.transport, peer, 0, span, span, size, writes, 256, writes, 120.0
+            )
+            n1, k1 = ep.nic_stats(), cpu_seconds("uenic")
+            rows.append(
+                {
+                    "rank": rank,
+                    "op": "copy_only",
+                    "link_gbps": link,
+                    "write_bytes": size,
+                    "gbps": writes * size / secs / 1e9,
+                    "line": (writes * size / secs / 1e9 / link) if link else None,
+                    "copies": n1["copies"] - n0["copies"],
+                    "batches": n1["batches"] - n0["batches"],
+                    "nic_cpu": (k1 - k0) / secs,
+                    "gpu": torch.cuda.get_device_name(),
+                }
+            )
+        dist.barrier()
+        ep.close()
+        del ep
+    return rows
+
+
+def _avg(rs: list[dict], k: str) -> float:
+    vals = [r[k] for r in rs if r.get(k) is not None]
+    return sum(vals) / len(vals) if vals else float("nan")
 
 
 def _print(results: dict) -> None:
@@ -213,26 +379,40 @@ def _print(results: dict) -> None:
     nodes = meta["world"] // meta["ranks_per_node"]
     print(
         f"internode HT, {meta['world']} ranks ({where}) as {nodes} virtual nodes x "
-        f"{meta['ranks_per_node']} (ipc transport): "
-        f"{meta['tokens']} tokens/rank, hidden {meta['hidden']}, top-{meta['topk']} of "
-        f"{meta['experts']}, {meta['sms']} SMs; rank-averaged"
+        f"{meta['ranks_per_node']}, ipc NIC model, latency {meta['latency_us']} us"
+        f"{', SRD' if meta['reorder'] else ''}: {meta['tokens']} tokens/rank, hidden "
+        f"{meta['hidden']}, top-{meta['topk']} of {meta['experts']}, {meta['sms']} SMs"
     )
-    hdr = (
-        f"{'op':<9}{'threads':>8}{'us':>10}{'GB/s':>8}{'rdma_MB':>9}{'nvl_MB':>8}"
-        f"{'cmds/s':>10}{'proxy_cpu':>10}"
-    )
-    print(hdr)
-    keys: dict[tuple[str, int], list[dict]] = {}
+    groups: dict[tuple, list[dict]] = {}
     for r in results["rows"]:
-        keys.setdefault((r["op"], r["threads"]), []).append(r)
-    for (op, nt), rs in sorted(keys.items(), key=lambda kv: (kv[0][0] != "dispatch", kv[0][1])):
-
-        def avg(k: str, rs=rs) -> float:
-            return sum(r[k] for r in rs) / len(rs)
-
+        key = (
+            r["op"],
+            r.get("link_gbps"),
+            r.get("threads"),
+            r.get("chunk"),
+            r.get("write_bytes"),
+            r.get("intranode_ref", False),
+        )
+        groups.setdefault(key, []).append(r)
+    print(
+        f"{'op':<13}{'link':>6}{'thr':>4}{'chunk':>6}{'us':>9}{'rdma_MB':>9}{'GB/s':>7}{'line':>6}"
+        f"{'cmds/s':>9}{'proxy':>7}{'nic':>6}{'copies':>8}"
+    )
+    for (op, link, nt, chunk, size, ref), rs in groups.items():
+        if ref:
+            print(f"{op:<13}{'intranode reference (one node)':>34}{_avg(rs, 'us'):>9.0f}")
+            continue
+        if op == "copy_only":
+            print(
+                f"{op:<13}{link:>6g}{'':>4}{size:>6}{'':>9}{'':>9}{_avg(rs, 'gbps'):>7.1f}"
+                f"{_avg(rs, 'line'):>6.2f}{'':>9}{'':>7}{_avg(rs, 'nic_cpu'):>6.2f}"
+                f"{_avg(rs, 'copies'):>8.0f}"
+            )
+            continue
         print(
-            f"{op:<9}{nt:>8}{avg('us'):>10.0f}{avg('gbps'):>8.1f}{avg('rdma_mb'):>9.1f}"
-            f"{avg('nvl_mb'):>8.1f}{avg('cmds_per_s'):>10.0f}{avg('proxy_cpu'):>10.2f}"
+            f"{op:<13}{link:>6g}{nt:>4}{chunk:>6}{_avg(rs, 'us'):>9.0f}{_avg(rs, 'rdma_mb'):>9.1f}"
+            f"{_avg(rs, 'gbps'):>7.1f}{_avg(rs, 'line'):>6.2f}{_avg(rs, 'cmds_per_s'):>9.0f}"
+            f"{_avg(rs, 'proxy_cpu'):>7.2f}{_avg(rs, 'nic_cpu'):>6.2f}{_avg(rs, 'copies'):>8.0f}"
         )
 
 

@@ -50,6 +50,10 @@ class ProxyConfig:
         ipc_reorder: ipc injector on (``UCCL_EP_IPC_REORDER``).
         ipc_seed: injector seed (``UCCL_EP_IPC_REORDER_SEED``), combined with rank and thread.
         ipc_max_delay_us: injector's longest hold (``UCCL_EP_IPC_MAX_DELAY_US``).
+        ipc_link_gbps: NIC model line rate, GB/s per rank (``UCCL_EP_IPC_LINK_GBPS``; 0: none).
+        ipc_latency_us: NIC model one-way latency (``UCCL_EP_IPC_LATENCY_US``).
+        ipc_fault: injected NIC faults (``UCCL_EP_IPC_FAULT``; "" = none).
+        ipc_copy_streams: copy streams of the NIC model (``UCCL_EP_IPC_COPY_STREAMS``).
         pin_cpus: CPUs for the proxy threads; ``None``: the GPU's NUMA node.
     """
 
@@ -64,6 +68,10 @@ class ProxyConfig:
     ipc_reorder: bool | None = None
     ipc_seed: int | None = None
     ipc_max_delay_us: int | None = None
+    ipc_link_gbps: float | None = None
+    ipc_latency_us: float | None = None
+    ipc_fault: str | None = None
+    ipc_copy_streams: int | None = None
     pin_cpus: list[int] | None = field(default=None)
 
     def resolved(self) -> ProxyConfig:
@@ -87,6 +95,21 @@ class ProxyConfig:
         r.ipc_max_delay_us = int(
             e["UCCL_EP_IPC_MAX_DELAY_US"] if r.ipc_max_delay_us is None else r.ipc_max_delay_us
         )
+        r.ipc_link_gbps = _number(e, "UCCL_EP_IPC_LINK_GBPS", r.ipc_link_gbps)
+        r.ipc_latency_us = _number(e, "UCCL_EP_IPC_LATENCY_US", r.ipc_latency_us)
+        r.ipc_fault = str(e["UCCL_EP_IPC_FAULT"] if r.ipc_fault is None else r.ipc_fault)
+        r.ipc_copy_streams = int(
+            e["UCCL_EP_IPC_COPY_STREAMS"] if r.ipc_copy_streams is None else r.ipc_copy_streams
+        )
+        if not 1 <= r.ipc_copy_streams <= 64:
+            raise InvalidInputError(
+                f"ipc_copy_streams={r.ipc_copy_streams} must be in [1, 64] "
+                "(UCCL_EP_IPC_COPY_STREAMS)"
+            )
+        try:
+            _c.load().parse_ipc_faults(r.ipc_fault)
+        except Exception as exc:  # the C++ parser names the bad part
+            raise InvalidInputError(str(exc)) from None
         if r.num_channels < 1:
             raise InvalidInputError(f"num_channels={r.num_channels} must be >= 1")
         if not 1 <= r.num_threads <= min(64, r.num_channels):
@@ -115,6 +138,18 @@ class ProxyConfig:
         if not 1 <= r.num_counters <= limit:
             raise InvalidInputError(f"num_counters={r.num_counters} must be in [1, {limit}]")
         return r
+
+
+def _number(env: dict[str, Any], name: str, value: float | None) -> float:
+    """A non-negative number: ``value``, or the registry's string for ``name`` when None."""
+    raw = env[name] if value is None else value
+    try:
+        out = float(raw)
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{name}={raw!r} is not a number; give e.g. 50 or 2.5") from None
+    if not out >= 0 or out == float("inf"):
+        raise InvalidInputError(f"{name}={raw!r} must be a finite number >= 0 (0 = off)")
+    return out
 
 
 def exchange(blob: bytes, group: Any = None) -> list[bytes]:
@@ -244,6 +279,10 @@ class ProxyEndpoint:
                 # A GPU copy that never runs is reported by the transport, naming it, before the
                 # proxy's generic timeout fires.
                 max(1, cfg.timeout_ms // 2),
+                cfg.ipc_link_gbps,
+                cfg.ipc_latency_us,
+                cfg.ipc_fault,
+                cfg.ipc_copy_streams,
             )
         self.proxy: Any = None
         self._host = socket.gethostname()
@@ -253,8 +292,9 @@ class ProxyEndpoint:
         """This rank's connection blob, tagged with its host name."""
         return self._host.encode() + b"\0" + bytes(self.transport.local_info())
 
-    def connect(self, infos: list[bytes] | None = None) -> None:
-        """Exchange connection blobs (over ``group`` unless given) and start the proxy."""
+    def connect(self, infos: list[bytes] | None = None, start_proxy: bool = True) -> None:
+        """Exchange connection blobs (over ``group`` unless given) and start the proxy
+        (``start_proxy=False``: connect the transport only, e.g. for ``ipc_copy_test``)."""
         if infos is None:
             infos = exchange(self.local_info, self.group)
         if len(infos) != self.world_size:
@@ -268,6 +308,8 @@ class ProxyEndpoint:
                 "set UCCL_EP_TRANSPORT=verbs on RDMA clusters"
             )
         self.transport.connect([b.split(b"\0", 1)[1] for b in infos])
+        if not start_proxy:
+            return
         cfg = self.config
         e = _env()
         cap = int(e["UCCL_IB_MAX_INFLIGHT_NORMAL"]) or self._c.cmd_limits["seq_window"]
@@ -320,6 +362,12 @@ class ProxyEndpoint:
     def stats(self) -> dict[str, int]:
         """Proxy counters: commands, writes/bytes/atomics posted, received, held out of order."""
         return dict(self.proxy.stats()) if self.proxy is not None else {}
+
+    def nic_stats(self) -> dict[str, float]:
+        """What the ipc NIC model did (messages, bytes, copies, batches, CPU seconds of its
+        thread); empty for other transports."""
+        fn = getattr(self.transport, "nic_stats", None)
+        return dict(fn()) if fn is not None else {}
 
     def counter_values(self) -> list[int]:
         """Current software-atomic counters of this rank."""

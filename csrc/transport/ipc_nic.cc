@@ -1,0 +1,475 @@
+// The virtual NIC of the ipc transport (the model is described in ipc_transport.h). One thread per
+// rank runs pass() in a loop: take new work requests, submit gathered copies, poll the copy
+// streams, deliver what arrived, hand out due completions. It never waits for the GPU: a copy
+// that does not finish becomes an error naming it, after copy_timeout_ms.
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/errors.h"
+#include "common/log.h"
+#include "transport/ipc_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define UCCL_EP_NIC_RELAX() _mm_pause()
+#else
+#define UCCL_EP_NIC_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
+#endif
+
+namespace uccl_ep {
+namespace {
+
+constexpr uint32_t kMaxPickup = 1024;           // work requests taken per pass, over all queues
+constexpr size_t kMaxBatch = 512;               // copies per submission
+constexpr uint64_t kMaxCoalesce = 16ull << 20;  // bytes one coalesced copy may reach
+constexpr int64_t kIdleSpinNs = 20'000'000;     // spin this long with nothing to do, then nap
+constexpr uint64_t kPacketBytes = 4096;         // MTU of the modelled wire
+constexpr uint64_t kHeaderBytes = 64;           // per-packet headers and framing (RoCEv2/SRD order)
+
+uint64_t wire_bytes(uint32_t length) {
+  const uint64_t packets = length == 0 ? 1 : (length + kPacketBytes - 1) / kPacketBytes;
+  return length + packets * kHeaderBytes;
+}
+
+void bump(std::atomic<uint64_t>& c, uint64_t v = 1) {
+  c.store(c.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+IpcTransport::Nic::Nic(IpcTransport& t)
+    : t_(t),
+      world_(t.setup_.world_size),
+      threads_(t.setup_.num_threads),
+      ns_per_byte_(t.options_.link_gbps > 0 ? 1.0 / t.options_.link_gbps : 0.0),
+      latency_ns_(static_cast<int64_t>(t.options_.latency_us * 1000.0)),
+      rng_(t.options_.seed * 0x9E3779B97F4A7C15ull + t.setup_.rank * 7919u + 1),
+      qp_(size_t{t.setup_.num_threads} * t.setup_.world_size),
+      acks_(t.setup_.num_threads),
+      qp_posted_(size_t{t.setup_.num_threads} * t.setup_.world_size, 0),
+      qp_failed_ns_(size_t{t.setup_.num_threads} * t.setup_.world_size, 0) {
+  // Copy streams, made here on the connecting thread before any kernel runs.
+  for (uint32_t p = 0; p < world_; ++p) {
+    const int dev = copy_device(p);
+    if (dev < 0 || std::find(devices_.begin(), devices_.end(), dev) != devices_.end()) continue;
+    devices_.push_back(dev);
+  }
+  for (int dev : devices_) {
+    queues_.emplace_back();
+    for (uint32_t s = 0; s < t.options_.copy_streams; ++s) {
+      CopyQueue q;
+      q.device = dev;
+      q.handle = t.options_.gpu->copy_queue_create(dev, t.options_.copy_queue_depth);
+      queues_.back().push_back(std::move(q));
+    }
+    next_stream_.push_back(0);
+    open_.emplace_back();
+    open_.back().last_of_peer.assign(world_, -1);
+  }
+}
+
+IpcTransport::Nic::~Nic() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+  for (auto& per_dev : queues_) {
+    for (auto& q : per_dev) t_.options_.gpu->copy_queue_destroy(q.handle);
+  }
+}
+
+void IpcTransport::Nic::start() {
+  thread_ = std::thread([this] { run(); });
+}
+
+IpcNicStats IpcTransport::Nic::stats() const {
+  IpcNicStats s;
+  s.writes = writes_.load(std::memory_order_relaxed);
+  s.bytes = bytes_.load(std::memory_order_relaxed);
+  s.copies = copies_.load(std::memory_order_relaxed);
+  s.batches = batches_.load(std::memory_order_relaxed);
+  s.delivered = delivered_.load(std::memory_order_relaxed);
+  s.wire_busy_ns = wire_busy_ns_.load(std::memory_order_relaxed);
+  if (has_cpu_clock_.load(std::memory_order_acquire)) {
+    timespec ts{};
+    if (clock_gettime(cpu_clock_, &ts) == 0) s.cpu_seconds = ts.tv_sec + ts.tv_nsec * 1e-9;
+  }
+  return s;
+}
+
+int IpcTransport::Nic::copy_device(uint32_t peer) const {
+  const Peer& p = *t_.peers_[peer];
+  if (t_.setup_.region.gpu_device >= 0) return t_.setup_.region.gpu_device;
+  return p.region_gpu ? p.gpu_device : -1;
+}
+
+size_t IpcTransport::Nic::device_slot(int device) const {
+  return static_cast<size_t>(std::find(devices_.begin(), devices_.end(), device) - devices_.begin());
+}
+
+void IpcTransport::Nic::run() {
+  const std::string name = ("uenic" + std::to_string(t_.setup_.rank)).substr(0, 15);
+  pthread_setname_np(pthread_self(), name.c_str());
+  if (pthread_getcpuclockid(pthread_self(), &cpu_clock_) == 0) has_cpu_clock_.store(true, std::memory_order_release);
+  int64_t idle_since = ipc::now_ns();
+  try {
+    while (!stop_.load(std::memory_order_relaxed)) {
+      const int64_t now = ipc::now_ns();
+      if (pass(now) || inflight_ > 0) {
+        idle_since = now;
+        UCCL_EP_NIC_RELAX();
+      } else if (now - idle_since < kIdleSpinNs) {
+        UCCL_EP_NIC_RELAX();
+      } else {
+        // Long idle (no calls in flight): give the core back; the next call pays one wake-up.
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  } catch (const std::exception& e) {
+    fail_all(detail::concat("ipc rank ", t_.setup_.rank, " NIC thread failed: ", e.what()));
+  }
+}
+
+bool IpcTransport::Nic::pass(int64_t now) {
+  bool moved = pickup(now);
+  moved |= submit();
+  moved |= poll_copies();
+  moved |= deliver(now);
+  moved |= flush_acks(now);
+  check_stalls(now);
+  return moved;
+}
+
+uint32_t IpcTransport::Nic::alloc_flight() {
+  if (!free_.empty()) {
+    const uint32_t id = free_.back();
+    free_.pop_back();
+    pool_[id] = Flight{};
+    return id;
+  }
+  pool_.emplace_back();
+  return static_cast<uint32_t>(pool_.size() - 1);
+}
+
+void IpcTransport::Nic::release(uint32_t id) {
+  free_.push_back(id);
+  --inflight_;
+}
+
+bool IpcTransport::Nic::pickup(int64_t now) {
+  uint32_t taken = 0;
+  for (uint32_t th = 0; th < threads_ && taken < kMaxPickup; ++th) {
+    auto& sq = t_.endpoints_[th]->sq;
+    const uint64_t n = std::min<uint64_t>(sq.available(), kMaxPickup - taken);
+    for (uint64_t i = 0; i < n; ++i) admit(th, sq.peek(i), now);
+    sq.consume(n);
+    taken += static_cast<uint32_t>(n);
+  }
+  return taken > 0;
+}
+
+// Times one work request on the wire, starts its copy and queues it for delivery.
+void IpcTransport::Nic::admit(uint32_t thread, const ipc::WorkRequest& wr, int64_t now) {
+  const uint32_t id = alloc_flight();
+  ++inflight_;
+  Flight& f = pool_[id];
+  f.wr = wr;
+  f.thread = thread;
+  const int64_t start = std::max(now, wr.posted_ns);
+  int64_t wire_end = start;
+  if (ns_per_byte_ > 0) {
+    const int64_t begin = std::max(start, egress_free_ns_);
+    const auto busy = static_cast<int64_t>(static_cast<double>(wire_bytes(wr.length)) * ns_per_byte_);
+    egress_free_ns_ = begin + busy;
+    wire_end = egress_free_ns_;
+    bump(wire_busy_ns_, static_cast<uint64_t>(busy));
+  }
+  f.arrive_ns = wire_end + latency_ns_;
+  if (t_.options_.reorder) {
+    f.arrive_ns += static_cast<int64_t>(rng_() % (uint64_t{t_.options_.max_delay_us} + 1)) * 1000;
+  }
+  bump(writes_);
+  bump(bytes_, wr.length);
+  fault_check(f, now);
+  if (f.status != kWcSuccess) {
+    failed_.push_back(id);
+    return;
+  }
+  if (t_.options_.reorder) {
+    srd_.push({f.arrive_ns, id});  // SRD: its bytes land at its (randomly delayed) arrival
+    return;
+  }
+  // RC: the bytes may move at once; the receiver learns of them only in post order, later.
+  move_bytes(id);
+  qp_[size_t{thread} * world_ + wr.peer].push_back(id);
+}
+
+// Moves a flight's bytes: memcpy for host regions (the NIC thread is the DMA engine), else a
+// copy in its device's open batch.
+void IpcTransport::Nic::move_bytes(uint32_t id) {
+  const Flight& f = pool_[id];
+  if (f.wr.length == 0) return;
+  if (copy_device(f.wr.peer) >= 0) {
+    add_copy(id);
+    return;
+  }
+  const char* src = static_cast<const char*>(t_.setup_.region.base) + f.wr.src_offset;
+  std::memcpy(t_.peers_[f.wr.peer]->region + f.wr.dst_offset, src, f.wr.length);
+  bump(copies_);
+}
+
+// Injected faults (ipc_fault.h): sets the flight's status and when its error completion is due.
+void IpcTransport::Nic::fault_check(Flight& f, int64_t now) {
+  const uint32_t me = t_.setup_.rank;
+  const size_t qp = size_t{f.thread} * world_ + f.wr.peer;
+  ++qp_posted_[qp];
+  ++posted_total_;
+  if (qp_failed_ns_[qp] != 0) {
+    // In the error state: flushed, completing after the completion that failed the QP.
+    f.status = kWcWrFlushErr;
+    f.why = "its QP is in the error state after an earlier failed completion";
+    f.arrive_ns = std::max(now, qp_failed_ns_[qp] + 1);
+    return;
+  }
+  for (const IpcFault& x : t_.options_.faults) {
+    const int64_t detect = static_cast<int64_t>(x.detect_ms) * 1'000'000;
+    if (x.kind == IpcFault::kRetryExceeded && x.rank == me && (x.qp < 0 || x.qp == static_cast<int32_t>(f.thread)) &&
+        (x.peer < 0 || x.peer == static_cast<int32_t>(f.wr.peer)) && qp_posted_[qp] > x.after) {
+      f.status = kWcRetryExcErr;
+      f.why = detail::concat("injected by UCCL_EP_IPC_FAULT (retry_exceeded after ", x.after, " writes on this QP)");
+      f.arrive_ns = now + detect;
+      qp_failed_ns_[qp] = f.arrive_ns;
+      return;
+    }
+    if (x.kind != IpcFault::kDeadPeer) continue;
+    auto* hdr = ipc::inbox_header(x.rank == me ? t_.inbox_->data() : t_.peers_[x.rank]->inbox);
+    if (x.rank == me && posted_total_ > x.after) hdr->dead.store(1, std::memory_order_release);
+    const bool dead = hdr->dead.load(std::memory_order_acquire) != 0;
+    if (dead && (x.rank == me || x.rank == f.wr.peer)) {
+      f.status = kWcRetryExcErr;
+      f.why = x.rank == me ? detail::concat("this rank's NIC stopped answering (UCCL_EP_IPC_FAULT dead_peer after ",
+                                            x.after, " writes)")
+                           : detail::concat("rank ", x.rank, " stopped answering (UCCL_EP_IPC_FAULT dead_peer)");
+      f.arrive_ns = f.wr.posted_ns + detect;
+      return;
+    }
+  }
+}
+
+// Adds a flight's bytes to its device's open batch, extending the previous copy to the same
+// peer when source and destination both continue it (consecutive chunks of a ring stream).
+void IpcTransport::Nic::add_copy(uint32_t id) {
+  Flight& f = pool_[id];
+  const size_t d = device_slot(copy_device(f.wr.peer));
+  Batch& b = open_[d];
+  char* dst = t_.peers_[f.wr.peer]->region + f.wr.dst_offset;
+  const char* src = static_cast<const char*>(t_.setup_.region.base) + f.wr.src_offset;
+  const int32_t last = b.last_of_peer[f.wr.peer];
+  if (last >= static_cast<int32_t>(b.next) && static_cast<char*>(b.dst[last]) + b.bytes[last] == dst &&
+      static_cast<const char*>(b.src[last]) + b.bytes[last] == src && b.bytes[last] + f.wr.length <= kMaxCoalesce) {
+    b.bytes[last] += f.wr.length;
+    f.entry = last;
+  } else {
+    b.dst.push_back(dst);
+    b.src.push_back(src);
+    b.bytes.push_back(f.wr.length);
+    b.first_flight.push_back(id);
+    f.entry = static_cast<int32_t>(b.dst.size() - 1);
+    b.last_of_peer[f.wr.peer] = f.entry;
+  }
+  f.queue = static_cast<int32_t>(d);  // the device slot until a stream is chosen at submission
+  b.flights.push_back(id);
+}
+
+bool IpcTransport::Nic::submit() {
+  bool moved = false;
+  for (size_t d = 0; d < open_.size(); ++d) {
+    while (open_[d].next < open_[d].dst.size() && submit_device(d)) moved = true;
+  }
+  return moved;
+}
+
+// Submits the next copies of device slot d's open batch on the first stream with room: all of
+// them in one call where the GPU library batches copies, else one. False: every stream is full.
+bool IpcTransport::Nic::submit_device(size_t d) {
+  Batch& b = open_[d];
+  auto& streams = queues_[d];
+  const GpuHooks& gpu = *t_.options_.gpu;
+  for (size_t k = 0; k < streams.size(); ++k) {
+    const size_t s = (next_stream_[d] + k) % streams.size();
+    CopyQueue& q = streams[s];
+    if (q.submitted - q.completed >= t_.options_.copy_queue_depth) {
+      q.completed = gpu.copy_completed(q.handle);
+      if (q.submitted - q.completed >= t_.options_.copy_queue_depth) continue;
+    }
+    const size_t n = gpu.copy_submit_batch ? std::min(b.dst.size() - b.next, kMaxBatch) : 1;
+    const uint64_t ticket = gpu.copy_submit_batch
+                                ? gpu.copy_submit_batch(q.handle, b.dst.data() + b.next, b.src.data() + b.next,
+                                                        b.bytes.data() + b.next, n)
+                                : gpu.copy_submit(q.handle, b.dst[b.next], b.src[b.next], b.bytes[b.next]);
+    q.submitted = ticket;
+    q.pending.push_back(Pending{ticket, ipc::now_ns(), b.first_flight[b.next]});
+    const size_t first = b.next;
+    b.next += n;
+    for (uint32_t id : b.flights) {
+      Flight& f = pool_[id];
+      if (f.ticket == 0 && f.entry >= static_cast<int32_t>(first) && f.entry < static_cast<int32_t>(b.next)) {
+        f.queue = static_cast<int32_t>(d * streams.size() + s);
+        f.ticket = ticket;
+      }
+    }
+    bump(copies_, n);
+    bump(batches_);
+    next_stream_[d] = (s + 1) % streams.size();
+    if (b.next == b.dst.size()) {
+      b.dst.clear();
+      b.src.clear();
+      b.bytes.clear();
+      b.first_flight.clear();
+      b.flights.clear();
+      b.next = 0;
+      std::fill(b.last_of_peer.begin(), b.last_of_peer.end(), -1);
+    }
+    return true;
+  }
+  return false;
+}
+
+bool IpcTransport::Nic::poll_copies() {
+  bool moved = false;
+  for (auto& per_dev : queues_) {
+    for (auto& q : per_dev) {
+      if (q.completed == q.submitted) continue;
+      const uint64_t c = t_.options_.gpu->copy_completed(q.handle);
+      if (c == q.completed) continue;
+      q.completed = c;
+      while (!q.pending.empty() && q.pending.front().ticket <= c) q.pending.pop_front();
+      moved = true;
+    }
+  }
+  return moved;
+}
+
+bool IpcTransport::Nic::copy_done(const Flight& f) const {
+  if (f.queue < 0) return true;
+  if (f.ticket == 0) return false;  // still in the open batch
+  const size_t per = t_.options_.copy_streams;
+  return queues_[static_cast<size_t>(f.queue) / per][static_cast<size_t>(f.queue) % per].completed >= f.ticket;
+}
+
+// Delivers what arrived: RC in post order per QP, SRD in arrival order. Failed flights complete
+// with their error once due.
+bool IpcTransport::Nic::deliver(int64_t now) {
+  bool moved = false;
+  if (!failed_.empty()) {
+    // Error completions in the order they fall due (a QP's flushes after the error that failed it).
+    std::sort(failed_.begin(), failed_.end(),
+              [this](uint32_t a, uint32_t b) { return pool_[a].arrive_ns < pool_[b].arrive_ns; });
+    size_t due = 0;
+    while (due < failed_.size() && pool_[failed_[due]].arrive_ns <= now) fail(failed_[due++]);
+    failed_.erase(failed_.begin(), failed_.begin() + static_cast<ptrdiff_t>(due));
+    moved |= due > 0;
+  }
+  if (t_.options_.reorder) {
+    while (!srd_.empty() && srd_.top().first <= now) {
+      move_bytes(srd_.top().second);
+      landing_.push_back(srd_.top().second);
+      srd_.pop();
+      moved = true;
+    }
+    size_t keep = 0;
+    for (uint32_t id : landing_) {
+      if (copy_done(pool_[id]) && deliver_one(id, now)) {
+        moved = true;
+      } else {
+        landing_[keep++] = id;
+      }
+    }
+    landing_.resize(keep);
+    return moved;
+  }
+  for (auto& q : qp_) {
+    while (!q.empty()) {
+      const Flight& f = pool_[q.front()];
+      if (f.arrive_ns > now || !copy_done(f) || !deliver_one(q.front(), now)) break;
+      q.pop_front();
+      moved = true;
+    }
+  }
+  return moved;
+}
+
+// Hands the immediate to the peer's proxy thread; false when its inbox ring is full (the peer's
+// proxy is not draining: receiver-not-ready, retried next pass).
+bool IpcTransport::Nic::deliver_one(uint32_t id, int64_t now) {
+  Flight& f = pool_[id];
+  for (const IpcFault& x : t_.options_.faults) {
+    if (x.kind != IpcFault::kDeadPeer || (x.rank != t_.setup_.rank && x.rank != f.wr.peer)) continue;
+    const void* seg = x.rank == t_.setup_.rank ? t_.inbox_->data() : t_.peers_[x.rank]->inbox;
+    if (ipc::inbox_header(const_cast<void*>(seg))->dead.load(std::memory_order_acquire) != 0) {
+      f.status = kWcRetryExcErr;
+      f.why = detail::concat("rank ", x.rank, " stopped answering (UCCL_EP_IPC_FAULT dead_peer)");
+      f.arrive_ns = f.wr.posted_ns + static_cast<int64_t>(x.detect_ms) * 1'000'000;
+      failed_.push_back(id);
+      return true;
+    }
+  }
+  const uint32_t cap = t_.options_.inbox_capacity;
+  ipc::RingHeader* r = ipc::ring_at(t_.peers_[f.wr.peer]->inbox, f.thread, t_.setup_.rank, world_, cap);
+  const uint64_t tail = r->tail;
+  if (tail - __atomic_load_n(&r->head, __ATOMIC_ACQUIRE) >= cap) return false;
+  ipc::ring_entries(r)[tail & (cap - 1)] = ipc::InboxEntry{f.wr.imm, f.wr.channel, f.wr.length, 0};
+  __atomic_store_n(&r->tail, tail + 1, __ATOMIC_RELEASE);
+  acks_[f.thread].push_back(Ack{ipc::SendDone{f.wr.peer, f.wr.channel, f.wr.imm, f.wr.length, f.wr.wr_id},
+                                now + latency_ns_});
+  bump(delivered_);
+  release(id);
+  return true;
+}
+
+bool IpcTransport::Nic::flush_acks(int64_t now) {
+  bool moved = false;
+  for (uint32_t th = 0; th < threads_; ++th) {
+    auto& q = acks_[th];
+    auto& cq = t_.endpoints_[th]->cq;
+    while (!q.empty() && q.front().due_ns <= now && cq.try_push(q.front().done)) {
+      q.pop_front();
+      moved = true;
+    }
+    cq.publish();
+  }
+  return moved;
+}
+
+// A copy submitted copy_timeout_ms ago that has not completed: the GPU never ran it (its
+// stream is blocked, e.g. behind work that waits for this proxy, or the device hung).
+void IpcTransport::Nic::check_stalls(int64_t now) {
+  const int64_t limit = static_cast<int64_t>(t_.options_.copy_timeout_ms) * 1'000'000;
+  for (auto& per_dev : queues_) {
+    for (auto& q : per_dev) {
+      if (q.pending.empty() || now - q.pending.front().submit_ns <= limit) continue;
+      const Flight& f = pool_[q.pending.front().flight];
+      t_.endpoints_[f.thread]->fail(detail::concat(
+          "ipc rank ", t_.setup_.rank, " thread ", f.thread, ": GPU copy of ", f.wr.length, " bytes to rank ",
+          f.wr.peer, " (channel ", f.wr.channel, ") has not completed after ",
+          (now - q.pending.front().submit_ns) / 1'000'000, " ms; the GPU never ran it (its copy stream is blocked, ",
+          "e.g. behind work that waits for this proxy, or the device hung)"));
+      q.pending.front().submit_ns = now;  // reported once per timeout
+    }
+  }
+}
+
+void IpcTransport::Nic::fail(uint32_t id) {
+  const Flight& f = pool_[id];
+  t_.endpoints_[f.thread]->fail(detail::concat(
+      "ipc rank ", t_.setup_.rank, ": RDMA write to rank ", f.wr.peer, " on QP (proxy thread ", f.thread,
+      " -> rank ", f.wr.peer, ", channel ", f.wr.channel, ") completed with ", wc_status_name(f.status), ": ", f.why));
+  release(id);
+}
+
+void IpcTransport::Nic::fail_all(const std::string& message) {
+  for (auto& ep : t_.endpoints_) ep->fail(message);
+}
+
+}  // namespace uccl_ep
