@@ -1,44 +1,64 @@
 #!/usr/bin/env bash
-# One device call for the internode kernels (issue 5): build for sm_90, run the GPU tests
-# (2 virtual nodes over the ipc transport, injector off and on) and the internode benchmark;
-# logs under $OUT, a short summary last.
-# Usage (device tool): bash tests/gpu/run_internode.sh [pytest -k expression]
+# One device call for the internode path over the ipc NIC model: build for sm_90, then the steps
+# named in STEPS (default: all), each under its own time limit; logs and JSON under $OUT, a
+# summary table last (the device returns 8 files: logs are tarred).
+#   copy     bench internode --copy-only: the NIC model alone (unthrottled and at 50 GB/s)
+#   bench    bench internode on 2x2 (4 GPUs) and 2x1: line rates, proxy threads, chunk sizes
+#   tests    tests/gpu/test_internode.py on 2x1 and 2x2 (PYTEST_K selects cases)
+# Env: STEPS, PYTEST_K, BENCH_ARGS (extra flags for the 2x2 bench), DEADLINE_S (default 540).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
-t0=$(date +%s)
-# Build the committed tree when git is there (other components' sources may be mid-edit in the
-# working tree); UCCL_EP_BUILD_FROM=worktree builds the working tree as it is.
-SRC=.
-BUILD=/tmp/b
-if [ "${UCCL_EP_BUILD_FROM:-head}" = head ] && git rev-parse --verify -q HEAD > /dev/null 2>&1; then
-  SRC=/tmp/uccl_ep_src
-  BUILD=/tmp/b_head  # a CMake cache belongs to one source directory
-  rm -rf "$SRC" && mkdir -p "$SRC" && git archive HEAD | tar -x -C "$SRC"
-  echo "building commit $(git rev-parse --short HEAD)"
+DEADLINE=$((SECONDS + ${DEADLINE_S:-540}))
+STEPS=${STEPS:-copy bench tests}
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+echo "GPUs: $NGPU; commit $(git rev-parse --short HEAD 2>/dev/null)"
+build_sm90
+cd /tmp || exit 1  # import the installed package, not the source tree
+LOGS=/tmp/logs
+mkdir -p "$LOGS"
+SUMMARY=()
+
+# step NAME LIMIT CMD...: runs CMD with its output in $OUT/NAME.log, bounded by LIMIT and by
+# the call's deadline.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local left=$((DEADLINE - SECONDS))
+  if [ "$left" -lt 15 ]; then SUMMARY+=("$name: not run (deadline)"); return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  local rc=$?
+  SUMMARY+=("$(printf '%-22s rc=%-3s %4ss  %s' "$name" "$rc" "$((SECONDS - t))" \
+    "$(grep -E '[0-9]+ (passed|failed)' "$LOGS/$name.log" | tail -1 | cut -c1-80)")")
+  echo "==== $name (rc=$rc) ===="
+  grep -v -E '^\s*$|Warning|warn\(' "$LOGS/$name.log" | tail -n "${TAIL:-25}"
+}
+
+BENCH=(python3 -m uccl_ep_megatron.bench.internode)
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+if has copy && [ "$NGPU" -ge 4 ]; then
+  step copy_2x2 90 "${BENCH[@]}" --ranks 4 --ranks-per-node 2 --copy-only 65536,262144,1048576 \
+    --link-gbps 0,50 --json "$OUT/copy-2x2.json"
 fi
-python3 -m pip install --no-build-isolation --no-deps -q -C build-dir="$BUILD" \
-  -C cmake.define.UCCL_EP_CUDA_ARCHS=90 -C "cmake.define.CMAKE_CXX_FLAGS=-include cstdint" "$SRC" > "$OUT/build.log" 2>&1
-build_rc=$?
-t1=$(date +%s)
-echo "build rc=$build_rc ($((t1 - t0)) s)"
-if [ $build_rc -ne 0 ]; then tail -40 "$OUT/build.log"; exit 1; fi
-cd /tmp  # import the installed package, not the source tree
-K=${1:-}
-timeout ${TEST_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider --import-mode=importlib -o addopts="" \
-  -x "$REPO/tests/gpu/test_internode.py" ${K:+-k "$K"} > "$OUT/pytest.log" 2>&1
-test_rc=$?
-t2=$(date +%s)
-timeout ${BENCH_TIMEOUT:-60} python3 -m uccl_ep_megatron.bench.internode --iters ${BENCH_ITERS:-5} \
-  --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
-bench_rc=$?
-timeout ${BENCH_TIMEOUT:-60} python3 -m uccl_ep_megatron.bench.internode --iters ${BENCH_ITERS:-5} \
-  --threads 4 --reorder --json "$OUT/bench_reorder.json" > "$OUT/bench_reorder.log" 2>&1
-t3=$(date +%s)
-echo "---- pytest (rc=$test_rc, $((t2 - t1)) s) ----"
-grep -E "passed|failed|Error|error|assert|mismatch|Timeout" "$OUT/pytest.log" | head -30
-tail -3 "$OUT/pytest.log"
-echo "---- bench (rc=$bench_rc, $((t3 - t2)) s) ----"
-tail -10 "$OUT/bench.log"
-echo "---- bench, injector on ----"
-tail -3 "$OUT/bench_reorder.log"
+if has bench && [ "$NGPU" -ge 4 ]; then
+  # shellcheck disable=SC2086
+  step bench_2x2 240 "${BENCH[@]}" --ranks 4 --ranks-per-node 2 --iters 8 --fp8 --intranode-ref \
+    ${BENCH_ARGS:---link-gbps 0,50 --threads 2,4 --chunk 20,40} --json "$OUT/internode-2x2.json"
+fi
+if has bench; then
+  # shellcheck disable=SC2086
+  step bench_2x1 120 "${BENCH[@]}" --ranks 2 --ranks-per-node 1 --num-gpus 2 --iters 8 --fp8 \
+    ${BENCH_ARGS_2X1:---link-gbps 50 --threads 4 --chunk 20,40} --json "$OUT/internode-2x1.json"
+fi
+if has tests; then
+  PYTEST=(python3 -X faulthandler -m pytest -q -p no:cacheprovider --import-mode=importlib
+    -o addopts="" -o faulthandler_timeout=120 -rA --tb=short "$REPO/tests/gpu/test_internode.py"
+    ${PYTEST_K:+-k "$PYTEST_K"})
+  UCCL_EP_TEST_RANKS_PER_NODE=2 step tests_2x2 240 "${PYTEST[@]}"
+  UCCL_EP_TEST_RANKS_PER_NODE=1 step tests_2x1 200 "${PYTEST[@]}"
+fi
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
+echo "==== summary ===="
+printf '%s\n' "${SUMMARY[@]}"
