@@ -198,7 +198,7 @@ def _time(fn, iters: int, warmup: int) -> list[float]:
 
 def _slowest(times: list[float]) -> float:
     """Median over iterations of the slowest rank's time."""
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
 

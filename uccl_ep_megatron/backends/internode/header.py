@@ -7,6 +7,7 @@ until its dispatch or combine takes them (``_take_rows``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from uccl_ep_megatron.backends.agreement import (
     verdict_message,
     wait_stream,
 )
-from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UcclEpError
+from uccl_ep_megatron.core.errors import InvalidInputError, UcclEpError
 
 _W_FIELD = list(CallHeader.__dataclass_fields__).index("num_worst_tokens")
 _KIND_FIELD = list(CallHeader.__dataclass_fields__).index("kind")
@@ -49,12 +50,30 @@ class CallHeaderExchange:
     def _read(self, t: torch.Tensor, what: str, call: str) -> list[Any]:
         """``t`` on the host, waiting for the stream at most UCCL_EP_TIMEOUT_MS."""
 
-        def expired() -> CommTimeoutError:
+        def expired() -> UcclEpError:
+            cause = self._own_failure()
             self._broken = f"{what} of {call} timed out"
+            if cause is not None:
+                # This rank's own proxy or kernels failed (e.g. a NIC completion error): that,
+                # not "another rank", is why the exchange could not complete.
+                return type(cause)(f"{cause} ({what} of {call} could not complete after it)")
             return timeout_error(self.topology.rank, what, call, self._timeout_ms)
 
         wait_stream(self._timeout_ms, expired)
         return t.tolist()
+
+    def _own_failure(self) -> UcclEpError | None:
+        """The failure this rank's proxy or kernels recorded, if any, waiting a short grace for
+        a kernel wait that expires about now (it started before the exchange did)."""
+        deadline = time.monotonic() + min(1.0, self._timeout_ms / 4000)
+        while True:
+            try:
+                self.check()
+            except UcclEpError as exc:
+                return exc
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
 
     def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
         self.check()
