@@ -208,16 +208,16 @@ def _ops(buf, a: dict, x, x_fp8, layout, idx, w, cfgs) -> tuple[dict, dict]:
     state: dict[str, Any] = {}
     dcfg, ccfg = cfgs
 
-    def dispatch(inp):
-        out = buf.dispatch(inp, config=dcfg, **dispatch_kwargs(layout, idx, w))
-        state["recv_x"], state["handle"], state["w"] = out[0], out[4], out[2]
+    def dispatch(inp, key):
+        state[key] = buf.dispatch(inp, config=dcfg, **dispatch_kwargs(layout, idx, w))
 
-    def combine():
-        buf.combine(state["recv_x"], state["handle"], topk_weights=state["w"], config=ccfg)
+    def combine():  # of the BF16 dispatch's rows
+        out = state["bf16"]
+        buf.combine(out[0], out[4], topk_weights=out[2], config=ccfg)
 
-    ops = {"dispatch": functools.partial(dispatch, x)}
+    ops = {"dispatch": functools.partial(dispatch, x, "bf16")}
     if a["fp8"]:
-        ops["dispatch_fp8"] = functools.partial(dispatch, x_fp8)
+        ops["dispatch_fp8"] = functools.partial(dispatch, x_fp8, "fp8")
     ops["combine"] = combine
     return ops, state
 
