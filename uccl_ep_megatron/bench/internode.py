@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import statistics
 import time
@@ -74,7 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="50",
         help="NIC line rates in GB/s per GPU, comma-separated; 0 = none",
     )
-    parser.add_argument("--latency-us", type=float, default=3.0, help="one-way NIC latency")
+    parser.add_argument(
+        "--latency-us", default="3", help="one-way NIC latencies in us, comma-separated"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="also report each op's GPU kernels (one call)"
+    )
     parser.add_argument(
         "--chunk",
         default="0",
@@ -126,9 +132,10 @@ def run(args: argparse.Namespace) -> int:
             "size, e.g. --ranks 4 --ranks-per-node 2"
         )
     threads, links, chunks = _ints(args.threads), _floats(args.link_gbps), _ints(args.chunk)
+    lats = _floats(args.latency_us)
     if not threads or any(t < 1 or t > 8 for t in threads):
         raise SystemExit(f"--threads={args.threads!r}: give counts in 1..8, e.g. 1,2,4")
-    if not links or any(v < 0 for v in links) or args.latency_us < 0:
+    if not links or not lats or any(v < 0 for v in links + lats):
         raise SystemExit("--link-gbps and --latency-us must be >= 0 (0 = unthrottled / none)")
     meta = {
         "tokens": args.tokens,
@@ -138,18 +145,19 @@ def run(args: argparse.Namespace) -> int:
         "sms": args.sms,
         "world": world,
         "ranks_per_node": local,
-        "latency_us": args.latency_us,
+        "latency_us": lats,
         "reorder": bool(args.reorder),
     }
     with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
         meta["shared_gpu"] = pool.placement.shared
         if args.copy_only:
-            rows = pool.run(_copy_worker, vars(args), local, links, _ints(args.copy_only))
+            rows = pool.run(_copy_worker, vars(args), local, links, _ints(args.copy_only), lats[0])
         else:
-            rows = pool.run(_worker, vars(args), local, threads, links, chunks)
+            rows = pool.run(_worker, vars(args), local, threads, links, chunks, lats)
     results = {"meta": meta, "rows": [r for part in rows for r in part]}
     meta["gpu"] = next((r["gpu"] for r in results["rows"] if "gpu" in r), "")
     _print(results)
+    _print_kernels(results)
     write_json(args.json, results)
     return 0
 
@@ -241,6 +249,27 @@ def _configs(world: int, a: dict, chunk: int):
     )
 
 
+def _kernel_times(fn) -> dict[str, float]:
+    """GPU time per kernel name of one call (torch profiler), and the call's host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        host = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    out = {"host_call": host * 1e6}
+    for e in prof.key_averages():
+        dev = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if dev and e.key and not e.key.startswith(("cudaLaunch", "cudaStream", "cudaEvent")):
+            if getattr(e, "device_type", None) is not None and "CUDA" not in str(e.device_type):
+                continue
+            out[e.key[:48]] = dev
+    return out
+
+
 def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
     ep = buf._backend.proxy
     s0, n0 = ep.stats(), ep.nic_stats()
@@ -269,42 +298,44 @@ def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
     }
 
 
-def _worker(rank, world, a, local, threads, links, chunks) -> list[dict]:
+def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
     from uccl_ep_megatron.api.buffer import Buffer
 
     _set_env(
         UCCL_EP_RANKS_PER_NODE=local,
         UCCL_EP_TRANSPORT="ipc",
         UCCL_EP_IPC_REORDER=int(a["reorder"]),
-        UCCL_EP_IPC_LATENCY_US=a["latency_us"],
     )
-    H, E, T = a["hidden"], a["experts"], a["tokens"]
+    E, T, H = a["experts"], a["tokens"], a["hidden"]
     idx, w, x = routed_inputs(a, rank)
     x_fp8 = (
         x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
         torch.rand(T, H // 128, device="cuda") + 0.5,
     )
     rows = []
-    for link in links:
-        for nt in threads:
-            for chunk in chunks:
-                _set_env(UCCL_EP_NUM_PROXY_THREADS=nt, UCCL_EP_IPC_LINK_GBPS=link)
-                buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], backend="kernels")
-                cfgs = _configs(world, a, chunk)
-                layout = buf.get_dispatch_layout(idx, E)[:4]
-                ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
-                for name, fn in ops.items():
-                    r = _measure(buf, name, fn, a, rank)
-                    r.update(
-                        threads=nt,
-                        link_gbps=link,
-                        chunk=cfgs[
-                            0 if name.startswith("dispatch") else 1
-                        ].num_max_rdma_chunked_send_tokens,
-                        line=(r["gbps"] / link) if link else None,
-                    )
-                    rows.append(r)
-                buf.destroy()
+    for link, lat, nt, chunk in itertools.product(links, lats, threads, chunks):
+        _set_env(
+            UCCL_EP_NUM_PROXY_THREADS=nt, UCCL_EP_IPC_LINK_GBPS=link, UCCL_EP_IPC_LATENCY_US=lat
+        )
+        buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], backend="kernels")
+        cfgs = _configs(world, a, chunk)
+        layout = buf.get_dispatch_layout(idx, E)[:4]
+        ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
+        for name, fn in ops.items():
+            r = _measure(buf, name, fn, a, rank)
+            r.update(
+                threads=nt,
+                link_gbps=link,
+                latency_us=lat,
+                chunk=cfgs[
+                    0 if name.startswith("dispatch") else 1
+                ].num_max_rdma_chunked_send_tokens,
+                line=(r["gbps"] / link) if link else None,
+            )
+            if a["profile"]:
+                r["kernels_us"] = _kernel_times(fn)
+            rows.append(r)
+        buf.destroy()
     if a["intranode_ref"]:
         _set_env(UCCL_EP_RANKS_PER_NODE=world)
         buf = Buffer(None, a["nvl_bytes"], 0, backend="kernels")
@@ -319,7 +350,7 @@ def _worker(rank, world, a, local, threads, links, chunks) -> list[dict]:
     return rows
 
 
-def _copy_worker(rank, world, a, local, links, sizes) -> list[dict]:
+def _copy_worker(rank, world, a, local, links, sizes, latency) -> list[dict]:
     from uccl_ep_megatron.core import _c
     from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint
 
@@ -334,7 +365,7 @@ def _copy_worker(rank, world, a, local, links, sizes) -> list[dict]:
             num_threads=1,
             transport="ipc",
             ipc_link_gbps=link,
-            ipc_latency_us=a["latency_us"],
+            ipc_latency_us=latency,
         )
         ep = ProxyEndpoint(
             region.data_ptr(), region.numel(), device=torch.cuda.current_device(), config=cfg
@@ -388,6 +419,7 @@ def _print(results: dict) -> None:
         key = (
             r["op"],
             r.get("link_gbps"),
+            r.get("latency_us"),
             r.get("threads"),
             r.get("chunk"),
             r.get("write_bytes"),
@@ -395,24 +427,36 @@ def _print(results: dict) -> None:
         )
         groups.setdefault(key, []).append(r)
     print(
-        f"{'op':<13}{'link':>6}{'thr':>4}{'chunk':>6}{'us':>9}{'rdma_MB':>9}{'GB/s':>7}{'line':>6}"
+        f"{'op':<13}{'link':>6}{'lat':>5}{'thr':>4}{'chunk':>6}{'us':>9}{'rdma_MB':>9}{'GB/s':>7}{'line':>6}"
         f"{'cmds/s':>9}{'proxy':>7}{'nic':>6}{'copies':>8}"
     )
-    for (op, link, nt, chunk, size, ref), rs in groups.items():
+    for (op, link, lat, nt, chunk, size, ref), rs in groups.items():
         if ref:
-            print(f"{op:<13}{'intranode reference (one node)':>34}{_avg(rs, 'us'):>9.0f}")
+            print(f"{op:<13}{'intranode reference (one node)':>39}{_avg(rs, 'us'):>9.0f}")
             continue
         if op == "copy_only":
             print(
-                f"{op:<13}{link:>6g}{'':>4}{size:>6}{'':>9}{'':>9}{_avg(rs, 'gbps'):>7.1f}"
+                f"{op:<13}{link:>6g}{'':>5}{'':>4}{size:>6}{'':>9}{'':>9}{_avg(rs, 'gbps'):>7.1f}"
                 f"{_avg(rs, 'line'):>6.2f}{'':>9}{'':>7}{_avg(rs, 'nic_cpu'):>6.2f}"
                 f"{_avg(rs, 'copies'):>8.0f}"
             )
             continue
         print(
-            f"{op:<13}{link:>6g}{nt:>4}{chunk:>6}{_avg(rs, 'us'):>9.0f}{_avg(rs, 'rdma_mb'):>9.1f}"
+            f"{op:<13}{link:>6g}{lat:>5g}{nt:>4}{chunk:>6}{_avg(rs, 'us'):>9.0f}{_avg(rs, 'rdma_mb'):>9.1f}"
             f"{_avg(rs, 'gbps'):>7.1f}{_avg(rs, 'line'):>6.2f}{_avg(rs, 'cmds_per_s'):>9.0f}"
             f"{_avg(rs, 'proxy_cpu'):>7.2f}{_avg(rs, 'nic_cpu'):>6.2f}{_avg(rs, 'copies'):>8.0f}"
+        )
+
+
+def _print_kernels(results: dict) -> None:
+    """Rank 0's GPU kernels per op (``--profile``)."""
+    for r in results["rows"]:
+        if r.get("rank") != 0 or "kernels_us" not in r:
+            continue
+        ks = sorted(r["kernels_us"].items(), key=lambda kv: -kv[1])[:6]
+        print(
+            f"  rank0 {r['op']} link {r['link_gbps']:g} lat {r['latency_us']:g} thr {r['threads']}"
+            f" chunk {r['chunk']}: " + ", ".join(f"{k} {v:.0f}" for k, v in ks)
         )
 
 
