@@ -442,8 +442,9 @@ def _print(results: dict) -> None:
             )
             continue
         print(
-            f"{op:<13}{link:>6g}{lat:>5g}{nt:>4}{chunk:>6}{_avg(rs, 'us'):>9.0f}{_avg(rs, 'rdma_mb'):>9.1f}"
-            f"{_avg(rs, 'gbps'):>7.1f}{_avg(rs, 'line'):>6.2f}{_avg(rs, 'cmds_per_s'):>9.0f}"
+            f"{op:<13}{link:>6g}{lat:>5g}{nt:>4}{chunk:>6}{_avg(rs, 'us'):>9.0f}"
+            f"{_avg(rs, 'rdma_mb'):>9.1f}{_avg(rs, 'gbps'):>7.1f}{_avg(rs, 'line'):>6.2f}"
+            f"{_avg(rs, 'cmds_per_s'):>9.0f}"
             f"{_avg(rs, 'proxy_cpu'):>7.2f}{_avg(rs, 'nic_cpu'):>6.2f}{_avg(rs, 'copies'):>8.0f}"
         )
 
