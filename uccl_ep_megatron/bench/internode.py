@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import re
 import statistics
 import time
 from typing import Any
@@ -102,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--copy-only",
         default="",
         help="time the NIC model alone with writes of these sizes in bytes, comma-separated",
+    )
+    parser.add_argument(
+        "--window", type=int, default=256, help="--copy-only: writes in flight (1 = latency)"
     )
     parser.add_argument("--rdma-bytes", type=int, default=1 << 30, help="Buffer num_rdma_bytes")
     parser.add_argument("--nvl-bytes", type=int, default=1 << 30, help="Buffer num_nvl_bytes")
@@ -266,7 +270,8 @@ def _kernel_times(fn) -> dict[str, float]:
         if dev and e.key and not e.key.startswith(("cudaLaunch", "cudaStream", "cudaEvent")):
             if getattr(e, "device_type", None) is not None and "CUDA" not in str(e.device_type):
                 continue
-            out[e.key[:48]] = dev
+            key = re.sub(r"\(anonymous namespace\)::|uccl_ep::|void |<.*", "", e.key)[:40]
+            out[key] = out.get(key, 0.0) + dev
     return out
 
 
@@ -372,11 +377,12 @@ def _copy_worker(rank, world, a, local, links, sizes, latency) -> list[dict]:
         )
         ep.connect(start_proxy=False)
         for size in sizes:
-            writes = max(64, int((2 << 30) // size))  # ~2 GiB per rank and size
+            # ~2 GiB per rank and size; with one write in flight, 2000 round trips.
+            writes = max(64, int((2 << 30) // size)) if a["window"] > 1 else 2000
             dist.barrier()
             n0, k0 = ep.nic_stats(), cpu_seconds("uenic")
             secs, _ = c.ipc_copy_test(
-                ep.transport, peer, 0, span, span, size, writes, 256, writes, 120.0
+                ep.transport, peer, 0, span, span, size, writes, a["window"], writes, 120.0
             )
             n1, k1 = ep.nic_stats(), cpu_seconds("uenic")
             rows.append(
@@ -390,6 +396,8 @@ def _copy_worker(rank, world, a, local, links, sizes, latency) -> list[dict]:
                     "copies": n1["copies"] - n0["copies"],
                     "batches": n1["batches"] - n0["batches"],
                     "nic_cpu": (k1 - k0) / secs,
+                    "window": a["window"],
+                    "us_per_write": secs / writes * 1e6,
                     "gpu": torch.cuda.get_device_name(),
                 }
             )
@@ -436,7 +444,8 @@ def _print(results: dict) -> None:
             continue
         if op == "copy_only":
             print(
-                f"{op:<13}{link:>6g}{'':>5}{'':>4}{size:>6}{'':>9}{'':>9}{_avg(rs, 'gbps'):>7.1f}"
+                f"{op:<13}{link:>6g}{'':>5}{'':>4}{size:>6}{_avg(rs, 'us_per_write'):>9.1f}{'':>9}"
+                f"{_avg(rs, 'gbps'):>7.1f}"
                 f"{_avg(rs, 'line'):>6.2f}{'':>9}{'':>7}{_avg(rs, 'nic_cpu'):>6.2f}"
                 f"{_avg(rs, 'copies'):>8.0f}"
             )
