@@ -154,6 +154,23 @@ __device__ __forceinline__ void spin_pause() {
 #endif
 }
 
+// Pause between two polls of host memory (software-atomic counters the proxy updates): short
+// while the wait is young, longer as it ages. Every waiting block polls over PCIe; at a fixed
+// 128 ns two dozen blocks issue ~10^8 reads/s and crowd the PCIe path that the copies' command
+// fetches, the FIFO pushes and the counters share, which stalled internode calls as a whole
+// (the time did not fall with more channels, docs/performance.md).
+__device__ __forceinline__ void poll_pause(uint64_t waited_ns) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  if (waited_ns < 2000) {
+    __builtin_amdgcn_s_sleep(2);
+  } else {
+    __builtin_amdgcn_s_sleep(16);
+  }
+#elif defined(__CUDA_ARCH__)
+  __nanosleep(waited_ns < 2000 ? 128u : waited_ns < 20000 ? 512u : 1024u);
+#endif
+}
+
 // Plain store; peer pointers are IPC mappings, so this is an NVLink/xGMI write when remote.
 template <typename T>
 __device__ __forceinline__ void st_plain(T* p, const T& v) {

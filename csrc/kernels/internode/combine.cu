@@ -123,11 +123,12 @@ __device__ int wait_window(const CombineDev& p, int ch, int w1, const int64_t* s
       const int64_t tail = ld_counter(c.counters + counter_index(kCombineTail, ch, n));
       if (tail >= need) break;
       if (aborted(c)) return kStop;
-      if ((++iter & 63u) == 0 && dev::global_timer_ns() - start > c.timeout_ns) {
+      const uint64_t waited = dev::global_timer_ns() - start;
+      if ((++iter & 63u) == 0 && waited > c.timeout_ns) {
         fail(c, kSiteCombineRecv, n * c.L + c.local, need, ch, tail);
         return kStop;
       }
-      dev::spin_pause();
+      dev::poll_pause(waited);
     }
   }
   return kGo;

@@ -171,10 +171,15 @@ __device__ int plan_forward_round(const DevCommon& c, int ch, const int64_t* s_c
   for (int m = 0; m < c.N; ++m) {
     s_avail[m] = 0;
     if (s_fin[m]) continue;
-    // The end marker follows every tail update of the stream (one FIFO channel, receiver
-    // ordering), so a tail read after seeing the marker is the final one.
-    const int64_t done = ld_counter(c.counters + counter_index(kDispatchDone, ch, m));
-    const int64_t tail = ld_counter(c.counters + counter_index(kDispatchTail, ch, m));
+    // One PCIe read while tokens flow. When none are new, the end marker: it follows every
+    // tail update of the stream (one FIFO channel, receiver ordering), so a tail read after
+    // seeing the marker is the final one.
+    int64_t tail = ld_counter(c.counters + counter_index(kDispatchTail, ch, m));
+    int64_t done = -1;
+    if (tail == s_cons[m]) {
+      done = ld_counter(c.counters + counter_index(kDispatchDone, ch, m));
+      tail = ld_counter(c.counters + counter_index(kDispatchTail, ch, m));
+    }
     int64_t avail = tail - s_cons[m];
     if (avail < 0 || avail > c.cap) {
       fail(c, kSiteDispatchForward, m * c.L + c.local, s_cons[m], ch, tail);

@@ -23,11 +23,12 @@ __device__ inline int settle_round(const DevCommon& c, bool all_done, bool any, 
     last_progress = dev::global_timer_ns();
     return kGo;
   }
-  if (dev::global_timer_ns() - last_progress > c.timeout_ns) {
+  const uint64_t waited = dev::global_timer_ns() - last_progress;
+  if (waited > c.timeout_ns) {
     fail(c, site, peer, want, ch, got);
     return kStop;
   }
-  dev::spin_pause();
+  dev::poll_pause(waited);
   return kWait;
 }
 
