@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the internode kernels (issue 5): build for sm_90, run the GPU tests
+# One run on a GPU machine for the internode kernels: build for sm_90, run the GPU tests
 # (2 virtual nodes over the ipc transport, injector off and on) and the internode benchmark;
 # logs under $OUT, a short summary last.
 # Usage (device tool): bash tests/gpu/run_internode.sh [pytest -k expression]

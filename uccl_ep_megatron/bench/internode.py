@@ -40,7 +40,7 @@ from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``bench internode`` (see README, internode section)."""
+    """Flags of ``bench internode`` (see docs/cli.md)."""
     parser.add_argument(
         "--ranks", type=int, default=0, help="ranks; 0 = one per visible GPU (at least 2)"
     )
