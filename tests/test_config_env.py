@@ -1,8 +1,7 @@
-"""Config validation, buffer-size hints, the env registry and its documentation."""
+"""Config validation, buffer-size hints and the env registry (its table: tests/test_docs.py)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 
@@ -10,8 +9,6 @@ import pytest
 
 from uccl_ep_megatron import Buffer, Config, InvalidInputError
 from uccl_ep_megatron.core.config import effective_env, env_registry, ranks_per_node
-
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 
 
 def test_config_rejects_bad_values():
@@ -73,49 +70,8 @@ def test_env_registry_parses_current_environment(monkeypatch):
         effective_env()
 
 
-def test_readme_documents_every_env_var():
-    text = open(README).read()
-    missing = [p["name"] for p in env_registry() if p["name"] not in text]
-    assert not missing, f"README.md does not document: {missing}"
-
-
-def test_readme_env_table_is_current():
-    from uccl_ep_megatron.core.config import env_markdown
-
-    text = open(README).read()
-    assert env_markdown() in text, (
-        "README.md's environment table is stale; regenerate it with "
-        "python -c 'from uccl_ep_megatron.core.config import env_markdown; print(env_markdown())'"
-    )
-
-
-def _walk(parser: argparse.ArgumentParser, prefix: str):
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield f"{prefix} {name}".strip(), None
-                yield from _walk(sub, f"{prefix} {name}")
-        else:
-            for opt in action.option_strings:
-                if opt.startswith("--") and opt != "--help":
-                    yield prefix, opt
-
-
-def test_readme_documents_every_cli_command_and_flag():
-    from uccl_ep_megatron.cli import build_parser
-
-    text = open(README).read()
-    missing = []
-    for command, flag in _walk(build_parser(), ""):
-        if flag is None and not re.search(rf"uccl-ep-megatron {re.escape(command)}\b", text):
-            missing.append(command)
-        elif flag is not None and flag not in text:
-            missing.append(f"{command} {flag}")
-    assert not missing, f"README.md does not document: {missing}"
-
-
 def test_every_registered_variable_is_read_somewhere():
-    # A variable in the registry (and so in doctor and the README) that no code reads promises
+    # A variable in the registry (and so in doctor and the docs) that no code reads promises
     # a knob that does nothing (UCCL_SOCKET_IFNAME once did). "Read" means: its Env field is
     # used by the C++ core, or its name appears in Python code other than the places that only
     # print or export it.

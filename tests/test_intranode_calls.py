@@ -76,7 +76,7 @@ def _dsv3_rows(num_ranks: int, tokens: int = 4096) -> tuple[int, int]:
 
 @pytest.mark.parametrize(("num_ranks", "pushers"), [(2, 7), (4, 9), (8, 9)])
 def test_combine_split_of_dsv3_at_12_sms(num_ranks, pushers):
-    # The split bench/NOTES.md ("Pipelined combine") predicts from session 6's timings.
+    # The split docs/performance.md ("Sender/receiver and pusher/reducer splits") derives.
     assert _C.combine_push_blocks(*_dsv3_rows(num_ranks), 12) == pushers
 
 

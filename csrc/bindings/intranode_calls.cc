@@ -3,7 +3,7 @@
 // themselves and a per-Buffer context built once. Host time was the point: the Python side
 // used to set ~35 struct fields and pass ~20 keyword arguments per call.
 //
-// `_C` does not link libtorch (DESIGN, "Build shape"): a tensor is read through the Python
+// `_C` does not link libtorch (docs/architecture.md, "Build"): a tensor is read through the Python
 // protocol every torch version keeps (`data_ptr()`, `shape`, `dtype`) into a typed view, and
 // every view is checked here, once, before anything is launched (pointers, ranks, shapes,
 // dtypes). The arithmetic that follows from the host copy of the rank prefix matrix (rows

@@ -4,7 +4,7 @@
 //
 // A block holds one dispatch's outputs (recv_x, FP8 scales, top-k ids, weights, source
 // indices; each 256-byte aligned). Each output is a torch tensor made from a DLPack capsule
-// (`torch._C._from_dlpack`: `_C` does not link libtorch, DESIGN "Build shape") whose deleter
+// (`torch._C._from_dlpack`: `_C` does not link libtorch, docs/architecture.md "Build") whose deleter
 // drops one reference of the block; the last one hands the block back. Deleters run wherever
 // torch frees the storage (any thread, without the GIL), so they only touch C++ state under a
 // mutex and make CUDA calls.

@@ -1,5 +1,5 @@
-// Torch tensors as typed views, for the per-call bindings. `_C` does not link libtorch (DESIGN,
-// "Build shape"): a tensor is read through the Python protocol every torch version keeps
+// Torch tensors as typed views, for the per-call bindings. `_C` does not link libtorch
+// (docs/architecture.md, "Build"): a tensor is read through the Python protocol every torch version keeps
 // (`data_ptr()`, `shape`, `dtype`) into a view (base address, up to three sizes, dtype), and a
 // view is checked against the shape and dtypes a call expects before anything is launched, with
 // a message that names the argument. Torch owns the memory: contiguity is the caller's part.

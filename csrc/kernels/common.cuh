@@ -52,7 +52,7 @@ __device__ __forceinline__ const volatile uint64_t* abort_of(const uint8_t* buf)
 // Where a call's failure is recorded: the mapped host words the host reads (layout in
 // intranode.h) and a word in device memory the kernels read. Kernels never read the host words
 // on their common path: on the H200 hosts we measured, a kernel that reads one mapped host word
-// takes ~60 us (bench/NOTES.md, session 7). The flag is never cleared (a Buffer whose call
+// takes ~60 us (docs/performance.md, "Tried, did not pay"). The flag is never cleared (a Buffer whose call
 // failed is unusable), so it needs no reset.
 struct StatusRef {
   int64_t* host;  // kStatusWords mapped host words (or the internode ones)
@@ -277,7 +277,7 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
 // bit is set in `mask`: the source is read once. Two batches of kUnroll vectors per lane are in
 // flight: the next batch's loads are issued before the current one is stored, so a row costs
 // about one load latency plus its bytes, not one latency per batch (a warp copies one row at a
-// time, so at <= 12 SMs the dispatch was latency-bound: bench/NOTES.md, session 11).
+// time, so at <= 12 SMs the dispatch was latency-bound: docs/performance.md, "Per SM").
 template <typename V, int kUnroll>
 __device__ __forceinline__ void copy_row_multi(const uint8_t* src, int64_t nbytes, uint8_t* const (&dst)[kMaxRanks],
                                                unsigned mask, int lane) {
@@ -357,7 +357,7 @@ struct Elt<2> {
 
 namespace uccl_ep::kernels {
 
-// Bulk-copy pipeline per warp (model: bench/NOTES.md, "Session 6: issue 15"): kTmaStages stages
+// Bulk-copy pipeline per warp (model: docs/performance.md, "Per SM"): kTmaStages stages
 // of kTmaChunk bytes, kTmaLoads of them loading while the newest stored stage drains. 16 warps x
 // 4 x 3.5 KB = 224 KB of dynamic shared memory per block, 168 KB of loads in flight per SM
 // (one 4 KB load per warp before: 64 KB, ~35-45 GB/s per SM at ~1.5-2 us loaded latency).

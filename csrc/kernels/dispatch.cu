@@ -323,7 +323,7 @@ namespace {
 // sender blocks read each token once and write it to every destination. Split the SMs in
 // proportion to those bytes, so neither side idles while the other finishes: with top-8 of 256
 // experts that is ~40% receivers on 2 ranks but ~55% on 4, where the fixed third used before
-// left the receivers with twice the bytes per SM of the senders (bench/NOTES.md).
+// left the receivers with twice the bytes per SM of the senders (docs/performance.md).
 // Without the counts on the host (sync-free mode) assume every token goes to every rank: that
 // gives the same ~40% (2 ranks) / ~55% (4 ranks) split the measured top-8 of 256 workloads had.
 // A zero-copy rank has no receiver blocks: peers write its outputs, its senders pad.

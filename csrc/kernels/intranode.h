@@ -318,7 +318,7 @@ struct CombineArgs {
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);
 // Blocks of a combine grid of `blocks` that push rows back before they reduce (the rest reduce
-// from the start), from the rows each side moves (bench/NOTES.md "Pipelined combine"): a
+// from the start), from the rows each side moves (docs/performance.md, "splits"): a
 // pushed row is read and written (2 row transfers); `reduce_rows` counts every returned row
 // read plus one row written per token, weighted 1/2 (measured: ~0.9 of a push transfer's cost,
 // less with more loads in flight). Rounded up: pushers that are done reduce too, so an

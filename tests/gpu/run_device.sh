@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the intranode kernels (issue 4): build for sm_90, run the GPU tests and
+# One run on a GPU machine for the intranode kernels: build for sm_90, run the GPU tests and
 # the intranode benchmark, logs under $OUT, a short table last.
 # Usage (device tool): bash tests/gpu/run_device.sh [extra bench args]
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for the FIFO/proxy work (issue 3): build for sm_90, run the GPU FIFO tests and
+# One run on a GPU machine for the FIFO and proxy: build for sm_90, run the GPU FIFO tests and
 # `uccl-ep-megatron bench fifo`, logs under $OUT, a short table last.
 # Usage (device tool): bash tests/gpu/run_fifo_device.sh
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (nvidia-h200-x2) for the Megatron dispatcher (issue 6): DeepSeek-V3-shaped MoE
+# One run on a 2-GPU machine for the Megatron dispatcher: DeepSeek-V3-shaped MoE
 # layer under alltoall and uccl_ep (EP=2), outputs/grads compared, tokens/s side by side.
 # Needs megatron-core for Python 3.12 in .whl/ (carry it):
 #   run(kind="nvidia-h200-x2", carry=[".whl"], timeout_s=300,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 16: per megatron-core release carried in .whl/mc-<version>/ (cp312
+# One run on a GPU machine: per megatron-core release carried in .whl/mc-<version>/ (cp312
 # wheels), `uccl-ep-megatron train` with no arguments (timed, start-up included),
 # tests/gpu/test_megatron_gpu.py (DeepSeek-V3-shaped MoE layer, alltoall vs uccl_ep) and, for
 # releases with megatron.training (0.17+), tests/gpu/test_pretrain_gpt_gpu.py (Megatron-LM's

@@ -107,8 +107,9 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     poison(kb)
     kout = dispatch(kb, x_in, klay, idx, w, **kw)
     # The reference's kernels may be launched for the first time in this process: under lazy
-    # loading that must not happen while an internode kernel waits for the ipc proxies (README,
-    # "CUDA lazy loading and ipc"), so each reference call starts after the kernels finished.
+    # loading that must not happen while an internode kernel waits for the ipc proxies
+    # (docs/architecture.md, "Internode path"), so each reference call starts after the kernels
+    # finished.
     torch.cuda.synchronize()
     rout = dispatch(rb, x_in, rlay, idx, w, **kw)
     krx, kidx, kw_, kcounts, kh, _ = kout

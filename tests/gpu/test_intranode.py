@@ -74,7 +74,7 @@ def _reference():
 def _trim() -> None:
     """Return this process's cached, unused GPU memory: at 8 ranks on one GPU the caching
     allocators of eight processes, holding the blocks of earlier cases' many output sizes
-    (launch-ahead adds bound-sized ones), left a new Buffer no room (session 9 call 3)."""
+    (launch-ahead adds bound-sized ones), left a new Buffer no room."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -83,7 +83,7 @@ def _trim() -> None:
 def _drop_case_buffers() -> None:
     """Destroys the Buffers the oracle cases cached (collective: every rank runs the same case)
     before a case that creates Buffers of its own: at 8 ranks on one GPU, four 1 GiB NVLink
-    buffers and two receive arenas per process left no room for them (session 7 call 4)."""
+    buffers and two receive arenas per process left no room for them."""
     for key in [k for k in _buffers if k.startswith(("tma-", "ldst-"))]:
         _buffers.pop(key).destroy()
     _trim()

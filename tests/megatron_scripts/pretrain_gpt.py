@@ -10,7 +10,7 @@ without a Megatron-LM checkout. Run it the way Megatron-LM is run with the plugi
         --num-layers 4 --hidden-size 512 ... --num-experts 8 --expert-model-parallel-size N \\
         --moe-token-dispatcher-type uccl_ep --tokenizer-type NullTokenizer --vocab-size 4096
 
-Without Transformer Engine pass ``NO_TE_FLAGS`` (below; the README lists them). The model is
+Without Transformer Engine pass ``NO_TE_FLAGS`` (below; docs/megatron.md lists them). The model is
 ``megatron.core.models.gpt.GPTModel`` on megatron-core's layer specs (Transformer Engine's with
 ``--transformer-impl transformer_engine``, the local ones otherwise); data are windows of
 ``--seq-length + 1`` tokens drawn from a generator seeded by ``--seed`` and the sample index,
@@ -40,8 +40,8 @@ from megatron.training.arguments import core_transformer_config_from_args
 
 ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 
-# Megatron-LM flags for a run without Transformer Engine or Apex (the README lists them): local
-# layers, no fused kernels that need either.
+# Megatron-LM flags for a run without Transformer Engine or Apex (docs/megatron.md lists them):
+# local layers, no fused kernels that need either.
 NO_TE_FLAGS = (
     "--transformer-impl local --no-persist-layer-norm --disable-bias-linear "
     "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "

@@ -9,7 +9,7 @@ argparse action of ours runs. This script does the same with the overrides given
 ``argv[1]`` and builds one ``MoELayer`` on a single gloo rank.
 
 Run it through ``python -m uccl_ep_megatron.run`` (the plugin installed first, as the Primus
-section of the README says). Needs Megatron-LM's ``megatron.training`` (megatron-core 0.17+
+section of docs/megatron.md says). Needs Megatron-LM's ``megatron.training`` (megatron-core 0.17+
 ship it); on Python 3.11 megatron-core 0.18+ import ``typing.override`` (3.12), which is lent
 from ``typing_extensions`` here. Prints one JSON object.
 """

@@ -292,8 +292,8 @@ class CallAgreement:
         checks the rows on the GPU and raises a failure at the next host-visible point.
         """
         if not self._backend.agrees_per_call:
-            # Kernels that agree on counts inside their notify step (see DESIGN): nothing to
-            # exchange here. A rank whose own checks failed tells the peers through their
+            # Kernels that agree on counts inside their notify step (docs/architecture.md):
+            # nothing to exchange here. A rank whose own checks failed tells the peers through their
             # control regions, so their waits for this call stop at once and name it.
             if error is not None:
                 self._backend.abort_peers(f"{KIND_NAMES[kind]} #{seq}", error)

@@ -36,7 +36,7 @@ from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``bench fifo`` (see README, cli-bench)."""
+    """Flags of ``bench fifo`` (see docs/cli.md)."""
     parser.add_argument("--device", type=int, default=0, help="CUDA device")
     parser.add_argument(
         "--threads", default="1,2,4,8", help="comma-separated proxy thread counts to time"

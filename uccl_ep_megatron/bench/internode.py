@@ -55,7 +55,7 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``bench internode``."""
+    """Flags of ``bench internode`` (see docs/cli.md)."""
     parser.add_argument(
         "--ranks", type=int, default=0, help="ranks; 0 = one per visible GPU (at least 2)"
     )

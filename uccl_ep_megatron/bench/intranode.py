@@ -59,7 +59,7 @@ OPS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``bench intranode`` (see README, cli-bench)."""
+    """Flags of ``bench intranode`` (see docs/cli.md)."""
     parser.add_argument(
         "--ranks",
         default="",
@@ -399,7 +399,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
             res["agreement"][f"sms{d_sms}"] = _compare(ours_state, dstate)
             dstate.clear()
         # This SM count's results die before the next one's calls: kept, their receive-arena
-        # blocks would push the next calls to the staged path (session 7 call 4).
+        # blocks would push the next calls to the staged path.
         ours_state.clear()
         for (op, impl, copy, at), t in timed.items():
             res["timings"].append({"op": op, "impl": impl, "copy": copy, "sms": at, **t})

@@ -10,7 +10,7 @@ come from ``torch.profiler`` over a few more iterations: runtime synchronize cal
 device-to-host copies. Sync-free mode also reports the (token, expert) pairs its capacity
 dropped per iteration.
 
-Default workload: issue 14's (8192 tokens, hidden 2048, 64 experts, top-8, SequentialMLP).
+Default workload: 8192 tokens, hidden 2048, 64 experts, top-8, SequentialMLP.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ VARIANTS = ("alltoall", "exact", "sync-free")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``bench layer`` (see README, cli-bench)."""
+    """Flags of ``bench layer`` (see docs/cli.md)."""
     parser.add_argument("--device", type=int, default=0, help="CUDA device")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per iteration")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size")

@@ -149,7 +149,7 @@ def count_host_syncs(fn: Any, repeat: int = 1) -> dict[str, float]:
     uccl_ep's host waits on mapped memory (``host_waits``: an exact dispatch's count read), and
     device-to-host copies (``Memcpy DtoH`` on the device timeline, each of which a host read
     such as ``.item()``/``.tolist()`` waits for). Averaged over ``repeat`` calls, less what a
-    profiled no-op records: on the device (session 5) every variant, ``alltoall`` included,
+    profiled no-op records: on a GPU every variant, ``alltoall`` included,
     showed one sync per profiled run beyond its per-layer count."""
     base_syncs, base_copies = _profiled_syncs(lambda: None, 1)
     syncs, copies = _profiled_syncs(fn, repeat)

@@ -23,7 +23,7 @@ from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``bench ordering`` (see README, cli-bench)."""
+    """Flags of ``bench ordering`` (see docs/cli.md)."""
     parser.add_argument("--channels", type=int, default=2, help="FIFO channels per rank")
     parser.add_argument("--threads", type=int, default=1, help="proxy threads per rank")
     parser.add_argument("--msgs", type=int, default=2000, help="write+atomic per channel")

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 from uccl_ep_megatron.core import _c
+from uccl_ep_megatron.core.config import env_markdown
 
 SYSFS = "/sys"
 
@@ -219,11 +220,19 @@ def register(subparsers: Any) -> None:
         "doctor", help="GPUs, NVLink, RDMA devices, EFA, GPUDirect and effective env values"
     )
     p.add_argument("--json", default="", help="also write the report to this JSON file")
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print only the environment registry as the Markdown table of docs/configuration.md",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the report (and write JSON); always exit 0: absence is information."""
+    if args.markdown:
+        print(env_markdown())
+        return 0
     r = collect()
     print(render(r))
     if args.json:

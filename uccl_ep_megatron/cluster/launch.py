@@ -284,7 +284,7 @@ def plan_launch(
 
 def _env_exports(plan: LaunchPlan) -> str:
     lines = [f'export {k}="${{{k}:-{_dq(v)}}}"' for k, v in plan.env.items()]
-    # UCCL-EP's own names default to the NCCL values a cluster already has (DESIGN.md).
+    # UCCL-EP's own names default to the NCCL values a cluster already has (docs/configuration.md).
     lines += [
         'if [ -n "${NCCL_IB_GID_INDEX:-}" ]; then',
         '  export UCCL_IB_GID_INDEX="${UCCL_IB_GID_INDEX:-${NCCL_IB_GID_INDEX}}"',

@@ -43,7 +43,7 @@ def shared_gpu_env(ranks_per_gpu: int) -> dict[str, str]:
     return {"CUDA_DEVICE_MAX_CONNECTIONS": str(max(8, min(32, 64 // max(ranks_per_gpu, 1))))}
 
 
-# Multi-GPU kinds must keep NVLink multicast off (see README, device runs); children inherit it.
+# Multi-GPU hosts keep NVLink multicast off (NCCL NVLS, symmetric memory); children inherit it.
 SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -187,7 +187,7 @@ def effective_env() -> dict[str, object]:
 
 
 def env_markdown() -> str:
-    """The registry as the Markdown table the README's environment section holds."""
+    """The registry as the Markdown table of docs/configuration.md (``doctor --markdown``)."""
     rows = ["| Variable | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
     for p in env_registry():
         default = p["default"] if p["default"] != "" else "(empty)"
