@@ -93,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ring", type=int, default=0, help="ring slots per channel; 0 = default")
     parser.add_argument("--fp8", action="store_true", help="also time FP8 dispatch")
+    parser.add_argument(
+        "--sync-free", action="store_true", help="also time sync-free dispatch and combine"
+    )
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per op")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per op")
     parser.add_argument("--reorder", action="store_true", help="SRD: unordered delivery")
@@ -220,17 +223,23 @@ def _ops(buf, a: dict, x, x_fp8, layout, idx, w, cfgs) -> tuple[dict, dict]:
     state: dict[str, Any] = {}
     dcfg, ccfg = cfgs
 
-    def dispatch(inp, key):
-        state[key] = buf.dispatch(inp, config=dcfg, **dispatch_kwargs(layout, idx, w))
+    def dispatch(inp, key, worst=0):
+        kw = dispatch_kwargs(layout, idx, w)
+        state[key] = buf.dispatch(inp, config=dcfg, num_worst_tokens=worst, **kw)
 
-    def combine():  # of the BF16 dispatch's rows
-        out = state["bf16"]
+    def combine(key):  # of that BF16 dispatch's rows
+        out = state[key]
         buf.combine(out[0], out[4], topk_weights=out[2], config=ccfg)
 
     ops = {"dispatch": functools.partial(dispatch, x, "bf16")}
     if a["fp8"]:
         ops["dispatch_fp8"] = functools.partial(dispatch, x_fp8, "fp8")
-    ops["combine"] = combine
+    ops["combine"] = functools.partial(combine, "bf16")
+    if a["sync_free"]:
+        # num_worst_tokens: no host sync in either call; the GPU alone sizes and checks.
+        worst = a["tokens"] * dist.get_world_size()
+        ops["dispatch_sync_free"] = functools.partial(dispatch, x, "free", worst)
+        ops["combine_sync_free"] = functools.partial(combine, "free")
     return ops, state
 
 
@@ -286,11 +295,13 @@ def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
     buf._backend.check()
     calls = a["iters"] + a["warmup"]
     us = _slowest(times)
+    own = statistics.median(times)
     rdma = (s1["bytes_posted"] - s0["bytes_posted"]) / calls
     return {
         "rank": rank,
         "op": name,
         "us": us,
+        "us_own": own,
         "rdma_mb": rdma / 1e6,
         "gbps": rdma / us / 1e3,
         "cmds_per_s": (s1["commands"] - s0["commands"]) / wall,
