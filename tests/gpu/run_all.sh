@@ -3,8 +3,8 @@
 # time limit (and a whole-call deadline), so a hang costs only its own slot. On 4+ GPUs the
 # 2-GPU suites run in two lanes at once (GPUs 0,1 and 2,3), then the 4-GPU runs (EP4
 # intranode, 2x2 virtual-node internode, EP4 training) follow. Logs go into $OUT/logs.tar.gz
-# (the device tool returns at most 8 files); a summary table is printed last.
-#   run(kind="nvidia-h200-x4", carry=[".whl"], command="bash tests/gpu/run_all.sh")
+# (a few files are easier to keep than many); a summary table is printed last.
+#   bash tests/gpu/run_all.sh   (on a machine with 4 GPUs, megatron-core wheels in .whl/)
 # .whl/ holds megatron-core for Python 3.12 (see tests/gpu/run_megatron_gpu.sh).
 # Env: SKIP="fifo internode megatron train intranode bench resume" (names to leave out), PHASES
 #      ("1 2 3": 2-GPU correctness, all-GPU correctness, timings), TRAIN_ITERS (50, 2 GPUs),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine for the intranode kernels: build for sm_90, run the GPU tests and
 # the intranode benchmark, logs under $OUT, a short table last.
-# Usage (device tool): bash tests/gpu/run_device.sh [extra bench args]
+# Usage (on a GPU machine): bash tests/gpu/run_device.sh [extra bench args]
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"

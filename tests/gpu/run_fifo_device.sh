@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine for the FIFO and proxy: build for sm_90, run the GPU FIFO tests and
 # `uccl-ep-megatron bench fifo`, logs under $OUT, a short table last.
-# Usage (device tool): bash tests/gpu/run_fifo_device.sh
+# Usage (on a GPU machine): bash tests/gpu/run_fifo_device.sh
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"

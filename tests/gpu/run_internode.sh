@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the internode path over the ipc NIC model: build for sm_90, then the steps
 # named in STEPS (default: all), each under its own time limit; logs and JSON under $OUT, a
-# summary table last (the device returns 8 files: logs are tarred).
+# summary table last (logs are tarred into one file).
 #   copy     bench internode --copy-only: the NIC model alone (unthrottled and at 50 GB/s)
 #   bench    bench internode on 2x2 (4 GPUs) and 2x1: line rates, proxy threads, chunk sizes
 #   tests    tests/gpu/test_internode.py on 2x1 and 2x2 (PYTEST_K selects cases)

@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # One run on a 2-GPU machine for the Megatron dispatcher: DeepSeek-V3-shaped MoE
 # layer under alltoall and uccl_ep (EP=2), outputs/grads compared, tokens/s side by side.
-# Needs megatron-core for Python 3.12 in .whl/ (carry it):
-#   run(kind="nvidia-h200-x2", carry=[".whl"], timeout_s=300,
-#       command="bash tests/gpu/run_megatron_gpu.sh")
+# Needs megatron-core for Python 3.12 in .whl/: bash tests/gpu/run_megatron_gpu.sh
 # Env: UCCL_EP_MEGATRON_GPU_TOKENS (tokens per rank, default 4096).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh

@@ -10,8 +10,7 @@
 #   for v in 0.16.1 0.19.2; do python3 -m pip download --no-deps --only-binary=:all: \
 #     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 #     --platform manylinux_2_24_x86_64 -d .whl/mc-$v megatron-core==$v; done
-# Then: run(kind="nvidia-h200", carry=[".whl"], timeout_s=600,
-#           command="bash tests/gpu/run_megatron_versions.sh")
+# Then, on a GPU machine with .whl/ beside the checkout: bash tests/gpu/run_megatron_versions.sh
 # Env: VERSIONS (default: every .whl/mc-* folder), SKIP (words: train layer pretrain),
 #      TRAIN_LIMIT_S (default 150), OUT (results; default /tmp/out).
 set -uo pipefail

@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # Every multi-rank GPU check on a machine with ONE GPU: the launcher (uccl_ep_megatron.cluster.local)
-# places 2/4/8 ranks on GPU 0 under CUDA MPS in a gloo group. One device call:
-#   run(kind="nvidia-h200", carry=[".baselines", ".whl", ".prebuilt"],
-#       command="bash tests/gpu/run_shared.sh")
-# Carried (all optional; .git/info/exclude ignores them):
+# places 2/4/8 ranks on GPU 0 under CUDA MPS in a gloo group: bash tests/gpu/run_shared.sh
+# Optional folders beside the checkout (.git/info/exclude ignores them):
 #   .baselines/deepep-v1  DeepEP V1 source (../shared/baselines/deepep-v1/BASELINE.md), built here;
 #   .whl/                 wheels for Python 3.12 (megatron-core) installed into /tmp/site;
 #   .prebuilt/            _C and deep_ep extensions an earlier call built (their source hash in
 #                         the file name): reused when csrc/ and the DeepEP source are unchanged.
-# Every call writes the extensions it built to $OUT/prebuilt.tar.gz; untar it into .prebuilt/.
+# Every run writes the extensions it built to $OUT/prebuilt.tar.gz; untar it into .prebuilt/.
 # Env: STEPS (default "intranode internode fifo others megatron bench_intranode bench_internode";
 #      also mps_probe, pretrain, bench_layer), LAYER_ARGS (extra bench layer flags), MC (megatron-core version whose wheels .whl/mc-<MC>/ holds,
 #      default 0.19.2),
