@@ -22,7 +22,7 @@ import torch.distributed as dist
 from uccl_ep_megatron.api.calls import CallAgreement, worst_of
 from uccl_ep_megatron.api.streams import CommStream, cached_outputs, dispatch_outputs
 from uccl_ep_megatron.api.topology import detect_placement, group_device, sm_budget
-from uccl_ep_megatron.api.validation import ArgumentChecks, XType
+from uccl_ep_megatron.api.validation import ArgumentChecks, DispatchInputs, XType
 from uccl_ep_megatron.backends import create_backend
 from uccl_ep_megatron.backends.agreement import KIND_CACHED, KIND_COMBINE, KIND_DISPATCH
 from uccl_ep_megatron.backends.base import DispatchHandle, DispatchResult, Topology
@@ -364,10 +364,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         seq = self._next_call()
         prepared = None
         try:
-            prepared = self._prepare_dispatch(
-                seq,
-                x,
-                handle,
+            given = DispatchInputs(
                 num_tokens_per_rank,
                 num_tokens_per_rdma_rank,
                 is_token_in_rank,
@@ -376,9 +373,8 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
                 topk_weights,
                 expert_alignment,
                 num_worst_tokens,
-                config,
-                previous_event,
             )
+            prepared = self._prepare_dispatch(seq, x, handle, given, config, previous_event)
             error = None
         except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
             error = exc

@@ -7,7 +7,7 @@ group, device, sizes and backend, set up by ``Buffer.__init__``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,6 +26,22 @@ from uccl_ep_megatron.core.events import EventOverlap
 _TOPK_DTYPES = (torch.int64, torch.int32)
 
 XType = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class DispatchInputs(NamedTuple):
+    """The arguments of ``Buffer.dispatch`` that describe the routing, in its order: the one
+    list the checks (``ArgumentChecks._dispatch_args``, ``checked_key``) and ``dispatch_args``
+    take, with ``x``, the handle and the checked ``Config`` beside it. ``None`` where a
+    cached dispatch takes the handle's layout."""
+
+    num_tokens_per_rank: torch.Tensor | None
+    num_tokens_per_rdma_rank: torch.Tensor | None
+    is_token_in_rank: torch.Tensor | None
+    num_tokens_per_expert: torch.Tensor | None
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    expert_alignment: int
+    num_worst_tokens: int
 
 
 class ArgumentChecks:
@@ -193,19 +209,21 @@ class ArgumentChecks:
         self,
         x: torch.Tensor,
         x_scales: torch.Tensor | None,
-        num_tokens_per_rank: torch.Tensor | None,
-        num_tokens_per_rdma_rank: torch.Tensor | None,
-        is_token_in_rank: torch.Tensor | None,
-        num_tokens_per_expert: torch.Tensor | None,
-        topk_idx: torch.Tensor | None,
-        topk_weights: torch.Tensor | None,
-        expert_alignment: int,
-        num_worst_tokens: int,
-        config: Config,
+        given: DispatchInputs,
     ) -> tuple[bool, torch.Tensor | None]:
         """Every check of a dispatch without a handle: ``check_ids`` for its ``DispatchArgs``
         (``dispatch_args``), and the routing checks still to run on every rank
         (``routing_check``) when the backend defers them to its call-header exchange."""
+        (
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            _,
+            _,
+        ) = given
         num_tokens = x.shape[0]
         missing = [
             name
@@ -285,31 +303,26 @@ class ArgumentChecks:
 def dispatch_args(
     x: torch.Tensor,
     x_scales: torch.Tensor | None,
-    num_tokens_per_rank: torch.Tensor,
-    num_tokens_per_rdma_rank: torch.Tensor | None,
-    is_token_in_rank: torch.Tensor,
-    num_tokens_per_expert: torch.Tensor,
-    topk_idx: torch.Tensor | None,
-    topk_weights: torch.Tensor | None,
-    expert_alignment: int,
-    num_worst_tokens: int,
+    given: DispatchInputs,
     config: Config,
     check_ids: bool,
 ) -> DispatchArgs:
     """The ``DispatchArgs`` of checked arguments (ids, weights and the token mask made
     contiguous; ``x`` and its scales are already)."""
+    topk_idx, topk_weights = given.topk_idx, given.topk_weights
+    num_tokens_per_expert = given.num_tokens_per_expert
     return DispatchArgs(
         x=x,
         x_scales=x_scales,
         topk_idx=None if topk_idx is None else topk_idx.contiguous(),
         topk_weights=None if topk_weights is None else topk_weights.contiguous(),
-        is_token_in_rank=is_token_in_rank.contiguous(),
-        num_tokens_per_rank=num_tokens_per_rank,
-        num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+        is_token_in_rank=given.is_token_in_rank.contiguous(),
+        num_tokens_per_rank=given.num_tokens_per_rank,
+        num_tokens_per_rdma_rank=given.num_tokens_per_rdma_rank,
         num_tokens_per_expert=num_tokens_per_expert,
         num_experts=num_tokens_per_expert.shape[0],
-        expert_alignment=expert_alignment,
-        num_worst_tokens=num_worst_tokens,
+        expert_alignment=given.expert_alignment,
+        num_worst_tokens=given.num_worst_tokens,
         config=config,
         cached=None,
         check_ids=check_ids,
@@ -349,24 +362,14 @@ def _meta(t: Any) -> Any:
     return type(t)
 
 
-def checked_key(
-    x: Any,
-    num_tokens_per_rank: Any,
-    num_tokens_per_rdma_rank: Any,
-    is_token_in_rank: Any,
-    num_tokens_per_expert: Any,
-    topk_idx: Any,
-    topk_weights: Any,
-    expert_alignment: Any,
-    num_worst_tokens: Any,
-    config: Config,
-) -> tuple[Any, ...] | None:
+def checked_key(x: Any, given: DispatchInputs, config: Config) -> tuple[Any, ...] | None:
     """Everything the checks of a dispatch without a handle read (``_split_x``,
     ``_check_buffer_size``, ``_dispatch_args`` of a backend that defers its id and routing
     checks), or None for arguments no key covers. Two calls with one key pass or fail the
     same checks; a Buffer keeps the keys that passed and skips the checks for them (tens of
     microseconds of host time per call under MPS). ``config`` is a checked ``Config``."""
-    if type(expert_alignment) is not int or type(num_worst_tokens) is not int:
+    per_rank, per_rdma, in_rank, per_expert, idx, weights, alignment, worst = given
+    if type(alignment) is not int or type(worst) is not int:
         return None
     if isinstance(x, tuple | list):
         if len(x) != 2:
@@ -376,14 +379,14 @@ def checked_key(
         xk = _meta(x)
     return (
         xk,
-        _meta(num_tokens_per_rank),
-        _meta(num_tokens_per_rdma_rank),
-        _meta(is_token_in_rank),
-        _meta(num_tokens_per_expert),
-        _meta(topk_idx),
-        _meta(topk_weights),
-        expert_alignment,
-        num_worst_tokens,
+        _meta(per_rank),
+        _meta(per_rdma),
+        _meta(in_rank),
+        _meta(per_expert),
+        _meta(idx),
+        _meta(weights),
+        alignment,
+        worst,
         config,
     )
 
