@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from uccl_ep_megatron.core.config import Config, default_combine_config, default
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.core.events import EventOverlap
 from uccl_ep_megatron.core.events import capture as _capture
+from uccl_ep_megatron.core.options import BufferOptions
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,17 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         comm: an mpi4py communicator, used by DeepEP only when ``group`` is ``None``; here
             every collective runs over torch.distributed, so ``comm`` with ``group=None``
             raises ``UnsupportedError`` and ``comm`` next to a ``group`` is ignored.
-        backend: ``"auto"``, ``"kernels"`` or ``"reference"``; ``None`` reads
-            ``UCCL_EP_BACKEND`` (default ``auto``: kernels when available, else reference).
+        backend: ``"auto"``, ``"kernels"`` or ``"reference"``; ``None``: ``options.backend``,
+            else ``UCCL_EP_BACKEND`` (default ``auto``: kernels when available, else reference).
         device: where the tensors live. ``None``: the current CUDA device for an NCCL group,
             and for a gloo group asked for ``backend="kernels"`` (the shared-GPU mode: ranks
             sharing a GPU under CUDA MPS, which NCCL refuses); the CPU for any other gloo
             group.
+        options: the behaviour knobs (``BufferOptions``: bulk copies, launch-ahead, combine
+            in place, receive arena, timeout, virtual nodes, the internode proxy); a field left
+            ``None`` takes its environment variable's value. Resolved once, here: changing the
+            environment later does not change this ``Buffer`` (``Buffer.options`` holds the
+            values in use).
     """
 
     num_sms: int = 24
@@ -89,6 +94,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         *,
         backend: str | None = None,
         device: torch.device | str | int | None = None,
+        options: BufferOptions | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise InvalidInputError(
@@ -128,21 +134,30 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         self.num_rdma_bytes = num_rdma_bytes
         self.explicitly_destroy = explicitly_destroy
         self.uid = next(_uids)
-        backend_name = backend or os.environ.get("UCCL_EP_BACKEND", "auto").strip() or "auto"
+        self.options = resolve_options(options, backend)
+        backend_name = self.options.backend
         self.device = group_device(self.group, backend_name, device)
         # The int form for per-call stream lookups (a torch.device goes through slower checks).
         device_index = self.device.index
         if device_index is None:
             cuda = self.device.type == "cuda"
             device_index = torch.cuda.current_device() if cuda else -1
-        ranks_per_node, sharers = detect_placement(self.group, self.device)
+        ranks_per_node, sharers = detect_placement(
+            self.group, self.device, self.options.ranks_per_node
+        )
         self.topology = Topology(self.rank, self.group_size, ranks_per_node)
         # Ranks sharing this GPU (under CUDA MPS) run their kernels side by side, and the
         # kernels of all ranks must be resident at once (they wait on each other).
         self.gpu_sharers = sharers
         self.max_num_sms = sm_budget(self.device, sharers)
         self._backend = create_backend(
-            backend_name, self.group, self.topology, self.device, num_nvl_bytes, num_rdma_bytes
+            backend_name,
+            self.group,
+            self.topology,
+            self.device,
+            num_nvl_bytes,
+            num_rdma_bytes,
+            self.options,
         )
         if (
             self._backend.name == "reference"
@@ -469,3 +484,30 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             run, inputs, event_in, async_finish, allocate_on_comm_stream
         )
         return combined, combined_weights, event
+
+
+_BACKENDS = ("auto", "kernels", "reference")
+
+
+def resolve_options(options: BufferOptions | None, backend: str | None) -> BufferOptions:
+    """``options`` (``None``: all defaults) with the ``backend`` argument, every field resolved
+    from the environment registry where it was left ``None``."""
+    if options is None:
+        options = BufferOptions()
+    elif not isinstance(options, BufferOptions):
+        raise InvalidInputError(
+            f"options={options!r}: pass a uccl_ep_megatron.BufferOptions (or None)"
+        )
+    if backend is not None:
+        if backend not in _BACKENDS:
+            raise InvalidInputError(
+                f"backend={backend!r} is unknown; use 'auto', 'kernels' or 'reference' "
+                "(argument `backend=`, BufferOptions.backend or env UCCL_EP_BACKEND)"
+            )
+        if options.backend not in (None, backend):
+            raise InvalidInputError(
+                f"backend={backend!r} and BufferOptions(backend={options.backend!r}) disagree: "
+                "pass one of them"
+            )
+        options = dataclasses.replace(options, backend=backend)
+    return options.resolved()

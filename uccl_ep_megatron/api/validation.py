@@ -19,7 +19,12 @@ from uccl_ep_megatron.backends.base import (
     check_expert_ids,
     routing_check,
 )
-from uccl_ep_megatron.core.config import MAX_TOPK, Config
+from uccl_ep_megatron.core.config import (
+    MAX_TOPK,
+    Config,
+    default_combine_config,
+    default_dispatch_config,
+)
 from uccl_ep_megatron.core.errors import BufferTooSmallError, InvalidInputError, UcclEpError
 from uccl_ep_megatron.core.events import EventOverlap
 
@@ -97,11 +102,10 @@ class ArgumentChecks:
             key = (op, self.num_sms)  # Buffer.set_num_sms changes the defaults
             config = self._default_configs.get(key)
             if config is None:
-                config = (
-                    self.get_dispatch_config(self.group_size)
-                    if op == "dispatch"
-                    else self.get_combine_config(self.group_size)
-                )
+                # By this group's nodes (which BufferOptions.ranks_per_node may set), not the
+                # environment's alone.
+                make = default_dispatch_config if op == "dispatch" else default_combine_config
+                config = make(self.group_size, self.num_sms, self.topology.ranks_per_node)
                 if self.max_num_sms is not None and config.num_sms > self.max_num_sms:
                     config = dataclasses.replace(config, num_sms=self.max_num_sms)
                 self._default_configs[key] = config
@@ -118,10 +122,11 @@ class ArgumentChecks:
 
     def _check_buffer_size(self, x: torch.Tensor, hidden: int, config: Config) -> None:
         hidden_bytes = hidden * max(x.element_size(), 2)
-        key = (hidden_bytes, config)  # the hints read the environment: checked once per key
+        key = (hidden_bytes, config)  # the hints are fixed for this group: once per key
         if key in self._sizes_ok:
             return
-        need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        node = self.topology.ranks_per_node
+        need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size, node)
         if self.num_nvl_bytes < need_nvl:
             raise BufferTooSmallError(
                 f"Buffer has num_nvl_bytes={self.num_nvl_bytes} but hidden={hidden} "
@@ -129,7 +134,7 @@ class ArgumentChecks:
                 f"num_nvl_bytes >= Config.get_nvl_buffer_size_hint({hidden_bytes}, "
                 f"{self.group_size})"
             )
-        need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
+        need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size, node)
         if self.num_rdma_bytes < need_rdma:
             raise BufferTooSmallError(
                 f"Buffer has num_rdma_bytes={self.num_rdma_bytes} but hidden={hidden} needs "

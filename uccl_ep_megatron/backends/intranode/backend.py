@@ -44,6 +44,7 @@ from uccl_ep_megatron.core.errors import (
     UcclEpError,
     UnsupportedError,
 )
+from uccl_ep_megatron.core.options import BufferOptions
 
 
 @dataclass
@@ -140,8 +141,9 @@ class KernelsBackend(Backend):
         device: torch.device,
         num_nvl_bytes: int,
         num_rdma_bytes: int,
+        options: BufferOptions,
     ) -> None:
-        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
+        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes, options)
         c = load_c()
         self._c = c
         self._status = 0
@@ -172,19 +174,17 @@ class KernelsBackend(Backend):
             nbytes,
             list(range(topology.num_ranks)),
             keep_bytes=int(c.KERNELS_DATA_OFFSET),
+            allow_grow=bool(options.grow_nvl_buffer),
         )
         with torch.cuda.device(self._device_index):  # its device flag lives on this GPU
             self._status = c.host_status_alloc()
         warm_poison(c, self._status, device)
         self._ctx: Any = None  # see _context
         self._ctx_grows = -1
-        from uccl_ep_megatron.core.config import effective_env
-
-        env = effective_env()
-        self._timeout_ms = int(env["UCCL_EP_TIMEOUT_MS"])
-        self._use_tma = bool(env["UCCL_EP_INTRANODE_TMA"])
+        self._timeout_ms = self.timeout_ms
+        self._use_tma = bool(options.tma)
         # Combine reads an arena-resident x where it lies (per rank, told to peers per call).
-        self._combine_in_place = bool(env["UCCL_EP_COMBINE_IN_PLACE"])
+        self._combine_in_place = bool(options.combine_in_place)
         self._timeout_ns = self._timeout_ms * 1_000_000
         # Zero-copy receive: dispatch outputs carved from a registered arena (arena.py).
         self.recv_arena = RecvArena(
@@ -192,13 +192,13 @@ class KernelsBackend(Backend):
             group,
             topology.rank,
             self._device_index,
-            int(env["UCCL_EP_RECV_ARENA_BYTES"]),
+            int(options.arena_bytes),
             topology.num_ranks,
         )
         # Launch-ahead of exact dispatches (see dispatch): every rank must take the same path
         # in every call, so it is on only where it is on for every rank.
         flags: list[Any] = [None] * topology.num_ranks
-        dist.all_gather_object(flags, bool(env["UCCL_EP_LAUNCH_AHEAD"]), group=group)
+        dist.all_gather_object(flags, bool(options.launch_ahead), group=group)
         self._launch_ahead = all(flags)
         self._ahead_rows = 0  # the next call's bound (_note_counts): identical on every rank
         self.ahead_calls = 0  # exact dispatches served by launch-ahead
