@@ -374,7 +374,7 @@ class KernelsBackend(Backend):
         self._last_call = (kind, x.dtype, x.shape[1], num_scales)
         rows = self._rows_before_notify(args, launch)
         result = None
-        if rows is not None and self.recv_arena.core is not None:
+        if rows is not None and rows.num_recv > 0 and self.recv_arena.core is not None:
             result = self._one_call(args, launch, rows)
         if result is None:
             result = self._staged(args, launch, rows)
@@ -427,7 +427,7 @@ class KernelsBackend(Backend):
         num_worst_tokens (sync-free), the launch-ahead bound (an exact call after an earlier
         one), a cached call's received rows (from its handle); None for an exact call without
         a bound."""
-        worst = launch.num_worst_tokens
+        worst = args.num_worst_tokens  # launch.num_worst_tokens, without a property read
         cached = args.cached
         if worst > 0:
             return self._bound(worst)
@@ -477,7 +477,7 @@ class KernelsBackend(Backend):
             return self._cached_result(cached, outs, rows.num_recv)
         send_pos, info = reserved.aux()
         call = _Call(ctx, launch, stream, args, info, send_pos)
-        if launch.num_worst_tokens > 0:
+        if args.num_worst_tokens > 0:
             return self._dispatch_result(call, outs.made(), [], None, rows, True)
         return self._ahead_result(call, outs, rows.num_recv)
 
