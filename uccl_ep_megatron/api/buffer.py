@@ -101,28 +101,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
                 "Buffer needs an initialized torch.distributed default group; call "
                 "torch.distributed.init_process_group(...) first"
             )
-        if low_latency_mode:
-            raise UnsupportedError(
-                "low_latency_mode=True: uccl_ep_megatron provides only the high-throughput "
-                "(normal) mode; construct Buffer with low_latency_mode=False"
-            )
-        if use_fabric:
-            raise UnsupportedError(
-                "use_fabric=True: buffers are cudaMalloc'd and shared through CUDA IPC handles "
-                "within a node; fabric (MNNVL) memory handles are not implemented. Pass "
-                "use_fabric=False"
-            )
-        if enable_shrink:
-            raise UnsupportedError(
-                "enable_shrink=True: DeepEP's shrink mode (masking failed ranks) belongs to its "
-                "low-latency kernels, which uccl_ep_megatron does not provide; pass "
-                "enable_shrink=False"
-            )
-        if comm is not None and group is None:
-            raise UnsupportedError(
-                "comm (an mpi4py communicator) without a group: uccl_ep_megatron runs every "
-                "collective over torch.distributed; pass group= (e.g. the EP process group)"
-            )
+        _check_deep_ep_flags(group, low_latency_mode, use_fabric, enable_shrink, comm)
         self._check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or value < 0:
@@ -484,6 +463,34 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             run, inputs, event_in, async_finish, allocate_on_comm_stream
         )
         return combined, combined_weights, event
+
+
+def _check_deep_ep_flags(
+    group: Any, low_latency_mode: bool, use_fabric: bool, enable_shrink: bool, comm: Any
+) -> None:
+    """DeepEP constructor arguments that name modes this package does not provide."""
+    if low_latency_mode:
+        raise UnsupportedError(
+            "low_latency_mode=True: uccl_ep_megatron provides only the high-throughput "
+            "(normal) mode; construct Buffer with low_latency_mode=False"
+        )
+    if use_fabric:
+        raise UnsupportedError(
+            "use_fabric=True: buffers are cudaMalloc'd and shared through CUDA IPC handles "
+            "within a node; fabric (MNNVL) memory handles are not implemented. Pass "
+            "use_fabric=False"
+        )
+    if enable_shrink:
+        raise UnsupportedError(
+            "enable_shrink=True: DeepEP's shrink mode (masking failed ranks) belongs to its "
+            "low-latency kernels, which uccl_ep_megatron does not provide; pass "
+            "enable_shrink=False"
+        )
+    if comm is not None and group is None:
+        raise UnsupportedError(
+            "comm (an mpi4py communicator) without a group: uccl_ep_megatron runs every "
+            "collective over torch.distributed; pass group= (e.g. the EP process group)"
+        )
 
 
 _BACKENDS = ("auto", "kernels", "reference")

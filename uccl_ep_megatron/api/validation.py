@@ -279,30 +279,34 @@ class ArgumentChecks:
                     f"topk_weights shape {tuple(topk_weights.shape)} != topk_idx shape "
                     f"{tuple(topk_idx.shape)}"
                 )
-            topk_idx = topk_idx.contiguous()
-            topk_weights = topk_weights.contiguous()
-        checks = None
-        if self._backend.agrees_per_call:
-            # The layout tensors are checked against what topk_idx implies (or, without it,
-            # against is_token_in_rank): wrong ones misdeliver rows or size outputs wrongly.
-            given = Layout(
-                num_tokens_per_rank,
-                num_tokens_per_rdma_rank,
-                num_tokens_per_expert,
-                is_token_in_rank,
-            )
-            true = None
-            if topk_idx is not None:
-                true = self._backend.get_dispatch_layout(topk_idx, num_experts)
-            checks = routing_check(given, true, topk_idx, self.topology)
-            if self._backend.defers_id_check:
-                check_ids = False  # ids and layout travel in the call header
-            else:
-                bits = int(checks[2])
-                if bits:
-                    raise InvalidInputError(describe_layout_bits(bits))
-                checks = None
-        return check_ids, checks
+        return self._routing_checks(given, num_experts, check_ids)
+
+    def _routing_checks(
+        self, given: DispatchInputs, num_experts: int, check_ids: bool
+    ) -> tuple[bool, torch.Tensor | None]:
+        """(``check_ids``, the routing checks still to run on every rank) of checked
+        arguments: a backend that agrees per call checks the layout tensors against what
+        ``topk_idx`` implies (or, without it, against ``is_token_in_rank``): wrong ones
+        misdeliver rows or size outputs wrongly."""
+        if not self._backend.agrees_per_call:
+            return check_ids, None
+        topk_idx = None if given.topk_idx is None else given.topk_idx.contiguous()
+        layout = Layout(
+            given.num_tokens_per_rank,
+            given.num_tokens_per_rdma_rank,
+            given.num_tokens_per_expert,
+            given.is_token_in_rank,
+        )
+        true = None
+        if topk_idx is not None:
+            true = self._backend.get_dispatch_layout(topk_idx, num_experts)
+        checks = routing_check(layout, true, topk_idx, self.topology)
+        if self._backend.defers_id_check:
+            return False, checks  # ids and layout travel in the call header
+        bits = int(checks[2])
+        if bits:
+            raise InvalidInputError(describe_layout_bits(bits))
+        return check_ids, None
 
 
 def dispatch_args(

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from uccl_ep_megatron.core.config import effective_env, env_registry
 from uccl_ep_megatron.core.errors import InvalidInputError
 
 # A check returns what the value must be (for the error), or None when it is fine.
@@ -111,8 +112,6 @@ class BufferOptions:
 
     def resolved(self) -> BufferOptions:
         """A copy with every ``None`` replaced by the environment registry's value, checked."""
-        from uccl_ep_megatron.core.config import effective_env, env_registry
-
         env = effective_env()
         registry = {p["name"]: p for p in env_registry()}
         values = {}
