@@ -54,7 +54,10 @@ def _get_buffers(copy: str = "tma", arena: bool = True):
     rb = _reference()
     key = f"{copy}-{'arena' if arena else 'staged'}"
     if key not in _buffers:
-        _buffers[key] = kernels_buffer(NVL_BYTES, arena, tma=copy == "tma")
+        kb = _buffers[key] = kernels_buffer(NVL_BYTES, arena, tma=copy == "tma")
+        # The options reach the launches (the context every kernel call takes).
+        assert kb.options.tma == (copy == "tma") == kb._backend._use_tma
+        assert kb._backend.recv_arena.enabled == arena
     return _buffers[key], rb
 
 
