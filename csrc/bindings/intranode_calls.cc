@@ -4,9 +4,9 @@
 // intranode_launch.h), the call's rows (`DispatchRows`), and the Python object that holds the
 // call's tensors, read by name: a handful of arguments, none of them a loose int in a long list.
 //
-// `_C` does not link libtorch (see docs/architecture.md): a tensor is read through the
-// Python protocol every torch version keeps (`data_ptr()`, `shape`, `dtype`) into a typed view,
-// and every view is checked here, once, before anything is launched (pointers, ranks, shapes,
+// `_C` does not link libtorch (DESIGN, "Build shape"): a tensor is read through the Python
+// protocol every torch version keeps (`data_ptr()`, `shape`, `dtype`) into a typed view, and
+// every view is checked here, once, before anything is launched (pointers, ranks, shapes,
 // dtypes). The arithmetic that follows from the host copy of the rank prefix matrix (rows
 // received, sent, kept, staged) lives here too, and nowhere else.
 #include <pybind11/pybind11.h>

@@ -140,23 +140,19 @@ def _combine(buf, config, state: dict) -> None:
 
 
 def _worker(rank: int, world: int, a: dict, local: int, threads: list[int]) -> list[dict]:
+    os.environ["UCCL_EP_RANKS_PER_NODE"] = str(local)
+    os.environ["UCCL_EP_TRANSPORT"] = "ipc"
+    os.environ["UCCL_EP_IPC_REORDER"] = "1" if a["reorder"] else "0"
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.core.config import Config
-    from uccl_ep_megatron.core.options import BufferOptions
 
     H, E = a["hidden"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
     config = Config(a["sms"])
     rows = []
     for nt in threads:
-        # Virtual nodes of `local` ranks over the ipc transport (the NIC model).
-        opts = BufferOptions(
-            ranks_per_node=local,
-            transport="ipc",
-            ipc_reorder=bool(a["reorder"]),
-            num_proxy_threads=nt,
-        )
-        buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], backend="kernels", options=opts)
+        os.environ["UCCL_EP_NUM_PROXY_THREADS"] = str(nt)
+        buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], backend="kernels")
         ep = buf._backend.proxy
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
         state: dict[str, Any] = {}
