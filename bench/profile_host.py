@@ -111,12 +111,16 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.bench.intranode import _calls, _import_deepep
     from uccl_ep_megatron.bench.timing import time_call
     from uccl_ep_megatron.core.config import Config
+    from uccl_ep_megatron.core.options import BufferOptions
 
     T, E = a["tokens"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
     # Room for the results kept at once (as bench intranode sizes it): every call zero-copy.
-    os.environ.setdefault("UCCL_EP_RECV_ARENA_BYTES", str(5 * T * world * (a["hidden"] * 2 + 256)))
-    buf = Buffer(None, 2 << 30, 0, backend="kernels", explicitly_destroy=True)
+    arena = None  # the caller's UCCL_EP_RECV_ARENA_BYTES when set
+    if "UCCL_EP_RECV_ARENA_BYTES" not in os.environ:
+        arena = 5 * T * world * (a["hidden"] * 2 + 256)
+    opts = BufferOptions(arena_bytes=arena)
+    buf = Buffer(None, 2 << 30, 0, backend="kernels", explicitly_destroy=True, options=opts)
     log: list[tuple[str, int, int]] = []
     buf._backend._c = _Timed(buf._backend._c, log)
     if a["fine"]:

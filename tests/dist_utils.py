@@ -14,6 +14,7 @@ under CUDA MPS in a gloo group (the launcher starts and stops MPS).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from uccl_ep_megatron.cluster.local import RankPool
@@ -23,6 +24,9 @@ class DistPool(RankPool):
     """``world_size`` long-lived ranks that run test functions on request."""
 
     def __init__(self, world_size: int, gpus: int = 0, task_timeout_s: float | None = None):
+        # The tests' bound on one case: UCCL_EP_TEST_TIMEOUT_S (slow or shared machines).
+        if task_timeout_s is None:
+            task_timeout_s = float(os.environ.get("UCCL_EP_TEST_TIMEOUT_S", "240"))
         super().__init__(world_size, num_gpus=gpus, task_timeout_s=task_timeout_s)
         self.world_size = world_size
 

@@ -44,13 +44,65 @@ def test_made_up_addresses_raise(call, needle):
         call()
 
 
+def _context(buffers, buffer_bytes, rank, num_ranks):
+    return _C.IntranodeContext(
+        buffers=buffers,
+        buffer_bytes=buffer_bytes,
+        rank=rank,
+        num_ranks=num_ranks,
+        status=0,
+        timeout_ns=1,
+        use_tma=False,
+    )
+
+
 def test_kernel_launches_check_their_buffers_first():
     with pytest.raises(InvalidInputError, match=r"IntranodeContext: buffers\[0\]"):
-        _C.IntranodeContext([MADE_UP, MADE_UP + 4096], 1 << 20, 0, 2, 0, 1, False)
+        _context([MADE_UP, MADE_UP + 4096], 1 << 20, 0, 2)
     with pytest.raises(InvalidInputError, match="IntranodeContext: rank=2 num_ranks=2"):
-        _C.IntranodeContext([MADE_UP, MADE_UP + 4096], 1 << 20, 2, 2, 0, 1, False)
+        _context([MADE_UP, MADE_UP + 4096], 1 << 20, 2, 2)
     with pytest.raises(InvalidInputError, match="buffer_bytes=0 must be positive"):
-        _C.IntranodeContext([MADE_UP], 0, 0, 1, 0, 1, False)
+        _context([MADE_UP], 0, 0, 1)
+
+
+def test_launch_arguments_are_named_and_checked_when_built():
+    # Every field of the typed launch arguments is a keyword: positional ints, which could
+    # trade places unnoticed, are refused.
+    for cls, values in (
+        (_C.IntranodeContext, ([MADE_UP], 1 << 20, 0, 1, 0, 1, False)),
+        (_C.DispatchLaunch, (24, 2, 16, 0)),
+        (_C.DispatchRows, (8, 8)),
+        (_C.CombineLaunch, (24, 0)),
+    ):
+        with pytest.raises(TypeError):
+            cls(*values)
+    launch = _C.DispatchLaunch(num_sms=24, experts_per_rank=2, num_experts=16, header=7)
+    assert (launch.num_sms, launch.experts_per_rank, launch.num_experts, launch.header) == (
+        24,
+        2,
+        16,
+        7,
+    )
+    assert (launch.expert_alignment, launch.num_worst_tokens, launch.cached) == (1, 0, False)
+    with pytest.raises(AttributeError):
+        launch.num_sms = 12  # built once per layout and shared by calls: read-only
+    for change, needle in (
+        ({"num_sms": 0}, "DispatchLaunch: num_sms=0"),
+        ({"expert_alignment": 0}, "expert_alignment=0"),
+        ({"num_worst_tokens": -1}, "num_worst_tokens=-1"),
+        ({"experts_per_rank": int(_C.KERNELS_MAX_LOCAL_EXPERTS) + 1}, "at most"),
+        ({"cached": True}, "a cached dispatch has no experts"),
+    ):
+        kw = dict(num_sms=24, experts_per_rank=2, num_experts=16, header=0) | change
+        with pytest.raises(InvalidInputError, match=needle):
+            _C.DispatchLaunch(**kw)
+    bound = _C.DispatchRows.of_bound(96)
+    assert (bound.num_recv, bound.staging_rows, bound.own_rows, bound.send_rows) == (96, 96, -1, -1)
+    assert (bound.combine_rows, bound.bound) == (96, True)
+    with pytest.raises(InvalidInputError, match="DispatchRows: rows num_recv=-1"):
+        _C.DispatchRows(num_recv=-1, staging_rows=0)
+    with pytest.raises(InvalidInputError, match="CombineLaunch: num_sms=0 must be positive"):
+        _C.CombineLaunch(num_sms=0, header=0)
 
 
 def _internode_context(**change):

@@ -413,6 +413,7 @@ def w_checked_key_memo(rank, world):
     is remembered, every bad argument set must still raise the error the full checks raise,
     and a good one must build the same DispatchArgs as the full checks."""
     from uccl_ep_megatron import InvalidInputError
+    from uccl_ep_megatron.api.validation import DispatchInputs
 
     hidden, num_experts = 32, NUM_EXPERTS_PER_RANK * world
     inp = all_inputs(3, world, 6, hidden, "random")[rank]
@@ -437,9 +438,15 @@ def w_checked_key_memo(rank, world):
     other_handle = other.dispatch(**{**good, "handle": None})[4]
     # The memo's condition: ids and routing left to the backend's own checks.
     buf._backend.defers_id_check, buf._backend.agrees_per_call = True, False
-    full = buf._prepare_dispatch(1, **good)
+
+    def prepare(seq, x, handle, config, previous_event, **given):
+        return buf._prepare_dispatch(
+            seq, x, handle, DispatchInputs(**given), config, previous_event
+        )
+
+    full = prepare(1, **good)
     assert len(buf._checked) == 1
-    memo = buf._prepare_dispatch(2, **good)
+    memo = prepare(2, **good)
     for field in ("x", "topk_idx", "topk_weights", "is_token_in_rank", "num_tokens_per_expert"):
         a, b = getattr(full.args, field), getattr(memo.args, field)
         assert a is b, field  # the same (already contiguous) tensors
@@ -464,19 +471,19 @@ def w_checked_key_memo(rank, world):
     ]
     for needle, change in bad:
         with pytest.raises(InvalidInputError, match=needle):
-            buf._prepare_dispatch(3, **{**good, **change})
+            prepare(3, **{**good, **change})
     # A non-contiguous x of the remembered shape is made contiguous on the memo path too.
     wide = torch.cat([inp.x, inp.x], dim=1)[:, :hidden]
     assert not wide.is_contiguous() or wide.numel() == 0
-    twice = buf._prepare_dispatch(4, **{**good, "x": wide})
+    twice = prepare(4, **{**good, "x": wide})
     assert twice.args.x.is_contiguous() and torch.equal(twice.args.x, inp.x)
 
     # Cached dispatch: the handle is checked on every call, the rest once per key.
     cached = dict(good, handle=handle, topk_idx=None, topk_weights=None)
     for name in ("num_tokens_per_rank", "is_token_in_rank", "num_tokens_per_expert"):
         cached[name] = None
-    first = buf._prepare_dispatch(5, **cached)
-    again = buf._prepare_dispatch(6, **cached)
+    first = prepare(5, **cached)
+    again = prepare(6, **cached)
     assert again.args.cached is handle and first.args.cached is handle
     assert again.args.is_token_in_rank is handle.is_token_in_rank
     assert again.args.num_worst_tokens == first.args.num_worst_tokens
@@ -489,7 +496,7 @@ def w_checked_key_memo(rank, world):
         ("x.dtype", dict(x=inp.x.to(torch.int32))),
     ):
         with pytest.raises(InvalidInputError, match=needle):
-            buf._prepare_dispatch(7, **{**cached, **change})
+            prepare(7, **{**cached, **change})
 
     # Combine: once per key as well.
     comb = dict(x=recv_x, handle=handle, topk_weights=None, bias=None, config=None)

@@ -38,7 +38,16 @@ def test_exact_rows_match_the_count_matrix(num_ranks):
                 sum(counts[rank]),
                 max(back),
             )
-            assert _C.intranode_exact_rows(prefix, rank, num_ranks) == expected
+            rows = _C.intranode_exact_rows(prefix, rank, num_ranks)
+            got = (
+                rows.num_recv,
+                rows.staging_rows,
+                rows.own_rows,
+                rows.send_rows,
+                rows.combine_rows,
+            )
+            assert got == expected
+            assert not rows.bound  # known only after the counts were read
 
 
 def test_exact_rows_reject_a_wrong_matrix():

@@ -16,11 +16,13 @@ from uccl_ep_megatron.core.errors import (
     UnsupportedError,
 )
 from uccl_ep_megatron.core.events import EventOverlap
+from uccl_ep_megatron.core.options import BufferOptions
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Buffer",
+    "BufferOptions",
     "BufferTooSmallError",
     "CommTimeoutError",
     "Config",

@@ -1,7 +1,8 @@
 // The intranode backend's per-call entry points: one binding call per step of a dispatch
-// (notify, then the data movement) and one per combine, each taking the torch tensors
-// themselves and a per-Buffer context built once. Host time was the point: the Python side
-// used to set ~35 struct fields and pass ~20 keyword arguments per call.
+// (notify, then the data movement, or both in one) and one per combine. Each takes a per-Buffer
+// context built once, a typed launch built once per layout (`DispatchLaunch`, `CombineLaunch`,
+// intranode_launch.h), the call's rows (`DispatchRows`), and the Python object that holds the
+// call's tensors, read by name: a handful of arguments, none of them a loose int in a long list.
 //
 // `_C` does not link libtorch (docs/architecture.md, "Build"): a tensor is read through the Python
 // protocol every torch version keeps (`data_ptr()`, `shape`, `dtype`) into a typed view, and
@@ -12,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings/bindings.h"
+#include "bindings/intranode_launch.h"
 
 #ifdef UCCL_EP_WITH_GPU
 #include <Python.h>
@@ -150,14 +152,43 @@ int64_t rows_sent(const std::vector<int64_t>& pm, int num_ranks, int s, int j) {
   return pm[s * num_ranks + j] - (s ? pm[(s - 1) * num_ranks + j] : 0);
 }
 
-// notify: see k::intranode_notify, on checked views (notify_call, dispatch_begin). `send_pos`
-// none marks a cached dispatch (the handle's positions are reused); `idx` none: no ids to scan.
-void notify_launch(const Context& c, intptr_t stream, const TensorView& per_rank, const TensorView& per_expert,
-                   const TensorView& info, const TensorView& in_rank, const TensorView& send_pos,
-                   const TensorView& idx, bool readback, int experts_per_rank, int expert_alignment,
-                   int num_worst_tokens, int num_experts, int64_t header, const std::vector<int64_t>& recv_entry) {
-  const int R = c.num_ranks;
-  const int64_t T = in_rank.size[0];
+// A call's tensors are read by name from the Python object that holds them (a DispatchArgs, a
+// CombineTensors) instead of from a positional list: no two of them can trade places.
+struct FieldNames {
+  PyObject* const x = views::interned("x");
+  PyObject* const x_scales = views::interned("x_scales");
+  PyObject* const topk_idx = views::interned("topk_idx");
+  PyObject* const topk_weights = views::interned("topk_weights");
+  PyObject* const is_token_in_rank = views::interned("is_token_in_rank");
+  PyObject* const num_tokens_per_rank = views::interned("num_tokens_per_rank");
+  PyObject* const num_tokens_per_expert = views::interned("num_tokens_per_expert");
+  PyObject* const weights = views::interned("weights");
+  PyObject* const biases = views::interned("biases");
+  PyObject* const out = views::interned("out");
+  PyObject* const out_weights = views::interned("out_weights");
+};
+
+const FieldNames& names() {
+  static const FieldNames n;
+  return n;
+}
+
+py::object field(py::handle obj, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(obj.ptr(), name);
+  if (!v) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(v);
+}
+
+// The views notify reads and writes: the counts in, the info (rank prefix matrix | rows per
+// local expert) out, the positions (none for a cached dispatch) and the ids to scan (none: no ids).
+struct NotifyViews {
+  TensorView per_rank, per_expert, info, in_rank, send_pos, idx;
+};
+
+// notify: see k::intranode_notify, on checked views (notify_call, dispatch_begin).
+void notify_launch(const Context& c, const DispatchLaunch& l, intptr_t stream, const NotifyViews& v,
+                   const std::vector<int64_t>& recv_entry) {
+  const int64_t T = v.in_rank.size[0];
   UCCL_EP_CHECK_ARG(recv_entry.empty() || static_cast<int>(recv_entry.size()) == k::kRecvEntryArgs,
                     "intranode_notify: recv_entry has ", recv_entry.size(), " words; expected ", k::kRecvEntryArgs,
                     " or none");
@@ -167,51 +198,52 @@ void notify_launch(const Context& c, intptr_t stream, const TensorView& per_rank
       UCCL_EP_CHECK_ARG(recv_entry[i] >= -1 && recv_entry[i] < c.arena_sizes[c.rank], "intranode_notify: recv_entry[",
                         i, "]=", recv_entry[i], " is outside the ", c.arena_sizes[c.rank], "-byte receive arena");
   }
-  check_ptr(per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
-  check_ptr(info.ptr, true, "intranode_notify: out_info");
-  check_ptr(in_rank.ptr, !send_pos.none && T > 0, "intranode_notify: is_token_in_rank");
+  check_ptr(v.per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
+  check_ptr(v.info.ptr, true, "intranode_notify: out_info");
+  check_ptr(v.in_rank.ptr, !v.send_pos.none && T > 0, "intranode_notify: is_token_in_rank");
   intptr_t rb = 0;
-  if (readback) {
+  if (l.readback()) {
     // Cleared before the launch: the host's store precedes the kernel's.
     auto* w = reinterpret_cast<volatile int64_t*>(c.status);
     w[k::kReadbackWord] = 0;
     std::atomic_thread_fence(std::memory_order_seq_cst);
     rb = c.status + static_cast<intptr_t>(sizeof(int64_t)) * k::kReadbackWord;
   }
+  const TensorView& idx = v.idx;
   // The prefix matrix is info's head: the kernel writes both from one pass.
-  k::intranode_notify(c.buffers, c.rank, R, per_rank.ptr, per_expert.ptr, experts_per_rank, expert_alignment,
-                      info.ptr, info.ptr, c.status, c.timeout_ns, in_rank.ptr, static_cast<int>(T), send_pos.ptr,
-                      stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64,
-                      idx.none ? 0 : static_cast<int>(idx.size[1]), rb, num_worst_tokens, num_experts, header,
+  k::intranode_notify(c.buffers, c.rank, c.num_ranks, v.per_rank.ptr, v.per_expert.ptr, l.experts_per_rank,
+                      l.expert_alignment, v.info.ptr, v.info.ptr, c.status, c.timeout_ns, v.in_rank.ptr,
+                      static_cast<int>(T), v.send_pos.ptr, stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64,
+                      idx.none ? 0 : static_cast<int>(idx.size[1]), rb, l.num_worst_tokens, l.num_experts, l.header,
                       recv_entry);
 }
 
-void check_notify_scalars(int experts_per_rank, int expert_alignment, int num_worst_tokens, int num_experts) {
-  UCCL_EP_CHECK_ARG(experts_per_rank >= 0 && experts_per_rank <= k::kMaxLocalExperts && num_worst_tokens >= 0 &&
-                        num_experts >= 0 && expert_alignment >= 1,
-                    "intranode_notify: experts_per_rank=", experts_per_rank, " num_worst_tokens=", num_worst_tokens,
-                    " num_experts=", num_experts, " expert_alignment=", expert_alignment);
+// num_tokens_per_rank and num_tokens_per_expert (none without local experts) of `inputs`, checked.
+void count_views(const Context& c, const DispatchLaunch& l, py::handle inputs, NotifyViews* v) {
+  const int R = c.num_ranks;
+  const FieldNames& n = names();
+  v->per_rank = arg(field(inputs, n.num_tokens_per_rank), "intranode_notify: num_tokens_per_rank", false, 1, R, -1,
+                    {Dt::kInt32});
+  v->per_expert = arg(field(inputs, n.num_tokens_per_expert), "intranode_notify: num_tokens_per_expert",
+                      l.experts_per_rank == 0, 1, int64_t{l.experts_per_rank} * R, -1, {Dt::kInt32});
 }
 
-// notify (the binding): the views of the tensors, checked, then notify_launch.
-void notify_call(const Context& c, intptr_t stream, py::handle per_rank_t, py::handle per_expert_t,
-                 py::handle info_t, py::handle in_rank_t, py::handle send_pos_t, py::handle topk_idx_t,
-                 bool readback, int experts_per_rank, int expert_alignment, int num_worst_tokens,
-                 int num_experts, int64_t header, const std::vector<int64_t>& recv_entry) {
+// notify (the binding): is_token_in_rank, the counts and topk_idx of `inputs` (a DispatchArgs),
+// with `info` and `send_pos` (not read for a cached dispatch), checked, then notify_launch.
+void notify_call(const Context& c, const DispatchLaunch& l, intptr_t stream, py::handle inputs, py::handle info_t,
+                 py::handle send_pos_t, const std::vector<int64_t>& recv_entry) {
   c.check("intranode_notify");
   const int R = c.num_ranks;
-  check_notify_scalars(experts_per_rank, expert_alignment, num_worst_tokens, num_experts);
-  const TensorView in_rank = arg(in_rank_t, "intranode_notify: is_token_in_rank", false, 2, -1, R, {Dt::kBool});
-  const int64_t T = in_rank.size[0];
-  const TensorView per_rank = arg(per_rank_t, "intranode_notify: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
-  const TensorView per_expert = arg(per_expert_t, "intranode_notify: num_tokens_per_expert", experts_per_rank == 0, 1,
-                                    int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
-  const TensorView info =
-      arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + experts_per_rank, -1, {Dt::kInt32});
-  const TensorView send_pos = arg(send_pos_t, "intranode_notify: send_pos", true, 2, T, R, {Dt::kInt32});
-  const TensorView idx = arg(topk_idx_t, "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
-  notify_launch(c, stream, per_rank, per_expert, info, in_rank, send_pos, idx, readback, experts_per_rank,
-                expert_alignment, num_worst_tokens, num_experts, header, recv_entry);
+  const FieldNames& n = names();
+  NotifyViews v;
+  v.in_rank =
+      arg(field(inputs, n.is_token_in_rank), "intranode_notify: is_token_in_rank", false, 2, -1, R, {Dt::kBool});
+  const int64_t T = v.in_rank.size[0];
+  count_views(c, l, inputs, &v);
+  v.info = arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + l.experts_per_rank, -1, {Dt::kInt32});
+  if (!l.cached) v.send_pos = arg(send_pos_t, "intranode_notify: send_pos", false, 2, T, R, {Dt::kInt32});
+  v.idx = arg(field(inputs, n.topk_idx), "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
+  notify_launch(c, l, stream, v, recv_entry);
 }
 
 // The readback of the notify launched with `readback`: (1, out_info's `num_info` words + every
@@ -250,120 +282,147 @@ TensorView placed(intptr_t ptr, int64_t rows, int64_t cols, const views::DtypeIn
   return v;
 }
 
+// The views of a dispatch's launch: its inputs, the handle's send_pos and info, its outputs
+// (`out_rows` rows each; recv_src none for a cached dispatch, which keeps the handle's).
+struct DispatchViews {
+  TensorView x, scales, idx, weights, in_rank, info, send_pos;
+  TensorView recv_x, recv_scales, recv_idx, recv_w, recv_src;
+  int64_t out_rows = 0;
+};
+
+// x, x_scales, topk_idx, topk_weights and is_token_in_rank of `inputs` (a DispatchArgs), checked:
+// FP8 scales and top-k come with their outputs or not at all.
+void input_views(const Context& c, py::handle inputs, DispatchViews* v) {
+  const FieldNames& n = names();
+  v->x = arg(field(inputs, n.x), "intranode_dispatch: x", false, 2, -1, -1,
+             {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
+  const int64_t T = v->x.size[0];
+  v->scales = arg(field(inputs, n.x_scales), "intranode_dispatch: x_scales", true, 2, T, -1, {Dt::kFloat32});
+  v->idx = arg(field(inputs, n.topk_idx), "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
+  const int64_t K = v->idx.none ? 0 : v->idx.size[1];
+  v->weights =
+      arg(field(inputs, n.topk_weights), "intranode_dispatch: topk_weights", v->idx.none, 2, T, K, {Dt::kFloat32});
+  v->in_rank = arg(field(inputs, n.is_token_in_rank), "intranode_dispatch: is_token_in_rank", false, 2, T,
+                   c.num_ranks, {Dt::kBool});
+}
+
+// The outputs of a reservation (zero-copy, tensors made after the launch), checked against the
+// call it was made for.
+void reserved_views(const DispatchLaunch& l, const ReservedOutputs& res, DispatchViews* v) {
+  const int64_t H = v->x.size[1], S = v->scales.none ? 0 : v->scales.size[1];
+  const int64_t K = v->idx.none ? 0 : v->idx.size[1];
+  const int64_t idx_bytes = v->idx.none ? 0 : v->idx.dtype->itemsize;
+  const int64_t row_bytes = H * v->x.dtype->itemsize;
+  UCCL_EP_CHECK_ARG(res.row_bytes == row_bytes && res.num_scales == S && res.num_topk == K &&
+                        res.idx_bytes == idx_bytes && (res.src != 0) == !l.cached,
+                    "intranode_dispatch: the reservation was made for rows of ", res.row_bytes, " bytes, ",
+                    res.num_scales, " scales, ", res.num_topk, " top-k of ", res.idx_bytes, " bytes",
+                    res.src != 0 ? " and sources" : "", ", not for this call's ", row_bytes, ", ", S, ", ", K, " of ",
+                    idx_bytes, l.cached ? "" : " and sources");
+  const int64_t rows = res.rows;
+  v->out_rows = rows;
+  v->recv_x = placed(res.x, rows, H, v->x.dtype);
+  v->recv_scales = placed(res.scales, rows, S, v->scales.dtype);
+  v->recv_idx = placed(res.idx, rows, K, v->idx.dtype);
+  v->recv_w = placed(res.w, rows, K, v->weights.dtype);
+  v->recv_src = placed(res.src, rows, 0, v->send_pos.dtype);
+}
+
+// The outputs of the tuple (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
+// recv_src_idx), checked (recv_src_idx is not read for a cached dispatch).
+void tuple_views(const DispatchLaunch& l, py::handle outputs, DispatchViews* v) {
+  UCCL_EP_CHECK_ARG(PyTuple_Check(outputs.ptr()) && PyTuple_GET_SIZE(outputs.ptr()) == 5,
+                    "intranode_dispatch: outputs must be a RecvReservation or the tuple (recv_x, recv_x_scales, "
+                    "recv_topk_idx, recv_topk_weights, recv_src_idx)");
+  auto out = [&](int i) { return py::handle(PyTuple_GET_ITEM(outputs.ptr(), i)); };
+  const int64_t H = v->x.size[1], S = v->scales.none ? 0 : v->scales.size[1];
+  const int64_t K = v->idx.none ? 0 : v->idx.size[1];
+  const Dt idx_dt = v->idx.none ? Dt::kInt64 : v->idx.dtype->dt;
+  v->recv_x = arg(out(0), "intranode_dispatch: recv_x", false, 2, -1, H, {v->x.dtype->dt});
+  const int64_t rows = v->recv_x.size[0];
+  v->out_rows = rows;
+  v->recv_scales = arg(out(1), "intranode_dispatch: recv_scales", v->scales.none, 2, rows, S, {Dt::kFloat32});
+  v->recv_idx = arg(out(2), "intranode_dispatch: recv_topk_idx", v->idx.none, 2, rows, K, {idx_dt});
+  v->recv_w = arg(out(3), "intranode_dispatch: recv_topk_weights", v->idx.none, 2, rows, K, {Dt::kFloat32});
+  if (!l.cached) v->recv_src = arg(out(4), "intranode_dispatch: recv_src_idx", false, 1, rows, -1, {Dt::kInt32});
+}
+
 // The dispatch kernel on checked views (dispatch_call, dispatch_begin), then the poison fold of
-// its outputs: a failure inside this call is raised at the next one; until then the outputs say so.
-void dispatch_launch(const Context& c, intptr_t stream, const TensorView& x, const TensorView& scales,
-                     const TensorView& idx, const TensorView& weights, const TensorView& in_rank,
-                     const TensorView& info, const TensorView& send_pos, const TensorView& recv_x,
-                     const TensorView& recv_scales, const TensorView& recv_idx, const TensorView& recv_w,
-                     const TensorView& recv_src, int64_t rows, bool cached, int num_sms, int experts_per_rank,
-                     int num_recv, int own_rows, int64_t send_rows, int64_t staging_rows, bool zero_copy,
-                     bool entry_published, bool judge, int num_experts) {
-  const int64_t T = x.size[0], H = x.size[1];
-  const int64_t S = scales.none ? 0 : scales.size[1];
-  const int64_t K = idx.none ? 0 : idx.size[1];
+// its outputs: a failure inside this call is raised at the next one; until then the outputs say
+// so. `zero_copy`: the outputs lie in this rank's arena; `entry_published`: notify told the peers
+// where; `judge`: a launch-ahead call (see k::DispatchArgs).
+void dispatch_launch(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
+                     const DispatchViews& v, bool zero_copy, bool entry_published, bool judge) {
   k::DispatchArgs a;
   c.fill(a);
-  a.num_tokens = static_cast<int>(T);
-  a.experts_per_rank = experts_per_rank;
-  a.x = x.ptr;
-  a.row_bytes = H * x.dtype->itemsize;
-  a.x_scales = scales.ptr;
-  a.num_scales = static_cast<int>(S);
-  a.topk_idx = idx.ptr;
-  a.idx_is_64 = idx.none || idx.dtype->dt == Dt::kInt64;
-  a.topk_weights = weights.ptr;
-  a.num_topk = static_cast<int>(K);
-  a.is_token_in_rank = in_rank.ptr;
-  a.rank_prefix_matrix = info.ptr;
-  a.send_pos = send_pos.ptr;
-  a.cached = cached;
-  a.recv_x = recv_x.ptr;
-  a.recv_scales = recv_scales.ptr;
-  a.recv_topk_idx = recv_idx.ptr;
-  a.recv_topk_weights = recv_w.ptr;
-  a.recv_src_idx = cached ? 0 : recv_src.ptr;
-  a.num_recv = num_recv;
-  a.num_out_rows = static_cast<int>(rows);
-  a.own_rows = own_rows;
-  a.send_rows = send_rows;
-  a.staging_rows = staging_rows;
-  a.num_sms = num_sms;
+  a.num_tokens = static_cast<int>(v.x.size[0]);
+  a.experts_per_rank = l.experts_per_rank;
+  a.x = v.x.ptr;
+  a.row_bytes = v.x.size[1] * v.x.dtype->itemsize;
+  a.x_scales = v.scales.ptr;
+  a.num_scales = v.scales.none ? 0 : static_cast<int>(v.scales.size[1]);
+  a.topk_idx = v.idx.ptr;
+  a.idx_is_64 = v.idx.none || v.idx.dtype->dt == Dt::kInt64;
+  a.topk_weights = v.weights.ptr;
+  a.num_topk = v.idx.none ? 0 : static_cast<int>(v.idx.size[1]);
+  a.is_token_in_rank = v.in_rank.ptr;
+  a.rank_prefix_matrix = v.info.ptr;
+  a.send_pos = v.send_pos.ptr;
+  a.cached = l.cached;
+  a.recv_x = v.recv_x.ptr;
+  a.recv_scales = v.recv_scales.ptr;
+  a.recv_topk_idx = v.recv_idx.ptr;
+  a.recv_topk_weights = v.recv_w.ptr;
+  a.recv_src_idx = l.cached ? 0 : v.recv_src.ptr;
+  a.num_recv = static_cast<int>(r.num_recv);
+  a.num_out_rows = static_cast<int>(v.out_rows);
+  a.own_rows = static_cast<int>(r.own_rows);
+  a.send_rows = r.send_rows;
+  a.staging_rows = r.staging_rows;
+  a.num_sms = l.num_sms;
   a.zero_copy = zero_copy;
   a.entry_published = entry_published;
   a.judge = judge;
-  a.num_experts = num_experts;
-  if (zero_copy) c.check_in_arena({&recv_x, &recv_scales, &recv_idx, &recv_w, &recv_src});
+  a.num_experts = l.num_experts;
+  if (zero_copy) c.check_in_arena({&v.recv_x, &v.recv_scales, &v.recv_idx, &v.recv_w, &v.recv_src});
   check_dispatch(a);
   k::intranode_dispatch(a, stream);
-  const uint64_t x_nan = x.dtype->nan;
+  const uint64_t x_nan = v.x.dtype->nan;
   const uint64_t f32_nan = repeat(0x7FC00000u, 4);
   poison(c, stream,
-         {{&recv_x, x_nan}, {&recv_scales, f32_nan}, {&recv_idx, kMinusOne}, {&recv_w, 0}, {&recv_src, kMinusOne}});
+         {{&v.recv_x, x_nan},
+          {&v.recv_scales, f32_nan},
+          {&v.recv_idx, kMinusOne},
+          {&v.recv_w, 0},
+          {&v.recv_src, kMinusOne}});
 }
 
-// The dispatch kernel, then the poison fold of its outputs. `topk_idx`/`topk_weights` and
-// `recv_topk_*` None without top-k; `x_scales`/`recv_scales` None without FP8; `recv_src`
-// None for a cached dispatch. Rows: see k::DispatchArgs (-1 = unknown, sync-free).
-void dispatch_call(const Context& c, intptr_t stream, py::handle x_t, py::handle scales_t, py::handle idx_t,
-                   py::handle weights_t, py::handle in_rank_t, py::handle info_t, py::handle send_pos_t,
-                   py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t, py::handle recv_w_t,
-                   py::handle recv_src_t, bool cached, int num_sms, int experts_per_rank, int num_recv, int own_rows,
-                   int64_t send_rows, int64_t staging_rows, bool zero_copy, bool entry_published, bool judge,
-                   int num_experts) {
+// The dispatch kernel after its notify, then the poison fold of its outputs. `outputs`: the
+// tuple of the five outputs, or a RecvReservation (zero-copy outputs whose tensors are made
+// after this launch). The outputs are zero-copy when they lie in this rank's receive arena;
+// rows known before notify (`rows.bound`) were published by it, and an exact uncached call
+// with such rows is a launch-ahead call, judged by its kernel.
+void dispatch_call(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
+                   py::handle inputs, py::handle info_t, py::handle send_pos_t, py::handle outputs) {
   c.check("intranode_dispatch");
+  r.check("intranode_dispatch");
   const int R = c.num_ranks;
-  const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
-                           {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
-  const int64_t T = x.size[0], H = x.size[1];
-  // recv_x may be a receive-arena reservation (RecvArenaCore.reserve): the outputs' tensors are
-  // made after this launch, so their places come from it (the other recv_* are None then).
-  ReservedOutputs res;
-  const bool reserved = reserved_outputs(recv_x_t, &res);
-  TensorView recv_x;
-  if (!reserved) recv_x = arg(recv_x_t, "intranode_dispatch: recv_x", false, 2, -1, H, {x.dtype->dt});
-  const int64_t rows = reserved ? res.rows : recv_x.size[0];
-  // FP8 scales and top-k come with their outputs or not at all.
-  const TensorView scales = arg(scales_t, "intranode_dispatch: x_scales", true, 2, T, -1, {Dt::kFloat32});
-  const int64_t S = scales.none ? 0 : scales.size[1];
-  const TensorView idx = arg(idx_t, "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
-  const int64_t K = idx.none ? 0 : idx.size[1];
-  const Dt idx_dt = idx.none ? Dt::kInt64 : idx.dtype->dt;
-  const TensorView weights = arg(weights_t, "intranode_dispatch: topk_weights", idx.none, 2, T, K, {Dt::kFloat32});
-  const TensorView in_rank = arg(in_rank_t, "intranode_dispatch: is_token_in_rank", false, 2, T, R, {Dt::kBool});
+  DispatchViews v;
+  input_views(c, inputs, &v);
   // notify's out_info: the matrix first, then the per-expert counts.
-  const TensorView info = arg(info_t, "intranode_dispatch: rank_prefix_matrix", false, 1, -1, -1, {Dt::kInt32});
-  UCCL_EP_CHECK_ARG(info.size[0] >= int64_t{R} * R, "intranode_dispatch: rank_prefix_matrix has shape ",
-                    shape_text(info), "; it needs ", R * R, " entries");
-  const TensorView send_pos = arg(send_pos_t, "intranode_dispatch: send_pos", false, 2, T, R, {Dt::kInt32});
-  TensorView recv_scales, recv_idx, recv_w, recv_src;
+  v.info = arg(info_t, "intranode_dispatch: rank_prefix_matrix", false, 1, -1, -1, {Dt::kInt32});
+  UCCL_EP_CHECK_ARG(v.info.size[0] >= int64_t{R} * R, "intranode_dispatch: rank_prefix_matrix has shape ",
+                    shape_text(v.info), "; it needs ", R * R, " entries");
+  v.send_pos = arg(send_pos_t, "intranode_dispatch: send_pos", false, 2, v.x.size[0], R, {Dt::kInt32});
+  ReservedOutputs res;
+  const bool reserved = reserved_outputs(outputs, &res);
   if (reserved) {
-    UCCL_EP_CHECK_ARG(zero_copy && recv_scales_t.is_none() && recv_idx_t.is_none() && recv_w_t.is_none() &&
-                          recv_src_t.is_none(),
-                      "intranode_dispatch: a reservation in place of recv_x is a zero-copy call whose other "
-                      "recv_* are None");
-    const int64_t idx_bytes = idx.none ? 0 : idx.dtype->itemsize;
-    UCCL_EP_CHECK_ARG(res.row_bytes == H * x.dtype->itemsize && res.num_scales == S && res.num_topk == K &&
-                          res.idx_bytes == idx_bytes && (res.src != 0) == !cached,
-                      "intranode_dispatch: the reservation was made for rows of ", res.row_bytes, " bytes, ",
-                      res.num_scales, " scales, ", res.num_topk, " top-k of ", res.idx_bytes, " bytes",
-                      res.src != 0 ? " and sources" : "", ", not for this call's ", H * x.dtype->itemsize, ", ", S,
-                      ", ", K, " of ", idx_bytes, cached ? "" : " and sources");
-    recv_x = placed(res.x, rows, H, x.dtype);
-    recv_scales = placed(res.scales, rows, S, scales.dtype);
-    recv_idx = placed(res.idx, rows, K, idx.dtype);
-    recv_w = placed(res.w, rows, K, weights.dtype);
-    recv_src = placed(res.src, rows, 0, send_pos.dtype);
+    reserved_views(l, res, &v);
   } else {
-    recv_scales = arg(recv_scales_t, "intranode_dispatch: recv_scales", scales.none, 2, rows, S, {Dt::kFloat32});
-    recv_idx = arg(recv_idx_t, "intranode_dispatch: recv_topk_idx", idx.none, 2, rows, K, {idx_dt});
-    recv_w = arg(recv_w_t, "intranode_dispatch: recv_topk_weights", idx.none, 2, rows, K, {Dt::kFloat32});
-    recv_src = arg(recv_src_t, "intranode_dispatch: recv_src_idx", cached, 1, rows, -1, {Dt::kInt32});
+    tuple_views(l, outputs, &v);
   }
-
-  dispatch_launch(c, stream, x, scales, idx, weights, in_rank, info, send_pos, recv_x, recv_scales, recv_idx, recv_w,
-                  recv_src, rows, cached, num_sms, experts_per_rank, num_recv, own_rows, send_rows, staging_rows,
-                  zero_copy, entry_published, judge, num_experts);
+  const bool zero_copy = reserved || c.arena_place(v.recv_x) >= 0;
+  dispatch_launch(c, l, r, stream, v, zero_copy, r.bound, r.bound && !l.sync_free() && !l.cached);
 }
 
 // DLPack (code, bits) of recv_x's dtype as the receive arena makes it (FP8 rows as uint8).
@@ -379,69 +438,71 @@ std::pair<int, int> dlpack_dtype(Dt dt, int itemsize) {
   }
 }
 
-// A zero-copy dispatch whose output rows are known before notify, in one call: `rows` is
-// num_worst_tokens (`sync_free`), the launch-ahead bound of an exact call (judged by its kernel,
-// its counts read back by intranode_read_counts), or a cached dispatch's received rows (from its
-// handle: `cached_send_pos` is the handle's send_pos, None otherwise). The status word, the
-// capture state and the staging size are looked at, one receive-arena block is reserved for the
-// outputs and the handle's send_pos and info (a cached dispatch: info only; its source indices
-// are the handle's), then notify and the dispatch kernel are launched on `stream`. Returns the
-// RecvReservation (its tensors are made after this), or None when the call must take the
-// step-by-step path: the status word is set (that path raises it), the stream is being
-// captured, the staging does not hold `staging_rows`, or the block does not fit. own_rows,
-// send_rows, staging_rows: see k::DispatchArgs (-1, -1, rows unless an exact cached call).
-py::object dispatch_begin(const Context& c, intptr_t stream, py::handle arena, intptr_t use_stream, py::handle x_t,
-                          py::handle scales_t, py::handle idx_t, py::handle weights_t, py::handle in_rank_t,
-                          py::handle per_rank_t, py::handle per_expert_t, py::handle cached_send_pos_t, int num_sms,
-                          int experts_per_rank, int expert_alignment, int num_experts, int rows, bool sync_free,
-                          int own_rows, int64_t send_rows, int64_t staging_rows, int64_t header) {
+// A zero-copy dispatch whose output rows are known before notify, in one call: `rows.num_recv`
+// is num_worst_tokens (sync-free), the launch-ahead bound of an exact call (judged by its
+// kernel, its counts read back by intranode_read_counts), or a cached dispatch's received rows
+// (`cached_send_pos` is the handle's send_pos exactly when `launch.cached`). The status word,
+// the capture state and the staging size are looked at, one receive-arena block is reserved for
+// the outputs and the handle's send_pos and info (a cached dispatch: info only; its source
+// indices are the handle's), then notify and the dispatch kernel are launched on `stream`.
+// Returns the RecvReservation (its tensors are made after this), or None when the call must
+// take the step-by-step path: the status word is set (that path raises it), the stream is being
+// captured, the staging does not hold `rows.staging_rows`, or the block does not fit.
+py::object dispatch_begin(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
+                          intptr_t use_stream, py::handle arena, py::handle inputs, py::handle cached_send_pos_t) {
   c.check("intranode_dispatch_begin");
   const volatile int64_t* status = reinterpret_cast<const volatile int64_t*>(c.status);
   if (status[0] != 0 || arena.is_none() || k::stream_capturing(stream)) return py::none();
   const int R = c.num_ranks;
-  const bool cached = !cached_send_pos_t.is_none();
-  const bool judge = !sync_free && !cached;  // launch-ahead
-  check_notify_scalars(experts_per_rank, expert_alignment, sync_free ? rows : 0, num_experts);
-  UCCL_EP_CHECK_ARG(rows > 0 && staging_rows >= rows && (cached || (own_rows == -1 && send_rows == -1)),
-                    "intranode_dispatch_begin: rows=", rows, " own_rows=", own_rows, " send_rows=", send_rows,
-                    " staging_rows=", staging_rows);
-  const TensorView x = arg(x_t, "intranode_dispatch: x", false, 2, -1, -1,
-                           {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
-  const int64_t T = x.size[0], H = x.size[1];
-  const TensorView scales = arg(scales_t, "intranode_dispatch: x_scales", true, 2, T, -1, {Dt::kFloat32});
-  const int64_t S = scales.none ? 0 : scales.size[1];
-  const TensorView idx = arg(idx_t, "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
-  const int64_t K = idx.none ? 0 : idx.size[1];
-  UCCL_EP_CHECK_ARG(!cached || idx.none, "intranode_dispatch_begin: a cached dispatch takes no topk_idx");
-  const TensorView weights = arg(weights_t, "intranode_dispatch: topk_weights", idx.none, 2, T, K, {Dt::kFloat32});
-  const TensorView in_rank = arg(in_rank_t, "intranode_dispatch: is_token_in_rank", false, 2, T, R, {Dt::kBool});
-  const TensorView per_rank = arg(per_rank_t, "intranode_notify: num_tokens_per_rank", false, 1, R, -1, {Dt::kInt32});
-  const TensorView per_expert = arg(per_expert_t, "intranode_notify: num_tokens_per_expert", experts_per_rank == 0, 1,
-                                    int64_t{experts_per_rank} * R, -1, {Dt::kInt32});
+  const bool judge = !l.sync_free() && !l.cached;  // launch-ahead
+  const int64_t rows = r.num_recv;
+  r.check("intranode_dispatch_begin");
+  UCCL_EP_CHECK_ARG(rows > 0 && r.staging_rows >= rows && (l.cached || (r.own_rows == -1 && r.send_rows == -1)) &&
+                        (!l.sync_free() || rows == l.num_worst_tokens),
+                    "intranode_dispatch_begin: rows=", rows, " own_rows=", r.own_rows, " send_rows=", r.send_rows,
+                    " staging_rows=", r.staging_rows, " num_worst_tokens=", l.num_worst_tokens);
+  UCCL_EP_CHECK_ARG(l.cached != cached_send_pos_t.is_none(),
+                    "intranode_dispatch_begin: cached_send_pos is the handle's send_pos of a cached dispatch "
+                    "(DispatchLaunch.cached=",
+                    l.cached, "), and None otherwise");
+  DispatchViews v;
+  input_views(c, inputs, &v);
+  const int64_t T = v.x.size[0], H = v.x.size[1];
+  const int64_t S = v.scales.none ? 0 : v.scales.size[1];
+  const int64_t K = v.idx.none ? 0 : v.idx.size[1];
+  UCCL_EP_CHECK_ARG(!l.cached || v.idx.none, "intranode_dispatch_begin: a cached dispatch takes no topk_idx");
+  NotifyViews n;
+  count_views(c, l, inputs, &n);
   const TensorView handle_send_pos =
       arg(cached_send_pos_t, "intranode_dispatch: send_pos", true, 2, T, R, {Dt::kInt32});
   // Staging for `staging_rows` (a launch-ahead bound is sized with 8-byte ids, as every rank
   // decides alike from what the call header makes equal).
-  const int idx_size = idx.none || judge ? 8 : idx.dtype->itemsize;
-  if (k::dispatch_staging_bytes(staging_rows, H * x.dtype->itemsize, static_cast<int>(S), static_cast<int>(K),
+  const int idx_size = v.idx.none || judge ? 8 : v.idx.dtype->itemsize;
+  if (k::dispatch_staging_bytes(r.staging_rows, H * v.x.dtype->itemsize, static_cast<int>(S), static_cast<int>(K),
                                 idx_size) > c.buffer_bytes)
     return py::none();
-  const auto [code, bits] = dlpack_dtype(x.dtype->dt, x.dtype->itemsize);
-  const int64_t num_info = int64_t{R} * R + experts_per_rank;
+  const auto [code, bits] = dlpack_dtype(v.x.dtype->dt, v.x.dtype->itemsize);
+  const int64_t num_info = int64_t{R} * R + l.experts_per_rank;
   ReservedOutputs res;
-  py::object reservation = reserve_outputs(arena, rows, H, code, bits, S, K, idx.none ? 64 : 8 * idx.dtype->itemsize,
-                                           !cached, ReserveAux{cached ? 0 : T, R, num_info}, stream, use_stream, &res);
+  py::object reservation =
+      reserve_outputs(arena, rows, H, code, bits, S, K, v.idx.none ? 64 : 8 * v.idx.dtype->itemsize, !l.cached,
+                      ReserveAux{l.cached ? 0 : T, R, num_info}, stream, use_stream, &res);
   if (reservation.is_none()) return reservation;
-  const views::DtypeInfo* i32 = per_rank.dtype;  // int32 (checked above)
-  const TensorView send_pos = cached ? handle_send_pos : placed(res.send_pos, T, R, i32);
-  const TensorView info = placed(res.info, num_info, 0, i32);
-  const std::vector<int64_t> entry(res.entry.begin(), res.entry.end());
-  notify_launch(c, stream, per_rank, per_expert, info, in_rank, cached ? TensorView{} : send_pos, idx, judge,
-                experts_per_rank, expert_alignment, sync_free ? rows : 0, num_experts, header, entry);
-  dispatch_launch(c, stream, x, scales, idx, weights, in_rank, info, send_pos, placed(res.x, rows, H, x.dtype),
-                  placed(res.scales, rows, S, scales.dtype), placed(res.idx, rows, K, idx.dtype),
-                  placed(res.w, rows, K, weights.dtype), placed(res.src, rows, 0, i32), rows, cached, num_sms,
-                  experts_per_rank, rows, own_rows, send_rows, staging_rows, true, true, judge, num_experts);
+  const views::DtypeInfo* i32 = n.per_rank.dtype;  // int32 (checked above)
+  v.send_pos = l.cached ? handle_send_pos : placed(res.send_pos, T, R, i32);
+  v.info = placed(res.info, num_info, 0, i32);
+  n.info = v.info;
+  n.in_rank = v.in_rank;
+  n.send_pos = l.cached ? TensorView{} : v.send_pos;
+  n.idx = v.idx;
+  notify_launch(c, l, stream, n, std::vector<int64_t>(res.entry.begin(), res.entry.end()));
+  v.out_rows = rows;
+  v.recv_x = placed(res.x, rows, H, v.x.dtype);
+  v.recv_scales = placed(res.scales, rows, S, v.scales.dtype);
+  v.recv_idx = placed(res.idx, rows, K, v.idx.dtype);
+  v.recv_w = placed(res.w, rows, K, v.weights.dtype);
+  v.recv_src = placed(res.src, rows, 0, i32);
+  dispatch_launch(c, l, r, stream, v, true, true, judge);
   return reservation;
 }
 
@@ -451,25 +512,39 @@ py::object dispatch_begin(const Context& c, intptr_t stream, py::handle arena, i
 // (the caller raises it).
 constexpr int kCombinedInPlace = 1, kCombineCaptured = 2, kCombineStatusSet = -1;
 
-int combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle weights_t, py::handle bias0_t,
-                  py::handle bias1_t, py::handle out_t, py::handle out_w_t, py::handle prefix_t, py::handle send_pos_t,
-                  int num_recv, int64_t staging_rows, int num_sms, int64_t header) {
+// The combine (the binding): x, weights, biases, out and out_weights of `tensors` (a
+// CombineTensors), with the dispatch handle's rank prefix matrix and send_pos; `rows` are the
+// dispatch's (num_recv rows of x are combined: the received count, or its bound in sync-free
+// mode, whose kernels read the real count from the device matrix; combine_rows of staging).
+int combine_call(const Context& c, const CombineLaunch& l, const DispatchRows& r, intptr_t stream,
+                 py::handle tensors, py::handle prefix_t, py::handle send_pos_t) {
   c.check("intranode_combine");
   if (reinterpret_cast<const volatile int64_t*>(c.status)[0] != 0) return kCombineStatusSet;
   const int R = c.num_ranks;
-  const TensorView x = arg(x_t, "intranode_combine: x", false, 2, -1, -1, {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
+  const FieldNames& n = names();
+  const TensorView x = arg(field(tensors, n.x), "intranode_combine: x", false, 2, -1, -1,
+                           {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
   const int64_t H = x.size[1];
-  UCCL_EP_CHECK_ARG(num_recv >= 0 && num_recv <= x.size[0], "intranode_combine: num_recv=", num_recv,
+  UCCL_EP_CHECK_ARG(r.num_recv >= 0 && r.num_recv <= x.size[0], "intranode_combine: num_recv=", r.num_recv,
                     " but x has ", x.size[0], " rows");
-  const TensorView out = arg(out_t, "intranode_combine: out", false, 2, -1, H, {x.dtype->dt});
+  const TensorView out = arg(field(tensors, n.out), "intranode_combine: out", false, 2, -1, H, {x.dtype->dt});
   const int64_t T = out.size[0];
   const TensorView weights =
-      arg(weights_t, "intranode_combine: topk_weights", true, 2, x.size[0], -1, {Dt::kFloat32});
+      arg(field(tensors, n.weights), "intranode_combine: topk_weights", true, 2, x.size[0], -1, {Dt::kFloat32});
   const int64_t K = weights.none ? 0 : weights.size[1];
-  const TensorView out_w = arg(out_w_t, "intranode_combine: out_weights", weights.none, 2, T, K, {Dt::kFloat32});
-  const TensorView bias0 = arg(bias0_t, "intranode_combine: bias[0]", true, 2, T, H, {x.dtype->dt});
-  const TensorView bias1 = arg(bias1_t, "intranode_combine: bias[1]", true, 2, T, H, {x.dtype->dt});
-  UCCL_EP_CHECK_ARG(bias1.none || !bias0.none, "intranode_combine: bias[1] given without bias[0]");
+  const TensorView out_w =
+      arg(field(tensors, n.out_weights), "intranode_combine: out_weights", weights.none, 2, T, K, {Dt::kFloat32});
+  const py::object biases = field(tensors, n.biases);
+  const Py_ssize_t num_bias = PySequence_Size(biases.ptr());
+  if (num_bias < 0) throw py::error_already_set();
+  UCCL_EP_CHECK_ARG(num_bias <= 2, "intranode_combine: ", num_bias, " bias tensors; at most 2 are supported");
+  TensorView bias[2];
+  for (Py_ssize_t i = 0; i < num_bias; ++i) {
+    py::object b = py::reinterpret_steal<py::object>(PySequence_GetItem(biases.ptr(), i));
+    if (!b) throw py::error_already_set();
+    bias[i] = arg(b, i == 0 ? "intranode_combine: bias[0]" : "intranode_combine: bias[1]", false, 2, T, H,
+                  {x.dtype->dt});
+  }
   const TensorView prefix = arg(prefix_t, "intranode_combine: rank_prefix_matrix", false, 2, R, R, {Dt::kInt32});
   const TensorView send_pos = arg(send_pos_t, "intranode_combine: send_pos", false, 2, T, R, {Dt::kInt32});
 
@@ -480,17 +555,17 @@ int combine_call(const Context& c, intptr_t stream, py::handle x_t, py::handle w
   a.x = x.ptr;
   a.topk_weights = weights.ptr;
   a.num_topk = static_cast<int>(K);
-  a.num_recv = num_recv;
+  a.num_recv = static_cast<int>(r.num_recv);
   a.rank_prefix_matrix = prefix.ptr;
   a.send_pos = send_pos.ptr;
   a.num_tokens = static_cast<int>(T);
-  a.bias0 = bias0.ptr;
-  a.bias1 = bias1.ptr;
+  a.bias0 = bias[0].ptr;
+  a.bias1 = bias[1].ptr;
   a.out = out.ptr;
   a.out_weights = out_w.ptr;
-  a.staging_rows = staging_rows;
-  a.num_sms = num_sms;
-  a.header = header;
+  a.staging_rows = r.combine_rows;
+  a.num_sms = l.num_sms;
+  a.header = l.header;
   UCCL_EP_CHECK_ARG(a.hidden > 0 && a.num_tokens >= 0, "intranode_combine: hidden=", a.hidden,
                     " num_tokens=", a.num_tokens);
   check_ptr(a.x, a.num_recv > 0, "intranode_combine: x");
@@ -540,7 +615,7 @@ void layout_call(intptr_t stream, py::handle idx_t, py::handle per_rank_t, py::h
 // rank prefix matrix: (rows received, staging rows of the dispatch (the most any rank
 // receives), rows kept for itself, rows sent to all ranks, combine staging rows (the most
 // rows any rank gets back from the others)).
-py::tuple exact_rows(const std::vector<int64_t>& pm, int rank, int num_ranks) {
+DispatchRows exact_rows(const std::vector<int64_t>& pm, int rank, int num_ranks) {
   UCCL_EP_CHECK_ARG(num_ranks >= 1 && rank >= 0 && rank < num_ranks &&
                         pm.size() == static_cast<size_t>(num_ranks) * num_ranks,
                     "intranode_exact_rows: rank=", rank, " num_ranks=", num_ranks, " with ", pm.size(),
@@ -559,7 +634,7 @@ py::tuple exact_rows(const std::vector<int64_t>& pm, int rank, int num_ranks) {
       if (j != s) back += rows_sent(pm, R, s, j);
     combine = std::max(combine, back);
   }
-  return py::make_tuple(num_recv, staging, own, sent, combine);
+  return DispatchRows{num_recv, staging, own, sent, combine, false};
 }
 
 }  // namespace
@@ -585,49 +660,114 @@ void bind_intranode_calls(py::module_& m) {
              }
              return c;
            }),
-           py::arg("buffers"), py::arg("buffer_bytes"), py::arg("rank"), py::arg("num_ranks"), py::arg("status"),
-           py::arg("timeout_ns"), py::arg("use_tma"), py::arg("arenas") = std::vector<intptr_t>{},
+           py::kw_only(), py::arg("buffers"), py::arg("buffer_bytes"), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("status"), py::arg("timeout_ns"), py::arg("use_tma"), py::arg("arenas") = std::vector<intptr_t>{},
            py::arg("arena_sizes") = std::vector<int64_t>{}, py::arg("combine_in_place") = true)
       .def_readonly("buffers", &Context::buffers)
       .def_readonly("buffer_bytes", &Context::buffer_bytes);
-  // Positional only (no keyword matching per call): argument order as in the C++ functions.
+
+  py::class_<DispatchLaunch>(m, "DispatchLaunch",
+                             "What a dispatch's launches share that its layout and shapes fix, checked when "
+                             "built; the backend builds one per layout and reuses it.")
+      .def(py::init([](int num_sms, int experts_per_rank, int num_experts, int64_t header, int expert_alignment,
+                       int num_worst_tokens, bool cached) {
+             DispatchLaunch l{num_sms, experts_per_rank, expert_alignment, num_experts, num_worst_tokens, cached,
+                              header};
+             l.check();
+             return l;
+           }),
+           py::kw_only(), py::arg("num_sms"), py::arg("experts_per_rank"), py::arg("num_experts"), py::arg("header"),
+           py::arg("expert_alignment") = 1, py::arg("num_worst_tokens") = 0, py::arg("cached") = false)
+      .def_readonly("num_sms", &DispatchLaunch::num_sms)
+      .def_readonly("experts_per_rank", &DispatchLaunch::experts_per_rank)
+      .def_readonly("expert_alignment", &DispatchLaunch::expert_alignment)
+      .def_readonly("num_experts", &DispatchLaunch::num_experts)
+      .def_readonly("num_worst_tokens", &DispatchLaunch::num_worst_tokens)
+      .def_readonly("cached", &DispatchLaunch::cached)
+      .def_readonly("header", &DispatchLaunch::header);
+
+  py::class_<DispatchRows>(m, "DispatchRows",
+                           "The rows of one dispatch and of the combine that returns them: exact "
+                           "(intranode_exact_rows) or a bound known before notify (DispatchRows.of_bound).")
+      .def(py::init([](int64_t num_recv, int64_t staging_rows, int64_t own_rows, int64_t send_rows,
+                       int64_t combine_rows, bool bound) {
+             DispatchRows r{num_recv, staging_rows, own_rows, send_rows, combine_rows, bound};
+             r.check("DispatchRows");
+             return r;
+           }),
+           py::kw_only(), py::arg("num_recv"), py::arg("staging_rows"), py::arg("own_rows") = -1,
+           py::arg("send_rows") = -1, py::arg("combine_rows") = 0, py::arg("bound") = false)
+      .def_static(
+          "of_bound",
+          [](int64_t rows) {
+            DispatchRows r = DispatchRows::of_bound(rows);
+            r.check("DispatchRows.of_bound");
+            return r;
+          },
+          py::arg("rows"),
+          "Rows known before notify (num_worst_tokens, a launch-ahead bound): `rows` received, staged and "
+          "returned; the rows kept and sent unknown (-1).")
+      .def_readonly("num_recv", &DispatchRows::num_recv)
+      .def_readonly("staging_rows", &DispatchRows::staging_rows)
+      .def_readonly("own_rows", &DispatchRows::own_rows)
+      .def_readonly("send_rows", &DispatchRows::send_rows)
+      .def_readonly("combine_rows", &DispatchRows::combine_rows)
+      .def_readonly("bound", &DispatchRows::bound)
+      .def("__repr__", [](const DispatchRows& r) {
+        return detail::concat("DispatchRows(num_recv=", r.num_recv, ", staging_rows=", r.staging_rows,
+                              ", own_rows=", r.own_rows, ", send_rows=", r.send_rows, ", combine_rows=",
+                              r.combine_rows, ", bound=", r.bound ? "True" : "False", ")");
+      });
+
+  py::class_<CombineLaunch>(m, "CombineLaunch",
+                            "What a combine's launch shares that its shapes fix (SM budget, call header), "
+                            "checked when built; the backend builds one per shape and reuses it.")
+      .def(py::init([](int num_sms, int64_t header) {
+             CombineLaunch l{num_sms, header};
+             l.check();
+             return l;
+           }),
+           py::kw_only(), py::arg("num_sms"), py::arg("header"))
+      .def_readonly("num_sms", &CombineLaunch::num_sms)
+      .def_readonly("header", &CombineLaunch::header);
+
+  // Positional (no keyword matching per call); each call takes its typed launch and rows.
   m.def("intranode_notify_call", &notify_call,
-        "notify(ctx, stream, num_tokens_per_rank, num_tokens_per_expert|None, out_info, is_token_in_rank, "
-        "send_pos|None (cached), topk_idx|None, readback, experts_per_rank, expert_alignment, "
-        "num_worst_tokens, num_experts, header, recv_entry ([] or {mode, 5 arena offsets}, published to every "
-        "peer before the barrier)): the counts exchange and entry barrier of a dispatch; with `readback` the "
-        "counts and every rank's checks also go to the host (intranode_read_counts).");
+        "notify(ctx, launch: DispatchLaunch, stream, inputs, out_info, send_pos|None, recv_entry): the counts "
+        "exchange and entry barrier of a dispatch, reading is_token_in_rank, num_tokens_per_rank, "
+        "num_tokens_per_expert and topk_idx of `inputs` (a DispatchArgs); send_pos is not read for a cached "
+        "launch; recv_entry: [] or {mode, 5 arena offsets}, published to every peer before the barrier. An "
+        "exact uncached launch also copies the counts and every rank's checks to the host "
+        "(intranode_read_counts).");
   m.def("intranode_read_counts", &read_counts, py::arg("ctx"), py::arg("num_info"),
         "(state, words) of the notify launched with readback: state 1 with out_info's num_info words and "
         "every rank's checks, -1 when its barrier failed (status words), 0 when it did not finish in time.");
   m.def("intranode_dispatch_call", &dispatch_call,
-        "dispatch(ctx, stream, x, x_scales, topk_idx, topk_weights, is_token_in_rank, rank_prefix_matrix, "
-        "send_pos, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx, cached, num_sms, "
-        "experts_per_rank, num_recv, own_rows, send_rows, staging_rows, zero_copy, entry_published, judge, "
-        "num_experts): the dispatch kernel and the "
-        "poison fold of its outputs (NaN rows, -1 ids and sources, 0 weights when a wait timed out); recv_x may "
-        "be a RecvReservation (zero-copy outputs whose tensors are made after this launch; the other recv_* None "
-        "then); zero_copy: "
-        "the outputs lie in this rank's receive arena and peers write them directly; judge: a launch-ahead call "
-        "(launched before the host read its counts) that every rank skips alike when any rank's checks fail or "
-        "a rank receives more rows than the outputs hold (num_experts: the id range to check).");
+        "dispatch(ctx, launch: DispatchLaunch, rows: DispatchRows, stream, inputs, rank_prefix_matrix, send_pos, "
+        "outputs): the dispatch kernel after its notify, reading x, x_scales, topk_idx, topk_weights and "
+        "is_token_in_rank of `inputs` (a DispatchArgs), and the poison fold of its outputs (NaN rows, -1 ids and "
+        "sources, 0 weights when a wait timed out). outputs: the tuple (recv_x, recv_x_scales, recv_topk_idx, "
+        "recv_topk_weights, recv_src_idx) or a RecvReservation (zero-copy outputs whose tensors are made after "
+        "this launch). Outputs in this rank's receive arena are zero-copy (peers write them directly); rows "
+        "known before notify (rows.bound) were published by it, and an exact uncached call with such rows is "
+        "launched ahead of its counts: every rank skips it alike when any rank's checks fail or a rank "
+        "receives more rows than the outputs hold.");
   m.def("intranode_dispatch_begin", &dispatch_begin,
-        "dispatch_begin(ctx, stream, arena (RecvArenaCore|None), use_stream, x, x_scales|None, topk_idx|None, "
-        "topk_weights|None, is_token_in_rank, num_tokens_per_rank, num_tokens_per_expert|None, "
-        "cached_send_pos|None, num_sms, experts_per_rank, expert_alignment, num_experts, rows, sync_free, "
-        "own_rows, send_rows, staging_rows, header): a zero-copy dispatch of `rows` output rows "
-        "(num_worst_tokens, the launch-ahead bound, or a cached dispatch's received rows) in one call: one "
-        "receive-arena block for the outputs and the handle's send_pos/info (info only when cached), notify "
-        "and the dispatch kernel. Returns the RecvReservation (tensors: .tensors(rows), .aux()), or None when "
-        "the status word is set, the stream is being captured, the staging or the arena does not hold the "
-        "rows (take the step-by-step path).");
+        "dispatch_begin(ctx, launch: DispatchLaunch, rows: DispatchRows, stream, use_stream, arena "
+        "(RecvArenaCore|None), inputs, cached_send_pos|None): a zero-copy dispatch of rows.num_recv output "
+        "rows (num_worst_tokens, the launch-ahead bound, or a cached dispatch's received rows) in one call: "
+        "one receive-arena block for the outputs and the handle's send_pos/info (info only when cached), "
+        "notify and the dispatch kernel. Returns the RecvReservation (tensors: .tensors(rows), .aux()), or "
+        "None when the status word is set, the stream is being captured, the staging or the arena does not "
+        "hold the rows (take the step-by-step path).");
   m.def("intranode_combine_call", &combine_call,
-        "combine(ctx, stream, x, topk_weights|None, bias0|None, bias1|None, out, out_weights|None, "
-        "rank_prefix_matrix, send_pos, num_recv, staging_rows, num_sms, header): push, reduce and the poison "
-        "fold of the outputs (NaN when a wait timed out); when the context allows it and x (and topk_weights) "
-        "lie in this rank's receive arena, peers read its rows there and it pushes none (in place). Returns "
-        "COMBINED_IN_PLACE when it did, plus COMBINE_CAPTURED while the stream is being captured; "
-        "COMBINE_STATUS_SET, launching nothing, when the status word is set (raise it).");
+        "combine(ctx, launch: CombineLaunch, rows: DispatchRows (the dispatch's), stream, tensors, "
+        "rank_prefix_matrix, send_pos): push, reduce and the poison fold of the outputs (NaN when a wait timed "
+        "out), reading x, weights|None, biases (0-2), out and out_weights|None of `tensors` (a "
+        "CombineTensors); when the context allows it and x (and the weights) lie in this rank's receive "
+        "arena, peers read its rows there and it pushes none (in place). Returns COMBINED_IN_PLACE when it "
+        "did, plus COMBINE_CAPTURED while the stream is being captured; COMBINE_STATUS_SET, launching "
+        "nothing, when the status word is set (raise it).");
   m.attr("COMBINED_IN_PLACE") = kCombinedInPlace;
   m.attr("COMBINE_CAPTURED") = kCombineCaptured;
   m.attr("COMBINE_STATUS_SET") = kCombineStatusSet;
@@ -635,8 +775,8 @@ void bind_intranode_calls(py::module_& m) {
         "layout(stream, topk_idx, num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank): the layout "
         "kernel into the three output tensors (shared by the intranode and internode backends).");
   m.def("intranode_exact_rows", &exact_rows, py::arg("rank_prefix_matrix"), py::arg("rank"), py::arg("num_ranks"),
-        "(rows received, dispatch staging rows, rows kept, rows sent, combine staging rows) of an exact-mode "
-        "dispatch on `rank`, from the host rank prefix matrix (row-major).");
+        "The DispatchRows of an exact-mode dispatch on `rank` (rows received, dispatch staging rows, rows kept, "
+        "rows sent, combine staging rows), from the host rank prefix matrix (row-major).");
   m.def(
       "intranode_fill_word",
       [](py::handle dtype) { return dtype_info(dtype.ptr()).nan; },

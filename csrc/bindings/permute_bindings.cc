@@ -50,9 +50,9 @@ void bind_permute(py::module_& m) {
                         num_out_rows, probs, pair_dest, src_row, out_probs, counts, tokens_per_expert, offsets,
                         dropped, stream);
       },
-      py::arg("topk_idx"), py::arg("idx_is_64"), py::arg("num_rows"), py::arg("num_topk"), py::arg("recv_count"),
-      py::arg("num_experts"), py::arg("align"), py::arg("capacity"), py::arg("num_out_rows"), py::arg("probs"),
-      py::arg("pair_dest"), py::arg("src_row"), py::arg("out_probs"), py::arg("counts"),
+      py::kw_only(), py::arg("topk_idx"), py::arg("idx_is_64"), py::arg("num_rows"), py::arg("num_topk"),
+      py::arg("recv_count"), py::arg("num_experts"), py::arg("align"), py::arg("capacity"), py::arg("num_out_rows"),
+      py::arg("probs"), py::arg("pair_dest"), py::arg("src_row"), py::arg("out_probs"), py::arg("counts"),
       py::arg("tokens_per_expert"), py::arg("offsets"), py::arg("dropped"), py::arg("stream"),
       "Plan the expert-major permutation on the stream (see csrc/kernels/permute.h).");
   m.def(
@@ -62,8 +62,8 @@ void bind_permute(py::module_& m) {
         require(out, num_out_rows > 0, "gather_rows: out");
         k::gather_rows(src, row_map, num_out_rows, row_bytes, out, stream);
       },
-      py::arg("src"), py::arg("row_map"), py::arg("num_out_rows"), py::arg("row_bytes"), py::arg("out"),
-      py::arg("stream"), "out[o] = src[row_map[o]] (zero row where row_map[o] < 0).");
+      py::kw_only(), py::arg("src"), py::arg("row_map"), py::arg("num_out_rows"), py::arg("row_bytes"),
+      py::arg("out"), py::arg("stream"), "out[o] = src[row_map[o]] (zero row where row_map[o] < 0).");
   m.def(
       "reduce_rows",
       [](intptr_t src, intptr_t pair_dest, int num_rows, int num_topk, int64_t hidden, int dtype, intptr_t out,
@@ -72,8 +72,9 @@ void bind_permute(py::module_& m) {
         require(out, num_rows > 0, "reduce_rows: out");
         k::reduce_rows(src, pair_dest, num_rows, num_topk, hidden, dtype, out, src_probs, out_probs, stream);
       },
-      py::arg("src"), py::arg("pair_dest"), py::arg("num_rows"), py::arg("num_topk"), py::arg("hidden"),
-      py::arg("dtype"), py::arg("out"), py::arg("src_probs"), py::arg("out_probs"), py::arg("stream"),
+      py::kw_only(), py::arg("src"), py::arg("pair_dest"), py::arg("num_rows"), py::arg("num_topk"),
+      py::arg("hidden"), py::arg("dtype"), py::arg("out"), py::arg("src_probs"), py::arg("out_probs"),
+      py::arg("stream"),
       "out[i] = fp32 sum of src[pair_dest[i, k]] in slot order, cast to dtype (0 bf16, 1 fp16, 2 fp32).");
 #endif
 }

@@ -10,6 +10,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import pytest
 import torch
@@ -114,19 +115,15 @@ def poison(buf, byte: int = 0xFF) -> None:
 ARENA_BYTES = 1280 << 20
 
 
-def kernels_buffer(nvl_bytes: int, arena: bool = True, arena_bytes: int = ARENA_BYTES):
-    """A ``kernels`` Buffer with the receive arena (zero-copy dispatch) on or off."""
-    from uccl_ep_megatron import Buffer
+def kernels_buffer(
+    nvl_bytes: int, arena: bool = True, arena_bytes: int = ARENA_BYTES, **options: Any
+) -> Any:
+    """A ``kernels`` Buffer with the receive arena (zero-copy dispatch) on or off, and any
+    other ``BufferOptions`` field given."""
+    from uccl_ep_megatron import Buffer, BufferOptions
 
-    saved = os.environ.get("UCCL_EP_RECV_ARENA_BYTES")
-    os.environ["UCCL_EP_RECV_ARENA_BYTES"] = str(arena_bytes if arena else 0)
-    try:
-        return Buffer(None, nvl_bytes, 0, backend="kernels")
-    finally:
-        if saved is None:
-            os.environ.pop("UCCL_EP_RECV_ARENA_BYTES")
-        else:
-            os.environ["UCCL_EP_RECV_ARENA_BYTES"] = saved
+    opts = BufferOptions(arena_bytes=arena_bytes if arena else 0, **options)
+    return Buffer(None, nvl_bytes, 0, backend="kernels", options=opts)
 
 
 def in_arena(buf, t: torch.Tensor) -> bool:

@@ -69,6 +69,20 @@ def test_device_buffers_and_ipc():
     _context_alive()
 
 
+def _context(buffers, nbytes, status, **kw):
+    """A 2-rank ``_C.IntranodeContext`` on rank 0 (keyword-only, as every field is named)."""
+    return _C.IntranodeContext(
+        buffers=buffers,
+        buffer_bytes=nbytes,
+        rank=0,
+        num_ranks=2,
+        status=status,
+        timeout_ns=10**9,
+        use_tma=False,
+        **kw,
+    )
+
+
 def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
     dev = torch.device("cuda")
     st = _C.host_status_alloc()
@@ -80,29 +94,44 @@ def test_kernel_launch_with_a_made_up_buffer_raises_before_launch():
     buf = _C.device_alloc_zeroed(nbytes)
     stream = torch.cuda.current_stream().cuda_stream
     with pytest.raises(InvalidInputError, match=r"buffers\[1\]"):
-        _C.IntranodeContext([buf, 0xDEAD0000], nbytes, 0, 2, st, 10**9, False)
+        _context([buf, 0xDEAD0000], nbytes, st)
     with pytest.raises(InvalidInputError, match="status"):
-        _C.IntranodeContext([buf, buf], nbytes, 0, 2, 0, 10**9, False)
-    ctx = _C.IntranodeContext([buf, buf], nbytes, 0, 2, st, 10**9, False)
-    args = [per_rank, None, info, in_rank, None, None, False, 0, 1, 0, 0, 0, []]
+        _context([buf, buf], nbytes, 0)
+    ctx = _context([buf, buf], nbytes, st)
+    # A cached launch: no readback, no send_pos read, no per-expert counts.
+    cached = _C.DispatchLaunch(num_sms=2, experts_per_rank=0, num_experts=0, header=0, cached=True)
+    inputs = SimpleNamespace(
+        is_token_in_rank=in_rank,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+    )
+
+    def notify(launch=cached, info=info, entry=(), **change):
+        given = SimpleNamespace(**{**vars(inputs), **change})
+        _C.intranode_notify_call(ctx, launch, stream, given, info, None, list(entry))
+
     with pytest.raises(InvalidInputError, match="out_info is None"):
-        _C.intranode_notify_call(ctx, stream, *args[:2], None, *args[3:])
+        notify(info=None)
+    two_experts = _C.DispatchLaunch(
+        num_sms=2, experts_per_rank=2, num_experts=4, header=0, num_worst_tokens=8
+    )
     with pytest.raises(InvalidInputError, match=r"out_info has shape \[4\]; expected 1-D with 6"):
-        _C.intranode_notify_call(ctx, stream, per_rank, per_expert, *args[2:7], 2, *args[8:])
+        notify(two_experts, num_tokens_per_expert=per_expert)
     with pytest.raises(InvalidInputError, match="num_tokens_per_rank has dtype int64"):
-        _C.intranode_notify_call(ctx, stream, per_rank.long(), *args[1:])
+        notify(num_tokens_per_rank=per_rank.long())
     # Zero-copy receive: arenas come one per rank with their sizes, and a receive entry
     # naming arena offsets needs them.
     with pytest.raises(InvalidInputError, match="1 receive arenas and 1 sizes for 2 ranks"):
-        _C.IntranodeContext([buf, buf], nbytes, 0, 2, st, 10**9, False, [buf], [nbytes])
+        _context([buf, buf], nbytes, st, arenas=[buf], arena_sizes=[nbytes])
     with pytest.raises(InvalidInputError, match="zero-copy recv_entry but no receive arenas"):
-        _C.intranode_notify_call(ctx, stream, *args[:-1], [1, 0, -1, -1, -1, 0])
+        notify(entry=[1, 0, -1, -1, -1, 0])
     with pytest.raises(InvalidInputError, match="recv_entry has 2 words"):
-        _C.intranode_notify_call(ctx, stream, *args[:-1], [1, 0])
+        notify(entry=[1, 0])
     _C.device_free(buf)
     # A context outliving its buffers raises at the call (checked again each time).
     with pytest.raises(InvalidInputError, match=r"intranode_notify: buffers\[0\]"):
-        _C.intranode_notify_call(ctx, stream, *args)
+        notify()
     _C.host_status_free(st)
     _context_alive()
 
@@ -122,15 +151,19 @@ def arena_ctx():
     arena = _C.device_alloc_zeroed(ARENA_BYTES)
     ns = SimpleNamespace(
         st=st,
-        ctx=_C.IntranodeContext(
-            [buf, buf], nbytes, 0, 2, st, 10**9, False, [arena, arena], [ARENA_BYTES] * 2
-        ),
+        ctx=_context([buf, buf], nbytes, st, arenas=[arena, arena], arena_sizes=[ARENA_BYTES] * 2),
         core=_C.RecvArenaCore(arena, ARENA_BYTES, torch.cuda.current_device(), True),
         stream=torch.cuda.current_stream().cuda_stream,
-        x=torch.zeros(T, H, dtype=torch.bfloat16, device=dev),
-        idx=torch.zeros(T, K, dtype=torch.int64, device=dev),
-        w=torch.zeros(T, K, device=dev),
-        in_rank=torch.zeros(T, 2, dtype=torch.bool, device=dev),
+        # A DispatchArgs' tensors, as the bindings read them (by name).
+        inputs=SimpleNamespace(
+            x=torch.zeros(T, H, dtype=torch.bfloat16, device=dev),
+            x_scales=None,
+            topk_idx=torch.zeros(T, K, dtype=torch.int64, device=dev),
+            topk_weights=torch.zeros(T, K, device=dev),
+            is_token_in_rank=torch.zeros(T, 2, dtype=torch.bool, device=dev),
+            num_tokens_per_rank=torch.zeros(2, dtype=torch.int32, device=dev),
+            num_tokens_per_expert=torch.zeros(4, dtype=torch.int32, device=dev),
+        ),
     )
     yield ns
     torch.cuda.synchronize()
@@ -142,26 +175,24 @@ def arena_ctx():
 
 
 def test_dispatch_checks_a_reservation_against_its_call(arena_ctx):
-    # A launch-ahead dispatch passes a receive-arena reservation in place of recv_x (its
-    # tensors are made after the launch): one made for other rows, or given to a call that
-    # is not zero-copy, raises before anything is launched.
+    # A launch-ahead dispatch passes a receive-arena reservation as its outputs (their tensors
+    # are made after the launch): one made for other rows, or outputs that are neither a
+    # reservation nor the five tensors, raise before anything is launched.
     a = arena_ctx
     info = torch.zeros(5, dtype=torch.int32, device="cuda")
     send_pos = torch.zeros(T, 2, dtype=torch.int32, device="cuda")
+    launch = _C.DispatchLaunch(num_sms=2, experts_per_rank=1, num_experts=2, header=0)
+    rows = _C.DispatchRows.of_bound(8)
 
-    def call(reservation, zero_copy=True):
-        _C.intranode_dispatch_call(
-            a.ctx, a.stream, a.x, None, a.idx, a.w, a.in_rank, info, send_pos, reservation,
-            None, None, None, None, False, 2, 1, 8, -1, -1, 8, zero_copy, True, True, 2,
-        )  # fmt: skip
+    def call(outputs):
+        _C.intranode_dispatch_call(a.ctx, launch, rows, a.stream, a.inputs, info, send_pos, outputs)
 
     wide = a.core.reserve(8, 2 * H, 4, 16, 0, K, 64, True, a.stream, a.stream)
     with pytest.raises(InvalidInputError, match="reservation was made for rows of 256 bytes"):
         call(wide)
-    fits = a.core.reserve(8, H, 4, 16, 0, K, 64, True, a.stream, a.stream)
-    with pytest.raises(InvalidInputError, match="zero-copy call whose other recv_"):
-        call(fits, zero_copy=False)
-    del wide, fits
+    with pytest.raises(InvalidInputError, match="outputs must be a RecvReservation or the tuple"):
+        call((None, None, None, None))
+    del wide
 
 
 def test_transport_region_past_a_tensor_end_raises():
@@ -299,24 +330,36 @@ def test_dispatch_begin_checks_its_tensors_and_declines_without_launching(arena_
     # nothing, when the status word is set, there is no arena, the staging does not hold the
     # rows or the arena is full (the caller then takes the step-by-step path).
     a = arena_ctx
-    per_rank = torch.zeros(2, dtype=torch.int32, device="cuda")
-    per_expert = torch.zeros(4, dtype=torch.int32, device="cuda")
 
-    def begin(arena_core=a.core, rows=8, cached=None, **kw):
-        t = dict(x=a.x, idx=a.idx, w=a.w, in_rank=a.in_rank) | kw
+    def begin(arena_core=a.core, rows=8, cached=None, cached_launch=None, **change):
+        cached_launch = cached is not None if cached_launch is None else cached_launch
+        experts = 0 if cached_launch else 2
+        launch = _C.DispatchLaunch(
+            num_sms=2,
+            experts_per_rank=experts,
+            num_experts=2 * experts,
+            header=0,
+            num_worst_tokens=rows,
+            cached=cached_launch,
+        )
+        inputs = SimpleNamespace(**{**vars(a.inputs), **change})
         return _C.intranode_dispatch_begin(
-            a.ctx, a.stream, arena_core, a.stream, t["x"], None, t["idx"], t["w"], t["in_rank"],
-            per_rank, per_expert, cached, 2, 2, 1, 4, rows, True, -1, -1, rows, 0,
+            a.ctx, launch, _C.DispatchRows.of_bound(rows), a.stream, a.stream, arena_core, inputs,
+            cached,
         )  # fmt: skip
 
+    x, w, in_rank = a.inputs.x, a.inputs.topk_weights, a.inputs.is_token_in_rank
     with pytest.raises(InvalidInputError, match="intranode_dispatch: x has dtype int64"):
-        begin(x=a.x.long())
+        begin(x=x.long())
     with pytest.raises(InvalidInputError, match="topk_weights has shape"):
-        begin(w=a.w[:, :1])
+        begin(topk_weights=w[:, :1])
     with pytest.raises(InvalidInputError, match="is_token_in_rank has shape"):
-        begin(in_rank=a.in_rank[:, :1])
+        begin(is_token_in_rank=in_rank[:, :1])
+    handle_send_pos = torch.zeros(T, 2, dtype=torch.int32, device="cuda")
     with pytest.raises(InvalidInputError, match="takes no topk_idx"):
-        begin(cached=torch.zeros(T, 2, dtype=torch.int32, device="cuda"))
+        begin(cached=handle_send_pos)
+    with pytest.raises(InvalidInputError, match=r"DispatchLaunch.cached=1\), and None otherwise"):
+        begin(cached_launch=True)  # a cached launch without the handle's send_pos
     assert begin(arena_core=None) is None
     assert begin(rows=1 << 20) is None  # the staging does not hold the rows
     assert begin(rows=(ARENA_BYTES // (H * 2)) + 1) is None  # the block does not fit

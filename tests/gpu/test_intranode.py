@@ -54,11 +54,10 @@ def _get_buffers(copy: str = "tma", arena: bool = True):
     rb = _reference()
     key = f"{copy}-{'arena' if arena else 'staged'}"
     if key not in _buffers:
-        os.environ["UCCL_EP_INTRANODE_TMA"] = "1" if copy == "tma" else "0"  # read at creation
-        try:
-            _buffers[key] = kernels_buffer(NVL_BYTES, arena)
-        finally:
-            os.environ.pop("UCCL_EP_INTRANODE_TMA")
+        kb = _buffers[key] = kernels_buffer(NVL_BYTES, arena, tma=copy == "tma")
+        # The options reach the launches (the context every kernel call takes).
+        assert kb.options.tma == (copy == "tma") == kb._backend._use_tma
+        assert kb._backend.recv_arena.enabled == arena
     return _buffers[key], rb
 
 
@@ -463,8 +462,8 @@ def device_header_mismatch_case(rank: int, world: int, where: str) -> str:
 
 def grow_case(rank: int, world: int) -> dict:
     """A Buffer far smaller than a call stages grows at that call, on every rank, and the
-    results still equal the reference; with UCCL_EP_GROW_NVL_BUFFER=0 the call raises."""
-    from uccl_ep_megatron import Buffer
+    results still equal the reference; with grow_nvl_buffer=False the call raises."""
+    from uccl_ep_megatron import Buffer, BufferOptions
     from uccl_ep_megatron.core.errors import BufferTooSmallError
 
     rb = _reference()
@@ -501,18 +500,14 @@ def grow_case(rank: int, world: int) -> dict:
     assert be._ipc.grows == grows_after_dispatch, (be._ipc.grows, grows_after_dispatch)
     assert size_after_dispatch > small
     # Regrow off: a fresh small Buffer raises on every rank, naming the bytes it needs.
-    os.environ["UCCL_EP_GROW_NVL_BUFFER"] = "0"
+    strict = Buffer(None, small, 0, backend="kernels", options=BufferOptions(grow_nvl_buffer=False))
+    _keep.append(strict)
     try:
-        strict = Buffer(None, small, 0, backend="kernels")
-        _keep.append(strict)
-        try:
-            dispatch(strict, x, lay, idx, w)
-        except BufferTooSmallError as exc:
-            assert "num_nvl_bytes >=" in str(exc) and "UCCL_EP_GROW_NVL_BUFFER" in str(exc), exc
-        else:
-            raise AssertionError("a too-small Buffer with UCCL_EP_GROW_NVL_BUFFER=0 did not raise")
-    finally:
-        os.environ.pop("UCCL_EP_GROW_NVL_BUFFER")
+        dispatch(strict, x, lay, idx, w)
+    except BufferTooSmallError as exc:
+        assert "num_nvl_bytes >=" in str(exc) and "grow_nvl_buffer=False" in str(exc), exc
+    else:
+        raise AssertionError("a too-small Buffer with grow_nvl_buffer=False did not raise")
     return {"grows": grows_after_dispatch, "bytes": size_after_dispatch, "small": small}
 
 
@@ -814,15 +809,7 @@ def launch_ahead_case(rank: int, world: int) -> dict:
     del k, r
     # Off on the last rank only: off for the group.
     _drop_case_buffers()
-    saved = os.environ.get("UCCL_EP_LAUNCH_AHEAD")
-    if rank == world - 1:
-        os.environ["UCCL_EP_LAUNCH_AHEAD"] = "0"
-    try:
-        off = kernels_buffer(LIFE_NVL, arena_bytes=64 << 20)
-    finally:
-        os.environ.pop("UCCL_EP_LAUNCH_AHEAD", None)
-        if saved is not None:
-            os.environ["UCCL_EP_LAUNCH_AHEAD"] = saved
+    off = kernels_buffer(LIFE_NVL, arena_bytes=64 << 20, launch_ahead=rank != world - 1)
     for seed in (95, 96):
         k, r = _layer_call(off, rb, rank, world, seed=seed, tokens=256)
         _check_layer(f"launch-ahead off, seed {seed}", k, r)

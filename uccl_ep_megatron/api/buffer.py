@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from uccl_ep_megatron.api.calls import CallAgreement, worst_of
 from uccl_ep_megatron.api.streams import CommStream, cached_outputs, dispatch_outputs
 from uccl_ep_megatron.api.topology import detect_placement, group_device, sm_budget
-from uccl_ep_megatron.api.validation import ArgumentChecks, XType
+from uccl_ep_megatron.api.validation import ArgumentChecks, DispatchInputs, XType
 from uccl_ep_megatron.backends import create_backend
 from uccl_ep_megatron.backends.agreement import KIND_CACHED, KIND_COMBINE, KIND_DISPATCH
 from uccl_ep_megatron.backends.base import DispatchHandle, DispatchResult, Topology
@@ -30,6 +29,7 @@ from uccl_ep_megatron.core.config import Config, default_combine_config, default
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.core.events import EventOverlap
 from uccl_ep_megatron.core.events import capture as _capture
+from uccl_ep_megatron.core.options import BufferOptions
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,17 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         comm: an mpi4py communicator, used by DeepEP only when ``group`` is ``None``; here
             every collective runs over torch.distributed, so ``comm`` with ``group=None``
             raises ``UnsupportedError`` and ``comm`` next to a ``group`` is ignored.
-        backend: ``"auto"``, ``"kernels"`` or ``"reference"``; ``None`` reads
-            ``UCCL_EP_BACKEND`` (default ``auto``: kernels when available, else reference).
+        backend: ``"auto"``, ``"kernels"`` or ``"reference"``; ``None``: ``options.backend``,
+            else ``UCCL_EP_BACKEND`` (default ``auto``: kernels when available, else reference).
         device: where the tensors live. ``None``: the current CUDA device for an NCCL group,
             and for a gloo group asked for ``backend="kernels"`` (the shared-GPU mode: ranks
             sharing a GPU under CUDA MPS, which NCCL refuses); the CPU for any other gloo
             group.
+        options: the behaviour knobs (``BufferOptions``: bulk copies, launch-ahead, combine
+            in place, receive arena, timeout, virtual nodes, the internode proxy); a field left
+            ``None`` takes its environment variable's value. Resolved once, here: changing the
+            environment later does not change this ``Buffer`` (``Buffer.options`` holds the
+            values in use).
     """
 
     num_sms: int = 24
@@ -89,34 +94,14 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         *,
         backend: str | None = None,
         device: torch.device | str | int | None = None,
+        options: BufferOptions | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise InvalidInputError(
                 "Buffer needs an initialized torch.distributed default group; call "
                 "torch.distributed.init_process_group(...) first"
             )
-        if low_latency_mode:
-            raise UnsupportedError(
-                "low_latency_mode=True: uccl_ep_megatron provides only the high-throughput "
-                "(normal) mode; construct Buffer with low_latency_mode=False"
-            )
-        if use_fabric:
-            raise UnsupportedError(
-                "use_fabric=True: buffers are cudaMalloc'd and shared through CUDA IPC handles "
-                "within a node; fabric (MNNVL) memory handles are not implemented. Pass "
-                "use_fabric=False"
-            )
-        if enable_shrink:
-            raise UnsupportedError(
-                "enable_shrink=True: DeepEP's shrink mode (masking failed ranks) belongs to its "
-                "low-latency kernels, which uccl_ep_megatron does not provide; pass "
-                "enable_shrink=False"
-            )
-        if comm is not None and group is None:
-            raise UnsupportedError(
-                "comm (an mpi4py communicator) without a group: uccl_ep_megatron runs every "
-                "collective over torch.distributed; pass group= (e.g. the EP process group)"
-            )
+        _check_deep_ep_flags(group, low_latency_mode, use_fabric, enable_shrink, comm)
         self._check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
         for name, value in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if not isinstance(value, int) or value < 0:
@@ -128,21 +113,30 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         self.num_rdma_bytes = num_rdma_bytes
         self.explicitly_destroy = explicitly_destroy
         self.uid = next(_uids)
-        backend_name = backend or os.environ.get("UCCL_EP_BACKEND", "auto").strip() or "auto"
+        self.options = resolve_options(options, backend)
+        backend_name = self.options.backend
         self.device = group_device(self.group, backend_name, device)
         # The int form for per-call stream lookups (a torch.device goes through slower checks).
         device_index = self.device.index
         if device_index is None:
             cuda = self.device.type == "cuda"
             device_index = torch.cuda.current_device() if cuda else -1
-        ranks_per_node, sharers = detect_placement(self.group, self.device)
+        ranks_per_node, sharers = detect_placement(
+            self.group, self.device, self.options.ranks_per_node
+        )
         self.topology = Topology(self.rank, self.group_size, ranks_per_node)
         # Ranks sharing this GPU (under CUDA MPS) run their kernels side by side, and the
         # kernels of all ranks must be resident at once (they wait on each other).
         self.gpu_sharers = sharers
         self.max_num_sms = sm_budget(self.device, sharers)
         self._backend = create_backend(
-            backend_name, self.group, self.topology, self.device, num_nvl_bytes, num_rdma_bytes
+            backend_name,
+            self.group,
+            self.topology,
+            self.device,
+            num_nvl_bytes,
+            num_rdma_bytes,
+            self.options,
         )
         if (
             self._backend.name == "reference"
@@ -364,10 +358,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         seq = self._next_call()
         prepared = None
         try:
-            prepared = self._prepare_dispatch(
-                seq,
-                x,
-                handle,
+            given = DispatchInputs(
                 num_tokens_per_rank,
                 num_tokens_per_rdma_rank,
                 is_token_in_rank,
@@ -376,9 +367,8 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
                 topk_weights,
                 expert_alignment,
                 num_worst_tokens,
-                config,
-                previous_event,
             )
+            prepared = self._prepare_dispatch(seq, x, handle, given, config, previous_event)
             error = None
         except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
             error = exc
@@ -473,3 +463,58 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             run, inputs, event_in, async_finish, allocate_on_comm_stream
         )
         return combined, combined_weights, event
+
+
+def _check_deep_ep_flags(
+    group: Any, low_latency_mode: bool, use_fabric: bool, enable_shrink: bool, comm: Any
+) -> None:
+    """DeepEP constructor arguments that name modes this package does not provide."""
+    if low_latency_mode:
+        raise UnsupportedError(
+            "low_latency_mode=True: uccl_ep_megatron provides only the high-throughput "
+            "(normal) mode; construct Buffer with low_latency_mode=False"
+        )
+    if use_fabric:
+        raise UnsupportedError(
+            "use_fabric=True: buffers are cudaMalloc'd and shared through CUDA IPC handles "
+            "within a node; fabric (MNNVL) memory handles are not implemented. Pass "
+            "use_fabric=False"
+        )
+    if enable_shrink:
+        raise UnsupportedError(
+            "enable_shrink=True: DeepEP's shrink mode (masking failed ranks) belongs to its "
+            "low-latency kernels, which uccl_ep_megatron does not provide; pass "
+            "enable_shrink=False"
+        )
+    if comm is not None and group is None:
+        raise UnsupportedError(
+            "comm (an mpi4py communicator) without a group: uccl_ep_megatron runs every "
+            "collective over torch.distributed; pass group= (e.g. the EP process group)"
+        )
+
+
+_BACKENDS = ("auto", "kernels", "reference")
+
+
+def resolve_options(options: BufferOptions | None, backend: str | None) -> BufferOptions:
+    """``options`` (``None``: all defaults) with the ``backend`` argument, every field resolved
+    from the environment registry where it was left ``None``."""
+    if options is None:
+        options = BufferOptions()
+    elif not isinstance(options, BufferOptions):
+        raise InvalidInputError(
+            f"options={options!r}: pass a uccl_ep_megatron.BufferOptions (or None)"
+        )
+    if backend is not None:
+        if backend not in _BACKENDS:
+            raise InvalidInputError(
+                f"backend={backend!r} is unknown; use 'auto', 'kernels' or 'reference' "
+                "(argument `backend=`, BufferOptions.backend or env UCCL_EP_BACKEND)"
+            )
+        if options.backend not in (None, backend):
+            raise InvalidInputError(
+                f"backend={backend!r} and BufferOptions(backend={options.backend!r}) disagree: "
+                "pass one of them"
+            )
+        options = dataclasses.replace(options, backend=backend)
+    return options.resolved()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from uccl_ep_megatron.api.validation import (
+    DispatchInputs,
     XType,
     cached_args,
     check_dtype,
@@ -62,14 +63,7 @@ class CallAgreement:
         seq: int,
         x: XType,
         handle: DispatchHandle | None,
-        num_tokens_per_rank: torch.Tensor | None,
-        num_tokens_per_rdma_rank: torch.Tensor | None,
-        is_token_in_rank: torch.Tensor | None,
-        num_tokens_per_expert: torch.Tensor | None,
-        topk_idx: torch.Tensor | None,
-        topk_weights: torch.Tensor | None,
-        expert_alignment: int,
-        num_worst_tokens: int,
+        given: DispatchInputs,
         config: Config | None,
         previous_event: EventOverlap | None,
     ) -> _Prepared:
@@ -79,23 +73,11 @@ class CallAgreement:
         checks = None
         key: Any = None
         backend = self._backend
-        # Everything but x, in the order checked_key, _dispatch_args and dispatch_args take it.
-        given = (
-            num_tokens_per_rank,
-            num_tokens_per_rdma_rank,
-            is_token_in_rank,
-            num_tokens_per_expert,
-            topk_idx,
-            topk_weights,
-            expert_alignment,
-            num_worst_tokens,
-            config,
-        )
         if not backend.agrees_per_call and (handle is not None or backend.defers_id_check):
             # The checks read only what the key holds: arguments that match a key that passed
             # once pass again (see checked_key), so they are built without running them. A
             # cached dispatch's handle is checked on every call (below).
-            key = checked_key(x, *given)
+            key = checked_key(x, given, config)
             if key is not None and handle is not None:
                 key = ("cached", key)
         check_ids = self._checked.get(key) if key is not None else None
@@ -109,20 +91,20 @@ class CallAgreement:
                     and handle.owner == self.uid
                     and x_data.shape[0] == handle.is_token_in_rank.shape[0]
                 ):
-                    args = cached_args(x_data, x_scales, handle, expert_alignment, config)
+                    args = cached_args(x_data, x_scales, handle, given.expert_alignment, config)
                     return self._prepared(seq, args, handle, None)
                 key = None  # the full checks below raise what is wrong with the handle
         if check_ids is not None and key is not None:
-            args = dispatch_args(x_data, x_scales, *given, check_ids)
+            args = dispatch_args(x_data, x_scales, given, config, check_ids)
             return self._prepared(seq, args, None, None)
         x_data, x_scales = self._split_x(x)
         num_tokens, hidden = x_data.shape
         self._check_buffer_size(x_data, hidden, config)
-        self._check_int("expert_alignment", expert_alignment, minimum=1)
-        self._check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        self._check_int("expert_alignment", given.expert_alignment, minimum=1)
+        self._check_int("num_worst_tokens", given.num_worst_tokens, minimum=0)
         if handle is not None:
             self._check_handle(handle)
-            if topk_idx is not None or topk_weights is not None:
+            if given.topk_idx is not None or given.topk_weights is not None:
                 raise InvalidInputError(
                     "cached dispatch (handle given) takes no topk_idx/topk_weights: the layout "
                     "comes from the handle; drop them or dispatch without a handle"
@@ -132,10 +114,10 @@ class CallAgreement:
                     f"cached dispatch: x has {num_tokens} tokens but the handle was made for "
                     f"{handle.is_token_in_rank.shape[0]}"
                 )
-            args = cached_args(x_data, x_scales, handle, expert_alignment, config)
+            args = cached_args(x_data, x_scales, handle, given.expert_alignment, config)
         else:
-            check_ids, checks = self._dispatch_args(x_data, x_scales, *given)
-            args = dispatch_args(x_data, x_scales, *given, check_ids)
+            check_ids, checks = self._dispatch_args(x_data, x_scales, given)
+            args = dispatch_args(x_data, x_scales, given, config, check_ids)
         if key is not None:
             self._remember(key, args.check_ids)
         return self._prepared(seq, args, handle, checks)

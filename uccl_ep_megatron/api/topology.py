@@ -45,12 +45,15 @@ def group_device(
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def detect_placement(group: dist.ProcessGroup, device: torch.device) -> tuple[int, int]:
+def detect_placement(
+    group: dist.ProcessGroup, device: torch.device, requested: int | None = None
+) -> tuple[int, int]:
     """Ranks per (virtual) node, checked against where the ranks really run, and how many
     ranks of the group share this rank's GPU (1 unless ranks share GPUs under MPS).
 
-    Ranks per node: ``UCCL_EP_RANKS_PER_NODE`` (virtual nodes) or ``LOCAL_WORLD_SIZE`` when
-    set, else the count of ranks sharing rank 0's host. Nodes must be runs of consecutive ranks.
+    Ranks per node: ``requested`` (``BufferOptions.ranks_per_node``; None:
+    ``UCCL_EP_RANKS_PER_NODE``) for virtual nodes, or ``LOCAL_WORLD_SIZE`` when set, else the
+    count of ranks sharing rank 0's host. Nodes must be runs of consecutive ranks.
     """
     size = dist.get_world_size(group)
     gpu = None
@@ -67,11 +70,12 @@ def detect_placement(group: dist.ProcessGroup, device: torch.device) -> tuple[in
             f"ranks of one host are not consecutive in the group ({hosts}); launch with ranks "
             "grouped by node (torchrun does this)"
         )
-    from_env = env_ranks_per_node(size)
+    from_env = env_ranks_per_node(size, requested)
     if from_env is not None:
         if host_nodes % from_env:
             raise InvalidInputError(
-                f"UCCL_EP_RANKS_PER_NODE/LOCAL_WORLD_SIZE={from_env} makes a node span two hosts "
+                f"ranks_per_node={from_env} (BufferOptions.ranks_per_node, UCCL_EP_RANKS_PER_NODE "
+                f"or LOCAL_WORLD_SIZE) makes a node span two hosts "
                 f"(each host has {host_nodes} consecutive ranks); use a divisor of that"
             )
         return from_env, sharers

@@ -7,7 +7,7 @@ group, device, sizes and backend, set up by ``Buffer.__init__``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,13 +19,34 @@ from uccl_ep_megatron.backends.base import (
     check_expert_ids,
     routing_check,
 )
-from uccl_ep_megatron.core.config import MAX_TOPK, Config
+from uccl_ep_megatron.core.config import (
+    MAX_TOPK,
+    Config,
+    default_combine_config,
+    default_dispatch_config,
+)
 from uccl_ep_megatron.core.errors import BufferTooSmallError, InvalidInputError, UcclEpError
 from uccl_ep_megatron.core.events import EventOverlap
 
 _TOPK_DTYPES = (torch.int64, torch.int32)
 
 XType = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+class DispatchInputs(NamedTuple):
+    """The arguments of ``Buffer.dispatch`` that describe the routing, in its order: the one
+    list the checks (``ArgumentChecks._dispatch_args``, ``checked_key``) and ``dispatch_args``
+    take, with ``x``, the handle and the checked ``Config`` beside it. ``None`` where a
+    cached dispatch takes the handle's layout."""
+
+    num_tokens_per_rank: torch.Tensor | None
+    num_tokens_per_rdma_rank: torch.Tensor | None
+    is_token_in_rank: torch.Tensor | None
+    num_tokens_per_expert: torch.Tensor | None
+    topk_idx: torch.Tensor | None
+    topk_weights: torch.Tensor | None
+    expert_alignment: int
+    num_worst_tokens: int
 
 
 class ArgumentChecks:
@@ -81,11 +102,10 @@ class ArgumentChecks:
             key = (op, self.num_sms)  # Buffer.set_num_sms changes the defaults
             config = self._default_configs.get(key)
             if config is None:
-                config = (
-                    self.get_dispatch_config(self.group_size)
-                    if op == "dispatch"
-                    else self.get_combine_config(self.group_size)
-                )
+                # By this group's nodes (which BufferOptions.ranks_per_node may set), not the
+                # environment's alone.
+                make = default_dispatch_config if op == "dispatch" else default_combine_config
+                config = make(self.group_size, self.num_sms, self.topology.ranks_per_node)
                 if self.max_num_sms is not None and config.num_sms > self.max_num_sms:
                     config = dataclasses.replace(config, num_sms=self.max_num_sms)
                 self._default_configs[key] = config
@@ -102,10 +122,11 @@ class ArgumentChecks:
 
     def _check_buffer_size(self, x: torch.Tensor, hidden: int, config: Config) -> None:
         hidden_bytes = hidden * max(x.element_size(), 2)
-        key = (hidden_bytes, config)  # the hints read the environment: checked once per key
+        key = (hidden_bytes, config)  # the hints are fixed for this group: once per key
         if key in self._sizes_ok:
             return
-        need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size)
+        node = self.topology.ranks_per_node
+        need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size, node)
         if self.num_nvl_bytes < need_nvl:
             raise BufferTooSmallError(
                 f"Buffer has num_nvl_bytes={self.num_nvl_bytes} but hidden={hidden} "
@@ -113,7 +134,7 @@ class ArgumentChecks:
                 f"num_nvl_bytes >= Config.get_nvl_buffer_size_hint({hidden_bytes}, "
                 f"{self.group_size})"
             )
-        need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size)
+        need_rdma = config.get_rdma_buffer_size_hint(hidden_bytes, self.group_size, node)
         if self.num_rdma_bytes < need_rdma:
             raise BufferTooSmallError(
                 f"Buffer has num_rdma_bytes={self.num_rdma_bytes} but hidden={hidden} needs "
@@ -193,19 +214,21 @@ class ArgumentChecks:
         self,
         x: torch.Tensor,
         x_scales: torch.Tensor | None,
-        num_tokens_per_rank: torch.Tensor | None,
-        num_tokens_per_rdma_rank: torch.Tensor | None,
-        is_token_in_rank: torch.Tensor | None,
-        num_tokens_per_expert: torch.Tensor | None,
-        topk_idx: torch.Tensor | None,
-        topk_weights: torch.Tensor | None,
-        expert_alignment: int,
-        num_worst_tokens: int,
-        config: Config,
+        given: DispatchInputs,
     ) -> tuple[bool, torch.Tensor | None]:
         """Every check of a dispatch without a handle: ``check_ids`` for its ``DispatchArgs``
         (``dispatch_args``), and the routing checks still to run on every rank
         (``routing_check``) when the backend defers them to its call-header exchange."""
+        (
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            _,
+            _,
+        ) = given
         num_tokens = x.shape[0]
         missing = [
             name
@@ -256,60 +279,59 @@ class ArgumentChecks:
                     f"topk_weights shape {tuple(topk_weights.shape)} != topk_idx shape "
                     f"{tuple(topk_idx.shape)}"
                 )
-            topk_idx = topk_idx.contiguous()
-            topk_weights = topk_weights.contiguous()
-        checks = None
-        if self._backend.agrees_per_call:
-            # The layout tensors are checked against what topk_idx implies (or, without it,
-            # against is_token_in_rank): wrong ones misdeliver rows or size outputs wrongly.
-            given = Layout(
-                num_tokens_per_rank,
-                num_tokens_per_rdma_rank,
-                num_tokens_per_expert,
-                is_token_in_rank,
-            )
-            true = None
-            if topk_idx is not None:
-                true = self._backend.get_dispatch_layout(topk_idx, num_experts)
-            checks = routing_check(given, true, topk_idx, self.topology)
-            if self._backend.defers_id_check:
-                check_ids = False  # ids and layout travel in the call header
-            else:
-                bits = int(checks[2])
-                if bits:
-                    raise InvalidInputError(describe_layout_bits(bits))
-                checks = None
-        return check_ids, checks
+        return self._routing_checks(given, num_experts, check_ids)
+
+    def _routing_checks(
+        self, given: DispatchInputs, num_experts: int, check_ids: bool
+    ) -> tuple[bool, torch.Tensor | None]:
+        """(``check_ids``, the routing checks still to run on every rank) of checked
+        arguments: a backend that agrees per call checks the layout tensors against what
+        ``topk_idx`` implies (or, without it, against ``is_token_in_rank``): wrong ones
+        misdeliver rows or size outputs wrongly."""
+        if not self._backend.agrees_per_call:
+            return check_ids, None
+        topk_idx = None if given.topk_idx is None else given.topk_idx.contiguous()
+        layout = Layout(
+            given.num_tokens_per_rank,
+            given.num_tokens_per_rdma_rank,
+            given.num_tokens_per_expert,
+            given.is_token_in_rank,
+        )
+        true = None
+        if topk_idx is not None:
+            true = self._backend.get_dispatch_layout(topk_idx, num_experts)
+        checks = routing_check(layout, true, topk_idx, self.topology)
+        if self._backend.defers_id_check:
+            return False, checks  # ids and layout travel in the call header
+        bits = int(checks[2])
+        if bits:
+            raise InvalidInputError(describe_layout_bits(bits))
+        return check_ids, None
 
 
 def dispatch_args(
     x: torch.Tensor,
     x_scales: torch.Tensor | None,
-    num_tokens_per_rank: torch.Tensor,
-    num_tokens_per_rdma_rank: torch.Tensor | None,
-    is_token_in_rank: torch.Tensor,
-    num_tokens_per_expert: torch.Tensor,
-    topk_idx: torch.Tensor | None,
-    topk_weights: torch.Tensor | None,
-    expert_alignment: int,
-    num_worst_tokens: int,
+    given: DispatchInputs,
     config: Config,
     check_ids: bool,
 ) -> DispatchArgs:
     """The ``DispatchArgs`` of checked arguments (ids, weights and the token mask made
     contiguous; ``x`` and its scales are already)."""
+    topk_idx, topk_weights = given.topk_idx, given.topk_weights
+    num_tokens_per_expert = given.num_tokens_per_expert
     return DispatchArgs(
         x=x,
         x_scales=x_scales,
         topk_idx=None if topk_idx is None else topk_idx.contiguous(),
         topk_weights=None if topk_weights is None else topk_weights.contiguous(),
-        is_token_in_rank=is_token_in_rank.contiguous(),
-        num_tokens_per_rank=num_tokens_per_rank,
-        num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+        is_token_in_rank=given.is_token_in_rank.contiguous(),
+        num_tokens_per_rank=given.num_tokens_per_rank,
+        num_tokens_per_rdma_rank=given.num_tokens_per_rdma_rank,
         num_tokens_per_expert=num_tokens_per_expert,
         num_experts=num_tokens_per_expert.shape[0],
-        expert_alignment=expert_alignment,
-        num_worst_tokens=num_worst_tokens,
+        expert_alignment=given.expert_alignment,
+        num_worst_tokens=given.num_worst_tokens,
         config=config,
         cached=None,
         check_ids=check_ids,
@@ -349,24 +371,14 @@ def _meta(t: Any) -> Any:
     return type(t)
 
 
-def checked_key(
-    x: Any,
-    num_tokens_per_rank: Any,
-    num_tokens_per_rdma_rank: Any,
-    is_token_in_rank: Any,
-    num_tokens_per_expert: Any,
-    topk_idx: Any,
-    topk_weights: Any,
-    expert_alignment: Any,
-    num_worst_tokens: Any,
-    config: Config,
-) -> tuple[Any, ...] | None:
+def checked_key(x: Any, given: DispatchInputs, config: Config) -> tuple[Any, ...] | None:
     """Everything the checks of a dispatch without a handle read (``_split_x``,
     ``_check_buffer_size``, ``_dispatch_args`` of a backend that defers its id and routing
     checks), or None for arguments no key covers. Two calls with one key pass or fail the
     same checks; a Buffer keeps the keys that passed and skips the checks for them (tens of
     microseconds of host time per call under MPS). ``config`` is a checked ``Config``."""
-    if type(expert_alignment) is not int or type(num_worst_tokens) is not int:
+    per_rank, per_rdma, in_rank, per_expert, idx, weights, alignment, worst = given
+    if type(alignment) is not int or type(worst) is not int:
         return None
     if isinstance(x, tuple | list):
         if len(x) != 2:
@@ -376,14 +388,14 @@ def checked_key(
         xk = _meta(x)
     return (
         xk,
-        _meta(num_tokens_per_rank),
-        _meta(num_tokens_per_rdma_rank),
-        _meta(is_token_in_rank),
-        _meta(num_tokens_per_expert),
-        _meta(topk_idx),
-        _meta(topk_weights),
-        expert_alignment,
-        num_worst_tokens,
+        _meta(per_rank),
+        _meta(per_rdma),
+        _meta(in_rank),
+        _meta(per_expert),
+        _meta(idx),
+        _meta(weights),
+        alignment,
+        worst,
         config,
     )
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.backends.base import Backend, Topology
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.options import BufferOptions
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,14 @@ def create_backend(
     device: torch.device,
     num_nvl_bytes: int,
     num_rdma_bytes: int,
+    options: BufferOptions,
 ) -> Backend:
-    """Instantiate backend ``name`` (``auto``, ``kernels`` or ``reference``)."""
+    """Instantiate backend ``name`` (``auto``, ``kernels`` or ``reference``) with resolved
+    ``options`` (``BufferOptions.resolved()``)."""
     if name not in ("auto", "kernels", "reference"):
         raise InvalidInputError(
             f"backend={name!r} is unknown; use 'auto', 'kernels' or 'reference' "
-            "(argument `backend=` or env UCCL_EP_BACKEND)"
+            "(argument `backend=`, BufferOptions.backend or env UCCL_EP_BACKEND)"
         )
     if name in ("auto", "kernels"):
         reason = kernels_unsupported_reason(topology, device)
@@ -74,7 +77,7 @@ def create_backend(
             if device.type == "cuda":
                 log.warning("uccl_ep: using the reference backend because %s", reason)
             name = "reference"
-    return _load(name)(group, topology, device, num_nvl_bytes, num_rdma_bytes)
+    return _load(name)(group, topology, device, num_nvl_bytes, num_rdma_bytes, options)
 
 
 __all__ = ["BACKENDS", "Backend", "Topology", "create_backend", "kernels_unsupported_reason"]

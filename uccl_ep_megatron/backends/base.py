@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends.agreement import Agreement
-from uccl_ep_megatron.core.config import Config, effective_env
+from uccl_ep_megatron.core.config import Config
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.options import BufferOptions
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ class Backend(abc.ABC):
         device: torch.device,
         num_nvl_bytes: int,
         num_rdma_bytes: int,
+        options: BufferOptions,
     ) -> None:
         reason = self.unsupported_reason(topology, device)
         if reason is not None:
@@ -185,8 +187,10 @@ class Backend(abc.ABC):
         self.device = device
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
-        # Bound of every wait of this backend, read once (UCCL_EP_TIMEOUT_MS).
-        self.timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
+        # The Buffer's knobs, every field resolved (BufferOptions.resolved()).
+        self.options = options
+        # Bound of every wait of this backend.
+        self.timeout_ms = int(options.timeout_ms)
 
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:

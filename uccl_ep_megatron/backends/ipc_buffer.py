@@ -46,6 +46,8 @@ class IpcBuffers:
         peers: group ranks whose buffers this rank maps (itself included), in kernel order.
         keep_bytes: leading bytes (the control region) carried over by a regrow.
         extra: any picklable value all-gathered along with the handles at creation.
+        allow_grow: ``grow`` reallocates (``BufferOptions.grow_nvl_buffer``); when False it
+            raises ``BufferTooSmallError`` instead.
     """
 
     def __init__(
@@ -58,8 +60,10 @@ class IpcBuffers:
         peers: list[int],
         keep_bytes: int,
         extra: Any = None,
+        allow_grow: bool = True,
     ) -> None:
         self._c, self._group, self._rank, self._device = c, group, rank, device
+        self.allow_grow = allow_grow
         self._peers, self._keep = list(peers), int(keep_bytes)
         self.grows = 0
         with torch.cuda.device(device):
@@ -94,15 +98,13 @@ class IpcBuffers:
         """
         if all(n <= s for n, s in zip(needs, self.sizes, strict=True)):
             return False
-        from uccl_ep_megatron.core.config import effective_env
-
-        if not effective_env()["UCCL_EP_GROW_NVL_BUFFER"]:
+        if not self.allow_grow:
             worst = max(range(len(needs)), key=lambda r: needs[r] - self.sizes[r])
             raise BufferTooSmallError(
                 f"{what}: rank {worst} needs num_nvl_bytes >= {needs[worst]}, but its Buffer has "
-                f"{self.sizes[worst]} and UCCL_EP_GROW_NVL_BUFFER=0; create every Buffer with "
-                "more num_nvl_bytes (the kernels stage a whole call's rows) or set "
-                "UCCL_EP_GROW_NVL_BUFFER=1"
+                f"{self.sizes[worst]} and growing is off (BufferOptions.grow_nvl_buffer=False "
+                "or UCCL_EP_GROW_NVL_BUFFER=0); create every Buffer with more num_nvl_bytes "
+                "(the kernels stage a whole call's rows) or turn growing on"
             )
         old_size = self.sizes[self._rank]
         new_size = old_size

@@ -132,68 +132,14 @@ class ReferenceBackend(Backend):
 
     # ---- dispatch ------------------------------------------------------------------------
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        topo = self.topology
-        rank = topo.rank
-        x = args.x
-        num_tokens, hidden = x.shape
-        call = self._call
-        order = _send_order(args.is_token_in_rank)
-        send_counts = args.is_token_in_rank.sum(0, dtype=torch.int64)
-
-        if args.cached is None:
-            # The rank counts came with the call header; the per-expert counts only when the
-            # caller gets them (num_worst_tokens == 0).
-            # The rank counts came with the call header; the per-expert counts are gathered.
-            counts = torch.tensor(args.agreed.counts, dtype=torch.int64, device=x.device)
-            experts_per_rank = args.num_experts // topo.num_ranks
-            per_expert = self._all_gather_rows(
-                args.num_tokens_per_expert.to(torch.int64),
-                "the all-gather of per-expert counts",
-                call,
-            ).sum(0)
-            align = args.expert_alignment
-            local = per_expert[rank * experts_per_rank : (rank + 1) * experts_per_rank]
-            recv_tokens_per_expert = ((local + align - 1) // align * align).to(torch.int32)
-            rank_prefix_matrix = counts.cumsum(0).to(torch.int32)
-        else:
-            rank_prefix_matrix = args.cached.rank_prefix_matrix
-            recv_tokens_per_expert = None
+        rank = self.topology.rank
+        rank_prefix_matrix, recv_tokens_per_expert = self._prefix_matrix(args)
         column = rank_prefix_matrix[:, rank].to(torch.int64)
         recv_counts = torch.diff(column, prepend=column.new_zeros(1)).tolist()
         num_recv = int(column[-1].item())
-
-        pieces = [_as_bytes(x)]
-        if args.x_scales is not None:
-            pieces.append(_as_bytes(args.x_scales))
-        if args.cached is None:
-            pieces.append(_as_bytes(torch.arange(num_tokens, dtype=torch.int32, device=x.device)))
-            if args.topk_idx is not None:
-                pieces.append(_as_bytes(args.topk_idx.to(torch.int64)))
-                pieces.append(_as_bytes(args.topk_weights.to(torch.float32)))
-        widths = [p.shape[1] for p in pieces]
-        send = torch.cat(pieces, dim=1)[order] if pieces else None
-        recv = self._all_to_all(send, send_counts.tolist(), recv_counts, call)
-        cols = list(torch.split(recv, widths, dim=1))
-
-        recv_x = _from_bytes(cols.pop(0), x.dtype, hidden)
-        recv_scales = None
-        if args.x_scales is not None:
-            recv_scales = _from_bytes(cols.pop(0), torch.float32, args.x_scales.shape[1])
-        recv_topk_idx = recv_topk_weights = None
-        if args.cached is None:
-            recv_src_idx = _from_bytes(cols.pop(0), torch.int32, 1).view(-1)
-            if args.topk_idx is not None:
-                k = args.topk_idx.shape[1]
-                gid = _from_bytes(cols.pop(0), torch.int64, k)
-                weights = _from_bytes(cols.pop(0), torch.float32, k)
-                experts_per_rank = args.num_experts // topo.num_ranks
-                local = gid - rank * experts_per_rank
-                mine = (gid >= 0) & (local >= 0) & (local < experts_per_rank)
-                recv_topk_idx = torch.where(mine, local, -1).to(args.topk_idx.dtype)
-                recv_topk_weights = torch.where(mine, weights, 0.0)
-        else:
-            recv_src_idx = args.cached.recv_src_idx
-
+        recv_x, recv_scales, recv_src_idx, recv_topk_idx, recv_topk_weights = self._move_rows(
+            args, recv_counts
+        )
         num_recv_per_expert: list[int] = []
         if recv_tokens_per_expert is not None and args.num_worst_tokens == 0:
             num_recv_per_expert = recv_tokens_per_expert.tolist()
@@ -223,6 +169,63 @@ class ReferenceBackend(Backend):
             recv_count=None if args.cached is not None else column[-1:].to(torch.int32),
             recv_tokens_per_expert=recv_tokens_per_expert,
         )
+
+    def _prefix_matrix(self, args: DispatchArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rank prefix matrix [R, R] int32, aligned rows per local expert or None when
+        cached): the handle's, or from the rank counts that came with the call header and the
+        all-gathered per-expert counts."""
+        if args.cached is not None:
+            return args.cached.rank_prefix_matrix, None
+        topo = self.topology
+        counts = torch.tensor(args.agreed.counts, dtype=torch.int64, device=args.x.device)
+        experts_per_rank = args.num_experts // topo.num_ranks
+        per_expert = self._all_gather_rows(
+            args.num_tokens_per_expert.to(torch.int64),
+            "the all-gather of per-expert counts",
+            self._call,
+        ).sum(0)
+        align = args.expert_alignment
+        local = per_expert[topo.rank * experts_per_rank : (topo.rank + 1) * experts_per_rank]
+        recv_tokens_per_expert = ((local + align - 1) // align * align).to(torch.int32)
+        return counts.cumsum(0).to(torch.int32), recv_tokens_per_expert
+
+    def _move_rows(self, args: DispatchArgs, recv_counts: list[int]) -> tuple[Any, ...]:
+        """One all-to-all of every row's bytes (x, scales, and unless cached: source index,
+        global ids, weights): (recv_x, recv_scales, recv_src_idx, recv_topk_idx,
+        recv_topk_weights), the ids made local (-1 elsewhere, weight 0 there)."""
+        x = args.x
+        num_tokens, hidden = x.shape
+        cached = args.cached
+        pieces = [_as_bytes(x)]
+        if args.x_scales is not None:
+            pieces.append(_as_bytes(args.x_scales))
+        if cached is None:
+            pieces.append(_as_bytes(torch.arange(num_tokens, dtype=torch.int32, device=x.device)))
+            if args.topk_idx is not None:
+                pieces.append(_as_bytes(args.topk_idx.to(torch.int64)))
+                pieces.append(_as_bytes(args.topk_weights.to(torch.float32)))
+        widths = [p.shape[1] for p in pieces]
+        send = torch.cat(pieces, dim=1)[_send_order(args.is_token_in_rank)]
+        send_counts = args.is_token_in_rank.sum(0, dtype=torch.int64).tolist()
+        recv = self._all_to_all(send, send_counts, recv_counts, self._call)
+        cols = list(torch.split(recv, widths, dim=1))
+        recv_x = _from_bytes(cols.pop(0), x.dtype, hidden)
+        recv_scales = None
+        if args.x_scales is not None:
+            recv_scales = _from_bytes(cols.pop(0), torch.float32, args.x_scales.shape[1])
+        if cached is not None:
+            return recv_x, recv_scales, cached.recv_src_idx, None, None
+        recv_src_idx = _from_bytes(cols.pop(0), torch.int32, 1).view(-1)
+        if args.topk_idx is None:
+            return recv_x, recv_scales, recv_src_idx, None, None
+        k = args.topk_idx.shape[1]
+        gid = _from_bytes(cols.pop(0), torch.int64, k)
+        weights = _from_bytes(cols.pop(0), torch.float32, k)
+        experts_per_rank = args.num_experts // self.topology.num_ranks
+        local = gid - self.topology.rank * experts_per_rank
+        mine = (gid >= 0) & (local >= 0) & (local < experts_per_rank)
+        recv_topk_idx = torch.where(mine, local, -1).to(args.topk_idx.dtype)
+        return recv_x, recv_scales, recv_src_idx, recv_topk_idx, torch.where(mine, weights, 0.0)
 
     # ---- combine -------------------------------------------------------------------------
     def combine(

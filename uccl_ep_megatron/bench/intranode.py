@@ -261,6 +261,7 @@ def _compare(ours: dict, theirs: dict) -> dict[str, Any]:
 def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.core.config import Config
+    from uccl_ep_megatron.core.options import BufferOptions
 
     shared = dist.get_backend() == "gloo"
     T, H, E, K = a["tokens"], a["hidden"], a["experts"], a["topk"]
@@ -269,34 +270,24 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
         torch.rand(T, H // 128, device="cuda") + 0.5,
     )
-    copies = {"tma": "1", "ldst": "0"}
+    copies = {"tma": True, "ldst": False}
     if a["copy"] != "both":
         copies = {a["copy"]: copies[a["copy"]]}
-    ours = {}
     # The receive arena holds the four dispatch results the bench keeps (plain, FP8, cached,
     # sync-free: each at most tokens x ranks rows, a launch-ahead block up to 1/16 and 127
-    # rows more) unless the caller set its size.
-    arena_env = "UCCL_EP_RECV_ARENA_BYTES"
-    arena_set = arena_env in os.environ
-    if not arena_set:
-        os.environ[arena_env] = str(5 * T * world * (H * x.element_size() + 256))
-    aheads = {"on": ("1",), "off": ("0",), "both": ("1", "0")}[a["launch_ahead"]]
-    saved_ahead = os.environ.get("UCCL_EP_LAUNCH_AHEAD")
-    for name, flag in copies.items():
+    # rows more) unless the caller set its size (None: UCCL_EP_RECV_ARENA_BYTES).
+    arena_bytes = None
+    if "UCCL_EP_RECV_ARENA_BYTES" not in os.environ:
+        arena_bytes = 5 * T * world * (H * x.element_size() + 256)
+    aheads = {"on": (True,), "off": (False,), "both": (True, False)}[a["launch_ahead"]]
+    ours = {}
+    for name, tma in copies.items():
         for ahead in aheads:
-            # Both read once, when the backend is created.
-            os.environ["UCCL_EP_INTRANODE_TMA"] = flag
-            os.environ["UCCL_EP_LAUNCH_AHEAD"] = ahead
-            label = name if ahead == "1" else f"{name}/w"
+            label = name if ahead else f"{name}/w"
+            opts = BufferOptions(tma=tma, launch_ahead=ahead, arena_bytes=arena_bytes)
             ours[label] = Buffer(
-                None, a["nvl_bytes"], 0, backend="kernels", explicitly_destroy=True
+                None, a["nvl_bytes"], 0, backend="kernels", explicitly_destroy=True, options=opts
             )
-    os.environ.pop("UCCL_EP_INTRANODE_TMA", None)
-    os.environ.pop("UCCL_EP_LAUNCH_AHEAD", None)
-    if saved_ahead is not None:
-        os.environ["UCCL_EP_LAUNCH_AHEAD"] = saved_ahead
-    if not arena_set:
-        os.environ.pop(arena_env)
     deep_ep = None if a["deepep"] == "off" else _import_deepep(a["deepep"] == "on")
     # Every rank must agree on whether DeepEP runs (an import may fail on one rank only).
     flags: list[Any] = [None] * world

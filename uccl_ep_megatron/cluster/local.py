@@ -262,6 +262,10 @@ def _worker(rank: int, placement: Placement, init_file: str, tasks, results, tim
     dist.destroy_process_group()
 
 
+# Bound on one RankPool.run when the caller gives none: a test case or a benchmark step.
+DEFAULT_TASK_TIMEOUT_S = 240.0
+
+
 class RankPool:
     """``world`` long-lived ranks that run functions on request.
 
@@ -275,7 +279,7 @@ class RankPool:
         world: number of ranks.
         num_gpus: GPUs to place them on (``None``: every visible GPU; 0: CPU ranks in a gloo
             group).
-        task_timeout_s: bound on one ``run`` (default ``UCCL_EP_TEST_TIMEOUT_S`` or 240 s).
+        task_timeout_s: bound on one ``run`` (default ``DEFAULT_TASK_TIMEOUT_S``).
         group_timeout_s: the process group's own timeout.
         mps_daemon: the :class:`Mps` to use when ranks share a GPU (default: the process-wide
             one).
@@ -297,9 +301,7 @@ class RankPool:
         self._closed = False
         self._procs: list[Any] = []
         self.world = world
-        self.task_timeout_s = task_timeout_s or float(
-            os.environ.get("UCCL_EP_TEST_TIMEOUT_S", "240")
-        )
+        self.task_timeout_s = task_timeout_s or DEFAULT_TASK_TIMEOUT_S
         self._mps = (mps_daemon or _MPS) if self.placement.shared else None
         self._dir = tempfile.TemporaryDirectory(prefix="uccl_ep_ranks_")
         child_env = dict(SAFE_ENV)

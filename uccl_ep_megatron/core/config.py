@@ -93,22 +93,28 @@ class Config:
     def num_channels(self) -> int:
         return self.num_sms // 2
 
-    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+    def get_nvl_buffer_size_hint(
+        self, hidden_bytes: int, num_ranks: int, node_size: int | None = None
+    ) -> int:
         """Bytes of NVLink buffer a ``Buffer`` needs for rows of ``hidden_bytes``.
 
         ``hidden_bytes`` is ``hidden * max(element_size, 2)``, as in DeepEP and Megatron.
+        ``node_size``: ranks per node of the group, when known (else ``ranks_per_node(num_ranks)``).
         """
         _check_sizes(hidden_bytes, num_ranks)
-        nvl_peers = ranks_per_node(num_ranks)
+        nvl_peers = node_size or ranks_per_node(num_ranks)
         num_nodes = num_ranks // nvl_peers
         per_peer = self.num_max_nvl_chunked_recv_tokens * _token_bytes(hidden_bytes) * num_nodes
         control = (2 * num_nodes + 4) * 4 * nvl_peers
         return _align(self.num_channels * nvl_peers * (per_peer + control) + 4 * num_ranks**2 * 4)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of RDMA buffer needed; 0 when every rank fits in one node."""
+    def get_rdma_buffer_size_hint(
+        self, hidden_bytes: int, num_ranks: int, node_size: int | None = None
+    ) -> int:
+        """Bytes of RDMA buffer needed; 0 when every rank fits in one node. ``node_size``
+        as in ``get_nvl_buffer_size_hint``."""
         _check_sizes(hidden_bytes, num_ranks)
-        num_nodes = num_ranks // ranks_per_node(num_ranks)
+        num_nodes = num_ranks // (node_size or ranks_per_node(num_ranks))
         if num_nodes <= 1:
             return 0
         per_node = self.num_max_rdma_chunked_recv_tokens * _token_bytes(hidden_bytes)
@@ -125,10 +131,18 @@ def _check_sizes(hidden_bytes: int, num_ranks: int) -> None:
         raise InvalidInputError(f"num_ranks={num_ranks}: must be positive")
 
 
-def env_ranks_per_node(num_ranks: int) -> int | None:
-    """Ranks per node from ``UCCL_EP_RANKS_PER_NODE`` or ``LOCAL_WORLD_SIZE``; ``None`` if unset."""
-    for var in ("UCCL_EP_RANKS_PER_NODE", "LOCAL_WORLD_SIZE"):
-        raw = os.environ.get(var, "").strip()
+def env_ranks_per_node(num_ranks: int, requested: int | None = None) -> int | None:
+    """Ranks per node from ``requested`` (``BufferOptions.ranks_per_node``; 0: not set), else
+    ``UCCL_EP_RANKS_PER_NODE`` (when ``requested`` is None), else ``LOCAL_WORLD_SIZE``;
+    ``None`` if none is set."""
+    sources: list[tuple[str, str]] = []
+    if requested is not None:
+        sources.append(("BufferOptions.ranks_per_node", str(requested)))
+    else:
+        sources.append(("UCCL_EP_RANKS_PER_NODE", os.environ.get("UCCL_EP_RANKS_PER_NODE", "")))
+    sources.append(("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "")))
+    for var, raw in sources:
+        raw = raw.strip()
         if raw and raw != "0":
             try:
                 value = int(raw)
@@ -143,13 +157,14 @@ def env_ranks_per_node(num_ranks: int) -> int | None:
     return None
 
 
-def ranks_per_node(num_ranks: int) -> int:
+def ranks_per_node(num_ranks: int, requested: int | None = None) -> int:
     """Ranks per (virtual) node for ``num_ranks`` ranks.
 
-    ``UCCL_EP_RANKS_PER_NODE`` wins (virtual nodes on one host), then the launcher's
-    ``LOCAL_WORLD_SIZE``, then one node of up to ``MAX_NVL_PEERS`` ranks.
+    ``requested`` (``BufferOptions.ranks_per_node``) or else ``UCCL_EP_RANKS_PER_NODE`` wins
+    (virtual nodes on one host), then the launcher's ``LOCAL_WORLD_SIZE``, then one node of up
+    to ``MAX_NVL_PEERS`` ranks.
     """
-    from_env = env_ranks_per_node(num_ranks)
+    from_env = env_ranks_per_node(num_ranks, requested)
     if from_env is not None:
         return from_env
     if num_ranks <= MAX_NVL_PEERS:
@@ -162,16 +177,17 @@ def ranks_per_node(num_ranks: int) -> int:
     return MAX_NVL_PEERS
 
 
-def default_dispatch_config(num_ranks: int, num_sms: int) -> Config:
-    """Tuned defaults by rank count (one node vs several)."""
-    if ranks_per_node(num_ranks) == num_ranks:
+def default_dispatch_config(num_ranks: int, num_sms: int, node_size: int | None = None) -> Config:
+    """Tuned defaults by rank count (one node vs several). ``node_size``: ranks per node when
+    the caller knows them (a ``Buffer``'s topology), else ``ranks_per_node(num_ranks)``."""
+    if (node_size or ranks_per_node(num_ranks)) == num_ranks:
         return Config(num_sms, 6, 256, 6, 128)
     return Config(num_sms, 16, 288, 20, 128)
 
 
-def default_combine_config(num_ranks: int, num_sms: int) -> Config:
-    """Tuned defaults by rank count (one node vs several)."""
-    if ranks_per_node(num_ranks) == num_ranks:
+def default_combine_config(num_ranks: int, num_sms: int, node_size: int | None = None) -> Config:
+    """Tuned defaults by rank count (one node vs several); ``node_size`` as above."""
+    if (node_size or ranks_per_node(num_ranks)) == num_ranks:
         return Config(num_sms, 6, 256, 6, 128)
     return Config(num_sms, 6, 288, 12, 128)
 

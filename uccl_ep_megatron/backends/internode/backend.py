@@ -45,6 +45,7 @@ from uccl_ep_megatron.core.errors import (
     UcclEpError,
     UnsupportedError,
 )
+from uccl_ep_megatron.core.options import BufferOptions
 
 # NVLink buffer: barrier flags first (kernels/common.cuh uses its first 64 bytes), staging after.
 _NVL_STAGE_OFFSET = 4096
@@ -92,8 +93,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
         device: torch.device,
         num_nvl_bytes: int,
         num_rdma_bytes: int,
+        options: BufferOptions,
     ) -> None:
-        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
+        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes, options)
         if num_rdma_bytes <= 0:
             raise InvalidInputError(
                 f"num_rdma_bytes={num_rdma_bytes}: a group of {topology.num_nodes} nodes needs an "
@@ -130,6 +132,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
             list(range(node0, node0 + topo.ranks_per_node)),
             keep_bytes=_NVL_STAGE_OFFSET,
             extra=int(num_rdma_bytes),
+            allow_grow=bool(options.grow_nvl_buffer),
         )
         # Rings are placed by this rank's formula at every peer: the smallest region bounds all.
         self._region_bytes = min(int(b) for b in self._ipc.extras)
@@ -142,6 +145,11 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 num_channels=NUM_FIFO_CHANNELS,
                 num_counters=int(c.internode.NUM_COUNTERS),
                 ranks_per_node=topo.ranks_per_node,
+                num_threads=options.num_proxy_threads,
+                timeout_ms=self.timeout_ms,
+                ordering=options.proxy_ordering,
+                transport=options.transport,
+                ipc_reorder=options.ipc_reorder,
             ),
         )
         self._ep.connect()

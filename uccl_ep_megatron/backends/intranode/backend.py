@@ -5,6 +5,7 @@ The package docstring (``backends/intranode/__init__.py``) describes the kernels
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ from uccl_ep_megatron.core.errors import (
     UcclEpError,
     UnsupportedError,
 )
+from uccl_ep_megatron.core.options import BufferOptions
 
 
 @dataclass
@@ -53,8 +55,9 @@ class _State:
     # kernels read it from the device (the handle's rank_prefix_matrix).
     prefix_host: tuple[int, ...] | None
     send_pos: torch.Tensor  # [T, R] int32: position of token t among rows sent to rank r, -1
-    # Rows of every rank's combine staging: exact, or num_worst_tokens when sync-free.
-    combine_rows: int
+    # The dispatch's _C.DispatchRows: rows received (num_worst_tokens when sync-free) and the
+    # rows of every rank's combine staging, which the combine takes back.
+    rows: Any
 
     @property
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -63,22 +66,38 @@ class _State:
 
 
 @dataclass(slots=True)
-class _Launch:
-    """What the notify and dispatch launches of one dispatch call share."""
+class _Call:
+    """What the notify and dispatch launches of one step-by-step dispatch share."""
 
     ctx: Any  # _C.IntranodeContext (replaced after a regrow)
+    launch: Any  # _C.DispatchLaunch of the call's layout (reused across calls)
     stream: int
-    x: torch.Tensor
-    scales: torch.Tensor | None
-    topk_idx: torch.Tensor | None
-    topk_weights: torch.Tensor | None
-    in_rank: torch.Tensor
+    args: DispatchArgs  # the call's tensors, read by name in _C
     info: torch.Tensor  # [rank_prefix_matrix (R*R) | aligned rows per local expert]
     send_pos: torch.Tensor
-    cached: bool
-    num_sms: int
-    experts_per_rank: int
-    num_experts: int
+
+
+# A launch-ahead call that must run again with exact sizes (see KernelsBackend.dispatch).
+_RUN_AGAIN: Any = object()
+
+
+def _kernel_args(args: DispatchArgs) -> DispatchArgs:
+    """``args`` as the kernels read them: x contiguous, the counts contiguous int32 (``args``
+    itself, without a copy or a launch, when they already are)."""
+    per_rank, per_expert = args.num_tokens_per_rank, args.num_tokens_per_expert
+    if (
+        args.x.is_contiguous()
+        and per_rank.dtype == torch.int32
+        and per_rank.is_contiguous()
+        and (per_expert is None or (per_expert.dtype == torch.int32 and per_expert.is_contiguous()))
+    ):
+        return args
+    return dataclasses.replace(
+        args,
+        x=args.x.contiguous(),
+        num_tokens_per_rank=as_int32(per_rank),
+        num_tokens_per_expert=None if per_expert is None else as_int32(per_expert),
+    )
 
 
 class KernelsBackend(Backend):
@@ -122,8 +141,9 @@ class KernelsBackend(Backend):
         device: torch.device,
         num_nvl_bytes: int,
         num_rdma_bytes: int,
+        options: BufferOptions,
     ) -> None:
-        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes)
+        super().__init__(group, topology, device, num_nvl_bytes, num_rdma_bytes, options)
         c = load_c()
         self._c = c
         self._status = 0
@@ -139,7 +159,11 @@ class KernelsBackend(Backend):
         # This rank's last device-checked call: describe_call's arguments, put in words only
         # when an error quotes them (host time).
         self._last_call: tuple[Any, ...] = ("no call", None, 0, 0)
-        self._headers: dict[tuple[Any, ...], int] = {}  # see _header
+        # Typed launch arguments, built once per layout and shape and reused (host time):
+        # _C.DispatchLaunch, _C.DispatchRows bounds, _C.CombineLaunch.
+        self._launches: dict[tuple[Any, ...], Any] = {}
+        self._bounds: dict[int, Any] = {}
+        self._combine_launches: dict[tuple[Any, ...], Any] = {}
         # The control region is always there, so barriers work even before data fits.
         nbytes = max(int(num_nvl_bytes), int(c.KERNELS_DATA_OFFSET))
         self._ipc = IpcBuffers(
@@ -150,19 +174,17 @@ class KernelsBackend(Backend):
             nbytes,
             list(range(topology.num_ranks)),
             keep_bytes=int(c.KERNELS_DATA_OFFSET),
+            allow_grow=bool(options.grow_nvl_buffer),
         )
         with torch.cuda.device(self._device_index):  # its device flag lives on this GPU
             self._status = c.host_status_alloc()
         warm_poison(c, self._status, device)
         self._ctx: Any = None  # see _context
         self._ctx_grows = -1
-        from uccl_ep_megatron.core.config import effective_env
-
-        env = effective_env()
-        self._timeout_ms = int(env["UCCL_EP_TIMEOUT_MS"])
-        self._use_tma = bool(env["UCCL_EP_INTRANODE_TMA"])
+        self._timeout_ms = self.timeout_ms
+        self._use_tma = bool(options.tma)
         # Combine reads an arena-resident x where it lies (per rank, told to peers per call).
-        self._combine_in_place = bool(env["UCCL_EP_COMBINE_IN_PLACE"])
+        self._combine_in_place = bool(options.combine_in_place)
         self._timeout_ns = self._timeout_ms * 1_000_000
         # Zero-copy receive: dispatch outputs carved from a registered arena (arena.py).
         self.recv_arena = RecvArena(
@@ -170,13 +192,13 @@ class KernelsBackend(Backend):
             group,
             topology.rank,
             self._device_index,
-            int(env["UCCL_EP_RECV_ARENA_BYTES"]),
+            int(options.arena_bytes),
             topology.num_ranks,
         )
         # Launch-ahead of exact dispatches (see dispatch): every rank must take the same path
         # in every call, so it is on only where it is on for every rank.
         flags: list[Any] = [None] * topology.num_ranks
-        dist.all_gather_object(flags, bool(env["UCCL_EP_LAUNCH_AHEAD"]), group=group)
+        dist.all_gather_object(flags, bool(options.launch_ahead), group=group)
         self._launch_ahead = all(flags)
         self._ahead_rows = 0  # the next call's bound (_note_counts): identical on every rank
         self.ahead_calls = 0  # exact dispatches served by launch-ahead
@@ -222,26 +244,19 @@ class KernelsBackend(Backend):
         grows = self._ipc.grows
         if self._ctx is None or self._ctx_grows != grows:
             self._ctx = self._c.IntranodeContext(
-                self._buffers,
-                self._buffer_bytes,
-                self.topology.rank,
-                self.topology.num_ranks,
-                self._status,
-                self._timeout_ns,
-                self._use_tma,
-                self.recv_arena.ptrs,
-                self.recv_arena.sizes,
-                self._combine_in_place,
+                buffers=self._buffers,
+                buffer_bytes=self._buffer_bytes,
+                rank=self.topology.rank,
+                num_ranks=self.topology.num_ranks,
+                status=self._status,
+                timeout_ns=self._timeout_ns,
+                use_tma=self._use_tma,
+                arenas=self.recv_arena.ptrs,
+                arena_sizes=self.recv_arena.sizes,
+                combine_in_place=self._combine_in_place,
             )
             self._ctx_grows = grows
         return self._ctx
-
-    def _header(self, *fields: Any) -> int:
-        """``pack_dispatch_header(*fields)``, packed once per distinct call shape (host time)."""
-        word = self._headers.get(fields)
-        if word is None:
-            word = self._headers[fields] = pack_dispatch_header(*fields)
-        return word
 
     def _stream(self) -> int:
         # The raw handle, without building a torch.cuda.Stream (host time).
@@ -343,226 +358,238 @@ class KernelsBackend(Backend):
         return Layout(per_rank, None, per_expert, in_rank)
 
     # ---- dispatch -----------------------------------------------------------------------
+    # Five paths, one function each: the one-call dispatch (``_one_call``: sync-free,
+    # launch-ahead or cached, rows known before notify, outputs in the receive arena), the
+    # step-by-step ones (``_staged``: the same with staged outputs, or ``_exact``: rows known
+    # only after the counts are read back), and the launch-ahead call that runs again with
+    # exact sizes (``_run_again``).
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        # The status word is read by intranode_dispatch_begin, or below on the other path.
+        # The status word is read by intranode_dispatch_begin, or by _staged.
         self._check_usable()
-        c = self._c
-        num_ranks = self.topology.num_ranks
-        x = args.x.contiguous()
-        num_tokens, hidden = x.shape
-        dev = x.device
-        dtype = x.dtype
+        args = _kernel_args(args)
+        launch = self._dispatch_launch(args)
+        x = args.x
+        kind = "cached dispatch" if args.cached is not None else "dispatch"
+        num_scales = 0 if args.x_scales is None else args.x_scales.shape[1]
+        self._last_call = (kind, x.dtype, x.shape[1], num_scales)
+        rows = self._rows_before_notify(args, launch)
+        result = None
+        if rows is not None and rows.num_recv > 0 and self.recv_arena.core is not None:
+            result = self._one_call(args, launch, rows)
+        if result is None:
+            result = self._staged(args, launch, rows)
+        if result is _RUN_AGAIN:
+            # Some rank receives more rows than the launch-ahead bound: every data kernel skipped
+            # the call, and every rank runs it again with exact sizes. The bound's block went
+            # back with the frame that held it, before the exact call takes its own.
+            return self._run_again(args, launch)
+        return result
+
+    def _dispatch_launch(self, args: DispatchArgs) -> Any:
+        """The ``_C.DispatchLaunch`` of this call's layout and shapes (built once, reused)."""
+        x, scales, idx = args.x, args.x_scales, args.topk_idx
+        key = (
+            x.dtype,
+            x.shape[1],
+            0 if scales is None else scales.shape[1],
+            0 if idx is None else idx.shape[1],
+            args.num_experts,
+            args.config.num_sms,
+            args.expert_alignment,
+            args.num_worst_tokens,
+            args.cached is not None,
+        )
+        launch = self._launches.get(key)
+        if launch is None:
+            experts_per_rank = args.num_experts // self.topology.num_ranks
+            if experts_per_rank > self._c.KERNELS_MAX_LOCAL_EXPERTS:
+                raise UnsupportedError(
+                    f"{experts_per_rank} experts per rank exceed the kernels' limit of "
+                    f"{self._c.KERNELS_MAX_LOCAL_EXPERTS}; use the reference backend"
+                )
+            if len(self._launches) >= 64:  # shapes a caller used and dropped
+                self._launches.clear()
+            # The call header every rank must agree on: read back with the counts (exact
+            # mode), judged by notify (sync-free) or compared with its barrier (cached).
+            launch = self._launches[key] = self._c.DispatchLaunch(
+                num_sms=args.config.num_sms,
+                experts_per_rank=experts_per_rank,
+                num_experts=args.num_experts,
+                header=pack_dispatch_header(*key[:5]),
+                expert_alignment=args.expert_alignment,
+                num_worst_tokens=args.num_worst_tokens,
+                cached=args.cached is not None,
+            )
+        return launch
+
+    def _rows_before_notify(self, args: DispatchArgs, launch: Any) -> Any:
+        """The ``_C.DispatchRows`` of a call whose output rows are known before notify:
+        num_worst_tokens (sync-free), the launch-ahead bound (an exact call after an earlier
+        one), a cached call's received rows (from its handle); None for an exact call without
+        a bound."""
+        worst = args.num_worst_tokens  # launch.num_worst_tokens, without a property read
         cached = args.cached
-        topk_idx = None if cached is not None else args.topk_idx
-        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-        scales = args.x_scales
-        num_scales = 0 if scales is None else scales.shape[1]
-        num_experts = 0 if cached is not None else args.num_experts
-        experts_per_rank = num_experts // num_ranks
-        if experts_per_rank > c.KERNELS_MAX_LOCAL_EXPERTS:
-            raise UnsupportedError(
-                f"{experts_per_rank} experts per rank exceed the kernels' limit of "
-                f"{c.KERNELS_MAX_LOCAL_EXPERTS}; use the reference backend"
+        if worst > 0:
+            return self._bound(worst)
+        if cached is not None:
+            if self.recv_arena.core is None:
+                return None  # only the one-call path takes them from here
+            return self._c.intranode_exact_rows(
+                cached.state.prefix_host, self.topology.rank, self.topology.num_ranks
             )
-        worst = args.num_worst_tokens
-        per_expert = None if cached is not None else as_int32(args.num_tokens_per_expert)
-        # The call header every rank must agree on: read back with the counts (exact mode),
-        # judged by notify (sync-free) or compared with its barrier (cached dispatch).
-        header = self._header(dtype, hidden, num_scales, num_topk, num_experts)
-        kind = "cached dispatch" if cached is not None else "dispatch"
-        self._last_call = (kind, dtype, hidden, num_scales)
-        ahead = self._ahead_rows if worst == 0 and cached is None else 0
-        core = self.recv_arena.core
-        rows = worst or ahead
-        own_rows = send_rows = -1
-        staging_rows = rows
-        if cached is not None and worst == 0 and core is not None:
-            # An exact cached dispatch: its sizes come from the handle's host matrix.
-            rows, staging_rows, own_rows, send_rows, _ = c.intranode_exact_rows(
-                cached.state.prefix_host, self.topology.rank, num_ranks
-            )
-        if rows > 0 and core is not None:
-            # Rows known before notify (sync-free, launch-ahead, cached): one binding call looks
-            # at the status word, the capture state and the staging size, reserves the block
-            # (outputs, send_pos, info) and launches notify and the dispatch kernel. None: take
-            # the step-by-step path below (it raises a set status word, handles a capture,
-            # grows the staging or goes staged), which decides exactly as this call would have.
-            stream = self._stream()
-            ctx = self._context()
-            weights = None if topk_idx is None else args.topk_weights
-            reserved = c.intranode_dispatch_begin(
-                ctx,
-                stream,
-                core,
-                self.caller_stream or stream,
-                x,
-                scales,
-                topk_idx,
-                weights,
-                args.is_token_in_rank,
-                as_int32(args.num_tokens_per_rank),
-                per_expert,
-                None if cached is None else cached.state.send_pos,
-                args.config.num_sms,
-                experts_per_rank,
-                args.expert_alignment,
-                num_experts,
-                rows,
-                worst > 0,
-                own_rows,
-                send_rows,
-                staging_rows,
-                header,
-            )
-            if reserved is not None and cached is not None:
-                self.one_call_dispatches += 1
-                outs = RecvOutputs(None, True, [], reserved, dtype)
-                outs.made()  # its info stays in the block, which the rows keep alive
-                return self._cached_result(cached, outs, rows)
-            if reserved is not None:
-                self.one_call_dispatches += 1
-                send_pos, info = reserved.aux()
-                launch = _Launch(
-                    ctx,
-                    stream,
-                    x,
-                    scales,
-                    topk_idx,
-                    weights,
-                    args.is_token_in_rank,
-                    info,
-                    send_pos,
-                    False,
-                    args.config.num_sms,
-                    experts_per_rank,
-                    num_experts,
-                )
-                outs = RecvOutputs(None, True, [], reserved, dtype)
-                if worst > 0:
-                    return self._dispatch_result(launch, outs.made(), [], None, worst, worst, True)
-                result = self._ahead_result(launch, outs, ahead)
-                if result is not None:
-                    return result
-                # Run again with exact sizes (notify writes send_pos and info afresh): into
-                # tensors of their own, so that the bound's block goes back now instead of
-                # living as long as the handle.
-                del send_pos, info, outs, reserved
-                launch.send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
-                launch.info = torch.empty(
-                    num_ranks * num_ranks + experts_per_rank, dtype=torch.int32, device=dev
-                )
-                self._notify(launch, args, per_expert, 0, header, None)
-                return self._exact(launch, args, None)
+        return self._bound(self._ahead_rows) if self._ahead_rows > 0 else None
+
+    def _bound(self, rows: int) -> Any:
+        """``_C.DispatchRows.of_bound(rows)``, made once per distinct bound (host time)."""
+        bound = self._bounds.get(rows)
+        if bound is None:
+            if len(self._bounds) >= 64:
+                self._bounds.clear()
+            bound = self._bounds[rows] = self._c.DispatchRows.of_bound(rows)
+        return bound
+
+    def _one_call(self, args: DispatchArgs, launch: Any, rows: Any) -> Any:
+        """Rows known before notify (sync-free, launch-ahead, cached): one binding call looks at
+        the status word, the capture state and the staging size, reserves the block (outputs,
+        send_pos, info) and launches notify and the dispatch kernel. None: take the
+        step-by-step path (it raises a set status word, handles a capture, grows the staging or
+        goes staged), which decides exactly as this call would have. ``_RUN_AGAIN``: see
+        ``dispatch``."""
+        cached = args.cached
+        stream = self._stream()
+        ctx = self._context()
+        reserved = self._c.intranode_dispatch_begin(
+            ctx,
+            launch,
+            rows,
+            stream,
+            self.caller_stream or stream,
+            self.recv_arena.core,
+            args,
+            None if cached is None else cached.state.send_pos,
+        )
+        if reserved is None:
+            return None
+        self.one_call_dispatches += 1
+        outs = RecvOutputs(None, True, [], reserved, args.x.dtype)
+        if cached is not None:
+            outs.made()  # its info stays in the block, which the rows keep alive
+            return self._cached_result(cached, outs, rows.num_recv)
+        send_pos, info = reserved.aux()
+        call = _Call(ctx, launch, stream, args, info, send_pos)
+        if args.num_worst_tokens > 0:
+            return self._dispatch_result(call, outs.made(), [], None, rows, True)
+        return self._ahead_result(call, outs, rows.num_recv)
+
+    def _staged(self, args: DispatchArgs, launch: Any, rows: Any) -> Any:
+        """The step-by-step path: notify, then the data kernel, each its own binding call, into
+        outputs made before notify when their rows are known (sync-free, launch-ahead: staged,
+        or in the arena while capturing is off) or after the counts are read (``_exact``)."""
         self._check_status()
         capturing = self._capturing()
+        worst = launch.num_worst_tokens
         if capturing and worst == 0:
             raise UnsupportedError(
                 "dispatch without num_worst_tokens reads the received counts back to the host, "
                 "which a CUDA graph cannot capture: pass num_worst_tokens > 0 (sync-free mode)"
             )
-        row_bytes = hidden * x.element_size()
-        idx_size = topk_idx.element_size() if topk_idx is not None else 8
+        c = self._c
+        x, topk_idx = args.x, args.topk_idx
+        num_scales = 0 if args.x_scales is None else args.x_scales.shape[1]
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+        row_bytes = x.shape[1] * x.element_size()
         if worst > 0:
             # Sync-free: staging for the worst case, sized from host-known values before
             # anything is launched (every rank passes the same num_worst_tokens).
+            idx_size = topk_idx.element_size() if topk_idx is not None else 8
             need = c.dispatch_staging_bytes(worst, row_bytes, num_scales, num_topk, idx_size)
             self._fit(need, f"dispatch of up to {worst} rows of {row_bytes} bytes", capturing)
-        # Launch-ahead (exact calls): outputs and staging for the bound every rank holds alike,
-        # without growing the buffer (a regrow is collective and synchronizes). Every rank must
-        # decide alike, so from what the call header makes equal: ids sized as int64.
-        if ahead > 0:
-            need = c.dispatch_staging_bytes(ahead, row_bytes, num_scales, num_topk, 8)
-            ahead = ahead if need <= self._buffer_bytes else 0
+        elif args.cached is not None:
+            rows = None  # an exact cached call: _exact takes its sizes from the handle
+        elif rows is not None:
+            # Launch-ahead: outputs and staging for the bound every rank holds alike, without
+            # growing the buffer (a regrow is collective and synchronizes). Every rank must
+            # decide alike, so from what the call header makes equal: ids sized as int64.
+            need = c.dispatch_staging_bytes(rows.num_recv, row_bytes, num_scales, num_topk, 8)
+            rows = rows if need <= self._buffer_bytes else None
         stream = self._stream()
-        # Sync-free and launch-ahead calls know their output sizes now: their outputs exist
-        # before notify, which hands their place (the receive entry) to every peer with the
-        # counts.
-        outs = entry = None
+        if rows is None:
+            call = self._new_call(args, launch, stream)
+            self._notify(call, [])
+            return self._exact(call)
+        # Outputs before notify, which hands their place (the receive entry) to every peer with
+        # the counts. The block's tensors are made after the launches (host time then overlaps
+        # the kernels instead of delaying them); a cached dispatch's at once (it reuses the
+        # handle's source indices).
+        cached = args.cached
         cached_src = None if cached is None else cached.recv_src_idx
-        if worst > 0 or ahead > 0:
-            # The block's tensors are made after the launches (host time then overlaps the
-            # kernels instead of delaying them); a cached dispatch's at once (it reuses the
-            # handle's source indices).
-            rows = worst or ahead
-            outs = self._outputs(
-                rows, x, num_scales, topk_idx, cached_src, capturing, stream, later=True
-            )
-            entry = outs.entry
+        outs = self._outputs(
+            rows.num_recv, x, num_scales, topk_idx, cached_src, capturing, stream, later=True
+        )
+        call = self._new_call(args, launch, stream)
+        self._notify(call, outs.entry)
+        # A launch-ahead data kernel goes right behind notify; it judges every rank's checks
+        # and counts itself and skips the call on every rank alike when they fail or a rank
+        # receives more than the bound. The host reads the counts while it runs.
+        self._dispatch_kernel(call, rows, outs)
+        if worst == 0:
+            return self._ahead_result(call, outs, rows.num_recv)
+        if cached is not None:
+            return self._cached_result(cached, outs, worst)
+        return self._dispatch_result(call, outs.made(), [], None, rows, outs.zero_copy)
+
+    def _run_again(self, args: DispatchArgs, launch: Any) -> DispatchResult:
+        """A launch-ahead call whose counts exceeded its bound, run again with exact sizes:
+        notify writes send_pos and info afresh, into tensors of its own."""
+        call = self._new_call(args, launch, self._stream())
+        self._notify(call, [])
+        return self._exact(call)
+
+    def _new_call(self, args: DispatchArgs, launch: Any, stream: int) -> _Call:
+        """A step-by-step call, with its send_pos (the handle's when cached) and its info
+        ``[rank_prefix_matrix (R*R) | aligned received rows per local expert]``: the handle's
+        rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it."""
+        R = self.topology.num_ranks
+        dev = args.x.device
+        cached = args.cached
         if cached is None:
-            send_pos = torch.empty(num_tokens, num_ranks, dtype=torch.int32, device=dev)
+            send_pos = torch.empty(args.x.shape[0], R, dtype=torch.int32, device=dev)
         else:
             send_pos = cached.state.send_pos
-        # [rank_prefix_matrix (R*R) | aligned received rows per local expert]: the handle's
-        # rank_prefix_matrix, recv_count and recv_tokens_per_expert are views of it.
-        nrr = num_ranks * num_ranks
-        info = torch.empty(nrr + experts_per_rank, dtype=torch.int32, device=dev)
-        launch = _Launch(
-            self._context(),
-            stream,
-            x,
-            scales,
-            topk_idx,
-            None if topk_idx is None else args.topk_weights,
-            args.is_token_in_rank,
-            info,
-            send_pos,
-            cached is not None,
-            args.config.num_sms,
-            experts_per_rank,
-            num_experts,
-        )
-        self._notify(launch, args, per_expert, worst, header, entry)
-        if ahead > 0:
-            # The data kernel goes now, right behind notify; it judges every rank's checks and
-            # counts itself and skips the call on every rank alike when they fail or a rank
-            # receives more than `ahead` rows. The host reads the counts while it runs.
-            self._launch(launch, outs, ahead, -1, -1, ahead, True, judge=True)
-            result = self._ahead_result(launch, outs, ahead)
-            if result is not None:
-                return result
-            outs = None  # the bound's block goes back before the exact call takes its own
-            self._notify(launch, args, per_expert, 0, header, None)
-            return self._exact(launch, args, None)
-        if worst > 0:
-            self._launch(launch, outs, worst, -1, -1, worst, entry is not None)
-            if cached is not None:
-                return self._cached_result(cached, outs, worst)
-            return self._dispatch_result(
-                launch, outs.made(), [], None, worst, worst, outs.zero_copy
-            )
-        return self._exact(launch, args, outs)
+        info = torch.empty(R * R + launch.experts_per_rank, dtype=torch.int32, device=dev)
+        return _Call(self._context(), launch, stream, args, info, send_pos)
 
-    def _ahead_result(self, launch: _Launch, outs: Any, ahead: int) -> DispatchResult | None:
-        """A launch-ahead call's result once the host has read its counts, or None when some
-        rank receives more than ``ahead`` rows: every rank holds the same matrix, so every data
-        kernel skipped the call and every rank runs it again with exact sizes (``_exact``,
-        after notify again)."""
+    def _ahead_result(self, call: _Call, outs: Any, bound: int) -> Any:
+        """A launch-ahead call's result once the host has read its counts, or ``_RUN_AGAIN``
+        when some rank receives more than ``bound`` rows: every rank holds the same matrix, so
+        every data kernel skipped the call and every rank runs it again."""
         c = self._c
         rank, num_ranks = self.topology.rank, self.topology.num_ranks
-        prefix_host, expert_counts = self._read_counts(launch, num_ranks * num_ranks)
-        num_recv, _, _, _, combine_rows = c.intranode_exact_rows(prefix_host, rank, num_ranks)
-        if self._note_counts(prefix_host) > ahead:
+        prefix_host, expert_counts = self._read_counts(call, num_ranks * num_ranks)
+        rows = c.intranode_exact_rows(prefix_host, rank, num_ranks)
+        if self._note_counts(prefix_host) > bound:
             self.ahead_reruns += 1
-            return None
+            return _RUN_AGAIN
         self.ahead_calls += 1
+        num_recv = rows.num_recv
         if outs.tensors is None:  # reserved: tensors of exactly the received rows
             tensors = outs.made(num_recv)
         else:  # staged (the arena was full): views of them
             tensors = tuple(None if t is None else t[:num_recv] for t in outs.tensors)
         return self._dispatch_result(
-            launch, tensors, expert_counts, prefix_host, num_recv, combine_rows, outs.zero_copy
+            call, tensors, expert_counts, prefix_host, rows, outs.zero_copy
         )
 
-    def _exact(self, launch: _Launch, args: DispatchArgs, outs: Any) -> DispatchResult:
+    def _exact(self, call: _Call) -> DispatchResult:
         """An exact-size dispatch after its notify: the counts read back (the one host sync;
         a cached dispatch has them in its handle), then outputs of exactly the received rows
-        (``outs`` when made already) and the data kernel."""
+        and the data kernel."""
         c = self._c
         rank, num_ranks = self.topology.rank, self.topology.num_ranks
+        args = call.args
         cached = args.cached
-        x = launch.x
-        num_scales = 0 if launch.scales is None else launch.scales.shape[1]
-        topk_idx = launch.topk_idx
+        x, topk_idx = args.x, args.topk_idx
+        num_scales = 0 if args.x_scales is None else args.x_scales.shape[1]
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         row_bytes = x.shape[1] * x.element_size()
         idx_size = topk_idx.element_size() if topk_idx is not None else 8
@@ -571,27 +598,23 @@ class KernelsBackend(Backend):
             prefix_host = cached.state.prefix_host
         else:
             # The one host sync (output sizes depend on it); every rank's checks ride along.
-            prefix_host, expert_counts = self._read_counts(launch, num_ranks * num_ranks)
+            prefix_host, expert_counts = self._read_counts(call, num_ranks * num_ranks)
             self._note_counts(prefix_host)
-        num_recv, staging_rows, own_rows, send_rows, combine_rows = c.intranode_exact_rows(
-            prefix_host, rank, num_ranks
-        )
+        rows = c.intranode_exact_rows(prefix_host, rank, num_ranks)
+        staging_rows = rows.staging_rows
         need = c.dispatch_staging_bytes(staging_rows, row_bytes, num_scales, num_topk, idx_size)
         # Every rank holds the same prefix matrix, so all decide the same here.
         self._fit(
             need, f"dispatch of up to {staging_rows} received rows of {row_bytes} bytes", False
         )
-        launch.ctx = self._context()  # a regrow replaced the buffers
+        call.ctx = self._context()  # a regrow replaced the buffers
         cached_src = None if cached is None else cached.recv_src_idx
-        if outs is None:
-            outs = self._outputs(
-                num_recv, x, num_scales, topk_idx, cached_src, False, launch.stream
-            )
-        self._launch(launch, outs, num_recv, own_rows, send_rows, staging_rows, False)
+        outs = self._outputs(rows.num_recv, x, num_scales, topk_idx, cached_src, False, call.stream)
+        self._dispatch_kernel(call, rows, outs)
         if cached is not None:
-            return self._cached_result(cached, outs, num_recv)
+            return self._cached_result(cached, outs, rows.num_recv)
         return self._dispatch_result(
-            launch, outs.made(), expert_counts, prefix_host, num_recv, combine_rows, outs.zero_copy
+            call, outs.made(), expert_counts, prefix_host, rows, outs.zero_copy
         )
 
     @staticmethod
@@ -611,45 +634,24 @@ class KernelsBackend(Backend):
             arena=outs.zero_copy,
         )
 
-    def _notify(
-        self,
-        launch: _Launch,
-        args: DispatchArgs,
-        per_expert: torch.Tensor | None,
-        worst: int,
-        header: int,
-        entry: list[int] | None,
-    ) -> None:
+    def _notify(self, call: _Call, entry: list[int]) -> None:
         """Notify: the count exchange and entry barrier. Exact calls read the counts and
         every rank's checks back through mapped host memory (see check_all_ranks); sync-free
         notify judges them itself and records a failure in the status word. Notify scans the
         id range itself (no extra launches); ids are checked whenever given, so
-        ``args.check_ids`` (the range is still unchecked) is always honoured."""
-        cached = launch.cached
+        ``args.check_ids`` (the range is still unchecked) is always honoured. ``entry``: the
+        receive entry of outputs made before notify ([] when there are none yet)."""
         self._c.intranode_notify_call(
-            launch.ctx,
-            launch.stream,
-            as_int32(args.num_tokens_per_rank),
-            per_expert,
-            launch.info,
-            launch.in_rank,
-            None if cached else launch.send_pos,
-            launch.topk_idx,
-            not cached and worst == 0,
-            launch.experts_per_rank,
-            args.expert_alignment,
-            worst,
-            launch.num_experts,
-            header,
-            entry or [],
+            call.ctx, call.launch, call.stream, call.args, call.info, call.send_pos, entry
         )
 
-    def _read_counts(self, launch: _Launch, nrr: int) -> tuple[tuple[int, ...], list[int]]:
+    def _read_counts(self, call: _Call, nrr: int) -> tuple[tuple[int, ...], list[int]]:
         """The readback of an exact call's notify: (host prefix matrix, aligned received rows
         per local expert), after raising any rank's bad input on every rank."""
         c = self._c
         rank = self.topology.rank
-        state, info_host = c.intranode_read_counts(launch.ctx, nrr + launch.experts_per_rank)
+        experts_per_rank = call.launch.experts_per_rank
+        state, info_host = c.intranode_read_counts(call.ctx, nrr + experts_per_rank)
         note_host_wait()
         self._check_status()
         if state == -1:  # the status words were clear: cannot happen, but never hang
@@ -660,8 +662,10 @@ class KernelsBackend(Backend):
                 f"{2 * self._timeout_ms} ms (twice UCCL_EP_TIMEOUT_MS): earlier work on "
                 "the stream is stuck; the GPU may need a process restart"
             )
-        check_all_ranks(info_host[-CHECK_WORDS * self.topology.num_ranks :], launch.num_experts)
-        return tuple(info_host[:nrr]), info_host[nrr : nrr + launch.experts_per_rank]
+        check_all_ranks(
+            info_host[-CHECK_WORDS * self.topology.num_ranks :], call.launch.num_experts
+        )
+        return tuple(info_host[:nrr]), info_host[nrr : nrr + experts_per_rank]
 
     def _note_counts(self, prefix_host: tuple[int, ...]) -> int:
         """The most rows any rank receives in this call (the prefix matrix's last row), and
@@ -673,70 +677,32 @@ class KernelsBackend(Backend):
             self._ahead_rows = (most + most // 16 + 127) // 64 * 64
         return most
 
-    def _launch(
-        self,
-        launch: _Launch,
-        outs: Any,
-        num_recv: int,
-        own_rows: int,
-        send_rows: int,
-        staging_rows: int,
-        entry_published: bool,
-        judge: bool = False,
-    ) -> None:
-        """The dispatch kernel, then (same call) the poison fold: a failure inside this call
-        is raised at the next one; until then the outputs say so. ``judge``: a launch-ahead
-        call (the kernel judges every rank's checks and counts first)."""
-        outputs = outs.tensors
-        if outputs is None:  # a reservation: its tensors are made after this launch
-            outputs = (outs.reservation, None, None, None, None)
-        recv_x, recv_scales, recv_idx, recv_w, recv_src = outputs
+    def _dispatch_kernel(self, call: _Call, rows: Any, outs: Any) -> None:
+        """The dispatch kernel, then (same binding call) the poison fold: a failure inside this
+        call is raised at the next one; until then the outputs say so. A reservation's tensors
+        are made after this launch."""
+        outputs = outs.tensors if outs.tensors is not None else outs.reservation
         self._c.intranode_dispatch_call(
-            launch.ctx,
-            launch.stream,
-            launch.x,
-            launch.scales,
-            launch.topk_idx,
-            launch.topk_weights,
-            launch.in_rank,
-            launch.info,
-            launch.send_pos,
-            recv_x,
-            recv_scales,
-            recv_idx,
-            recv_w,
-            None if launch.cached else recv_src,
-            launch.cached,
-            launch.num_sms,
-            launch.experts_per_rank,
-            num_recv,
-            own_rows,
-            send_rows,
-            staging_rows,
-            outs.zero_copy,
-            entry_published,
-            judge,
-            launch.num_experts,
+            call.ctx, call.launch, rows, call.stream, call.args, call.info, call.send_pos, outputs
         )
 
     def _dispatch_result(
         self,
-        launch: _Launch,
+        call: _Call,
         outputs: tuple[Any, ...],
         expert_counts: list[int],
         prefix_host: tuple[int, ...] | None,
-        num_recv: int,
-        combine_rows: int,
+        rows: Any,
         zero_copy: bool,
     ) -> DispatchResult:
         """A non-cached dispatch's result; the handle's matrix and counts are views of
-        notify's ``info``. ``zero_copy``: the outputs lie in the receive arena."""
+        notify's ``info``. ``rows``: the call's ``_C.DispatchRows`` (its combine's too);
+        ``zero_copy``: the outputs lie in the receive arena."""
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outputs
         R, rank = self.topology.num_ranks, self.topology.rank
         nrr = R * R
-        info = launch.info
         # One as_strided per view (slicing then viewing is two torch calls: host time).
-        view = info.as_strided
+        view = call.info.as_strided
         return DispatchResult(
             recv_x,
             recv_scales,
@@ -745,10 +711,10 @@ class KernelsBackend(Backend):
             expert_counts,
             view((R, R), (R, 1), 0),
             recv_src,
-            num_recv,
-            _State(prefix_host, launch.send_pos, combine_rows),
+            rows.num_recv,
+            _State(prefix_host, call.send_pos, rows),
             view((1,), (1,), nrr - R + rank),  # this rank's received rows: the last row's
-            view((launch.experts_per_rank,), (1,), nrr),
+            view((call.launch.experts_per_rank,), (1,), nrr),
             zero_copy,
         )
 
@@ -764,6 +730,22 @@ class KernelsBackend(Backend):
         return self.recv_arena.combine_input(
             rows, hidden, dtype, self._stream(), comm_stream or self._stream()
         )
+
+    def _combine_launch(
+        self, dtype: torch.dtype, hidden: int, num_topk: int, num_bias: int, num_sms: int
+    ) -> Any:
+        """The ``_C.CombineLaunch`` of a combine's shapes (built once, reused)."""
+        key = (dtype, hidden, num_topk, num_bias, num_sms)
+        launch = self._combine_launches.get(key)
+        if launch is None:
+            if len(self._combine_launches) >= 64:
+                self._combine_launches.clear()
+            # pack_combine_header's word: weights' columns as top-k, biases as experts.
+            header = pack_dispatch_header(dtype, hidden, 0, num_topk, num_bias)
+            launch = self._combine_launches[key] = self._c.CombineLaunch(
+                num_sms=num_sms, header=header
+            )
+        return launch
 
     def combine(
         self,
@@ -786,7 +768,7 @@ class KernelsBackend(Backend):
         x, hidden = t.x, t.x.shape[1]
         state: _State = handle.state
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-        staging_rows = state.combine_rows
+        staging_rows = state.rows.combine_rows
         row_bytes = hidden * x.element_size()
         need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
         if need > self._buffer_bytes:
@@ -796,28 +778,19 @@ class KernelsBackend(Backend):
                 f"combine of up to {staging_rows} returned rows of {row_bytes} bytes",
                 self._capturing(),
             )
-        biases = t.biases
-        num_bias = len(biases)
+        num_bias = len(t.biases)
         extra = f"topk_weights columns={num_topk}, biases={num_bias}"
         self._last_call = ("combine", x.dtype, hidden, 0, extra)
         # Rows of x to return: the received count, or its bound in sync-free mode (the kernels
-        # read the real count from the device matrix).
+        # read the real count from the device matrix): the dispatch's rows.
         done = c.intranode_combine_call(
             self._context(),
+            self._combine_launch(x.dtype, hidden, num_topk, num_bias, config.num_sms),
+            state.rows,
             self._stream(),
-            x,
-            t.weights,
-            biases[0] if num_bias > 0 else None,
-            biases[1] if num_bias > 1 else None,
-            t.out,
-            t.out_weights,
+            t,
             handle.rank_prefix_matrix,
             state.send_pos,
-            handle.num_recv_tokens,
-            staging_rows,
-            config.num_sms,
-            # pack_combine_header's word: weights' columns as top-k, biases as experts.
-            self._header(x.dtype, hidden, 0, num_topk, num_bias),
         )
         if done == c.COMBINE_STATUS_SET:  # nothing was launched
             self._check_status()
