@@ -31,12 +31,20 @@ OTHER = {
     "num_proxy_threads": (3, "3"),
     "proxy_ordering": ("sender", "sender"),
     "ipc_reorder": (True, "1"),
+    "ipc_link_gbps": (50.0, "50"),
+    "ipc_latency_us": (2.5, "2.5"),
+    "ipc_fault": ("dead_peer:rank=1,after=5", "dead_peer:rank=1,after=5"),
+    "ipc_copy_streams": (2, "2"),
 }
+# Variables the registry keeps as text that the options hold as numbers.
+NUMERIC = {f.metadata["env"] for f in dataclasses.fields(BufferOptions) if f.metadata["convert"]}
 
 
 def _parse(entry: dict[str, str]):
     """The registry's default as its declared type (an oracle apart from the C++ parser)."""
     raw = entry["default"]
+    if entry.get("name") in NUMERIC:
+        return float(raw)
     if entry["type"] == "int":
         return int(raw)
     if entry["type"] == "bool":
@@ -104,6 +112,10 @@ def test_blank_variables_take_the_registry_default(clean_env):
         ("transport", "rdma", "must be one of 'auto', 'verbs', 'ipc'"),
         ("num_proxy_threads", 65, r"must be an int in \[1, 64\]"),
         ("proxy_ordering", "fifo", "must be one of 'receiver', 'sender', 'none'"),
+        ("ipc_link_gbps", -1, "must be a finite number >= 0"),
+        ("ipc_latency_us", "3", "must be a finite number >= 0"),
+        ("ipc_fault", 5, "must be a string"),
+        ("ipc_copy_streams", 0, r"must be an int in \[1, 64\]"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(field, value, needle):
@@ -122,6 +134,7 @@ def test_bad_values_name_the_field_and_the_fix(field, value, needle):
         ("UCCL_EP_NUM_PROXY_THREADS", "0", "num_proxy_threads", r"in \[1, 64\]"),
         ("UCCL_EP_TIMEOUT_MS", "0", "timeout_ms", ">= 1"),
         ("UCCL_EP_BACKEND", "gpu", "backend", "must be one of"),
+        ("UCCL_EP_IPC_LINK_GBPS", "fast", "ipc_link_gbps", "must be a finite number"),
     ],
 )
 def test_bad_variables_name_the_variable_and_the_fix(clean_env, var, raw, field, needle):

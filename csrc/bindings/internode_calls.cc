@@ -157,16 +157,38 @@ void check_dispatch(const in::DispatchArgs& a, bool cached) {
   check_ptr(a.plan, !cached, "internode dispatch: plan");
 }
 
+// The ring shape of a launch, read by name from backends.internode's RingShape, so two of its
+// ints can never trade places.
+struct Rings {
+  int channels, slots, chunk;
+};
+py::object field(py::handle obj, const char* name) {
+  if (!py::hasattr(obj, name)) {
+    UCCL_EP_THROW(InvalidArgument, "internode call: ", std::string(py::str(py::type::of(obj).attr("__name__"))),
+                  " has no field '", name, "'");
+  }
+  return obj.attr(name);
+}
+Rings rings_of(py::handle r) {
+  return Rings{field(r, "channels").cast<int>(), field(r, "slots").cast<int>(), field(r, "chunk").cast<int>()};
+}
+
 // A dispatch: the sender/forwarder kernel, then (ranks per node > 1) the node barrier and the
 // copy of rows peers staged here, then the poison fold of the outputs. Top-k (`topk_idx`,
 // `topk_weights`, `recv_topk_*`) and FP8 scales (`x_scales`, `recv_scales`) come with their
 // outputs or not at all. A cached dispatch reuses the handle's `plan` (only its shape is
 // read) and passes `recv_src_idx` None.
-void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, int num_channels, int cap, int chunk,
-                   py::handle x_t, py::handle scales_t, py::handle idx_t, py::handle weights_t, py::handle dst_row_t,
-                   py::handle lists_t, py::handle list_count_t, py::handle plan_t, py::handle recv_rows_t,
-                   py::handle recv_prefix_t, py::handle recv_x_t, py::handle recv_scales_t, py::handle recv_idx_t,
-                   py::handle recv_w_t, py::handle recv_src_t, bool cached, int experts_per_rank) {
+void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle rings_t, py::handle t, bool cached,
+                   int experts_per_rank) {
+  const Rings rings = rings_of(rings_t);
+  const int num_channels = rings.channels, cap = rings.slots, chunk = rings.chunk;
+  const py::object x_t = field(t, "x"), scales_t = field(t, "x_scales"), idx_t = field(t, "topk_idx"),
+                   weights_t = field(t, "topk_weights"), dst_row_t = field(t, "dst_row"),
+                   lists_t = field(t, "lists"), list_count_t = field(t, "list_count"), plan_t = field(t, "plan"),
+                   recv_rows_t = field(t, "recv_rows"), recv_prefix_t = field(t, "recv_prefix"),
+                   recv_x_t = field(t, "recv_x"), recv_scales_t = field(t, "recv_x_scales"),
+                   recv_idx_t = field(t, "recv_topk_idx"), recv_w_t = field(t, "recv_topk_weights"),
+                   recv_src_t = field(t, "recv_src_idx");
   c.check("dispatch");
   const int64_t R = c.base.num_ranks, L = c.base.ranks_per_node, N = c.num_nodes();
   const intptr_t verdict = verdict_of(verdict_t, "internode dispatch: verdict");
@@ -257,11 +279,14 @@ void check_combine(const in::CombineArgs& a) {
 // bound num_worst_tokens (the kernels read the real count from `recv_count` on the device).
 // The tables come from the dispatch's handle (`plan`, `src_tokens`, `dst_row`, `recv_count`)
 // and from this call's streams (`lists`, `list_count` of the forwarded tokens, `stream_cum`).
-void combine_call(Context& c, intptr_t stream, py::handle verdict_t, int num_channels, int cap, int chunk,
-                  py::handle x_t, py::handle weights_t, py::handle bias0_t, py::handle bias1_t, py::handle out_t,
-                  py::handle out_w_t, py::handle recv_count_t, py::handle plan_t, py::handle lists_t,
-                  py::handle list_count_t, py::handle src_tokens_t, py::handle dst_row_t, py::handle stream_cum_t,
-                  int num_recv) {
+void combine_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle rings_t, py::handle t, int num_recv) {
+  const Rings rings = rings_of(rings_t);
+  const int num_channels = rings.channels, cap = rings.slots, chunk = rings.chunk;
+  const py::object x_t = field(t, "x"), weights_t = field(t, "topk_weights"), bias0_t = field(t, "bias0"),
+                   bias1_t = field(t, "bias1"), out_t = field(t, "out"), out_w_t = field(t, "out_weights"),
+                   recv_count_t = field(t, "recv_count"), plan_t = field(t, "plan"), lists_t = field(t, "lists"),
+                   list_count_t = field(t, "list_count"), src_tokens_t = field(t, "src_tokens"),
+                   dst_row_t = field(t, "dst_row"), stream_cum_t = field(t, "stream_cum");
   c.check("combine");
   const int64_t R = c.base.num_ranks, L = c.base.ranks_per_node, N = c.num_nodes();
   const intptr_t verdict = verdict_of(verdict_t, "internode combine: verdict");
@@ -331,18 +356,15 @@ void bind_internode_calls(py::module_& s) {
            py::arg("timeout_ns"), py::arg("barrier_seq") = 0)
       .def_readonly("barrier_seq", &Context::barrier_seq)
       .def_property_readonly("nvl", [](const Context& c) { return c.base.nvl; });
-  // Positional only (no keyword matching per call): argument order as in the C++ functions.
+  // Positional (no keyword matching per call); the tensors and the ring shape are read by name.
   s.def("dispatch_call", &dispatch_call,
-        "dispatch(ctx, stream, verdict|None, num_channels, cap, chunk, x, x_scales|None, topk_idx|None, "
-        "topk_weights|None, dst_row, lists, list_count, plan, recv_rows, recv_prefix, recv_x, recv_scales|None, "
-        "recv_topk_idx|None, recv_topk_weights|None, recv_src_idx|None (cached), cached, experts_per_rank): the "
+        "dispatch(ctx, stream, verdict|None, rings, tensors, cached, experts_per_rank): rings is a RingShape "
+        "(channels, slots, chunk), tensors an InternodeDispatchTensors (backends/internode/launch.py); the "
         "dispatch kernels and the poison fold of their outputs (NaN rows, -1 ids and sources, 0 weights when a "
         "wait timed out).");
   s.def("combine_call", &combine_call,
-        "combine(ctx, stream, verdict|None, num_channels, cap, chunk, x, topk_weights|None, bias0|None, "
-        "bias1|None, out, out_weights|None, recv_count, plan, lists, list_count, src_tokens, dst_row, "
-        "stream_cum, num_recv): the combine kernels and the poison fold of the outputs (NaN when a wait "
-        "timed out).");
+        "combine(ctx, stream, verdict|None, rings, tensors, num_recv): tensors an InternodeCombineTensors; the "
+        "combine kernels and the poison fold of the outputs (NaN when a wait timed out).");
 #endif
 }
 

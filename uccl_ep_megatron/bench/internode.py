@@ -187,11 +187,6 @@ def cpu_seconds(prefix: str) -> float:
     return total / tick
 
 
-def _set_env(**values: Any) -> None:
-    for k, v in values.items():
-        os.environ[k] = str(v)
-
-
 def _time(fn, iters: int, warmup: int) -> list[float]:
     """Device µs of each call after ``warmup`` untimed ones; ranks start each call together."""
     for _ in range(warmup):
@@ -243,13 +238,13 @@ def _ops(buf, a: dict, x, x_fp8, layout, idx, w, cfgs) -> tuple[dict, dict]:
     return ops, state
 
 
-def _configs(world: int, a: dict, chunk: int):
-    """The library's internode dispatch and combine configs at ``a``'s SM budget, with the
-    chunk sizes and ring capacity the flags override."""
-    from uccl_ep_megatron.api.buffer import Buffer
+def _configs(world: int, local: int, a: dict, chunk: int):
+    """The library's dispatch and combine configs for ``world`` ranks in nodes of ``local`` at
+    ``a``'s SM budget, with the chunk sizes and ring capacity the flags override."""
+    from uccl_ep_megatron.core.config import default_combine_config, default_dispatch_config
 
-    d = {"num_sms": a["sms"]}
-    c = {"num_sms": a["sms"]}
+    d: dict[str, int] = {}
+    c: dict[str, int] = {}
     if chunk:
         d["num_max_rdma_chunked_send_tokens"] = chunk
     if a["combine_chunk"]:
@@ -257,8 +252,8 @@ def _configs(world: int, a: dict, chunk: int):
     if a["ring"]:
         d["num_max_rdma_chunked_recv_tokens"] = c["num_max_rdma_chunked_recv_tokens"] = a["ring"]
     return (
-        dataclasses.replace(Buffer.get_dispatch_config(world), **d),
-        dataclasses.replace(Buffer.get_combine_config(world), **c),
+        dataclasses.replace(default_dispatch_config(world, a["sms"], local), **d),
+        dataclasses.replace(default_combine_config(world, a["sms"], local), **c),
     )
 
 
@@ -316,12 +311,8 @@ def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
 
 def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
     from uccl_ep_megatron.api.buffer import Buffer
+    from uccl_ep_megatron.core.options import BufferOptions
 
-    _set_env(
-        UCCL_EP_RANKS_PER_NODE=local,
-        UCCL_EP_TRANSPORT="ipc",
-        UCCL_EP_IPC_REORDER=int(a["reorder"]),
-    )
     E, T, H = a["experts"], a["tokens"], a["hidden"]
     idx, w, x = routed_inputs(a, rank)
     x_fp8 = (
@@ -330,11 +321,17 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
     )
     rows = []
     for link, lat, nt, chunk in itertools.product(links, lats, threads, chunks):
-        _set_env(
-            UCCL_EP_NUM_PROXY_THREADS=nt, UCCL_EP_IPC_LINK_GBPS=link, UCCL_EP_IPC_LATENCY_US=lat
+        options = BufferOptions(
+            backend="kernels",
+            ranks_per_node=local,
+            transport="ipc",
+            ipc_reorder=bool(a["reorder"]),
+            num_proxy_threads=nt,
+            ipc_link_gbps=link,
+            ipc_latency_us=lat,
         )
-        buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], backend="kernels")
-        cfgs = _configs(world, a, chunk)
+        buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], options=options)
+        cfgs = _configs(world, local, a, chunk)
         layout = buf.get_dispatch_layout(idx, E)[:4]
         ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
         for name, fn in ops.items():
@@ -343,9 +340,7 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
                 threads=nt,
                 link_gbps=link,
                 latency_us=lat,
-                chunk=cfgs[
-                    0 if name.startswith("dispatch") else 1
-                ].num_max_rdma_chunked_send_tokens,
+                chunk=(cfgs[1] if "combine" in name else cfgs[0]).num_max_rdma_chunked_send_tokens,
                 line=(r["gbps"] / link) if link else None,
             )
             if a["profile"]:
@@ -353,16 +348,26 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
             rows.append(r)
         buf.destroy()
     if a["intranode_ref"]:
-        _set_env(UCCL_EP_RANKS_PER_NODE=world)
-        buf = Buffer(None, a["nvl_bytes"], 0, backend="kernels")
-        layout = buf.get_dispatch_layout(idx, E)[:4]
-        cfgs = (Buffer.get_dispatch_config(world), Buffer.get_combine_config(world))
-        ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
-        for name, fn in ops.items():
-            us = _slowest(_time(fn, a["iters"], a["warmup"]))
-            rows.append({"rank": rank, "op": name, "us": us, "intranode_ref": True})
-        buf.destroy()
+        rows += _intranode_reference(rank, world, a, x, x_fp8, idx, w)
     dist.barrier()
+    return rows
+
+
+def _intranode_reference(rank, world, a, x, x_fp8, idx, w) -> list[dict]:
+    """The same tokens through the intranode kernels, every rank in one node."""
+    from uccl_ep_megatron.api.buffer import Buffer
+    from uccl_ep_megatron.core.options import BufferOptions
+
+    options = BufferOptions(backend="kernels", ranks_per_node=world)
+    buf = Buffer(None, a["nvl_bytes"], 0, options=options)
+    layout = buf.get_dispatch_layout(idx, a["experts"])[:4]
+    cfgs = _configs(world, world, a, 0)
+    ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
+    rows = []
+    for name, fn in ops.items():
+        us = _slowest(_time(fn, a["iters"], a["warmup"]))
+        rows.append({"rank": rank, "op": name, "us": us, "intranode_ref": True})
+    buf.destroy()
     return rows
 
 

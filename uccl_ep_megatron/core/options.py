@@ -47,10 +47,32 @@ def _one_of(*choices: str) -> Check:
     return check
 
 
-def _knob(env: str | None, check: Check, default: Any = None) -> Any:
+def _number(value: Any) -> str | None:
+    ok = type(value) in (int, float) and 0 <= value < float("inf")
+    return None if ok else "must be a finite number >= 0 (0 = off)"
+
+
+def _as_number(value: Any) -> Any:
+    """A registry string such as "50" or "2.5" as a number (anything else is left for the
+    check to name)."""
+    try:
+        return float(value) if isinstance(value, str) else value
+    except ValueError:
+        return value
+
+
+def _text(value: Any) -> str | None:
+    return None if isinstance(value, str) else "must be a string"
+
+
+def _knob(
+    env: str | None, check: Check, default: Any = None, convert: Callable[[Any], Any] | None = None
+) -> Any:
     """A field: ``None`` by default (the environment's value, or ``default`` when the knob has
-    no variable), checked by ``check``."""
-    return field(default=None, metadata={"env": env, "check": check, "default": default})
+    no variable), checked by ``check``; ``convert`` turns the variable's text into the field's
+    type first."""
+    meta = {"env": env, "check": check, "default": default, "convert": convert}
+    return field(default=None, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -79,6 +101,12 @@ class BufferOptions:
             ``"sender"`` or ``"none"`` (``UCCL_EP_PROXY_ORDERING``).
         ipc_reorder: the ipc transport delivers out of order after random delays, as EFA SRD
             may (``UCCL_EP_IPC_REORDER``).
+        ipc_link_gbps: line rate of each rank's virtual NIC in GB/s, 0 = unthrottled
+            (``UCCL_EP_IPC_LINK_GBPS``).
+        ipc_latency_us: one-way latency of the virtual wire (``UCCL_EP_IPC_LATENCY_US``).
+        ipc_fault: faults the NIC model injects, e.g. ``"dead_peer:rank=1,after=200"``
+            (``UCCL_EP_IPC_FAULT``; the same on every rank).
+        ipc_copy_streams: copy streams of the virtual NIC (``UCCL_EP_IPC_COPY_STREAMS``).
     """
 
     backend: str | None = _knob("UCCL_EP_BACKEND", _one_of("auto", "kernels", "reference"))
@@ -95,6 +123,10 @@ class BufferOptions:
         "UCCL_EP_PROXY_ORDERING", _one_of("receiver", "sender", "none")
     )
     ipc_reorder: bool | None = _knob("UCCL_EP_IPC_REORDER", _flag)
+    ipc_link_gbps: float | None = _knob("UCCL_EP_IPC_LINK_GBPS", _number, convert=_as_number)
+    ipc_latency_us: float | None = _knob("UCCL_EP_IPC_LATENCY_US", _number, convert=_as_number)
+    ipc_fault: str | None = _knob("UCCL_EP_IPC_FAULT", _text)
+    ipc_copy_streams: int | None = _knob("UCCL_EP_IPC_COPY_STREAMS", _int_in(1, 64))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -125,6 +157,8 @@ class BufferOptions:
                 if isinstance(value, str):
                     # Blank is unset (as the shell's `VAR=` usually means).
                     value = value.strip() or registry[name]["default"]
+                if f.metadata["convert"] is not None:
+                    value = f.metadata["convert"](value)
                 problem = f.metadata["check"](value)
                 if problem is not None:
                     raise InvalidInputError(

@@ -22,6 +22,11 @@ from uccl_ep_megatron.backends.base import (
 )
 from uccl_ep_megatron.backends.internode.diagnostics import recorded_error
 from uccl_ep_megatron.backends.internode.header import CallHeaderExchange
+from uccl_ep_megatron.backends.internode.launch import (
+    InternodeCombineTensors,
+    InternodeDispatchTensors,
+    RingShape,
+)
 from uccl_ep_megatron.backends.internode.sizing import check_rings, dispatch_outputs, fit_staging
 from uccl_ep_megatron.backends.internode.tables import (
     DispatchState,
@@ -102,8 +107,6 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 "RDMA buffer; pass num_rdma_bytes >= "
                 "Config.get_rdma_buffer_size_hint(hidden_bytes, num_ranks)"
             )
-        from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint
-
         c = _c()
         self._c = c
         self._in = c.internode
@@ -136,22 +139,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         )
         # Rings are placed by this rank's formula at every peer: the smallest region bounds all.
         self._region_bytes = min(int(b) for b in self._ipc.extras)
-        self._ep = ProxyEndpoint(
-            self._region,
-            int(num_rdma_bytes),
-            device=dev_index,
-            group=group,
-            config=ProxyConfig(
-                num_channels=NUM_FIFO_CHANNELS,
-                num_counters=int(c.internode.NUM_COUNTERS),
-                ranks_per_node=topo.ranks_per_node,
-                num_threads=options.num_proxy_threads,
-                timeout_ms=self.timeout_ms,
-                ordering=options.proxy_ordering,
-                transport=options.transport,
-                ipc_reorder=options.ipc_reorder,
-            ),
-        )
+        self._ep = self._proxy_endpoint(group, dev_index, int(num_rdma_bytes), options)
         self._ep.connect()
         handles = self._ep.device_handles()
         self._fifo_handles = torch.frombuffer(bytearray(handles), dtype=torch.uint8).to(device)
@@ -168,6 +156,31 @@ class InternodeBackend(CallHeaderExchange, Backend):
         self._ctx_grows = -1
 
     # ---- helpers -----------------------------------------------------------------------
+    def _proxy_endpoint(
+        self, group: dist.ProcessGroup, dev_index: int, region_bytes: int, options: BufferOptions
+    ) -> Any:
+        """This rank's FIFO channels, counters, proxy and transport (``options`` pick the
+        transport, its threads and ordering, and the ipc NIC model's wire and faults)."""
+        from uccl_ep_megatron.proxy import ProxyConfig, ProxyEndpoint
+
+        config = ProxyConfig(
+            num_channels=NUM_FIFO_CHANNELS,
+            num_counters=int(self._in.NUM_COUNTERS),
+            ranks_per_node=self.topology.ranks_per_node,
+            num_threads=options.num_proxy_threads,
+            timeout_ms=self.timeout_ms,
+            ordering=options.proxy_ordering,
+            transport=options.transport,
+            ipc_reorder=options.ipc_reorder,
+            ipc_link_gbps=options.ipc_link_gbps,
+            ipc_latency_us=options.ipc_latency_us,
+            ipc_fault=options.ipc_fault,
+            ipc_copy_streams=options.ipc_copy_streams,
+        )
+        return ProxyEndpoint(
+            self._region, region_bytes, device=dev_index, group=group, config=config
+        )
+
     @property
     def proxy(self) -> Any:
         """This rank's ``ProxyEndpoint`` (stats, counters, transport kind)."""
@@ -221,7 +234,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
             self._ctx_grows = grows
         return self._ctx
 
-    def _rings(self, config: Config) -> tuple[int, int, int]:
+    def _rings(self, config: Config) -> RingShape:
         """The ring shape of a call's launches: (channels, slots per ring, tokens per write)."""
         if config.num_channels > self._in.MAX_CHANNELS:
             raise UnsupportedError(
@@ -229,10 +242,10 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 f"internode kernels support up to {self._in.MAX_CHANNELS} (num_sms <= "
                 f"{2 * self._in.MAX_CHANNELS})"
             )
-        return (
-            config.num_channels,
-            config.num_max_rdma_chunked_recv_tokens,
-            config.num_max_rdma_chunked_send_tokens,
+        return RingShape(
+            channels=config.num_channels,
+            slots=config.num_max_rdma_chunked_recv_tokens,
+            chunk=config.num_max_rdma_chunked_send_tokens,
         )
 
     def _fit_staging(self, rows_of_rank: tuple[int, ...], slot_bytes: int, op: str) -> None:
@@ -266,107 +279,112 @@ class InternodeBackend(CallHeaderExchange, Backend):
         per_expert = expert_counts(gathered, topo.rank, epr, args.expert_alignment)
         return self._read(per_expert, "the all-gather of per-expert counts", self._call), per_expert
 
-    def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        self.check()
-        rows, verdict = self._take_rows()
-        topo = self.topology
-        local_n = topo.ranks_per_node
-        cfg = args.config
-        x = args.x.contiguous()
-        num_tokens, hidden = x.shape
-        dev = x.device
-        row_bytes = hidden * x.element_size()
+    def _dispatch_shape(self, args: DispatchArgs, x: torch.Tensor) -> tuple[int, int, int]:
+        """Row bytes, top-k and scale columns of a dispatch, checked against the kernels'."""
+        row_bytes = x.shape[1] * x.element_size()
         if row_bytes % 16:
             raise UnsupportedError(
-                f"hidden={hidden} x {x.element_size()}-byte elements = {row_bytes} bytes per row; "
-                "the internode kernels move rows in 16-byte vectors: use a hidden size that makes "
-                "rows a multiple of 16 bytes"
+                f"hidden={x.shape[1]} x {x.element_size()}-byte elements = {row_bytes} bytes per "
+                "row; the internode kernels move rows in 16-byte vectors: use a hidden size that "
+                "makes rows a multiple of 16 bytes"
             )
-        cached = args.cached
-        topk_idx = None if cached is not None else args.topk_idx
+        topk_idx = None if args.cached is not None else args.topk_idx
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         if num_topk > self._in.MAX_TOPK:
             raise UnsupportedError(f"num_topk={num_topk} exceeds {self._in.MAX_TOPK}")
-        scales = args.x_scales
-        num_scales = 0 if scales is None else scales.shape[1]
+        num_scales = 0 if args.x_scales is None else args.x_scales.shape[1]
+        return row_bytes, num_topk, num_scales
+
+    def _dispatch_tensors(
+        self, args: DispatchArgs, x: torch.Tensor, state: DispatchState, num_scales: int
+    ) -> InternodeDispatchTensors:
+        """The launch's inputs, index tables and freshly allocated outputs."""
+        topo, cached = self.topology, args.cached
+        topk_idx = None if cached is not None else args.topk_idx
+        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         in_rank = args.is_token_in_rank.contiguous()
+        node_mask = in_rank.view(x.shape[0], topo.num_nodes, topo.ranks_per_node).any(2)
+        lists, list_count, _ = stream_tables(node_mask, args.config.num_channels)
+        pad = args.num_worst_tokens > 0
+        recv_x, recv_scales, recv_idx, recv_w = dispatch_outputs(
+            state.out_rows,
+            x,
+            num_scales,
+            None if topk_idx is None else topk_idx.dtype,
+            num_topk,
+            pad,
+        )
+        if cached is not None:
+            recv_src = None  # the handle has the sources
+        else:
+            recv_src = torch.empty(state.out_rows, dtype=torch.int32, device=x.device)
+            if pad:
+                recv_src.fill_(-1)
+        return InternodeDispatchTensors(
+            x=x,
+            x_scales=None if args.x_scales is None else args.x_scales.contiguous(),
+            topk_idx=None if topk_idx is None else topk_idx.contiguous(),
+            topk_weights=None
+            if topk_idx is None
+            else args.topk_weights.to(torch.float32).contiguous(),
+            dst_row=state.dst_row,
+            lists=lists,
+            list_count=list_count,
+            plan=state.plan,
+            recv_rows=state.recv_rows,
+            recv_prefix=state.recv_prefix,
+            recv_x=recv_x,
+            recv_x_scales=recv_scales,
+            recv_topk_idx=recv_idx,
+            recv_topk_weights=recv_w,
+            recv_src_idx=recv_src,
+        )
+
+    def dispatch(self, args: DispatchArgs) -> DispatchResult:
+        self.check()
+        rows, verdict = self._take_rows()
+        topo, cfg, cached = self.topology, args.config, args.cached
+        x = args.x.contiguous()
+        row_bytes, num_topk, num_scales = self._dispatch_shape(args, x)
         state: DispatchState = (
             cached.state
             if cached is not None
-            else dispatch_state(rows, in_rank, self.topology, args.num_worst_tokens, args.agreed)
+            else dispatch_state(
+                rows,
+                args.is_token_in_rank.contiguous(),
+                topo,
+                args.num_worst_tokens,
+                args.agreed,
+            )
         )
         expert_list: list[int] = []
         per_expert = None
         if cached is None:
             expert_list, per_expert = self._expert_counts(args)
-
-        idx_bytes = topk_idx.element_size() if topk_idx is not None else 8
-        slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, local_n)["bytes"]
-        check_rings(self._c, self._region_bytes, self.topology.num_nodes, False, cfg, slot)
+        slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, topo.ranks_per_node)["bytes"]
+        check_rings(self._c, self._region_bytes, topo.num_nodes, False, cfg, slot)
+        idx_bytes = args.topk_idx.element_size() if num_topk else 8
         stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
         self._fit_staging(state.stage_rows, stage, "dispatch")
-
-        node_mask = in_rank.view(num_tokens, topo.num_nodes, local_n).any(2)
-        lists, list_count, _ = stream_tables(node_mask, cfg.num_channels)
-
-        rows_out = state.out_rows
-        pad = args.num_worst_tokens > 0
-        recv_x, recv_scales, recv_idx, recv_w = dispatch_outputs(
-            rows_out, x, num_scales, None if topk_idx is None else topk_idx.dtype, num_topk, pad
-        )
-        topk_w = None
-        if scales is not None:
-            scales = scales.contiguous()
-        if topk_idx is not None:
-            topk_idx = topk_idx.contiguous()
-            topk_w = args.topk_weights.to(torch.float32).contiguous()
-        if cached is not None:
-            recv_src = cached.recv_src_idx
-        else:
-            recv_src = torch.empty(rows_out, dtype=torch.int32, device=dev)
-            if pad:
-                recv_src.fill_(-1)
-
+        t = self._dispatch_tensors(args, x, state, num_scales)
         # The kernels, the node barrier and staged rows (ranks per node > 1), then the poison
-        # fold of the outputs; sizes are read off the tensors in _C.
+        # fold of the outputs; sizes are read off the tensors in _C. The index tables die with
+        # this call, after the launch: the caching allocator is stream-ordered.
+        epr = args.num_experts // topo.num_ranks
         self._in.dispatch_call(
-            self._context(),
-            self._stream(),
-            verdict,
-            *self._rings(cfg),
-            x,
-            scales,
-            topk_idx,
-            topk_w,
-            state.dst_row,
-            lists,
-            list_count,
-            state.plan,
-            state.recv_rows,
-            state.recv_prefix,
-            recv_x,
-            recv_scales,
-            recv_idx,
-            recv_w,
-            None if cached is not None else recv_src,
-            cached is not None,
-            args.num_experts // topo.num_ranks,
+            self._context(), self._stream(), verdict, self._rings(cfg), t, cached is not None, epr
         )
-        if cached is None and per_expert is None and recv_idx is not None:
-            epr = args.num_experts // topo.num_ranks
-            per_expert = received_expert_counts(recv_idx, epr, args.expert_alignment)
-        # The index tables and the verdict are freed after the launch: the caching allocator
-        # is stream-ordered, so the kernels above still read them safely.
-        del lists, list_count, verdict
+        if cached is None and per_expert is None and t.recv_topk_idx is not None:
+            per_expert = received_expert_counts(t.recv_topk_idx, epr, args.expert_alignment)
         return DispatchResult(
-            recv_x=recv_x,
-            recv_x_scales=recv_scales,
-            recv_topk_idx=recv_idx,
-            recv_topk_weights=recv_w,
+            recv_x=t.recv_x,
+            recv_x_scales=t.recv_x_scales,
+            recv_topk_idx=t.recv_topk_idx,
+            recv_topk_weights=t.recv_topk_weights,
             num_recv_tokens_per_expert=expert_list,
             rank_prefix_matrix=state.rank_prefix_matrix,
-            recv_src_idx=recv_src,
-            num_recv_tokens=rows_out,
+            recv_src_idx=cached.recv_src_idx if cached is not None else t.recv_src_idx,
+            num_recv_tokens=state.out_rows,
             state=state,
             recv_count=state.recv_count,
             recv_tokens_per_expert=per_expert,
@@ -409,29 +427,24 @@ class InternodeBackend(CallHeaderExchange, Backend):
         biases = t.biases
         # Staging and a node barrier (ranks per node > 1), the kernel, a closing node barrier
         # (peers read this rank's staging until then), then the poison fold of the outputs.
-        self._in.combine_call(
-            self._context(),
-            self._stream(),
-            verdict,
-            *self._rings(config),
-            x,
-            t.weights,
-            biases[0] if len(biases) > 0 else None,
-            biases[1] if len(biases) > 1 else None,
-            t.out,
-            t.out_weights,
-            state.recv_count,
-            state.plan,
-            lists,
-            counts,
-            state.src_tokens,
-            state.dst_row,
-            cum,
-            state.out_rows,
+        tensors = InternodeCombineTensors(
+            x=x,
+            topk_weights=t.weights,
+            bias0=biases[0] if len(biases) > 0 else None,
+            bias1=biases[1] if len(biases) > 1 else None,
+            out=t.out,
+            out_weights=t.out_weights,
+            recv_count=state.recv_count,
+            plan=state.plan,
+            lists=lists,
+            list_count=counts,
+            src_tokens=state.src_tokens,
+            dst_row=state.dst_row,
+            stream_cum=cum,
         )
-        # Keep the index tables alive until the kernels ran (the caching allocator is
-        # stream-ordered, so freeing them after the launch on this stream is safe).
-        del lists, counts, cum, verdict
+        self._in.combine_call(
+            self._context(), self._stream(), verdict, self._rings(config), tensors, state.out_rows
+        )
         return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
