@@ -16,8 +16,9 @@ import torch.nn.functional as F
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 pytestmark = pytest.mark.megatron
 
-from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError  # noqa: E402
 from uccl_ep_megatron.token_dispatcher import grouped_experts as ge  # noqa: E402
+
+from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError  # noqa: E402
 
 CPU_GROUPED = ge.grouped_mm_unavailable("cpu") is None
 needs_cpu_grouped = pytest.mark.skipif(
@@ -100,7 +101,7 @@ def test_matches_sequential_mlp_with_an_empty_expert(groups, gated):
     grad = torch.randn(28, 64, generator=g).bfloat16()
     want = _run(seq, x, tpe, probs, grad)
     got = _run(grouped, x, tpe, probs, grad)
-    for name, a, b in zip(("output", "input grad", "probs grad"), want, got):
+    for name, a, b in zip(("output", "input grad", "probs grad"), want, got, strict=True):
         torch.testing.assert_close(b.float(), a.float(), rtol=2e-2, atol=2e-2, msg=name)
     for attr, stacked in (("linear_fc1", grouped.weight1), ("linear_fc2", grouped.weight2)):
         ref = torch.stack([getattr(e, attr).weight.grad for e in seq.local_experts])

@@ -255,12 +255,25 @@ def test_expert_path_choice_and_config():
     from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
     from uccl_ep_megatron.training.gpu import expert_config, expert_path, transformer_config
 
+    from uccl_ep_megatron.training.gpu.model import EXPERT_PATHS
+    from uccl_ep_megatron.training.recipe_schema import MOE_EXPERTS
+
+    assert MOE_EXPERTS == ("auto", *EXPERT_PATHS)
     name, why = expert_path()
+    assert expert_path("auto") == (name, why)
     if importlib.util.find_spec("transformer_engine") is not None:
         assert name == "TEGroupedMLP"
-    elif importlib.util.find_spec("grouped_gemm") is None:
-        assert name == "SequentialMLP" and "slowest" in why  # never silently
+    elif importlib.util.find_spec("grouped_gemm") is None and not torch.cuda.is_available():
+        # never silently: the reason names what each faster path lacks
+        assert name == "SequentialMLP" and "slowest" in why and "TorchGroupedMLP: no CUDA" in why
+    if not torch.cuda.is_available():
+        with pytest.raises(UnsupportedError, match="moe_experts TorchGroupedMLP: no CUDA GPU"):
+            expert_path("TorchGroupedMLP")
+    with pytest.raises(InvalidInputError, match="moe_experts 'FastMLP'"):
+        expert_path("FastMLP")
+    assert expert_path("SequentialMLP") == ("SequentialMLP", "chosen by the recipe (model.moe_experts)")
     assert expert_config("SequentialMLP") == {"moe_grouped_gemm": False}
+    assert expert_config("TorchGroupedMLP") == {"moe_grouped_gemm": False}
     assert expert_config("TEGroupedMLP") == {"moe_grouped_gemm": True}
     legacy = "moe_use_legacy_grouped_gemm" in {
         f.name for f in dataclasses.fields(TransformerConfig)
@@ -469,6 +482,12 @@ def main():
     batches = T.batches
     T.batches = lambda r, p, d, s, dp, dev: batches(r, p, d, s, dp, torch.device("cpu"))
     fp32 = len(sys.argv) > 4 and sys.argv[4] == "fp32"
+    if len(sys.argv) > 4 and sys.argv[4] == "grouped":
+        # The CPU stands in for the GPU here, so "does grouped_mm run?" is asked of the CPU.
+        import uccl_ep_megatron.training.gpu.model as M
+        from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
+        reasons = M._missing_reasons
+        M._missing_reasons = lambda: {**reasons(), "TorchGroupedMLP": grouped_mm_unavailable("cpu")}
     if fp32:  # exact comparisons: no bf16 rounding anywhere
         import megatron.core.transformer.module as module
         module.Float16Module = lambda config, m: m
@@ -605,3 +624,49 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
         losses[dispatcher] = [r["loss"] for r in read_jsonl(run)]
     assert len(losses["uccl_ep"]) == 2
     assert losses["uccl_ep"] == pytest.approx(losses["allgather"], rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.megatron
+def test_train_loop_picks_grouped_experts_and_checkpoints_them_on_cpu(tmp_path):
+    """Without Transformer Engine, where grouped_mm runs (the CPU standing in for the GPU), the
+    default recipe's ``moe_experts: auto`` builds TorchGroupedMLP in every MoE layer (MTP's
+    too: the parameter count matches flops.py), trains it through the uccl_ep dispatcher in
+    bf16, saves its expert-sharded weights and resumes from them; only one rank talks."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("psutil")
+    import subprocess
+    import sys
+
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
+
+    if grouped_mm_unavailable("cpu") is not None:
+        pytest.skip(f"no CPU grouped_mm: {grouped_mm_unavailable('cpu')}")
+    script = tmp_path / "train_on_cpu.py"
+    script.write_text(_TRAIN_ON_CPU)
+    run = tmp_path / "run"
+
+    def train(iters: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        proc = subprocess.run(
+            [*cmd, str(script), str(run), str(iters), "uccl_ep", "grouped"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    proc = train(2)
+    assert "experts TorchGroupedMLP" in proc.stdout and "uccl_ep (exact, BF16 dispatch)" in proc.stdout
+    assert "slowest" not in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["experts"] == "TorchGroupedMLP" and summary["dispatch_mode"] == "exact"
+    assert summary["model_params_built"] == summary["model_params_expected"]
+    assert all(abs(r["loss"] - 6.238) < 0.5 for r in read_jsonl(run))
+    # One closing table, from rank 0 (rank 1 prints nothing of its own).
+    assert proc.stdout.count("parameters: megatron-core model") == 1
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    train(3)  # resumes from the saved expert weights (EP=2: each rank loads its own experts)
+    assert [r["step"] for r in read_jsonl(run)] == [1, 2, 3]
+    assert json.loads((run / "config.json").read_text())["start_iteration"] == 2

@@ -18,6 +18,7 @@ probability in fp32, cast back, fc2. Expert tensor parallelism is not supported 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -122,13 +123,13 @@ class TorchGroupedMLP(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         self.num_local_experts = num_local_experts
-        self._check(config, pg_collection)
+        on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
+        device = torch.cuda.current_device() if on_gpu else "cpu"
+        self._check(config, pg_collection, device)
         self.ep_group = getattr(pg_collection, "ep", None)
         self.dp_group = getattr(pg_collection, "expt_dp", None)
         ffn = config.moe_ffn_hidden_size
         fc1_out = ffn * (2 if config.gated_linear_unit else 1)
-        on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
-        device = torch.cuda.current_device() if on_gpu else "cpu"
         kw = dict(dtype=config.params_dtype, device=device)
         self.weight1 = torch.nn.Parameter(
             torch.empty(num_local_experts, fc1_out, config.hidden_size, **kw)
@@ -144,8 +145,10 @@ class TorchGroupedMLP(MegatronModule):
             # Megatron's DDP reduces expert weights over the expert-data-parallel group only.
             w.allreduce = not expert_parallel
 
-    def _check(self, config: Any, pg_collection: Any) -> None:
-        why = grouped_mm_unavailable()
+    def _check(self, config: Any, pg_collection: Any, device: Any) -> None:
+        why = grouped_mm_unavailable(
+            torch.device("cuda", device) if isinstance(device, int) else device
+        )
         if why is not None:
             raise UnsupportedError(f"{NAME}: {why}; use SequentialMLP (or TEGroupedMLP with TE)")
         etp = getattr(getattr(pg_collection, "expt_tp", None), "size", lambda: 1)()
@@ -249,4 +252,54 @@ class TorchGroupedMLP(MegatronModule):
             self.weight2[i].copy_(expert.linear_fc2.weight)
 
 
-__all__ = ["NAME", "TorchGroupedMLP", "group_offsets", "grouped_mm_unavailable"]
+def experts_spec() -> Any:
+    """The ``ModuleSpec`` of the experts of an MoE layer spec: ``TorchGroupedMLP``."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=TorchGroupedMLP)
+
+
+def with_grouped_experts(submodules: Any) -> Any:
+    """``MoESubmodules`` with the experts replaced by ``TorchGroupedMLP`` (others kept)."""
+    return dataclasses.replace(submodules, experts=experts_spec())
+
+
+def _moe_submodules_holder(mlp: Any) -> tuple[Any, str] | None:
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    # A ModuleSpec up to megatron-core 0.18, a functools.partial of MoELayer from 0.19.
+    if isinstance(getattr(mlp, "submodules", None), MoESubmodules):
+        return mlp, "submodules"
+    keywords = getattr(mlp, "keywords", None)
+    if isinstance(keywords, dict) and isinstance(keywords.get("submodules"), MoESubmodules):
+        return keywords, "submodules"
+    return None
+
+
+def use_grouped_experts(block_spec: Any) -> int:
+    """Point every MoE layer of a decoder block spec (or of one layer spec) at
+    ``TorchGroupedMLP``, in place; returns the number of MoE layer specs changed."""
+    layers = getattr(block_spec, "layer_specs", None) or [block_spec]
+    changed = 0
+    for layer in layers:
+        holder = _moe_submodules_holder(getattr(getattr(layer, "submodules", None), "mlp", None))
+        if holder is None:
+            continue
+        obj, key = holder
+        if isinstance(obj, dict):
+            obj[key] = with_grouped_experts(obj[key])
+        else:
+            setattr(obj, key, with_grouped_experts(getattr(obj, key)))
+        changed += 1
+    return changed
+
+
+__all__ = [
+    "NAME",
+    "TorchGroupedMLP",
+    "experts_spec",
+    "group_offsets",
+    "grouped_mm_unavailable",
+    "use_grouped_experts",
+    "with_grouped_experts",
+]

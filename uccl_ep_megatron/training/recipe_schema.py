@@ -20,6 +20,9 @@ _STR = (str,)
 _BOOL = (bool,)
 #: The value that lets a parallelism size follow the world size.
 AUTO = "auto"
+#: ``model.moe_experts``: ``auto`` or one of ``training.gpu.model.EXPERT_PATHS`` (kept equal by
+#: a test; this module does not import megatron-core).
+MOE_EXPERTS = ("auto", "TEGroupedMLP", "TorchGroupedMLP", "GroupedMLP", "SequentialMLP")
 
 # section -> key -> (accepted types, required, allowed values or None).
 # ``None`` as a value is accepted for every optional key (YAML ``null`` = "not set").
@@ -54,6 +57,7 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[Any, ...] | Non
             ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
         ),
         "moe_aux_loss_coeff": (_NUM, False, None),
+        "moe_experts": (_STR, False, MOE_EXPERTS),
         "mtp_num_layers": (_INT, False, None),
         "mtp_loss_scaling_factor": (_NUM, False, None),
         "vocab_size": (_INT, True, None),
@@ -353,4 +357,4 @@ def check(name: str, data: dict[str, Any]) -> None:
     _check_cluster(name, data["cluster"])
 
 
-__all__ = ["AUTO", "check"]
+__all__ = ["AUTO", "MOE_EXPERTS", "check"]
