@@ -144,7 +144,9 @@ def test_bad_train_input(tmp_path, capsys):
     assert main(["train", "--iters", "0"]) == 2
     assert "--iters 0" in capsys.readouterr().err
     assert main(["train", "--compare", "--dispatcher", "alltoall"]) == 2
-    assert "drop --dispatcher alltoall" in capsys.readouterr().err
+    assert "includes the dispatcher of the run itself (alltoall)" in capsys.readouterr().err
+    assert main(["train", "--compare", "flex,nccl"]) == 2
+    assert "compare with one or more of alltoall, flex" in capsys.readouterr().err
     assert main(["train", "--peak-tflops", "0"]) == 2
     assert "--peak-tflops 0" in capsys.readouterr().err
 
