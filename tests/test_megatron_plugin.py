@@ -540,3 +540,34 @@ def test_torchrun_deep_ep_compat_runs_megatron_fused_a2a(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in results] == [0, 1] and all(r["ok"] for r in results)
     assert all(sum(r["tokens_per_expert"]) > 0 for r in results)
+
+
+# ---- grouped experts through the plugin ------------------------------------------------------
+def test_grouped_experts_flag_swaps_local_experts_only(plugin):
+    """``--moe-uccl-ep-grouped-experts`` turns the local spec's experts (SequentialMLP) into
+    TorchGroupedMLP for every MoELayer; other expert modules (Transformer Engine's) stay."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from uccl_ep_megatron.megatron_plugin.model import _with_grouped_experts
+    from uccl_ep_megatron.token_dispatcher import get_options
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import TorchGroupedMLP
+
+    spec = get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=False)
+    sub = spec.submodules if hasattr(spec, "submodules") else spec.keywords["submodules"]
+    assert _with_grouped_experts((sub, 1), {}) == ((sub, 1), {})  # off by default
+    args = _megatron_lm_014_parser().parse_args(["--moe-uccl-ep-grouped-experts"])
+    assert args.moe_uccl_ep_grouped_experts is True and get_options().grouped_experts
+    (swapped, number), _ = _with_grouped_experts((sub, 1), {})
+    assert swapped.experts.module is TorchGroupedMLP and number == 1
+    assert (
+        swapped.shared_experts is sub.shared_experts and sub.experts.module is not TorchGroupedMLP
+    )
+    _, kwargs = _with_grouped_experts((), {"submodules": sub})
+    assert kwargs["submodules"].experts.module is TorchGroupedMLP
+
+    class OtherExperts(torch.nn.Module):  # e.g. TEGroupedMLP: not ours to replace
+        pass
+
+    te_like = type(sub)(experts=ModuleSpec(module=OtherExperts), shared_experts=sub.shared_experts)
+    assert _with_grouped_experts((te_like,), {}) == ((te_like,), {})

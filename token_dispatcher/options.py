@@ -49,6 +49,10 @@ class UcclEpOptions:
         drop_log_interval: in sync-free mode, the dropped-pair counter (on the GPU) is copied
             to the host asynchronously every this many forward passes of a layer and logged
             when it grew (read at the next interval, without waiting); 0 = never.
+        grouped_experts: MoE layers built from local (non-Transformer-Engine) specs get
+            ``TorchGroupedMLP`` experts (PyTorch's grouped_mm) instead of ``SequentialMLP`` or
+            the legacy ``GroupedMLP``, whatever their dispatcher; TE's ``TEGroupedMLP`` is
+            left alone.
     """
 
     num_sms: int = 24
@@ -58,6 +62,7 @@ class UcclEpOptions:
     metrics: bool = False
     capacity_factor: float | None = None
     drop_log_interval: int = 100
+    grouped_experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int):
@@ -101,6 +106,11 @@ class UcclEpOptions:
         ):
             raise InvalidInputError(
                 f"drop_log_interval={self.drop_log_interval!r}: must be an int >= 0 (0 = never)"
+            )
+
+        if not isinstance(self.grouped_experts, bool):
+            raise InvalidInputError(
+                f"grouped_experts={self.grouped_experts!r}: must be True or False"
             )
 
     def env(self) -> dict[str, str]:

@@ -9,12 +9,15 @@
    0.16+ generate them from the ``Literal``) accepts ``uccl_ep``, and gets the dispatcher's own
    flags in the same group: ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``,
    ``--moe-uccl-ep-transport``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``,
-   ``--moe-uccl-ep-capacity-factor``, ``--moe-uccl-ep-drop-log-interval``.
+   ``--moe-uccl-ep-capacity-factor``, ``--moe-uccl-ep-drop-log-interval``,
+   ``--moe-uccl-ep-grouped-experts``.
 3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
    ``uccl_ep``. Its constructor branches on the type string and rejects unknown values, so
    for such a layer the ``flex`` branch is pointed at our class for the duration of the call.
    Every layer gets the ``BufferCache`` this install made (``buffer_cache()``), so the layers
-   share one ``Buffer`` per group.
+   share one ``Buffer`` per group. With ``--moe-uccl-ep-grouped-experts`` (option
+   ``grouped_experts``) every MoE layer whose spec holds a local expert module (no Transformer
+   Engine) builds ``TorchGroupedMLP`` (PyTorch's grouped_mm) instead, whatever its dispatcher.
    Values of the flags above found in Megatron-LM's global arguments are applied first: Primus
    (and anything else that fills Megatron's namespace without argparse) never runs the flags'
    actions. On megatron-core 0.14-0.16 without Transformer Engine, the router GEMM's missing TE
@@ -120,6 +123,7 @@ def install(
     backend: str | None = None,
     metrics: bool | None = None,
     capacity_factor: float | None = None,
+    grouped_experts: bool | None = None,
     deep_ep_compat: bool = False,
 ) -> str:
     """Make ``--moe-token-dispatcher-type uccl_ep`` work in this process.
@@ -128,8 +132,8 @@ def install(
     environment they export and the ``deep_ep`` module are as they were before the call.
 
     Args:
-        num_sms, num_proxy_threads, transport, backend, metrics, capacity_factor: dispatcher
-            options (see
+        num_sms, num_proxy_threads, transport, backend, metrics, capacity_factor,
+            grouped_experts: dispatcher options (see
             ``token_dispatcher.options.UcclEpOptions``); ``None`` keeps the current value.
             Command-line flags parsed later override them.
         deep_ep_compat: also serve ``import deep_ep`` from this package (see
@@ -153,6 +157,7 @@ def install(
             backend=backend,
             metrics=metrics,
             capacity_factor=capacity_factor,
+            grouped_experts=grouped_experts,
         ).items()
         if v is not None
     }

@@ -102,6 +102,16 @@ def _plugin_flags() -> list[tuple[str, dict[str, Any]]]:
             ),
         ),
         (
+            "--moe-uccl-ep-grouped-experts",
+            dict(
+                option="grouped_experts",
+                nargs=0,
+                help="MoE layers of local (non-Transformer-Engine) specs run their experts on "
+                "PyTorch's grouped_mm (TorchGroupedMLP, bf16) instead of SequentialMLP, with "
+                "any dispatcher.",
+            ),
+        ),
+        (
             "--moe-uccl-ep-drop-log-interval",
             dict(
                 option="drop_log_interval",
