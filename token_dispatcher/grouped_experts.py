@@ -96,15 +96,19 @@ def group_offsets(tokens_per_expert: torch.Tensor, rows: int, device: torch.devi
 
 
 def _init_weight(weight: torch.Tensor, init_method: Any, partition_dim: int, on_gpu: bool) -> None:
-    if on_gpu:
-        from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu
+    from megatron.core.tensor_parallel.layers import (
+        _initialize_affine_weight_gpu,
+        set_tensor_model_parallel_attributes,
+    )
 
+    if on_gpu:  # under the expert-parallel RNG, as megatron-core's expert weights
         _initialize_affine_weight_gpu(
             weight, init_method, partition_dim=partition_dim, is_expert=True
         )
-    else:
-        with torch.no_grad():
-            init_method(weight)
+        return
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=1)
+    with torch.no_grad():
+        init_method(weight)
 
 
 class TorchGroupedMLP(MegatronModule):
