@@ -53,6 +53,9 @@ class UcclEpOptions:
             ``TorchGroupedMLP`` experts (PyTorch's grouped_mm) instead of ``SequentialMLP`` or
             the legacy ``GroupedMLP``, whatever their dispatcher; TE's ``TEGroupedMLP`` is
             left alone.
+        fp8_dispatch: dispatch the tokens in FP8 (E4M3, one float32 scale per 128 channels,
+            as DeepSeek-V3), dequantized on arrival for the experts; combine and every
+            gradient stay in the layer's dtype (``token_dispatcher.fp8``).
     """
 
     num_sms: int = 24
@@ -63,6 +66,7 @@ class UcclEpOptions:
     capacity_factor: float | None = None
     drop_log_interval: int = 100
     grouped_experts: bool = False
+    fp8_dispatch: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int):
@@ -108,10 +112,9 @@ class UcclEpOptions:
                 f"drop_log_interval={self.drop_log_interval!r}: must be an int >= 0 (0 = never)"
             )
 
-        if not isinstance(self.grouped_experts, bool):
-            raise InvalidInputError(
-                f"grouped_experts={self.grouped_experts!r}: must be True or False"
-            )
+        for name in ("grouped_experts", "fp8_dispatch"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name}={getattr(self, name)!r}: must be True or False")
 
     def env(self) -> dict[str, str]:
         """The environment variables these options set for the C++ core (unset ones left out)."""

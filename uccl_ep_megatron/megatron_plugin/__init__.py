@@ -10,7 +10,7 @@
    flags in the same group: ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``,
    ``--moe-uccl-ep-transport``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``,
    ``--moe-uccl-ep-capacity-factor``, ``--moe-uccl-ep-drop-log-interval``,
-   ``--moe-uccl-ep-grouped-experts``.
+   ``--moe-uccl-ep-grouped-experts``, ``--moe-uccl-ep-fp8-dispatch``.
 3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
    ``uccl_ep``. Its constructor branches on the type string and rejects unknown values, so
    for such a layer the ``flex`` branch is pointed at our class for the duration of the call.
@@ -124,6 +124,7 @@ def install(
     metrics: bool | None = None,
     capacity_factor: float | None = None,
     grouped_experts: bool | None = None,
+    fp8_dispatch: bool | None = None,
     deep_ep_compat: bool = False,
 ) -> str:
     """Make ``--moe-token-dispatcher-type uccl_ep`` work in this process.
@@ -133,7 +134,7 @@ def install(
 
     Args:
         num_sms, num_proxy_threads, transport, backend, metrics, capacity_factor,
-            grouped_experts: dispatcher options (see
+            grouped_experts, fp8_dispatch: dispatcher options (see
             ``token_dispatcher.options.UcclEpOptions``); ``None`` keeps the current value.
             Command-line flags parsed later override them.
         deep_ep_compat: also serve ``import deep_ep`` from this package (see
@@ -158,6 +159,7 @@ def install(
             metrics=metrics,
             capacity_factor=capacity_factor,
             grouped_experts=grouped_experts,
+            fp8_dispatch=fp8_dispatch,
         ).items()
         if v is not None
     }

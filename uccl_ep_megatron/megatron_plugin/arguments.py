@@ -112,6 +112,15 @@ def _plugin_flags() -> list[tuple[str, dict[str, Any]]]:
             ),
         ),
         (
+            "--moe-uccl-ep-fp8-dispatch",
+            dict(
+                option="fp8_dispatch",
+                nargs=0,
+                help="uccl_ep: dispatch tokens in FP8 (E4M3, a float32 scale per 128 channels), "
+                "dequantized for the experts; combine and gradients stay bf16.",
+            ),
+        ),
+        (
             "--moe-uccl-ep-drop-log-interval",
             dict(
                 option="drop_log_interval",

@@ -108,6 +108,7 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[Any, ...] | Non
         "transport": (_STR, False, ("auto", "verbs", "ipc")),
         "max_inflight_bytes": (_INT, False, None),
         "max_inflight_normal": (_INT, False, None),
+        "fp8_dispatch": (_BOOL, False, None),
     },
     "cluster": {
         "gpu": (_STR, True, None),
@@ -325,6 +326,11 @@ def _check_dispatcher(name: str, d: dict[str, Any], m: dict[str, Any], p: dict[s
         raise InvalidInputError(
             f"recipe {name!r}: dispatcher.num_sms = {sms} must be an even number >= 2 (each "
             "channel of the kernels uses a send and a receive SM)"
+        )
+    if d.get("fp8_dispatch") and m["hidden_size"] % 128:
+        raise InvalidInputError(
+            f"recipe {name!r}: dispatcher.fp8_dispatch scales every 128 channels; "
+            f"model.hidden_size {m['hidden_size']} is not a multiple of 128"
         )
     copies = int(m.get("moe_router_topk") or 0) * int(p.get("expert_tensor_parallel_size") or 1)
     if d["type"] == "uccl_ep" and copies > MAX_TOPK:

@@ -109,6 +109,7 @@ def _install_dispatcher(dispatcher: str, recipe) -> None:
         num_sms=d.get("num_sms"),
         num_proxy_threads=d.get("proxy_threads"),
         transport=None if transport in (None, "auto") else transport,
+        fp8_dispatch=d.get("fp8_dispatch"),
     )
 
 
