@@ -273,7 +273,10 @@ def test_expert_path_choice_and_config():
             expert_path("TorchGroupedMLP")
     with pytest.raises(InvalidInputError, match="moe_experts 'FastMLP'"):
         expert_path("FastMLP")
-    assert expert_path("SequentialMLP") == ("SequentialMLP", "chosen by the recipe (model.moe_experts)")
+    assert expert_path("SequentialMLP") == (
+        "SequentialMLP",
+        "chosen by the recipe (model.moe_experts)",
+    )
     assert expert_config("SequentialMLP") == {"moe_grouped_gemm": False}
     assert expert_config("TorchGroupedMLP") == {"moe_grouped_gemm": False}
     assert expert_config("TEGroupedMLP") == {"moe_grouped_gemm": True}
@@ -483,8 +486,9 @@ def main():
     from uccl_ep_megatron.training.job import TrainOptions, load
     batches = T.batches
     T.batches = lambda r, p, d, s, dp, dev: batches(r, p, d, s, dp, torch.device("cpu"))
-    fp32 = len(sys.argv) > 4 and sys.argv[4] == "fp32"
-    if len(sys.argv) > 4 and sys.argv[4] == "grouped":
+    modes = set(sys.argv[4].split(",")) if len(sys.argv) > 4 else set()
+    fp32 = "fp32" in modes
+    if "grouped" in modes:
         # The CPU stands in for the GPU here, so "does grouped_mm run?" is asked of the CPU.
         import uccl_ep_megatron.training.gpu.model as M
         from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
@@ -512,7 +516,8 @@ def main():
         overrides=["model." + s for s in small]
         + ["training.global_batch_size=%d" % (2 * dist_world), "training.micro_batch_size=2"]
         # Not fp32: save at the last iteration only (any interval above the iterations does).
-        + (["training.save_interval=0"] if fp32 else ["training.save_interval=1000"]),
+        + (["training.save_interval=0"] if fp32 else ["training.save_interval=1000"])
+        + (["dispatcher.fp8_dispatch=true"] if "fp8" in modes else []),
     )
     sys.exit(T.train_megatron(load(opts), opts, sys.argv[3]))
 
@@ -602,8 +607,8 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
     script = tmp_path / "train_on_cpu.py"
     script.write_text(_TRAIN_ON_CPU)
     losses = {}
-    for dispatcher in ("allgather", "uccl_ep"):
-        run = tmp_path / dispatcher
+    for dispatcher in ("allgather", "uccl_ep", "uccl_ep fp8"):
+        run = tmp_path / dispatcher.replace(" ", "_")
         proc = subprocess.run(
             [
                 sys.executable,
@@ -614,8 +619,8 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
                 str(script),
                 str(run),
                 "2",
-                dispatcher,
-                "fp32",
+                dispatcher.split()[0],
+                "fp32,fp8" if "fp8" in dispatcher else "fp32",
             ],
             capture_output=True,
             text=True,
@@ -626,6 +631,12 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
         losses[dispatcher] = [r["loss"] for r in read_jsonl(run)]
     assert len(losses["uccl_ep"]) == 2
     assert losses["uccl_ep"] == pytest.approx(losses["allgather"], rel=1e-6, abs=1e-6)
+    # FP8 dispatch: the same run within E4M3's rounding, and visibly not the fp32 one (the
+    # second step also sees the first step's FP8-rounded gradients through the optimizer).
+    fp8 = losses["uccl_ep fp8"]
+    assert fp8 == pytest.approx(losses["uccl_ep"], rel=1e-2) and fp8 != losses["uccl_ep"]
+    config = json.loads((tmp_path / "uccl_ep_fp8" / "config.json").read_text())
+    assert config["fp8_dispatch"] is True
 
 
 @pytest.mark.megatron
@@ -660,7 +671,9 @@ def test_train_loop_picks_grouped_experts_and_checkpoints_them_on_cpu(tmp_path):
         return proc
 
     proc = train(2)
-    assert "experts TorchGroupedMLP" in proc.stdout and "uccl_ep (exact, BF16 dispatch)" in proc.stdout
+    assert (
+        "experts TorchGroupedMLP" in proc.stdout and "uccl_ep (exact, BF16 dispatch)" in proc.stdout
+    )
     assert "slowest" not in proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["experts"] == "TorchGroupedMLP" and summary["dispatch_mode"] == "exact"
