@@ -235,9 +235,10 @@ def test_moe_layer_uccl_ep_grouped_vs_alltoall_sequential(mode):
 
 
 def w_fp8_round_trip(rank: int, world: int) -> bool:
+    from uccl_ep_megatron.token_dispatcher import fp8
+
     from uccl_ep_megatron.api import ops
     from uccl_ep_megatron.api.buffer import Buffer
-    from uccl_ep_megatron.token_dispatcher import fp8
 
     hidden, tokens, topk, experts = 7168, 512, 8, 8 * world
     g = torch.Generator(device="cuda").manual_seed(10 + rank)
