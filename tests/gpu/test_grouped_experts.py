@@ -265,8 +265,12 @@ def w_fp8_round_trip(rank: int, world: int) -> bool:
             gw = torch.rand(rw.shape, device="cuda", generator=gen)
         torch.autograd.backward([recv, rw], [gx, gw])
         outs[name] = (recv.detach(), ridx, rw.detach(), counts, xi.grad, wi.grad)
-    for a, b in zip(outs["fp8"], outs["bf16"], strict=True):
+    # What arrives is byte for byte the same; the gradients went through two combines of the
+    # same layout (equal up to the kernels' summation order).
+    for a, b in zip(outs["fp8"][:4], outs["bf16"][:4], strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, (a, b)
+    for a, b in zip(outs["fp8"][4:], outs["bf16"][4:], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
     return bool(outs["fp8"][0].shape[0] > 0)
 
 
