@@ -98,7 +98,8 @@ def _with_grouped_experts(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     submodules = args[0] if args else kwargs.get("submodules")
     if not isinstance(submodules, MoESubmodules):
         return args, kwargs
-    experts = getattr(submodules.experts, "module", submodules.experts)
+    spec = submodules.experts  # a ModuleSpec, or (0.17+) a functools.partial of the class
+    experts = getattr(spec, "module", None) or getattr(spec, "func", None) or spec
     # The legacy GroupedMLP is gone from megatron-core 0.17.
     local = [getattr(experts_module, n, None) for n in ("SequentialMLP", "GroupedMLP")]
     if experts is None or experts not in local:
