@@ -151,3 +151,13 @@ def test_without_grouped_mm_it_refuses_to_build(groups, monkeypatch):
             ge.TorchGroupedMLP(4, _config(), pg_collection=groups)
     finally:
         ge._probe.cache_clear()
+
+
+@needs_cpu_grouped
+def test_a_rank_without_rows_gets_zero_gradients(groups):
+    _, grouped = _pair(groups, _config())
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    out, _ = grouped(x, torch.zeros(4, dtype=torch.int64), torch.zeros(0))
+    assert out.shape == (0, 64)
+    out.sum().backward()
+    assert grouped.weight1.grad.abs().max() == 0 and grouped.weight2.grad.abs().max() == 0

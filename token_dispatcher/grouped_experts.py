@@ -37,6 +37,8 @@ def _grouped_mm_fn() -> Any:
 
 @functools.cache
 def _probe(device_type: str, index: int | None) -> str | None:
+    """A small grouped GEMM forward and backward with the forward's weight layout, checked
+    against plain matmuls: the answer to "does grouped_mm run here", asked once per device."""
     fn = _grouped_mm_fn()
     if fn is None:
         return f"torch {torch.__version__} has no grouped_mm (needs torch >= 2.8)"
@@ -44,14 +46,18 @@ def _probe(device_type: str, index: int | None) -> str | None:
     try:
         g = torch.Generator(device=device).manual_seed(0)
         a = torch.randn(24, 16, device=device, generator=g).to(torch.bfloat16)
-        b = torch.randn(2, 16, 16, device=device, generator=g).to(torch.bfloat16)
+        w = torch.randn(2, 16, 16, device=device, generator=g).to(torch.bfloat16)
+        w.requires_grad_(True)
         offs = torch.tensor([8, 24], dtype=torch.int32, device=device)
-        out = fn(a, b, offs=offs).float()
-        ref = torch.cat([a[:8].float() @ b[0].float(), a[8:].float() @ b[1].float()])
-        if not torch.allclose(out, ref, rtol=2e-2, atol=2e-1):
-            return (
-                f"grouped_mm on {device} gives wrong results (max error {(out - ref).abs().max()})"
-            )
+        out = fn(a, w.transpose(1, 2), offs=offs)  # [G, N, K] weights, as TorchGroupedMLP's
+        out.backward(torch.ones_like(out))
+        ref = torch.cat([a[:8].float() @ w[0].float().t(), a[8:].float() @ w[1].float().t()])
+        ref_grad = torch.stack([a[:8].float().sum(0), a[8:].float().sum(0)])
+        ref_grad = ref_grad.unsqueeze(1).expand(2, 16, 16)
+        if not torch.allclose(out.float(), ref, rtol=2e-2, atol=2e-1) or not torch.allclose(
+            w.grad.float(), ref_grad, rtol=2e-2, atol=2e-1
+        ):
+            return f"grouped_mm on {device} gives wrong results"
     except (RuntimeError, NotImplementedError) as exc:
         return f"grouped_mm does not run on {device} with bf16: {exc}"
     return None
@@ -209,6 +215,9 @@ class TorchGroupedMLP(MegatronModule):
         if self.config.moe_apply_probs_on_input:
             x = (permuted_probs.unsqueeze(-1) * x).to(x.dtype)
             permuted_probs = torch.ones_like(permuted_probs)
+        if x.shape[0] == 0:  # no row here: plain matmuls keep the graph (zero gradients)
+            h = self._activation(x @ self.weight1[0].t(), permuted_probs)
+            return h @ self.weight2[0].t(), None
         mm = _grouped_mm_fn()
         offs = group_offsets(tokens_per_expert, x.shape[0], x.device)
         h = mm(x, self.weight1.transpose(1, 2), offs=offs)
