@@ -22,9 +22,11 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     --target /tmp/site .whl/*.whl > "$OUT/wheels.log" 2>&1 || tail -3 "$OUT/wheels.log"
   export PYTHONPATH=/tmp/site
 fi
-built=/tmp/b/.built-$(git rev-parse --short HEAD 2> /dev/null)
+tree=$(find CMakeLists.txt pyproject.toml csrc uccl_ep_megatron token_dispatcher recipes launch \
+  -type f -not -name '*.pyc' | sort | xargs cat | sha1sum | cut -c1-12)
+built=/tmp/b/.built-$tree  # a warm machine's second call reuses the build of the same tree
 if [ -f "$built" ] && (cd /tmp && python3 -c "import uccl_ep_megatron._C" 2> /dev/null); then
-  echo "package already built for this commit"
+  echo "package already built for this tree ($tree)"
 else
   build_sm90
   touch "$built"
