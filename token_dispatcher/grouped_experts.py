@@ -121,7 +121,7 @@ class TorchGroupedMLP(MegatronModule):
     """Routed experts on ``grouped_mm`` (see the module docstring).
 
     Built by ``MoELayer`` like megatron-core's expert modules:
-    ``TorchGroupedMLP(num_local_experts, config, submodules=None, pg_collection=...)``.
+    ``TorchGroupedMLP(num_local_experts, config, submodules=None, pg_collection=..., name=...)``.
 
     Raises:
         UnsupportedError: grouped_mm cannot run here, expert TP > 1, biases, an activation
@@ -129,9 +129,16 @@ class TorchGroupedMLP(MegatronModule):
     """
 
     def __init__(
-        self, num_local_experts: int, config: Any, submodules: Any = None, pg_collection: Any = None
+        self,
+        num_local_experts: int,
+        config: Any,
+        submodules: Any = None,
+        pg_collection: Any = None,
+        name: str | None = None,
     ) -> None:
+        # ``name``: megatron-core 0.19+ passes the module's dotted name to every expert module.
         super().__init__(config=config)
+        self.module_name = name
         self.num_local_experts = num_local_experts
         on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
         device = torch.cuda.current_device() if on_gpu else "cpu"
