@@ -135,10 +135,13 @@ class TorchGroupedMLP(MegatronModule):
         submodules: Any = None,
         pg_collection: Any = None,
         name: str | None = None,
+        model_comm_pgs: Any = None,
     ) -> None:
-        # ``name``: megatron-core 0.19+ passes the module's dotted name to every expert module.
+        # ``name``: megatron-core 0.19+ passes the module's dotted name to every expert module;
+        # 0.14 names the process groups ``model_comm_pgs``.
         super().__init__(config=config)
         self.module_name = name
+        pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
         self.num_local_experts = num_local_experts
         on_gpu = torch.cuda.is_available() and not config.use_cpu_initialization
         device = torch.cuda.current_device() if on_gpu else "cpu"
