@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -33,6 +34,32 @@ from conftest import get_pool  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 SCRIPTS = os.path.join(os.path.dirname(HERE), "megatron_scripts")
+
+
+@pytest.fixture
+def argparse_plugin(monkeypatch):
+    """The plugin as installed where Megatron-LM's training package is absent: a parser that
+    defines ``--moe-token-dispatcher-type`` gets the flags through the wrapped argparse (with
+    the package present, its ``parse_args`` gets them instead: tested further down and in
+    test_megatron_lm_entry.py)."""
+    from uccl_ep_megatron.token_dispatcher import reset_options
+
+    from uccl_ep_megatron import megatron_plugin
+    from uccl_ep_megatron.megatron_plugin import arguments
+
+    monkeypatch.setattr(arguments, "_megatron_lm_present", lambda: False)
+    megatron_plugin.install()
+    yield megatron_plugin
+    megatron_plugin.uninstall()
+    reset_options()
+
+
+# The stand-in scripts build their own parsers, which only the argparse fallback serves.
+needs_argparse_fallback = pytest.mark.skipif(
+    importlib.util.find_spec("megatron.training") is not None,
+    reason="Megatron-LM's training package is installed: the plugin serves its parse_args, "
+    "not other parsers (test_megatron_lm_entry.py runs the real one)",
+)
 
 
 @pytest.fixture
@@ -229,7 +256,7 @@ def _megatron_lm_014_parser() -> argparse.ArgumentParser:
     return parser_014()[0]
 
 
-def test_hardcoded_choices_accept_uccl_ep_and_options(plugin):
+def test_hardcoded_choices_accept_uccl_ep_and_options(argparse_plugin):
     from uccl_ep_megatron.token_dispatcher import get_options
 
     args = _megatron_lm_014_parser().parse_args(
@@ -249,7 +276,7 @@ def test_hardcoded_choices_accept_uccl_ep_and_options(plugin):
     assert (opts.num_sms, opts.backend, opts.metrics) == (16, "reference", True)
 
 
-def test_bad_values_still_fail_to_parse(plugin, capsys):
+def test_bad_values_still_fail_to_parse(argparse_plugin, capsys):
     parser = _megatron_lm_014_parser()
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-token-dispatcher-type", "nccl_magic"])
@@ -441,6 +468,7 @@ def _run_script(script: str, *flags: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@needs_argparse_fallback
 def test_run_entry_point_runs_megatron_lm_014_style_script():
     script = os.path.join(SCRIPTS, "parse_args_014.py")
     seen = _run_script(script, "--moe-uccl-ep-num-sms", "20", "--moe-uccl-ep-backend", "reference")
@@ -454,6 +482,7 @@ def test_run_entry_point_runs_megatron_lm_014_style_script():
     }
 
 
+@needs_argparse_fallback
 def test_run_entry_point_runs_megatron_lm_016_style_script():
     import dataclasses
     import typing
@@ -540,3 +569,111 @@ def test_torchrun_deep_ep_compat_runs_megatron_fused_a2a(tmp_path):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["rank"] for r in results] == [0, 1] and all(r["ok"] for r in results)
     assert all(sum(r["tokens_per_expert"]) > 0 for r in results)
+
+
+# ---- grouped experts through the plugin ------------------------------------------------------
+def test_grouped_experts_flag_swaps_local_experts_only(argparse_plugin):
+    """``--moe-uccl-ep-grouped-experts`` turns the local spec's experts (SequentialMLP) into
+    TorchGroupedMLP for every MoELayer; other expert modules (Transformer Engine's) stay."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from uccl_ep_megatron.token_dispatcher import get_options
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import TorchGroupedMLP
+
+    from uccl_ep_megatron.megatron_plugin.model import _with_grouped_experts
+
+    spec = get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=False)
+    sub = spec.submodules if hasattr(spec, "submodules") else spec.keywords["submodules"]
+    assert _with_grouped_experts((sub, 1), {}) == ((sub, 1), {})  # off by default
+    args = _megatron_lm_014_parser().parse_args(["--moe-uccl-ep-grouped-experts"])
+    assert args.moe_uccl_ep_grouped_experts is True and get_options().grouped_experts
+    (swapped, number), _ = _with_grouped_experts((sub, 1), {})
+    assert swapped.experts.module is TorchGroupedMLP and number == 1
+    assert swapped.shared_experts is sub.shared_experts
+    assert getattr(sub.experts, "module", getattr(sub.experts, "func", None)) is not TorchGroupedMLP
+    _, kwargs = _with_grouped_experts((), {"submodules": sub})
+    assert kwargs["submodules"].experts.module is TorchGroupedMLP
+
+    class OtherExperts(torch.nn.Module):  # e.g. TEGroupedMLP: not ours to replace
+        pass
+
+    te_like = type(sub)(experts=ModuleSpec(module=OtherExperts), shared_experts=sub.shared_experts)
+    assert _with_grouped_experts((te_like,), {}) == ((te_like,), {})
+
+
+# ---- flags through Megatron-LM's extra_args_provider -------------------------------------------
+_FAKE_ARGUMENTS = """
+import argparse
+
+def _add_moe_args(parser):
+    group = parser.add_argument_group(title="moe")
+    group.add_argument("--moe-token-dispatcher-type", type=str,
+                       choices=["allgather", "alltoall", "flex"], default="allgather")
+    return parser
+
+def parse_args(extra_args_provider=None, ignore_unknown_args=False, argv=None):
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser = _add_moe_args(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser.parse_args(argv)
+"""
+
+
+def test_megatron_lm_parse_args_gets_the_flags_through_extra_args_provider(tmp_path, monkeypatch):
+    """Where Megatron-LM's training package exists, ``install()`` leaves argparse alone and
+    chains ``add_arguments`` into ``megatron.training.arguments.parse_args`` when that module
+    is imported (a stand-in package with Megatron-LM 0.14's hard-coded choices here), after a
+    provider of the caller's own; ``uninstall()`` restores both."""
+    from uccl_ep_megatron.token_dispatcher import get_options, reset_options
+
+    from uccl_ep_megatron import megatron_plugin
+    from uccl_ep_megatron.megatron_plugin import arguments as plugin_arguments
+
+    pkg = tmp_path / "fake_mlm" / "training"
+    pkg.mkdir(parents=True)
+    (tmp_path / "fake_mlm" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "arguments.py").write_text(_FAKE_ARGUMENTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugin_arguments, "MEGATRON_LM_ARGUMENTS", "fake_mlm.training.arguments")
+    add_argument = argparse._ActionsContainer.add_argument
+    megatron_plugin.install()
+    try:
+        assert argparse._ActionsContainer.add_argument is add_argument  # argparse untouched
+        from fake_mlm.training.arguments import parse_args  # imported after install
+
+        def own_provider(parser):
+            parser.add_argument("--my-flag", type=int, default=0)
+            return parser
+
+        argv = ["--moe-token-dispatcher-type", "uccl_ep", "--moe-uccl-ep-num-sms", "16"]
+        args = parse_args(own_provider, argv=[*argv, "--my-flag", "3"])
+        assert (args.moe_token_dispatcher_type, args.moe_uccl_ep_num_sms, args.my_flag) == (
+            "uccl_ep",
+            16,
+            3,
+        )
+        assert get_options().num_sms == 16
+        assert parse_args(argv=["--moe-uccl-ep-grouped-experts"]).moe_uccl_ep_grouped_experts
+    finally:
+        megatron_plugin.uninstall()
+        reset_options()
+    import fake_mlm.training.arguments as module
+
+    assert not any(isinstance(f, plugin_arguments._ParseArgsHook) for f in sys.meta_path)
+    with pytest.raises(SystemExit):  # uninstalled: uccl_ep is no choice any more
+        module.parse_args(argv=["--moe-token-dispatcher-type", "uccl_ep"])
+    sys.modules.pop("fake_mlm.training.arguments", None)
+
+
+def test_add_arguments_is_an_extra_args_provider():
+    from uccl_ep_megatron import megatron_plugin
+
+    parser = _megatron_lm_014_parser()
+    assert megatron_plugin.add_arguments(parser) is parser
+    args = parser.parse_args(["--moe-token-dispatcher-type", "uccl_ep", "--moe-uccl-ep-metrics"])
+    assert args.moe_token_dispatcher_type == "uccl_ep" and args.moe_uccl_ep_metrics is True
+    from uccl_ep_megatron.token_dispatcher import reset_options
+
+    reset_options()

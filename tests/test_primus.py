@@ -74,6 +74,8 @@ def test_yaml_overrides_reach_the_uccl_ep_dispatcher():
             "moe_uccl_ep_backend",
             "moe_uccl_ep_capacity_factor",
             "moe_uccl_ep_drop_log_interval",
+            "moe_uccl_ep_fp8_dispatch",
+            "moe_uccl_ep_grouped_experts",
             "moe_uccl_ep_metrics",
             "moe_uccl_ep_num_proxy_threads",
             "moe_uccl_ep_num_sms",

@@ -9,7 +9,12 @@ import pytest
 import yaml
 
 from uccl_ep_megatron.core.errors import InvalidInputError
-from uccl_ep_megatron.training.recipes import DEFAULT_RECIPE, list_recipes, load_recipe, parse_override
+from uccl_ep_megatron.training.recipes import (
+    DEFAULT_RECIPE,
+    list_recipes,
+    load_recipe,
+    parse_override,
+)
 
 EXPECTED = {
     "deepseek-v3/full",
@@ -98,6 +103,30 @@ def test_megatron_args_render_the_recipe():
     alt = load_recipe("deepseek-v3/full").megatron_args(1024, dispatcher="alltoall")
     assert alt[alt.index("--moe-token-dispatcher-type") + 1] == "alltoall"
     assert "--moe-uccl-ep-num-sms" not in alt
+    # moe_experts: auto leaves the expert module to Megatron-LM; no flag of ours leaks.
+    assert "--moe-experts" not in args
+    assert "--moe-uccl-ep-fp8-dispatch" not in args and "--moe-grouped-gemm" not in args
+
+
+def test_megatron_args_carry_grouped_experts_and_fp8_dispatch():
+    r = load_recipe(
+        "deepseek-v3/full",
+        {"model": {"moe_experts": "TorchGroupedMLP"}, "dispatcher": {"fp8_dispatch": True}},
+    )
+    args = r.megatron_args(1024)
+    assert "--moe-uccl-ep-grouped-experts" in args and "--moe-uccl-ep-fp8-dispatch" in args
+    assert "--moe-experts" not in args and "--moe-grouped-gemm" not in args
+    alt = r.megatron_args(1024, dispatcher="alltoall")
+    assert "--moe-uccl-ep-fp8-dispatch" not in alt  # an option of the uccl_ep dispatcher
+    te = load_recipe("deepseek-v3/full", {"model": {"moe_experts": "TEGroupedMLP"}})
+    assert "--moe-grouped-gemm" in te.megatron_args(1024)
+    with pytest.raises(InvalidInputError, match="moe_experts"):
+        load_recipe("deepseek-v3/full", {"model": {"moe_experts": "FastMLP"}})
+    with pytest.raises(InvalidInputError, match="fp8_dispatch scales every 128 channels"):
+        load_recipe(
+            "deepseek-v3/proxy",
+            {"model": {"hidden_size": 1000}, "dispatcher": {"fp8_dispatch": True}},
+        )
 
 
 def _write(tmp_path: Path, data: dict, name: str = "r") -> str:

@@ -144,7 +144,9 @@ def test_bad_train_input(tmp_path, capsys):
     assert main(["train", "--iters", "0"]) == 2
     assert "--iters 0" in capsys.readouterr().err
     assert main(["train", "--compare", "--dispatcher", "alltoall"]) == 2
-    assert "drop --dispatcher alltoall" in capsys.readouterr().err
+    assert "includes the dispatcher of the run itself (alltoall)" in capsys.readouterr().err
+    assert main(["train", "--compare", "flex,nccl"]) == 2
+    assert "compare with one or more of alltoall, flex" in capsys.readouterr().err
     assert main(["train", "--peak-tflops", "0"]) == 2
     assert "--peak-tflops 0" in capsys.readouterr().err
 
@@ -255,12 +257,28 @@ def test_expert_path_choice_and_config():
     from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
     from uccl_ep_megatron.training.gpu import expert_config, expert_path, transformer_config
 
+    from uccl_ep_megatron.training.gpu.model import EXPERT_PATHS
+    from uccl_ep_megatron.training.recipe_schema import MOE_EXPERTS
+
+    assert MOE_EXPERTS == ("auto", *EXPERT_PATHS)
     name, why = expert_path()
+    assert expert_path("auto") == (name, why)
     if importlib.util.find_spec("transformer_engine") is not None:
         assert name == "TEGroupedMLP"
-    elif importlib.util.find_spec("grouped_gemm") is None:
-        assert name == "SequentialMLP" and "slowest" in why  # never silently
+    elif importlib.util.find_spec("grouped_gemm") is None and not torch.cuda.is_available():
+        # never silently: the reason names what each faster path lacks
+        assert name == "SequentialMLP" and "slowest" in why and "TorchGroupedMLP: no CUDA" in why
+    if not torch.cuda.is_available():
+        with pytest.raises(UnsupportedError, match="moe_experts TorchGroupedMLP: no CUDA GPU"):
+            expert_path("TorchGroupedMLP")
+    with pytest.raises(InvalidInputError, match="moe_experts 'FastMLP'"):
+        expert_path("FastMLP")
+    assert expert_path("SequentialMLP") == (
+        "SequentialMLP",
+        "chosen by the recipe (model.moe_experts)",
+    )
     assert expert_config("SequentialMLP") == {"moe_grouped_gemm": False}
+    assert expert_config("TorchGroupedMLP") == {"moe_grouped_gemm": False}
     assert expert_config("TEGroupedMLP") == {"moe_grouped_gemm": True}
     legacy = "moe_use_legacy_grouped_gemm" in {
         f.name for f in dataclasses.fields(TransformerConfig)
@@ -468,7 +486,14 @@ def main():
     from uccl_ep_megatron.training.job import TrainOptions, load
     batches = T.batches
     T.batches = lambda r, p, d, s, dp, dev: batches(r, p, d, s, dp, torch.device("cpu"))
-    fp32 = len(sys.argv) > 4 and sys.argv[4] == "fp32"
+    modes = set(sys.argv[4].split(",")) if len(sys.argv) > 4 else set()
+    fp32 = "fp32" in modes
+    if "grouped" in modes:
+        # The CPU stands in for the GPU here, so "does grouped_mm run?" is asked of the CPU.
+        import uccl_ep_megatron.training.gpu.model as M
+        from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
+        reasons = M._missing_reasons
+        M._missing_reasons = lambda: {**reasons(), "TorchGroupedMLP": grouped_mm_unavailable("cpu")}
     if fp32:  # exact comparisons: no bf16 rounding anywhere
         import megatron.core.transformer.module as module
         module.Float16Module = lambda config, m: m
@@ -491,7 +516,8 @@ def main():
         overrides=["model." + s for s in small]
         + ["training.global_batch_size=%d" % (2 * dist_world), "training.micro_batch_size=2"]
         # Not fp32: save at the last iteration only (any interval above the iterations does).
-        + (["training.save_interval=0"] if fp32 else ["training.save_interval=1000"]),
+        + (["training.save_interval=0"] if fp32 else ["training.save_interval=1000"])
+        + (["dispatcher.fp8_dispatch=true"] if "fp8" in modes else []),
     )
     sys.exit(T.train_megatron(load(opts), opts, sys.argv[3]))
 
@@ -581,8 +607,8 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
     script = tmp_path / "train_on_cpu.py"
     script.write_text(_TRAIN_ON_CPU)
     losses = {}
-    for dispatcher in ("allgather", "uccl_ep"):
-        run = tmp_path / dispatcher
+    for dispatcher in ("allgather", "uccl_ep", "uccl_ep fp8"):
+        run = tmp_path / dispatcher.replace(" ", "_")
         proc = subprocess.run(
             [
                 sys.executable,
@@ -593,8 +619,8 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
                 str(script),
                 str(run),
                 "2",
-                dispatcher,
-                "fp32",
+                dispatcher.split()[0],
+                "fp32,fp8" if "fp8" in dispatcher else "fp32",
             ],
             capture_output=True,
             text=True,
@@ -605,3 +631,57 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
         losses[dispatcher] = [r["loss"] for r in read_jsonl(run)]
     assert len(losses["uccl_ep"]) == 2
     assert losses["uccl_ep"] == pytest.approx(losses["allgather"], rel=1e-6, abs=1e-6)
+    # FP8 dispatch: the same run within E4M3's rounding, and visibly not the fp32 one (the
+    # second step also sees the first step's FP8-rounded gradients through the optimizer).
+    fp8 = losses["uccl_ep fp8"]
+    assert fp8 == pytest.approx(losses["uccl_ep"], rel=1e-2) and fp8 != losses["uccl_ep"]
+    config = json.loads((tmp_path / "uccl_ep_fp8" / "config.json").read_text())
+    assert config["fp8_dispatch"] is True
+
+
+@pytest.mark.megatron
+def test_train_loop_picks_grouped_experts_and_checkpoints_them_on_cpu(tmp_path):
+    """Without Transformer Engine, where grouped_mm runs (the CPU standing in for the GPU), the
+    default recipe's ``moe_experts: auto`` builds TorchGroupedMLP in every MoE layer (MTP's
+    too: the parameter count matches flops.py), trains it through the uccl_ep dispatcher in
+    bf16, saves its expert-sharded weights and resumes from them; only one rank talks."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("psutil")
+    import subprocess
+    import sys
+
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
+
+    if grouped_mm_unavailable("cpu") is not None:
+        pytest.skip(f"no CPU grouped_mm: {grouped_mm_unavailable('cpu')}")
+    script = tmp_path / "train_on_cpu.py"
+    script.write_text(_TRAIN_ON_CPU)
+    run = tmp_path / "run"
+
+    def train(iters: int) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        proc = subprocess.run(
+            [*cmd, str(script), str(run), str(iters), "uccl_ep", "grouped"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    proc = train(2)
+    assert (
+        "experts TorchGroupedMLP" in proc.stdout and "uccl_ep (exact, BF16 dispatch)" in proc.stdout
+    )
+    assert "slowest" not in proc.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["experts"] == "TorchGroupedMLP" and summary["dispatch_mode"] == "exact"
+    assert summary["model_params_built"] == summary["model_params_expected"]
+    assert all(abs(r["loss"] - 6.238) < 0.5 for r in read_jsonl(run))
+    # One closing table, from rank 0 (rank 1 prints nothing of its own).
+    assert proc.stdout.count("parameters: megatron-core model") == 1
+    assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
+    train(3)  # resumes from the saved expert weights (EP=2: each rank loads its own experts)
+    assert [r["step"] for r in read_jsonl(run)] == [1, 2, 3]
+    assert json.loads((run / "config.json").read_text())["start_iteration"] == 2

@@ -9,7 +9,9 @@ Flow (one MoE layer forward; backward runs the opposite collectives through
 ``uccl_ep_megatron.api.ops``):
 
 ``dispatch_preprocess``  routing map [T, E] -> top-k ids [T, tp*k] over the TP×EP group
-``token_dispatch``        ``ops.dispatch`` (layout + dispatch, async on the comm stream)
+``token_dispatch``        ``ops.dispatch`` (layout + dispatch, async on the comm stream); with
+                          ``fp8_dispatch`` the rows travel as E4M3 + per-128 scales
+                          (``fp8.dispatch_fp8``) and arrive dequantized
 ``dispatch_postprocess``  received rows -> one segment per local expert (+ quantization pad)
 experts
 ``combine_preprocess``    per-expert rows -> one row per received token (sum)
@@ -47,6 +49,8 @@ from typing import Any
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache, configs, hidden_bytes_of
+from uccl_ep_megatron.token_dispatcher.fp8 import BLOCK as FP8_BLOCK
+from uccl_ep_megatron.token_dispatcher.fp8 import dispatch_fp8
 from uccl_ep_megatron.token_dispatcher.options import UcclEpOptions, get_options
 from uccl_ep_megatron.token_dispatcher.permute import (
     FusedPlan,
@@ -176,6 +180,11 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 f"moe_router_topk={cfg.moe_router_topk} x expert TP {self.tp_size} = "
                 f"{self.tp_size * cfg.moe_router_topk} routed copies per token exceeds "
                 f"{MAX_TOPK}; lower --expert-tensor-parallel-size or the top-k"
+            )
+        if self.options.fp8_dispatch and cfg.hidden_size % FP8_BLOCK:
+            raise InvalidInputError(
+                f"FP8 dispatch (--moe-uccl-ep-fp8-dispatch) scales every {FP8_BLOCK} channels: "
+                f"hidden_size {cfg.hidden_size} is not a multiple of {FP8_BLOCK}; turn it off"
             )
         if getattr(cfg, "moe_pad_expert_input_to_capacity", False) and (
             getattr(cfg, "moe_expert_capacity_factor", None) is None
@@ -324,22 +333,34 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         self.fused = fused_available(hidden_states.device)
         worst = self._sync_free_sizes(self.num_tokens)[1] if self.mode == SYNC_FREE else 0
         timer = dispatch_metrics.recorder.start(hidden_states.device)
-        recv_x, recv_idx, recv_probs, counts, handle = ops.dispatch(
-            self.buffer,
-            hidden_states,
-            self.token_indices,
-            probs,
-            self.num_comm_experts,
-            # True counts (the metrics report them); the aligned sizes are derived on the host.
-            expert_alignment=1,
-            num_worst_tokens=worst,
-            config=self.dispatch_config,
-            async_finish=async_finish,
-            allocate_on_comm_stream=allocate_on_comm_stream,
-        )
-        dispatch_metrics.recorder.record(
-            timer, self.layer_number, "dispatch", recv_x.numel() * recv_x.element_size()
-        )
+        if self.options.fp8_dispatch:
+            recv_x, recv_idx, recv_probs, counts, handle = dispatch_fp8(
+                self.buffer,
+                hidden_states,
+                self.token_indices,
+                probs,
+                self.num_comm_experts,
+                num_worst_tokens=worst,
+                config=self.dispatch_config,
+            )
+            # What moved: one byte a channel plus a float32 scale per 128 channels.
+            moved = recv_x.shape[0] * (recv_x.shape[1] + recv_x.shape[1] // 128 * 4)
+        else:
+            recv_x, recv_idx, recv_probs, counts, handle = ops.dispatch(
+                self.buffer,
+                hidden_states,
+                self.token_indices,
+                probs,
+                self.num_comm_experts,
+                # True counts (the metrics report them); the aligned sizes come from the host.
+                expert_alignment=1,
+                num_worst_tokens=worst,
+                config=self.dispatch_config,
+                async_finish=async_finish,
+                allocate_on_comm_stream=allocate_on_comm_stream,
+            )
+            moved = recv_x.numel() * recv_x.element_size()
+        dispatch_metrics.recorder.record(timer, self.layer_number, "dispatch", moved)
         self.handle = handle
         self.recv_topk_idx = recv_idx
         self.recv_counts = list(counts)  # exact mode: per local expert; sync-free: []

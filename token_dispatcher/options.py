@@ -49,6 +49,13 @@ class UcclEpOptions:
         drop_log_interval: in sync-free mode, the dropped-pair counter (on the GPU) is copied
             to the host asynchronously every this many forward passes of a layer and logged
             when it grew (read at the next interval, without waiting); 0 = never.
+        grouped_experts: MoE layers built from local (non-Transformer-Engine) specs get
+            ``TorchGroupedMLP`` experts (PyTorch's grouped_mm) instead of ``SequentialMLP`` or
+            the legacy ``GroupedMLP``, whatever their dispatcher; TE's ``TEGroupedMLP`` is
+            left alone.
+        fp8_dispatch: dispatch the tokens in FP8 (E4M3, one float32 scale per 128 channels,
+            as DeepSeek-V3), dequantized on arrival for the experts; combine and every
+            gradient stay in the layer's dtype (``token_dispatcher.fp8``).
     """
 
     num_sms: int = 24
@@ -58,6 +65,8 @@ class UcclEpOptions:
     metrics: bool = False
     capacity_factor: float | None = None
     drop_log_interval: int = 100
+    grouped_experts: bool = False
+    fp8_dispatch: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.num_sms, bool) or not isinstance(self.num_sms, int):
@@ -102,6 +111,10 @@ class UcclEpOptions:
             raise InvalidInputError(
                 f"drop_log_interval={self.drop_log_interval!r}: must be an int >= 0 (0 = never)"
             )
+
+        for name in ("grouped_experts", "fp8_dispatch"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name}={getattr(self, name)!r}: must be True or False")
 
     def env(self) -> dict[str, str]:
         """The environment variables these options set for the C++ core (unset ones left out)."""

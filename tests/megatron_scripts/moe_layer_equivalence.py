@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from megatron_lm_014 import parser_014
+from uccl_ep_megatron.megatron_plugin import add_arguments
 
 parser, group = parser_014()
 group.add_argument("--moe-flex-dispatcher-backend", default="deepep")
@@ -49,6 +50,8 @@ parser.add_argument("--reference", action="append", default=[])
 parser.add_argument("--tokens", type=int, default=24)
 parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
 parser.add_argument("--tol", type=float, default=1e-5, help="max abs difference allowed")
+# A script of one's own passes the plugin's flags as Megatron-LM's extra_args_provider would.
+add_arguments(parser)
 args = parser.parse_args()
 
 os.environ.setdefault("UCCL_EP_BACKEND", "reference")

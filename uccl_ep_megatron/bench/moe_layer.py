@@ -1,7 +1,8 @@
 """One Megatron MoE layer, built the same way by ``bench layer`` and the GPU tests
 (``tests/gpu/test_megatron_gpu.py``, ``tests/gpu/test_dispatcher_modes_gpu.py``), so that
 dispatchers are compared on identical layers: same config apart from the dispatcher, weights
-copied from one to the other, Megatron's ``SequentialMLP`` experts (no Transformer Engine).
+copied from one to the other, Megatron's ``SequentialMLP`` experts or ``TorchGroupedMLP``
+(PyTorch's grouped_mm), no Transformer Engine.
 """
 
 from __future__ import annotations
@@ -81,26 +82,69 @@ def layer_config(shape: LayerShape, dispatcher: str, ep: int, **overrides: Any) 
     return TransformerConfig(**kwargs)
 
 
-def build_layer(shape: LayerShape, dispatcher: str, ep: int, **overrides: Any) -> Any:
-    """A ``MoELayer`` on the current CUDA device (Megatron's model parallel state must be set)."""
+EXPERTS = ("SequentialMLP", "TorchGroupedMLP")
+
+
+def build_layer(
+    shape: LayerShape, dispatcher: str, ep: int, experts: str = "SequentialMLP", **overrides: Any
+) -> Any:
+    """A ``MoELayer`` on the current CUDA device (Megatron's model parallel state must be set);
+    ``experts`` is one of ``EXPERTS``."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    if experts not in EXPERTS:
+        raise ValueError(f"experts {experts!r}: use one of {EXPERTS}")
     spec = get_moe_module_spec(use_te=False, num_experts=shape.num_experts, moe_grouped_gemm=False)
     # A ModuleSpec up to megatron-core 0.18, a functools.partial of MoELayer from 0.19.
     submodules = spec.submodules if hasattr(spec, "submodules") else spec.keywords["submodules"]
+    if experts == "TorchGroupedMLP":
+        from uccl_ep_megatron.token_dispatcher.grouped_experts import with_grouped_experts
+
+        submodules = with_grouped_experts(submodules)
     config = layer_config(shape, dispatcher, ep, **overrides)
     return MoELayer(config, submodules, layer_number=1).cuda()
 
 
 def copy_weights(src: Any, dst: Any) -> None:
-    """Give ``dst`` the parameters and buffers (expert bias ...) of ``src``."""
-    result = dst.load_state_dict(src.state_dict(), strict=True)
-    if result.missing_keys or result.unexpected_keys:
+    """Give ``dst`` the parameters and buffers (expert bias ...) of ``src``. From a
+    ``SequentialMLP`` layer to a ``TorchGroupedMLP`` one the experts' weights are stacked."""
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import TorchGroupedMLP
+
+    state = src.state_dict()
+    grouped = isinstance(dst.experts, TorchGroupedMLP) and not isinstance(
+        src.experts, TorchGroupedMLP
+    )
+    if grouped:
+        state = {k: v for k, v in state.items() if not k.startswith("experts.")}
+    result = dst.load_state_dict(state, strict=not grouped)
+    unexpected = [k for k in result.missing_keys if not (grouped and k.startswith("experts."))]
+    if unexpected or result.unexpected_keys:
         raise RuntimeError(f"layers differ: {result}")
+    if grouped:
+        dst.experts.load_sequential_state(src.experts)
     buffers = dict(dst.named_buffers())
     for name, buf in src.named_buffers():
-        buffers[name].copy_(buf)
+        if name in buffers:
+            buffers[name].copy_(buf)
+
+
+def expert_grads(layer: Any) -> dict[str, torch.Tensor]:
+    """The experts' weight gradients as stacked ``[L, out, in]`` tensors (``fc1``, ``fc2``),
+    whichever expert module the layer has."""
+    experts = layer.experts
+    if hasattr(experts, "weight1"):
+        return {"fc1": experts.weight1.grad, "fc2": experts.weight2.grad}
+
+    def grad(w: torch.Tensor) -> torch.Tensor:  # an expert that got no row may have none
+        return w.grad if w.grad is not None else torch.zeros_like(w)
+
+    return {
+        name: torch.stack(
+            [grad(getattr(e, f"linear_{name}").weight) for e in experts.local_experts]
+        )
+        for name in ("fc1", "fc2")
+    }
 
 
 def fwd_bwd(layer: Any, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,8 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--list-recipes", action="store_true", help="list recipes and exit")
     p.add_argument(
         "--dispatcher",
-        choices=["uccl_ep", "alltoall"],
-        help="MoE token dispatcher (default: the recipe's, uccl_ep)",
+        choices=["uccl_ep", "alltoall", "flex"],
+        help="MoE token dispatcher (default: the recipe's, uccl_ep; flex = megatron-core's flex "
+        "dispatcher on DeepEP)",
     )
     p.add_argument("--iters", type=int, help="training iterations (default: the recipe's)")
     p.add_argument(
@@ -62,8 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--compare",
-        action="store_true",
-        help="after the run, the same run on alltoall, and both side by side (GPUs)",
+        nargs="?",
+        const="alltoall",
+        default=None,
+        metavar="alltoall|flex|alltoall,flex",
+        help="after the run, the same run on these dispatchers (default alltoall; flex needs "
+        "DeepEP), all side by side (GPUs)",
     )
     p.add_argument(
         "--peak-tflops",

@@ -4,17 +4,22 @@
 
 1. **Config**: megatron-core 0.16+ types ``TransformerConfig.moe_token_dispatcher_type`` as a
    ``Literal``; ``uccl_ep`` is added to it (0.14/0.15 type it ``str``; nothing to add).
-2. **Arguments**: any argparse parser that later defines ``--moe-token-dispatcher-type``
-   (Megatron-LM 0.14/0.15 hard-code its ``choices`` in ``megatron/training/arguments.py``;
-   0.16+ generate them from the ``Literal``) accepts ``uccl_ep``, and gets the dispatcher's own
-   flags in the same group: ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``,
-   ``--moe-uccl-ep-transport``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``,
-   ``--moe-uccl-ep-capacity-factor``, ``--moe-uccl-ep-drop-log-interval``.
+2. **Arguments**: Megatron-LM's ``parse_args`` (``megatron/training/arguments.py``; 0.14/0.15
+   hard-code the flag's ``choices``, 0.16+ generate them from the ``Literal``) gets
+   ``add_arguments`` chained in as its ``extra_args_provider`` when that module is imported, so
+   ``--moe-token-dispatcher-type`` accepts ``uccl_ep`` and the dispatcher's own flags exist;
+   without Megatron-LM's training package, a parser that defines the flag gets them through a
+   wrapped argparse ``add_argument`` (``arguments`` says more). The flags:
+   ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``, ``--moe-uccl-ep-capacity-factor``,
+   ``--moe-uccl-ep-drop-log-interval``,
+   ``--moe-uccl-ep-grouped-experts``, ``--moe-uccl-ep-fp8-dispatch``.
 3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
    ``uccl_ep``. Its constructor branches on the type string and rejects unknown values, so
    for such a layer the ``flex`` branch is pointed at our class for the duration of the call.
    Every layer gets the ``BufferCache`` this install made (``buffer_cache()``), so the layers
-   share one ``Buffer`` per group.
+   share one ``Buffer`` per group. With ``--moe-uccl-ep-grouped-experts`` (option
+   ``grouped_experts``) every MoE layer whose spec holds a local expert module (no Transformer
+   Engine) builds ``TorchGroupedMLP`` (PyTorch's grouped_mm) instead, whatever its dispatcher.
    Values of the flags above found in Megatron-LM's global arguments are applied first: Primus
    (and anything else that fills Megatron's namespace without argparse) never runs the flags'
    actions. On megatron-core 0.14-0.16 without Transformer Engine, the router GEMM's missing TE
@@ -34,13 +39,14 @@ megatron-core patches (1., 3.).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 
 from uccl_ep_megatron.megatron_plugin.arguments import (
     ARG_OPTIONS,
-    _install_argparse,
+    _install_arguments,
+    _uninstall_arguments,
+    add_arguments,
     apply_process_env,
     options_from_megatron_args,
 )
@@ -89,8 +95,13 @@ def _install_megatron() -> str:
 
 def _undo(keys: set[str]) -> None:
     """Reverse the patches recorded under ``keys`` in ``_state``."""
-    if "add_argument" in keys:
-        argparse._ActionsContainer.add_argument = _state.pop("add_argument")
+    if keys & {
+        "add_argument",
+        "parse_args_hook",
+        "parse_args_original",
+        "add_megatron_arguments_original",
+    }:
+        _uninstall_arguments()
     if "literal" in keys:
         from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -120,6 +131,8 @@ def install(
     backend: str | None = None,
     metrics: bool | None = None,
     capacity_factor: float | None = None,
+    grouped_experts: bool | None = None,
+    fp8_dispatch: bool | None = None,
     deep_ep_compat: bool = False,
 ) -> str:
     """Make ``--moe-token-dispatcher-type uccl_ep`` work in this process.
@@ -128,8 +141,8 @@ def install(
     environment they export and the ``deep_ep`` module are as they were before the call.
 
     Args:
-        num_sms, num_proxy_threads, transport, backend, metrics, capacity_factor: dispatcher
-            options (see
+        num_sms, num_proxy_threads, transport, backend, metrics, capacity_factor,
+            grouped_experts, fp8_dispatch: dispatcher options (see
             ``token_dispatcher.options.UcclEpOptions``); ``None`` keeps the current value.
             Command-line flags parsed later override them.
         deep_ep_compat: also serve ``import deep_ep`` from this package (see
@@ -153,6 +166,8 @@ def install(
             backend=backend,
             metrics=metrics,
             capacity_factor=capacity_factor,
+            grouped_experts=grouped_experts,
+            fp8_dispatch=fp8_dispatch,
         ).items()
         if v is not None
     }
@@ -169,7 +184,7 @@ def install(
                 apply_process_env(set_options(**changes))
             if compat is not None:
                 compat.install()
-            _install_argparse()
+            _install_arguments()
             return _install_megatron()
         except BaseException:
             _undo(set(_state) - before)
@@ -197,6 +212,7 @@ def uninstall() -> None:
 
 __all__ = [
     "ARG_OPTIONS",
+    "add_arguments",
     "DISPATCHER_TYPE",
     "TESTED_VERSIONS",
     "UntestedVersionWarning",

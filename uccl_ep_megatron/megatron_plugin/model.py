@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import typing
 from collections.abc import Iterator
 from typing import Any
@@ -23,7 +24,10 @@ from uccl_ep_megatron.megatron_plugin.state import (
     buffer_cache,
 )
 from uccl_ep_megatron.megatron_plugin.versions import _missing
-from uccl_ep_megatron.token_dispatcher.options import set_options
+from uccl_ep_megatron.token_dispatcher.options import get_options, set_options
+
+log = logging.getLogger(__name__)
+_logged: set[str] = set()
 
 
 def _megatron_api(version: str) -> dict[str, Any]:
@@ -80,6 +84,41 @@ def _flex_branch_builds_uccl_ep(moe_layer_module: Any, config: Any) -> Iterator[
         moe_layer_module.MoEFlexTokenDispatcher = flex_cls
 
 
+def _with_grouped_experts(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``MoELayer``'s ``submodules`` argument with ``TorchGroupedMLP`` experts when the
+    ``grouped_experts`` option is on and the spec holds a local expert module (``SequentialMLP``
+    or the legacy ``GroupedMLP``); Transformer Engine's experts are left alone."""
+    if not get_options().grouped_experts:
+        return args, kwargs
+    from megatron.core.transformer.moe import experts as experts_module
+    from megatron.core.transformer.moe.moe_layer import MoESubmodules
+
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import with_grouped_experts
+
+    submodules = args[0] if args else kwargs.get("submodules")
+    if not isinstance(submodules, MoESubmodules):
+        return args, kwargs
+    spec = submodules.experts  # a ModuleSpec, or (0.17+) a functools.partial of the class
+    experts = getattr(spec, "module", None) or getattr(spec, "func", None) or spec
+    # The legacy GroupedMLP is gone from megatron-core 0.17.
+    local = [getattr(experts_module, n, None) for n in ("SequentialMLP", "GroupedMLP")]
+    if experts is None or experts not in local:
+        return args, kwargs
+    _log_once(
+        "uccl_ep plugin: MoE experts run on TorchGroupedMLP (PyTorch grouped_mm) instead of "
+        f"{experts.__name__} (--moe-uccl-ep-grouped-experts)"
+    )
+    if args:
+        return (with_grouped_experts(submodules), *args[1:]), kwargs
+    return args, {**kwargs, "submodules": with_grouped_experts(submodules)}
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
 def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
     moe_layer_module = api["moe_layer"]
     moe_layer_cls = moe_layer_module.MoELayer
@@ -89,16 +128,17 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
 
     @functools.wraps(original_init)
     def __init__(self, config, *args: Any, **kwargs: Any) -> None:
-        if getattr(config, _DEST, None) != DISPATCHER_TYPE:
-            original_init(self, config, *args, **kwargs)
-            return
-        from uccl_ep_megatron.token_dispatcher.dispatcher import UcclEpTokenDispatcher
-
         megatron_args = _megatron_lm_args()
         if megatron_args is not None:
             changes = options_from_megatron_args(megatron_args)
             if changes:
                 apply_process_env(set_options(**changes))
+        args, kwargs = _with_grouped_experts(args, kwargs)
+        if getattr(config, _DEST, None) != DISPATCHER_TYPE:
+            original_init(self, config, *args, **kwargs)
+            return
+        from uccl_ep_megatron.token_dispatcher.dispatcher import UcclEpTokenDispatcher
+
         with _lock, _flex_branch_builds_uccl_ep(moe_layer_module, config):
             original_init(self, config, *args, **kwargs)
         if not isinstance(self.token_dispatcher, UcclEpTokenDispatcher):

@@ -6,7 +6,7 @@ by default or a Megatron indexed dataset (``--data-path PREFIX`` of ``PREFIX.bin
 distributed checkpointing, metrics to JSONL and wandb, a progress bar and a closing table
 (tokens/s, TFLOP/s per GPU, MFU, loss). When started outside torchrun it relaunches itself with
 ``torch.distributed.run`` on all local GPUs (``--gpus``); ``--compare`` then runs the same job
-again on ``alltoall`` and prints both side by side.
+again on ``alltoall`` and/or ``flex`` (DeepEP, where it imports) and prints all side by side.
 
 Without a GPU: Megatron-Core's MoE layer cannot run (it needs CUDA), so the job says so and
 runs the CPU smoke (``training.cpu``): the recipe's MoE routing through this package's ``Buffer``
@@ -33,7 +33,9 @@ from uccl_ep_megatron.training.results import default_run_dir, print_results, re
 
 log = logging.getLogger(__name__)
 
-DISPATCHERS = ("uccl_ep", "alltoall")
+DISPATCHERS = ("uccl_ep", "alltoall", "flex")
+#: What ``--compare`` runs the job again on (``flex`` = megatron-core's flex dispatcher on DeepEP).
+BASELINES = ("alltoall", "flex")
 NO_GPU_MESSAGE = (
     "No GPU found: training the recipe needs a GPU (megatron-core's MoE layer runs on CUDA). "
     "Running the CPU smoke instead: the recipe's MoE routing through uccl_ep_megatron.Buffer "
@@ -59,7 +61,7 @@ class TrainOptions:
     gpus: int | None = None
     cpu_smoke: bool = False
     timeout_s: float = 300.0
-    compare: bool = False
+    compare: tuple[str, ...] = ()
     peak_tflops: float | None = None
 
 
@@ -141,10 +143,7 @@ def run(opts: TrainOptions) -> int:
         )
     if opts.peak_tflops is not None and not opts.peak_tflops > 0:
         raise InvalidInputError(f"--peak-tflops {opts.peak_tflops}: must be > 0")
-    if opts.compare and dispatcher == "alltoall":
-        raise InvalidInputError(
-            "--compare runs the job on uccl_ep and again on alltoall; drop --dispatcher alltoall"
-        )
+    baselines = parse_compare(opts.compare, dispatcher)
     gpus = 0 if opts.cpu_smoke else _cuda_devices()
     if gpus == 0:
         return _run_cpu(recipe, opts)
@@ -162,32 +161,7 @@ def run(opts: TrainOptions) -> int:
         if nproc > gpus:
             raise InvalidInputError(f"--gpus {nproc}: this machine has {gpus} GPU(s)")
         recipe.resolved_parallelism(nproc)
-        started = time.perf_counter()
-        runs = [(dispatcher, opts.run_dir)]
-        if opts.compare:
-            base = Path(opts.run_dir or default_run_dir(recipe.name, "compare", "gpu"))
-            runs = [(dispatcher, str(base / dispatcher)), ("alltoall", str(base / "alltoall"))]
-        run_dirs = []
-        for run_dispatcher, run_dir_text in runs:
-            run_dir = Path(run_dir_text or default_run_dir(recipe.name, run_dispatcher, "gpu"))
-            run_opts = dataclasses.replace(opts, dispatcher=run_dispatcher, compare=False)
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={nproc}",
-                *_relaunch_args(run_opts, run_dir),
-            ]
-            log.info("launching %s", " ".join(cmd))
-            rc = subprocess.call(cmd)
-            if rc != 0:
-                return rc
-            run_dirs.append(run_dir)
-        if opts.compare:
-            print_results(run_dirs)
-        print(f"train finished in {time.perf_counter() - started:.1f} s (from the torchrun launch)")
-        return 0
+        return _launch(recipe, opts, dispatcher, _runnable(baselines), nproc)
     if opts.compare:
         raise InvalidInputError(
             "--compare starts its own torchrun jobs: run it outside torchrun (or launch the "
@@ -196,6 +170,72 @@ def run(opts: TrainOptions) -> int:
     from uccl_ep_megatron.training.gpu.loop import train_megatron
 
     return train_megatron(recipe, opts, dispatcher)
+
+
+def parse_compare(compare: tuple[str, ...] | str | None, dispatcher: str) -> tuple[str, ...]:
+    """The baselines ``--compare`` asks for (``"alltoall,flex"`` or a tuple), validated."""
+    if not compare:
+        return ()
+    names = compare.split(",") if isinstance(compare, str) else list(compare)
+    names = [n.strip() for n in names if n.strip()]
+    bad = [n for n in names if n not in BASELINES]
+    if bad or not names:
+        raise InvalidInputError(
+            f"--compare {','.join(names) or compare!r}: compare with one or more of "
+            f"{', '.join(BASELINES)} (comma-separated)"
+        )
+    if dispatcher in names:
+        raise InvalidInputError(
+            f"--compare {','.join(names)} includes the dispatcher of the run itself "
+            f"({dispatcher}); drop it from --compare or pass another --dispatcher"
+        )
+    return tuple(dict.fromkeys(names))
+
+
+def _runnable(baselines: tuple[str, ...]) -> tuple[str, ...]:
+    """The baselines that can run here; a skipped one is said out loud."""
+    from uccl_ep_megatron.training.gpu.loop import check_flex_available
+
+    keep = []
+    for name in baselines:
+        if name == "flex":
+            try:
+                check_flex_available()
+            except UnsupportedError as exc:
+                print(f"--compare: skipping flex: {exc}", flush=True)
+                continue
+        keep.append(name)
+    return tuple(keep)
+
+
+def _launch(recipe, opts: TrainOptions, dispatcher: str, baselines, nproc: int) -> int:
+    """One torchrun job per dispatcher (the run, then each baseline), then the table."""
+    started = time.perf_counter()
+    runs = [(dispatcher, opts.run_dir)]
+    if opts.compare:
+        base = Path(opts.run_dir or default_run_dir(recipe.name, "compare", "gpu"))
+        runs = [(d, str(base / d)) for d in (dispatcher, *baselines)]
+    run_dirs = []
+    for run_dispatcher, run_dir_text in runs:
+        run_dir = Path(run_dir_text or default_run_dir(recipe.name, run_dispatcher, "gpu"))
+        run_opts = dataclasses.replace(opts, dispatcher=run_dispatcher, compare=())
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            *_relaunch_args(run_opts, run_dir),
+        ]
+        log.info("launching %s", " ".join(cmd))
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            return rc
+        run_dirs.append(run_dir)
+    if opts.compare:
+        print_results(run_dirs)
+    print(f"train finished in {time.perf_counter() - started:.1f} s (from the torchrun launch)")
+    return 0
 
 
 def _run_cpu(recipe, opts: TrainOptions) -> int:
@@ -239,11 +279,13 @@ def _run_cpu(recipe, opts: TrainOptions) -> int:
 
 
 __all__ = [
+    "BASELINES",
     "DISPATCHERS",
     "NO_GPU_MESSAGE",
     "TrainOptions",
     "check_data_path",
     "load",
+    "parse_compare",
     "print_results",
     "results_table",
     "run",

@@ -20,6 +20,9 @@ _STR = (str,)
 _BOOL = (bool,)
 #: The value that lets a parallelism size follow the world size.
 AUTO = "auto"
+#: ``model.moe_experts``: ``auto`` or one of ``training.gpu.model.EXPERT_PATHS`` (kept equal by
+#: a test; this module does not import megatron-core).
+MOE_EXPERTS = ("auto", "TEGroupedMLP", "TorchGroupedMLP", "GroupedMLP", "SequentialMLP")
 
 # section -> key -> (accepted types, required, allowed values or None).
 # ``None`` as a value is accepted for every optional key (YAML ``null`` = "not set").
@@ -54,6 +57,7 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[Any, ...] | Non
             ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
         ),
         "moe_aux_loss_coeff": (_NUM, False, None),
+        "moe_experts": (_STR, False, MOE_EXPERTS),
         "mtp_num_layers": (_INT, False, None),
         "mtp_loss_scaling_factor": (_NUM, False, None),
         "vocab_size": (_INT, True, None),
@@ -104,6 +108,7 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[Any, ...] | Non
         "transport": (_STR, False, ("auto", "verbs", "ipc")),
         "max_inflight_bytes": (_INT, False, None),
         "max_inflight_normal": (_INT, False, None),
+        "fp8_dispatch": (_BOOL, False, None),
     },
     "cluster": {
         "gpu": (_STR, True, None),
@@ -322,6 +327,11 @@ def _check_dispatcher(name: str, d: dict[str, Any], m: dict[str, Any], p: dict[s
             f"recipe {name!r}: dispatcher.num_sms = {sms} must be an even number >= 2 (each "
             "channel of the kernels uses a send and a receive SM)"
         )
+    if d.get("fp8_dispatch") and m["hidden_size"] % 128:
+        raise InvalidInputError(
+            f"recipe {name!r}: dispatcher.fp8_dispatch scales every 128 channels; "
+            f"model.hidden_size {m['hidden_size']} is not a multiple of 128"
+        )
     copies = int(m.get("moe_router_topk") or 0) * int(p.get("expert_tensor_parallel_size") or 1)
     if d["type"] == "uccl_ep" and copies > MAX_TOPK:
         raise InvalidInputError(
@@ -353,4 +363,4 @@ def check(name: str, data: dict[str, Any]) -> None:
     _check_cluster(name, data["cluster"])
 
 
-__all__ = ["AUTO", "check"]
+__all__ = ["AUTO", "MOE_EXPERTS", "check"]

@@ -227,6 +227,7 @@ class Recipe:
             args.extend([flag] if value is True else [flag, str(value)])
 
         model = dict(self.model)
+        experts = model.pop("moe_experts", None)
         dense = int(model.pop("first_k_dense_layers", 0) or 0)
         if model.get("num_experts"):
             moe = model["num_layers"] - dense
@@ -259,6 +260,14 @@ class Recipe:
             put("moe_token_dispatcher_type", kind)
         if kind == "uccl_ep" and self.dispatcher.get("num_sms"):
             put("moe_uccl_ep_num_sms", self.dispatcher["num_sms"])
+        if kind == "uccl_ep" and self.dispatcher.get("fp8_dispatch"):
+            put("moe_uccl_ep_fp8_dispatch", True)
+        # model.moe_experts: auto leaves Megatron-LM's choice (its --transformer-impl decides).
+        if experts in ("TEGroupedMLP", "GroupedMLP"):
+            put("moe_grouped_gemm", True)
+            put("moe_use_legacy_grouped_gemm", experts == "GroupedMLP")
+        elif experts == "TorchGroupedMLP":
+            put("moe_uccl_ep_grouped_experts", True)
         put("tokenizer_type", "NullTokenizer")
         return args
 

@@ -30,8 +30,8 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
     """A ``rich`` table of finished runs: one row per run, steady-state means.
 
     Steps after the first ``warmup_steps`` (compilation, allocator growth) are averaged; loss is
-    shown first -> last. With two runs a last row gives the first run's throughput over the
-    second's.
+    shown first -> last. With several runs, one row per later run gives the first run's
+    throughput over that run's.
     """
     import json
 
@@ -43,6 +43,8 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
     table = Table(title="uccl-ep-megatron train")
     for column in (
         "dispatcher",
+        "mode",
+        "FP8 dispatch",
         "experts",
         "GPUs",
         "tokens/s",
@@ -53,7 +55,7 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
         "combine ms dev/host",
         "loss first -> last",
     ):
-        table.add_column(column, justify="left" if column in ("dispatcher", "experts") else "right")
+        table.add_column(column, justify="left" if column in ("dispatcher", "mode", "experts") else "right")
     means = []
     for run_dir in run_dirs:
         records = read_jsonl(run_dir)  # raises when the run left no metrics.jsonl
@@ -64,6 +66,8 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
         means.append(m)
         table.add_row(
             str(config.get("dispatcher", "?")),
+            str(config.get("dispatch_mode", "?")),
+            "yes" if config.get("fp8_dispatch") else "no",
             str(config.get("experts", "?")),
             str(config.get("world_size", "?")),
             f"{m['tokens_per_s']:,.0f}",
@@ -74,10 +78,12 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
             _dev_host(m, "combine"),
             f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
         )
-    if len(means) == 2:
-        a, b = means
+    a = means[0]
+    for i, b in enumerate(means[1:], start=2):
         table.add_row(
-            "ratio (1st / 2nd)",
+            f"ratio (1st / {_ordinal(i)})",
+            "",
+            "",
             "",
             "",
             f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}",
@@ -91,13 +97,17 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
     return table
 
 
+def _ordinal(i: int) -> str:
+    return {2: "2nd", 3: "3rd"}.get(i, f"{i}th")
+
+
 def print_results(run_dirs: list[Path], warmup_steps: int = 3) -> None:
     """Print :func:`results_table` of ``run_dirs`` to stdout."""
     from rich.console import Console
 
     console = Console()
     if not console.is_terminal:  # a log file: no terminal width to fit, keep every column whole
-        console = Console(width=160)
+        console = Console(width=190)
     console.print(results_table([Path(d) for d in run_dirs], warmup_steps))
 
 

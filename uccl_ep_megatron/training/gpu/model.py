@@ -14,40 +14,85 @@ import torch
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
 # ---- experts ------------------------------------------------------------------------------
-EXPERT_PATHS = ("TEGroupedMLP", "GroupedMLP", "SequentialMLP")
+EXPERT_PATHS = ("TEGroupedMLP", "TorchGroupedMLP", "GroupedMLP", "SequentialMLP")
+#: The recipe value (``model.moe_experts``) that lets ``expert_path`` choose.
+AUTO_EXPERTS = "auto"
 
 
-def expert_path() -> tuple[str, str]:
-    """The fastest expert implementation megatron-core offers here, and why.
+def expert_path(requested: str | None = None) -> tuple[str, str]:
+    """The expert implementation to build, and why.
 
-    ``TEGroupedMLP`` (Transformer Engine's grouped GEMM) when Transformer Engine imports; else
-    megatron-core's legacy ``GroupedMLP`` where the release still has it (0.14-0.16, switch
-    ``moe_use_legacy_grouped_gemm``) and the ``grouped_gemm`` package is installed; else
-    ``SequentialMLP``, one GEMM pair per local expert, the slowest.
+    ``requested`` (a recipe's ``model.moe_experts``) is one of ``EXPERT_PATHS`` or ``auto``
+    (``None``). Auto picks the fastest one here: ``TEGroupedMLP`` (Transformer Engine's grouped
+    GEMM) when TE imports; else ``TorchGroupedMLP`` (PyTorch's grouped_mm, bf16) when it runs
+    on this GPU; else megatron-core's legacy ``GroupedMLP`` where the release still has it
+    (0.14-0.16) and ``grouped_gemm`` is installed; else ``SequentialMLP``, the slowest.
+
+    Raises:
+        InvalidInputError: an unknown name.
+        UnsupportedError: the requested path cannot run here (the message says why).
     """
+    if requested not in (None, AUTO_EXPERTS, *EXPERT_PATHS):
+        raise InvalidInputError(
+            f"model.moe_experts {requested!r}: use {AUTO_EXPERTS!r} or one of {list(EXPERT_PATHS)}"
+        )
+    missing = _missing_reasons()
+    if requested not in (None, AUTO_EXPERTS):
+        if missing.get(requested):
+            raise UnsupportedError(f"model.moe_experts {requested}: {missing[requested]}")
+        return requested, "chosen by the recipe (model.moe_experts)"
+    why = {
+        "TEGroupedMLP": "Transformer Engine is installed: its grouped GEMM",
+        "TorchGroupedMLP": "no Transformer Engine; PyTorch's grouped_mm runs here (bf16)",
+        "GroupedMLP": "no Transformer Engine or grouped_mm; megatron-core's legacy grouped GEMM",
+    }
+    for path in EXPERT_PATHS[:-1]:
+        if not missing.get(path):
+            return path, why[path]
+    return (
+        "SequentialMLP",
+        "one GEMM pair per local expert, the slowest path ("
+        + "; ".join(f"{p}: {missing[p]}" for p in EXPERT_PATHS[:-1])
+        + ")",
+    )
+
+
+def _missing_reasons() -> dict[str, str | None]:
+    """Expert path -> why it cannot run here (``None``: it can)."""
     import dataclasses
     import importlib.util
 
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return "TEGroupedMLP", "Transformer Engine is installed: its grouped GEMM"
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
+
+    te = importlib.util.find_spec("transformer_engine") is not None
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     legacy = "moe_use_legacy_grouped_gemm" in fields
-    if legacy and importlib.util.find_spec("grouped_gemm") is not None:
-        return "GroupedMLP", "no Transformer Engine; megatron-core's legacy grouped GEMM"
-    return (
-        "SequentialMLP",
-        "no Transformer Engine (and no legacy grouped_gemm): one GEMM pair per local expert, "
-        "the slowest path; install transformer-engine for TEGroupedMLP",
-    )
+    torch_why = "no CUDA GPU" if not torch.cuda.is_available() else grouped_mm_unavailable()
+    if legacy and importlib.util.find_spec("grouped_gemm") is None:
+        legacy_why = "the grouped_gemm package is not installed"
+    elif not legacy:
+        legacy_why = "gone from this megatron-core (0.17+)"
+    else:
+        legacy_why = None
+    return {
+        "TEGroupedMLP": None if te else "Transformer Engine is not installed",
+        "TorchGroupedMLP": torch_why,
+        "GroupedMLP": legacy_why,
+        "SequentialMLP": None,
+    }
 
 
 def expert_config(path: str) -> dict[str, Any]:
-    """``TransformerConfig`` fields that select ``path`` (one of ``EXPERT_PATHS``)."""
+    """``TransformerConfig`` fields that select ``path`` (one of ``EXPERT_PATHS``).
+
+    ``TorchGroupedMLP`` is not a megatron-core option: the config asks for ``SequentialMLP``'s
+    local spec and ``build_model`` swaps the experts' module in the spec.
+    """
     if path not in EXPERT_PATHS:
         raise InvalidInputError(f"expert path {path!r}: use one of {list(EXPERT_PATHS)}")
-    if path == "SequentialMLP":
+    if path in ("SequentialMLP", "TorchGroupedMLP"):
         return {"moe_grouped_gemm": False}
     if path == "GroupedMLP":
         import dataclasses
@@ -59,7 +104,7 @@ def expert_config(path: str) -> dict[str, Any]:
         }:
             raise UnsupportedError(
                 "GroupedMLP (legacy grouped GEMM) is gone from this megatron-core (0.17+): use "
-                "TEGroupedMLP (Transformer Engine) or SequentialMLP"
+                "TorchGroupedMLP, TEGroupedMLP (Transformer Engine) or SequentialMLP"
             )
         return {"moe_grouped_gemm": True, "moe_use_legacy_grouped_gemm": True}
     return {"moe_grouped_gemm": True}
@@ -209,9 +254,10 @@ def _patch_mla_core_attention(layer_specs) -> None:
             sub.core_attention = local_mla
 
 
-def build_model(recipe, config):
+def build_model(recipe, config, experts: str | None = None):
     """``GPTModel`` (and MTP when the recipe has it): Transformer Engine's layer specs when it
-    is installed, the local ones otherwise."""
+    is installed, the local ones otherwise; ``experts="TorchGroupedMLP"`` puts the grouped_mm
+    experts into every MoE layer (MTP's included)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
@@ -225,6 +271,10 @@ def build_model(recipe, config):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
     if m.get("multi_latent_attention") and not use_te:
         _patch_mla_core_attention(block.layer_specs)
+    if experts == "TorchGroupedMLP":
+        from uccl_ep_megatron.token_dispatcher.grouped_experts import use_grouped_experts
+
+        use_grouped_experts(block)
     mtp = None
     if m.get("mtp_num_layers"):
         mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te)
@@ -243,6 +293,7 @@ def build_model(recipe, config):
 
 
 __all__ = [
+    "AUTO_EXPERTS",
     "EXPERT_PATHS",
     "build_model",
     "expert_config",
