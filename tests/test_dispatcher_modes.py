@@ -256,6 +256,7 @@ def w_configured_by_arguments(rank, world):
     from uccl_ep_megatron.token_dispatcher.buffer_cache import BufferCache
 
     from uccl_ep_megatron.api.buffer import Buffer
+    from uccl_ep_megatron.core.options import BufferOptions
 
     before_sms, before_env = Buffer.num_sms, dict(os.environ)
     options = UcclEpOptions(backend="reference", num_sms=8, num_proxy_threads=3, transport="ipc")
@@ -269,7 +270,7 @@ def w_configured_by_arguments(rank, world):
     assert Buffer.num_sms == before_sms
     assert dict(os.environ) == before_env
     assert d1.dispatch_config.num_sms == d1.combine_config.num_sms == 8
-    assert options.env() == {"UCCL_EP_NUM_PROXY_THREADS": "3", "UCCL_EP_TRANSPORT": "ipc"}
+    assert options.buffer_options() == BufferOptions(num_proxy_threads=3, transport="ipc")
     x, rm, p = _inputs(1, rank, world, 1, TOKENS, torch.float32)
     for d in (d1, d2, d3):
         _run_layer(d, x, rm, p, 1, 0)

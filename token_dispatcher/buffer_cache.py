@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.api.buffer import Buffer
 from uccl_ep_megatron.core.config import Config, default_combine_config, default_dispatch_config
+from uccl_ep_megatron.core.options import BufferOptions
 
 
 def configs(num_ranks: int, num_sms: int) -> tuple[Config, Config]:
@@ -44,20 +45,26 @@ class BufferCache:
     """Maps a process group to the ``Buffer`` its layers share."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[int, str | None], Buffer] = {}
+        self._buffers: dict[tuple[int, str | None, BufferOptions | None], Buffer] = {}
         self._lock = threading.Lock()
 
     def get(
-        self, group: dist.ProcessGroup, hidden_bytes: int, backend: str | None, num_sms: int
+        self,
+        group: dist.ProcessGroup,
+        hidden_bytes: int,
+        backend: str | None,
+        num_sms: int,
+        options: BufferOptions | None = None,
     ) -> Buffer:
-        """A ``Buffer`` over ``group`` large enough for rows of ``hidden_bytes``.
+        """A ``Buffer`` over ``group`` large enough for rows of ``hidden_bytes``, made with
+        ``options`` (the plugin's proxy knobs) when it has to be made.
 
         Creating a ``Buffer`` is collective: every rank of ``group`` must ask for the same
         ``hidden_bytes`` at the same point, which holds for the layers of one model.
         """
         num_ranks = dist.get_world_size(group)
         nvl, rdma = required_bytes(num_ranks, hidden_bytes, num_sms)
-        key = (id(group), backend)
+        key = (id(group), backend, options)
         with self._lock:
             buf = self._buffers.get(key)
             if (
@@ -66,7 +73,7 @@ class BufferCache:
                 or buf.num_nvl_bytes < nvl
                 or buf.num_rdma_bytes < rdma
             ):
-                buf = Buffer(group, nvl, rdma, backend=backend)
+                buf = Buffer(group, nvl, rdma, backend=backend, options=options)
                 self._buffers[key] = buf
             return buf
 

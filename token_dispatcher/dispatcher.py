@@ -329,6 +329,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             hidden_bytes_of(hidden_states),
             self.options.backend,
             self.options.num_sms,
+            self.options.buffer_options(),
         )
         self.fused = fused_available(hidden_states.device)
         worst = self._sync_free_sizes(self.num_tokens)[1] if self.mode == SYNC_FREE else 0

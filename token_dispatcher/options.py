@@ -7,9 +7,8 @@ plugin's command-line flags and ``megatron_plugin.install(...)`` write them, eac
 set of options per process is enough.
 
 Nothing here touches the environment: ``num_sms`` reaches the kernels through the ``Config``
-each dispatcher passes to ``Buffer.dispatch``/``combine``; the two options the C++ proxy reads
-from its environment registry (``ENV_OPTIONS``) are exported by the plugin's process setup
-(``megatron_plugin.apply_process_env``), the application's one place that owns the environment.
+each dispatcher passes to ``Buffer.dispatch``/``combine``; the proxy's knobs
+(``BUFFER_OPTIONS``) reach the ``Buffer`` the dispatcher makes as ``BufferOptions``.
 """
 
 from __future__ import annotations
@@ -19,11 +18,12 @@ import math
 from dataclasses import dataclass
 
 from uccl_ep_megatron.core.errors import InvalidInputError
+from uccl_ep_megatron.core.options import BufferOptions
 
 BACKENDS = ("auto", "kernels", "reference")
 TRANSPORTS = ("auto", "verbs", "ipc")
-# Options the C++ core reads from the environment: option name -> variable.
-ENV_OPTIONS = {"num_proxy_threads": "UCCL_EP_NUM_PROXY_THREADS", "transport": "UCCL_EP_TRANSPORT"}
+# Options that are BufferOptions fields too: they reach the Buffer the dispatcher makes.
+BUFFER_OPTIONS = ("num_proxy_threads", "transport")
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,15 @@ class UcclEpOptions:
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name}={getattr(self, name)!r}: must be True or False")
 
-    def env(self) -> dict[str, str]:
-        """The environment variables these options set for the C++ core (unset ones left out)."""
-        return {
-            variable: str(getattr(self, option))
-            for option, variable in ENV_OPTIONS.items()
-            if getattr(self, option) is not None
-        }
+    def buffer_options(self) -> BufferOptions:
+        """The ``Buffer`` knobs these options set (unset ones: the environment's values)."""
+        return BufferOptions(
+            **{
+                option: getattr(self, option)
+                for option in BUFFER_OPTIONS
+                if getattr(self, option) is not None
+            }
+        )
 
 
 _options = UcclEpOptions()

@@ -10,9 +10,10 @@
    ``--moe-token-dispatcher-type`` accepts ``uccl_ep`` and the dispatcher's own flags exist;
    without Megatron-LM's training package, a parser that defines the flag gets them through a
    wrapped argparse ``add_argument`` (``arguments`` says more). The flags:
-   ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``, ``--moe-uccl-ep-backend``, ``--moe-uccl-ep-metrics``, ``--moe-uccl-ep-capacity-factor``,
-   ``--moe-uccl-ep-drop-log-interval``,
-   ``--moe-uccl-ep-grouped-experts``, ``--moe-uccl-ep-fp8-dispatch``.
+   ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``, ``--moe-uccl-ep-backend``,
+   ``--moe-uccl-ep-metrics``, ``--moe-uccl-ep-capacity-factor``,
+   ``--moe-uccl-ep-drop-log-interval``, ``--moe-uccl-ep-grouped-experts``,
+   ``--moe-uccl-ep-fp8-dispatch``.
 3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
    ``uccl_ep``. Its constructor branches on the type string and rejects unknown values, so
    for such a layer the ``flex`` branch is pointed at our class for the duration of the call.
@@ -40,14 +41,12 @@ megatron-core patches (1., 3.).
 from __future__ import annotations
 
 import logging
-import os
 
 from uccl_ep_megatron.megatron_plugin.arguments import (
     ARG_OPTIONS,
     _install_arguments,
     _uninstall_arguments,
     add_arguments,
-    apply_process_env,
     options_from_megatron_args,
 )
 from uccl_ep_megatron.megatron_plugin.model import (
@@ -70,7 +69,6 @@ from uccl_ep_megatron.megatron_plugin.versions import (
     megatron_core_version,
 )
 from uccl_ep_megatron.token_dispatcher.options import (
-    ENV_OPTIONS,
     get_options,
     restore_options,
     set_options,
@@ -174,14 +172,13 @@ def install(
     with _lock:
         before = set(_state)
         saved_options = get_options()
-        saved_env = {name: os.environ.get(name) for name in ENV_OPTIONS.values()}
         compat = None
         if deep_ep_compat:
             import uccl_ep_megatron.deep_ep_compat as compat
         compat_was_installed = compat is not None and compat.is_installed()
         try:
             if changes:
-                apply_process_env(set_options(**changes))
+                set_options(**changes)
             if compat is not None:
                 compat.install()
             _install_arguments()
@@ -189,11 +186,6 @@ def install(
         except BaseException:
             _undo(set(_state) - before)
             restore_options(saved_options)
-            for name, value in saved_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
             if compat is not None and not compat_was_installed:
                 compat.uninstall()
             raise
@@ -216,7 +208,6 @@ __all__ = [
     "DISPATCHER_TYPE",
     "TESTED_VERSIONS",
     "UntestedVersionWarning",
-    "apply_process_env",
     "buffer_cache",
     "check_version",
     "get_options",

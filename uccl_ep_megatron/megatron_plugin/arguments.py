@@ -18,7 +18,6 @@ import functools
 import importlib.abc
 import importlib.util
 import inspect
-import os
 import sys
 from typing import Any
 
@@ -43,18 +42,10 @@ class _OptionAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         value = True if self.nargs == 0 else values
         try:
-            apply_process_env(set_options(**{self.option: value}))
+            set_options(**{self.option: value})
         except InvalidInputError as exc:
             raise argparse.ArgumentError(self, str(exc)) from None
         setattr(namespace, self.dest, value)
-
-
-def apply_process_env(options: UcclEpOptions) -> None:
-    """Export the options the C++ proxy reads from its environment registry
-    (``UCCL_EP_NUM_PROXY_THREADS``, ``UCCL_EP_TRANSPORT``): the plugin configures the training
-    process from its flags, before any ``Buffer`` exists. The dispatcher itself never writes
-    the environment."""
-    os.environ.update(options.env())
 
 
 def _plugin_flags() -> list[tuple[str, dict[str, Any]]]:

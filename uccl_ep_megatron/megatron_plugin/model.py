@@ -13,7 +13,6 @@ from typing import Any
 
 from uccl_ep_megatron.megatron_plugin.arguments import (
     _megatron_lm_args,
-    apply_process_env,
     options_from_megatron_args,
 )
 from uccl_ep_megatron.megatron_plugin.state import (
@@ -132,7 +131,7 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
         if megatron_args is not None:
             changes = options_from_megatron_args(megatron_args)
             if changes:
-                apply_process_env(set_options(**changes))
+                set_options(**changes)
         args, kwargs = _with_grouped_experts(args, kwargs)
         if getattr(config, _DEST, None) != DISPATCHER_TYPE:
             original_init(self, config, *args, **kwargs)
