@@ -256,8 +256,11 @@ def test_num_worst_tokens_too_small_on_one_rank(pool2):
 
 
 # ---- a rank that never arrives: bounded by UCCL_EP_TIMEOUT_MS ------------------------------
+_kept = []  # Buffers a rank keeps alive while the others time out
+
+
 def w_absent_rank(rank, world, case):
-    from uccl_ep_megatron.core.errors import CommTimeoutError
+    from uccl_ep_megatron.core.errors import CommTimeoutError, UcclEpError
 
     buf = _buffer(world)
     inp = _inputs(rank, world)
@@ -265,24 +268,46 @@ def w_absent_rank(rank, world, case):
     if rank == 1:  # destroys its Buffer, or skips the backward combine the others run
         if case == "destroy":
             buf.destroy()
+        else:
+            _kept.append(buf)
+        _group_still_works(world)
         return None
-    msg, dt = _raises(CommTimeoutError, lambda: buf.combine(recv_x, handle))
+    expected = CommTimeoutError if case == "backward_on_some_ranks" else UcclEpError
+    msg, dt = _raises(expected, lambda: buf.combine(recv_x, handle))
+    _group_still_works(world)
     return msg, dt
 
 
-@pytest.mark.parametrize("case", ["destroy", "backward_on_some_ranks"])
-def test_a_rank_that_never_arrives_times_out_in_bounded_time(case):
+def _group_still_works(world):
+    """The process group is not affected: a collective on it still works."""
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    assert t.item() == world
+
+
+def test_a_rank_that_never_arrives_times_out_in_bounded_time():
     from dist_utils import DistPool
 
     pool = DistPool(2)  # its own ranks: rank 0's abandoned collective must not meet other tests
     try:
-        outs = pool.run(HERE, "w_absent_rank", case, env={"UCCL_EP_TIMEOUT_MS": "1500"})
+        outs = pool.run(
+            HERE, "w_absent_rank", "backward_on_some_ranks", env={"UCCL_EP_TIMEOUT_MS": "1500"}
+        )
     finally:
         pool.close()
     msg, dt = outs[0]
     assert 1.4 < dt < 10, dt
-    assert msg.startswith("rank 0: the call-header exchange of combine #2 did not complete "), msg
-    assert "UCCL_EP_TIMEOUT_MS=1500" in msg
+    assert msg.startswith("rank 0: the call-header exchange of combine #2 (Buffer #"), msg
+    assert "did not complete within UCCL_EP_TIMEOUT_MS=1500 ms: rank 1 (not in any call" in msg
+    assert "the process group is not affected" in msg
+
+
+def test_a_rank_that_destroyed_its_buffer_is_named_at_once(pool2):
+    """Its Buffer's channel closes; the peer waiting in a call learns why from the store."""
+    outs = pool2.run(HERE, "w_absent_rank", "destroy", env={"UCCL_EP_TIMEOUT_MS": "20000"})
+    msg, dt = outs[0]
+    assert dt < FAST_S, dt
+    assert "combine #2 cannot complete: rank 1 destroyed its Buffer #" in msg, msg
 
 
 # ---- layout tensors are checked against topk_idx --------------------------------------------

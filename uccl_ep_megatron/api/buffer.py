@@ -21,12 +21,17 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.api.calls import CallAgreement, worst_of
 from uccl_ep_megatron.api.streams import CommStream, cached_outputs, dispatch_outputs
-from uccl_ep_megatron.api.topology import detect_placement, group_device, sm_budget
+from uccl_ep_megatron.api.topology import detect_placement, group_device, meet, sm_budget
 from uccl_ep_megatron.api.validation import ArgumentChecks, XType
 from uccl_ep_megatron.backends import create_backend
 from uccl_ep_megatron.backends.agreement import KIND_CACHED, KIND_COMBINE, KIND_DISPATCH
 from uccl_ep_megatron.backends.base import DispatchHandle, DispatchResult, Topology
-from uccl_ep_megatron.core.config import Config, default_combine_config, default_dispatch_config
+from uccl_ep_megatron.core.config import (
+    Config,
+    default_combine_config,
+    default_dispatch_config,
+    effective_env,
+)
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.core.events import EventOverlap
 from uccl_ep_megatron.core.events import capture as _capture
@@ -135,7 +140,11 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         if device_index is None:
             cuda = self.device.type == "cuda"
             device_index = torch.cuda.current_device() if cuda else -1
-        ranks_per_node, sharers = detect_placement(self.group, self.device)
+        # Reading the registry validates it: a bad UCCL_EP_* value raises before any exchange.
+        timeout_ms = int(effective_env()["UCCL_EP_TIMEOUT_MS"])
+        # The bounded construction exchange, and the channel of this Buffer's collectives.
+        self.comm = meet(self.group, self.device, timeout_ms)
+        ranks_per_node, sharers = detect_placement(self.comm.peers, self.rank, self.device)
         self.topology = Topology(self.rank, self.group_size, ranks_per_node)
         # Ranks sharing this GPU (under CUDA MPS) run their kernels side by side, and the
         # kernels of all ranks must be resident at once (they wait on each other).
@@ -144,6 +153,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         self._backend = create_backend(
             backend_name, self.group, self.topology, self.device, num_nvl_bytes, num_rdma_bytes
         )
+        self._backend.comm = self.comm
         if (
             self._backend.name == "reference"
             and self.device.type == "cuda"
@@ -250,7 +260,10 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
     def _release(self, collective: bool) -> None:
         if not self._destroyed:
             self._destroyed = True
-            self._backend.destroy(collective)
+            try:
+                self._backend.destroy(collective)
+            finally:
+                self.comm.close()
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True) and not getattr(self, "_destroyed", True):
