@@ -193,6 +193,7 @@ class BufferGroup:
         except BaseException as exc:
             if not self.broken:
                 self._give_up(_reason(self.rank, what, call, exc, self.timeout_ms))
+            self._abandon()
             raise
         finally:
             if posted:
@@ -266,9 +267,10 @@ class BufferGroup:
     def _diagnose(self, what: str, call: str) -> UcclEpError | None:
         key = self.prefix + "/broken"
         if self.store.check([key]):
-            reason = self.store.get(key).decode()
+            cls_name, reason = self.store.get(key).decode().split("|", 1)
             self.broken = reason
-            return UcclEpError(
+            cls = InvalidInputError if cls_name == "InvalidInputError" else UcclEpError
+            return cls(
                 f"rank {self.rank}: {what} of {call} cannot complete: {reason}. This Buffer is "
                 f"unusable; {self._advice()}"
             )
@@ -279,14 +281,19 @@ class BufferGroup:
                 f"(their processes are gone). This Buffer is unusable; {self._advice()}"
             )
         elsewhere = {r: w for r, w in self._waiting().items() if w[0] != self.buffer_id}
-        if elsewhere:
-            where = "; ".join(f"rank {r} waits in {c} of Buffer #{b}" for r, (b, c) in elsewhere.items())
-            return InvalidInputError(
-                f"rank {self.rank} waits in {call} of Buffer #{self.buffer_id} while {where}: "
-                "the ranks call their Buffers in different orders. Every rank must call the "
-                f"Buffers of a group in the same order. This Buffer is unusable; {self._advice()}"
-            )
-        return None
+        if not elsewhere:
+            return None
+        where = "; ".join(f"rank {r} waits in {c} of Buffer #{b}" for r, (b, c) in elsewhere.items())
+        reason = (
+            f"rank {self.rank} waits in {call} of Buffer #{self.buffer_id} while {where}: the "
+            "ranks call their Buffers in different orders. Every rank must call the Buffers of "
+            "a group in the same order"
+        )
+        # The peers may stop waiting before they look: tell them through their Buffers too.
+        for b in {b for b, _ in elsewhere.values()}:
+            self._mark_broken(f"{self.prefix.rsplit('/', 1)[0]}/buffer{b}", reason, "InvalidInputError")
+        self._give_up(reason, "InvalidInputError")
+        return InvalidInputError(f"{reason}. This Buffer is unusable; {self._advice()}")
 
     def _timed_out(self, what: str, call: str) -> CommTimeoutError:
         here = self._waiting()
@@ -303,19 +310,26 @@ class BufferGroup:
             f"unusable; {self._advice()}"
         )
 
-    def _give_up(self, reason: str) -> None:
+    def _give_up(self, reason: str, cls_name: str = "UcclEpError") -> None:
         """Mark this Buffer broken for every rank; a gloo group of its own is never used again."""
         self.broken = reason
-        try:
-            self.store.compare_set(self.prefix + "/broken", "", reason)
-        except Exception:  # noqa: BLE001 - peers then find out by their own timeout
-            pass
+        self._mark_broken(self.prefix, reason, cls_name)
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """This rank leaves a collective posted: never touch its group again."""
         if self._own:
             if self._pg is not None:
                 _ABANDONED.append(self._pg)
             self._pg = None
-        else:
-            _POISONED[_group_name(self.group)] = reason
+        elif self.broken:
+            _POISONED.setdefault(_group_name(self.group), self.broken)
+
+    def _mark_broken(self, prefix: str, reason: str, cls_name: str) -> None:
+        try:
+            self.store.compare_set(prefix + "/broken", "", f"{cls_name}|{reason}")
+        except Exception:  # noqa: BLE001 - peers then find out by their own timeout
+            pass
 
     def _advice(self) -> str:
         if self._own:
@@ -334,10 +348,7 @@ class BufferGroup:
         still in a call of this Buffer then fail at once, and read why here."""
         if not self.broken and not sys.is_finalizing():
             self.broken = f"rank {self.rank} destroyed its Buffer #{self.buffer_id}"
-            try:
-                self.store.compare_set(self.prefix + "/broken", "", self.broken)
-            except Exception:  # noqa: BLE001 - at interpreter exit the store may be gone
-                pass
+            self._mark_broken(self.prefix, self.broken, "UcclEpError")
         self._pg = None
 
 
