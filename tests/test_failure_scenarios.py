@@ -87,7 +87,9 @@ def _dispatch(buf, rank, world, seed=1):
 
 def _round_trip_ok(buf, rank, world, seed=7):
     """A dispatch whose every output matches an independent oracle, and its combine."""
-    inputs = [make_inputs(seed, r, world, 9, HIDDEN, EPR * world, TOPK, "random") for r in range(world)]
+    inputs = [
+        make_inputs(seed, r, world, 9, HIDDEN, EPR * world, TOPK, "random") for r in range(world)
+    ]
     exp = expected_for(rank, world, inputs, EPR * world)
     recv_x, recv_idx, recv_w, counts, handle, _ = _dispatch(buf, rank, world, seed)
     assert torch.equal(recv_x, exp.recv_x)
@@ -164,7 +166,10 @@ def s_interrupted(rank, world):
 
 def test_ctrl_c_in_a_call_is_reported_to_the_peer_and_aborts_nothing():
     outs, _ = run_ranks("s_interrupted", 2, {"UCCL_EP_TIMEOUT_MS": "20000"})
-    assert "rank 0 was interrupted (KeyboardInterrupt) in the call-header exchange of dispatch #1" in outs[1]
+    assert (
+        "rank 0 was interrupted (KeyboardInterrupt) in the call-header exchange of dispatch #1"
+        in outs[1]
+    )
 
 
 # ---- 3. a rank that never constructs its Buffer -----------------------------------------------
@@ -244,5 +249,8 @@ def test_the_call_header_names_the_buffer():
         encode_row(CallHeader(kind=KIND_DISPATCH, seq=1, buffer=b), 2, torch.device("cpu")).tolist()
         for b in (1, 2)
     ]
-    with pytest.raises(InvalidInputError, match=r"rank 0 in dispatch #1 of Buffer #1, rank 1 in dispatch #1 of Buffer #2"):
+    with pytest.raises(
+        InvalidInputError,
+        match=r"rank 0 in dispatch #1 of Buffer #1, rank 1 in dispatch #1 of Buffer #2",
+    ):
         Agreement.decode(rows).check("dispatch #1")

@@ -240,8 +240,22 @@ def _verdict_cases():
         checks,
         (2, 41),
     )
-    yield "worst_overflow", [ok] * world, [[1, 2, 3, 14]] * world, tokens, checks, (3, 56),
-    yield "worst_tokens", [ok] * world, counts, [10, 41, 10, 10], checks, (1, 41),
+    yield (
+        "worst_overflow",
+        [ok] * world,
+        [[1, 2, 3, 14]] * world,
+        tokens,
+        checks,
+        (3, 56),
+    )
+    yield (
+        "worst_tokens",
+        [ok] * world,
+        counts,
+        [10, 41, 10, 10],
+        checks,
+        (1, 41),
+    )
     comb = CallHeader(kind=KIND_COMBINE, seq=5, dtype=1, hidden=256, handle_seq=3)
     zero = [[0] * world] * world
     yield "combine_ok", [comb] * world, zero, [0] * world, [[0, 8, 9]] * world, None

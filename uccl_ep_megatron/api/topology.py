@@ -72,9 +72,13 @@ def meet(group: dist.ProcessGroup, device: torch.device, timeout_ms: int) -> Buf
     keys = [f"{prefix}/peer/{r}" for r in range(size)]
     arrived = bounded(timeout_ms, lambda: store.check(keys))
     missing = [] if arrived else [r for r, k in enumerate(keys) if not store.check([k])]
-    verdict = "ok" if arrived else (
-        f"rank {rank} gave up after UCCL_EP_TIMEOUT_MS={timeout_ms} ms waiting for rank(s) "
-        f"{missing} to construct Buffer #{number} of the group"
+    verdict = (
+        "ok"
+        if arrived
+        else (
+            f"rank {rank} gave up after UCCL_EP_TIMEOUT_MS={timeout_ms} ms waiting for rank(s) "
+            f"{missing} to construct Buffer #{number} of the group"
+        )
     )
     outcome = store.compare_set(f"{prefix}/outcome", "", verdict).decode()
     if outcome != "ok":

@@ -105,6 +105,13 @@ def _init_single_rank(device: int) -> None:
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Build the layers, time them; one row per variant."""
     import torch
+
+    # Before megatron-core's import, whose warnings would bury the one line saying why.
+    variants = _variants(args.variants)
+    if not torch.cuda.is_available():
+        from uccl_ep_megatron.core.errors import UnsupportedError
+
+        raise UnsupportedError("bench layer needs a CUDA GPU")
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -118,11 +125,6 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     from uccl_ep_megatron.token_dispatcher.options import get_options, restore_options, set_options
 
-    variants = _variants(args.variants)
-    if not torch.cuda.is_available():
-        from uccl_ep_megatron.core.errors import UnsupportedError
-
-        raise UnsupportedError("bench layer needs a CUDA GPU")
     _init_single_rank(args.device)
     megatron_plugin.install(backend=args.backend)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
+from pathlib import Path
 
-from uccl_ep_megatron.core.errors import UcclEpError
+from uccl_ep_megatron.cli.app import positive_int
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 
 def _seconds(text: str) -> float:
@@ -38,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["uccl_ep", "alltoall"],
         help="MoE token dispatcher (default: the recipe's, uccl_ep)",
     )
-    p.add_argument("--iters", type=int, help="training iterations (default: the recipe's)")
+    p.add_argument("--iters", type=positive_int, help="training iterations (default: the recipe's)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -50,13 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     p.add_argument("--run-dir", help="run directory (default: runs/<recipe>-<dispatcher>-...)")
     p.add_argument("--checkpoint-dir", help="checkpoint directory (default: RUN_DIR/checkpoints)")
-    p.add_argument("--save-interval", type=int, help="iterations between checkpoints")
+    p.add_argument("--save-interval", type=positive_int, help="iterations between checkpoints")
     p.add_argument(
         "--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints"
     )
     p.add_argument("--wandb-project", help="wandb project (turns wandb online)")
     p.add_argument("--no-wandb", dest="use_wandb", action="store_false", help="JSONL only")
-    p.add_argument("--gpus", type=int, help="local GPUs to use (default: all)")
+    p.add_argument("--gpus", type=positive_int, help="local GPUs to use (default: all)")
     p.add_argument(
         "--cpu-smoke", action="store_true", help="run the CPU smoke even when GPUs are present"
     )
@@ -96,31 +97,45 @@ def _list_recipes() -> int:
     return 0
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before anything starts (and before ranks are spawned, whose
+    tracebacks would bury the reason)."""
+    from uccl_ep_megatron.core.config import effective_env
+
+    effective_env()  # a UCCL_EP_* value the library rejects, named once here
+    recipe = args.recipe
+    if recipe and recipe.endswith((".yaml", ".yml")) and not Path(recipe).is_file():
+        raise InvalidInputError(
+            f"--recipe {recipe}: file not found; pass an existing YAML file or a recipe name "
+            "(uccl-ep-megatron train --list-recipes)"
+        )
+    for flag, value in (("--run-dir", args.run_dir), ("--checkpoint-dir", args.checkpoint_dir)):
+        if value and Path(value).exists() and not Path(value).is_dir():
+            raise InvalidInputError(f"{flag} {value} is a file; give a directory")
+
+
 def handle(args: argparse.Namespace) -> int:
     from uccl_ep_megatron.training.job import TrainOptions, run
 
-    try:
-        if args.list_recipes:
-            return _list_recipes()
-        opts = TrainOptions(
-            recipe=args.recipe,
-            overrides=args.overrides,
-            dispatcher=args.dispatcher,
-            iters=args.iters,
-            data_path=args.data_path,
-            run_dir=args.run_dir,
-            checkpoint_dir=args.checkpoint_dir,
-            save_interval=args.save_interval,
-            resume=args.resume,
-            wandb_project=args.wandb_project,
-            use_wandb=args.use_wandb,
-            gpus=args.gpus,
-            cpu_smoke=args.cpu_smoke,
-            timeout_s=args.timeout_s,
-            compare=args.compare,
-            peak_tflops=args.peak_tflops,
-        )
-        return run(opts)
-    except UcclEpError as exc:
-        print(f"uccl-ep-megatron train: error: {exc}", file=sys.stderr)
-        return 2
+    if args.list_recipes:
+        return _list_recipes()
+    check_args(args)
+    opts = TrainOptions(
+        recipe=args.recipe,
+        overrides=args.overrides,
+        dispatcher=args.dispatcher,
+        iters=args.iters,
+        data_path=args.data_path,
+        run_dir=args.run_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        save_interval=args.save_interval,
+        resume=args.resume,
+        wandb_project=args.wandb_project,
+        use_wandb=args.use_wandb,
+        gpus=args.gpus,
+        cpu_smoke=args.cpu_smoke,
+        timeout_s=args.timeout_s,
+        compare=args.compare,
+        peak_tflops=args.peak_tflops,
+    )
+    return run(opts)

@@ -283,7 +283,9 @@ class BufferGroup:
         elsewhere = {r: w for r, w in self._waiting().items() if w[0] != self.buffer_id}
         if not elsewhere:
             return None
-        where = "; ".join(f"rank {r} waits in {c} of Buffer #{b}" for r, (b, c) in elsewhere.items())
+        where = "; ".join(
+            f"rank {r} waits in {c} of Buffer #{b}" for r, (b, c) in elsewhere.items()
+        )
         reason = (
             f"rank {self.rank} waits in {call} of Buffer #{self.buffer_id} while {where}: the "
             "ranks call their Buffers in different orders. Every rank must call the Buffers of "
@@ -291,16 +293,20 @@ class BufferGroup:
         )
         # The peers may stop waiting before they look: tell them through their Buffers too.
         for b in {b for b, _ in elsewhere.values()}:
-            self._mark_broken(f"{self.prefix.rsplit('/', 1)[0]}/buffer{b}", reason, "InvalidInputError")
+            self._mark_broken(
+                f"{self.prefix.rsplit('/', 1)[0]}/buffer{b}", reason, "InvalidInputError"
+            )
         self._give_up(reason, "InvalidInputError")
         return InvalidInputError(f"{reason}. This Buffer is unusable; {self._advice()}")
 
     def _timed_out(self, what: str, call: str) -> CommTimeoutError:
         here = self._waiting()
-        missing = [r for r in range(self.size) if r != self.rank and here.get(r, (0, ""))[1] != call]
+        missing = [
+            r for r in range(self.size) if r != self.rank and here.get(r, (0, ""))[1] != call
+        ]
+        nowhere = "not in any call of this group"
         detail = ", ".join(
-            f"rank {r} ({'waits in ' + here[r][1] if r in here else 'not in any call of this group'})"
-            for r in missing
+            f"rank {r} ({'waits in ' + here[r][1] if r in here else nowhere})" for r in missing
         )
         return CommTimeoutError(
             f"rank {self.rank}: {what} of {call} (Buffer #{self.buffer_id}) did not complete "

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.backends.agreement import (
     KIND_DISPATCH,
-    CallHeader,
     VERDICTS,
+    CallHeader,
     device_verdict,
     timeout_error,
     verdict_message,
@@ -70,7 +70,8 @@ class CallHeaderExchange:
             # A rank that passed num_worst_tokens > 0 checks on the GPU and skips the call.
             rank = next(i for i, r in enumerate(rows) if r[_W_FIELD] != rows[0][_W_FIELD])
             raise InvalidInputError(
-                f"{call}: " + verdict_message(VERDICTS.index("worst_differs") + 1, rank, rows[rank][_W_FIELD])
+                f"{call}: "
+                + verdict_message(VERDICTS.index("worst_differs") + 1, rank, rows[rank][_W_FIELD])
             )
         return rows
 
