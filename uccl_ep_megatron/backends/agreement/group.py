@@ -181,6 +181,11 @@ class BufferGroup:
         deadline = time.monotonic() + self.timeout_ms / 1e3
         posted = False
         try:
+            if self._cuda:
+                # NCCL orders the current stream after the collective; the host polls an event.
+                work.wait()
+                work = torch.cuda.Event()
+                work.record()
             while not self._wait_slice(work, min(_SLICE_S, self.timeout_ms / 1e3), what, call):
                 if not posted:
                     self._post_waiting(call)
@@ -192,7 +197,8 @@ class BufferGroup:
                     raise problem
         except BaseException as exc:
             if not self.broken:
-                self._give_up(_reason(self.rank, what, call, exc, self.timeout_ms))
+                cls = "PeerLost" if getattr(exc, "peer_lost", False) else "UcclEpError"
+                self._give_up(_reason(self.rank, what, call, exc, self.timeout_ms), cls)
             self._abandon()
             raise
         finally:
@@ -200,15 +206,11 @@ class BufferGroup:
                 self._clear_waiting()
 
     def _wait_slice(self, work: Any, seconds: float, what: str, call: str) -> bool:
-        """One slice of the wait: ``True`` once the collective completed."""
+        """One slice of the wait: ``True`` once the collective (or, over NCCL, the event
+        recorded after it) completed."""
         if self._cuda:
-            # NCCL orders the current stream after the collective; the host polls an event.
-            if not getattr(work, "_uccl_ep_event", None):
-                work.wait()
-                work._uccl_ep_event = torch.cuda.Event()
-                work._uccl_ep_event.record()
             end = time.monotonic() + seconds
-            while not work._uccl_ep_event.query():
+            while not work.query():
                 if time.monotonic() > end:
                     return False
                 time.sleep(50e-6)
@@ -223,14 +225,25 @@ class BufferGroup:
 
     def _failed(self, what: str, call: str, error: BaseException) -> UcclEpError:
         """The collective failed: a peer's connection closed. Say which rank and why."""
+        # A peer's sockets close while its process is torn down, a moment before the process
+        # is gone from the process table: give a same-host peer that moment.
+        # A peer that destroyed its Buffer says so in the store first (not a lost peer's guess).
+        bounded(1000, lambda: bool(self.dead_ranks()) or self._told(), sleep_s=0.01)
         known = self._diagnose(what, call)
         if known is not None:
             return known
-        return UcclEpError(
+        lost = UcclEpError(
             f"rank {self.rank}: {what} of {call} failed: a peer closed its connection (its "
             f"process exited on another host, or the host is unreachable): {error}. This Buffer "
             f"is unusable; {self._advice()}"
         )
+        lost.peer_lost = True  # what this rank tells the others is a guess: see _told
+        return lost
+
+    def _told(self) -> bool:
+        """A peer marked this Buffer broken for a reason it knows (not a lost connection)."""
+        key = self.prefix + "/broken"
+        return self.store.check([key]) and not self.store.get(key).startswith(b"PeerLost|")
 
     def dead_ranks(self) -> list[int]:
         """Ranks on this host whose process has exited."""
@@ -265,6 +278,12 @@ class BufferGroup:
         return out
 
     def _diagnose(self, what: str, call: str) -> UcclEpError | None:
+        dead = self.dead_ranks()  # the root cause when there is one
+        if dead:
+            return UcclEpError(
+                f"rank {self.rank}: {what} of {call} cannot complete: rank(s) {dead} exited "
+                f"(their processes are gone). This Buffer is unusable; {self._advice()}"
+            )
         key = self.prefix + "/broken"
         if self.store.check([key]):
             cls_name, reason = self.store.get(key).decode().split("|", 1)
@@ -273,12 +292,6 @@ class BufferGroup:
             return cls(
                 f"rank {self.rank}: {what} of {call} cannot complete: {reason}. This Buffer is "
                 f"unusable; {self._advice()}"
-            )
-        dead = self.dead_ranks()
-        if dead:
-            return UcclEpError(
-                f"rank {self.rank}: {what} of {call} cannot complete: rank(s) {dead} exited "
-                f"(their processes are gone). This Buffer is unusable; {self._advice()}"
             )
         elsewhere = {r: w for r, w in self._waiting().items() if w[0] != self.buffer_id}
         if not elsewhere:
