@@ -153,7 +153,7 @@ def test_log_level_spelling_is_the_same_for_doctor_and_the_cli():
 # ---- train, launch, bench -------------------------------------------------------------------
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_train_gpus_must_be_positive(value):
-    assert_one_line_error(cli("train", "--gpus", value), "--gpus", "give 1 or more")
+    assert_one_line_error(cli("train", "--gpus", value), f"--gpus {value}: give 1 or more")
 
 
 def test_train_recipe_file_not_found():

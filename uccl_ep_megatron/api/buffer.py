@@ -46,7 +46,12 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
 
     Args:
         group: the EP process group (``None`` = the default group). Every rank of it must
-            construct the ``Buffer`` (the constructor is collective).
+            construct the ``Buffer`` (the constructor is collective, bounded by
+            ``UCCL_EP_TIMEOUT_MS``: a rank that does not arrive is named in a
+            ``CommTimeoutError`` on the others). Over gloo the Buffer runs its collectives on
+            a group of its own, so a call that times out or is interrupted breaks only this
+            Buffer, never ``group``; over NCCL it marks ``group`` unusable (see
+            ``backends/agreement/group.py``).
         num_nvl_bytes: NVLink/xGMI buffer bytes; at least
             ``Buffer.get_dispatch_config(n).get_nvl_buffer_size_hint(hidden_bytes, n)``
             (and the combine hint) for the largest hidden size used.

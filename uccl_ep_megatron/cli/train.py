@@ -6,7 +6,6 @@ import argparse
 import math
 from pathlib import Path
 
-from uccl_ep_megatron.cli.app import positive_int
 from uccl_ep_megatron.core.errors import InvalidInputError
 
 
@@ -39,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["uccl_ep", "alltoall"],
         help="MoE token dispatcher (default: the recipe's, uccl_ep)",
     )
-    p.add_argument("--iters", type=positive_int, help="training iterations (default: the recipe's)")
+    p.add_argument("--iters", type=int, help="training iterations (default: the recipe's)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -51,13 +50,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin/.idx)")
     p.add_argument("--run-dir", help="run directory (default: runs/<recipe>-<dispatcher>-...)")
     p.add_argument("--checkpoint-dir", help="checkpoint directory (default: RUN_DIR/checkpoints)")
-    p.add_argument("--save-interval", type=positive_int, help="iterations between checkpoints")
+    p.add_argument("--save-interval", type=int, help="iterations between checkpoints")
     p.add_argument(
         "--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints"
     )
     p.add_argument("--wandb-project", help="wandb project (turns wandb online)")
     p.add_argument("--no-wandb", dest="use_wandb", action="store_false", help="JSONL only")
-    p.add_argument("--gpus", type=positive_int, help="local GPUs to use (default: all)")
+    p.add_argument("--gpus", type=int, help="local GPUs to use (default: all)")
     p.add_argument(
         "--cpu-smoke", action="store_true", help="run the CPU smoke even when GPUs are present"
     )
@@ -103,6 +102,8 @@ def check_args(args: argparse.Namespace) -> None:
     from uccl_ep_megatron.core.config import effective_env
 
     effective_env()  # a UCCL_EP_* value the library rejects, named once here
+    if args.gpus is not None and args.gpus < 1:
+        raise InvalidInputError(f"--gpus {args.gpus}: give 1 or more (default: every local GPU)")
     recipe = args.recipe
     if recipe and recipe.endswith((".yaml", ".yml")) and not Path(recipe).is_file():
         raise InvalidInputError(

@@ -51,12 +51,12 @@ class Peer:
     gpu: str | None  # the GPU's UUID (None on CPU)
     pid: int
     # The environment that must agree: it shapes the layout every rank assumes.
-    ranks_per_node: str | None  # UCCL_EP_RANKS_PER_NODE as set (None: unset)
+    ranks_per_node: str | None  # UCCL_EP_RANKS_PER_NODE as set (None: unset, empty or 0)
 
     @staticmethod
     def here(gpu: str | None) -> Peer:
-        raw = os.environ.get("UCCL_EP_RANKS_PER_NODE")
-        return Peer(socket.gethostname(), gpu, os.getpid(), raw)
+        raw = os.environ.get("UCCL_EP_RANKS_PER_NODE", "").strip()
+        return Peer(socket.gethostname(), gpu, os.getpid(), raw if raw not in ("", "0") else None)
 
 
 def poisoned_reason(group: dist.ProcessGroup) -> str | None:
