@@ -119,10 +119,7 @@ class BufferGroup:
         self._cuda = not self._own and _object_device(group).type == "cuda"
         self._pg = None
         if self._own:
-            timeout = datetime.timedelta(milliseconds=2 * timeout_ms)
-            self._pg = dist.ProcessGroupGloo(
-                dist.PrefixStore(prefix + "/pg/", store), self.rank, self.size, timeout
-            )
+            self._pg = _private_group(store, prefix, self.rank, self.size, timeout_ms)
 
     @property
     def private(self) -> bool:
@@ -369,6 +366,38 @@ class BufferGroup:
             self.broken = f"rank {self.rank} destroyed its Buffer #{self.buffer_id}"
             self._mark_broken(self.prefix, self.broken, "UcclEpError")
         self._pg = None
+
+
+def _private_group(store: Any, prefix: str, rank: int, size: int, timeout_ms: int) -> Any:
+    """A gloo group of the Buffer's ranks, connected on all of them before any returns.
+
+    gloo's constructor returns once this rank's pairs are up; a rank that then dropped the
+    group at once (a Buffer made and destroyed) closed connections a slower peer was still
+    handshaking on, and that peer's connect failed. So each rank reports in the store and
+    waits for all; should a connect fail anyway, every rank drops its group and all try again
+    on fresh keys."""
+    timeout = datetime.timedelta(milliseconds=2 * timeout_ms)
+    error = ""
+    for attempt in range(3):
+        base = f"{prefix}/pg{attempt}"
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(base + "/", store), rank, size, timeout)
+            store.set(f"{base}/ok/{rank}", "1")
+        except RuntimeError as exc:
+            pg, error = None, str(exc)
+            store.set(f"{base}/failed", f"rank {rank}: {exc}")
+        oks = [f"{base}/ok/{r}" for r in range(size)]
+        failed = [f"{base}/failed"]
+        # Each rank writes one of the two keys, so "all ok" means nobody failed.
+        if not bounded(timeout_ms, lambda o=oks, f=failed: store.check(o) or store.check(f)):
+            raise CommTimeoutError(
+                f"rank {rank}: Buffer construction: the ranks did not all connect the Buffer's "
+                f"gloo group within UCCL_EP_TIMEOUT_MS={timeout_ms} ms (a rank exited?)"
+            )
+        if store.check(oks):
+            return pg
+        error = error or store.get(failed[0]).decode()
+    raise UcclEpError(f"Buffer construction: the Buffer's gloo group did not connect: {error}")
 
 
 def _reason(rank: int, what: str, call: str, exc: BaseException, timeout_ms: int) -> str:
