@@ -171,7 +171,7 @@ def killed(rank, world):
     if rank == 1:
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
-    return _raises(lambda: _dispatch(a, rank, world)), None
+    return _raises(lambda: _dispatch(a, rank, world)), "not checked (rank 1 is dead)"
 
 
 def two_buffers(rank, world):
@@ -183,9 +183,18 @@ def two_buffers(rank, world):
 
 
 # ---- the scenarios ---------------------------------------------------------------------------
+def _show(name, outs):
+    """What each rank raised and how long it took, and what the group was after (pytest -rA
+    prints it): the record of what the kernels backend does in each scenario."""
+    for rank, ((cls, msg, dt), after) in sorted(outs.items()):
+        print(f"{name} rank {rank}: {cls} after {dt:.2f} s: {msg}")
+        print(f"{name} rank {rank}: afterwards the group is {after}")
+
+
 @pytest.mark.parametrize("gpus", _placements())
 def test_a_rank_sleeping_past_the_timeout(gpus):
     outs, _ = run_scenario("sleeper", gpus)
+    _show("sleeper", outs)
     for rank, other in ((0, 1), (1, 0)):
         (cls, msg, dt), after = outs[rank]
         assert dt < BOUND_S, (rank, dt, msg)
@@ -197,6 +206,7 @@ def test_a_rank_sleeping_past_the_timeout(gpus):
 @pytest.mark.parametrize("gpus", _placements())
 def test_a_killed_rank(gpus):
     outs, died = run_scenario("killed", gpus, may_die=True)
+    _show("killed", outs)
     assert died is not None and "ranks [1] died" in died, died
     (cls, msg, dt), _ = outs[0]
     assert dt < BOUND_S, (dt, msg)
@@ -207,6 +217,7 @@ def test_a_killed_rank(gpus):
 def test_two_buffers_called_in_different_orders(gpus):
     """No wrong rows: each rank raises, naming the other, and the group goes on."""
     outs, _ = run_scenario("two_buffers", gpus)
+    _show("two_buffers", outs)
     for rank, other in ((0, 1), (1, 0)):
         (cls, msg, dt), after = outs[rank]
         assert dt < BOUND_S, (rank, dt, msg)
