@@ -76,8 +76,10 @@ def test_cli_prints_sections_and_json(tmp_path, capsys, monkeypatch):
 def test_doctor_diagnoses_a_value_that_does_not_parse(capsys, monkeypatch):
     monkeypatch.setenv("UCCL_EP_TIMEOUT_MS", "ten seconds")
     monkeypatch.setenv("UCCL_EP_IPC_REORDER", "maybe")
-    assert cli.main(["doctor"]) == 0
-    text = capsys.readouterr().out
+    assert cli.main(["doctor"]) == 1  # the report, and exit 1: the library would raise
+    captured = capsys.readouterr()
+    text = captured.out
+    assert "invalid environment: UCCL_EP_TIMEOUT_MS='ten seconds'" in captured.err
     assert "UCCL_EP_TIMEOUT_MS='ten seconds'  INVALID" in text
     assert "is not an integer" in text
     assert "UCCL_EP_IPC_REORDER='maybe'  INVALID" in text and "is not a boolean" in text

@@ -190,7 +190,15 @@ def _verdict_cases():
         counts,
         tokens,
         checks,
-        (1, 2, 1),
+        (2, 1),
+    )
+    yield (
+        "buffer",
+        [ok, CallHeader(**{**ok.__dict__, "buffer": 2}), ok, ok],
+        counts,
+        tokens,
+        checks,
+        (1, 2),
     )
     yield (
         "call",
@@ -198,7 +206,7 @@ def _verdict_cases():
         counts,
         tokens,
         checks,
-        (3, 3, 4),
+        (3, 4),
     )
     yield (
         "field",
@@ -206,7 +214,7 @@ def _verdict_cases():
         counts,
         tokens,
         checks,
-        (4, 1, 1),
+        (1, 1),
     )
     yield (
         "expert_id",
@@ -214,7 +222,7 @@ def _verdict_cases():
         counts,
         tokens,
         [[0, 7, 0], [0, 7, 0], [0, 8, 0], [-3, 7, 0]],
-        (5, 2, 8),
+        (2, 8),
     )
     yield (
         "layout",
@@ -222,7 +230,7 @@ def _verdict_cases():
         counts,
         tokens,
         [[0, 7, 0], [0, 7, 4], [0, 7, 0], [0, 7, 0]],
-        (6, 1, 4),
+        (1, 4),
     )
     yield (
         "worst_differs",
@@ -230,10 +238,24 @@ def _verdict_cases():
         counts,
         tokens,
         checks,
-        (7, 2, 41),
+        (2, 41),
     )
-    yield "worst_overflow", [ok] * world, [[1, 2, 3, 14]] * world, tokens, checks, (8, 3, 56)
-    yield "worst_tokens", [ok] * world, counts, [10, 41, 10, 10], checks, (9, 1, 41)
+    yield (
+        "worst_overflow",
+        [ok] * world,
+        [[1, 2, 3, 14]] * world,
+        tokens,
+        checks,
+        (3, 56),
+    )
+    yield (
+        "worst_tokens",
+        [ok] * world,
+        counts,
+        [10, 41, 10, 10],
+        checks,
+        (1, 41),
+    )
     comb = CallHeader(kind=KIND_COMBINE, seq=5, dtype=1, hidden=256, handle_seq=3)
     zero = [[0] * world] * world
     yield "combine_ok", [comb] * world, zero, [0] * world, [[0, 8, 9]] * world, None
@@ -249,8 +271,8 @@ def test_device_verdict_reports_what_the_host_checks_raise(case):
     if expect is None:
         assert code == 0, (VERDICTS[code - 1], rank, value)
     else:
-        assert (code, rank, value) == expect, (VERDICTS[code - 1], rank, value)
-        assert VERDICTS[code - 1] == name
+        # (rank, value) of the first failing check, which is the case's own
+        assert (VERDICTS[code - 1], rank, value) == (name, *expect), (code, rank, value)
     # The host checks raise for the same calls, except for the sizing rules only sync-free
     # calls have (one W for every rank, no rank with more tokens than W).
     agreed = Agreement.decode(rows.tolist())

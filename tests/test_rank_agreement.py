@@ -256,8 +256,11 @@ def test_num_worst_tokens_too_small_on_one_rank(pool2):
 
 
 # ---- a rank that never arrives: bounded by UCCL_EP_TIMEOUT_MS ------------------------------
+_kept = []  # Buffers a rank keeps alive while the others time out
+
+
 def w_absent_rank(rank, world, case):
-    from uccl_ep_megatron.core.errors import CommTimeoutError
+    from uccl_ep_megatron.core.errors import CommTimeoutError, UcclEpError
 
     buf = _buffer(world)
     inp = _inputs(rank, world)
@@ -265,24 +268,46 @@ def w_absent_rank(rank, world, case):
     if rank == 1:  # destroys its Buffer, or skips the backward combine the others run
         if case == "destroy":
             buf.destroy()
+        else:
+            _kept.append(buf)
+        _group_still_works(world)
         return None
-    msg, dt = _raises(CommTimeoutError, lambda: buf.combine(recv_x, handle))
+    expected = CommTimeoutError if case == "backward_on_some_ranks" else UcclEpError
+    msg, dt = _raises(expected, lambda: buf.combine(recv_x, handle))
+    _group_still_works(world)
     return msg, dt
 
 
-@pytest.mark.parametrize("case", ["destroy", "backward_on_some_ranks"])
-def test_a_rank_that_never_arrives_times_out_in_bounded_time(case):
+def _group_still_works(world):
+    """The process group is not affected: a collective on it still works."""
+    t = torch.ones(1)
+    torch.distributed.all_reduce(t)
+    assert t.item() == world
+
+
+def test_a_rank_that_never_arrives_times_out_in_bounded_time():
     from dist_utils import DistPool
 
     pool = DistPool(2)  # its own ranks: rank 0's abandoned collective must not meet other tests
     try:
-        outs = pool.run(HERE, "w_absent_rank", case, env={"UCCL_EP_TIMEOUT_MS": "1500"})
+        outs = pool.run(
+            HERE, "w_absent_rank", "backward_on_some_ranks", env={"UCCL_EP_TIMEOUT_MS": "1500"}
+        )
     finally:
         pool.close()
     msg, dt = outs[0]
     assert 1.4 < dt < 10, dt
-    assert msg.startswith("rank 0: the call-header exchange of combine #2 did not complete "), msg
-    assert "UCCL_EP_TIMEOUT_MS=1500" in msg
+    assert msg.startswith("rank 0: the call-header exchange of combine #2 (Buffer #"), msg
+    assert "did not complete within UCCL_EP_TIMEOUT_MS=1500 ms: rank 1 (not in any call" in msg
+    assert "the process group is not affected" in msg
+
+
+def test_a_rank_that_destroyed_its_buffer_is_named_at_once(pool2):
+    """Its Buffer's channel closes; the peer waiting in a call learns why from the store."""
+    outs = pool2.run(HERE, "w_absent_rank", "destroy", env={"UCCL_EP_TIMEOUT_MS": "20000"})
+    msg, dt = outs[0]
+    assert dt < FAST_S, dt
+    assert "combine #2 cannot complete: rank 1 destroyed its Buffer #" in msg, msg
 
 
 # ---- layout tensors are checked against topk_idx --------------------------------------------
@@ -375,3 +400,66 @@ def test_packed_header_round_trips_and_names_the_odd_rank():
         check_packed_headers([bf16, bf16, variants[0], bf16], "dispatch")
     text = str(info.value)
     assert "rank 2: dtype=float16" in text and "rank 0: dtype=bfloat16" in text, text
+
+
+# ---- messages that name what the user set -----------------------------------------------------
+def w_ranks_per_node_on_one_rank(rank, world):
+    from uccl_ep_megatron.core.errors import InvalidInputError
+
+    saved = os.environ.pop("UCCL_EP_RANKS_PER_NODE", None)
+    if rank == 1:
+        os.environ["UCCL_EP_RANKS_PER_NODE"] = "1"
+    try:
+        msg, dt = _raises(InvalidInputError, lambda: _buffer(world))
+    finally:
+        os.environ.pop("UCCL_EP_RANKS_PER_NODE", None)
+        if saved is not None:
+            os.environ["UCCL_EP_RANKS_PER_NODE"] = saved
+    assert dt < FAST_S, dt
+    return msg
+
+
+def test_ranks_per_node_set_on_one_rank_names_the_variable(pool2):
+    """Not "ranks disagree on Config.num_max_rdma_chunked_send_tokens": no Config was passed."""
+    for msg in pool2.run(HERE, "w_ranks_per_node_on_one_rank"):
+        assert "UCCL_EP_RANKS_PER_NODE differs between the ranks of the group" in msg, msg
+        assert "unset on rank 0, '1' on rank 1" in msg, msg
+
+
+def w_x_and_topk_rows_differ(rank, world):
+    from uccl_ep_megatron.core.errors import InvalidInputError
+
+    buf = _buffer(world)
+    inp = _inputs(rank, world)
+    x = inp.x[:-1]  # one token short of topk_idx
+    msg, _ = _raises(
+        InvalidInputError,
+        lambda: _dispatch(buf, x, inp.topk_idx, inp.topk_weights, EPR * world),
+    )
+    _still_works(buf, rank, world)
+    return msg, inp.x.shape[0]
+
+
+def test_x_rows_and_topk_idx_rows_that_differ_are_named_as_such(pool2):
+    for msg, rows in pool2.run(HERE, "w_x_and_topk_rows_differ"):
+        assert f"x has {rows - 1} rows (tokens) but topk_idx has {rows}" in msg, msg
+
+
+def w_fp32_combine_after_bf16_dispatch(rank, world):
+    from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.core.errors import BufferTooSmallError
+
+    hidden = 256
+    nvl = Buffer.get_dispatch_config(world).get_nvl_buffer_size_hint(hidden * 2, world)
+    buf = Buffer(None, nvl, 0, backend="reference")  # sized for bf16 rows, as DeepEP users do
+    inp = _inputs(rank, world, hidden=hidden)
+    x = inp.x.to(torch.bfloat16)
+    recv_x, _, _, _, handle, _ = _dispatch(buf, x, inp.topk_idx, inp.topk_weights, EPR * world)
+    msg, _ = _raises(BufferTooSmallError, lambda: buf.combine(recv_x.float(), handle))
+    return msg
+
+
+def test_fp32_combine_after_a_bf16_dispatch_names_the_dtype(pool2):
+    for msg in pool2.run(HERE, "w_fp32_combine_after_bf16_dispatch"):
+        assert "x.dtype=torch.float32 (4 bytes per element)" in msg, msg
+        assert "Pass x in bfloat16" in msg, msg

@@ -10,9 +10,9 @@ import torch
 
 from uccl_ep_megatron.cli import main
 from uccl_ep_megatron.telemetry.metrics import read_jsonl
-from uccl_ep_megatron.training.recipes import load_recipe
-from uccl_ep_megatron.training.job import NO_GPU_MESSAGE
 from uccl_ep_megatron.training.cpu import SmokeShapes, route, smoke_shapes
+from uccl_ep_megatron.training.job import NO_GPU_MESSAGE
+from uccl_ep_megatron.training.recipes import load_recipe
 
 KEYS = {
     "loss",
@@ -256,7 +256,6 @@ def test_expert_path_choice_and_config():
 
     from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
     from uccl_ep_megatron.training.gpu import expert_config, expert_path, transformer_config
-
     from uccl_ep_megatron.training.gpu.model import EXPERT_PATHS
     from uccl_ep_megatron.training.recipe_schema import MOE_EXPERTS
 
@@ -301,8 +300,8 @@ def test_token_windows_over_an_indexed_dataset(tmp_path):
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from uccl_ep_megatron.training.job import check_data_path
     from uccl_ep_megatron.training.gpu import TokenWindows
+    from uccl_ep_megatron.training.job import check_data_path
 
     prefix = str(tmp_path / "corpus_text_document")
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)

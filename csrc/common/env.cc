@@ -1,8 +1,11 @@
 #include "common/env.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 #include "common/errors.h"
 
@@ -25,6 +28,66 @@ bool parse_bool(const char* name, const char* raw) {
   if (s == "1" || s == "true" || s == "yes" || s == "on") return true;
   if (s == "0" || s == "false" || s == "no" || s == "off" || s.empty()) return false;
   UCCL_EP_THROW(InvalidArgument, name, "='", raw, "' is not a boolean; use 0/1, true/false, yes/no or on/off");
+}
+
+bool one_of(const std::string& v, std::initializer_list<const char*> allowed) {
+  return std::any_of(allowed.begin(), allowed.end(), [&](const char* a) { return v == a; });
+}
+
+std::string upper(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// The values each variable accepts beyond its type. Checked by Env::load, so every use of the
+// library (Buffer(), the proxies) rejects exactly what `uccl-ep-megatron doctor` flags (which
+// loads with `problems`). `reject` records (or throws) the message and restores the default.
+template <typename Reject>
+void validate(Env& e, Reject reject) {
+  const Env d;
+  // An empty value means "unset" for the choices below.
+  if (e.log_level.empty()) e.log_level = d.log_level;
+  e.log_level = upper(e.log_level);
+  if (e.log_level == "WARNING") e.log_level = "WARN";  // Python's spelling of the same level
+  if (!one_of(e.log_level, {"ERROR", "WARN", "INFO", "DEBUG"})) {
+    reject("UCCL_EP_LOG_LEVEL", "is not a log level; use ERROR, WARN (or WARNING), INFO or DEBUG",
+           [&] { e.log_level = d.log_level; });
+  }
+  if (e.backend.empty()) e.backend = d.backend;
+  if (!one_of(e.backend, {"auto", "kernels", "reference"})) {
+    reject("UCCL_EP_BACKEND", "is not a backend; use auto, kernels or reference", [&] { e.backend = d.backend; });
+  }
+  if (e.transport.empty()) e.transport = d.transport;
+  if (!one_of(e.transport, {"auto", "verbs", "ipc"})) {
+    reject("UCCL_EP_TRANSPORT", "is not a transport; use auto, verbs or ipc", [&] { e.transport = d.transport; });
+  }
+  if (e.proxy_ordering.empty()) e.proxy_ordering = d.proxy_ordering;
+  if (!one_of(e.proxy_ordering, {"receiver", "sender", "none"})) {
+    reject("UCCL_EP_PROXY_ORDERING", "is not an ordering; use receiver, sender or none",
+           [&] { e.proxy_ordering = d.proxy_ordering; });
+  }
+  if (e.timeout_ms <= 0) {
+    reject("UCCL_EP_TIMEOUT_MS",
+           "must be a positive number of milliseconds: it bounds every wait (0 or less would wait forever or "
+           "fail every call); unset it for the default",
+           [&] { e.timeout_ms = d.timeout_ms; });
+  }
+  if (e.num_proxy_threads < 1) {
+    reject("UCCL_EP_NUM_PROXY_THREADS", "must be at least 1 (CPU proxy threads per GPU)",
+           [&] { e.num_proxy_threads = d.num_proxy_threads; });
+  }
+  if (e.recv_arena_bytes < 0) {
+    reject("UCCL_EP_RECV_ARENA_BYTES", "must be 0 (no arena: staged path only) or a positive byte count",
+           [&] { e.recv_arena_bytes = d.recv_arena_bytes; });
+  }
+  if (e.fifo_capacity < 2 || (e.fifo_capacity & (e.fifo_capacity - 1)) != 0) {
+    reject("UCCL_EP_FIFO_CAPACITY", "must be a power of two >= 2 (slots per FIFO channel), e.g. 1024",
+           [&] { e.fifo_capacity = d.fifo_capacity; });
+  }
+  if (e.ranks_per_node < 0) {
+    reject("UCCL_EP_RANKS_PER_NODE", "must be 0 (from the launcher) or the number of ranks per (virtual) node",
+           [&] { e.ranks_per_node = d.ranks_per_node; });
+  }
 }
 
 }  // namespace
@@ -50,6 +113,13 @@ Env Env::load(std::vector<std::pair<std::string, std::string>>* problems) {
 #undef UCCL_EP_ENV_INT
 #undef UCCL_EP_ENV_STR
 #undef UCCL_EP_ENV_BOOL
+  validate(e, [problems](const char* name, const char* rule, auto restore) {
+    const char* raw = std::getenv(name);
+    std::string msg = detail::concat(name, "='", raw ? raw : "", "' ", rule);
+    if (!problems) UCCL_EP_THROW(InvalidArgument, msg);
+    problems->emplace_back(name, msg);
+    restore();
+  });
   return e;
 }
 

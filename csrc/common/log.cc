@@ -2,6 +2,9 @@
 
 #include <cstdio>
 #include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "common/env.h"
 #include "common/errors.h"
@@ -10,12 +13,13 @@ namespace uccl_ep {
 
 LogLevel log_level() {
   static const LogLevel level = [] {
-    const std::string& s = env().log_level;
+    // Lenient: logging must never throw. An invalid level keeps the default (WARN); every
+    // other use of the library raises on it (Env::load), and doctor flags it.
+    std::vector<std::pair<std::string, std::string>> problems;
+    const std::string s = Env::load(&problems).log_level;
     if (s == "ERROR") return LogLevel::kError;
     if (s == "INFO") return LogLevel::kInfo;
     if (s == "DEBUG") return LogLevel::kDebug;
-    if (s == "WARN" || s.empty()) return LogLevel::kWarn;
-    std::fprintf(stderr, "[uccl_ep WARN] UCCL_EP_LOG_LEVEL='%s' is unknown; using WARN\n", s.c_str());
     return LogLevel::kWarn;
   }();
   return level;

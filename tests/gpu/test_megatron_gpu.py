@@ -69,8 +69,8 @@ def w_equivalence(rank, world, backend, tokens):
     from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher
 
     from uccl_ep_megatron import megatron_plugin
-    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
     from uccl_ep_megatron.bench.moe_layer import copy_weights
+    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
 
     megatron_plugin.install(backend=backend)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)

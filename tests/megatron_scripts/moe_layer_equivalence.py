@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from megatron_lm_014 import parser_014
+
 from uccl_ep_megatron.megatron_plugin import add_arguments
 
 parser, group = parser_014()

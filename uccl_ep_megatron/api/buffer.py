@@ -20,12 +20,16 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.api.calls import CallAgreement, worst_of
 from uccl_ep_megatron.api.streams import CommStream, cached_outputs, dispatch_outputs
-from uccl_ep_megatron.api.topology import detect_placement, group_device, sm_budget
+from uccl_ep_megatron.api.topology import detect_placement, group_device, meet, sm_budget
 from uccl_ep_megatron.api.validation import ArgumentChecks, DispatchInputs, XType
 from uccl_ep_megatron.backends import create_backend
 from uccl_ep_megatron.backends.agreement import KIND_CACHED, KIND_COMBINE, KIND_DISPATCH
 from uccl_ep_megatron.backends.base import DispatchHandle, DispatchResult, Topology
-from uccl_ep_megatron.core.config import Config, default_combine_config, default_dispatch_config
+from uccl_ep_megatron.core.config import (
+    Config,
+    default_combine_config,
+    default_dispatch_config,
+)
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.core.events import EventOverlap
 from uccl_ep_megatron.core.events import capture as _capture
@@ -41,7 +45,12 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
 
     Args:
         group: the EP process group (``None`` = the default group). Every rank of it must
-            construct the ``Buffer`` (the constructor is collective).
+            construct the ``Buffer`` (the constructor is collective, bounded by
+            ``UCCL_EP_TIMEOUT_MS``: a rank that does not arrive is named in a
+            ``CommTimeoutError`` on the others). Over gloo the Buffer runs its collectives on
+            a group of its own, so a call that times out or is interrupted breaks only this
+            Buffer, never ``group``; over NCCL it marks ``group`` unusable (see
+            ``backends/agreement/group.py``).
         num_nvl_bytes: NVLink/xGMI buffer bytes; at least
             ``Buffer.get_dispatch_config(n).get_nvl_buffer_size_hint(hidden_bytes, n)``
             (and the combine hint) for the largest hidden size used.
@@ -121,8 +130,13 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         if device_index is None:
             cuda = self.device.type == "cuda"
             device_index = torch.cuda.current_device() if cuda else -1
+        # The bounded construction exchange (resolving the options above already validated
+        # the registry: a bad UCCL_EP_* value raised before it), and the channel of this
+        # Buffer's collectives.
+        requested = self.options.ranks_per_node
+        self.comm = meet(self.group, self.device, self.options.timeout_ms, requested)
         ranks_per_node, sharers = detect_placement(
-            self.group, self.device, self.options.ranks_per_node
+            self.comm.peers, self.rank, self.device, requested
         )
         self.topology = Topology(self.rank, self.group_size, ranks_per_node)
         # Ranks sharing this GPU (under CUDA MPS) run their kernels side by side, and the
@@ -138,6 +152,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             num_rdma_bytes,
             self.options,
         )
+        self._backend.comm = self.comm
         if (
             self._backend.name == "reference"
             and self.device.type == "cuda"
@@ -244,7 +259,10 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
     def _release(self, collective: bool) -> None:
         if not self._destroyed:
             self._destroyed = True
-            self._backend.destroy(collective)
+            try:
+                self._backend.destroy(collective)
+            finally:
+                self.comm.close()
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True) and not getattr(self, "_destroyed", True):

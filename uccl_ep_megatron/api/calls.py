@@ -282,12 +282,13 @@ class CallAgreement:
                 raise error
             return None
         call = f"{KIND_NAMES[kind]} #{seq}"
+        buffer_id = self.comm.buffer_id  # which Buffer: peers in another one must not match
         if prepared is None:
-            header = CallHeader(kind=kind, seq=seq, error=error_code(error))
+            header = CallHeader(kind=kind, seq=seq, error=error_code(error), buffer=buffer_id)
             row = encode_row(header, self.group_size, self.device)
         else:
             row = encode_row(
-                prepared.header,
+                dataclasses.replace(prepared.header, buffer=buffer_id),
                 self.group_size,
                 self.device,
                 prepared.checks,

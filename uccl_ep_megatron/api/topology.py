@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import socket
+import pickle
 
 import torch
 import torch.distributed as dist
 
+from uccl_ep_megatron.backends.agreement.group import BufferGroup, Peer, bounded, poisoned_reason
 from uccl_ep_megatron.core.config import env_ranks_per_node
-from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UnsupportedError
 
 
 def group_device(
@@ -45,8 +46,61 @@ def group_device(
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def meet(
+    group: dist.ProcessGroup,
+    device: torch.device,
+    timeout_ms: int,
+    ranks_per_node: int | None = None,
+) -> BufferGroup:
+    """The construction exchange: every rank's ``Peer``, bounded by ``timeout_ms``.
+
+    It runs in the default store, not as a collective, so a rank that gives up leaves nothing
+    posted on the process group. Ranks pair by their count of constructions on the group; the
+    first rank to decide writes the outcome ("ok" once every rank arrived, else who gave up
+    waiting for whom), so a rank that arrives after the others gave up raises at once instead
+    of waiting for them.
+    """
+    reason = poisoned_reason(group)
+    if reason is not None:
+        raise CommTimeoutError(
+            f"the process group is unusable: {reason}, and NCCL cannot cancel that collective. "
+            "Create a new process group (torch.distributed.new_group, or destroy_process_group "
+            "+ init_process_group) and build the Buffer on it, or restart the job"
+        )
+    store = dist.distributed_c10d._get_default_store()
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    base = f"uccl_ep/{getattr(group, 'group_name', '') or 'group'}"
+    number = store.add(f"{base}/constructions/{rank}", 1)
+    prefix = f"{base}/buffer{number}"
+    gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+    store.set(f"{prefix}/peer/{rank}", pickle.dumps(Peer.here(gpu, ranks_per_node)))
+    keys = [f"{prefix}/peer/{r}" for r in range(size)]
+    arrived = bounded(timeout_ms, lambda: store.check(keys))
+    missing = [] if arrived else [r for r, k in enumerate(keys) if not store.check([k])]
+    verdict = (
+        "ok"
+        if arrived
+        else (
+            f"rank {rank} gave up after UCCL_EP_TIMEOUT_MS={timeout_ms} ms waiting for rank(s) "
+            f"{missing} to construct Buffer #{number} of the group"
+        )
+    )
+    outcome = store.compare_set(f"{prefix}/outcome", "", verdict).decode()
+    if outcome != "ok":
+        late = "" if not arrived else " (this rank arrived after that)"
+        raise CommTimeoutError(
+            f"rank {rank}: Buffer construction: {outcome}{late}. Every rank of the group must "
+            "construct the Buffer; nothing is pending on the process group, which stays "
+            "usable: construct a new Buffer on every rank (raise UCCL_EP_TIMEOUT_MS if a rank "
+            "is only slow)"
+        )
+    peers = [pickle.loads(store.get(k)) for k in keys]
+    private = dist.get_backend(group) == "gloo" and device.type == "cpu"
+    return BufferGroup(group, store, prefix, number, peers, timeout_ms, private)
+
+
 def detect_placement(
-    group: dist.ProcessGroup, device: torch.device, requested: int | None = None
+    peers: list[Peer], rank: int, device: torch.device, requested: int | None = None
 ) -> tuple[int, int]:
     """Ranks per (virtual) node, checked against where the ranks really run, and how many
     ranks of the group share this rank's GPU (1 unless ranks share GPUs under MPS).
@@ -55,15 +109,21 @@ def detect_placement(
     ``UCCL_EP_RANKS_PER_NODE``) for virtual nodes, or ``LOCAL_WORLD_SIZE`` when set, else the
     count of ranks sharing rank 0's host. Nodes must be runs of consecutive ranks.
     """
-    size = dist.get_world_size(group)
-    gpu = None
-    if device.type == "cuda":
-        gpu = str(torch.cuda.get_device_properties(device).uuid)
-    places: list[tuple[str, str | None] | None] = [None] * size
-    dist.all_gather_object(places, (socket.gethostname(), gpu), group=group)
+    size = len(peers)
+    settings = [p.ranks_per_node for p in peers]
+    if len(set(settings)) > 1:
+        by_rank = ", ".join(
+            f"{'unset' if v is None else repr(v)} on rank {r}" for r, v in enumerate(settings)
+        )
+        raise InvalidInputError(
+            f"UCCL_EP_RANKS_PER_NODE (or BufferOptions.ranks_per_node) differs between the "
+            f"ranks of the group ({by_rank}); set it to the same value on every rank (or unset "
+            "it everywhere)"
+        )
+    places = [(p.host, p.gpu) for p in peers]
     hosts = [p[0] for p in places]
-    me = places[dist.get_rank(group)]
-    sharers = sum(1 for p in places if p == me) if gpu is not None else 1
+    me = places[rank]
+    sharers = sum(1 for p in places if p == me) if device.type == "cuda" else 1
     host_nodes = contiguous_runs(hosts)
     if host_nodes is None:
         raise UnsupportedError(

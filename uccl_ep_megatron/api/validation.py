@@ -127,6 +127,17 @@ class ArgumentChecks:
             return
         node = self.topology.ranks_per_node
         need_nvl = config.get_nvl_buffer_size_hint(hidden_bytes, self.group_size, node)
+        if self.num_nvl_bytes < need_nvl and x.element_size() > 2:
+            need_16 = config.get_nvl_buffer_size_hint(hidden * 2, self.group_size, node)
+            if self.num_nvl_bytes >= need_16:  # the dtype, not the hidden size, is what fails
+                raise BufferTooSmallError(
+                    f"x.dtype={x.dtype} ({x.element_size()} bytes per element): this Buffer "
+                    f"(num_nvl_bytes={self.num_nvl_bytes}) holds rows of hidden={hidden} in "
+                    f"2-byte dtypes such as bfloat16, not in {x.dtype}, which needs "
+                    f"{need_nvl}. Pass x in bfloat16 (e.g. the dtype of the dispatch), or "
+                    f"create the Buffer with num_nvl_bytes >= "
+                    f"Config.get_nvl_buffer_size_hint({hidden_bytes}, {self.group_size})"
+                )
         if self.num_nvl_bytes < need_nvl:
             raise BufferTooSmallError(
                 f"Buffer has num_nvl_bytes={self.num_nvl_bytes} but hidden={hidden} "
@@ -243,6 +254,16 @@ class ArgumentChecks:
             raise InvalidInputError(
                 f"dispatch without a handle needs {', '.join(missing)}: pass the outputs of "
                 "Buffer.get_dispatch_layout(topk_idx, num_experts)"
+            )
+        if (
+            isinstance(topk_idx, torch.Tensor)
+            and topk_idx.dim() == 2
+            and topk_idx.shape[0] != num_tokens
+        ):
+            raise InvalidInputError(
+                f"x has {num_tokens} rows (tokens) but topk_idx has {topk_idx.shape[0]}: every "
+                "token of x needs its row of topk_idx (and of the layout get_dispatch_layout "
+                "returned for it); pass the topk_idx of these tokens"
             )
         self._check_tensor("is_token_in_rank", is_token_in_rank, dims=2, rows=num_tokens)
         check_dtype("is_token_in_rank", is_token_in_rank, (torch.bool,))

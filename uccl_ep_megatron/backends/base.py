@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends.agreement import Agreement
+from uccl_ep_megatron.backends.agreement.group import BufferGroup
 from uccl_ep_megatron.core.config import Config
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 from uccl_ep_megatron.core.options import BufferOptions
@@ -163,6 +164,9 @@ class Backend(abc.ABC):
     # communication stream (``api/streams.py``); the backend then hears of the comm stream's
     # first use through ``note_stream``.
     runs_on_caller_stream: bool = False
+    # The Buffer's channel for its collectives and bounded waits (``agreement.group``), set by
+    # ``Buffer`` right after construction.
+    comm: BufferGroup | None = None
 
     @classmethod
     def unsupported_reason(cls, topology: Topology, device: torch.device) -> str | None:
@@ -241,6 +245,8 @@ class Backend(abc.ABC):
 
     def gather_objects(self, obj: Any, call: str) -> list[Any]:
         """Every rank's picklable ``obj`` (the error path of the header exchange)."""
+        if self.comm is not None:
+            return self.comm.all_gather_object(obj, call)
         out: list[Any] = [None] * self.topology.num_ranks
         dist.all_gather_object(out, obj, group=self.group)
         return out

@@ -16,9 +16,8 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from uccl_ep_megatron.backends.agreement import DTYPE_CODES, timeout_error, wait_stream, wait_work
+from uccl_ep_megatron.backends.agreement import DTYPE_CODES
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -27,7 +26,7 @@ from uccl_ep_megatron.backends.base import (
     Layout,
 )
 from uccl_ep_megatron.core.config import Config
-from uccl_ep_megatron.core.errors import InvalidInputError, UcclEpError
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +58,6 @@ class ReferenceBackend(Backend):
     # Pure torch moves any dtype; these are the ones the call header can name.
     x_dtypes = frozenset(DTYPE_CODES)
 
-    _broken = ""  # why this Buffer is unusable (a collective timed out), else ""
     _call = ""  # the call whose header was exchanged last: names it in later errors
 
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
@@ -84,50 +82,24 @@ class ReferenceBackend(Backend):
             num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank
         )
 
-    # ---- collectives, each bounded by UCCL_EP_TIMEOUT_MS ----------------------------------
-    def _wait(self, work: Any, what: str, call: str) -> None:
-        def expired() -> UcclEpError:
-            self._broken = f"{what} of {call} timed out"
-            return timeout_error(self.topology.rank, what, call, self.timeout_ms)
-
-        if self.device.type == "cuda":
-            work.wait()  # NCCL: orders the current stream after the collective (host goes on)
-            wait_stream(self.timeout_ms, expired)
-        else:
-            wait_work(work, self.timeout_ms, expired)
-
-    def _check_usable(self) -> None:
-        if self._broken:
-            raise UcclEpError(
-                f"this Buffer is unusable: {self._broken} (a collective may still be pending on "
-                "its group); create a new Buffer"
-            )
-
+    # ---- collectives, on the Buffer's channel, each bounded by UCCL_EP_TIMEOUT_MS ---------
     def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
-        self._check_usable()
+        self.comm.check_usable()
         self._call = call  # names the call in the errors of its later collectives
         rows = self._all_gather_rows(row, "the call-header exchange", call)
         return rows.cpu().tolist()
 
     def _all_gather_rows(self, row: torch.Tensor, what: str, call: str) -> torch.Tensor:
-        parts = [torch.empty_like(row) for _ in range(self.topology.num_ranks)]
-        work = dist.all_gather(parts, row.contiguous(), group=self.group, async_op=True)
-        self._wait(work, what, call)
+        work, parts = self.comm.all_gather(row)
+        self.comm.wait(work, what, call)
         return torch.stack(parts)
 
     def _all_to_all(
         self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int], call: str
     ) -> torch.Tensor:
         recv = torch.empty(sum(recv_counts), send.shape[1], dtype=send.dtype, device=send.device)
-        work = dist.all_to_all_single(
-            recv,
-            send.contiguous(),
-            output_split_sizes=recv_counts,
-            input_split_sizes=send_counts,
-            group=self.group,
-            async_op=True,
-        )
-        self._wait(work, "the all-to-all of rows", call)
+        work = self.comm.all_to_all_single(recv, send, recv_counts, send_counts)
+        self.comm.wait(work, "the all-to-all of rows", call)
         return recv
 
     # ---- dispatch ------------------------------------------------------------------------
@@ -237,7 +209,7 @@ class ReferenceBackend(Backend):
         config: Config,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rank = self.topology.rank
-        self._check_usable()
+        self.comm.check_usable()
         num_recv = handle.state
         column = handle.rank_prefix_matrix[:, rank].to(torch.int64)
         back_counts = torch.diff(column, prepend=column.new_zeros(1)).tolist()

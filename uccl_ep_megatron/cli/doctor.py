@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from uccl_ep_megatron.core import _c
 from uccl_ep_megatron.core.config import env_markdown
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 SYSFS = "/sys"
 
@@ -229,13 +231,30 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the report (and write JSON); always exit 0: absence is information."""
+    """Print the report (and write JSON). Exit 0 whatever the machine lacks (absence is
+    information); 1 when an environment variable holds a value every use of the library
+    rejects, with one line on stderr naming them. ``--markdown``: the env table only."""
     if args.markdown:
         print(env_markdown())
         return 0
+    if args.json:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            raise InvalidInputError(
+                f"--json {args.json}: directory {parent} does not exist; create it or write "
+                "the report elsewhere"
+            )
     r = collect()
     print(render(r))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2, default=str)
+    invalid = [f"{name}={x['raw']!r}" for name, x in r.get("env", {}).items() if "error" in x]
+    if invalid:
+        print(
+            f"uccl-ep-megatron doctor: error: invalid environment: {', '.join(invalid)}; every "
+            "use of the library raises on these (see INVALID above): fix or unset them",
+            file=sys.stderr,
+        )
+        return 1
     return 0

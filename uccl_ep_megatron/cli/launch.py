@@ -6,7 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from uccl_ep_megatron.core.errors import InvalidInputError, UcclEpError
+from uccl_ep_megatron.cli.app import positive_int
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -27,8 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--recipe", required=True, help="recipe name (see `train --list-recipes`)")
-    p.add_argument("--nodes", type=int, help="number of nodes (default: the recipe's)")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the recipe's)")
+    p.add_argument("--nodes", type=positive_int, help="number of nodes (default: the recipe's)")
+    p.add_argument(
+        "--gpus-per-node", type=positive_int, help="GPUs per node (default: the recipe's)"
+    )
     p.add_argument(
         "--target",
         choices=["train", "megatron", "primus"],
@@ -55,7 +58,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--container-image", help="image (default: the recipe's cluster.container_image)"
     )
     p.add_argument(
-        "--container-mount", action="append", default=[], help="SRC:DST mount (repeatable)"
+        "--container-mount",
+        action="append",
+        type=_mount,
+        default=[],
+        help="SRC:DST mount (repeatable)",
     )
     p.add_argument("--partition", help="#SBATCH --partition")
     p.add_argument("--account", help="#SBATCH --account")
@@ -82,15 +89,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=handle)
 
 
+def _mount(text: str) -> str:
+    """argparse type of --container-mount: SRC:DST[:FLAGS] with both paths given."""
+    parts = text.split(":")
+    if len(parts) < 2 or not parts[0] or not parts[1]:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not SRC:DST; give the host path and the container path, e.g. /data:/data"
+        )
+    return text
+
+
 def handle(args: argparse.Namespace) -> int:
-    try:
-        return _handle(args)
-    except UcclEpError as exc:
-        print(f"uccl-ep-megatron launch: error: {exc}", file=sys.stderr)
-        return 2
-
-
-def _handle(args: argparse.Namespace) -> int:
     from uccl_ep_megatron.cluster import launch
     from uccl_ep_megatron.training import recipes
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-
-from uccl_ep_megatron.core.errors import UcclEpError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,11 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def handle(args: argparse.Namespace) -> int:
     from uccl_ep_megatron.telemetry.report import report
 
-    try:
-        pngs, table = report(args.run_dirs, args.out, args.warmup_steps)
-    except UcclEpError as exc:
-        print(f"uccl-ep-megatron report: error: {exc}", file=sys.stderr)
-        return 2
+    pngs, table = report(args.run_dirs, args.out, args.warmup_steps)
     for path in pngs:
         print(f"wrote {path}")
     print(table)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
+from pathlib import Path
 
-from uccl_ep_megatron.core.errors import UcclEpError
+from uccl_ep_megatron.core.errors import InvalidInputError
 
 
 def _seconds(text: str) -> float:
@@ -101,31 +101,47 @@ def _list_recipes() -> int:
     return 0
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What can be checked before anything starts (and before ranks are spawned, whose
+    tracebacks would bury the reason)."""
+    from uccl_ep_megatron.core.config import effective_env
+
+    effective_env()  # a UCCL_EP_* value the library rejects, named once here
+    if args.gpus is not None and args.gpus < 1:
+        raise InvalidInputError(f"--gpus {args.gpus}: give 1 or more (default: every local GPU)")
+    recipe = args.recipe
+    if recipe and recipe.endswith((".yaml", ".yml")) and not Path(recipe).is_file():
+        raise InvalidInputError(
+            f"--recipe {recipe}: file not found; pass an existing YAML file or a recipe name "
+            "(uccl-ep-megatron train --list-recipes)"
+        )
+    for flag, value in (("--run-dir", args.run_dir), ("--checkpoint-dir", args.checkpoint_dir)):
+        if value and Path(value).exists() and not Path(value).is_dir():
+            raise InvalidInputError(f"{flag} {value} is a file; give a directory")
+
+
 def handle(args: argparse.Namespace) -> int:
     from uccl_ep_megatron.training.job import TrainOptions, run
 
-    try:
-        if args.list_recipes:
-            return _list_recipes()
-        opts = TrainOptions(
-            recipe=args.recipe,
-            overrides=args.overrides,
-            dispatcher=args.dispatcher,
-            iters=args.iters,
-            data_path=args.data_path,
-            run_dir=args.run_dir,
-            checkpoint_dir=args.checkpoint_dir,
-            save_interval=args.save_interval,
-            resume=args.resume,
-            wandb_project=args.wandb_project,
-            use_wandb=args.use_wandb,
-            gpus=args.gpus,
-            cpu_smoke=args.cpu_smoke,
-            timeout_s=args.timeout_s,
-            compare=args.compare,
-            peak_tflops=args.peak_tflops,
-        )
-        return run(opts)
-    except UcclEpError as exc:
-        print(f"uccl-ep-megatron train: error: {exc}", file=sys.stderr)
-        return 2
+    if args.list_recipes:
+        return _list_recipes()
+    check_args(args)
+    opts = TrainOptions(
+        recipe=args.recipe,
+        overrides=args.overrides,
+        dispatcher=args.dispatcher,
+        iters=args.iters,
+        data_path=args.data_path,
+        run_dir=args.run_dir,
+        checkpoint_dir=args.checkpoint_dir,
+        save_interval=args.save_interval,
+        resume=args.resume,
+        wandb_project=args.wandb_project,
+        use_wandb=args.use_wandb,
+        gpus=args.gpus,
+        cpu_smoke=args.cpu_smoke,
+        timeout_s=args.timeout_s,
+        compare=args.compare,
+        peak_tflops=args.peak_tflops,
+    )
+    return run(opts)

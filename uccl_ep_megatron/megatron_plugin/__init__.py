@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 
+from uccl_ep_megatron.core.errors import InvalidInputError
 from uccl_ep_megatron.megatron_plugin.arguments import (
     ARG_OPTIONS,
     _install_arguments,
@@ -153,8 +154,18 @@ def install(
         UnsupportedError: megatron-core missing, older than the tested releases, or lacking
             an API the plugin needs (the message names it). A newer, untested release only
             warns (``UntestedVersionWarning``).
-        InvalidInputError: an invalid option value.
+        InvalidInputError: an invalid option value (``metrics`` and ``deep_ep_compat`` must
+            be ``True`` or ``False``: a string such as ``"no"`` would read as true).
     """
+    for name, value, optional in (
+        ("metrics", metrics, True),
+        ("deep_ep_compat", deep_ep_compat, False),
+    ):
+        if not isinstance(value, bool) and not (optional and value is None):
+            raise InvalidInputError(
+                f"install({name}={value!r}): must be True or False"
+                + (" (or None to keep the current value)" if optional else "")
+            )
     changes = {
         k: v
         for k, v in dict(

@@ -107,7 +107,7 @@ class StepDispatchMetrics:
     layers: dict[int, LayerDispatchMetrics]
 
     def summary(self) -> dict[str, float]:
-        """Totals over layers under the names ``uccl_ep_megatron.telemetry.metrics`` logs; {} if empty."""
+        """Totals over layers under the names ``telemetry.metrics`` logs; {} if empty."""
         if not self.layers:
             return {}
         d_ms = sum(m.dispatch_ms for m in self.layers.values())

@@ -361,7 +361,7 @@ def run_cpu_smoke(
                 if time.monotonic() > deadline:
                     alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
                     raise CommTimeoutError(
-                        f"CPU smoke: rank(s) {alive} still running after {timeout_s:.0f} s "
+                        f"CPU smoke: rank(s) {alive} still running after {timeout_s:g} s "
                         "(stalled in a gloo collective or the Buffer); raise --timeout or rerun "
                         "with --log-level DEBUG"
                     )

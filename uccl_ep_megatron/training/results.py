@@ -55,7 +55,9 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
         "combine ms dev/host",
         "loss first -> last",
     ):
-        table.add_column(column, justify="left" if column in ("dispatcher", "mode", "experts") else "right")
+        table.add_column(
+            column, justify="left" if column in ("dispatcher", "mode", "experts") else "right"
+        )
     means = []
     for run_dir in run_dirs:
         records = read_jsonl(run_dir)  # raises when the run left no metrics.jsonl

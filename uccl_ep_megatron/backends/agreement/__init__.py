@@ -16,11 +16,16 @@ per rank, the token count), so even ranks in different calls complete the exchan
 it. A rank whose checks failed still takes part, with the error flag set; the text of its error
 then follows in a second exchange that only the error path makes.
 
+The header names the Buffer too (its number, agreed at construction), so calls of two Buffers
+of one group never match each other.
+
 The package: ``row`` (the header, the row's encoding, ``Agreement``), ``verdict`` (the same
-checks on the GPU), ``packed`` (the intranode kernels' one-word header), ``waits`` (bounded
-waits for the exchanges).
+checks on the GPU), ``packed`` (the intranode kernels' one-word header), ``group`` (the
+Buffer's own channel for its exchanges, and their bounded waits that name the rank at fault),
+``waits`` (bounded waits for the kernels backends' exchanges).
 """
 
+from uccl_ep_megatron.backends.agreement.group import BufferGroup, Peer
 from uccl_ep_megatron.backends.agreement.packed import (
     check_packed_headers,
     describe_packed_header,
@@ -51,6 +56,8 @@ from uccl_ep_megatron.backends.agreement.waits import timeout_error, wait_stream
 
 __all__ = [
     "Agreement",
+    "BufferGroup",
+    "Peer",
     "CallHeader",
     "DTYPE_CODES",
     "KIND_CACHED",

@@ -19,7 +19,7 @@ from uccl_ep_megatron.core.errors import (
 
 KIND_DISPATCH, KIND_CACHED, KIND_COMBINE = 1, 2, 3
 KIND_NAMES = {KIND_DISPATCH: "dispatch", KIND_CACHED: "cached dispatch", KIND_COMBINE: "combine"}
-_MAGIC = 0x55455031  # "UEP1": a row of this layout
+_MAGIC = 0x55455032  # "UEP2": a row of this layout
 
 # Stable codes of the x dtypes (the same on every rank and build).
 _DTYPES = (
@@ -70,12 +70,15 @@ class CallHeader:
     rdma_send: int = 0
     rdma_recv: int = 0
     num_worst_tokens: int = 0
+    # The Buffer's number, agreed at construction (``agreement.group``): two Buffers of one
+    # group called in different orders meet in one exchange over NCCL, and must not match.
+    buffer: int = 0
     magic: int = _MAGIC
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(CallHeader))
 _AGREED = tuple(
-    f for f in _FIELDS if f not in ("kind", "seq", "error", "num_worst_tokens", "magic")
+    f for f in _FIELDS if f not in ("kind", "seq", "error", "num_worst_tokens", "buffer", "magic")
 )
 _FIELD_TEXT = {
     "dtype": "the dtype of x",
@@ -189,6 +192,15 @@ class Agreement:
             raise InvalidInputError(
                 f"{call}: rank(s) {bad} sent a call header of another format; every rank must run "
                 "the same uccl_ep_megatron version"
+            )
+        if len({h.buffer for h in hs}) > 1:
+            where = ", ".join(
+                f"rank {r} in {KIND_NAMES.get(h.kind, h.kind)} #{h.seq} of Buffer #{h.buffer}"
+                for r, h in enumerate(hs)
+            )
+            raise InvalidInputError(
+                f"ranks are in calls of different Buffers: {where}; every rank must call the "
+                "Buffers of a group in the same order. No rank moved any data"
             )
         if len({(h.kind, h.seq) for h in hs}) > 1:
             where = ", ".join(

@@ -24,6 +24,7 @@ from uccl_ep_megatron.backends.agreement.row import (
 VERDICTS = (
     "error",  # the rank's own argument checks failed (value: its error class code)
     "magic",  # a header of another format (value: its magic word)
+    "buffer",  # the rank is in a call of another Buffer (value: that Buffer's number)
     "call",  # the rank is in another call of this Buffer (value: its call number)
     "field",  # a field that must agree differs from rank 0's (value: index into _AGREED)
     "expert_id",  # an expert id outside [-1, E) (value: the id)
@@ -66,6 +67,7 @@ def device_verdict(rows: torch.Tensor) -> torch.Tensor:
     checks = [
         (col["error"] != 0, col["error"]),
         (col["magic"] != _MAGIC, col["magic"]),
+        (col["buffer"] != col["buffer"][:1], col["buffer"]),
         ((col["kind"] != col["kind"][:1]) | (col["seq"] != col["seq"][:1]), col["seq"]),
         (differs.any(1), differs.to(torch.int64).argmax(1)),
         (
@@ -102,6 +104,11 @@ def verdict_message(code: int, rank: int, value: int) -> str:
         return (
             f"rank {rank} sent a call header of another format ({value:#x}); every rank must run "
             "the same uccl_ep_megatron version"
+        )
+    if what == "buffer":
+        return (
+            f"rank {rank} was in a call of Buffer #{value} while rank 0 was in another Buffer; "
+            "every rank must call the Buffers of a group in the same order"
         )
     if what == "call":
         return (

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from uccl_ep_megatron.backends.agreement import (
     KIND_DISPATCH,
+    VERDICTS,
     CallHeader,
     device_verdict,
     timeout_error,
@@ -88,7 +89,8 @@ class CallHeaderExchange:
             # A rank that passed num_worst_tokens > 0 checks on the GPU and skips the call.
             rank = next(i for i, r in enumerate(rows) if r[_W_FIELD] != rows[0][_W_FIELD])
             raise InvalidInputError(
-                f"{call}: " + verdict_message(7, rank, rows[rank][_W_FIELD])  # worst_differs
+                f"{call}: "
+                + verdict_message(VERDICTS.index("worst_differs") + 1, rank, rows[rank][_W_FIELD])
             )
         return rows
 
