@@ -422,7 +422,7 @@ def w_ranks_per_node_on_one_rank(rank, world):
 def test_ranks_per_node_set_on_one_rank_names_the_variable(pool2):
     """Not "ranks disagree on Config.num_max_rdma_chunked_send_tokens": no Config was passed."""
     for msg in pool2.run(HERE, "w_ranks_per_node_on_one_rank"):
-        assert "UCCL_EP_RANKS_PER_NODE differs between the ranks of the group" in msg, msg
+        assert "UCCL_EP_RANKS_PER_NODE (or BufferOptions.ranks_per_node) differs" in msg, msg
         assert "unset on rank 0, '1' on rank 1" in msg, msg
 
 

@@ -12,6 +12,14 @@
 namespace uccl_ep {
 namespace {
 
+// A variable's text without surrounding blanks; a blank variable (`VAR=` in a shell) means unset.
+std::string trimmed(const char* v) {
+  std::string t(v);
+  const size_t a = t.find_first_not_of(" \t\n");
+  if (a == std::string::npos) return "";
+  return t.substr(a, t.find_last_not_of(" \t\n") - a + 1);
+}
+
 int64_t parse_int(const char* name, const char* raw) {
   char* end = nullptr;
   errno = 0;
@@ -105,8 +113,10 @@ Env Env::load(std::vector<std::pair<std::string, std::string>>* problems) {
   };
 #define UCCL_EP_ENV_INT(field, name, def, doc) \
   if (const char* v = std::getenv(name)) parse(name, [&] { return parse_int(name, v); }, e.field);
-#define UCCL_EP_ENV_STR(field, name, def, doc) \
-  if (const char* v = std::getenv(name)) e.field = v;
+#define UCCL_EP_ENV_STR(field, name, def, doc)  \
+  if (const char* v = std::getenv(name)) {      \
+    if (const std::string t = trimmed(v); !t.empty()) e.field = t; \
+  }
 #define UCCL_EP_ENV_BOOL(field, name, def, doc) \
   if (const char* v = std::getenv(name)) parse(name, [&] { return parse_bool(name, v); }, e.field);
 #include "common/env_params.def"
