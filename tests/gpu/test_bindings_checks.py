@@ -227,7 +227,14 @@ def test_internode_calls_check_their_tensors_before_launch():
     i32 = {"dtype": torch.int32, "device": dev}
     bf16 = {"dtype": torch.bfloat16, "device": dev}
     f32 = {"dtype": torch.float32, "device": dev}
-    d = {  # in dispatch_call's order
+    from uccl_ep_megatron.backends.internode.launch import (
+        InternodeCombineTensors,
+        InternodeDispatchTensors,
+        RingShape,
+    )
+
+    rings = RingShape(channels=C, slots=8, chunk=4)
+    d = {  # the fields of InternodeDispatchTensors
         "x": torch.zeros(T, H, **bf16),
         "x_scales": None,
         "topk_idx": None,
@@ -239,14 +246,15 @@ def test_internode_calls_check_their_tensors_before_launch():
         "recv_rows": torch.zeros(L, **i32),
         "recv_prefix": torch.zeros(R + 1, **i32),
         "recv_x": torch.zeros(rows, H, **bf16),
-        "recv_scales": None,
+        "recv_x_scales": None,
         "recv_topk_idx": None,
         "recv_topk_weights": None,
         "recv_src_idx": torch.zeros(rows, **i32),
     }
 
     def dispatch(verdict=None, **change):
-        c_in.dispatch_call(ctx, stream, verdict, C, 8, 4, *{**d, **change}.values(), False, 2)
+        tensors = InternodeDispatchTensors(**{**d, **change})
+        c_in.dispatch_call(ctx, stream, verdict, rings, tensors, False, 2)
 
     for change, needle in [
         ({"x": None}, "internode dispatch: x is None"),
@@ -278,7 +286,7 @@ def test_internode_calls_check_their_tensors_before_launch():
         with pytest.raises(InvalidInputError, match=needle):
             dispatch(**change)
 
-    c = {  # in combine_call's order
+    c = {  # the fields of InternodeCombineTensors
         "x": torch.zeros(rows, H, **bf16),
         "topk_weights": torch.zeros(rows, 2, **f32),
         "bias0": None,
@@ -295,7 +303,8 @@ def test_internode_calls_check_their_tensors_before_launch():
     }
 
     def combine(num_recv=rows, **change):
-        c_in.combine_call(ctx, stream, None, C, 8, 4, *{**c, **change}.values(), num_recv)
+        tensors = InternodeCombineTensors(**{**c, **change})
+        c_in.combine_call(ctx, stream, None, rings, tensors, num_recv)
 
     for change, needle in [
         ({"out_weights": None}, "internode combine: out_weights is None"),
@@ -358,7 +367,9 @@ def test_dispatch_begin_checks_its_tensors_and_declines_without_launching(arena_
     handle_send_pos = torch.zeros(T, 2, dtype=torch.int32, device="cuda")
     with pytest.raises(InvalidInputError, match="takes no topk_idx"):
         begin(cached=handle_send_pos)
-    with pytest.raises(InvalidInputError, match=r"DispatchLaunch.cached=1\), and None otherwise"):
+    with pytest.raises(
+        InvalidInputError, match=r"DispatchLaunch.cached=true\), and None otherwise"
+    ):
         begin(cached_launch=True)  # a cached launch without the handle's send_pos
     assert begin(arena_core=None) is None
     assert begin(rows=1 << 20) is None  # the staging does not hold the rows
