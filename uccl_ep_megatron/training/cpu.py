@@ -202,16 +202,70 @@ def _round_trip_check(buffer, x: torch.Tensor, topk_idx: torch.Tensor, s: SmokeS
         )
 
 
+def _train_step(model, buffer, teacher, opt, s, cfg: dict[str, Any], world: int):
+    """One step of the smoke model: forward through the Buffer, backward, the replicated
+    gradients averaged, the optimizer, and the auxiliary-loss-free bias update. Returns the
+    loss, the step's per-expert load and its wall time."""
+    import torch.distributed as dist
+
+    t0 = time.perf_counter()
+    x = torch.randn(s.tokens_per_rank, s.hidden)
+    y, topk_idx = model(x, buffer)
+    loss = torch.nn.functional.mse_loss(y, x @ teacher)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    for p in model.replicated_parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    opt.step()
+    # Auxiliary-loss-free balancing (DeepSeek-V3): overloaded experts get a lower bias.
+    load = torch.bincount(topk_idx.flatten(), minlength=s.num_experts).float()
+    dist.all_reduce(load)
+    model.expert_bias -= cfg["bias_update_rate"] * torch.sign(load - load.mean())
+    return loss, load, time.perf_counter() - t0
+
+
+def _log_step(metrics, step, loss, load, step_time, s, world: int, flops_per_token) -> None:
+    """The step's means over ranks (loss, time, dispatch/combine times and bytes) to the
+    metrics log (rank 0 writes)."""
+    import torch.distributed as dist
+
+    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
+    from uccl_ep_megatron.telemetry.metrics import bandwidth_gbps, expert_load_imbalance
+
+    comm = dispatch_metrics.collect().summary()
+    keys = ("dispatch_time_ms", "combine_time_ms", "dispatch_host_ms", "combine_host_ms")
+    stats = torch.tensor(
+        [loss.item(), step_time, comm["dispatch_bytes"], *(comm[k] for k in keys)],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(stats)
+    stats /= world
+    mean_loss, step_time, nbytes, *times = stats.tolist()
+    comm = dict(zip(keys, times, strict=True))
+    tokens_per_s = s.tokens_per_rank * world / step_time
+    metrics.log(
+        step,
+        {
+            "loss": mean_loss,
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": tokens_per_s / world,
+            "tflops_per_gpu": flops_per_token * tokens_per_s / world / 1e12,
+            **comm,
+            "dispatch_gbps": bandwidth_gbps(nbytes, comm["dispatch_time_ms"] / 1e3),
+            "combine_gbps": bandwidth_gbps(nbytes, comm["combine_time_ms"] / 1e3),
+            "expert_load_imbalance": expert_load_imbalance(load.tolist()),
+        },
+    )
+
+
 def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
-    from uccl_ep_megatron.telemetry.metrics import (
-        MetricsLogger,
-        bandwidth_gbps,
-        expert_load_imbalance,
-    )
+    from uccl_ep_megatron.telemetry.metrics import MetricsLogger
 
     # These processes form their own one-host job: a launcher's variables inherited from the
     # parent (torchrun's LOCAL_WORLD_SIZE=1, ...) would make the Buffer see one node per rank.
@@ -254,46 +308,8 @@ def _worker(rank: int, world: int, init_file: str, cfg: dict[str, Any]) -> None:
     dispatch_metrics.enable()
     try:
         for step in range(1, cfg["steps"] + 1):
-            t0 = time.perf_counter()
-            x = torch.randn(s.tokens_per_rank, s.hidden)
-            y, topk_idx = model(x, buffer)
-            loss = torch.nn.functional.mse_loss(y, x @ teacher)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            for p in model.replicated_parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            opt.step()
-            # Auxiliary-loss-free balancing (DeepSeek-V3): overloaded experts get a lower bias.
-            load = torch.bincount(topk_idx.flatten(), minlength=s.num_experts).float()
-            dist.all_reduce(load)
-            model.expert_bias -= cfg["bias_update_rate"] * torch.sign(load - load.mean())
-            step_time = time.perf_counter() - t0
-            comm = dispatch_metrics.collect().summary()
-            keys = ("dispatch_time_ms", "combine_time_ms", "dispatch_host_ms", "combine_host_ms")
-            stats = torch.tensor(
-                [loss.item(), step_time, comm["dispatch_bytes"], *(comm[k] for k in keys)],
-                dtype=torch.float64,
-            )
-            dist.all_reduce(stats)
-            stats /= world
-            mean_loss, step_time, nbytes, *times = stats.tolist()
-            comm = dict(zip(keys, times, strict=True))
-            tokens_per_s = s.tokens_per_rank * world / step_time
-            metrics.log(
-                step,
-                {
-                    "loss": mean_loss,
-                    "step_time_s": step_time,
-                    "tokens_per_s": tokens_per_s,
-                    "tokens_per_s_per_gpu": tokens_per_s / world,
-                    "tflops_per_gpu": flops_per_token * tokens_per_s / world / 1e12,
-                    **comm,
-                    "dispatch_gbps": bandwidth_gbps(nbytes, comm["dispatch_time_ms"] / 1e3),
-                    "combine_gbps": bandwidth_gbps(nbytes, comm["combine_time_ms"] / 1e3),
-                    "expert_load_imbalance": expert_load_imbalance(load.tolist()),
-                },
-            )
+            loss, load, step_time = _train_step(model, buffer, teacher, opt, s, cfg, world)
+            _log_step(metrics, step, loss, load, step_time, s, world, flops_per_token)
         metrics.summary({"steps": cfg["steps"], "backend": buffer.backend, "device": "cpu"})
     finally:
         metrics.close()
