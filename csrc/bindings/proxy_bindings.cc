@@ -166,6 +166,18 @@ class Counters {
   std::vector<int64_t> heap_;
 };
 
+py::dict nic_stats_dict(const IpcNicStats& s) {
+  py::dict d;
+  d["writes"] = s.writes;
+  d["bytes"] = s.bytes;
+  d["copies"] = s.copies;
+  d["batches"] = s.batches;
+  d["delivered"] = s.delivered;
+  d["wire_busy_ns"] = s.wire_busy_ns;
+  d["cpu_seconds"] = s.cpu_seconds;
+  return d;
+}
+
 py::dict stats_dict(const ProxyStats& s) {
   py::dict d;
   d["commands"] = s.commands;
@@ -374,16 +386,7 @@ void bind_proxy(py::module_& m) {
       .def(
           "nic_stats",
           [](const IpcTransport& t) {
-            const IpcNicStats s = t.nic_stats();
-            py::dict d;
-            d["writes"] = s.writes;
-            d["bytes"] = s.bytes;
-            d["copies"] = s.copies;
-            d["batches"] = s.batches;
-            d["delivered"] = s.delivered;
-            d["wire_busy_ns"] = s.wire_busy_ns;
-            d["cpu_seconds"] = s.cpu_seconds;
-            return d;
+            return nic_stats_dict(t.nic_stats());
           },
           "What the virtual NIC did: messages, bytes, copies after coalescing, copy submissions, "
           "immediates delivered, egress busy time, CPU seconds of its thread.");

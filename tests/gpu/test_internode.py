@@ -527,20 +527,28 @@ def test_nvl_staging_grows_collectively(gpu_pool):
     assert out[0]["sizes"][0] > out[0]["hint"], out
 
 
-def dead_peer_case(rank: int, world: int) -> str:
-    """The last rank's proxy is stopped (a dead peer): every rank's dispatch must end in an
-    error that names a rank it waited for, instead of hanging."""
-    from uccl_ep_megatron import Buffer, Config
-    from uccl_ep_megatron.core.errors import UcclEpError
+def _failure_inputs(rank: int, world: int, num_tokens: int):
+    """A kernels Buffer (kept for the session: peers may still address its memory) and inputs
+    that reach every rank, for the failure cases."""
+    from uccl_ep_megatron import Buffer
 
     buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
-    _keep.append(buf)  # peers may still address its memory: never freed during the session
-    num_tokens, hidden, experts = 4096, 2048, 4 * world
+    _keep.append(buf)
+    hidden, experts = 2048, 4 * world
     gen = torch.Generator(device="cuda").manual_seed(rank)
     idx = torch.rand(num_tokens, experts, generator=gen, device="cuda").topk(world, dim=1).indices
     w = torch.rand(num_tokens, world, generator=gen, device="cuda")
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    layout = buf.get_dispatch_layout(idx, experts)[:4]
+    return buf, x, buf.get_dispatch_layout(idx, experts)[:4], idx, w
+
+
+def dead_peer_case(rank: int, world: int) -> str:
+    """The last rank's proxy is stopped (a dead peer): every rank's dispatch must end in an
+    error that names a rank it waited for, instead of hanging."""
+    from uccl_ep_megatron import Config
+    from uccl_ep_megatron.core.errors import UcclEpError
+
+    buf, x, layout, idx, w = _failure_inputs(rank, world, 4096)
     if rank == world - 1:
         buf._backend.proxy.close()
     try:
@@ -571,17 +579,10 @@ def nic_fault_case(rank: int, world: int) -> dict:
     "" when it finished) and how long it took to get it."""
     import time
 
-    from uccl_ep_megatron import Buffer, Config
+    from uccl_ep_megatron import Config
     from uccl_ep_megatron.core.errors import UcclEpError
 
-    buf = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
-    _keep.append(buf)  # peers may still address its memory: never freed during the session
-    num_tokens, hidden, experts = 2048, 2048, 4 * world
-    gen = torch.Generator(device="cuda").manual_seed(rank)
-    idx = torch.rand(num_tokens, experts, generator=gen, device="cuda").topk(world, dim=1).indices
-    w = torch.rand(num_tokens, world, generator=gen, device="cuda")
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
-    layout = buf.get_dispatch_layout(idx, experts)[:4]
+    buf, x, layout, idx, w = _failure_inputs(rank, world, 2048)
     t0 = time.monotonic()
     try:
         for _ in range(20):
