@@ -186,19 +186,20 @@ void IpcTransport::connect(const std::vector<std::string>& infos) {
     }
     peers_.push_back(std::move(p));
   }
-  // Room for every message a proxy thread may have outstanding (its stream windows), rounded up.
-  uint32_t queue_capacity = 8192;
+  // Send and completion queues: more than a proxy thread's stream windows ever hold (a full
+  // queue makes post_write wait for the NIC, bounded).
+  constexpr uint32_t kQueueCapacity = 8192;
   for (uint32_t t = 0; t < setup_.num_threads; ++t) {
-    endpoints_.push_back(std::make_unique<IpcEndpoint>(*this, t, queue_capacity));
+    endpoints_.push_back(std::make_unique<IpcEndpoint>(*this, t, kQueueCapacity));
   }
-  // GPU copies: the devices they are issued on (the local GPU; or each GPU peer's when the local
-  // region is host memory), and direct P2P to same-process GPU peers (IPC-opened peers enabled it
-  // lazily). Everything is set up here, before any kernel runs and not from the proxy threads.
-  std::vector<int> devices;
+  // GPU copies need the GPU library, and direct P2P to same-process GPU peers (IPC-opened peers
+  // enabled it lazily). Everything is set up here, before any kernel runs: the NIC's copy
+  // streams too (Nic's constructor), not from its thread.
+  bool gpu_copies = false;
   for (uint32_t r = 0; r < peers_.size(); ++r) {
     const Peer& p = *peers_[r];
     if (!p.region_gpu && setup_.region.gpu_device < 0) continue;
-    devices.push_back(setup_.region.gpu_device >= 0 ? setup_.region.gpu_device : p.gpu_device);
+    gpu_copies = true;
     if (options_.peer_access && setup_.region.gpu_device >= 0 && p.region_gpu && !p.ipc_opened &&
         p.gpu_device != setup_.region.gpu_device &&
         !options_.gpu->enable_peer_access(setup_.region.gpu_device, p.gpu_device)) {
@@ -206,9 +207,8 @@ void IpcTransport::connect(const std::vector<std::string>& infos) {
                   p.gpu_device, " (rank ", r, ") peer-to-peer; copies are staged through host memory");
     }
   }
-  UCCL_EP_CHECK_ARG(devices.empty() || options_.gpu != nullptr, "ipc rank ", setup_.rank,
+  UCCL_EP_CHECK_ARG(!gpu_copies || options_.gpu != nullptr, "ipc rank ", setup_.rank,
                     " must copy to GPU memory but this build has no GPU support; rebuild with nvcc/hipcc");
-  (void)devices;
   nic_ = std::make_unique<Nic>(*this);
   nic_->start();
 }

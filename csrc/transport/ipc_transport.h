@@ -90,8 +90,6 @@ class IpcTransport : public Transport {
   Endpoint& endpoint(uint32_t thread) override;
   uint64_t peer_region_bytes(uint32_t peer) const override;
   IpcNicStats nic_stats() const;
-  const IpcOptions& options() const { return options_; }
-  const TransportSetup& setup() const { return setup_; }
 
   struct Peer;
   class IpcEndpoint;
