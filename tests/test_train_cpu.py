@@ -426,8 +426,11 @@ def test_megatron_core_model_matches_flops_counts(recipe, tmp_path):
     import subprocess
     import sys
 
+    # -P and a cwd outside the checkout: the child imports the installed package (with its
+    # token_dispatcher), never the source tree.
     proc = subprocess.run(
-        [sys.executable, "-c", _BUILD_ON_CPU, recipe, str(tmp_path / "pg_init")],
+        [sys.executable, "-P", "-c", _BUILD_ON_CPU, recipe, str(tmp_path / "pg_init")],
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=300,
