@@ -83,7 +83,8 @@ def test_yaml_overrides_reach_the_uccl_ep_dispatcher():
         ]
     )
     assert (seen["num_sms"], seen["backend"], seen["metrics"]) == (16, "reference", True)
-    assert seen["transport"] == seen["env_transport"] == "ipc"
+    assert seen["transport"] == seen["buffer_transport"] == "ipc"
+    assert seen["env_transport"] is None  # the plugin configures the Buffer, not the process
 
 
 @needs_megatron_training

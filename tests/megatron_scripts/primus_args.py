@@ -84,6 +84,8 @@ with tempfile.TemporaryDirectory() as tmp:
                 "backend": options.backend,
                 "metrics": options.metrics,
                 "transport": options.transport,
+                # What the dispatcher's Buffer is made with (nothing goes through the env).
+                "buffer_transport": options.buffer_options().transport,
                 "env_transport": os.environ.get("UCCL_EP_TRANSPORT"),
             }
         )
