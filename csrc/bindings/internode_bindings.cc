@@ -28,6 +28,7 @@ void bind_internode(py::module_& m) {
   namespace in = uccl_ep::internode;
   py::module_ s = m.def_submodule("internode", "Internode HT dispatch/combine (FIFO -> proxy -> transport).");
   s.attr("MAX_CHANNELS") = in::kMaxChannels;
+  s.attr("TRACE_WORDS") = in::kTraceWords;
   s.attr("MAX_NODES") = in::kMaxNodes;
   s.attr("MAX_LOCAL") = in::kMaxLocal;
   s.attr("MAX_TOPK") = in::kMaxTopk;

@@ -63,6 +63,7 @@ struct Context {
   TensorView state;         // int64 [kStateWords], device memory
   int64_t stage_offset = 0;  // where NVLink staging starts in each NVLink buffer
   uint64_t barrier_seq = 0;  // the last node barrier's sequence number
+  TensorView trace;          // int64 [words], device memory, or none (set_trace)
 
   int num_nodes() const { return base.num_ranks / base.ranks_per_node; }
 
@@ -91,6 +92,12 @@ struct Context {
     c.cap = cap;
     c.chunk = chunk;
     c.verdict = verdict;
+    if (!trace.none) {
+      const int64_t need = int64_t{2} * num_channels * in::kTraceWords;
+      UCCL_EP_CHECK_ARG(trace.size[0] >= need, "internode trace buffer has ", trace.size[0], " words but ",
+                        num_channels, " channels need ", need, " (2 blocks a channel, ", in::kTraceWords, " each)");
+      c.trace = trace.ptr;
+    }
     return c;
   }
 };
@@ -355,6 +362,17 @@ void bind_internode_calls(py::module_& s) {
            py::arg("region_bytes"), py::arg("nvl"), py::arg("stage_offset"), py::arg("status"),
            py::arg("timeout_ns"), py::arg("barrier_seq") = 0)
       .def_readonly("barrier_seq", &Context::barrier_seq)
+      .def(
+          "set_trace",
+          [](Context& c, py::handle t) {
+            TensorView v = arg(t, "internode Context.set_trace: buffer", true, {-1}, {Dt::kInt64});
+            if (!v.none) check_ptr(v.ptr, true, "internode Context.set_trace: buffer");
+            c.trace = v;
+          },
+          py::arg("buffer"),
+          "Every later launch accounts its blocks' time in `buffer` (int64 on the GPU, kTraceWords a "
+          "block: entry, exit, go rounds, wait rounds, then ns waiting, planning, moving, pushing); None "
+          "stops it.")
       .def_property_readonly("nvl", [](const Context& c) { return c.base.nvl; });
   // Positional (no keyword matching per call); the tensors and the ring shape are read by name.
   s.def("dispatch_call", &dispatch_call,

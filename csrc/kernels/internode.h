@@ -32,6 +32,10 @@ namespace uccl_ep::internode {
 // Status words (mapped host memory): [0] set, [1] peer rank, [2] waited-for value, [3] site,
 // [4] channel, [5] observed value.
 constexpr int kStatusWords = 6;
+// Words per block of a launch's trace (Common::trace): kernel entry and exit (global timer ns),
+// go rounds, wait rounds, then ns spent waiting, planning, moving rows and pushing commands,
+// all as thread 0 of the block saw them (bench internode --trace).
+constexpr int kTraceWords = 8;
 enum Site : int {
   kSiteDispatchSend = 11,     // sender waits for ring room at the forwarder
   kSiteDispatchForward = 12,  // forwarder waits for tokens (or the end marker) from a source
@@ -69,6 +73,8 @@ struct Common {
   // sync-free call (code, rank, value; code 0 = agreed). A set code makes every kernel record
   // it in the status words and move nothing, on every rank alike (all hold the same rows).
   intptr_t verdict = 0;
+  // uint64 [2 * num_channels * kTraceWords] in device memory, or 0 (no clock reads at all).
+  intptr_t trace = 0;
 };
 
 struct DispatchArgs {

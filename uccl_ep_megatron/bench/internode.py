@@ -83,6 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile", action="store_true", help="also report each op's GPU kernels (one call)"
     )
     parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also report where each kernel role's time goes (one traced call per op)",
+    )
+    parser.add_argument(
         "--chunk",
         default="0",
         help="dispatch tokens per RDMA write (Config.num_max_rdma_chunked_send_tokens), "
@@ -279,6 +284,38 @@ def _kernel_times(fn) -> dict[str, float]:
     return out
 
 
+_ROLES = {"dispatch": ("sender", "forwarder"), "combine": ("forwarder", "receiver")}
+
+
+def _block_times(fn, backend, channels: int, op: str) -> dict:
+    """One traced call: per kernel role (even blocks, odd blocks), the mean over its blocks of
+    the time from kernel entry to exit and how it splits into waiting, planning (counter reads
+    of rounds that found work), moving rows and pushing commands, in us; rounds with work and
+    without. ``entry_skew_us``: the latest block's entry after the first's."""
+    backend.set_trace(True)
+    try:
+        dist.barrier()
+        torch.cuda.synchronize()
+        fn()
+        torch.cuda.synchronize()
+        blocks = backend.read_trace(channels)
+    finally:
+        backend.set_trace(False)
+    first = min(b[0] for b in blocks)
+    out: dict = {"entry_skew_us": (max(b[0] for b in blocks) - first) / 1e3}
+    names = ("span", "rounds", "waits", "wait", "plan", "move", "push")
+    for parity, role in enumerate(_ROLES["combine" if "combine" in op else "dispatch"]):
+        mine = blocks[parity::2]
+        vals = [[b[1] - b[0], b[2], b[3], b[4], b[5], b[6], b[7]] for b in mine]
+        mean = [sum(v[i] for v in vals) / len(vals) for i in range(len(names))]
+        out[role] = {
+            (n if n in ("rounds", "waits") else f"{n}_us"): (m if n in ("rounds", "waits") else m / 1e3)
+            for n, m in zip(names, mean)
+        }
+        out[role]["last_exit_us"] = max(b[1] for b in mine) / 1e3 - first / 1e3
+    return out
+
+
 def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
     ep = buf._backend.proxy
     s0, n0 = ep.stats(), ep.nic_stats()
@@ -345,6 +382,9 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
             )
             if a["profile"]:
                 r["kernels_us"] = _kernel_times(fn)
+            if a["trace"]:
+                cfg = cfgs[1] if "combine" in name else cfgs[0]
+                r["trace"] = _block_times(fn, buf._backend, cfg.num_channels, name)
             rows.append(r)
         buf.destroy()
     if a["intranode_ref"]:
@@ -474,8 +514,30 @@ def _print(results: dict) -> None:
         )
 
 
+def _print_trace(results: dict) -> None:
+    """Per rank and op, where each kernel role's time went (``--trace``)."""
+    for r in results["rows"]:
+        t = r.get("trace")
+        if not t:
+            continue
+        parts = []
+        for role, v in t.items():
+            if not isinstance(v, dict):
+                continue
+            parts.append(
+                f"{role} span {v['span_us']:.0f} (wait {v['wait_us']:.0f}, plan {v['plan_us']:.0f},"
+                f" move {v['move_us']:.0f}, push {v['push_us']:.0f}; {v['rounds']:.0f} rounds,"
+                f" {v['waits']:.0f} waits, last exit {v['last_exit_us']:.0f})"
+            )
+        print(
+            f"  rank{r['rank']} {r['op']} link {r['link_gbps']:g} thr {r['threads']}: "
+            f"entry skew {t['entry_skew_us']:.0f}; " + "; ".join(parts)
+        )
+
+
 def _print_kernels(results: dict) -> None:
     """Rank 0's GPU kernels per op (``--profile``)."""
+    _print_trace(results)
     for r in results["rows"]:
         if r.get("rank") != 0 or "kernels_us" not in r:
             continue

@@ -206,13 +206,19 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
   // A window never needs more partials from a node than its ring holds: the senders can
   // always deliver a whole window once the previous one was released.
   const int window = c.cap < 4 * kWarps ? c.cap : 4 * kWarps;
+  RoundTrace tr(c);
   for (int w0 = range.begin; w0 < range.end; w0 += window) {
     const int w1 = w0 + window < range.end ? w0 + window : range.end;
-    if (tid == 0) s_round = wait_window(p, ch, w1, s_base, s_round);
+    if (tid == 0) {
+      s_round = wait_window(p, ch, w1, s_base, s_round);
+      // The window's wait is one round: its time counts as waiting.
+      tr.planned(kWait);
+    }
     if (broadcast_round(s_round) == kStop) break;
     for (int t = w0 + warp; t < w1; t += kWarps) reduce_token<kDtype>(p, ch, range, s_base, t, lane);
     __syncthreads();
     if (tid == 0) {
+      tr.moved();
       for (int n = 0; n < c.N; ++n) {
         if (n == c.node) continue;
         const int cum = p.stream_cum[static_cast<int64_t>(w1 - 1) * c.N + n];
@@ -223,10 +229,12 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
           break;
         }
       }
+      tr.pushed();
     }
   }
   __syncthreads();  // thread 0's last updates of the shared positions are visible
   if (tid < c.N) c.state[state_index(kCombineConsumed, ch, tid)] = s_base[tid] + s_prev[tid];
+  tr.store(c);
 }
 
 template <int kDtype>

@@ -226,9 +226,13 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
   }
   __syncthreads();
   uint64_t last_progress = dev::global_timer_ns();
+  RoundTrace tr(c);
   int round = kGo;
   for (;;) {
-    if (tid == 0) s_round = plan_forward_round(c, ch, s_cons, s_calls, s_fin, s_avail, s_round, last_progress);
+    if (tid == 0) {
+      s_round = plan_forward_round(c, ch, s_cons, s_calls, s_fin, s_avail, s_round, last_progress);
+      tr.planned(s_round);
+    }
     round = broadcast_round(s_round);
     if (round == kDone || round == kStop) break;
     if (round != kGo) continue;
@@ -253,6 +257,7 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
     }
     __syncthreads();
     if (tid == 0) {
+      tr.moved();
       // Slots are free again once every warp copied out of them (the barrier above).
       for (int m = 0; m < c.N; ++m) {
         if (s_avail[m] == 0) continue;
@@ -262,6 +267,7 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
           break;
         }
       }
+      tr.pushed();
     }
   }
   __syncthreads();  // thread 0's last updates of the shared positions are visible
@@ -269,6 +275,7 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
     c.state[state_index(kDispatchConsumed, ch, tid)] = s_cons[tid];
     if (round == kDone && tid != c.node) c.state[state_index(kDispatchCalls, ch, tid)] = s_calls[tid];
   }
+  tr.store(c);
 }
 
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(DispatchDev p) {

@@ -60,6 +60,7 @@ DevCommon make_common(const Common& c) {
   d.status = kernels::status_ref(c.status);
   d.timeout_ns = static_cast<uint64_t>(c.timeout_ns);
   d.verdict = reinterpret_cast<const int64_t*>(c.verdict);
+  d.trace = reinterpret_cast<uint64_t*>(c.trace);
   return d;
 }
 

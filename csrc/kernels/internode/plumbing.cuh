@@ -31,6 +31,7 @@ struct DevCommon {
   kernels::StatusRef status;
   uint64_t timeout_ns;
   const int64_t* verdict;  // sync-free call: the GPU check of the call headers (or null)
+  uint64_t* trace;         // per-block time accounting (Common::trace), or null
 };
 
 // Host side (host.cu): checks a launch's common fields and converts them.

@@ -12,6 +12,48 @@ namespace uccl_ep::internode::detail {
 // Round decisions thread 0 broadcasts.
 enum RoundState : int { kGo = 0, kWait = 1, kDone = 2, kStop = 3 };
 
+// Thread 0's account of its block's round loop (Common::trace): the time between two marks goes
+// to waiting (a round that found nothing to do, its back-off included), planning (a round that
+// found work: the counter reads), moving rows (the warps' copies and the barrier after them) or
+// pushing commands. Without a trace buffer it reads no clock.
+struct RoundTrace {
+  bool on;
+  uint64_t start = 0, mark = 0, rounds = 0, waits = 0, wait_ns = 0, plan_ns = 0, move_ns = 0, push_ns = 0;
+
+  __device__ explicit RoundTrace(const DevCommon& c) : on(c.trace != nullptr && threadIdx.x == 0) {
+    if (on) start = mark = dev::global_timer_ns();
+  }
+  __device__ uint64_t lap() {
+    const uint64_t now = dev::global_timer_ns();
+    const uint64_t d = now - mark;
+    mark = now;
+    return d;
+  }
+  __device__ void planned(int round) {
+    if (!on) return;
+    const uint64_t d = lap();
+    if (round == kWait) {
+      ++waits;
+      wait_ns += d;
+    } else {
+      ++rounds;
+      plan_ns += d;
+    }
+  }
+  __device__ void moved() {
+    if (on) move_ns += lap();
+  }
+  __device__ void pushed() {
+    if (on) push_ns += lap();
+  }
+  __device__ void store(const DevCommon& c) const {
+    if (!on) return;
+    uint64_t* w = c.trace + static_cast<int64_t>(blockIdx.x) * kTraceWords;
+    const uint64_t v[kTraceWords] = {start, dev::global_timer_ns(), rounds, waits, wait_ns, plan_ns, move_ns, push_ns};
+    for (int i = 0; i < kTraceWords; ++i) w[i] = v[i];
+  }
+};
+
 // Thread 0's decision for one round of a sending or receiving loop: stop (prev == kStop marks
 // thread 0's own push failure; or another block failed), done, go, or wait (backing off; after
 // timeout_ns without progress it fails, naming the stalled peer, `want` and `got`, at `site`).
@@ -95,10 +137,13 @@ __device__ int ring_send(const DevCommon& c, const RingLayout& rl, int ch, const
   if (tid == 0) s_round = kGo;
   __syncthreads();
   uint64_t last_progress = dev::global_timer_ns();
+  RoundTrace tr(c);
   int round = kGo;
   for (;;) {
-    if (tid == 0)
+    if (tid == 0) {
       s_round = plan_send_round(c, ch, kinds.head, kinds.site, s_cnt, s_pos, s_sent, s_k, s_round, last_progress);
+      tr.planned(s_round);
+    }
     round = broadcast_round(s_round);
     if (round == kDone || round == kStop) break;
     if (round != kGo) continue;
@@ -115,6 +160,7 @@ __device__ int ring_send(const DevCommon& c, const RingLayout& rl, int ch, const
     __threadfence_system();
     __syncthreads();
     if (tid == 0) {
+      tr.moved();
       bool ok = true;
       for (int n = 0; n < c.N && ok; ++n) {
         const int k = s_k[n];
@@ -126,10 +172,12 @@ __device__ int ring_send(const DevCommon& c, const RingLayout& rl, int ch, const
         s_pos[n] += k;
       }
       if (!ok) s_round = kStop;
+      tr.pushed();
     }
   }
   __syncthreads();  // thread 0's last updates of the shared positions are visible
   if (tid < c.N) c.state[state_index(kinds.sent, ch, tid)] = s_sent[tid];
+  tr.store(c);
   return round;
 }
 

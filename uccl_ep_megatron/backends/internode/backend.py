@@ -154,6 +154,25 @@ class InternodeBackend(CallHeaderExchange, Backend):
         torch.cuda.synchronize(device)
         self._ctx: Any = None
         self._ctx_grows = -1
+        self._trace: torch.Tensor | None = None
+
+    def set_trace(self, on: bool) -> None:
+        """Per-block time accounting of every later launch, read with ``read_trace``
+        (``bench internode --trace``). Off by default: the kernels then read no clock for it."""
+        words = 2 * int(self._in.MAX_CHANNELS) * int(self._in.TRACE_WORDS)
+        self._trace = torch.zeros(words, dtype=torch.int64, device=self._state.device) if on else None
+        if self._ctx is not None:
+            self._ctx.set_trace(self._trace)
+
+    def read_trace(self, channels: int) -> list[list[int]]:
+        """The last launch's words per block (``2 * channels`` blocks; even blocks send, odd
+        blocks receive, as the kernels assign roles): entry and exit ns, go rounds, wait rounds,
+        then ns waiting, planning, moving rows and pushing commands."""
+        if self._trace is None:
+            raise RuntimeError("read_trace needs set_trace(True) before the launch")
+        w = int(self._in.TRACE_WORDS)
+        flat = self._trace[: 2 * channels * w].tolist()
+        return [flat[b * w : (b + 1) * w] for b in range(2 * channels)]
 
     # ---- helpers -----------------------------------------------------------------------
     def _proxy_endpoint(
@@ -232,6 +251,8 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 0 if self._ctx is None else self._ctx.barrier_seq,
             )
             self._ctx_grows = grows
+            if self._trace is not None:
+                self._ctx.set_trace(self._trace)
         return self._ctx
 
     def _rings(self, config: Config) -> RingShape:
