@@ -348,6 +348,80 @@ void combine_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle 
   views::poison(c.base.status, stream, {{&out, x.dtype->nan}, {&out_w, kF32Nan}});
 }
 
+// The index tables of a dispatch in one launch (DispatchTablesTensors, backends/internode/
+// launch.py): every output is checked against the shapes the kernels will read. A cached
+// dispatch passes None for all but lists and list_count.
+void dispatch_tables_call(Context& c, intptr_t stream, int num_channels, int counts_col, py::handle t) {
+  c.check("dispatch tables");
+  const int64_t R = c.base.num_ranks, L = c.base.ranks_per_node, N = c.num_nodes();
+  const TensorView in_rank = arg(field(t, "in_rank"), "internode tables: in_rank", false, {-1, R}, {Dt::kBool});
+  const int64_t T = in_rank.size[0];
+  const TensorView lists = arg(field(t, "lists"), "internode tables: lists", false, {N, T}, {Dt::kInt32});
+  const TensorView count =
+      arg(field(t, "list_count"), "internode tables: list_count", false, {num_channels, N}, {Dt::kInt32});
+  const TensorView dst = arg(field(t, "dst_row"), "internode tables: dst_row", true, {T, R}, {Dt::kInt32});
+  const bool full = !dst.none;
+  const TensorView rows = arg(field(t, "rows"), "internode tables: rows", !full, {R, -1}, {Dt::kInt64});
+  const TensorView prefix = arg(field(t, "rank_prefix"), "internode tables: rank_prefix", !full, {R, R}, {Dt::kInt32});
+  const TensorView recv_rows = arg(field(t, "recv_rows"), "internode tables: recv_rows", !full, {L}, {Dt::kInt32});
+  const TensorView recv_prefix =
+      arg(field(t, "recv_prefix"), "internode tables: recv_prefix", !full, {R + 1}, {Dt::kInt32});
+  const TensorView recv_count = arg(field(t, "recv_count"), "internode tables: recv_count", !full, {1}, {Dt::kInt32});
+  const TensorView src_tokens = arg(field(t, "src_tokens"), "internode tables: src_tokens", !full, {N}, {Dt::kInt32});
+  const TensorView plan = arg(field(t, "plan"), "internode tables: plan", !full, {N, -1, L}, {Dt::kInt32});
+  in::DispatchTablesArgs a;
+  a.rank = c.base.rank;
+  a.num_ranks = static_cast<int>(R);
+  a.ranks_per_node = static_cast<int>(L);
+  a.num_channels = num_channels;
+  a.num_tokens = static_cast<int>(T);
+  a.rows = rows.ptr;
+  a.row_width = rows.none ? 0 : static_cast<int>(rows.size[1]);
+  a.counts_col = counts_col;
+  a.in_rank = in_rank.ptr;
+  a.dst_row = dst.ptr;
+  a.lists = lists.ptr;
+  a.list_count = count.ptr;
+  a.rank_prefix = prefix.ptr;
+  a.recv_rows = recv_rows.ptr;
+  a.recv_prefix = recv_prefix.ptr;
+  a.recv_count = recv_count.ptr;
+  a.src_tokens = src_tokens.ptr;
+  a.plan = plan.ptr;
+  a.plan_words = plan.none ? 0 : plan.bytes() / 4;
+  for (const TensorView* v : {&in_rank, &lists, &count, &rows, &dst})
+    check_ptr(v->ptr, v->bytes() > 0, "internode tables: a device tensor");
+  in::dispatch_tables(a, stream);
+}
+
+// The tables of a combine in one launch (CombineTablesTensors).
+void combine_tables_call(Context& c, intptr_t stream, int num_channels, py::handle t) {
+  c.check("combine tables");
+  const int64_t R = c.base.num_ranks, L = c.base.ranks_per_node, N = c.num_nodes();
+  const TensorView in_rank = arg(field(t, "in_rank"), "internode tables: in_rank", false, {-1, R}, {Dt::kBool});
+  const int64_t T = in_rank.size[0];
+  const TensorView plan = arg(field(t, "plan"), "internode tables: plan", false, {N, -1, L}, {Dt::kInt32});
+  const int64_t P = plan.size[1];
+  const TensorView src = arg(field(t, "src_tokens"), "internode tables: src_tokens", false, {N}, {Dt::kInt32});
+  const TensorView cum = arg(field(t, "cum"), "internode tables: cum", false, {T, N}, {Dt::kInt32});
+  const TensorView lists = arg(field(t, "lists"), "internode tables: lists", false, {N, P}, {Dt::kInt32});
+  const TensorView count =
+      arg(field(t, "list_count"), "internode tables: list_count", false, {num_channels, N}, {Dt::kInt32});
+  in::CombineTablesArgs a;
+  a.ranks_per_node = static_cast<int>(L);
+  a.num_nodes = static_cast<int>(N);
+  a.num_channels = num_channels;
+  a.num_tokens = static_cast<int>(T);
+  a.plan_tokens = static_cast<int>(P);
+  a.in_rank = in_rank.ptr;
+  a.cum = cum.ptr;
+  a.plan = plan.ptr;
+  a.src_tokens = src.ptr;
+  a.lists = lists.ptr;
+  a.list_count = count.ptr;
+  in::combine_tables(a, stream);
+}
+
 }  // namespace
 #endif
 
@@ -380,6 +454,12 @@ void bind_internode_calls(py::module_& s) {
         "(channels, slots, chunk), tensors an InternodeDispatchTensors (backends/internode/launch.py); the "
         "dispatch kernels and the poison fold of their outputs (NaN rows, -1 ids and sources, 0 weights when a "
         "wait timed out).");
+  s.def("dispatch_tables", &dispatch_tables_call,
+        "dispatch_tables(ctx, stream, channels, counts_col, tensors): a DispatchTablesTensors "
+        "(backends/internode/launch.py); the call's index tables from the gathered call headers in one launch.");
+  s.def("combine_tables", &combine_tables_call,
+        "combine_tables(ctx, stream, channels, tensors): a CombineTablesTensors; the combine's stream tables "
+        "in one launch.");
   s.def("combine_call", &combine_call,
         "combine(ctx, stream, verdict|None, rings, tensors, num_recv): tensors an InternodeCombineTensors; the "
         "combine kernels and the poison fold of the outputs (NaN when a wait timed out).");

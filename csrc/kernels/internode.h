@@ -130,6 +130,33 @@ void combine(const CombineArgs& a, intptr_t stream);
 // L > 1: node barrier so no peer still reads this rank's staging when the next call reuses it.
 void node_barrier(const Common& c, uint64_t barrier_seq, intptr_t stream);
 
+// The index tables of a dispatch (backends/internode/tables.py has their torch form), from the
+// all-gathered call headers and is_token_in_rank, in one launch. An output left 0 is skipped
+// (a cached dispatch builds only lists and list_count).
+struct DispatchTablesArgs {
+  int rank = 0, num_ranks = 0, ranks_per_node = 1, num_channels = 1, num_tokens = 0;
+  intptr_t rows = 0;                  // int64 [R, row_width]: the call headers
+  int row_width = 0, counts_col = 0;  // rows[s][counts_col + r]: rows s sends to r; [s][width - 1]: s's tokens
+  intptr_t in_rank = 0;               // bool [T, R]
+  intptr_t dst_row = 0;               // int32 [T, R]
+  intptr_t lists = 0;                 // int32 [N, T]
+  intptr_t list_count = 0;            // int32 [C, N]
+  intptr_t rank_prefix = 0;           // int32 [R, R]; with it recv_rows [L], recv_prefix [R + 1],
+  intptr_t recv_rows = 0, recv_prefix = 0, recv_count = 0, src_tokens = 0;  // recv_count [1], src_tokens [N]
+  intptr_t plan = 0;                  // int32, plan_words of them set to -1
+  int64_t plan_words = 0;
+};
+void dispatch_tables(const DispatchTablesArgs& a, intptr_t stream);
+
+// The tables of a combine: the stream positions of this rank's tokens per node (cum [T, N]),
+// and the streams of tokens it forwards back (lists [N, plan_tokens], list_count [C, N]) from
+// the dispatch's plan [N, plan_tokens, L] and src_tokens [N].
+struct CombineTablesArgs {
+  int ranks_per_node = 1, num_nodes = 0, num_channels = 1, num_tokens = 0, plan_tokens = 0;
+  intptr_t in_rank = 0, cum = 0, plan = 0, src_tokens = 0, lists = 0, list_count = 0;
+};
+void combine_tables(const CombineTablesArgs& a, intptr_t stream);
+
 // Loads every internode kernel on the current device now. Under lazy module loading (the
 // CUDA 12.2+ and PyTorch default) a kernel's first launch loads it while holding the context
 // lock until the GPU drains; if that happens while a dispatch/combine kernel waits for the

@@ -527,6 +527,93 @@ def test_nvl_staging_grows_collectively(gpu_pool):
     assert out[0]["sizes"][0] > out[0]["hint"], out
 
 
+def _poisoned(*shape: int) -> torch.Tensor:
+    return torch.full(shape, -7, dtype=torch.int32, device="cuda")
+
+
+def _same_streams(what, lists, count, want_lists, want_count, tokens) -> None:
+    """Streams equal where they are defined: each (channel, source) run of ``count`` entries
+    from its range's start (``channel_range``); beyond that the tables leave memory as is."""
+    assert_same(f"{what} list_count", count, want_count)
+    C, B = count.shape
+    for b in range(B):
+        n = int(tokens[b])
+        for c in range(C):
+            begin, k = min(c * max(1, -(-n // C)), n), int(want_count[c, b])
+            got, want = lists[b, begin : begin + k], want_lists[b, begin : begin + k]
+            assert_same(f"{what} lists[{b}] channel {c}", got, want)
+
+
+def _check_dispatch_tables(be, rank, in_rank, rows, C, what) -> None:
+    from uccl_ep_megatron.backends.agreement import COUNTS_COLUMN
+    from uccl_ep_megatron.backends.internode import tables
+    from uccl_ep_megatron.backends.internode.launch import DispatchTablesTensors
+
+    T, R = in_rank.shape
+    L = be.topology.ranks_per_node
+    N = R // L
+    t = DispatchTablesTensors(
+        rows, in_rank, _poisoned(T, R), _poisoned(N, T), _poisoned(C, N), _poisoned(R, R),
+        _poisoned(L), _poisoned(R + 1), _poisoned(1), _poisoned(N), _poisoned(N, max(1, T), L),
+    )  # fmt: skip
+    be._in.dispatch_tables(be._context(), be._stream(), C, COUNTS_COLUMN, t)
+    ref = tables.call_tables(rows, rank, L)
+    lists, count, _ = tables.stream_tables(in_rank.view(T, N, L).any(2), C)
+    assert_same(f"{what} dst_row", t.dst_row, tables.dst_rows(in_rank, ref.first_row))
+    _same_streams(what, t.lists, t.list_count, lists, count, [T] * N)
+    for name in ("rank_prefix", "recv_rows", "recv_prefix", "recv_count", "src_tokens"):
+        want = getattr(ref, "rank_prefix_matrix" if name == "rank_prefix" else name)
+        assert_same(f"{what} {name}", getattr(t, name), want)
+    assert bool((t.plan == -1).all()), f"{what}: plan not all -1"
+
+
+def _check_combine_tables(be, in_rank, gen, C, what) -> None:
+    from uccl_ep_megatron.backends.internode import tables
+    from uccl_ep_megatron.backends.internode.launch import CombineTablesTensors
+
+    T, R = in_rank.shape
+    L = be.topology.ranks_per_node
+    N, P = R // L, max(1, T)
+    plan = torch.randint(-1, 3, (N, P, L), generator=gen, device="cuda", dtype=torch.int32)
+    src = torch.randint(0, P + 1, (N,), generator=gen, device="cuda", dtype=torch.int32)
+    t = CombineTablesTensors(in_rank, plan, src, _poisoned(T, N), _poisoned(N, P), _poisoned(C, N))
+    be._in.combine_tables(be._context(), be._stream(), C, t)
+    _, _, cum = tables.stream_tables(in_rank.view(T, N, L).any(2), C)
+    lists, count, _ = tables.streams((plan >= 0).any(-1), src, C)
+    assert_same(f"{what} combine cum", t.cum, cum)
+    _same_streams(f"{what} combine", t.lists, t.list_count, lists, count, src.tolist())
+
+
+def tables_case(rank: int, world: int) -> list[str]:
+    """The index tables the kernels build (``_C.internode.dispatch_tables`` / ``combine_tables``)
+    against their torch form in ``backends/internode/tables.py``, on random masks, headers and
+    plans: empty and odd token counts, channel counts that do not divide them, full and empty
+    masks. Outputs start poisoned. Returns the cases checked."""
+    from uccl_ep_megatron.backends.agreement import COUNTS_COLUMN
+
+    be = _get_buffers(False)[0]._backend
+    gen = torch.Generator(device="cuda").manual_seed(31 + rank)
+    done = []
+    for T, C, density in [(0, 3, 0.5), (1, 1, 1.0), (7, 12, 0.5), (1000, 12, 0.3), (4097, 32, 0.9)]:
+        for fill, p in (("random", density), ("none", 0.0), ("all", 1.0)):
+            in_rank = torch.rand(T, world, generator=gen, device="cuda") < p
+            rows = torch.randint(
+                0, 5000, (world, COUNTS_COLUMN + world + 1), generator=gen, device="cuda"
+            )
+            rows[:, -1] = torch.randint(0, T + 1, (world,), generator=gen, device="cuda")
+            what = f"T={T} C={C} {fill}"
+            _check_dispatch_tables(be, rank, in_rank, rows, C, what)
+            _check_combine_tables(be, in_rank, gen, C, what)
+            done.append(what)
+    torch.cuda.synchronize()
+    return done
+
+
+def test_tables_kernels_match_their_torch_form(gpu_pool):
+    out = gpu_pool.run(__file__, "tables_case", env=_env(gpu_pool, False, 0))
+    assert all(len(o) == 15 for o in out), out
+
+
 def _failure_inputs(rank: int, world: int, num_tokens: int):
     """A kernels Buffer (kept for the session: peers may still address its memory) and inputs
     that reach every rank, for the failure cases."""

@@ -309,8 +309,10 @@ def _block_times(fn, backend, channels: int, op: str) -> dict:
         vals = [[b[1] - b[0], b[2], b[3], b[4], b[5], b[6], b[7]] for b in mine]
         mean = [sum(v[i] for v in vals) / len(vals) for i in range(len(names))]
         out[role] = {
-            (n if n in ("rounds", "waits") else f"{n}_us"): (m if n in ("rounds", "waits") else m / 1e3)
-            for n, m in zip(names, mean)
+            (n if n in ("rounds", "waits") else f"{n}_us"): (
+                m if n in ("rounds", "waits") else m / 1e3
+            )
+            for n, m in zip(names, mean, strict=True)
         }
         out[role]["last_exit_us"] = max(b[1] for b in mine) / 1e3 - first / 1e3
     return out

@@ -43,47 +43,67 @@ __device__ __forceinline__ const float* input_w(const CombineDev& p, int j, int 
   return reinterpret_cast<const float*>(p.c.nvl[j] + p.stage_off + static_cast<int64_t>(r) * p.cs.bytes + p.cs.weights);
 }
 
-// fp32 accumulate of one 16-byte vector of elements from `src` into acc.
-template <int kDtype>
-__device__ __forceinline__ void acc_vec(float (&acc)[16 / sizeof(typename Elt<kDtype>::raw)], const uint8_t* src,
-                                        int64_t v) {
-  using raw = typename Elt<kDtype>::raw;
-  constexpr int E = 16 / sizeof(raw);
-  const int4 q = dev::ld_cg16(src + v * 16);
-  const raw* e = reinterpret_cast<const raw*>(&q);
-#pragma unroll
-  for (int i = 0; i < E; ++i) acc[i] += Elt<kDtype>::to_f(e[i]);
-}
+// 16-byte vectors a lane keeps in flight per source row: the rows summed here are mostly
+// peers' (NVLink reads of ~1 us each), so one vector at a time would leave the link idle.
+constexpr int kVecs = 4;
 
+// A lane's fp32 sums of kVecs vectors of a row (vectors base, base + 32, ... of nv).
 template <int kDtype>
-__device__ __forceinline__ void store_vec(uint8_t* dst, int64_t v, const float (&acc)[16 / sizeof(typename Elt<kDtype>::raw)]) {
+struct RowAcc {
   using raw = typename Elt<kDtype>::raw;
-  constexpr int E = 16 / sizeof(raw);
-  int4 q;
-  raw* e = reinterpret_cast<raw*>(&q);
+  static constexpr int E = 16 / sizeof(raw);
+  float a[kVecs][E];
+
+  __device__ __forceinline__ RowAcc() {
 #pragma unroll
-  for (int i = 0; i < E; ++i) e[i] = Elt<kDtype>::from_f(acc[i]);
-  *reinterpret_cast<int4*>(dst + v * 16) = q;
-}
+    for (int u = 0; u < kVecs; ++u)
+#pragma unroll
+      for (int i = 0; i < E; ++i) a[u][i] = 0.0f;
+  }
+  // Every load is issued before any is used.
+  __device__ __forceinline__ void add(const uint8_t* src, int64_t base, int64_t nv) {
+    int4 q[kVecs];
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const int64_t v = base + u * dev::kWarpSize;
+      if (v < nv) q[u] = dev::ld_cg16(src + v * 16);
+    }
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      if (base + u * dev::kWarpSize >= nv) continue;
+      const raw* e = reinterpret_cast<const raw*>(&q[u]);
+#pragma unroll
+      for (int i = 0; i < E; ++i) a[u][i] += Elt<kDtype>::to_f(e[i]);
+    }
+  }
+  __device__ __forceinline__ void store(uint8_t* dst, int64_t base, int64_t nv) const {
+#pragma unroll
+    for (int u = 0; u < kVecs; ++u) {
+      const int64_t v = base + u * dev::kWarpSize;
+      if (v >= nv) continue;
+      int4 q;
+      raw* e = reinterpret_cast<raw*>(&q);
+#pragma unroll
+      for (int i = 0; i < E; ++i) e[i] = Elt<kDtype>::from_f(a[u][i]);
+      *reinterpret_cast<int4*>(dst + v * 16) = q;
+    }
+  }
+};
 
 // Partial of this node for token t of source (m, my local): the sum of the local ranks' rows
 // (ascending local rank, fp32), written in x's dtype into a combine ring slot.
 template <int kDtype>
 __device__ void pack_partial(const CombineDev& p, uint8_t* slot, int m, int t, int lane) {
-  using raw = typename Elt<kDtype>::raw;
-  constexpr int E = 16 / sizeof(raw);
   const int L = p.c.L;
   int rows[kMaxLocal];
   const int* pr = p.plan + (static_cast<int64_t>(m) * p.plan_T + t) * L;
   for (int j = 0; j < L; ++j) rows[j] = pr[j];
   const int64_t nv = p.row_bytes / 16;
-  for (int64_t v = lane; v < nv; v += dev::kWarpSize) {
-    float acc[E];
-#pragma unroll
-    for (int i = 0; i < E; ++i) acc[i] = 0.0f;
+  for (int64_t base = lane; base < nv; base += kVecs * dev::kWarpSize) {
+    RowAcc<kDtype> acc;
     for (int j = 0; j < L; ++j)
-      if (rows[j] >= 0) acc_vec<kDtype>(acc, input_row(p, j, rows[j]), v);
-    store_vec<kDtype>(slot + p.cs.x, v, acc);
+      if (rows[j] >= 0) acc.add(input_row(p, j, rows[j]), base, nv);
+    acc.store(slot + p.cs.x, base, nv);
   }
   float* w = reinterpret_cast<float*>(slot + p.cs.weights);
   for (int k = lane; k < p.K; k += dev::kWarpSize) {
@@ -139,8 +159,6 @@ __device__ int wait_window(const CombineDev& p, int ch, int w1, const int64_t* s
 template <int kDtype>
 __device__ void reduce_token(const CombineDev& p, int ch, const Range& range, const int64_t* s_base, int t,
                              int lane) {
-  using raw = typename Elt<kDtype>::raw;
-  constexpr int E = 16 / sizeof(raw);
   const DevCommon& c = p.c;
   const uint8_t* part[kMaxNodes];
   for (int n = 0; n < c.N; ++n) {
@@ -158,21 +176,19 @@ __device__ void reduce_token(const CombineDev& p, int ch, const Range& range, co
   }
   const int* own = p.dst_row + static_cast<int64_t>(t) * c.num_ranks + c.node * c.L;
   const int64_t nv = p.row_bytes / 16;
-  for (int64_t v = lane; v < nv; v += dev::kWarpSize) {
-    float acc[E];
-#pragma unroll
-    for (int i = 0; i < E; ++i) acc[i] = 0.0f;
+  for (int64_t base = lane; base < nv; base += kVecs * dev::kWarpSize) {
+    RowAcc<kDtype> acc;
     for (int n = 0; n < c.N; ++n) {
       if (n == c.node) {
         for (int j = 0; j < c.L; ++j)
-          if (own[j] >= 0) acc_vec<kDtype>(acc, input_row(p, j, own[j]), v);
+          if (own[j] >= 0) acc.add(input_row(p, j, own[j]), base, nv);
       } else if (part[n] != nullptr) {
-        acc_vec<kDtype>(acc, part[n] + p.cs.x, v);
+        acc.add(part[n] + p.cs.x, base, nv);
       }
     }
-    if (p.bias0) acc_vec<kDtype>(acc, p.bias0 + static_cast<int64_t>(t) * p.row_bytes, v);
-    if (p.bias1) acc_vec<kDtype>(acc, p.bias1 + static_cast<int64_t>(t) * p.row_bytes, v);
-    store_vec<kDtype>(p.out + static_cast<int64_t>(t) * p.row_bytes, v, acc);
+    if (p.bias0) acc.add(p.bias0 + static_cast<int64_t>(t) * p.row_bytes, base, nv);
+    if (p.bias1) acc.add(p.bias1 + static_cast<int64_t>(t) * p.row_bytes, base, nv);
+    acc.store(p.out + static_cast<int64_t>(t) * p.row_bytes, base, nv);
   }
   if (p.out_w == nullptr) return;
   for (int k = lane; k < p.K; k += dev::kWarpSize) {

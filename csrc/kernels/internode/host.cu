@@ -113,7 +113,8 @@ void load_kernels(const std::vector<const void*>& kernels) {
 }  // namespace detail
 
 void preload_kernels() {
-  for (const auto& group : {detail::dispatch_kernels(), detail::combine_kernels(), detail::barrier_kernels()}) {
+  for (const auto& group : {detail::dispatch_kernels(), detail::combine_kernels(), detail::barrier_kernels(),
+                             detail::tables_kernels()}) {
     detail::load_kernels(group);
   }
 }

@@ -33,6 +33,7 @@ from uccl_ep_megatron.backends.agreement.packed import (
     pack_dispatch_header,
 )
 from uccl_ep_megatron.backends.agreement.row import (
+    COUNTS_COLUMN,
     DTYPE_CODES,
     KIND_CACHED,
     KIND_COMBINE,
@@ -59,6 +60,7 @@ __all__ = [
     "BufferGroup",
     "Peer",
     "CallHeader",
+    "COUNTS_COLUMN",
     "DTYPE_CODES",
     "KIND_CACHED",
     "KIND_COMBINE",

@@ -145,10 +145,13 @@ def encode_row(
     )
 
 
+# The column of a row where its per-rank counts start (after the header fields and checks).
+COUNTS_COLUMN = len(_FIELDS) + _CHECK_WORDS
+
+
 def row_counts(rows: torch.Tensor) -> torch.Tensor:
     """``[R, R]`` counts of all-gathered rows ``[R, width]``: [s][r] = rows s sends to r."""
-    start = len(_FIELDS) + _CHECK_WORDS
-    return rows[:, start : start + rows.shape[0]]
+    return rows[:, COUNTS_COLUMN : COUNTS_COLUMN + rows.shape[0]]
 
 
 def row_num_tokens(rows: torch.Tensor) -> torch.Tensor:

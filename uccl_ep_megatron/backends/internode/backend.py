@@ -7,11 +7,13 @@ status words (``diagnostics.py``)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from uccl_ep_megatron.backends.agreement import COUNTS_COLUMN
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -23,6 +25,8 @@ from uccl_ep_megatron.backends.base import (
 from uccl_ep_megatron.backends.internode.diagnostics import recorded_error
 from uccl_ep_megatron.backends.internode.header import CallHeaderExchange
 from uccl_ep_megatron.backends.internode.launch import (
+    CombineTablesTensors,
+    DispatchTablesTensors,
     InternodeCombineTensors,
     InternodeDispatchTensors,
     RingShape,
@@ -30,11 +34,9 @@ from uccl_ep_megatron.backends.internode.launch import (
 from uccl_ep_megatron.backends.internode.sizing import check_rings, dispatch_outputs, fit_staging
 from uccl_ep_megatron.backends.internode.tables import (
     DispatchState,
-    dispatch_state,
     expert_counts,
     received_expert_counts,
-    stream_tables,
-    streams,
+    state_sizes,
 )
 from uccl_ep_megatron.backends.intranode.backend import KernelsBackend
 from uccl_ep_megatron.backends.intranode.launch import (
@@ -160,7 +162,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
         """Per-block time accounting of every later launch, read with ``read_trace``
         (``bench internode --trace``). Off by default: the kernels then read no clock for it."""
         words = 2 * int(self._in.MAX_CHANNELS) * int(self._in.TRACE_WORDS)
-        self._trace = torch.zeros(words, dtype=torch.int64, device=self._state.device) if on else None
+        self._trace = (
+            torch.zeros(words, dtype=torch.int64, device=self._state.device) if on else None
+        )
         if self._ctx is not None:
             self._ctx.set_trace(self._trace)
 
@@ -316,16 +320,68 @@ class InternodeBackend(CallHeaderExchange, Backend):
         num_scales = 0 if args.x_scales is None else args.x_scales.shape[1]
         return row_bytes, num_topk, num_scales
 
+    def _int32(self, device: torch.device, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
+        """Fresh int32 tensors of these shapes, carved from one allocation."""
+        sizes = [math.prod(s) for s in shapes]
+        flat = torch.empty(sum(sizes), dtype=torch.int32, device=device)
+        return [t.view(s) for t, s in zip(flat.split(sizes), shapes, strict=True)]
+
+    def _new_state(
+        self, rows: torch.Tensor, in_rank: torch.Tensor, args: DispatchArgs
+    ) -> tuple[DispatchState, torch.Tensor, torch.Tensor]:
+        """A non-cached dispatch's state and its streams (lists, list_count), built on the GPU
+        by one kernel from the gathered call headers ``rows``."""
+        topo = self.topology
+        R, L, N, T = topo.num_ranks, topo.ranks_per_node, topo.num_nodes, in_rank.shape[0]
+        C = args.config.num_channels
+        out_rows, plan_tokens, stage_rows = state_sizes(topo, args.num_worst_tokens, args.agreed)
+        shapes = ((T, R), (N, T), (C, N), (R, R), (L,), (R + 1,), (1,), (N,), (N, plan_tokens, L))
+        dst, lists, count, prefix, recv_rows, recv_prefix, recv_count, src, plan = self._int32(
+            in_rank.device, *shapes
+        )
+        t = DispatchTablesTensors(
+            rows, in_rank, dst, lists, count, prefix, recv_rows, recv_prefix, recv_count, src, plan
+        )
+        self._in.dispatch_tables(self._context(), self._stream(), C, COUNTS_COLUMN, t)
+        state = DispatchState(
+            rank_prefix_matrix=prefix,
+            dst_row=dst,
+            plan=plan,
+            plan_tokens=plan_tokens,
+            src_tokens=src,
+            recv_rows=recv_rows,
+            recv_prefix=recv_prefix,
+            recv_count=recv_count,
+            out_rows=out_rows,
+            stage_rows=stage_rows,
+        )
+        return state, lists, count
+
+    def _cached_streams(
+        self, in_rank: torch.Tensor, config: Config
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A cached dispatch's streams (lists, list_count) for its config's channels."""
+        N, T, C = self.topology.num_nodes, in_rank.shape[0], config.num_channels
+        lists, count = self._int32(in_rank.device, (N, T), (C, N))
+        t = DispatchTablesTensors(
+            None, in_rank, None, lists, count, None, None, None, None, None, None
+        )
+        self._in.dispatch_tables(self._context(), self._stream(), C, COUNTS_COLUMN, t)
+        return lists, count
+
     def _dispatch_tensors(
-        self, args: DispatchArgs, x: torch.Tensor, state: DispatchState, num_scales: int
+        self,
+        args: DispatchArgs,
+        x: torch.Tensor,
+        state: DispatchState,
+        num_scales: int,
+        streams: tuple[torch.Tensor, torch.Tensor],
     ) -> InternodeDispatchTensors:
         """The launch's inputs, index tables and freshly allocated outputs."""
-        topo, cached = self.topology, args.cached
+        cached = args.cached
         topk_idx = None if cached is not None else args.topk_idx
         num_topk = 0 if topk_idx is None else topk_idx.shape[1]
-        in_rank = args.is_token_in_rank.contiguous()
-        node_mask = in_rank.view(x.shape[0], topo.num_nodes, topo.ranks_per_node).any(2)
-        lists, list_count, _ = stream_tables(node_mask, args.config.num_channels)
+        lists, list_count = streams
         pad = args.num_worst_tokens > 0
         recv_x, recv_scales, recv_idx, recv_w = dispatch_outputs(
             state.out_rows,
@@ -367,17 +423,12 @@ class InternodeBackend(CallHeaderExchange, Backend):
         topo, cfg, cached = self.topology, args.config, args.cached
         x = args.x.contiguous()
         row_bytes, num_topk, num_scales = self._dispatch_shape(args, x)
-        state: DispatchState = (
-            cached.state
-            if cached is not None
-            else dispatch_state(
-                rows,
-                args.is_token_in_rank.contiguous(),
-                topo,
-                args.num_worst_tokens,
-                args.agreed,
-            )
-        )
+        in_rank = args.is_token_in_rank.contiguous()
+        if cached is not None:
+            state: DispatchState = cached.state
+            streams = self._cached_streams(in_rank, cfg)
+        else:
+            state, *streams = self._new_state(rows, in_rank, args)
         expert_list: list[int] = []
         per_expert = None
         if cached is None:
@@ -387,7 +438,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         idx_bytes = args.topk_idx.element_size() if num_topk else 8
         stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
         self._fit_staging(state.stage_rows, stage, "dispatch")
-        t = self._dispatch_tensors(args, x, state, num_scales)
+        t = self._dispatch_tensors(args, x, state, num_scales, tuple(streams))
         # The kernels, the node barrier and staged rows (ranks per node > 1), then the poison
         # fold of the outputs; sizes are read off the tensors in _C. The index tables die with
         # this call, after the launch: the caching allocator is stream-ordered.
@@ -423,7 +474,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         self.check()
         _, verdict = self._take_rows()
         topo = self.topology
-        num_nodes, local_n = topo.num_nodes, topo.ranks_per_node
+        num_nodes = topo.num_nodes
         num_tokens = handle.is_token_in_rank.shape[0]
         t = prepare_combine(x, topk_weights, bias, num_tokens, "the internode kernels backend")
         x, hidden = t.x, t.x.shape[1]
@@ -439,11 +490,25 @@ class InternodeBackend(CallHeaderExchange, Backend):
         self._fit_staging(state.stage_rows, slot, "combine")
 
         cch = config.num_channels
-        node_mask = handle.is_token_in_rank.view(num_tokens, num_nodes, local_n).any(2)
-        _, _, cum = stream_tables(node_mask, cch)
-        # The streams this rank forwards back: tokens of source (m, my local) it received (its
-        # own node's rows never cross the network: the plan has none for it).
-        lists, counts, _ = streams((state.plan >= 0).any(-1), state.src_tokens, cch)
+        # The stream positions of this rank's tokens, and the streams it forwards back: tokens
+        # of source (m, my local) it received (its own node's rows never cross the network:
+        # the plan has none for it). One launch.
+        cum, lists, counts = self._int32(
+            x.device, (num_tokens, num_nodes), (num_nodes, state.plan_tokens), (cch, num_nodes)
+        )
+        self._in.combine_tables(
+            self._context(),
+            self._stream(),
+            cch,
+            CombineTablesTensors(
+                handle.is_token_in_rank.contiguous(),
+                state.plan,
+                state.src_tokens,
+                cum,
+                lists,
+                counts,
+            ),
+        )
 
         biases = t.biases
         # Staging and a node barrier (ranks per node > 1), the kernel, a closing node barrier

@@ -58,4 +58,40 @@ class InternodeCombineTensors(NamedTuple):
     stream_cum: torch.Tensor
 
 
-__all__ = ["InternodeCombineTensors", "InternodeDispatchTensors", "RingShape"]
+class DispatchTablesTensors(NamedTuple):
+    """What ``_C.internode.dispatch_tables`` reads (``rows``, ``in_rank``) and fills (the rest,
+    int32 on the GPU; ``tables.py`` has their meaning). A cached dispatch passes only
+    ``in_rank``, ``lists`` and ``list_count``."""
+
+    rows: Tensor  # int64 [R, width]: the gathered call headers
+    in_rank: torch.Tensor  # bool [T, R]
+    dst_row: Tensor  # [T, R]
+    lists: torch.Tensor  # [N, T]
+    list_count: torch.Tensor  # [C, N]
+    rank_prefix: Tensor  # [R, R]
+    recv_rows: Tensor  # [L]
+    recv_prefix: Tensor  # [R + 1]
+    recv_count: Tensor  # [1]
+    src_tokens: Tensor  # [N]
+    plan: Tensor  # [N, plan_tokens, L], set to -1
+
+
+class CombineTablesTensors(NamedTuple):
+    """What ``_C.internode.combine_tables`` reads (``in_rank``, ``plan``, ``src_tokens``) and
+    fills (``cum``, ``lists``, ``list_count``)."""
+
+    in_rank: torch.Tensor  # bool [T, R]
+    plan: torch.Tensor  # [N, plan_tokens, L]
+    src_tokens: torch.Tensor  # [N]
+    cum: torch.Tensor  # [T, N]
+    lists: torch.Tensor  # [N, plan_tokens]
+    list_count: torch.Tensor  # [C, N]
+
+
+__all__ = [
+    "CombineTablesTensors",
+    "DispatchTablesTensors",
+    "InternodeCombineTensors",
+    "InternodeDispatchTensors",
+    "RingShape",
+]

@@ -1,4 +1,9 @@
-"""Index tables of the internode kernels, built with torch ops on the GPU (no host sync).
+"""Index tables of the internode kernels in torch form (no host sync).
+
+The backend builds them with one kernel launch per call (``_C.internode.dispatch_tables`` /
+``combine_tables``, csrc/kernels/internode/tables.cu): a call's host path then costs one launch
+instead of a hundred small torch ops. These functions define what the tables mean, and the
+GPU tests hold the kernels' tables to them.
 
 Everything here derives from device tensors: the caller's ``is_token_in_rank`` and the
 all-gathered call-header rows (``agreement.py``), which carry every rank's counts. Token counts
@@ -136,6 +141,17 @@ class DispatchState:
     stage_rows: tuple[int, ...]  # NVLink staging rows every rank needs
 
 
+def state_sizes(
+    topology: Topology, num_worst_tokens: int, agreed: Agreement | None
+) -> tuple[int, int, tuple[int, ...]]:
+    """``(out_rows, plan_tokens, stage_rows)`` of a non-cached dispatch, known on the host: from
+    the host-read rows ``agreed`` (exact mode) or ``num_worst_tokens`` W (sync-free)."""
+    if num_worst_tokens > 0:
+        return num_worst_tokens, num_worst_tokens, (num_worst_tokens,) * topology.num_ranks
+    stage_rows = tuple(sum(c[r] for c in agreed.counts) for r in range(topology.num_ranks))
+    return stage_rows[topology.rank], max(1, max(agreed.num_tokens)), stage_rows
+
+
 def dispatch_state(
     rows: torch.Tensor,
     is_token_in_rank: torch.Tensor,
@@ -148,13 +164,7 @@ def dispatch_state(
     GPU check makes sure every rank passed the same W and receives and holds at most W)."""
     topo = topology
     tables = call_tables(rows, topo.rank, topo.ranks_per_node)
-    if num_worst_tokens > 0:
-        out_rows = plan_tokens = num_worst_tokens
-        stage_rows = (num_worst_tokens,) * topo.num_ranks
-    else:
-        stage_rows = tuple(sum(c[r] for c in agreed.counts) for r in range(topo.num_ranks))
-        out_rows = stage_rows[topo.rank]
-        plan_tokens = max(1, max(agreed.num_tokens))
+    out_rows, plan_tokens, stage_rows = state_sizes(topo, num_worst_tokens, agreed)
     shape = (topo.num_nodes, plan_tokens, topo.ranks_per_node)
     return DispatchState(
         rank_prefix_matrix=tables.rank_prefix_matrix,
@@ -202,6 +212,7 @@ __all__ = [
     "dst_rows",
     "expert_counts",
     "received_expert_counts",
+    "state_sizes",
     "stream_tables",
     "streams",
 ]
