@@ -192,23 +192,26 @@ def cpu_seconds(prefix: str) -> float:
     return total / tick
 
 
-def _time(fn, iters: int, warmup: int) -> list[float]:
-    """Device µs of each call after ``warmup`` untimed ones; ranks start each call together."""
+def _time(fn, iters: int, warmup: int) -> tuple[list[float], list[float]]:
+    """Device µs of each call after ``warmup`` untimed ones, and the host µs until each call
+    returned; ranks start each call together."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(iters):
         dist.barrier()
         torch.cuda.synchronize()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e6)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return times
+    return times, host
 
 
 def _slowest(times: list[float]) -> float:
@@ -322,7 +325,7 @@ def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
     ep = buf._backend.proxy
     s0, n0 = ep.stats(), ep.nic_stats()
     c0, k0, t0 = cpu_seconds("ueproxy"), cpu_seconds("uenic"), time.perf_counter()
-    times = _time(fn, a["iters"], a["warmup"])
+    times, host = _time(fn, a["iters"], a["warmup"])
     wall = time.perf_counter() - t0
     s1, n1 = ep.stats(), ep.nic_stats()
     c1, k1 = cpu_seconds("ueproxy"), cpu_seconds("uenic")
@@ -336,6 +339,7 @@ def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
         "op": name,
         "us": us,
         "us_own": own,
+        "host_us": statistics.median(host),
         "rdma_mb": rdma / 1e6,
         "gbps": rdma / us / 1e3,
         "cmds_per_s": (s1["commands"] - s0["commands"]) / wall,
@@ -407,7 +411,7 @@ def _intranode_reference(rank, world, a, x, x_fp8, idx, w) -> list[dict]:
     ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
     rows = []
     for name, fn in ops.items():
-        us = _slowest(_time(fn, a["iters"], a["warmup"]))
+        us = _slowest(_time(fn, a["iters"], a["warmup"])[0])
         rows.append({"rank": rank, "op": name, "us": us, "intranode_ref": True})
     buf.destroy()
     return rows
@@ -494,7 +498,7 @@ def _print(results: dict) -> None:
         groups.setdefault(key, []).append(r)
     print(
         f"{'op':<13}{'link':>6}{'lat':>5}{'thr':>4}{'chunk':>6}{'us':>9}{'rdma_MB':>9}{'GB/s':>7}{'line':>6}"
-        f"{'cmds/s':>9}{'proxy':>7}{'nic':>6}{'copies':>8}"
+        f"{'cmds/s':>9}{'proxy':>7}{'nic':>6}{'copies':>8}{'host':>7}"
     )
     for (op, link, lat, nt, chunk, size, ref), rs in groups.items():
         if ref:
@@ -513,6 +517,7 @@ def _print(results: dict) -> None:
             f"{_avg(rs, 'rdma_mb'):>9.1f}{_avg(rs, 'gbps'):>7.1f}{_avg(rs, 'line'):>6.2f}"
             f"{_avg(rs, 'cmds_per_s'):>9.0f}"
             f"{_avg(rs, 'proxy_cpu'):>7.2f}{_avg(rs, 'nic_cpu'):>6.2f}{_avg(rs, 'copies'):>8.0f}"
+            f"{_avg(rs, 'host_us'):>7.0f}"
         )
 
 
