@@ -422,6 +422,72 @@ void combine_tables_call(Context& c, intptr_t stream, int num_channels, py::hand
   in::combine_tables(a, stream);
 }
 
+// The routing check of one dispatch's arguments (RoutingCheckTensors): one launch; the
+// scratch is sized here from the shapes.
+void routing_check_call(intptr_t stream, int ranks_per_node, py::handle t) {
+  const TensorView in_rank = arg(field(t, "in_rank"), "routing check: is_token_in_rank", false, {-1, -1}, {Dt::kBool});
+  const int64_t T = in_rank.size[0], R = in_rank.size[1];
+  const TensorView idx = arg(field(t, "topk_idx"), "routing check: topk_idx", false, {T, -1}, {Dt::kInt64, Dt::kInt32});
+  const TensorView per_rank = arg(field(t, "per_rank"), "routing check: num_tokens_per_rank", false, {R}, {Dt::kInt32});
+  const TensorView per_expert =
+      arg(field(t, "per_expert"), "routing check: num_tokens_per_expert", false, {-1}, {Dt::kInt32});
+  const int64_t E = per_expert.size[0];
+  UCCL_EP_CHECK_ARG(ranks_per_node >= 1 && R % ranks_per_node == 0, "routing check: ranks_per_node=",
+                    ranks_per_node, " does not divide ", R, " ranks");
+  const TensorView per_rdma = arg(field(t, "per_rdma"), "routing check: num_tokens_per_rdma_rank", true,
+                                  {R / ranks_per_node}, {Dt::kInt32});
+  const int64_t words = in::routing_check_scratch_words(static_cast<int>(R), ranks_per_node, static_cast<int>(E));
+  const TensorView scratch = arg(field(t, "scratch"), "routing check: scratch", false, {-1}, {Dt::kInt64});
+  UCCL_EP_CHECK_ARG(scratch.size[0] >= words, "routing check: scratch has ", scratch.size[0], " words, needs ", words);
+  const TensorView out = arg(field(t, "out"), "routing check: out", false, {3}, {Dt::kInt64});
+  in::RoutingCheckArgs a;
+  a.topk_idx = idx.ptr;
+  a.idx64 = idx.dtype->dt == Dt::kInt64;
+  a.num_tokens = static_cast<int>(T);
+  a.num_topk = static_cast<int>(idx.size[1]);
+  a.num_experts = static_cast<int>(E);
+  a.num_ranks = static_cast<int>(R);
+  a.ranks_per_node = ranks_per_node;
+  a.per_rank = per_rank.ptr;
+  a.per_rdma = per_rdma.ptr;
+  a.per_expert = per_expert.ptr;
+  a.in_rank = in_rank.ptr;
+  a.scratch = scratch.ptr;
+  a.out = out.ptr;
+  in::routing_check(a, stream);
+}
+
+// The verdict on a sync-free call's gathered headers; `columns` (VerdictColumns) names where
+// each header field is, read by name.
+void verdict_call(intptr_t stream, py::handle rows_t, py::handle out_t, py::handle cols) {
+  const TensorView rows = arg(rows_t, "call verdict: rows", false, {-1, -1}, {Dt::kInt64});
+  const TensorView out = arg(out_t, "call verdict: out", false, {3}, {Dt::kInt64});
+  in::VerdictArgs a;
+  a.rows = rows.ptr;
+  a.num_ranks = static_cast<int>(rows.size[0]);
+  a.width = static_cast<int>(rows.size[1]);
+  a.col_kind = field(cols, "kind").cast<int>();
+  a.col_seq = field(cols, "seq").cast<int>();
+  a.col_error = field(cols, "error").cast<int>();
+  a.col_magic = field(cols, "magic").cast<int>();
+  a.col_buffer = field(cols, "buffer").cast<int>();
+  a.col_experts = field(cols, "num_experts").cast<int>();
+  a.col_worst = field(cols, "num_worst_tokens").cast<int>();
+  const auto agreed = field(cols, "agreed").cast<std::vector<int>>();
+  UCCL_EP_CHECK_ARG(static_cast<int>(agreed.size()) <= in::kMaxAgreed, "call verdict: ", agreed.size(),
+                    " agreed fields, at most ", in::kMaxAgreed);
+  for (size_t i = 0; i < agreed.size(); ++i) a.agreed[i] = agreed[i];
+  a.num_agreed = static_cast<int>(agreed.size());
+  a.checks_col = field(cols, "checks").cast<int>();
+  a.counts_col = field(cols, "counts").cast<int>();
+  a.magic = field(cols, "magic_value").cast<int64_t>();
+  a.kind_dispatch = field(cols, "kind_dispatch").cast<int>();
+  a.out = out.ptr;
+  for (int c : {a.col_kind, a.col_seq, a.col_error, a.col_magic, a.col_buffer, a.col_experts, a.col_worst, a.checks_col + 2})
+    UCCL_EP_CHECK_ARG(c >= 0 && c < a.width, "call verdict: column ", c, " outside rows of width ", a.width);
+  in::call_verdict(a, stream);
+}
+
 }  // namespace
 #endif
 
@@ -460,6 +526,12 @@ void bind_internode_calls(py::module_& s) {
   s.def("combine_tables", &combine_tables_call,
         "combine_tables(ctx, stream, channels, tensors): a CombineTablesTensors; the combine's stream tables "
         "in one launch.");
+  s.def("routing_check", &routing_check_call,
+        "routing_check(stream, ranks_per_node, tensors): a RoutingCheckTensors; min id, max id and layout bits of "
+        "a dispatch's arguments into tensors.out, in one launch.");
+  s.def("call_verdict", &verdict_call,
+        "call_verdict(stream, rows, out, columns): the verdict (code, rank, value) on a sync-free call's gathered "
+        "headers into out; columns a VerdictColumns.");
   s.def("combine_call", &combine_call,
         "combine(ctx, stream, verdict|None, rings, tensors, num_recv): tensors an InternodeCombineTensors; the "
         "combine kernels and the poison fold of the outputs (NaN when a wait timed out).");

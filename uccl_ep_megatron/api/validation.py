@@ -17,7 +17,6 @@ from uccl_ep_megatron.backends.base import (
     DispatchHandle,
     Layout,
     check_expert_ids,
-    routing_check,
 )
 from uccl_ep_megatron.core.config import (
     MAX_TOPK,
@@ -318,10 +317,7 @@ class ArgumentChecks:
             given.num_tokens_per_expert,
             given.is_token_in_rank,
         )
-        true = None
-        if topk_idx is not None:
-            true = self._backend.get_dispatch_layout(topk_idx, num_experts)
-        checks = routing_check(layout, true, topk_idx, self.topology)
+        checks = self._backend.routing_check(layout, topk_idx, num_experts)
         if self._backend.defers_id_check:
             return False, checks  # ids and layout travel in the call header
         bits = int(checks[2])

@@ -200,6 +200,15 @@ class Backend(abc.ABC):
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int) -> Layout:
         """Counts per rank / node / expert and the token->rank mask, local computation only."""
 
+    def routing_check(
+        self, given: Layout, topk_idx: torch.Tensor | None, num_experts: int
+    ) -> torch.Tensor:
+        """``routing_check``'s words for a dispatch's layout ``given`` (no host sync): against
+        the layout ``topk_idx`` implies (``get_dispatch_layout``), or without it against
+        ``is_token_in_rank`` alone. Backends may compute the same words faster."""
+        true = None if topk_idx is None else self.get_dispatch_layout(topk_idx, num_experts)
+        return routing_check(given, true, topk_idx, self.topology)
+
     @abc.abstractmethod
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         """Send each token once to every rank hosting one of its experts (see ``Buffer``)."""

@@ -114,7 +114,7 @@ void load_kernels(const std::vector<const void*>& kernels) {
 
 void preload_kernels() {
   for (const auto& group : {detail::dispatch_kernels(), detail::combine_kernels(), detail::barrier_kernels(),
-                             detail::tables_kernels()}) {
+                             detail::tables_kernels(), detail::checks_kernels()}) {
     detail::load_kernels(group);
   }
 }

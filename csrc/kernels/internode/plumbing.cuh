@@ -45,6 +45,7 @@ std::vector<const void*> dispatch_kernels();
 std::vector<const void*> combine_kernels();
 std::vector<const void*> barrier_kernels();
 std::vector<const void*> tables_kernels();
+std::vector<const void*> checks_kernels();
 
 __device__ __forceinline__ int64_t ld_counter(const int64_t* p) {
   return static_cast<int64_t>(dev::ld_acquire_sys(reinterpret_cast<const uint64_t*>(p)));

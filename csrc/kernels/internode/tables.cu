@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kTableThreads) dispatch_tables_kernel(Dispatch
     o.dst_base = s_first;
     scan_column([&](int t) { return in_rank[static_cast<int64_t>(t) * R + b]; }, T, o);
   } else if (b < R + d.N) {
-    if (a.lists == 0) return;
+    if (a.list_count == 0) return;  // (lists has no address when there are no tokens)
     const int n = b - R;
     ScanOut o;
     o.channels = a.num_channels;

@@ -30,6 +30,7 @@ from uccl_ep_megatron.backends.internode.launch import (
     InternodeCombineTensors,
     InternodeDispatchTensors,
     RingShape,
+    RoutingCheckTensors,
 )
 from uccl_ep_megatron.backends.internode.sizing import check_rings, dispatch_outputs, fit_staging
 from uccl_ep_megatron.backends.internode.tables import (
@@ -40,6 +41,7 @@ from uccl_ep_megatron.backends.internode.tables import (
 )
 from uccl_ep_megatron.backends.intranode.backend import KernelsBackend
 from uccl_ep_megatron.backends.intranode.launch import (
+    as_int32,
     launch_layout,
     prepare_combine,
     warm_poison,
@@ -157,6 +159,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         self._ctx: Any = None
         self._ctx_grows = -1
         self._trace: torch.Tensor | None = None
+        self._check_scratch: torch.Tensor | None = None
 
     def set_trace(self, on: bool) -> None:
         """Per-block time accounting of every later launch, read with ``read_trace``
@@ -288,6 +291,33 @@ class InternodeBackend(CallHeaderExchange, Backend):
         per_node = in_rank.view(num_tokens, topo.num_nodes, topo.ranks_per_node).any(2)
         per_rdma = per_node.sum(0, dtype=torch.int32)
         return Layout(per_rank, per_rdma, per_expert, in_rank)
+
+    def routing_check(
+        self, given: Layout, topk_idx: torch.Tensor | None, num_experts: int
+    ) -> torch.Tensor:
+        """The routing check in one launch (``_C.internode.routing_check``); the torch form
+        (``Backend.routing_check``) without ``topk_idx`` or past the kernel's 32 ranks."""
+        topo = self.topology
+        if topk_idx is None or topo.num_ranks > 32 or given.is_token_in_rank.dtype != torch.bool:
+            return super().routing_check(given, topk_idx, num_experts)
+        dev = topk_idx.device
+        R, N = topo.num_ranks, topo.num_nodes
+        words = 4 + R + N + num_experts
+        if self._check_scratch is None or self._check_scratch.numel() < words:
+            self._check_scratch = torch.empty(words, dtype=torch.int64, device=dev)
+        out = torch.empty(3, dtype=torch.int64, device=dev)
+        rdma = given.num_tokens_per_rdma_rank
+        t = RoutingCheckTensors(
+            topk_idx.contiguous(),
+            as_int32(given.num_tokens_per_rank),
+            None if rdma is None else as_int32(rdma),
+            as_int32(given.num_tokens_per_expert),
+            given.is_token_in_rank.contiguous(),
+            self._check_scratch,
+            out,
+        )
+        self._in.routing_check(self._stream(), topo.ranks_per_node, t)
+        return out
 
     # ---- dispatch -----------------------------------------------------------------------
     def _expert_counts(self, args: DispatchArgs) -> tuple[list[int], torch.Tensor | None]:

@@ -88,7 +88,21 @@ class CombineTablesTensors(NamedTuple):
     list_count: torch.Tensor  # [C, N]
 
 
+class RoutingCheckTensors(NamedTuple):
+    """What ``_C.internode.routing_check`` reads (the caller's routing and layout) and writes
+    (``out``: min id, max id, layout bits; ``scratch``: its counters)."""
+
+    topk_idx: torch.Tensor  # int64 / int32 [T, K]
+    per_rank: torch.Tensor  # int32 [R]
+    per_rdma: Tensor  # int32 [N]
+    per_expert: torch.Tensor  # int32 [E]
+    in_rank: torch.Tensor  # bool [T, R]
+    scratch: torch.Tensor  # int64
+    out: torch.Tensor  # int64 [3]
+
+
 __all__ = [
+    "RoutingCheckTensors",
     "CombineTablesTensors",
     "DispatchTablesTensors",
     "InternodeCombineTensors",
