@@ -16,6 +16,10 @@ constexpr int kMaxChannels = 32;  // Config.num_sms / 2 <= 32
 constexpr int kMaxNodes = 16;
 constexpr int kMaxLocal = 8;   // ranks per node (NVLink peers)
 constexpr int kMaxTopk = 32;
+// Words per block of a launch's trace (Common::trace): kernel entry and exit (global timer ns),
+// go rounds, wait rounds, then ns spent waiting, planning, moving rows and pushing commands,
+// all as thread 0 of the block saw them (bench internode --trace).
+constexpr int kTraceWords = 8;
 constexpr int kMaxRanks = kMaxNodes * kMaxLocal;
 
 // Software-atomic counters (int64 in the proxy's mapped host array), one per (kind, channel,

@@ -52,13 +52,7 @@ from uccl_ep_megatron.backends.agreement.row import (
     row_num_tokens,
     row_width,
 )
-from uccl_ep_megatron.backends.agreement.verdict import (
-    VERDICTS,
-    VerdictColumns,
-    device_verdict,
-    verdict_columns,
-    verdict_message,
-)
+from uccl_ep_megatron.backends.agreement.verdict import VERDICTS, device_verdict, verdict_message
 from uccl_ep_megatron.backends.agreement.waits import timeout_error, wait_stream, wait_work
 
 __all__ = [
@@ -74,7 +68,6 @@ __all__ = [
     "KIND_NAMES",
     "LAYOUT_BITS",
     "VERDICTS",
-    "VerdictColumns",
     "check_packed_headers",
     "describe_packed_header",
     "describe_error",
@@ -90,7 +83,6 @@ __all__ = [
     "row_num_tokens",
     "row_width",
     "timeout_error",
-    "verdict_columns",
     "verdict_message",
     "wait_stream",
     "wait_work",
