@@ -46,6 +46,12 @@ void bind_kernels(py::module_& m) {
   m.attr("STATUS_COMBINE_OVERFLOW") = k::kStatusCombineOverflow;
   m.attr("STATUS_PEER_ABORT") = k::kStatusPeerAbort;
   m.attr("STATUS_HEADER_MISMATCH") = k::kStatusHeaderMismatch;
+  // Peer abort records (kAbortOffset): their kinds and word, which Python packs and reads too.
+  m.attr("ABORT_REJECTED") = k::kAbortRejected;
+  m.attr("ABORT_TIMED_OUT") = k::kAbortTimedOut;
+  m.attr("ABORT_HOST_GAVE_UP") = k::kAbortHostGaveUp;
+  m.def("abort_word", &k::abort_word, py::arg("kind"), py::arg("code"), py::arg("site"), py::arg("peer"),
+        py::arg("seq"), "An abort record's word: {seq:32 | peer waited for:8 | site:8 | kind:8 | code:8}.");
 
   m.def("tma_supported", &k::tma_supported, "Whether the current GPU has bulk copies (TMA, sm_90+).");
   m.def(

@@ -336,8 +336,8 @@ __device__ void reduce_role(const CombineParams& p, const Plan& s) {
       if (watch) {
         if (pos >= 0 && pos / ct != seen) {
           seen = pos / ct;
-          failed = !wait_flag(combine_flag(own, lane, seen), s.seq, p.status, p.timeout_ns, lane, s.seq,
-                              kSiteCombineReceive);
+          failed = !wait_flag(combine_flag(own, lane, seen), s.seq, p.status, PeerAborts{p.bufs, p.rank, R},
+                              p.timeout_ns, lane, s.seq, kSiteCombineReceive);
         }
       }
       // The ballot reconverges the warp after the waits; the warp barrier orders the other
@@ -398,7 +398,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
   if (r < R && r != p.rank) {
     dev::fence_system();
     dev::st_release_sys(combine_done(p.bufs.p[r]) + p.rank, s.seq);
-    if (p.x_place >= 0) wait_at_least(combine_done(own) + r, s.seq, r, kSiteCombineDone, p.status, p.timeout_ns);
+    if (p.x_place >= 0)
+      wait_at_least(combine_done(own) + r, s.seq, r, kSiteCombineDone, p.status, PeerAborts{p.bufs, p.rank, R},
+                    p.timeout_ns);
   }
   __syncthreads();
   if (threadIdx.x == 0) {

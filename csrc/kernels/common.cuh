@@ -164,21 +164,55 @@ __device__ __forceinline__ void record_status(const StatusRef& s, int64_t code, 
   __threadfence_system();
 }
 
+// Peers' abort records (kAbortOffset) as an intranode wait sees them: it stops when the peer it
+// waits for posted one, and, when it times out itself, posts one into every peer, so that a
+// peer reaching this call later fails at once instead of waiting for rows this rank never
+// sends or passing a barrier this rank signalled before it gave up.
+struct PeerAborts {
+  const Peers& bufs;
+  int rank, num_ranks;
+};
+
+__device__ __forceinline__ bool peer_aborted(const PeerAborts& a, int peer) {
+  return abort_of(a.bufs.p[a.rank])[peer] != 0;
+}
+
+// This rank's wait for `peer` at `site` of barrier `seq` timed out: say so in every peer's
+// control region (error path only; one thread, a store per peer).
+__device__ __forceinline__ void post_timed_out(const PeerAborts& a, int peer, uint64_t seq, int site) {
+  const uint64_t word = abort_word(kAbortTimedOut, 0, static_cast<uint64_t>(site), static_cast<uint64_t>(peer), seq);
+  for (int r = 0; r < a.num_ranks; ++r)
+    if (r != a.rank) *reinterpret_cast<volatile uint64_t*>(a.bufs.p[r] + kAbortOffset + 8ull * a.rank) = word;
+  dev::fence_system();
+}
+
+// Records a timeout of this rank's wait for `peer` and tells the peers (see PeerAborts).
+__device__ __forceinline__ void time_out(const StatusRef& status, const PeerAborts& a, int peer, uint64_t seq,
+                                         int site) {
+  post_timed_out(a, peer, seq, site);
+  record_status(status, kStatusTimeout, peer, static_cast<int64_t>(seq), site);
+}
+
 // Waits until `done(*flag)` holds for a peer's progress word (read with acquire), storing the
 // last value read in `*last` when given. Gives up, returning false, when another wait of this
-// rank failed (checked every 1024 polls) or after timeout_ns, which records {kStatusTimeout,
-// peer, seq, site}. One thread calls it.
+// rank failed (checked every 1024 polls), when `peer` posted an abort record (kStatusPeerAbort,
+// checked as often) or after timeout_ns, which records {kStatusTimeout, peer, seq, site} and
+// tells every peer (PeerAborts). One thread calls it.
 template <typename Done>
 __device__ __forceinline__ bool wait_until(const uint64_t* flag, Done done, const StatusRef& status,
-                                           int64_t timeout_ns, int peer, uint64_t seq, int site,
-                                           uint64_t* last = nullptr) {
+                                           const PeerAborts& aborts, int64_t timeout_ns, int peer, uint64_t seq,
+                                           int site, uint64_t* last = nullptr) {
   const uint64_t start = dev::global_timer_ns();
   uint32_t iter = 0;
   uint64_t v;
   while (!done(v = dev::ld_acquire_sys(flag))) {
     if ((++iter & 1023u) == 0 && status_set(status)) return false;
+    if ((iter & 1023u) == 512 && peer_aborted(aborts, peer)) {
+      record_status(status, kStatusPeerAbort, peer, static_cast<int64_t>(seq), site);
+      return false;
+    }
     if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
-      record_status(status, kStatusTimeout, peer, static_cast<int64_t>(seq), site);
+      time_out(status, aborts, peer, seq, site);
       return false;
     }
   }
@@ -188,21 +222,25 @@ __device__ __forceinline__ bool wait_until(const uint64_t* flag, Done done, cons
 
 // wait_until *flag == want (a progress flag tagged with the call's sequence).
 __device__ __forceinline__ bool wait_flag(const uint64_t* flag, uint64_t want, const StatusRef& status,
-                                          int64_t timeout_ns, int peer, uint64_t seq, int site) {
-  return wait_until(flag, [want](uint64_t v) { return v == want; }, status, timeout_ns, peer, seq, site);
+                                          const PeerAborts& aborts, int64_t timeout_ns, int peer, uint64_t seq,
+                                          int site) {
+  return wait_until(flag, [want](uint64_t v) { return v == want; }, status, aborts, timeout_ns, peer, seq, site);
 }
 
 // Waits until *f >= want (monotonic sequence words written by `peer`), or records why not:
-// a timeout (kStatusTimeout, peer, want, site) or an earlier failure. One thread calls it.
+// a timeout (kStatusTimeout, peer, want, site), an abort record of `peer` or an earlier
+// failure. One thread calls it.
 __device__ __forceinline__ bool wait_at_least(const uint64_t* f, uint64_t want, int peer, int site,
-                                              const StatusRef& status, int64_t timeout_ns) {
-  return wait_until(f, [want](uint64_t v) { return v >= want; }, status, timeout_ns, peer, want, site);
+                                              const StatusRef& status, const PeerAborts& aborts, int64_t timeout_ns) {
+  return wait_until(f, [want](uint64_t v) { return v >= want; }, status, aborts, timeout_ns, peer, want, site);
 }
 
 // What the intranode barriers do besides waiting (the internode NVL barrier uses none of it:
 // its buffers have another layout).
 struct BarrierExtras {
-  bool watch_abort = false;  // stop when a peer posted an abort record (kAbortOffset)
+  // Peers' abort records (kAbortOffset): stop when one is posted, fail when one is there after
+  // the barrier, post this rank's own when a wait times out (see PeerAborts).
+  bool watch_abort = false;
   size_t header_offset = 0;  // when non-zero: int64 [kMaxRanks] slots where ranks exchange
   int64_t header = 0;        //   `header` with the signal; a peer's that differs fails the call
 };
@@ -256,11 +294,19 @@ __device__ __forceinline__ bool barrier_block(const Peers& bufs, int rank, int n
         break;
       }
       if (dev::global_timer_ns() - start > static_cast<uint64_t>(timeout_ns)) {
+        if (extras.watch_abort) post_timed_out(PeerAborts{bufs, rank, num_ranks}, tid, seq, site);
         record_status(status, kStatusTimeout, tid, static_cast<int64_t>(seq), site);
         s_failed = 1;
         arrived = false;
         break;
       }
+    }
+    // A peer signals before it waits, so it may have given up on this barrier (or an earlier
+    // call) after signalling: its abort record says so. The one load of the common path.
+    if (arrived && extras.watch_abort && abort_of(bufs.p[rank])[tid] != 0) {
+      record_status(status, kStatusPeerAbort, tid, static_cast<int64_t>(seq), site);
+      s_failed = 1;
+      arrived = false;
     }
     // The peer's header was written before its signal, which the acquire above has seen.
     if (arrived && extras.header_offset != 0 &&

@@ -221,7 +221,8 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
     const int64_t nw = static_cast<int64_t>(gridDim.x) * kSendWarps;
     fill_padding(p, s_recv_begin[R], static_cast<int64_t>(blockIdx.x) * kSendWarps + warp, nw, lane);
     if (blockIdx.x == 0 && tid < R && tid != p.rank)
-      wait_at_least(recv_done(p.bufs.p[p.rank]) + tid, seq, tid, kSiteDispatchDone, p.status, p.timeout_ns);
+      wait_at_least(recv_done(p.bufs.p[p.rank]) + tid, seq, tid, kSiteDispatchDone, p.status,
+                    PeerAborts{p.bufs, p.rank, R}, p.timeout_ns);
     return;
   }
 
@@ -240,7 +241,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
       if (tid == 0) {
         const uint64_t tag = seq & 0xFFFFFFull;
         if (!wait_until(chunk_flag(p.bufs.p[p.rank], s, c), [tag](uint64_t v) { return (v >> 40) == tag; },
-                        p.status, p.timeout_ns, s, seq, kSiteDispatchDone, &s_flag))
+                        p.status, PeerAborts{p.bufs, p.rank, R}, p.timeout_ns, s, seq, kSiteDispatchDone, &s_flag))
           s_failed = 1;
       }
       __syncthreads();

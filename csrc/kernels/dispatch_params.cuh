@@ -90,7 +90,8 @@ __device__ __forceinline__ bool load_entries(const SendParams& p, uint64_t seq, 
   dst.src[d] = p.dst.src[d];
   if (d == p.rank) return true;
   uint64_t* e = recv_entry(p.bufs.p[p.rank], notify_slot(seq), d);
-  if (!wait_at_least(e, seq, d, kSiteDispatchEntry, p.status, p.timeout_ns)) return false;
+  if (!wait_at_least(e, seq, d, kSiteDispatchEntry, p.status, PeerAborts{p.bufs, p.rank, p.num_ranks}, p.timeout_ns))
+    return false;
   const volatile uint64_t* ev = e;
   if (ev[1] != 1) return true;
   uint8_t* base = p.arenas.p[d];

@@ -59,11 +59,22 @@ constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks
 // combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
 static_assert(kSeqOffset + 20 <= kDataOffset, "control overlap");
-// Peer abort: a rank whose own checks reject a call before it launches anything writes, into
-// every peer's control region, its reason (text, NUL-padded) and then a word
-// {call number << 8 | error class code} at [its rank]. A barrier wait that finds a peer's word
-// set stops at once (kStatusPeerAbort) instead of waiting for the timeout.
+// Peer abort: a rank that gives up on a call writes a word at [its rank] into every peer's
+// control region (never cleared: its Buffer is unusable from then on). A wait that finds the
+// word of the peer it waits for stops at once, and a barrier that a peer passed before giving
+// up (it signals before it waits) still fails on the one load of that word after arriving,
+// both as kStatusPeerAbort, so a rank that reaches the call late raises instead of moving rows
+// its peer never takes or sends. Word: {seq:32 | peer waited for:8 | site:8 | kind:8 | error
+// class code:8} (abort_word). Kinds: the host rejected its arguments (the reason, text,
+// NUL-padded, is written first) or gave up on the host (interrupted, failed, stuck stream:
+// reason text too); a kernel wait of it timed out (no text: seq, site and peer say it all).
 constexpr size_t kAbortOffset = kSeqOffset + 64;  // uint64 [kMaxRanks]
+constexpr uint64_t kAbortRejected = 1;
+constexpr uint64_t kAbortTimedOut = 2;
+constexpr uint64_t kAbortHostGaveUp = 3;
+constexpr uint64_t abort_word(uint64_t kind, uint64_t code, uint64_t site, uint64_t peer, uint64_t seq) {
+  return (seq & 0xFFFFFFFFull) << 32 | (peer & 0xFF) << 24 | (site & 0xFF) << 16 | (kind & 0xFF) << 8 | (code & 0xFF);
+}
 constexpr size_t kAbortReasonBytes = 1024;
 constexpr size_t kAbortReasonOffset = kAbortOffset + 8ull * kMaxRanks;  // char [kMaxRanks][kAbortReasonBytes]
 // Combine's call header (dtype, hidden, weights, biases packed by the caller), exchanged with
@@ -136,8 +147,8 @@ constexpr int64_t kStatusLayoutMismatch = 3;
 constexpr int64_t kStatusDispatchOverflow = 4;
 // rank r gets `value` rows back in a combine of a sync-free handle but staging holds extra rows
 constexpr int64_t kStatusCombineOverflow = 5;
-// {code, peer, barrier sequence, site}: peer posted an abort record (its own checks rejected
-// the call; the record in this rank's control region says why)
+// {code, peer, barrier sequence, site}: peer posted an abort record (it rejected the call, gave
+// up on it, or one of its waits timed out; the record in this rank's control region says which)
 constexpr int64_t kStatusPeerAbort = 6;
 // {code, peer, barrier sequence, site}: peer's cached dispatch / combine header differs
 constexpr int64_t kStatusHeaderMismatch = 7;

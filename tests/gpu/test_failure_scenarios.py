@@ -1,22 +1,28 @@
-"""How ranks fail together on the ``kernels`` backend: a rank sleeping past the timeout, a rank
-killed in a call, and two Buffers called in different orders; with ranks sharing one GPU under
-CUDA MPS (gloo group) and on one GPU each (NCCL group).
+"""How ranks fail together on the ``kernels`` backend: a rank sleeping past the timeout (before
+a dispatch, and before a combine), two Buffers called in different orders, and a rank killed
+in a call; with ranks sharing one GPU under CUDA MPS (gloo group) and on one GPU each (NCCL
+group).
 
-Every rank that lives must raise a clear error naming the rank at fault within a bound, no
-process may hang or abort, and afterwards the process group must still carry a barrier and a
-new Buffer must move exactly the rows the ``reference`` oracle moves (or, where that cannot
-be, the error must say the group is unusable and to create a new one).
+Every rank that lives must raise a clear error naming the rank at fault within a bound: the
+rank that waits times out, and the rank that comes late raises too, at once, naming the rank
+that gave up (its abort record, ``kAbortOffset`` in csrc/kernels/intranode.h), instead of
+passing the barrier that rank signalled before giving up and moving rows nobody takes.
+Afterwards the process group must still carry a new Buffer whose dispatch moves exactly the
+rows the ``reference`` oracle moves.
 
-Bounds: the intranode kernels give up a wait after ``UCCL_EP_TIMEOUT_MS`` (notify after twice
-that), so a rank learns of a peer that never comes within 2 x the timeout, plus the launch.
-A killed peer is reported by that timeout too: its kernels stop writing, they do not signal.
+Bounds: a kernel wait gives up after ``UCCL_EP_TIMEOUT_MS``, so the rank that waits raises
+within that plus the launch; a rank that finds an abort record raises well before its own
+timeout could have fired. A killed peer is reported by the timeout too: its kernels stop
+writing, they do not signal. The test's own coordination waits are bounded in the store, so
+no scenario can block for the process group's timeout, and each ``run`` is bounded by
+``SCENARIO_S``. Dispatches here are exact (the host reads the counts), so the late rank raises
+in the call itself; a combine raises at the next host-visible point (``check_errors``).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import re
 import signal
 import sys
 import tempfile
@@ -32,44 +38,51 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
 HERE = os.path.abspath(__file__)
 TIMEOUT_MS = 3000
-BOUND_S = 4 * TIMEOUT_MS / 1e3 + 15  # two kernel deadlines, launches and the host poll
+LATE_S = 2 * TIMEOUT_MS / 1e3  # the late rank arrives after its peer surely gave up
+WAIT_BOUND_S = TIMEOUT_MS / 1e3 + 5  # the rank that waits: one kernel deadline, launches
+AT_ONCE_S = 0.75 * TIMEOUT_MS / 1e3  # a rank that finds the record: before its own deadline
+MEET_S = 30.0  # the test's own waits for the other rank
+SCENARIO_S = 60.0  # one pool.run
 HIDDEN = 256
 
 
 # ---- placements: ranks sharing one GPU (MPS, gloo) and one GPU each (NCCL) -------------------
 def _placements():
-    out = [pytest.param(1, id="shared-gpu-mps")]
-    out.append(
+    return [
+        pytest.param(1, id="shared-gpu-mps"),
         pytest.param(
-            2,
-            id="gpu-per-rank",
-            marks=pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs"),
-        )
-    )
-    return out
+            2, id="gpu-per-rank", marks=pytest.mark.skipif(NUM_GPUS < 2, reason="needs 2 GPUs")
+        ),
+    ]
 
 
-def run_scenario(name: str, gpus: int, may_die: bool = False) -> tuple[dict, str | None]:
-    """Run ``name`` on 2 fresh ranks on ``gpus`` GPUs; results travel through files so the
-    survivors' arrive when a rank dies (the pool then names the dead rank)."""
-    from dist_utils import DistPool
-
-    from uccl_ep_megatron.cluster.local import mps_available
+@pytest.fixture(scope="module", params=_placements())
+def ranks(request):
+    """Two ranks per placement, shared by the scenarios that leave both alive (pytest groups
+    the tests by placement); the killed-rank scenario runs last and ends its pool."""
+    from uccl_ep_megatron.cluster.local import RankPool, mps_available
 
     require_kernels()
-    if gpus == 1 and not mps_available():
+    if request.param == 1 and not mps_available():
         pytest.skip("2 ranks on one GPU need CUDA MPS")
+    pool = RankPool(2, num_gpus=request.param, task_timeout_s=SCENARIO_S, group_timeout_s=MEET_S)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def run_scenario(pool, name: str) -> tuple[dict, str | None]:
+    """Run ``name`` on the pool's ranks; results travel through files, so the survivors'
+    arrive when a rank dies (the pool then names the dead rank and closes)."""
+    if not pool.alive():
+        pytest.skip("an earlier scenario ended this placement's ranks")
     with tempfile.TemporaryDirectory() as tmp:
-        pool = DistPool(2, gpus=gpus, task_timeout_s=BOUND_S + 120)
         died = None
         try:
-            pool.run(HERE, "_keep", name, tmp, env={"UCCL_EP_TIMEOUT_MS": str(TIMEOUT_MS)})
+            pool.run((HERE, "_keep"), name, tmp, env={"UCCL_EP_TIMEOUT_MS": str(TIMEOUT_MS)})
         except TimeoutError as exc:
-            if not may_die:
-                raise
             died = str(exc)
-        finally:
-            pool.close()
         outs = {}
         for r in range(2):
             path = os.path.join(tmp, f"rank{r}.pkl")
@@ -80,13 +93,28 @@ def run_scenario(name: str, gpus: int, may_die: bool = False) -> tuple[dict, str
 
 
 def _keep(rank, world, name, tmp):
-    out = globals()[name](rank, world)
+    out = globals()[name](rank, world, name)
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
     return out
 
 
 # ---- on the ranks ----------------------------------------------------------------------------
+def _meet(name: str, world: int) -> None:
+    """Wait, at most ``MEET_S``, until every rank got here (through the store: no collective
+    of the process group, whatever state a failure left it in)."""
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"meet/{name}"
+    store.add(key, 1)
+    deadline = time.monotonic() + MEET_S
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the ranks did not all reach {name!r} within {MEET_S} s")
+        time.sleep(0.01)
+
+
 def _buffer(world):
     from uccl_ep_megatron import Buffer
 
@@ -120,28 +148,21 @@ def _raises(fn) -> tuple[str, str, float]:
         fn()
     except UcclEpError as exc:
         return type(exc).__name__, str(exc), time.monotonic() - t0
-    raise AssertionError("no error was raised")
+    raise AssertionError(f"no error was raised (after {time.monotonic() - t0:.2f} s)")
 
 
-def _after(rank, world) -> str:
-    """The group after the failure: a barrier over it, then a new kernels Buffer whose
-    dispatch equals the reference oracle's; or an error saying the group is unusable."""
-    import torch.distributed as dist
-
+def _after(rank, world, name) -> str:
+    """The group after the failure: a new kernels Buffer whose dispatch equals the reference
+    oracle's."""
+    from uccl_ep_megatron.bench.inputs import dispatch_kwargs
     from uccl_ep_megatron.cluster.local import reference_oracle
-    from uccl_ep_megatron.core.errors import UcclEpError
 
-    dist.barrier()
-    try:
-        buf = _buffer(world)
-        got = _dispatch(buf, rank, world)
-    except UcclEpError as exc:
-        assert re.search(r"process group|create a new", str(exc)), str(exc)
-        return f"unusable: {exc}"
+    _meet(f"{name}/after", world)
+    got = _dispatch(_buffer(world), rank, world)
     oracle = reference_oracle()
     x, idx, w = _inputs(rank, world)
     lay = oracle.get_dispatch_layout(idx, 4 * world)[:4]
-    want = oracle.dispatch(x, **_kwargs(lay, idx, w))
+    want = oracle.dispatch(x, **dispatch_kwargs(lay, idx, w))
     assert torch.equal(got[0].cpu(), want[0].cpu()), "recv_x differs from the reference"
     assert torch.equal(got[1].cpu(), want[1].cpu()), "recv_topk_idx differs from the reference"
     assert torch.equal(got[2].cpu(), want[2].cpu()), "recv_topk_weights differ"
@@ -149,77 +170,119 @@ def _after(rank, world) -> str:
     return "usable"
 
 
-def _kwargs(lay, idx, w):
-    from uccl_ep_megatron.bench.inputs import dispatch_kwargs
-
-    return dispatch_kwargs(lay, idx, w)
-
-
-def sleeper(rank, world):
-    """Rank 1 sleeps past the timeout before its first dispatch."""
+def sleeper(rank, world, name):
+    """Rank 1 sleeps past rank 0's timeout before its first dispatch."""
     a = _buffer(world)
+    _meet(f"{name}/start", world)
     if rank == 1:
-        time.sleep(TIMEOUT_MS / 1e3 * 2.5)
+        time.sleep(LATE_S)
     failed = _raises(lambda: _dispatch(a, rank, world))
-    return failed, _after(rank, world)
+    return [failed], _after(rank, world, name)
 
 
-def killed(rank, world):
+def late_combine(rank, world, name):
+    """Both ranks dispatch; rank 1 sleeps past rank 0's timeout before the combine. A combine
+    never waits on the host: its failure is raised by ``check_errors`` once it has run."""
+    a = _buffer(world)
+    recv_x, _, recv_w, _, handle, _ = _dispatch(a, rank, world)
+    _meet(f"{name}/start", world)
+    if rank == 1:
+        time.sleep(LATE_S)
+
+    def combine():
+        a.combine(recv_x, handle, recv_w)
+        torch.cuda.synchronize()
+        a.check_errors()
+
+    failed = _raises(combine)
+    return [failed], _after(rank, world, name)
+
+
+def two_buffers(rank, world, name):
+    """Rank 0 calls Buffer A, then B; rank 1 calls B, then A. Each first call times out (the
+    other rank waits in the other Buffer); once both have, each second call meets a Buffer the
+    other rank gave up on."""
+    a, b = _buffer(world), _buffer(world)
+    first, second = (a, b) if rank == 0 else (b, a)
+    _meet(f"{name}/start", world)
+    failed = [_raises(lambda: _dispatch(first, rank, world))]
+    _meet(f"{name}/between", world)
+    failed.append(_raises(lambda: _dispatch(second, rank, world)))
+    return failed, _after(rank, world, name)
+
+
+def killed(rank, world, name):
     """Rank 1 is killed while rank 0 waits for it in a dispatch."""
     a = _buffer(world)
     _dispatch(a, rank, world)  # one good call first: both ranks are set up
+    _meet(f"{name}/start", world)
     if rank == 1:
-        time.sleep(1.0)
+        time.sleep(0.5)
         os.kill(os.getpid(), signal.SIGKILL)
-    return _raises(lambda: _dispatch(a, rank, world)), "not checked (rank 1 is dead)"
+    return [_raises(lambda: _dispatch(a, rank, world))], "not checked (rank 1 is dead)"
 
 
-def two_buffers(rank, world):
-    """Rank 0 calls Buffer A first, rank 1 Buffer B."""
-    a, b = _buffer(world), _buffer(world)
-    first = a if rank == 0 else b
-    failed = _raises(lambda: _dispatch(first, rank, world))
-    return failed, _after(rank, world)
-
-
-# ---- the scenarios ---------------------------------------------------------------------------
+# ---- the scenarios (in this order: the last one kills a rank) --------------------------------
 def _show(name, outs):
     """What each rank raised and how long it took, and what the group was after (pytest -rA
     prints it): the record of what the kernels backend does in each scenario."""
-    for rank, ((cls, msg, dt), after) in sorted(outs.items()):
-        print(f"{name} rank {rank}: {cls} after {dt:.2f} s: {msg}")
+    for rank, (failures, after) in sorted(outs.items()):
+        for i, (cls, msg, dt) in enumerate(failures):
+            print(f"{name} rank {rank} call {i + 1}: {cls} after {dt:.2f} s: {msg}")
         print(f"{name} rank {rank}: afterwards the group is {after}")
 
 
-@pytest.mark.parametrize("gpus", _placements())
-def test_a_rank_sleeping_past_the_timeout(gpus):
-    outs, _ = run_scenario("sleeper", gpus)
+def _timed_out(failure, other):
+    """The rank that waited: a CommTimeoutError naming the rank it waited for."""
+    cls, msg, dt = failure
+    assert cls == "CommTimeoutError", failure
+    assert f"waiting for rank {other}" in msg, msg
+    assert dt < WAIT_BOUND_S, (dt, msg)
+
+
+def _told(failure, other, site):
+    """The late rank: raised at once, naming the rank that gave up and where."""
+    cls, msg, dt = failure
+    assert cls == "CommTimeoutError", failure
+    assert f"rank {other} gave up on the {site} barrier" in msg, msg
+    assert dt < AT_ONCE_S, (dt, msg)
+
+
+def test_a_rank_sleeping_past_the_timeout(ranks):
+    outs, died = run_scenario(ranks, "sleeper")
     _show("sleeper", outs)
+    assert died is None and sorted(outs) == [0, 1], (died, outs)
+    _timed_out(outs[0][0][0], 1)
+    _told(outs[1][0][0], 0, "dispatch notify")
+    assert outs[0][1] == outs[1][1] == "usable", outs
+
+
+def test_a_rank_late_for_a_combine(ranks):
+    outs, died = run_scenario(ranks, "late_combine")
+    _show("late_combine", outs)
+    assert died is None and sorted(outs) == [0, 1], (died, outs)
+    _timed_out(outs[0][0][0], 1)
+    assert "combine entry" in outs[0][0][0][1], outs[0]
+    _told(outs[1][0][0], 0, "combine entry")
+    assert outs[0][1] == outs[1][1] == "usable", outs
+
+
+def test_two_buffers_called_in_different_orders(ranks):
+    """No wrong rows: each rank's first call times out naming the other, each second call
+    raises at once naming the rank that gave up on that Buffer, and the group goes on."""
+    outs, died = run_scenario(ranks, "two_buffers")
+    _show("two_buffers", outs)
+    assert died is None and sorted(outs) == [0, 1], (died, outs)
     for rank, other in ((0, 1), (1, 0)):
-        (cls, msg, dt), after = outs[rank]
-        assert dt < BOUND_S, (rank, dt, msg)
-        assert f"rank {other}" in msg, (rank, msg)
-        assert after == "usable" or after.startswith("unusable: "), after
-    assert outs[0][0][0] == "CommTimeoutError", outs[0]
+        first, second = outs[rank][0]
+        _timed_out(first, other)
+        _told(second, other, "dispatch notify")
+        assert outs[rank][1] == "usable", outs[rank]
 
 
-@pytest.mark.parametrize("gpus", _placements())
-def test_a_killed_rank(gpus):
-    outs, died = run_scenario("killed", gpus, may_die=True)
+def test_a_killed_rank(ranks):
+    outs, died = run_scenario(ranks, "killed")
     _show("killed", outs)
     assert died is not None and "ranks [1] died" in died, died
-    (cls, msg, dt), _ = outs[0]
-    assert dt < BOUND_S, (dt, msg)
-    assert "rank 1" in msg, msg
-
-
-@pytest.mark.parametrize("gpus", _placements())
-def test_two_buffers_called_in_different_orders(gpus):
-    """No wrong rows: each rank raises, naming the other, and the group goes on."""
-    outs, _ = run_scenario("two_buffers", gpus)
-    _show("two_buffers", outs)
-    for rank, other in ((0, 1), (1, 0)):
-        (cls, msg, dt), after = outs[rank]
-        assert dt < BOUND_S, (rank, dt, msg)
-        assert f"rank {other}" in msg, (rank, msg)
-        assert after == "usable" or after.startswith("unusable: "), after
+    assert 0 in outs, "rank 0 wrote no result"
+    _timed_out(outs[0][0][0], 1)

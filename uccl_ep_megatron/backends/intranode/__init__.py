@@ -28,7 +28,13 @@ Each rank decides per call; a rank whose outputs do not fit is staged as above.
 Combine mirrors it: ``push`` sends each received row back to its source rank's staging and
 ``reduce`` sums each token's rows in rank order in fp32 (rows kept locally read in place).
 Every wait has a deadline (``UCCL_EP_TIMEOUT_MS``); a timeout is recorded in mapped host
-memory and raised here as ``CommTimeoutError`` naming the stalled rank and barrier. Barrier
+memory and raised here as ``CommTimeoutError`` naming the stalled rank and barrier. The wait
+that times out also writes an abort record into every peer's control region (as the host does
+when it rejects a call or leaves one: an interrupt, an error of its own), and every wait and
+entry barrier of a peer checks it: a rank that reaches the call late would otherwise pass the
+barrier its peer signalled before giving up. It raises at once instead, naming the rank that
+gave up and where (exact dispatches in the call; combine and sync-free calls at the next host
+read of the status word, their outputs poisoned until then). Barrier
 sequence numbers come from a counter in the control region, not from launch arguments, so a
 CUDA graph of these calls replays with fresh ones.
 """

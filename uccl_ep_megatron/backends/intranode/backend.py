@@ -29,9 +29,13 @@ from uccl_ep_megatron.backends.intranode.launch import (
     warm_poison,
 )
 from uccl_ep_megatron.backends.intranode.status import (
+    ABORT_HOST_GAVE_UP,
+    ABORT_REJECTED,
     CHECK_WORDS,
+    abort_word,
     check_all_ranks,
     describe_call,
+    gave_up_reason,
     note_host_wait,
     status_error,
 )
@@ -152,7 +156,8 @@ class KernelsBackend(Backend):
         self._captured = False
         # An input error of a sync-free call was raised already (destroy() raises it otherwise).
         self._reported = False
-        self._aborted: str | None = None  # the call this rank rejected (abort_peers)
+        # Why this rank told its peers to stop (abort_peers, _give_up): this Buffer is unusable.
+        self._aborted: str | None = None
         self._device_index = (
             device.index if device.index is not None else torch.cuda.current_device()
         )
@@ -306,15 +311,35 @@ class KernelsBackend(Backend):
         ``kAbortOffset``): peers waiting for this rank in ``call`` stop within microseconds and
         raise ``error``'s class with its message. The group's calls no longer match after this,
         so every Buffer of the group is unusable (as after a timeout)."""
+        rank = self.topology.rank
+        self._post_abort(
+            f"rank {rank} rejected {call} and told its peers to stop",
+            abort_word(ABORT_REJECTED, error_code(error)),
+            f"{call}: {type(error).__name__}: {error}",
+            error,
+        )
+
+    def _give_up(self, call: str, error: BaseException) -> None:
+        """This rank's host leaves ``call`` without the kernels having failed (interrupted,
+        an error of its own after a launch, a stuck stream): its peers' kernels would wait for
+        it until the timeout, or pass a barrier it signalled and move rows it never takes.
+        Its abort record stops them at once, naming this rank. Nothing is posted when the
+        status word is set: a kernel that timed out told the peers itself, and an input error
+        found on the GPU was found by every rank."""
+        if self._destroyed or self._c.host_status_read(self._status)[0]:
+            return
+        reason = gave_up_reason(self.topology.rank, call, error)
+        self._post_abort(reason, abort_word(ABORT_HOST_GAVE_UP), reason, error)
+
+    def _post_abort(self, why: str, word: int, reason: str, error: BaseException) -> None:
+        """Post this rank's abort record ``(word, reason)`` into every peer's control region,
+        once; ``why`` is what this rank's later calls raise."""
         if self._destroyed or self._aborted is not None:
             return
-        self._aborted = call
-        reason = f"{call}: {type(error).__name__}: {error}"
+        self._aborted = why
         try:
-            with torch.cuda.device(self.device):
-                self._c.post_abort(
-                    self._buffers, self.topology.rank, 1 << 8 | error_code(error), reason
-                )
+            with torch.cuda.device(self._device_index):
+                self._c.post_abort(self._buffers, self.topology.rank, word, reason)
         except Exception as exc:  # noqa: BLE001 - the original error is what the caller sees
             error.add_note(f"uccl_ep: could not tell the peers ({exc}); they will time out")
 
@@ -330,8 +355,8 @@ class KernelsBackend(Backend):
             raise UcclEpError("the kernels backend was destroyed; create a new Buffer")
         if self._aborted is not None:
             raise UcclEpError(
-                f"rank {self.topology.rank} rejected {self._aborted} and told its peers to stop; "
-                "the group's calls no longer match, so this Buffer is unusable: create a new one"
+                f"{self._aborted}; the group's calls no longer match, so this Buffer is "
+                "unusable: create a new one"
             )
 
     def _status_error(self, code: int, a: int, b: int, extra: int) -> UcclEpError:
@@ -366,24 +391,31 @@ class KernelsBackend(Backend):
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         # The status word is read by intranode_dispatch_begin, or by _staged.
         self._check_usable()
-        args = _kernel_args(args)
-        launch = self._dispatch_launch(args)
-        x = args.x
         kind = "cached dispatch" if args.cached is not None else "dispatch"
-        num_scales = 0 if args.x_scales is None else args.x_scales.shape[1]
-        self._last_call = (kind, x.dtype, x.shape[1], num_scales)
-        rows = self._rows_before_notify(args, launch)
-        result = None
-        if rows is not None and rows.num_recv > 0 and self.recv_arena.core is not None:
-            result = self._one_call(args, launch, rows)
-        if result is None:
-            result = self._staged(args, launch, rows)
-        if result is _RUN_AGAIN:
-            # Some rank receives more rows than the launch-ahead bound: every data kernel skipped
-            # the call, and every rank runs it again with exact sizes. The bound's block went
-            # back with the frame that held it, before the exact call takes its own.
-            return self._run_again(args, launch)
-        return result
+        try:
+            args = _kernel_args(args)
+            launch = self._dispatch_launch(args)
+            x = args.x
+            num_scales = 0 if args.x_scales is None else args.x_scales.shape[1]
+            self._last_call = (kind, x.dtype, x.shape[1], num_scales)
+            rows = self._rows_before_notify(args, launch)
+            result = None
+            if rows is not None and rows.num_recv > 0 and self.recv_arena.core is not None:
+                result = self._one_call(args, launch, rows)
+            if result is None:
+                result = self._staged(args, launch, rows)
+            if result is _RUN_AGAIN:
+                # Some rank receives more rows than the launch-ahead bound: every data kernel
+                # skipped the call, and every rank runs it again with exact sizes. The bound's
+                # block went back with the frame that held it, before the exact call takes its
+                # own.
+                return self._run_again(args, launch)
+            return result
+        except UcclEpError:
+            raise  # every rank raises it alike, or the kernels told the peers
+        except BaseException as exc:
+            self._give_up(kind, exc)
+            raise
 
     def _dispatch_launch(self, args: DispatchArgs) -> Any:
         """The ``_C.DispatchLaunch`` of this call's layout and shapes (built once, reused)."""
@@ -657,11 +689,13 @@ class KernelsBackend(Backend):
         if state == -1:  # the status words were clear: cannot happen, but never hang
             raise UcclEpError(f"rank {rank}: the dispatch's notify barrier failed")
         if state == 0:
-            raise CommTimeoutError(
+            stuck = CommTimeoutError(
                 f"rank {rank}: the dispatch's notify kernel did not finish within "
                 f"{2 * self._timeout_ms} ms (twice UCCL_EP_TIMEOUT_MS): earlier work on "
                 "the stream is stuck; the GPU may need a process restart"
             )
+            self._give_up(self._last_call[0], stuck)
+            raise stuck
         check_all_ranks(
             info_host[-CHECK_WORDS * self.topology.num_ranks :], call.launch.num_experts
         )
@@ -765,40 +799,48 @@ class KernelsBackend(Backend):
             self._check_status()  # an earlier call's failure is raised first
             self.abort_peers("combine", exc)
             raise
-        x, hidden = t.x, t.x.shape[1]
-        state: _State = handle.state
-        num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-        staging_rows = state.rows.combine_rows
-        row_bytes = hidden * x.element_size()
-        need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
-        if need > self._buffer_bytes:
-            self._check_status()
-            self._fit(
-                need,
-                f"combine of up to {staging_rows} returned rows of {row_bytes} bytes",
-                self._capturing(),
+        try:
+            x, hidden = t.x, t.x.shape[1]
+            state: _State = handle.state
+            num_topk = 0 if topk_weights is None else topk_weights.shape[1]
+            staging_rows = state.rows.combine_rows
+            row_bytes = hidden * x.element_size()
+            need = c.combine_staging_bytes(staging_rows, row_bytes, num_topk)
+            if need > self._buffer_bytes:
+                self._check_status()
+                self._fit(
+                    need,
+                    f"combine of up to {staging_rows} returned rows of {row_bytes} bytes",
+                    self._capturing(),
+                )
+            num_bias = len(t.biases)
+            extra = f"topk_weights columns={num_topk}, biases={num_bias}"
+            self._last_call = ("combine", x.dtype, hidden, 0, extra)
+            # Rows of x to return: the received count, or its bound in sync-free mode (the kernels
+            # read the real count from the device matrix): the dispatch's rows.
+            done = c.intranode_combine_call(
+                self._context(),
+                self._combine_launch(x.dtype, hidden, num_topk, num_bias, config.num_sms),
+                state.rows,
+                self._stream(),
+                t,
+                handle.rank_prefix_matrix,
+                state.send_pos,
             )
-        num_bias = len(t.biases)
-        extra = f"topk_weights columns={num_topk}, biases={num_bias}"
-        self._last_call = ("combine", x.dtype, hidden, 0, extra)
-        # Rows of x to return: the received count, or its bound in sync-free mode (the kernels
-        # read the real count from the device matrix): the dispatch's rows.
-        done = c.intranode_combine_call(
-            self._context(),
-            self._combine_launch(x.dtype, hidden, num_topk, num_bias, config.num_sms),
-            state.rows,
-            self._stream(),
-            t,
-            handle.rank_prefix_matrix,
-            state.send_pos,
-        )
-        if done == c.COMBINE_STATUS_SET:  # nothing was launched
-            self._check_status()
-            raise UcclEpError(f"rank {self.topology.rank}: the status word was set, then cleared")
-        if done & c.COMBINE_CAPTURED:
-            self._captured = True  # its kernels hold the buffer addresses: no regrow from now
-        self.combine_in_place_calls += done & c.COMBINED_IN_PLACE
-        return t.out, t.out_weights
+            if done == c.COMBINE_STATUS_SET:  # nothing was launched
+                self._check_status()
+                raise UcclEpError(
+                    f"rank {self.topology.rank}: the status word was set, then cleared"
+                )
+            if done & c.COMBINE_CAPTURED:
+                self._captured = True  # its kernels hold the buffer addresses: no regrow from now
+            self.combine_in_place_calls += done & c.COMBINED_IN_PLACE
+            return t.out, t.out_weights
+        except UcclEpError:
+            raise  # every rank raises it alike, or the kernels told the peers
+        except BaseException as exc:
+            self._give_up("combine", exc)
+            raise
 
     # ---- teardown -----------------------------------------------------------------------
     def destroy(self, collective: bool = True) -> None:

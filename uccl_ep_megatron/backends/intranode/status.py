@@ -22,6 +22,9 @@ _SITES = {
     6: "combine done",  # a rank combining in place, waiting for a peer to finish reading its x
 }
 CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
+# Kinds of a peer's abort record (abort_word in intranode.h): it rejected its arguments, one of
+# its kernel waits timed out, or its host gave up on the call (interrupted, failed, stuck).
+ABORT_REJECTED, ABORT_TIMED_OUT, ABORT_HOST_GAVE_UP = 1, 2, 3
 
 # Host waits on the GPU that the CUDA runtime does not see: an exact dispatch spins on the
 # counts its notify writes into mapped host memory (no synchronize, no copy). Counted per
@@ -70,6 +73,58 @@ def check_all_ranks(rows: list[int], num_experts: int) -> None:
             )
 
 
+def abort_word(kind: int, code: int = 0, site: int = 0, peer: int = 0, seq: int = 0) -> int:
+    """An abort record's word as ``abort_word`` of intranode.h packs it:
+    ``{seq:32 | peer waited for:8 | site:8 | kind:8 | error class code:8}``."""
+    return (
+        (seq & 0xFFFFFFFF) << 32
+        | (peer & 0xFF) << 24
+        | (site & 0xFF) << 16
+        | (kind & 0xFF) << 8
+        | (code & 0xFF)
+    )
+
+
+def gave_up_reason(rank: int, call: str, error: BaseException) -> str:
+    """What a rank whose host gives up on ``call`` tells its peers (the wording of the
+    store's "gave up" record, ``agreement/group.py``)."""
+    text = str(error).removeprefix(f"rank {rank}: ")
+    if isinstance(error, CommTimeoutError):
+        return f"rank {rank} gave up on {call}: {text.split('; ', 1)[0]}"
+    if isinstance(error, Exception):
+        return f"rank {rank} abandoned {call}: {type(error).__name__}: {text.split('. ', 1)[0]}"
+    return f"rank {rank} was interrupted ({type(error).__name__}) in {call}"
+
+
+def peer_abort_error(
+    rank: int, peer: int, word: int, reason: str, timeout_ms: int, call: str
+) -> UcclEpError:
+    """The exception of a rank whose wait (or barrier, passed before the peer gave up) found
+    rank ``peer``'s abort record ``(word, reason)`` in this rank's ``call``."""
+    kind, code = word >> 8 & 0xFF, word & 0xFF
+    unusable = "This Buffer is unusable now; create a new one on every rank."
+    if kind == ABORT_TIMED_OUT:
+        site, waited, seq = word >> 16 & 0xFF, word >> 24 & 0xFF, word >> 32
+        who = "this rank" if waited == rank else f"rank {waited}"
+        return CommTimeoutError(
+            f"rank {rank}: {call} cannot complete: rank {peer} gave up on the "
+            f"{_SITES.get(site, f'site {site}')} barrier (#{seq}) after UCCL_EP_TIMEOUT_MS="
+            f"{timeout_ms} ms waiting for {who}, and moves no more data in this Buffer ({who} "
+            "was late, crashed or called a different sequence of collectives; raise "
+            f"UCCL_EP_TIMEOUT_MS if it is only slow). That call's outputs were not written. "
+            f"{unusable}"
+        )
+    if kind == ABORT_HOST_GAVE_UP:
+        return UcclEpError(
+            f"rank {rank}: {call} cannot complete: {reason or f'rank {peer} gave up on a call'}; "
+            f"it moves no more data in this Buffer. {unusable}"
+        )
+    return error_class(code)(
+        f"rank {rank}: rank {peer} rejected its arguments ({reason}); no "
+        f"rank moved data for that call. Fix the call on rank {peer}. {unusable}"
+    )
+
+
 def status_error(
     c: Any,
     words: tuple[int, int, int, int],
@@ -94,11 +149,7 @@ def status_error(
         )
     if code == c.STATUS_PEER_ABORT:
         word, reason = read_abort(a)
-        return error_class(word & 0xFF)(
-            f"rank {rank}: rank {a} rejected its arguments ({reason}); no "
-            f"rank moved data for that call. Fix the call on rank {a}. This Buffer is "
-            "unusable now; create a new one."
-        )
+        return peer_abort_error(rank, a, word, reason, timeout_ms, f"this rank's {last_header}")
     if code == c.STATUS_HEADER_MISMATCH:
         return InvalidInputError(
             f"rank {rank}: the call of rank {a} differs from this rank's "
