@@ -225,6 +225,8 @@ def test_cli_writes_every_row_and_checks_a_committed_run(tmp_path, capsys):
     "argv,needle",
     [
         (["--ep", "12"], "--ep 12"),
+        (["--ep", "256"], "2-16 nodes"),
+        (["--sms", "23"], "--sms 23"),
         (["--nics", "ib9"], "--nics"),
         (["--ops", "dispatch,gather"], "--ops"),
         (["--cmds-per-s-per-thread", "0"], "cmds-per-s-per-thread"),

@@ -436,26 +436,39 @@ def _host(args: argparse.Namespace, cal: dict[str, Any] | None) -> Host:
     return host
 
 
-def model(args: argparse.Namespace) -> dict[str, Any]:
-    """Every (EP, NIC, op) row of the model, the inputs it used and, with ``--from-json``, the
-    model at the run's own configurations beside what it measured."""
-    run_ = load_run(args.from_json) if args.from_json else None
-    cal = calibrate(run_) if run_ else None
-    shape, host = _shape(args), _host(args, cal)
+def _check_args(args: argparse.Namespace) -> list[int]:
+    """The flags the model cannot take, each named with its fix; returns the EP sizes."""
+    if not 2 <= args.sms <= 64 or args.sms % 2 or not 1 <= args.ranks_per_node <= 8:
+        raise InvalidInputError(
+            f"--sms {args.sms} --ranks-per-node {args.ranks_per_node}: the internode kernels "
+            "take an even SM count in 2..64 and 1..8 GPUs per node"
+        )
     if args.tokens <= 0 or args.hidden <= 0 or args.hidden % 128:
         raise InvalidInputError(
             f"--tokens={args.tokens} --hidden={args.hidden}: need tokens > 0 and a hidden size "
             "that is a positive multiple of 128 (FP8 scales per 128 elements)"
         )
-    nics = presets(args.link_gbps, args.latency_us)
+    if args.link_gbps < 0:
+        raise InvalidInputError(f"--link-gbps={args.link_gbps}: give a rate > 0, or 0 = presets'")
     eps = _list(args.ep, "--ep", int)
     for ep in eps:
-        nodes = ep // args.ranks_per_node if args.ranks_per_node > 0 else 0
-        if args.ranks_per_node <= 0 or ep % args.ranks_per_node or not 2 <= nodes <= MAX_NODES:
+        nodes = ep // args.ranks_per_node
+        if ep % args.ranks_per_node or not 2 <= nodes <= MAX_NODES:
             raise InvalidInputError(
                 f"--ep {ep} with --ranks-per-node {args.ranks_per_node}: the internode path "
                 f"takes 2-{MAX_NODES} nodes of equal size"
             )
+    return eps
+
+
+def model(args: argparse.Namespace) -> dict[str, Any]:
+    """Every (EP, NIC, op) row of the model, the inputs it used and, with ``--from-json``, the
+    model at the run's own configurations beside what it measured."""
+    eps = _check_args(args)
+    run_ = load_run(args.from_json) if args.from_json else None
+    cal = calibrate(run_) if run_ else None
+    shape, host = _shape(args), _host(args, cal)
+    nics = presets(args.link_gbps, args.latency_us)
     rows = []
     for ep in eps:
         for key in _list(args.nics, "--nics", str, tuple(nics)):
