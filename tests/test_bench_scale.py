@@ -241,6 +241,13 @@ def test_bad_input_names_the_flag(argv, needle):
         scale.model(parser.parse_args(argv))
 
 
+def test_the_model_takes_only_what_the_kernels_take():
+    with pytest.raises(InvalidInputError, match="2-16 nodes"):
+        traffic("dispatch", Shape(), 1, 1.0)
+    with pytest.raises(InvalidInputError, match="chunk 200, ring 128"):
+        traffic("dispatch", Shape(chunk=200), 2, 1.0)
+
+
 def test_from_json_rejects_a_copy_only_run():
     with pytest.raises(InvalidInputError, match="copy-only"):
         scale.load_run(os.path.join(RESULTS, "internode-copy-h100-2x2.json"))

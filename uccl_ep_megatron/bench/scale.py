@@ -243,7 +243,8 @@ def load_run(path: str) -> dict[str, Any]:
     rows = [
         r
         for r in run.get("rows", [])
-        if _base_op(r.get("op", "")) and "threads" in r and "writes" in r and "chunk" in r
+        if _base_op(r.get("op", ""))
+        and all(k in r for k in ("threads", "writes", "chunk", "cmds_per_s", "gbps", "rdma_mb"))
     ]
     if not rows:
         raise InvalidInputError(

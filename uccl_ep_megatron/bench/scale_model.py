@@ -176,12 +176,17 @@ def traffic(op: str, shape: Shape, nodes: int, head_per_chunk: float) -> Traffic
     """Expected traffic of one rank's ``op`` call at ``nodes`` nodes."""
     if op not in OPS:
         raise InvalidInputError(f"op {op!r}: choose one of {', '.join(OPS)}")
+    if not 2 <= nodes <= MAX_NODES or shape.tokens <= 0:
+        raise InvalidInputError(
+            f"{nodes} nodes, {shape.tokens} tokens: the internode path takes 2-{MAX_NODES} nodes "
+            "and at least one token per rank"
+        )
     r = Routing(shape.experts, shape.topk, nodes, shape.ranks_per_node, shape.max_nodes)
     k = shape.chunk_of(op)
-    if not 0 < k <= shape.ring or shape.sms < 2 or shape.sms % 2:
+    if not 0 < k <= shape.ring or not 2 <= shape.sms <= 64 or shape.sms % 2:
         raise InvalidInputError(
             f"chunk {k}, ring {shape.ring}, {shape.sms} SMs: need 0 < chunk <= ring and an even "
-            "SM count >= 2"
+            "SM count in 2..64"
         )
     slot = slot_bytes(op, shape)
     tokens = shape.tokens * r.remote_nodes_per_token()
