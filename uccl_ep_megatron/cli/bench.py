@@ -17,6 +17,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "internode",
     "ordering",
     "layer",
+    "scale",
 )
 
 
@@ -24,7 +25,7 @@ def register(subparsers: Any) -> None:
     """Adds ``bench`` with one sub-subcommand per module of ``BENCH_MODULES``."""
     p = subparsers.add_parser(
         "bench",
-        help="microbenchmarks (fifo, intranode, ..., layer)",
+        help="microbenchmarks (fifo, intranode, ..., layer) and the scale model",
         description="Microbenchmarks; each prints one table and can write JSON (--json).",
     )
     sub = p.add_subparsers(dest="bench", metavar="BENCH")

@@ -1,0 +1,253 @@
+"""``bench scale``: the scale model's routing, byte and command counts against brute-force
+simulation and the committed measurements, and the properties its predictions must have."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from uccl_ep_megatron import cli
+from uccl_ep_megatron.bench import scale
+from uccl_ep_megatron.bench.scale_model import (
+    OPS,
+    Host,
+    Routing,
+    Shape,
+    predict,
+    traffic,
+)
+from uccl_ep_megatron.core import _c
+from uccl_ep_megatron.core.errors import InvalidInputError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+def _route(tokens: int, experts: int, topk: int, nodes: int, max_nodes: int, seed: int = 0):
+    """Top-k expert ids per token: uniform, or within ``max_nodes`` nodes picked uniformly."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(tokens, experts, generator=gen)
+    if max_nodes:
+        per_node = experts // nodes
+        picked = torch.rand(tokens, nodes, generator=gen).argsort(dim=1)[:, :max_nodes]
+        allowed = torch.zeros(tokens, nodes, dtype=torch.bool)
+        allowed.scatter_(1, picked, True)
+        scores = scores.masked_fill(~allowed.repeat_interleave(per_node, dim=1), -1.0)
+    return scores.topk(topk, dim=1).indices
+
+
+@pytest.mark.parametrize("max_nodes", [0, 2])
+def test_routing_matches_a_monte_carlo_of_the_routing(max_nodes):
+    E, k, N, L, T = 64, 6, 4, 2, 60_000
+    idx = _route(T, E, k, N, max_nodes)
+    node_hits = torch.zeros(T, N, dtype=torch.bool)
+    node_hits.scatter_(1, idx // (E // N), True)  # one copy per destination node
+    rank_hits = torch.zeros(T, N * L, dtype=torch.bool)
+    rank_hits.scatter_(1, idx // (E // (N * L)), True)
+    r = Routing(E, k, N, L, max_nodes)
+    src = 0  # the sending rank's node; by symmetry any
+    remote = node_hits.sum(1) - node_hits[:, src].int()
+    assert remote.float().mean().item() == pytest.approx(r.remote_nodes_per_token(), rel=0.01)
+    assert node_hits.sum(1).float().mean().item() == pytest.approx(r.nodes_per_token(), rel=0.01)
+    assert (remote > 0).float().mean().item() == pytest.approx(r.any_remote(), abs=0.01)
+    assert rank_hits.float().mean().item() == pytest.approx(r.rank_hit(), rel=0.02)
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+@pytest.mark.parametrize("hidden,topk,L", [(7168, 8, 8), (4096, 4, 2), (2048, 32, 1)])
+def test_slot_bytes_are_row_plus_metadata_and_fp8_halves_the_data(hidden, topk, L):
+    shape = Shape(hidden=hidden, topk=topk, ranks_per_node=L, experts=256, max_nodes=0)
+    meta = 4 * topk + 4 * topk + 4 + 4 * L  # ids, weights, source index, a row per local rank
+    bf16, fp8 = (traffic(op, shape, 4, 1.0) for op in ("dispatch", "dispatch_fp8"))
+    assert bf16.slot == _align16(2 * hidden + meta)
+    assert fp8.slot == _align16(hidden + 4 * (hidden // 128) + meta)
+    assert fp8.tokens == bf16.tokens
+    data_bf16 = bf16.tokens * 2 * hidden
+    data_fp8 = fp8.bytes - fp8.tokens * (fp8.slot - hidden)  # the slots' row bytes alone
+    assert data_fp8 == pytest.approx(data_bf16 / 2, rel=1e-9)
+    combine = traffic("combine", shape, 4, 1.0)
+    assert combine.slot == _align16(2 * hidden + 4 * topk + 4)
+
+
+def _measured_row(name: str, op: str) -> tuple[dict, dict]:
+    with open(os.path.join(RESULTS, name)) as f:
+        run = json.load(f)
+    row = next(r for r in run["rows"] if r.get("op") == op and "rdma_mb" in r)
+    return run["meta"], row
+
+
+@pytest.mark.parametrize("op", ["dispatch", "dispatch_fp8", "combine"])
+@pytest.mark.parametrize("name", ["internode-h100-2x2.json", "internode-h100-2x1.json"])
+def test_bytes_per_rank_match_what_the_proxy_posted_in_the_committed_runs(name, op):
+    meta, row = _measured_row(name, op)
+    shape = Shape(
+        tokens=meta["tokens"],
+        hidden=meta["hidden"],
+        experts=meta["experts"],
+        topk=meta["topk"],
+        ranks_per_node=meta["ranks_per_node"],
+        sms=meta["sms"],
+        max_nodes=0,
+    )
+    t = traffic(op, shape, meta["world"] // meta["ranks_per_node"], 1.0)
+    assert t.bytes / 1e6 == pytest.approx(row["rdma_mb"], rel=0.01)
+
+
+def _simulated_writes(shape: Shape, nodes: int, op: str) -> tuple[float, float]:
+    """Writes and chunks of rank 0 (node 0) in one call, from a routed batch: per channel's token
+    range and remote node, chunks of at most ``chunk`` tokens, each split where it wraps the ring
+    (the kernels' own ``chunk_pieces``)."""
+    lay = _c.load().internode
+    idx = _route(shape.tokens, shape.experts, shape.topk, nodes, shape.max_nodes, seed=3)
+    hits = torch.zeros(shape.tokens, nodes, dtype=torch.bool)
+    hits.scatter_(1, idx // (shape.experts // nodes), True)
+    k, C = shape.chunk_of(op), shape.channels
+    per = math.ceil(shape.tokens / C)
+    writes = chunks = 0
+    for c in range(C):
+        for n in range(1, nodes):
+            count = int(hits[c * per : (c + 1) * per, n].sum())
+            start = 0
+            while count > 0:
+                step = min(k, count)
+                _, _, n2 = lay.chunk_pieces(start, step, shape.ring)
+                writes += 2 if n2 else 1
+                chunks += 1
+                start, count = start + step, count - step
+    return writes, chunks
+
+
+@pytest.mark.parametrize(
+    "op,nodes,max_nodes", [("dispatch", 2, 0), ("combine", 4, 0), ("dispatch", 8, 4)]
+)
+def test_command_counts_match_a_simulation_of_the_chunking(op, nodes, max_nodes):
+    shape = Shape(max_nodes=max_nodes)
+    writes, chunks = _simulated_writes(shape, nodes, op)
+    t = traffic(op, shape, nodes, 1.0)
+    assert t.chunks == pytest.approx(chunks, rel=0.05)
+    assert t.writes == pytest.approx(writes, rel=0.06)
+    # One FIFO command per write (tails ride on it), one per head update, and dispatch's markers.
+    assert t.commands == pytest.approx(t.writes + t.heads + t.ends)
+    assert t.messages == pytest.approx(t.writes + t.tails + t.heads + t.ends)
+
+
+def test_head_updates_per_chunk_are_what_the_committed_run_shows():
+    run = scale.load_run(os.path.join(RESULTS, "internode-h100-2x2.json"))
+    cal = scale.calibrate(run)
+    for kind, value in scale.HEAD_PER_CHUNK.items():
+        assert cal["head_per_chunk"][kind] == pytest.approx(value, rel=0.05)
+
+
+def _all_rows(host: Host) -> list[dict]:
+    nics = scale.presets()
+    return [
+        predict(op, Shape(), ep // 8, nics[key], host)
+        for ep in (16, 32, 64)
+        for key in nics
+        if key != "ipc"
+        for op in OPS
+    ]
+
+
+def test_predictions_never_exceed_the_line_rate_or_any_term():
+    nics = scale.presets()
+    for host in (Host(), Host(cmds_per_s_per_thread=20e3), Host(nvlink_gbps=1e6)):
+        for r in _all_rows(host):
+            line = nics[r["nic"]].line_gbps
+            assert 0 < r["gbps"] < line
+            assert r["us"] >= max(r["terms_us"].values())
+            assert r["terms_us"][r["limit"]] == max(r["terms_us"].values())
+
+
+def test_doubling_proxy_threads_raises_a_command_bound_prediction():
+    nic = scale.presets()["cx7"]
+    slow = Host(cmds_per_s_per_thread=20e3, proxy_threads=1)
+    one = predict("dispatch", Shape(), 4, nic, slow)
+    two = predict("dispatch", Shape(), 4, nic, dataclasses.replace(slow, proxy_threads=2))
+    assert one["limit"] == two["limit"] == "proxy"
+    assert 1.8 < two["gbps"] / one["gbps"] <= 2.0  # only the start-up does not halve
+    # Threads serve FIFO channels (8): more than that cannot help.
+    eight = predict("dispatch", Shape(), 4, nic, dataclasses.replace(slow, proxy_threads=8))
+    sixteen = predict("dispatch", Shape(), 4, nic, dataclasses.replace(slow, proxy_threads=16))
+    assert sixteen["gbps"] == eight["gbps"]
+    assert one["proxy_break_even"] == pytest.approx(two["proxy_break_even"] * 2)
+
+
+def test_one_message_in_flight_per_stream_limits_few_streams():
+    nic = scale.presets()["thor2"]
+    assert nic.max_inflight_msgs == 1 and nic.max_inflight_bytes == 1572864
+    few = Shape(sms=2, max_nodes=0)  # one channel: one stream per remote node
+    capped = predict("dispatch", few, 2, nic, Host())
+    open_ = predict("dispatch", few, 2, dataclasses.replace(nic, max_inflight_msgs=64), Host())
+    assert capped["limit"] == "window"
+    assert open_["gbps"] > capped["gbps"]
+    # Latency is what a window of one message pays for.
+    slower = predict("dispatch", few, 2, dataclasses.replace(nic, latency_us=10.0), Host())
+    assert slower["gbps"] < capped["gbps"]
+
+
+def test_published_numbers_convert_to_inter_node_bytes_by_the_remote_share():
+    for ep, share in ((16, 0.5), (32, 0.75), (64, 0.875)):
+        for p in scale.published_for("cx7", ep, "dispatch_fp8"):
+            assert p["wire_gbps"][0] == pytest.approx(p["gbps"][0] * share)
+    # DeepEP's accounting of the model's own rows: the same time, own-node copies counted.
+    r = predict("dispatch", Shape(), 2, scale.presets()["cx7"], Host())
+    t = traffic("dispatch", Shape(), 2, 1.0)
+    assert r["deepep_gbps"] / r["gbps"] == pytest.approx(
+        2 * 7168 * 2 / (1 * t.slot),
+        rel=1e-9,  # 2 of 2 nodes counted against 1 of 2 crossing
+    )
+
+
+def test_cli_writes_every_row_and_checks_a_committed_run(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    run = os.path.join(RESULTS, "internode-h100-2x2-50gbps.json")
+    assert cli.main(["bench", "scale", "--from-json", run, "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert len(res["rows"]) == 3 * 4 * 3
+    assert res["check"] and all(
+        c["model_mb"] == pytest.approx(c["measured_mb"], rel=0.01) for c in res["check"]
+    )
+    assert res["host"]["cmds_per_s_per_thread"] == res["from_json"]["cmds_per_s_per_thread_floor"]
+    assert "DeepEP V1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--ep", "12"], "--ep 12"),
+        (["--ep", "256"], "2-16 nodes"),
+        (["--sms", "23"], "--sms 23"),
+        (["--nics", "ib9"], "--nics"),
+        (["--ops", "dispatch,gather"], "--ops"),
+        (["--cmds-per-s-per-thread", "0"], "cmds-per-s-per-thread"),
+        (["--head-per-chunk", "1"], "--head-per-chunk"),
+        (["--topk", "200", "--ep", "64"], "top-200"),
+    ],
+)
+def test_bad_input_names_the_flag(argv, needle):
+    parser = argparse.ArgumentParser()
+    scale.add_arguments(parser)
+    with pytest.raises(InvalidInputError, match=needle):
+        scale.model(parser.parse_args(argv))
+
+
+def test_the_model_takes_only_what_the_kernels_take():
+    with pytest.raises(InvalidInputError, match="2-16 nodes"):
+        traffic("dispatch", Shape(), 1, 1.0)
+    with pytest.raises(InvalidInputError, match="chunk 200, ring 128"):
+        traffic("dispatch", Shape(chunk=200), 2, 1.0)
+
+
+def test_from_json_rejects_a_copy_only_run():
+    with pytest.raises(InvalidInputError, match="copy-only"):
+        scale.load_run(os.path.join(RESULTS, "internode-copy-h100-2x2.json"))
