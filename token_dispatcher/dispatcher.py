@@ -33,6 +33,18 @@ Two modes (``mode`` attribute, chosen from the config when the dispatcher is bui
   (``--moe-uccl-ep-capacity-factor``; pairs past ``C`` are dropped, counted on the GPU and logged
   every ``drop_log_interval`` forward passes from an asynchronous copy).
 
+Under Megatron's EP overlap schedule (``--overlap-moe-expert-parallel-comm``: dispatch and
+combine are separate schedule nodes on Megatron's communication stream, overlapped with the
+other micro-batch's compute) the dispatcher works as the ``flex`` dispatcher's DeepEP path does:
+``token_dispatch`` and ``token_combine`` (and their backward) run asynchronously on the Buffer's
+communication stream, ordered by events with the stream that called (``ops``). Two things
+change for the schedule's memory handling, which frees a node's input right after the node's
+forward (``untyped_storage().resize_(0)``, the dispatch node's and the expert node's): the
+dispatch input is a copy of the tokens (the tokens themselves are the pre-MLP layernorm's
+output, which the router's and shared experts' backward read), and the Buffer has no receive
+arena (its rows are not the caching allocator's: they could not be resized, and a stream
+other than the caller's that reads them is not ordered before their reuse).
+
 On a GPU the permutation runs on the fused kernels (``permute.permute_fused``); on the CPU, and
 where ``_C`` lacks them, on the torch path (``permute.make_plan``). ``--moe-permute-fusion``
 selects megatron-core's fused (Transformer Engine) permutation instead where it fits (exact mode,
@@ -41,6 +53,7 @@ no alignment padding, Transformer Engine present); the choice is logged once.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -146,6 +159,11 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             dispatch_metrics.enable(True)
         self.mode = self._select_mode()
         self.te_permute = self._use_te_permute()
+        # Megatron's EP overlap schedule (see the module docstring).
+        self.overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
+        self.buffer_options = self.options.buffer_options()
+        if self.overlap:
+            self.buffer_options = dataclasses.replace(self.buffer_options, arena_bytes=0)
         # Sync-free mode: sizes per number of input tokens (fixed in training), drop counter.
         self._sizes: dict[int, tuple[int, int]] = {}
         self.dropped: torch.Tensor | None = None  # int64 [1] on the device, accumulated
@@ -271,6 +289,9 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         """
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+        if self.overlap:
+            # The overlap schedule frees the dispatch node's input after its forward.
+            hidden_states = hidden_states.clone()
         num_tokens = hidden_states.shape[0]
         num_experts = self.config.num_moe_experts
         routing_map = routing_map.reshape(num_tokens, num_experts)
@@ -304,7 +325,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         self,
         hidden_states: torch.Tensor,
         probs: torch.Tensor | None = None,
-        async_finish: bool = True,
+        async_finish: bool | None = None,
         allocate_on_comm_stream: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Send each token once to every rank hosting one of its experts.
@@ -312,8 +333,10 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         Args:
             hidden_states: ``[T, H]`` from ``dispatch_preprocess``.
             probs: ``[T, tp*k]`` float32 from ``dispatch_preprocess`` (its own if ``None``).
-            async_finish, allocate_on_comm_stream: as in ``Buffer.dispatch`` (Megatron's
-                flex path passes ``True``; the result is joined to the current stream).
+            async_finish: run on the Buffer's communication stream, ordered by events (``ops``);
+                ``None``: under Megatron's EP overlap schedule only (outside it synchronous
+                calls cost less host time). The result is joined to the current stream.
+            allocate_on_comm_stream: as in ``Buffer.dispatch``.
 
         Returns:
             ``(recv_x [N, H], recv_probs [N, tp*k] float32)``; in sync-free mode ``N`` is the
@@ -329,7 +352,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             hidden_bytes_of(hidden_states),
             self.options.backend,
             self.options.num_sms,
-            self.options.buffer_options(),
+            self.buffer_options,
         )
         self.fused = fused_available(hidden_states.device)
         worst = self._sync_free_sizes(self.num_tokens)[1] if self.mode == SYNC_FREE else 0
@@ -357,7 +380,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 expert_alignment=1,
                 num_worst_tokens=worst,
                 config=self.dispatch_config,
-                async_finish=async_finish,
+                async_finish=self.overlap if async_finish is None else async_finish,
                 allocate_on_comm_stream=allocate_on_comm_stream,
             )
             moved = recv_x.numel() * recv_x.element_size()
@@ -446,10 +469,11 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
     def token_combine(
         self,
         hidden_states: torch.Tensor,
-        async_finish: bool = True,
+        async_finish: bool | None = None,
         allocate_on_comm_stream: bool = True,
     ) -> torch.Tensor:
-        """Sum the rows back into their source tokens (the inverse of ``token_dispatch``)."""
+        """Sum the rows back into their source tokens (the inverse of ``token_dispatch``;
+        ``async_finish`` and ``allocate_on_comm_stream`` as there)."""
         if self.handle is None or self.buffer is None:
             raise InvalidInputError("token_combine called without a preceding token_dispatch")
         timer = dispatch_metrics.recorder.start(hidden_states.device)
@@ -458,7 +482,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             hidden_states.contiguous(),
             self.handle,
             config=self.combine_config,
-            async_finish=async_finish,
+            async_finish=self.overlap if async_finish is None else async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )
         dispatch_metrics.recorder.record(

@@ -163,6 +163,42 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
     moe_layer_cls.set_layer_number = set_layer_number
 
 
+#: The dispatcher whose name ``uccl_ep`` takes in ``TransformerConfig.__post_init__`` when the EP
+#: overlap is on (see ``_patch_config_checks``).
+OVERLAP_CHECKED_AS = "alltoall"
+
+
+def _patch_config_checks(api: dict[str, Any]) -> None:
+    """Let ``--overlap-moe-expert-parallel-comm`` accept ``uccl_ep``.
+
+    ``TransformerConfig.__post_init__`` asserts that the EP overlap runs with ``alltoall`` or
+    ``flex``, a list inside the method that cannot be extended. For a ``uccl_ep`` config with
+    the overlap on, the checks run with the type read as ``alltoall``, and ``uccl_ep`` is put
+    back afterwards. ``alltoall``'s other checks hold for ``uccl_ep`` too, or are moot under the
+    overlap (shared-expert overlap, which the overlap check itself rejects); ``flex``'s would
+    refuse padding to capacity, which ``uccl_ep`` supports. Any other config is untouched.
+    """
+    config_cls = api["config_cls"]
+    original = config_cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args: Any, **kwargs: Any) -> None:
+        if getattr(self, _DEST, None) != DISPATCHER_TYPE or not getattr(
+            self, "overlap_moe_expert_parallel_comm", False
+        ):
+            original(self, *args, **kwargs)
+            return
+        setattr(self, _DEST, OVERLAP_CHECKED_AS)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            if getattr(self, _DEST) == OVERLAP_CHECKED_AS:
+                setattr(self, _DEST, DISPATCHER_TYPE)
+
+    _state["post_init"] = (config_cls, original)
+    config_cls.__post_init__ = __post_init__
+
+
 def _define_missing_te_names() -> None:
     """megatron-core 0.14-0.16 without Transformer Engine: let the router GEMM fall back to torch.
 
