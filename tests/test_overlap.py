@@ -3,6 +3,7 @@ on CPU (gloo, ``reference`` backend; ``tests/gpu/test_overlap_gpu.py`` runs the 
 
 * the flag is accepted for ``uccl_ep`` once the plugin is installed, megatron-core's other
   overlap checks still apply, other dispatchers and an uninstalled plugin are as before;
+  ``--moe-shared-expert-overlap`` is accepted exactly where megatron-core's ``flex`` takes it;
 * the dispatcher's split methods under the overlap config give what the synchronous path gives
   (outputs and gradients, against the plain dispatcher and the closed form), while the inputs
   the schedule frees after a node's forward (dispatch input, received rows, combine input) are
@@ -94,6 +95,31 @@ def test_overlap_flag_is_unchanged_for_other_dispatchers_and_without_the_plugin(
     plugin.uninstall()
     with pytest.raises(AssertionError, match=OVERLAP_MESSAGE):
         _config()
+
+
+def test_shared_expert_overlap_is_accepted_where_flex_overlaps_the_shared_expert(plugin):
+    from uccl_ep_megatron.token_dispatcher.dispatcher import flex_overlaps_shared_experts
+
+    shared = dict(
+        overlap_moe_expert_parallel_comm=False,
+        moe_shared_expert_intermediate_size=16,
+        moe_shared_expert_overlap=True,
+    )
+    flex_ok = flex_overlaps_shared_experts()
+    try:
+        _config(moe_token_dispatcher_type="flex", **shared)
+        flex_accepts = True
+    except ValueError:
+        flex_accepts = False
+    assert flex_accepts == flex_ok, "the feature test disagrees with megatron-core's own check"
+    if flex_ok:
+        assert _config(**shared).moe_token_dispatcher_type == "uccl_ep"
+    else:
+        with pytest.raises(ValueError, match="moe_shared_expert_overlap only works"):
+            _config(**shared)
+    # With the EP overlap, megatron-core refuses the shared-expert overlap for every dispatcher.
+    with pytest.raises(AssertionError, match="disable moe_shared_expert_overlap"):
+        _config(**{**shared, "overlap_moe_expert_parallel_comm": True})
 
 
 # ---- the dispatcher's split methods ----------------------------------------------------------

@@ -10,6 +10,11 @@ run: the step went through ``build_schedule_plan``, and every ``Buffer`` call of
 step was asynchronous (``async_finish`` with a ``previous_event``) and made from Megatron's
 communication stream, while every call of the plain step was synchronous from the default one.
 
+Where megatron-core's ``flex`` dispatcher overlaps the shared expert (0.19+), a model with a
+shared expert takes the same step with ``moe_shared_expert_overlap`` off and on (the plain
+schedule both times): the dispatcher must run the shared expert's split forward (losses and
+gradients as without the overlap, so its output was added once).
+
 Runs on each available ``Buffer`` backend (``kernels`` when built, ``reference``); needs 2 GPUs.
 """
 
@@ -36,7 +41,15 @@ WORLD = 2
 SEQ, MICRO_BATCH, MICRO_BATCHES, VOCAB = 128, 2, 4, 1024
 
 
-def _config(overlap: bool, world: int):
+# (off, on) config changes of each case.
+SHARED = {"moe_shared_expert_intermediate_size": 256}
+CASES = {
+    "ep": ({}, {"overlap_moe_expert_parallel_comm": True}),
+    "shared": (SHARED, {**SHARED, "moe_shared_expert_overlap": True}),
+}
+
+
+def _config(world: int, extra: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -57,7 +70,7 @@ def _config(overlap: bool, world: int):
         bf16=True,
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
-        overlap_moe_expert_parallel_comm=overlap,
+        **extra,
     )
 
 
@@ -176,7 +189,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def w_overlap_on_off(rank, world, backend):
+def w_overlap_on_off(rank, world, backend, case):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from uccl_ep_megatron.token_dispatcher import UcclEpTokenDispatcher
@@ -187,11 +200,16 @@ def w_overlap_on_off(rank, world, backend):
     ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
     model_parallel_cuda_manual_seed(1234)
     try:
-        plain = _model(_config(False, world))
-        overlapped = _model(_config(True, world))
+        off_config, on_config = CASES[case]
+        plain = _model(_config(world, off_config))
+        overlapped = _model(_config(world, on_config))
         overlapped.load_state_dict(plain.state_dict())
-        d = overlapped.decoder.layers[0].mlp.token_dispatcher
-        assert isinstance(d, UcclEpTokenDispatcher) and d.overlap
+        moe = overlapped.decoder.layers[0].mlp
+        d = moe.token_dispatcher
+        assert isinstance(d, UcclEpTokenDispatcher)
+        assert d.overlap == (case == "ep")
+        assert (d.shared_experts is not None) == (case == "shared")
+        assert d.shared_experts is None or d.shared_experts is moe.shared_experts
         off, on = _step(plain, rank), _step(overlapped, rank)
         assert off["grads"].keys() == on["grads"].keys() and off["grads"]
         worst = max(((_rel(on["grads"][n], g), n) for n, g in off["grads"].items()))
@@ -219,9 +237,10 @@ def _kernels_built() -> bool:
     return _C.build_info["gpu"] != "none"
 
 
-def _check(r: dict, backend: str) -> None:
+def _check(r: dict, backend: str, case: str) -> None:
     assert r["backend"] == backend, r
-    assert r["plans"] == (0, MICRO_BATCHES), "the combined 1F1B schedule did not run"
+    plans = MICRO_BATCHES if case == "ep" else 0
+    assert r["plans"] == (0, plans), "the combined 1F1B schedule ran where it should not, or not"
     for off, on in zip(r["losses_off"], r["losses_on"], strict=True):
         # bf16 tolerance (eps 2^-8): the same kernels on the same data, in another order.
         assert abs(on - off) <= 2e-3 * max(1.0, abs(off)), r
@@ -229,11 +248,11 @@ def _check(r: dict, backend: str) -> None:
     # 2 layers x 4 micro-batches x (layout, dispatch, combine; backward: combine, dispatch).
     assert r["num_calls"] == (40, 40), r
     assert {(a, e, s) for _, a, e, s in r["calls_off"]} == {(False, False, "default")}, r
-    assert {(a, e, s) for _, a, e, s in r["calls_on"]} == {(True, True, "megatron-comm")}, r
+    on = {(True, True, "megatron-comm")} if case == "ep" else {(False, False, "default")}
+    assert {(a, e, s) for _, a, e, s in r["calls_on"]} == on, r
 
 
-@pytest.mark.parametrize("backend", ["reference", "kernels"])
-def test_overlap_schedule_losses_equal_the_plain_schedule(backend):
+def _run(backend: str, case: str) -> None:
     pytest.importorskip("megatron.core")
     if backend == "kernels" and not _kernels_built():
         pytest.skip("_C was built without a GPU toolchain: no kernels backend")
@@ -241,14 +260,29 @@ def test_overlap_schedule_losses_equal_the_plain_schedule(backend):
 
     pool = DistPool(WORLD, gpus=torch.cuda.device_count())
     try:
-        reports = pool.run(HERE, "w_overlap_on_off", backend)
+        reports = pool.run(HERE, "w_overlap_on_off", backend, case)
     finally:
         pool.close()
-    line = json.dumps({"backend": backend, "ranks": reports})
+    line = json.dumps({"backend": backend, "case": case, "ranks": reports})
     print(line)
     out_dir = os.environ.get("OUT")
     if out_dir:
-        with open(os.path.join(out_dir, f"overlap_gpu_{backend}.json"), "w") as f:
+        with open(os.path.join(out_dir, f"overlap_gpu_{case}_{backend}.json"), "w") as f:
             f.write(line)
     for r in reports:
-        _check(r, backend)
+        _check(r, backend, case)
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernels"])
+def test_overlap_schedule_losses_equal_the_plain_schedule(backend):
+    _run(backend, "ep")
+
+
+@pytest.mark.parametrize("backend", ["reference", "kernels"])
+def test_shared_expert_overlap_losses_equal_the_plain_shared_expert(backend):
+    pytest.importorskip("megatron.core")
+    from uccl_ep_megatron.token_dispatcher.dispatcher import flex_overlaps_shared_experts
+
+    if not flex_overlaps_shared_experts():
+        pytest.skip("this megatron-core's flex dispatcher does not overlap the shared expert")
+    _run(backend, "shared")

@@ -29,7 +29,8 @@
    ``TransformerConfig.__post_init__``'s overlap check, which lists ``alltoall`` and ``flex``,
    reads a ``uccl_ep`` config with the overlap on as ``alltoall`` (``_patch_config_checks``);
    the dispatcher then runs dispatch and combine asynchronously on its Buffer's communication
-   stream, as the ``flex`` dispatcher's DeepEP path does.
+   stream, as the ``flex`` dispatcher's DeepEP path does. Where megatron-core's ``flex``
+   overlaps the shared expert (0.19+), ``--moe-shared-expert-overlap`` is accepted likewise.
 
 Versions: the releases in ``TESTED_VERSIONS`` are tested (CI and device); a newer one is tried
 with an ``UntestedVersionWarning``, and ``install()`` fails only where an API the plugin needs

@@ -163,29 +163,43 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
     moe_layer_cls.set_layer_number = set_layer_number
 
 
-#: The dispatcher whose name ``uccl_ep`` takes in ``TransformerConfig.__post_init__`` when the EP
-#: overlap is on (see ``_patch_config_checks``).
+#: The dispatcher whose name ``uccl_ep`` takes in ``TransformerConfig.__post_init__`` when an
+#: overlap flag is on (see ``_patch_config_checks``).
 OVERLAP_CHECKED_AS = "alltoall"
 
 
+def _overlap_checked(config: Any) -> bool:
+    """A ``uccl_ep`` config with an overlap whose check lists the dispatchers it accepts: the
+    EP overlap, or the shared-expert overlap where megatron-core's ``flex`` offers it."""
+    if getattr(config, _DEST, None) != DISPATCHER_TYPE:
+        return False
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        return True
+    from uccl_ep_megatron.token_dispatcher.dispatcher import flex_overlaps_shared_experts
+
+    return bool(getattr(config, "moe_shared_expert_overlap", False)) and (
+        flex_overlaps_shared_experts()
+    )
+
+
 def _patch_config_checks(api: dict[str, Any]) -> None:
-    """Let ``--overlap-moe-expert-parallel-comm`` accept ``uccl_ep``.
+    """Let ``--overlap-moe-expert-parallel-comm`` (and, where ``flex`` offers it,
+    ``--moe-shared-expert-overlap``) accept ``uccl_ep``.
 
     ``TransformerConfig.__post_init__`` asserts that the EP overlap runs with ``alltoall`` or
-    ``flex``, a list inside the method that cannot be extended. For a ``uccl_ep`` config with
-    the overlap on, the checks run with the type read as ``alltoall``, and ``uccl_ep`` is put
-    back afterwards. ``alltoall``'s other checks hold for ``uccl_ep`` too, or are moot under the
-    overlap (shared-expert overlap, which the overlap check itself rejects); ``flex``'s would
-    refuse padding to capacity, which ``uccl_ep`` supports. Any other config is untouched.
+    ``flex`` (0.19+: the shared-expert overlap too), lists inside the method that cannot be
+    extended. For such a ``uccl_ep`` config the checks run with the type read as ``alltoall``,
+    and ``uccl_ep`` is put back afterwards. ``alltoall``'s other checks hold for ``uccl_ep``
+    too; ``flex``'s would refuse padding to capacity, which ``uccl_ep`` supports. Any other
+    config is untouched (where ``flex`` refuses the shared-expert overlap, so does megatron-core
+    for ``uccl_ep``).
     """
     config_cls = api["config_cls"]
     original = config_cls.__post_init__
 
     @functools.wraps(original)
     def __post_init__(self, *args: Any, **kwargs: Any) -> None:
-        if getattr(self, _DEST, None) != DISPATCHER_TYPE or not getattr(
-            self, "overlap_moe_expert_parallel_comm", False
-        ):
+        if not _overlap_checked(self):
             original(self, *args, **kwargs)
             return
         setattr(self, _DEST, OVERLAP_CHECKED_AS)
