@@ -122,6 +122,24 @@ def test_shared_expert_overlap_is_accepted_where_flex_overlaps_the_shared_expert
         _config(**{**shared, "overlap_moe_expert_parallel_comm": True})
 
 
+def test_a_failed_install_leaves_the_config_checks_as_they_were(monkeypatch):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from uccl_ep_megatron import megatron_plugin
+
+    def broken(*_args):
+        raise RuntimeError("injected failure after the config patch")
+
+    megatron_plugin.uninstall()
+    before = TransformerConfig.__post_init__
+    monkeypatch.setattr(megatron_plugin, "_patch_moe_layer", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        megatron_plugin.install()
+    assert TransformerConfig.__post_init__ is before
+    with pytest.raises(AssertionError, match=OVERLAP_MESSAGE):
+        _config()
+
+
 # ---- the dispatcher's split methods ----------------------------------------------------------
 def _spy_buffer(calls: list[tuple[int, str, bool, bool]]):
     """Record (Buffer id, method, async_finish, previous_event given) of every Buffer call in
