@@ -24,7 +24,8 @@
    Values of the flags above found in Megatron-LM's global arguments are applied first: Primus
    (and anything else that fills Megatron's namespace without argparse) never runs the flags'
    actions. On megatron-core 0.14-0.16 without Transformer Engine, the router GEMM's missing TE
-   name is defined as ``None`` so the router runs at all (see ``_define_missing_te_names``).
+   name is defined as ``None`` so the router runs at all (see ``_define_missing_te_names``);
+   on 0.20 without TE, MTP layers build (``_fix_mtp_without_te``).
 4. **EP overlap**: ``--overlap-moe-expert-parallel-comm`` accepts ``uccl_ep``:
    ``TransformerConfig.__post_init__``'s overlap check, which lists ``alltoall`` and ``flex``,
    reads a ``uccl_ep`` config with the overlap on as ``alltoall`` (``_patch_config_checks``);
@@ -59,6 +60,7 @@ from uccl_ep_megatron.megatron_plugin.arguments import (
 from uccl_ep_megatron.megatron_plugin.model import (
     _define_missing_te_names,
     _extend_literal_field,
+    _fix_mtp_without_te,
     _megatron_api,
     _patch_config_checks,
     _patch_moe_layer,
@@ -93,6 +95,7 @@ def _install_megatron() -> str:
     api = _megatron_api(version)
     _extend_literal_field(api)
     _define_missing_te_names()
+    _fix_mtp_without_te()
     _patch_config_checks(api)
     _patch_moe_layer(api, version)
     _state["megatron_version"] = version
@@ -126,6 +129,9 @@ def _undo(keys: set[str]) -> None:
             cls.set_layer_number = set_layer_number
     if "te_general_gemm" in keys:
         delattr(_state.pop("te_general_gemm"), "te_general_gemm")
+    if "mtp_inference_check" in keys:
+        module, check = _state.pop("mtp_inference_check")
+        module.is_inference_column_parallel_linear = check
     if "megatron_version" in keys:
         _state.pop("megatron_version")
     if "buffers" in keys:

@@ -227,3 +227,31 @@ def _define_missing_te_names() -> None:
     if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
         _state["te_general_gemm"] = moe_utils
+
+
+def _not_an_inference_linear(module: Any) -> bool:
+    """Without Transformer Engine no inference-optimized linear exists (they subclass TE's)."""
+    return False
+
+
+def _fix_mtp_without_te() -> None:
+    """megatron-core 0.20 (Megatron-LM main) without Transformer Engine: let MTP layers build.
+
+    ``MultiTokenPredictionLayer`` asks ``is_inference_column_parallel_linear(eh_proj)``, an
+    ``isinstance`` against the inference-optimized linears; those subclass Transformer Engine's
+    classes, which are ``MagicMock`` placeholders without it, so the check raises ``TypeError``
+    and no MTP model builds. Where those names are not classes, the check the MTP module uses
+    answers ``False`` (the truth: such layers need TE); nothing changes where they are classes.
+    """
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+        from megatron.core.transformer import multi_token_prediction as mtp
+    except ImportError:  # releases without them
+        return
+    check = getattr(mtp, "is_inference_column_parallel_linear", None)
+    names = ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear")
+    classes = [getattr(inference_layers, n, None) for n in names]
+    if check is None or all(isinstance(c, type) for c in classes):
+        return
+    mtp.is_inference_column_parallel_linear = _not_an_inference_linear
+    _state["mtp_inference_check"] = (mtp, check)
