@@ -97,12 +97,12 @@ def test_version_policy():
         check_version,
     )
 
-    assert TESTED_VERSIONS == ("0.14", "0.15", "0.16", "0.17", "0.18", "0.19")
+    assert TESTED_VERSIONS == ("0.14", "0.15", "0.16", "0.17", "0.18", "0.19", "0.20")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a tested release must not warn
-        for version in ("0.14.0", "0.15.3", "0.16.1rc0", "0.17.1", "0.18.2", "0.19.2"):
+        for version in ("0.14.0", "0.15.3", "0.16.1rc0", "0.17.1", "0.18.2", "0.19.2", "0.20.0"):
             assert check_version(version) == version[:4]
-    for newer in ("0.20.0", "0.20.0rc0.dev1", "1.0.0"):
+    for newer in ("0.21.0", "0.21.0rc0.dev1", "1.0.0"):
         with pytest.warns(UntestedVersionWarning, match=re.escape(newer)):
             assert check_version(newer) == ".".join(newer.split(".")[:2])
     for bad in ("0.13.1", "0.9.0"):
@@ -149,10 +149,10 @@ def test_install_tries_a_newer_megatron_with_a_warning(monkeypatch):
     from uccl_ep_megatron.megatron_plugin import UntestedVersionWarning
 
     megatron_plugin.uninstall()
-    monkeypatch.setattr(package_info, "__version__", "0.20.0rc1")
+    monkeypatch.setattr(package_info, "__version__", "0.21.0rc1")
     try:
-        with pytest.warns(UntestedVersionWarning, match="0.20.0rc1"):
-            assert megatron_plugin.install() == "0.20.0rc1"
+        with pytest.warns(UntestedVersionWarning, match="0.21.0rc1"):
+            assert megatron_plugin.install() == "0.21.0rc1"
         assert megatron_plugin.is_installed()
     finally:
         megatron_plugin.uninstall()
@@ -223,6 +223,20 @@ def test_install_reports_the_installed_version(plugin):
 
     assert plugin.is_installed()
     assert plugin.install() == package_info.__version__  # idempotent
+
+
+def test_mtp_inference_linear_check_answers_without_transformer_engine(plugin):
+    """0.20 without TE: the check MTP layers make must answer (False), not raise; uninstall
+    puts megatron-core's own back."""
+    mtp = pytest.importorskip("megatron.core.transformer.multi_token_prediction")
+    if not hasattr(mtp, "is_inference_column_parallel_linear"):
+        pytest.skip("this megatron-core's MTP asks no inference-linear question")
+    from megatron.core.tensor_parallel import inference_layers
+
+    assert mtp.is_inference_column_parallel_linear(torch.nn.Linear(2, 2)) is False
+    plugin.uninstall()
+    original = inference_layers.is_inference_column_parallel_linear
+    assert mtp.is_inference_column_parallel_linear is original
 
 
 def test_router_gemm_runs_without_transformer_engine(plugin):

@@ -33,6 +33,22 @@ Two modes (``mode`` attribute, chosen from the config when the dispatcher is bui
   (``--moe-uccl-ep-capacity-factor``; pairs past ``C`` are dropped, counted on the GPU and logged
   every ``drop_log_interval`` forward passes from an asynchronous copy).
 
+Under Megatron's EP overlap schedule (``--overlap-moe-expert-parallel-comm``: dispatch and
+combine are separate schedule nodes on Megatron's communication stream, overlapped with the
+other micro-batch's compute) the dispatcher works as the ``flex`` dispatcher's DeepEP path does:
+``token_dispatch`` and ``token_combine`` (and their backward) run asynchronously on the Buffer's
+communication stream, ordered by events with the stream that called (``ops``). Two things
+change for the schedule's memory handling, which frees a node's input right after the node's
+forward (``untyped_storage().resize_(0)``, the dispatch node's and the expert node's): the
+dispatch input is a copy of the tokens (the tokens themselves are the pre-MLP layernorm's
+output, which the router's and shared experts' backward read), and the Buffer has no receive
+arena (its rows are not the caching allocator's: they could not be resized, and a stream
+other than the caller's that reads them is not ordered before their reuse).
+
+With ``--moe-shared-expert-overlap``, where megatron-core's ``flex`` dispatcher overlaps the
+shared expert (0.19+), the dispatcher calls the shared expert's split forward exactly where
+``flex`` does: its first GEMM after the dispatch, its second after the combine, on its stream.
+
 On a GPU the permutation runs on the fused kernels (``permute.permute_fused``); on the CPU, and
 where ``_C`` lacks them, on the torch path (``permute.make_plan``). ``--moe-permute-fusion``
 selects megatron-core's fused (Transformer Engine) permutation instead where it fits (exact mode,
@@ -41,6 +57,7 @@ no alignment padding, Transformer Engine present); the choice is logged once.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -89,6 +106,16 @@ _PG_KWARG = (
 )
 _layer_ids = itertools.count()
 _logged: set[str] = set()
+
+
+def flex_overlaps_shared_experts() -> bool:
+    """Whether this megatron-core's ``flex`` dispatcher overlaps the shared expert
+    (``--moe-shared-expert-overlap``; 0.19+): releases that refuse it override the base
+    dispatcher's ``set_shared_experts`` with one that raises."""
+    from megatron.core.transformer.moe import token_dispatcher as mcore
+
+    flex = getattr(mcore, "MoEFlexTokenDispatcher", None)
+    return flex is not None and "set_shared_experts" not in vars(flex)
 
 
 def _log_once(message: str) -> None:
@@ -146,6 +173,11 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             dispatch_metrics.enable(True)
         self.mode = self._select_mode()
         self.te_permute = self._use_te_permute()
+        # Megatron's EP overlap schedule (see the module docstring).
+        self.overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
+        self.buffer_options = self.options.buffer_options()
+        if self.overlap:
+            self.buffer_options = dataclasses.replace(self.buffer_options, arena_bytes=0)
         # Sync-free mode: sizes per number of input tokens (fixed in training), drop counter.
         self._sizes: dict[int, tuple[int, int]] = {}
         self.dropped: torch.Tensor | None = None  # int64 [1] on the device, accumulated
@@ -252,12 +284,17 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         return sizes
 
     def set_shared_experts(self, shared_experts: Any) -> None:
-        """Shared-expert overlap is not offered; MoELayer then runs the shared expert itself."""
-        raise UnsupportedError(
-            "moe_shared_expert_overlap is not supported with the uccl_ep dispatcher; the shared "
-            "expert still runs (MoELayer computes it outside the dispatcher) when "
-            "--moe-shared-expert-overlap is left off"
-        )
+        """``--moe-shared-expert-overlap``: the shared expert runs on its own stream beside
+        dispatch and combine, as in megatron-core's ``flex`` dispatcher, where that release's
+        ``flex`` offers it (``flex_overlaps_shared_experts``); elsewhere ``MoELayer`` runs the
+        shared expert itself when the flag is left off."""
+        if not flex_overlaps_shared_experts():
+            raise UnsupportedError(
+                "moe_shared_expert_overlap: this megatron-core's flex dispatcher does not overlap "
+                "the shared expert, and neither does uccl_ep here (megatron-core 0.19+ does); "
+                "leave --moe-shared-expert-overlap off (MoELayer then runs the shared expert)"
+            )
+        super().set_shared_experts(shared_experts)
 
     # ---- dispatch ---------------------------------------------------------------------------
     def dispatch_preprocess(
@@ -271,6 +308,9 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         """
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.reshape(-1, self.hidden_shape[-1])
+        if self.overlap:
+            # The overlap schedule frees the dispatch node's input after its forward.
+            hidden_states = hidden_states.clone()
         num_tokens = hidden_states.shape[0]
         num_experts = self.config.num_moe_experts
         routing_map = routing_map.reshape(num_tokens, num_experts)
@@ -304,7 +344,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         self,
         hidden_states: torch.Tensor,
         probs: torch.Tensor | None = None,
-        async_finish: bool = True,
+        async_finish: bool | None = None,
         allocate_on_comm_stream: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Send each token once to every rank hosting one of its experts.
@@ -312,8 +352,10 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         Args:
             hidden_states: ``[T, H]`` from ``dispatch_preprocess``.
             probs: ``[T, tp*k]`` float32 from ``dispatch_preprocess`` (its own if ``None``).
-            async_finish, allocate_on_comm_stream: as in ``Buffer.dispatch`` (Megatron's
-                flex path passes ``True``; the result is joined to the current stream).
+            async_finish: run on the Buffer's communication stream, ordered by events (``ops``);
+                ``None``: under Megatron's EP overlap schedule only (outside it synchronous
+                calls cost less host time). The result is joined to the current stream.
+            allocate_on_comm_stream: as in ``Buffer.dispatch``.
 
         Returns:
             ``(recv_x [N, H], recv_probs [N, tp*k] float32)``; in sync-free mode ``N`` is the
@@ -329,8 +371,23 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             hidden_bytes_of(hidden_states),
             self.options.backend,
             self.options.num_sms,
-            self.options.buffer_options(),
+            self.buffer_options,
         )
+        shared = self.shared_experts
+        if shared is not None:
+            shared.wait_current_stream()  # its input (the tokens) is ready on its stream
+        async_finish = self.overlap if async_finish is None else async_finish
+        recv_x, recv_probs = self._send(hidden_states, probs, async_finish, allocate_on_comm_stream)
+        if shared is not None:
+            # As megatron-core's flex dispatcher: its first GEMM beside the dispatch.
+            shared.pre_forward_comm(hidden_states, wait_current_stream=False)
+            shared.linear_fc1_forward_and_act(recv_x)
+        return recv_x, recv_probs
+
+    def _send(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, async_finish: bool, allocate: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``token_dispatch``'s dispatch call (bf16 or FP8), its metrics and per-forward state."""
         self.fused = fused_available(hidden_states.device)
         worst = self._sync_free_sizes(self.num_tokens)[1] if self.mode == SYNC_FREE else 0
         timer = dispatch_metrics.recorder.start(hidden_states.device)
@@ -358,7 +415,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 num_worst_tokens=worst,
                 config=self.dispatch_config,
                 async_finish=async_finish,
-                allocate_on_comm_stream=allocate_on_comm_stream,
+                allocate_on_comm_stream=allocate,
             )
             moved = recv_x.numel() * recv_x.element_size()
         dispatch_metrics.recorder.record(timer, self.layer_number, "dispatch", moved)
@@ -446,19 +503,23 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
     def token_combine(
         self,
         hidden_states: torch.Tensor,
-        async_finish: bool = True,
+        async_finish: bool | None = None,
         allocate_on_comm_stream: bool = True,
     ) -> torch.Tensor:
-        """Sum the rows back into their source tokens (the inverse of ``token_dispatch``)."""
+        """Sum the rows back into their source tokens (the inverse of ``token_dispatch``;
+        ``async_finish`` and ``allocate_on_comm_stream`` as there)."""
         if self.handle is None or self.buffer is None:
             raise InvalidInputError("token_combine called without a preceding token_dispatch")
+        if self.shared_experts is not None:
+            # As flex: the shared expert's second GEMM does not run beside the routed ones.
+            self.shared_experts.wait_current_stream()
         timer = dispatch_metrics.recorder.start(hidden_states.device)
         out = ops.combine(
             self.buffer,
             hidden_states.contiguous(),
             self.handle,
             config=self.combine_config,
-            async_finish=async_finish,
+            async_finish=self.overlap if async_finish is None else async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )
         dispatch_metrics.recorder.record(
@@ -474,5 +535,11 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Restore the input's shape."""
+        """Restore the input's shape; with shared-expert overlap, add the shared expert's
+        output (its second GEMM beside the combine's tail, as in flex)."""
+        shared = self.shared_experts
+        if shared is not None:
+            shared.linear_fc2_forward(hidden_states)
+            shared.post_forward_comm()
+            hidden_states = hidden_states + shared.get_output()
         return hidden_states.view(self.hidden_shape)

@@ -5,6 +5,14 @@ dispatch's backward combines the gradients of the received rows (and of the rece
 weights) back into the source tokens; combine's backward is a cached dispatch of the gradient.
 Both work with any ``Buffer`` backend, so the same graph runs on the kernels and on the
 reference oracle.
+
+``async_finish=True`` runs each call as Megatron's DeepEP path (``fused_a2a.py``) runs DeepEP's:
+on the Buffer's communication stream, after an event recorded on the caller's stream
+(``previous_event``), and the caller's stream then waits for the call's event, so the outputs
+are ready on the stream that called, in forward and in backward. Under Megatron's EP overlap
+schedule that stream is its communication stream, which runs beside the other micro-batch's
+compute. ``async_finish=False`` makes synchronous calls, which the ``kernels`` backend runs on
+the caller's stream itself (no events; less host time: ``api/streams.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +24,13 @@ import torch
 from uccl_ep_megatron.api.buffer import Buffer
 from uccl_ep_megatron.backends.base import DispatchHandle
 from uccl_ep_megatron.core.config import Config
+from uccl_ep_megatron.core.events import EventOverlap, capture
+
+
+def _before(async_finish: bool) -> EventOverlap | None:
+    """The ``previous_event`` of an asynchronous call: the current stream's work so far (what
+    DeepEP's ``EventOverlap(EventHandle())`` records); ``None`` for a synchronous one."""
+    return capture() if async_finish else None
 
 
 class _Dispatch(torch.autograd.Function):
@@ -33,13 +48,15 @@ class _Dispatch(torch.autograd.Function):
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ):
-        # Autograd hands the outputs to the next node on the current stream, so they are
-        # joined to it before returning whatever async_finish says: the calls are made
-        # synchronously (the kernels backend then runs them on the current stream itself).
-        per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
-            topk_idx, num_experts, allocate_on_comm_stream=allocate_on_comm_stream
+        previous = _before(async_finish)
+        per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(
+            topk_idx,
+            num_experts,
+            previous_event=previous,
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
         )
-        recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        recv_x, recv_idx, recv_w, counts, handle, after = buffer.dispatch(
             x,
             num_tokens_per_rank=per_rank,
             num_tokens_per_rdma_rank=per_rdma,
@@ -50,8 +67,13 @@ class _Dispatch(torch.autograd.Function):
             expert_alignment=expert_alignment,
             num_worst_tokens=num_worst_tokens,
             config=config,
+            previous_event=event if async_finish else None,
+            async_finish=async_finish,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )
+        # Autograd hands the outputs to the next node on the current stream: join them to it.
+        after.current_stream_wait()
+        ctx.async_finish, ctx.allocate = async_finish, allocate_on_comm_stream
         ctx.buffer, ctx.handle, ctx.config = buffer, handle, config
         ctx.x_meta = (x.shape[1], x.dtype, x.device)
         ctx.save_for_backward(recv_idx)
@@ -68,9 +90,16 @@ class _Dispatch(torch.autograd.Function):
             hidden, dtype, device = ctx.x_meta
             rows = ctx.handle.num_worst_tokens or ctx.handle.num_recv_tokens
             grad_x = torch.zeros(rows, hidden, dtype=dtype, device=device)
-        grad_in, grad_topk_w, _ = ctx.buffer.combine(
-            grad_x.contiguous(), ctx.handle, topk_weights=grad_w, config=ctx.config
+        grad_in, grad_topk_w, after = ctx.buffer.combine(
+            grad_x.contiguous(),
+            ctx.handle,
+            topk_weights=grad_w,
+            config=ctx.config,
+            previous_event=_before(ctx.async_finish),
+            async_finish=ctx.async_finish,
+            allocate_on_comm_stream=ctx.allocate,
         )
+        after.current_stream_wait()
         return grad_in, grad_topk_w, None, None, None, None, None, None, None, None
 
 
@@ -85,18 +114,30 @@ class _Combine(torch.autograd.Function):
         async_finish: bool,
         allocate_on_comm_stream: bool,
     ):
-        # Synchronous, as in _Dispatch.forward (async_finish changes nothing here).
-        combined, _, _ = buffer.combine(
-            x, handle, config=config, allocate_on_comm_stream=allocate_on_comm_stream
+        combined, _, after = buffer.combine(
+            x,
+            handle,
+            config=config,
+            previous_event=_before(async_finish),
+            async_finish=async_finish,
+            allocate_on_comm_stream=allocate_on_comm_stream,
         )
+        after.current_stream_wait()
         ctx.buffer, ctx.handle, ctx.config = buffer, handle, config
+        ctx.async_finish, ctx.allocate = async_finish, allocate_on_comm_stream
         return combined
 
     @staticmethod
     def backward(ctx: Any, grad_combined: torch.Tensor):
-        grad_x, *_ = ctx.buffer.dispatch(
-            grad_combined.contiguous(), handle=ctx.handle, config=ctx.config
+        grad_x, *_, after = ctx.buffer.dispatch(
+            grad_combined.contiguous(),
+            handle=ctx.handle,
+            config=ctx.config,
+            previous_event=_before(ctx.async_finish),
+            async_finish=ctx.async_finish,
+            allocate_on_comm_stream=ctx.allocate,
         )
+        after.current_stream_wait()
         return grad_x, None, None, None, None, None
 
 
@@ -115,10 +156,12 @@ def dispatch(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], DispatchHandle]:
     """Differentiable layout + dispatch.
 
-    Gradients flow to ``x`` and ``topk_weights``. ``async_finish`` and
-    ``allocate_on_comm_stream`` are accepted as DeepEP-style callers pass them: the outputs are
-    joined to the current stream before this returns (autograd hands them on there), so the
-    calls are made synchronously.
+    Gradients flow to ``x`` and ``topk_weights``. With ``async_finish`` the layout and the
+    dispatch (and in backward the combine) run on the Buffer's communication stream, ordered
+    after the current stream's work by an event, as Megatron's DeepEP path runs them (see the
+    module docstring); either way the outputs are joined to the current stream before this
+    returns, since autograd hands them on there. ``allocate_on_comm_stream``: as in
+    ``Buffer.dispatch``.
 
     Returns:
         ``(recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle)``
@@ -148,5 +191,5 @@ def combine(
     allocate_on_comm_stream: bool = False,
 ) -> torch.Tensor:
     """Differentiable combine: sums the rows back into source tokens; gradient flows to ``x``.
-    Synchronous whatever ``async_finish`` says, as ``dispatch``."""
+    ``async_finish`` as in ``dispatch`` (forward and backward)."""
     return _Combine.apply(x, handle, buffer, config, async_finish, allocate_on_comm_stream)

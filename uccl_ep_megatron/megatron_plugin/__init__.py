@@ -1,6 +1,6 @@
 """The ``uccl_ep`` value of Megatron's ``--moe-token-dispatcher-type``.
 
-``install()`` (idempotent, version-checked, all-or-nothing) does three things:
+``install()`` (idempotent, version-checked, all-or-nothing) does four things:
 
 1. **Config**: megatron-core 0.16+ types ``TransformerConfig.moe_token_dispatcher_type`` as a
    ``Literal``; ``uccl_ep`` is added to it (0.14/0.15 type it ``str``; nothing to add).
@@ -24,7 +24,14 @@
    Values of the flags above found in Megatron-LM's global arguments are applied first: Primus
    (and anything else that fills Megatron's namespace without argparse) never runs the flags'
    actions. On megatron-core 0.14-0.16 without Transformer Engine, the router GEMM's missing TE
-   name is defined as ``None`` so the router runs at all (see ``_define_missing_te_names``).
+   name is defined as ``None`` so the router runs at all (see ``_define_missing_te_names``);
+   on 0.20 without TE, MTP layers build (``_fix_mtp_without_te``).
+4. **EP overlap**: ``--overlap-moe-expert-parallel-comm`` accepts ``uccl_ep``:
+   ``TransformerConfig.__post_init__``'s overlap check, which lists ``alltoall`` and ``flex``,
+   reads a ``uccl_ep`` config with the overlap on as ``alltoall`` (``_patch_config_checks``);
+   the dispatcher then runs dispatch and combine asynchronously on its Buffer's communication
+   stream, as the ``flex`` dispatcher's DeepEP path does. Where megatron-core's ``flex``
+   overlaps the shared expert (0.19+), ``--moe-shared-expert-overlap`` is accepted likewise.
 
 Versions: the releases in ``TESTED_VERSIONS`` are tested (CI and device); a newer one is tried
 with an ``UntestedVersionWarning``, and ``install()`` fails only where an API the plugin needs
@@ -35,7 +42,7 @@ does, as does ``uccl-ep-megatron train``.
 
 The package: this module installs and undoes; ``state`` holds what was changed and the buffer
 cache, ``versions`` the version policy, ``arguments`` the flags (2.), ``model`` the
-megatron-core patches (1., 3.).
+megatron-core patches (1., 3., 4.).
 """
 
 from __future__ import annotations
@@ -53,7 +60,9 @@ from uccl_ep_megatron.megatron_plugin.arguments import (
 from uccl_ep_megatron.megatron_plugin.model import (
     _define_missing_te_names,
     _extend_literal_field,
+    _fix_mtp_without_te,
     _megatron_api,
+    _patch_config_checks,
     _patch_moe_layer,
 )
 from uccl_ep_megatron.megatron_plugin.state import (
@@ -86,6 +95,8 @@ def _install_megatron() -> str:
     api = _megatron_api(version)
     _extend_literal_field(api)
     _define_missing_te_names()
+    _fix_mtp_without_te()
+    _patch_config_checks(api)
     _patch_moe_layer(api, version)
     _state["megatron_version"] = version
     log.info("uccl_ep plugin installed into megatron-core %s", version)
@@ -108,6 +119,9 @@ def _undo(keys: set[str]) -> None:
         field.type = field_type
         if annotation is not None:
             TransformerConfig.__annotations__[_DEST] = annotation
+    if "post_init" in keys:
+        cls, original = _state.pop("post_init")
+        cls.__post_init__ = original
     if "moe_layer" in keys:
         cls, init, set_layer_number = _state.pop("moe_layer")
         cls.__init__ = init
@@ -115,6 +129,9 @@ def _undo(keys: set[str]) -> None:
             cls.set_layer_number = set_layer_number
     if "te_general_gemm" in keys:
         delattr(_state.pop("te_general_gemm"), "te_general_gemm")
+    if "mtp_inference_check" in keys:
+        module, check = _state.pop("mtp_inference_check")
+        module.is_inference_column_parallel_linear = check
     if "megatron_version" in keys:
         _state.pop("megatron_version")
     if "buffers" in keys:

@@ -163,6 +163,56 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
     moe_layer_cls.set_layer_number = set_layer_number
 
 
+#: The dispatcher whose name ``uccl_ep`` takes in ``TransformerConfig.__post_init__`` when an
+#: overlap flag is on (see ``_patch_config_checks``).
+OVERLAP_CHECKED_AS = "alltoall"
+
+
+def _overlap_checked(config: Any) -> bool:
+    """A ``uccl_ep`` config with an overlap whose check lists the dispatchers it accepts: the
+    EP overlap, or the shared-expert overlap where megatron-core's ``flex`` offers it."""
+    if getattr(config, _DEST, None) != DISPATCHER_TYPE:
+        return False
+    if getattr(config, "overlap_moe_expert_parallel_comm", False):
+        return True
+    from uccl_ep_megatron.token_dispatcher.dispatcher import flex_overlaps_shared_experts
+
+    return bool(getattr(config, "moe_shared_expert_overlap", False)) and (
+        flex_overlaps_shared_experts()
+    )
+
+
+def _patch_config_checks(api: dict[str, Any]) -> None:
+    """Let ``--overlap-moe-expert-parallel-comm`` (and, where ``flex`` offers it,
+    ``--moe-shared-expert-overlap``) accept ``uccl_ep``.
+
+    ``TransformerConfig.__post_init__`` asserts that the EP overlap runs with ``alltoall`` or
+    ``flex`` (0.19+: the shared-expert overlap too), lists inside the method that cannot be
+    extended. For such a ``uccl_ep`` config the checks run with the type read as ``alltoall``,
+    and ``uccl_ep`` is put back afterwards. ``alltoall``'s other checks hold for ``uccl_ep``
+    too; ``flex``'s would refuse padding to capacity, which ``uccl_ep`` supports. Any other
+    config is untouched (where ``flex`` refuses the shared-expert overlap, so does megatron-core
+    for ``uccl_ep``).
+    """
+    config_cls = api["config_cls"]
+    original = config_cls.__post_init__
+
+    @functools.wraps(original)
+    def __post_init__(self, *args: Any, **kwargs: Any) -> None:
+        if not _overlap_checked(self):
+            original(self, *args, **kwargs)
+            return
+        setattr(self, _DEST, OVERLAP_CHECKED_AS)
+        try:
+            original(self, *args, **kwargs)
+        finally:
+            if getattr(self, _DEST) == OVERLAP_CHECKED_AS:
+                setattr(self, _DEST, DISPATCHER_TYPE)
+
+    _state["post_init"] = (config_cls, original)
+    config_cls.__post_init__ = __post_init__
+
+
 def _define_missing_te_names() -> None:
     """megatron-core 0.14-0.16 without Transformer Engine: let the router GEMM fall back to torch.
 
@@ -177,3 +227,31 @@ def _define_missing_te_names() -> None:
     if not getattr(moe_utils, "HAVE_TE", True) and not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
         _state["te_general_gemm"] = moe_utils
+
+
+def _not_an_inference_linear(module: Any) -> bool:
+    """Without Transformer Engine no inference-optimized linear exists (they subclass TE's)."""
+    return False
+
+
+def _fix_mtp_without_te() -> None:
+    """megatron-core 0.20 (Megatron-LM main) without Transformer Engine: let MTP layers build.
+
+    ``MultiTokenPredictionLayer`` asks ``is_inference_column_parallel_linear(eh_proj)``, an
+    ``isinstance`` against the inference-optimized linears; those subclass Transformer Engine's
+    classes, which are ``MagicMock`` placeholders without it, so the check raises ``TypeError``
+    and no MTP model builds. Where those names are not classes, the check the MTP module uses
+    answers ``False`` (the truth: such layers need TE); nothing changes where they are classes.
+    """
+    try:
+        from megatron.core.tensor_parallel import inference_layers
+        from megatron.core.transformer import multi_token_prediction as mtp
+    except ImportError:  # releases without them
+        return
+    check = getattr(mtp, "is_inference_column_parallel_linear", None)
+    names = ("InferenceColumnParallelLinear", "InferenceLayerNormColumnParallelLinear")
+    classes = [getattr(inference_layers, n, None) for n in names]
+    if check is None or all(isinstance(c, type) for c in classes):
+        return
+    mtp.is_inference_column_parallel_linear = _not_an_inference_linear
+    _state["mtp_inference_check"] = (mtp, check)

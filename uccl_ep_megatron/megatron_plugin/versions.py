@@ -8,7 +8,7 @@ import warnings
 
 from uccl_ep_megatron.core.errors import UnsupportedError
 
-TESTED_VERSIONS = ("0.14", "0.15", "0.16", "0.17", "0.18", "0.19")
+TESTED_VERSIONS = ("0.14", "0.15", "0.16", "0.17", "0.18", "0.19", "0.20")
 _INSTALL_HINT = "pip install 'megatron-core>=0.14'"
 
 

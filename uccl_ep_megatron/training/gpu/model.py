@@ -226,9 +226,12 @@ def without_transformer_engine() -> bool:
     router's forward otherwise); ``multi_latent_attention`` sets ``HAVE_TE`` when its TE
     extension module imports (it does without TE, leaving ``TELinear`` None) and then calls
     ``isinstance(x, None)``. Without TE both have a plain-PyTorch path; this selects it.
+    0.20 (Megatron-LM main) builds no MTP layer without TE: it asks whether ``eh_proj`` is an
+    inference-optimized linear with an ``isinstance`` against TE placeholders (``TypeError``);
+    the plugin's answer (``False``: such layers need TE) is put in (``_fix_mtp_without_te``).
 
     Returns:
-        ``True`` when TE is missing (and the two module globals were set), else ``False``.
+        ``True`` when TE is missing (and the module globals were set), else ``False``.
     """
     import importlib.util
 
@@ -237,9 +240,12 @@ def without_transformer_engine() -> bool:
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
+    from uccl_ep_megatron.megatron_plugin.model import _fix_mtp_without_te
+
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     multi_latent_attention.HAVE_TE = False
+    _fix_mtp_without_te()
     return True
 
 
