@@ -159,7 +159,7 @@ def _after(rank, world, name) -> str:
 
     _meet(f"{name}/after", world)
     got = _dispatch(_buffer(world), rank, world)
-    oracle = reference_oracle()
+    oracle = reference_oracle(None, nvl_bytes_for(world, HIDDEN), 0)
     x, idx, w = _inputs(rank, world)
     lay = oracle.get_dispatch_layout(idx, 4 * world)[:4]
     want = oracle.dispatch(x, **dispatch_kwargs(lay, idx, w))

@@ -668,7 +668,7 @@ def checks_case(rank: int, world: int) -> int:
 
 def test_routing_check_kernel_matches_its_torch_form(gpu_pool):
     out = gpu_pool.run(__file__, "checks_case", env=_env(gpu_pool, False, 0))
-    assert all(n > 100 for n in out), out
+    assert all(n >= 100 for n in out), out  # 4 token counts x 5 routings x their layouts
 
 
 def test_tables_kernels_match_their_torch_form(gpu_pool):
