@@ -79,13 +79,17 @@ def _model(config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="rope",
-    ).cuda()
+    return (
+        GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            position_embedding_type="rope",
+        )
+        .cuda()
+        .bfloat16()
+    )  # as Megatron's Float16Module casts a bf16 model's parameters
 
 
 def _batches(rank: int) -> list[dict[str, torch.Tensor]]:
