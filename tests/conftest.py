@@ -30,6 +30,19 @@ def pool2() -> DistPool:
     return get_pool(2)
 
 
+@pytest.fixture
+def plugin():
+    """The Megatron plugin installed for one test, uninstalled (and its options reset) after."""
+    from uccl_ep_megatron.token_dispatcher import reset_options
+
+    from uccl_ep_megatron import megatron_plugin
+
+    megatron_plugin.install()
+    yield megatron_plugin
+    megatron_plugin.uninstall()
+    reset_options()
+
+
 def pytest_sessionfinish(session, exitstatus):
     for p in _pools.values():
         p.close()

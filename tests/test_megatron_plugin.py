@@ -62,18 +62,6 @@ needs_argparse_fallback = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def plugin():
-    from uccl_ep_megatron.token_dispatcher import reset_options
-
-    from uccl_ep_megatron import megatron_plugin
-
-    megatron_plugin.install()
-    yield megatron_plugin
-    megatron_plugin.uninstall()
-    reset_options()
-
-
 def _run(cmd: list[str], timeout: int = 240, **env_extra: str) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env.pop("UCCL_EP_BACKEND", None)

@@ -59,18 +59,6 @@ def _config(**overrides):
     return TransformerConfig(**kwargs)
 
 
-@pytest.fixture
-def plugin():
-    from uccl_ep_megatron.token_dispatcher import reset_options
-
-    from uccl_ep_megatron import megatron_plugin
-
-    megatron_plugin.install()
-    yield megatron_plugin
-    megatron_plugin.uninstall()
-    reset_options()
-
-
 # ---- the flag --------------------------------------------------------------------------------
 def test_overlap_flag_accepts_uccl_ep_and_megatrons_other_checks_still_apply(plugin):
     cfg = _config()
