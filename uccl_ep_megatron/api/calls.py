@@ -53,6 +53,9 @@ class _Prepared:
     num_tokens: int
     # What the call reads (recorded on the comm stream by an asynchronous call), made then.
     inputs: Callable[[], list[torch.Tensor]]
+    # Recorded after the kernels that computed ``checks`` on the caller's stream: a call that
+    # runs on the comm stream after ``previous_event`` alone must still wait for them.
+    checks_ready: torch.cuda.Event | None = None
 
 
 class CallAgreement:
@@ -171,7 +174,11 @@ class CallAgreement:
             )
             return [t for t in read if t is not None]
 
-        return _Prepared(args, header, checks, counts, x_data.shape[0], inputs)
+        ready = None
+        if checks is not None and checks.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(checks.device))
+        return _Prepared(args, header, checks, counts, x_data.shape[0], inputs, ready)
 
     def _prepare_combine(
         self,
@@ -287,6 +294,8 @@ class CallAgreement:
             header = CallHeader(kind=kind, seq=seq, error=error_code(error), buffer=buffer_id)
             row = encode_row(header, self.group_size, self.device)
         else:
+            if prepared.checks_ready is not None:
+                torch.cuda.current_stream(prepared.checks.device).wait_event(prepared.checks_ready)
             row = encode_row(
                 dataclasses.replace(prepared.header, buffer=buffer_id),
                 self.group_size,
