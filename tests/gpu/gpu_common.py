@@ -60,6 +60,15 @@ def pool(world: int):
         p.close()
 
 
+def kernels_built() -> bool:
+    """Whether ``_C`` imports and was built with the GPU kernels."""
+    try:
+        from uccl_ep_megatron import _C
+    except ImportError:
+        return False
+    return _C.build_info["gpu"] != "none"
+
+
 def require_kernels():
     """``_C``, or a skip when there is no GPU or ``_C`` was built without the GPU kernels."""
     from uccl_ep_megatron import _C

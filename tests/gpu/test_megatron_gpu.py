@@ -28,6 +28,8 @@ import torch
 from uccl_ep_megatron.bench.moe_layer import fwd_bwd
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import kernels_built  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -143,18 +145,10 @@ def w_equivalence(rank, world, backend, tokens):
         megatron_plugin.uninstall()
 
 
-def _kernels_built() -> bool:
-    try:
-        from uccl_ep_megatron import _C
-    except ImportError:
-        return False
-    return _C.build_info["gpu"] != "none"
-
-
 @pytest.mark.parametrize("backend", ["reference", "kernels"])
 def test_deepseek_v3_moe_layer_alltoall_vs_uccl_ep(backend):
     pytest.importorskip("megatron.core")
-    if backend == "kernels" and not _kernels_built():
+    if backend == "kernels" and not kernels_built():
         pytest.skip("_C was built without a GPU toolchain: no kernels backend")
     from dist_utils import DistPool
 

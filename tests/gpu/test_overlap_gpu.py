@@ -29,6 +29,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_common import kernels_built  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -233,14 +235,6 @@ def w_overlap_on_off(rank, world, backend, case):
         megatron_plugin.uninstall()
 
 
-def _kernels_built() -> bool:
-    try:
-        from uccl_ep_megatron import _C
-    except ImportError:
-        return False
-    return _C.build_info["gpu"] != "none"
-
-
 def _check(r: dict, backend: str, case: str) -> None:
     assert r["backend"] == backend, r
     plans = MICRO_BATCHES if case == "ep" else 0
@@ -258,7 +252,7 @@ def _check(r: dict, backend: str, case: str) -> None:
 
 def _run(backend: str, case: str) -> None:
     pytest.importorskip("megatron.core")
-    if backend == "kernels" and not _kernels_built():
+    if backend == "kernels" and not kernels_built():
         pytest.skip("_C was built without a GPU toolchain: no kernels backend")
     from dist_utils import DistPool
 

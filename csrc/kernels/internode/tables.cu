@@ -74,6 +74,18 @@ __device__ void scan_column(Mask mask, int n, const ScanOut& o) {
     for (int c = tid; c < C; c += kTableThreads) o.count[c * o.count_stride] = s_base[c + 1] - s_base[c];
 }
 
+// Token t goes to node n: is_token_in_rank [T, R] has one of the node's L ranks set.
+struct NodeMask {
+  const bool* in_rank;
+  int R, L, n;
+  __device__ bool operator()(int t) const {
+    const bool* row = in_rank + static_cast<int64_t>(t) * R + n * L;
+    bool any = false;
+    for (int j = 0; j < L; ++j) any |= row[j];
+    return any;
+  }
+};
+
 struct DispatchTablesDev {
   DispatchTablesArgs a;
   int N, node, local;
@@ -140,14 +152,7 @@ __global__ void __launch_bounds__(kTableThreads) dispatch_tables_kernel(Dispatch
     o.lists = reinterpret_cast<int*>(a.lists) + static_cast<int64_t>(n) * T;
     o.count = reinterpret_cast<int*>(a.list_count) + n;
     o.count_stride = d.N;
-    scan_column(
-        [&](int t) {
-          const bool* row = in_rank + static_cast<int64_t>(t) * R + n * L;
-          bool any = false;
-          for (int j = 0; j < L; ++j) any |= row[j];
-          return any;
-        },
-        T, o);
+    scan_column(NodeMask{in_rank, R, L, n}, T, o);
   } else if (b == R + d.N) {
     if (a.rank_prefix != 0) call_tables(d);
   } else {
@@ -169,14 +174,7 @@ __global__ void __launch_bounds__(kTableThreads) combine_tables_kernel(CombineTa
     o.channels = a.num_channels;
     o.cum = reinterpret_cast<int*>(a.cum) + b;
     o.cum_stride = N;
-    scan_column(
-        [&](int t) {
-          const bool* row = in_rank + static_cast<int64_t>(t) * R + b * L;
-          bool any = false;
-          for (int j = 0; j < L; ++j) any |= row[j];
-          return any;
-        },
-        a.num_tokens, o);
+    scan_column(NodeMask{in_rank, R, L, b}, a.num_tokens, o);
   } else {
     const int m = b - N;
     const int* plan = reinterpret_cast<const int*>(a.plan) + static_cast<int64_t>(m) * a.plan_tokens * L;

@@ -152,34 +152,6 @@ def state_sizes(
     return stage_rows[topology.rank], max(1, max(agreed.num_tokens)), stage_rows
 
 
-def dispatch_state(
-    rows: torch.Tensor,
-    is_token_in_rank: torch.Tensor,
-    topology: Topology,
-    num_worst_tokens: int,
-    agreed: Agreement | None,
-) -> DispatchState:
-    """The state of a non-cached dispatch: tables from the gathered rows (device), sizes from
-    the host-read rows ``agreed`` (exact mode) or from ``num_worst_tokens`` W (sync-free: the
-    GPU check makes sure every rank passed the same W and receives and holds at most W)."""
-    topo = topology
-    tables = call_tables(rows, topo.rank, topo.ranks_per_node)
-    out_rows, plan_tokens, stage_rows = state_sizes(topo, num_worst_tokens, agreed)
-    shape = (topo.num_nodes, plan_tokens, topo.ranks_per_node)
-    return DispatchState(
-        rank_prefix_matrix=tables.rank_prefix_matrix,
-        dst_row=dst_rows(is_token_in_rank, tables.first_row),
-        plan=torch.full(shape, -1, dtype=torch.int32, device=rows.device),
-        plan_tokens=plan_tokens,
-        src_tokens=tables.src_tokens,
-        recv_rows=tables.recv_rows,
-        recv_prefix=tables.recv_prefix,
-        recv_count=tables.recv_count,
-        out_rows=out_rows,
-        stage_rows=stage_rows,
-    )
-
-
 def expert_counts(
     per_expert: torch.Tensor, rank: int, experts_per_rank: int, alignment: int
 ) -> torch.Tensor:
@@ -208,7 +180,6 @@ __all__ = [
     "CallTables",
     "DispatchState",
     "call_tables",
-    "dispatch_state",
     "dst_rows",
     "expert_counts",
     "received_expert_counts",
