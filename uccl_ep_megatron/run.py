@@ -21,6 +21,7 @@ import runpy
 import sys
 
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.proxy.loading import eager_loading_env
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> None:
             f"entry script {args.script!r} does not exist; pass the path of e.g. "
             "Megatron-LM/pretrain_gpt.py"
         )
+    # Before anything starts CUDA: ranks split into virtual nodes run the ipc transport, which
+    # needs eager module loading (proxy/loading.py says why).
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    os.environ.update(eager_loading_env(os.environ, local_ranks))
     if args.deep_ep_compat or args.deep_ep_compat_replace:
         # Before megatron.core is imported: fused_a2a binds deep_ep at import time.
         import uccl_ep_megatron.deep_ep_compat as deep_ep_compat

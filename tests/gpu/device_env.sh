@@ -2,6 +2,9 @@
 # multicast off, KINDS.md says why), $OUT for the results, $REPO, and the sm_90 package build.
 # shellcheck shell=bash
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# The ipc transport refuses lazy module loading (uccl_ep_megatron/proxy/loading.py says why);
+# in-process GPU tests start it too.
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 export CMAKE_BUILD_PARALLEL_LEVEL=32
 OUT=${OUT:-/tmp/out}
 # shellcheck disable=SC2034  # used by the scripts that source this file

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from uccl_ep_megatron.proxy.loading import ENV as ENV_MODULE_LOADING
+
 MPS_CONTROL = "nvidia-cuda-mps-control"
 # MPS clients share one pool of hardware work queues. With the default 8 per client, the ipc
 # transport's copy streams can land on the queue of a kernel that waits for those very copies
@@ -305,6 +307,10 @@ class RankPool:
         self._mps = (mps_daemon or _MPS) if self.placement.shared else None
         self._dir = tempfile.TemporaryDirectory(prefix="uccl_ep_ranks_")
         child_env = dict(SAFE_ENV)
+        if self.placement.gpus and ENV_MODULE_LOADING not in os.environ:
+            # Ranks of the pool may run the ipc transport, which needs eager module loading
+            # (proxy/loading.py says why); a mode the caller set is kept.
+            child_env[ENV_MODULE_LOADING] = "EAGER"
         if self.placement.shared:
             per_gpu = max(self.placement.gpus.count(g) for g in set(self.placement.gpus))
             extra = shared_gpu_env(per_gpu)

@@ -22,6 +22,7 @@ from typing import Any
 
 from uccl_ep_megatron.core import _c
 from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UnsupportedError
+from uccl_ep_megatron.proxy.loading import check_ipc_module_loading
 
 _ORDERINGS = ("receiver", "sender", "none")
 _TRANSPORTS = ("auto", "verbs", "ipc")
@@ -241,6 +242,8 @@ class ProxyEndpoint:
             )
         self.transport_kind = choose_transport(cfg.transport)
         gpu = -1 if device is None else int(device)
+        if self.transport_kind == "ipc" and gpu >= 0:
+            check_ipc_module_loading(self.rank)
         # Producers wait longer than the proxy: when a peer dies, the proxy times out first and
         # records which rank and channel stalled, then aborts the producers' waits.
         fifo_timeout = 2 * cfg.timeout_ms + 1000

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
+from uccl_ep_megatron.proxy.loading import eager_loading_env
 from uccl_ep_megatron.training.results import default_run_dir, print_results, results_table
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,15 @@ def _runnable(baselines: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(keep)
 
 
+def _rank_env(recipe, dispatcher: str, nproc: int) -> dict[str, str]:
+    """What the ranks' environment needs besides ours: eager CUDA module loading where
+    ``uccl_ep`` may run the ipc transport (virtual nodes; ``proxy/loading.py`` says why)."""
+    if dispatcher != "uccl_ep":
+        return {}
+    transport = recipe.dispatcher.get("transport")
+    return eager_loading_env(os.environ, nproc, None if transport == "auto" else transport)
+
+
 def _launch(recipe, opts: TrainOptions, dispatcher: str, baselines, nproc: int) -> int:
     """One torchrun job per dispatcher (the run, then each baseline), then the table."""
     started = time.perf_counter()
@@ -228,7 +238,7 @@ def _launch(recipe, opts: TrainOptions, dispatcher: str, baselines, nproc: int) 
             *_relaunch_args(run_opts, run_dir),
         ]
         log.info("launching %s", " ".join(cmd))
-        rc = subprocess.call(cmd)
+        rc = subprocess.call(cmd, env={**os.environ, **_rank_env(recipe, run_dispatcher, nproc)})
         if rc != 0:
             return rc
         run_dirs.append(run_dir)
