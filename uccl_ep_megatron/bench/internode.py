@@ -19,6 +19,11 @@ Per op it reports:
 - ``copies``: copy-engine copies per call after the NIC coalesced contiguous writes;
 - the same tokens through the intranode kernels with all ranks in one node (``--intranode-ref``).
 
+``--pipeline K`` (with ``--sync-free``) adds ``pipelined``: K sync-free dispatch + combine pairs
+enqueued back to back with no host wait, as a training step issues them; ``us`` and ``rdma_MB``
+are per pair (both directions' bytes), so the host path of one call overlaps the kernels of the
+previous one, which a single timed call cannot show.
+
 ``--copy-only`` times the NIC model alone: every rank writes to its same-rail peer on the
 other node through one endpoint, no proxy, no kernels (``_C.ipc_copy_test``).
 
@@ -101,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sync-free", action="store_true", help="also time sync-free dispatch and combine"
     )
+    parser.add_argument(
+        "--pipeline",
+        type=int,
+        default=0,
+        help="with --sync-free: also time this many sync-free dispatch + combine pairs back to "
+        "back (per pair); 0 = off",
+    )
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per op")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per op")
     parser.add_argument("--reorder", action="store_true", help="SRD: unordered delivery")
@@ -133,6 +145,11 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Spawn the ranks, time every configuration, print the table."""
+    if args.pipeline < 0 or (args.pipeline and not args.sync_free):
+        raise SystemExit(
+            f"--pipeline={args.pipeline}: give a count of pairs >= 1 together with --sync-free "
+            "(the pairs are sync-free calls), or 0"
+        )
     gpus = args.num_gpus or visible_gpus()
     world = args.ranks or gpus
     local = args.ranks_per_node or world // 2
@@ -243,6 +260,16 @@ def _ops(buf, a: dict, x, x_fp8, layout, idx, w, cfgs) -> tuple[dict, dict]:
         worst = a["tokens"] * dist.get_world_size()
         ops["dispatch_sync_free"] = functools.partial(dispatch, x, "free", worst)
         ops["combine_sync_free"] = functools.partial(combine, "free")
+        if a.get("pipeline", 0) > 0:
+            pairs = a["pipeline"]
+
+            def pipelined():
+                for _ in range(pairs):
+                    dispatch(x, "pipe", worst)
+                    combine("pipe")
+
+            pipelined.calls_per_run = pairs  # type: ignore[attr-defined]
+            ops["pipelined"] = pipelined
     return ops, state
 
 
@@ -330,16 +357,17 @@ def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
     s1, n1 = ep.stats(), ep.nic_stats()
     c1, k1 = cpu_seconds("ueproxy"), cpu_seconds("uenic")
     buf._backend.check()
-    calls = a["iters"] + a["warmup"]
-    us = _slowest(times)
-    own = statistics.median(times)
+    per = getattr(fn, "calls_per_run", 1)  # ``pipelined``: report per pair
+    calls = (a["iters"] + a["warmup"]) * per
+    us = _slowest(times) / per
+    own = statistics.median(times) / per
     rdma = (s1["bytes_posted"] - s0["bytes_posted"]) / calls
     return {
         "rank": rank,
         "op": name,
         "us": us,
         "us_own": own,
-        "host_us": statistics.median(host),
+        "host_us": statistics.median(host) / per,
         "rdma_mb": rdma / 1e6,
         "gbps": rdma / us / 1e3,
         "cmds_per_s": (s1["commands"] - s0["commands"]) / wall,
@@ -386,9 +414,9 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
                 chunk=(cfgs[1] if "combine" in name else cfgs[0]).num_max_rdma_chunked_send_tokens,
                 line=(r["gbps"] / link) if link else None,
             )
-            if a["profile"]:
+            if a["profile"] and name != "pipelined":
                 r["kernels_us"] = _kernel_times(fn)
-            if a["trace"]:
+            if a["trace"] and name != "pipelined":
                 cfg = cfgs[1] if "combine" in name else cfgs[0]
                 r["trace"] = _block_times(fn, buf._backend, cfg.num_channels, name)
             rows.append(r)
@@ -411,7 +439,7 @@ def _intranode_reference(rank, world, a, x, x_fp8, idx, w) -> list[dict]:
     ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
     rows = []
     for name, fn in ops.items():
-        us = _slowest(_time(fn, a["iters"], a["warmup"])[0])
+        us = _slowest(_time(fn, a["iters"], a["warmup"])[0]) / getattr(fn, "calls_per_run", 1)
         rows.append({"rank": rank, "op": name, "us": us, "intranode_ref": True})
     buf.destroy()
     return rows
