@@ -6,8 +6,9 @@ driver's default since CUDA 12.2) the first launch of any kernel loads its code,
 may synchronize the whole context: it waits for the spinning kernels while holding the context,
 so the NIC threads' next copy never starts and every rank stalls. It happens whenever a kernel is
 launched for the first time while a dispatch or combine is in flight: Megatron's first backward,
-an expert GEMM enqueued behind a dispatch, a kernel of our own first used mid-run. A real NIC
-takes no CUDA call, so the verbs transport is not affected.
+an expert GEMM enqueued behind a dispatch. The internode backend loads its own kernels when it
+starts (``preload_kernels``), but it cannot load every kernel of the process. A real NIC takes
+no CUDA call, so the verbs transport is not affected.
 
 Eager loading (``CUDA_MODULE_LOADING=EAGER``, read once when CUDA starts) loads every kernel up
 front, so no load ever waits on a running kernel. The ipc transport refuses to start on a GPU
