@@ -189,3 +189,21 @@ def test_only_peers_of_this_host_and_pid_namespace_are_watched(children, caplog)
         watcher.close()
     with caplog.at_level(logging.DEBUG, logger="uccl_ep_megatron.backends.liveness"):
         assert watch_peers(0, [me, other_host], reports, "t") is None
+
+
+def test_a_forked_child_closing_its_copy_leaves_the_parents_watch_running(children):
+    children.append(_child())
+    reports = _Reports()
+    watcher = PeerWatcher({4: children[0].pid}, reports, "t")
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: close its inherited copy, then leave without cleanup
+            watcher.close()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert watcher._thread.is_alive()
+        children[0].kill()
+        reports.wait_for(1, REPORT_S)
+        assert [(r, p) for r, p, _ in reports.calls] == [(4, children[0].pid)]
+    finally:
+        watcher.close()

@@ -78,6 +78,7 @@ class PeerWatcher:
         self._live = dict(peers)  # rank -> pid, until its exit is reported
         self._closed = False
         self._lock = threading.Lock()  # a callback and close() do not overlap
+        self._owner = os.getpid()  # a forked child inherits the object, not the thread
         gone: list[tuple[int, int]] = []
         try:
             for rank, pid in peers.items():
@@ -125,7 +126,10 @@ class PeerWatcher:
 
     def close(self) -> None:
         """Stop watching: wake and join the thread (a callback under way finishes first),
-        then close every descriptor. Idempotent."""
+        then close every descriptor. Idempotent. In a forked child (a data loader worker)
+        it does nothing: the pipe is shared with the parent, whose thread must go on."""
+        if os.getpid() != self._owner:
+            return
         with self._lock:
             if self._closed:
                 return
