@@ -9,6 +9,7 @@ in tests/gpu/test_failure_scenarios.py."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -18,11 +19,13 @@ from uccl_ep_megatron.backends.agreement import error_class, error_code
 from uccl_ep_megatron.backends.base import DispatchArgs, Topology
 from uccl_ep_megatron.backends.intranode.status import (
     ABORT_HOST_GAVE_UP,
+    ABORT_PEER_EXITED,
     ABORT_REJECTED,
     ABORT_TIMED_OUT,
     abort_word,
     gave_up_reason,
     peer_abort_error,
+    peer_exited_reason,
 )
 from uccl_ep_megatron.core.config import Config
 from uccl_ep_megatron.core.errors import (
@@ -61,11 +64,12 @@ def test_abort_word_packs_every_field(kind, code, site, peer, seq):
     assert word != 0  # a posted record is never mistaken for none
     if _C.kernels_built():  # the kernels pack it in C++: the two must agree
         assert word == _C.abort_word(kind, code, site, peer, seq)
-        assert (_C.ABORT_REJECTED, _C.ABORT_TIMED_OUT, _C.ABORT_HOST_GAVE_UP) == (
-            ABORT_REJECTED,
-            ABORT_TIMED_OUT,
-            ABORT_HOST_GAVE_UP,
-        )
+        assert (
+            _C.ABORT_REJECTED,
+            _C.ABORT_TIMED_OUT,
+            _C.ABORT_HOST_GAVE_UP,
+            _C.ABORT_PEER_EXITED,
+        ) == (ABORT_REJECTED, ABORT_TIMED_OUT, ABORT_HOST_GAVE_UP, ABORT_PEER_EXITED)
 
 
 def test_a_late_rank_names_the_rank_that_timed_out_and_its_barrier():
@@ -116,12 +120,20 @@ class _Device:
     def __init__(self, status_word: int = 0) -> None:
         self.status_word = status_word
         self.posted: list[tuple[int, int, str]] = []
+        # Records in this rank's own control region: (buffer, peer) -> (word, reason).
+        self.own: dict[tuple[int, int], tuple[int, str]] = {}
 
     def host_status_read(self, status: int) -> tuple[int, int, int, int]:
         return (self.status_word, 0, 0, 0)
 
     def post_abort(self, buffers: list[int], rank: int, word: int, reason: str) -> None:
         self.posted.append((rank, word, reason))
+
+    def post_abort_as(self, own_buffer: int, peer: int, word: int, reason: str) -> None:
+        self.own[own_buffer, peer] = (word, reason)
+
+    def read_abort(self, own_buffer: int, peer: int) -> tuple[int, str]:
+        return self.own.get((own_buffer, peer), (0, ""))
 
     def DispatchLaunch(self, **kwargs):  # noqa: N802 - the binding's name
         raise KeyboardInterrupt  # Ctrl-C while the call prepares its launch
@@ -135,6 +147,10 @@ def _backend(device: _Device):
     be.topology = Topology(rank=1, num_ranks=2, ranks_per_node=2)
     be._destroyed = False
     be._aborted = None
+    be._exited = {}
+    be._region_lock = threading.Lock()
+    be._watcher = None
+    be._last_call = ("no call", None, 0, 0)
     be._status = 0
     be._device_index = -1  # no device to switch to
     be._launches = {}
@@ -201,3 +217,48 @@ def test_errors_every_rank_raises_alike_are_not_posted():
     with pytest.raises(UnsupportedError):
         be.dispatch(dataclasses.replace(_args()))
     assert device.posted == [] and be._aborted is None
+
+
+def test_a_peer_whose_process_exited_is_named_with_its_pid_and_the_advice():
+    reason = peer_exited_reason(3, 4242)
+    word = abort_word(ABORT_PEER_EXITED)
+    err = peer_abort_error(0, 3, word, reason, 3000, "this rank's dispatch (dtype=bfloat16)")
+    assert isinstance(err, CommTimeoutError), type(err)
+    msg = str(err)
+    assert msg.startswith("rank 0: this rank's dispatch (dtype=bfloat16) cannot complete"), msg
+    assert "rank 3's process (pid 4242) exited" in msg, msg
+    assert "restart the job" in msg and "UCCL_EP_TIMEOUT_MS=" not in msg, msg
+
+
+def test_the_watcher_posts_in_the_dead_ranks_name_into_this_ranks_own_region():
+    """The liveness watcher's report: an abort record of kind ABORT_PEER_EXITED at the dead
+    rank's slot of this rank's own buffer (so this rank's kernels waiting for it stop), and
+    every later call raises at once naming it; nothing goes to the peers' regions."""
+    device = _Device()
+    be = _backend(device)  # rank 1; its own buffer is ptrs[1]
+    be._peer_exited(0, 777)
+    assert device.posted == []
+    assert list(device.own) == [(0x2000, 0)], device.own
+    word, reason = device.own[0x2000, 0]
+    assert _fields(word)["kind"] == ABORT_PEER_EXITED and reason == peer_exited_reason(0, 777)
+    with pytest.raises(CommTimeoutError, match=r"rank 0's process \(pid 777\) exited.*restart"):
+        be.dispatch(_args())
+    assert device.posted == []  # the dead rank is the cause: this rank tells nobody
+
+
+def test_a_record_the_dead_rank_posted_itself_is_kept():
+    """A rank interrupted before it died told this rank why: that record says more."""
+    device = _Device()
+    be = _backend(device)
+    own = (0x2000, 0)
+    device.own[own] = (abort_word(ABORT_HOST_GAVE_UP), "rank 0 was interrupted")
+    be._peer_exited(0, 777)
+    assert device.own[own] == (abort_word(ABORT_HOST_GAVE_UP), "rank 0 was interrupted")
+
+
+def test_nothing_is_posted_after_destroy():
+    device = _Device()
+    be = _backend(device)
+    be._destroyed = True
+    be._peer_exited(0, 777)
+    assert device.own == {} and be._exited == {}

@@ -6,6 +6,7 @@ status codes); the device tests are tests/gpu/test_sync_free.py."""
 
 from __future__ import annotations
 
+import threading
 import types
 
 import pytest
@@ -30,6 +31,7 @@ def _backend(sizes: tuple[int, ...] = (1 << 20, 1 << 20)):
     be._last_call = ("dispatch", torch.bfloat16, 7168, 0)
     be._reported = False
     be._captured = False
+    be._region_lock = threading.Lock()  # a regrow holds it (the liveness watcher's posts)
     grows: list[int] = []
     be._ipc = types.SimpleNamespace(sizes=list(sizes), grow=lambda needs, what: grows.append(1))
     return be, grows

@@ -50,6 +50,7 @@ void bind_kernels(py::module_& m) {
   m.attr("ABORT_REJECTED") = k::kAbortRejected;
   m.attr("ABORT_TIMED_OUT") = k::kAbortTimedOut;
   m.attr("ABORT_HOST_GAVE_UP") = k::kAbortHostGaveUp;
+  m.attr("ABORT_PEER_EXITED") = k::kAbortPeerExited;
   m.def("abort_word", &k::abort_word, py::arg("kind"), py::arg("code"), py::arg("site"), py::arg("peer"),
         py::arg("seq"), "An abort record's word: {seq:32 | peer waited for:8 | site:8 | kind:8 | code:8}.");
 
@@ -171,6 +172,16 @@ void bind_kernels(py::module_& m) {
       py::arg("buffers"), py::arg("rank"), py::arg("word"), py::arg("reason"),
       "Tell every peer that this rank rejected a call: its reason, then the word "
       "{call number << 8 | error class code}; their barrier waits stop at once.");
+  m.def(
+      "post_abort_as",
+      [](intptr_t own_buffer, int peer, uint64_t word, const std::string& reason) {
+        check_buffers({own_buffer}, 1, static_cast<int64_t>(k::kDataOffset), "post_abort_as");
+        py::gil_scoped_release release;
+        k::post_abort_as(own_buffer, peer, word, reason);
+      },
+      py::arg("own_buffer"), py::arg("peer"), py::arg("word"), py::arg("reason"),
+      "Write rank `peer`'s abort record into this rank's own buffer (its process exited): this "
+      "rank's waits for it stop at once.");
   m.def(
       "read_abort",
       [](intptr_t own_buffer, int peer) {

@@ -67,11 +67,15 @@ static_assert(kSeqOffset + 20 <= kDataOffset, "control overlap");
 // its peer never takes or sends. Word: {seq:32 | peer waited for:8 | site:8 | kind:8 | error
 // class code:8} (abort_word). Kinds: the host rejected its arguments (the reason, text,
 // NUL-padded, is written first) or gave up on the host (interrupted, failed, stuck stream:
-// reason text too); a kernel wait of it timed out (no text: seq, site and peer say it all).
+// reason text too); a kernel wait of it timed out (no text: seq, site and peer say it all); its
+// process exited (posted by the survivor itself, see kAbortPeerExited).
 constexpr size_t kAbortOffset = kSeqOffset + 64;  // uint64 [kMaxRanks]
 constexpr uint64_t kAbortRejected = 1;
 constexpr uint64_t kAbortTimedOut = 2;
 constexpr uint64_t kAbortHostGaveUp = 3;
+// Posted by a survivor into its own region in the name of a peer whose process exited (reason
+// text: which rank and pid); the kernels treat it like any other record.
+constexpr uint64_t kAbortPeerExited = 4;
 constexpr uint64_t abort_word(uint64_t kind, uint64_t code, uint64_t site, uint64_t peer, uint64_t seq) {
   return (seq & 0xFFFFFFFFull) << 32 | (peer & 0xFF) << 24 | (site & 0xFF) << 16 | (kind & 0xFF) << 8 | (code & 0xFF);
 }
@@ -157,6 +161,10 @@ constexpr int64_t kStatusHeaderMismatch = 7;
 // Writes this rank's abort record (see kAbortOffset) into every other rank's buffer: the reason
 // first, then the word, in order on a private stream, and waits for both (error path only).
 void post_abort(const std::vector<intptr_t>& buffers, int rank, uint64_t word, const std::string& reason);
+// Writes rank `peer`'s abort record into this rank's own buffer, in the peer's name: a rank that
+// learns on the host that `peer` can no longer post one (its process exited) stops its own waits
+// for it.
+void post_abort_as(intptr_t own_buffer, int peer, uint64_t word, const std::string& reason);
 // Reads rank `peer`'s abort record from this rank's own buffer: (word, reason).
 std::pair<uint64_t, std::string> read_abort(intptr_t own_buffer, int peer);
 intptr_t device_alloc_zeroed(size_t bytes);

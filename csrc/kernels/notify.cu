@@ -193,8 +193,20 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
   if (readback != nullptr) {
     // Each writer fences its posted host writes; after the CTA barrier one store says "ready".
     __threadfence_system();
+    // A peer that gave up on this barrier may have done so just after this rank passed it
+    // (it signals before it waits; its record can land after the barrier's check): look once
+    // more, now that the readback took some microseconds, so that the host raises in this call
+    // instead of the data kernel stopping with poisoned outputs. One load per peer; it narrows
+    // the window, it does not close it (the data kernel's waits still catch what lands later).
+    __shared__ int s_late;
+    if (tid == 0) s_late = 0;
     __syncthreads();
-    if (tid == 0) reinterpret_cast<volatile int64_t*>(readback)[0] = 1;
+    if (tid < R && tid != rank && abort_of(bufs.p[rank])[tid] != 0) {
+      record_status(status, kStatusPeerAbort, tid, static_cast<int64_t>(seq), kSiteNotify);
+      s_late = 1;
+    }
+    __syncthreads();
+    if (tid == 0) reinterpret_cast<volatile int64_t*>(readback)[0] = s_late ? -1 : 1;
   }
   // After the barrier and the readback, so the scan never delays a peer's wait or the host.
   if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);

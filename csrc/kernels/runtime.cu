@@ -120,23 +120,39 @@ struct PrivateStream {
   PrivateStream(const PrivateStream&) = delete;
   PrivateStream& operator=(const PrivateStream&) = delete;
 };
+
+// Writes rank `slot`'s abort record into the control region at `base`: the reason first, then
+// the word that announces it, each waited for on `s`.
+void write_abort(uint8_t* base, int slot, uint64_t word, const std::string& text, gpuStream_t s) {
+  GPU_CHECK(gpuMemcpyAsync(base + kAbortReasonOffset + kAbortReasonBytes * slot, text.data(), text.size(),
+                           gpuMemcpyHostToDevice, s));
+  GPU_CHECK(gpuStreamSynchronize(s));  // the reason lands before the word that announces it
+  GPU_CHECK(gpuMemcpyAsync(base + kAbortOffset + 8ull * slot, &word, sizeof(word), gpuMemcpyHostToDevice, s));
+  GPU_CHECK(gpuStreamSynchronize(s));
+}
+
+std::string abort_text(const std::string& reason) {
+  std::string text = reason.substr(0, kAbortReasonBytes - 1);
+  text.resize(kAbortReasonBytes, '\0');
+  return text;
+}
 }  // namespace
 
 void post_abort(const std::vector<intptr_t>& buffers, int rank, uint64_t word, const std::string& reason) {
   UCCL_EP_CHECK_ARG(word != 0, "post_abort: the abort word must be non-zero");
-  std::string text = reason.substr(0, kAbortReasonBytes - 1);
-  text.resize(kAbortReasonBytes, '\0');
+  const std::string text = abort_text(reason);
   PrivateStream ps;
-  gpuStream_t s = ps.s;
   for (size_t r = 0; r < buffers.size(); ++r) {
     if (static_cast<int>(r) == rank || buffers[r] == 0) continue;
-    auto* base = reinterpret_cast<uint8_t*>(buffers[r]);
-    GPU_CHECK(gpuMemcpyAsync(base + kAbortReasonOffset + kAbortReasonBytes * rank, text.data(), text.size(),
-                             gpuMemcpyHostToDevice, s));
-    GPU_CHECK(gpuStreamSynchronize(s));  // the reason lands before the word that announces it
-    GPU_CHECK(gpuMemcpyAsync(base + kAbortOffset + 8ull * rank, &word, sizeof(word), gpuMemcpyHostToDevice, s));
-    GPU_CHECK(gpuStreamSynchronize(s));
+    write_abort(reinterpret_cast<uint8_t*>(buffers[r]), rank, word, text, ps.s);
   }
+}
+
+void post_abort_as(intptr_t own_buffer, int peer, uint64_t word, const std::string& reason) {
+  UCCL_EP_CHECK_ARG(word != 0, "post_abort_as: the abort word must be non-zero");
+  UCCL_EP_CHECK_ARG(peer >= 0 && peer < kMaxRanks, "post_abort_as: peer ", peer, " is not in [0, ", kMaxRanks, ")");
+  PrivateStream ps;
+  write_abort(reinterpret_cast<uint8_t*>(own_buffer), peer, word, abort_text(reason), ps.s);
 }
 
 std::pair<uint64_t, std::string> read_abort(intptr_t own_buffer, int peer) {

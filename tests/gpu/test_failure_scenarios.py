@@ -12,8 +12,10 @@ rows the ``reference`` oracle moves.
 
 Bounds: a kernel wait gives up after ``UCCL_EP_TIMEOUT_MS``, so the rank that waits raises
 within that plus the launch; a rank that finds an abort record raises well before its own
-timeout could have fired. A killed peer is reported by the timeout too: its kernels stop
-writing, they do not signal. The test's own coordination waits are bounded in the store, so
+timeout could have fired. A killed peer never signals again; the survivor learns of it when its
+process ends (the liveness watcher, ``backends/liveness.py``, posts an abort record in the dead
+rank's name into the survivor's own control region) and raises within ``KILLED_S`` of the
+kill, long before the timeout. The test's own coordination waits are bounded in the store, so
 no scenario can block for the process group's timeout, and each ``run`` is bounded by
 ``SCENARIO_S``. Dispatches here are exact (the host reads the counts), so the late rank raises
 in the call itself; a combine raises at the next host-visible point (``check_errors``).
@@ -42,6 +44,8 @@ LATE_S = 2 * TIMEOUT_MS / 1e3  # the late rank arrives after its peer surely gav
 WAIT_BOUND_S = TIMEOUT_MS / 1e3 + 5  # the rank that waits: one kernel deadline, launches
 AT_ONCE_S = 0.75 * TIMEOUT_MS / 1e3  # a rank that finds the record: before its own deadline
 MEET_S = 30.0  # the test's own waits for the other rank
+KILL_AFTER_S = 0.5  # the killed rank dies this long after the survivor entered its dispatch
+KILLED_S = 1.0  # the survivor raises within this of the kill (the timeout is 3 s)
 SCENARIO_S = 60.0  # one pool.run
 HIDDEN = 256
 
@@ -217,7 +221,7 @@ def killed(rank, world, name):
     _dispatch(a, rank, world)  # one good call first: both ranks are set up
     _meet(f"{name}/start", world)
     if rank == 1:
-        time.sleep(0.5)
+        time.sleep(KILL_AFTER_S)
         os.kill(os.getpid(), signal.SIGKILL)
     return [_raises(lambda: _dispatch(a, rank, world))], "not checked (rank 1 is dead)"
 
@@ -285,4 +289,9 @@ def test_a_killed_rank(ranks):
     _show("killed", outs)
     assert died is not None and "ranks [1] died" in died, died
     assert 0 in outs, "rank 0 wrote no result"
-    _timed_out(outs[0][0][0], 1)
+    cls, msg, dt = outs[0][0][0]
+    # Found when rank 1's process ended, not by the timeout: at once, naming rank 1.
+    assert cls == "CommTimeoutError", outs[0]
+    assert "rank 1's process (pid " in msg and "exited" in msg, msg
+    assert "restart the job" in msg, msg
+    assert dt < KILL_AFTER_S + KILLED_S, (dt, msg)

@@ -133,6 +133,16 @@ class Mps:
     def running(self) -> bool:
         return self.dir is not None
 
+    def _daemon_env(self) -> dict[str, str]:
+        """The control daemon's environment: ours with the client variables, without
+        ``CUDA_VISIBLE_DEVICES``. The MPS server it starts inherits it, and a client's
+        ``CUDA_VISIBLE_DEVICES`` is read against the devices that server sees: a server
+        started with ``2,3`` shows its clients two devices, 0 and 1, so clients asking for
+        ``2,3`` (what the caller meant: physical GPUs 2 and 3) would see no GPU at all. A
+        server that sees every GPU lets each client's own list pick the physical GPUs."""
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        return {**env, **self.env()}
+
     def start(self) -> None:
         self._users += 1
         if self._users > 1:
@@ -150,7 +160,7 @@ class Mps:
         try:
             subprocess.run(
                 [self.control, "-d"],
-                env={**os.environ, **env},
+                env=self._daemon_env(),
                 check=True,
                 timeout=self.start_timeout_s,
                 capture_output=True,
@@ -179,12 +189,11 @@ class Mps:
         self._users -= 1
         if self._users > 0 or self.dir is None:
             return
-        env = self.env()
         try:
             subprocess.run(
                 [self.control],
                 input=b"quit\n",
-                env={**os.environ, **env},
+                env=self._daemon_env(),
                 timeout=self.start_timeout_s,
                 capture_output=True,
                 check=False,

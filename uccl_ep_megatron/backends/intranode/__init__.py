@@ -34,7 +34,10 @@ when it rejects a call or leaves one: an interrupt, an error of its own), and ev
 entry barrier of a peer checks it: a rank that reaches the call late would otherwise pass the
 barrier its peer signalled before giving up. It raises at once instead, naming the rank that
 gave up and where (exact dispatches in the call; combine and sync-free calls at the next host
-read of the status word, their outputs poisoned until then). Barrier
+read of the status word, their outputs poisoned until then). A peer whose process exits posts
+nothing: a thread of each rank watches its peers' processes (``backends/liveness.py``; same
+host and pid namespace) and posts an abort record in the dead rank's name into this rank's own
+control region, so its waits stop at once and raise naming that rank and pid. Barrier
 sequence numbers come from a counter in the control region, not from launch arguments, so a
 CUDA graph of these calls replays with fresh ones.
 """

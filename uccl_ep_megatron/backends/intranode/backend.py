@@ -6,6 +6,9 @@ The package docstring (``backends/intranode/__init__.py``) describes the kernels
 from __future__ import annotations
 
 import dataclasses
+import logging
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +33,7 @@ from uccl_ep_megatron.backends.intranode.launch import (
 )
 from uccl_ep_megatron.backends.intranode.status import (
     ABORT_HOST_GAVE_UP,
+    ABORT_PEER_EXITED,
     ABORT_REJECTED,
     CHECK_WORDS,
     abort_word,
@@ -37,9 +41,12 @@ from uccl_ep_megatron.backends.intranode.status import (
     describe_call,
     gave_up_reason,
     note_host_wait,
+    peer_exited_error,
+    peer_exited_reason,
     status_error,
 )
 from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
+from uccl_ep_megatron.backends.liveness import PeerWatcher, process_identity, watch_peers
 from uccl_ep_megatron.core._c import load as load_c
 from uccl_ep_megatron.core.config import Config
 from uccl_ep_megatron.core.errors import (
@@ -49,6 +56,8 @@ from uccl_ep_megatron.core.errors import (
     UnsupportedError,
 )
 from uccl_ep_megatron.core.options import BufferOptions
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -152,6 +161,12 @@ class KernelsBackend(Backend):
         self._c = c
         self._status = 0
         self._destroyed = False
+        # Peers whose process exited (rank -> why), seen by the liveness watcher's thread.
+        self._exited: dict[int, str] = {}
+        self._watcher: PeerWatcher | None = None
+        # Serialises the watcher thread's post into this rank's own control region with what
+        # replaces or frees that region (a regrow, destroy).
+        self._region_lock = threading.Lock()
         # A CUDA graph captured a call: its kernels hold the buffer addresses, so no regrow.
         self._captured = False
         # An input error of a sync-free call was raised already (destroy() raises it otherwise).
@@ -201,16 +216,59 @@ class KernelsBackend(Backend):
             topology.num_ranks,
         )
         # Launch-ahead of exact dispatches (see dispatch): every rank must take the same path
-        # in every call, so it is on only where it is on for every rank.
+        # in every call, so it is on only where it is on for every rank. Each rank's process
+        # identity rides along (the liveness watcher's).
         flags: list[Any] = [None] * topology.num_ranks
-        dist.all_gather_object(flags, bool(options.launch_ahead), group=group)
-        self._launch_ahead = all(flags)
+        dist.all_gather_object(flags, (bool(options.launch_ahead), process_identity()), group=group)
+        self._launch_ahead = all(f[0] for f in flags)
         self._ahead_rows = 0  # the next call's bound (_note_counts): identical on every rank
         self.ahead_calls = 0  # exact dispatches served by launch-ahead
         self.ahead_reruns = 0  # launch-ahead calls that ran again with exact sizes
         self.combine_in_place_calls = 0  # combines whose x peers read in this rank's arena
         # Dispatches launched by one binding call (intranode_dispatch_begin; see dispatch).
         self.one_call_dispatches = 0
+        self._watch([f[1] for f in flags])
+
+    def _watch(self, identities: list[Any]) -> None:
+        """Watch the peers' processes (``liveness.py``): a peer that exits never signals, so
+        this rank's kernels would wait for it until the timeout. The watcher's callback holds
+        this backend weakly, and is stopped by destroy() or when the backend is collected."""
+        ref = weakref.ref(self)
+
+        def exited(peer: int, pid: int) -> None:
+            backend = ref()
+            if backend is not None:
+                backend._peer_exited(peer, pid)
+
+        rank = self.topology.rank
+        self._watcher = watch_peers(rank, identities, exited, f"uccl_ep-liveness-r{rank}")
+        if self._watcher is not None:
+            weakref.finalize(self, self._watcher.close)
+
+    def _peer_exited(self, peer: int, pid: int) -> None:
+        """Rank ``peer``'s process exited (the watcher's thread): post an abort record in its
+        name into this rank's own control region, so this rank's kernels waiting for it stop
+        within microseconds and raise naming it. A record it posted itself before it died
+        says more (why it gave up) and is kept."""
+        with self._region_lock:
+            if self._destroyed:
+                return
+            why = peer_exited_reason(peer, pid)
+            self._exited[peer] = why
+            own = self._buffers[self.topology.rank]
+            c = self._c
+            try:
+                with torch.cuda.device(self._device_index):
+                    if c.read_abort(own, peer)[0] == 0:
+                        c.post_abort_as(own, peer, abort_word(ABORT_PEER_EXITED), why)
+            except Exception as exc:  # noqa: BLE001 - the host still raises at its next call
+                log.warning(
+                    "rank %d: %s, but its kernels could not be told (%s): a call under way "
+                    "ends at UCCL_EP_TIMEOUT_MS",
+                    self.topology.rank,
+                    why,
+                    exc,
+                )
 
     # ---- helpers -----------------------------------------------------------------------
     @property
@@ -241,7 +299,8 @@ class KernelsBackend(Backend):
                 "writes into the current one, so it cannot be reallocated: create the Buffer "
                 f"with num_nvl_bytes >= {need}"
             )
-        self._ipc.grow([need] * self.topology.num_ranks, what)
+        with self._region_lock:  # the watcher posts into this rank's region: not meanwhile
+            self._ipc.grow([need] * self.topology.num_ranks, what)
 
     def _context(self) -> Any:
         """The per-Buffer part of every launch (``_C.IntranodeContext``), built once and again
@@ -344,15 +403,24 @@ class KernelsBackend(Backend):
             error.add_note(f"uccl_ep: could not tell the peers ({exc}); they will time out")
 
     def _check_status(self) -> None:
+        if self._exited and not self._destroyed:
+            # A wait of this call stopped on a dead peer's record: name the call too.
+            words = self._c.host_status_read(self._status)
+            if words[0] == self._c.STATUS_PEER_ABORT and words[1] in self._exited:
+                raise self._status_error(*words)
         self._check_usable()
         words = self._c.host_status_read(self._status)
         if words[0]:
             raise self._status_error(*words)
 
     def _check_usable(self) -> None:
-        """Raise when this backend was destroyed or this rank aborted a call (host flags)."""
+        """Raise when this backend was destroyed, a peer's process exited (the cause of any
+        failure after it) or this rank aborted a call (host flags)."""
         if self._destroyed:
             raise UcclEpError("the kernels backend was destroyed; create a new Buffer")
+        if self._exited:
+            reasons = "; ".join(self._exited[r] for r in sorted(self._exited))
+            raise peer_exited_error(self.topology.rank, "every call of this Buffer", reasons)
         if self._aborted is not None:
             raise UcclEpError(
                 f"{self._aborted}; the group's calls no longer match, so this Buffer is "
@@ -846,7 +914,13 @@ class KernelsBackend(Backend):
     def destroy(self, collective: bool = True) -> None:
         if self._destroyed:
             return
-        self._destroyed = True
+        with self._region_lock:  # no watcher post from here on
+            self._destroyed = True
+        if self._watcher is not None:
+            self._watcher.close()
+        # A peer whose process exited takes no part in a collective release: this rank
+        # releases its own part alone (the group is gone anyway).
+        collective = collective and not self._exited
         c = self._c
         pending = None
         try:

@@ -23,8 +23,9 @@ _SITES = {
 }
 CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
 # Kinds of a peer's abort record (abort_word in intranode.h): it rejected its arguments, one of
-# its kernel waits timed out, or its host gave up on the call (interrupted, failed, stuck).
-ABORT_REJECTED, ABORT_TIMED_OUT, ABORT_HOST_GAVE_UP = 1, 2, 3
+# its kernel waits timed out, or its host gave up on the call (interrupted, failed, stuck); or
+# its process exited (posted in its name by the rank that saw it exit, into its own region).
+ABORT_REJECTED, ABORT_TIMED_OUT, ABORT_HOST_GAVE_UP, ABORT_PEER_EXITED = 1, 2, 3, 4
 
 # Host waits on the GPU that the CUDA runtime does not see: an exact dispatch spins on the
 # counts its notify writes into mapped host memory (no synchronize, no copy). Counted per
@@ -114,6 +115,8 @@ def peer_abort_error(
             f"UCCL_EP_TIMEOUT_MS if it is only slow). That call's outputs were not written. "
             f"{unusable}"
         )
+    if kind == ABORT_PEER_EXITED:
+        return peer_exited_error(rank, call, reason or f"rank {peer}'s process exited")
     if kind == ABORT_HOST_GAVE_UP:
         return UcclEpError(
             f"rank {rank}: {call} cannot complete: {reason or f'rank {peer} gave up on a call'}; "
@@ -122,6 +125,23 @@ def peer_abort_error(
     return error_class(code)(
         f"rank {rank}: rank {peer} rejected its arguments ({reason}); no "
         f"rank moved data for that call. Fix the call on rank {peer}. {unusable}"
+    )
+
+
+def peer_exited_reason(peer: int, pid: int) -> str:
+    """The abort record's text of a peer whose process exited (what ``peer_exited_error``
+    quotes)."""
+    return f"rank {peer}'s process (pid {pid}) exited"
+
+
+def peer_exited_error(rank: int, call: str, reason: str) -> CommTimeoutError:
+    """The exception of a rank whose ``call`` cannot complete because a peer's process exited
+    (``reason``: ``peer_exited_reason``)."""
+    return CommTimeoutError(
+        f"rank {rank}: {call} cannot complete: {reason} (seen as it happened, not after "
+        "UCCL_EP_TIMEOUT_MS); that rank moves no more data and the group cannot go on without "
+        "it. The process group is gone: restart the job on every rank (that rank's own log "
+        "says why it died)."
     )
 
 
