@@ -31,6 +31,7 @@ from uccl_ep_megatron.backends.agreement import (
     KIND_NAMES,
     Agreement,
     CallHeader,
+    DispatchExperts,
     describe_error,
     encode_row,
     error_code,
@@ -56,6 +57,8 @@ class _Prepared:
     # Recorded after the kernels that computed ``checks`` on the caller's stream: a call that
     # runs on the comm stream after ``previous_event`` alone must still wait for them.
     checks_ready: torch.cuda.Event | None = None
+    # A non-cached dispatch's per-expert counts: its row carries them (no second exchange).
+    experts: DispatchExperts | None = None
 
 
 class CallAgreement:
@@ -178,7 +181,10 @@ class CallAgreement:
         if checks is not None and checks.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(checks.device))
-        return _Prepared(args, header, checks, counts, x_data.shape[0], inputs, ready)
+        experts = None
+        if handle is None and args.num_tokens_per_expert is not None:
+            experts = DispatchExperts(args.num_tokens_per_expert, args.expert_alignment)
+        return _Prepared(args, header, checks, counts, x_data.shape[0], inputs, ready, experts)
 
     def _prepare_combine(
         self,
@@ -303,13 +309,15 @@ class CallAgreement:
                 prepared.checks,
                 prepared.counts,
                 prepared.num_tokens,
+                prepared.experts,
             )
         if sync_free and self._backend.agrees_on_device:
             self._backend.exchange_header_async(row, call)
             if error is not None:
                 raise error
             return None
-        agreed = Agreement.decode(self._backend.exchange_header(row, call))
+        experts = None if prepared is None else prepared.experts
+        agreed = Agreement.decode(self._backend.exchange_header(row, call, experts))
         if agreed.failed_ranks:
             texts = self._backend.gather_objects(
                 describe_error(error) if error is not None else None, call

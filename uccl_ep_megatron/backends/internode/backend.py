@@ -23,7 +23,7 @@ from uccl_ep_megatron.backends.base import (
     Topology,
 )
 from uccl_ep_megatron.backends.internode.diagnostics import recorded_error
-from uccl_ep_megatron.backends.internode.header import CallHeaderExchange
+from uccl_ep_megatron.backends.internode.header import CallHeaderExchange, ExpertCounts
 from uccl_ep_megatron.backends.internode.launch import (
     CombineTablesTensors,
     DispatchTablesTensors,
@@ -320,14 +320,20 @@ class InternodeBackend(CallHeaderExchange, Backend):
         return out
 
     # ---- dispatch -----------------------------------------------------------------------
-    def _expert_counts(self, args: DispatchArgs) -> tuple[list[int], torch.Tensor | None]:
-        """Exact mode: rows per local expert (aligned) from the all-gathered per-expert counts,
-        as the host list (the dispatch's one read besides the call header) and on the device.
-        Sync-free mode has no collective after the header exchange (a rank whose own checks
-        failed raised there and takes part in nothing more): the device counts come from the
-        outputs after the kernels (``received_expert_counts``)."""
+    def _expert_counts(
+        self, args: DispatchArgs, read: ExpertCounts | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Exact mode: rows per local expert (aligned), as the host list and on the device. The
+        header exchange read them with the rows (``read``) when the rows carried every rank's
+        per-expert counts; a dispatch with more experts than a row holds (``EXPERT_SLOTS``)
+        gathers them here, with a second exchange and read. Sync-free mode has no collective
+        after the header exchange (a rank whose own checks failed raised there and takes part
+        in nothing more): the device counts come from the outputs after the kernels
+        (``received_expert_counts``)."""
         if args.num_worst_tokens > 0:
             return [], None
+        if read is not None:
+            return read.host, read.device
         topo = self.topology
         epr = args.num_experts // topo.num_ranks
         gathered = self._gather_rows(args.num_tokens_per_expert)
@@ -449,7 +455,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         self.check()
-        rows, verdict = self._take_rows()
+        rows, verdict, read = self._take_rows()
         topo, cfg, cached = self.topology, args.config, args.cached
         x = args.x.contiguous()
         row_bytes, num_topk, num_scales = self._dispatch_shape(args, x)
@@ -462,7 +468,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         expert_list: list[int] = []
         per_expert = None
         if cached is None:
-            expert_list, per_expert = self._expert_counts(args)
+            expert_list, per_expert = self._expert_counts(args, read)
         slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, topo.ranks_per_node)["bytes"]
         check_rings(self._c, self._region_bytes, topo.num_nodes, False, cfg, slot)
         idx_bytes = args.topk_idx.element_size() if num_topk else 8
@@ -502,7 +508,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         config: Config,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.check()
-        _, verdict = self._take_rows()
+        verdict = self._take_rows().verdict
         topo = self.topology
         num_nodes = topo.num_nodes
         num_tokens = handle.is_token_in_rank.shape[0]
