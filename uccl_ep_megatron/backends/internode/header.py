@@ -138,14 +138,14 @@ class CallHeaderExchange:
         per-expert block, then, when the rows carry ``experts``, this rank's local expert
         counts; and those counts as the int32 device tensor of the dispatch's outputs."""
         num_ranks = rows.shape[0]
-        host = (rows.shape[1] - (COUNTS_COLUMN - EXPERTS_COLUMN)) * num_ranks
         epr = 0
         if experts is not None and experts.carried and experts.num_experts % num_ranks == 0:
             epr = experts.num_experts // num_ranks
+        if not epr:
+            return host_part(rows).view(-1), None
+        host = (rows.shape[1] - (COUNTS_COLUMN - EXPERTS_COLUMN)) * num_ranks
         read = torch.empty(host + epr, dtype=torch.int64, device=rows.device)
         host_part(rows, out=read[:host].view(num_ranks, -1))
-        if not epr:
-            return read, None
         rank = self.topology.rank
         local = local_expert_counts(rows, rank, epr, experts.alignment, out=read[host:])
         return read, local.to(torch.int32)
