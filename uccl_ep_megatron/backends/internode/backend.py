@@ -160,6 +160,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         self._ctx_grows = -1
         self._trace: torch.Tensor | None = None
         self._check_scratch: torch.Tensor | None = None
+        self._slot_bytes: dict[tuple[int, ...], tuple[int, int]] = {}
 
     def set_trace(self, on: bool) -> None:
         """Per-block time accounting of every later launch, read with ``read_trace``
@@ -275,6 +276,44 @@ class InternodeBackend(CallHeaderExchange, Backend):
             slots=config.num_max_rdma_chunked_recv_tokens,
             chunk=config.num_max_rdma_chunked_send_tokens,
         )
+
+    def _slots(
+        self,
+        combine: bool,
+        config: Config,
+        row_bytes: int,
+        num_scales: int,
+        num_topk: int,
+        idx_bytes: int,
+    ) -> tuple[int, int]:
+        """(ring slot, NVLink staging slot) bytes of a call's row shape, its rings checked
+        against the RDMA region (``check_rings`` raises when they do not fit). Pure functions
+        of the shape, the config and this Buffer's fixed region: computed once per shape, not
+        in three binding calls that build dicts on every call. A combine stages its ring
+        slots."""
+        key = (
+            combine,
+            row_bytes,
+            num_scales,
+            num_topk,
+            idx_bytes,
+            config.num_channels,
+            config.num_max_rdma_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens,
+        )
+        slots = self._slot_bytes.get(key)
+        if slots is None:
+            L = self.topology.ranks_per_node
+            if combine:
+                slot = stage = self._in.combine_slot(row_bytes, num_topk)["bytes"]
+            else:
+                slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, L)["bytes"]
+                stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
+            check_rings(self._c, self._region_bytes, self.topology.num_nodes, combine, config, slot)
+            if len(self._slot_bytes) >= 64:  # shapes a caller used and dropped
+                self._slot_bytes.clear()
+            slots = self._slot_bytes[key] = (slot, stage)
+        return slots
 
     def _fit_staging(self, rows_of_rank: tuple[int, ...], slot_bytes: int, op: str) -> None:
         if self.topology.ranks_per_node > 1:  # else no NVLink staging: only barrier flags
@@ -469,10 +508,8 @@ class InternodeBackend(CallHeaderExchange, Backend):
         per_expert = None
         if cached is None:
             expert_list, per_expert = self._expert_counts(args, read)
-        slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, topo.ranks_per_node)["bytes"]
-        check_rings(self._c, self._region_bytes, topo.num_nodes, False, cfg, slot)
         idx_bytes = args.topk_idx.element_size() if num_topk else 8
-        stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
+        _, stage = self._slots(False, cfg, row_bytes, num_scales, num_topk, idx_bytes)
         self._fit_staging(state.stage_rows, stage, "dispatch")
         t = self._dispatch_tensors(args, x, state, num_scales, tuple(streams))
         # The kernels, the node barrier and staged rows (ranks per node > 1), then the poison
@@ -521,8 +558,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 f"combine: rows of {row_bytes} bytes; the internode kernels need a multiple of 16"
             )
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-        slot = self._in.combine_slot(row_bytes, num_topk)["bytes"]
-        check_rings(self._c, self._region_bytes, num_nodes, True, config, slot)
+        slot, _ = self._slots(True, config, row_bytes, 0, num_topk, 0)
         self._fit_staging(state.stage_rows, slot, "combine")
 
         cch = config.num_channels
