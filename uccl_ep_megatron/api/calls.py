@@ -126,7 +126,8 @@ class CallAgreement:
             args = dispatch_args(x_data, x_scales, given, config, check_ids)
         if key is not None:
             self._remember(key, args.check_ids)
-        return self._prepared(seq, args, handle, checks)
+        after_event = previous_event is not None and previous_event.event is not None
+        return self._prepared(seq, args, handle, checks, after_event)
 
     def _remember(self, key: Any, value: bool) -> None:
         """Keep a key whose arguments passed every check (``checked_key``, ``combine_key``)."""
@@ -140,8 +141,11 @@ class CallAgreement:
         args: DispatchArgs,
         handle: DispatchHandle | None,
         checks: torch.Tensor | None,
+        after_event: bool = False,
     ) -> _Prepared:
-        """A checked dispatch's ``_Prepared``: its row of the call header and its inputs."""
+        """A checked dispatch's ``_Prepared``: its row of the call header and its inputs.
+        ``after_event``: the call runs after ``previous_event`` alone, not after the caller's
+        stream (``api/streams.py``), so it must wait for the checks' kernels by an event."""
         x_data, x_scales, config = args.x, args.x_scales, args.config
         header = None
         if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
@@ -178,7 +182,9 @@ class CallAgreement:
             return [t for t in read if t is not None]
 
         ready = None
-        if checks is not None and checks.is_cuda:
+        # Otherwise the call runs on the caller's stream, or on the comm stream joined to it
+        # after the checks were launched there: no event, record or wait (host time).
+        if after_event and checks is not None and checks.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(checks.device))
         experts = None
