@@ -164,8 +164,8 @@ def encode_row(
     carried = experts is not None and experts.carried
     if checks is None and counts is None and not carried:
         middle = _CHECK_WORDS + _EXPERT_WORDS + num_ranks
-        return _to_device(torch.tensor(values + [0] * middle + [num_tokens]), device)
-    words = _to_device(torch.tensor(values + [num_tokens]), device)
+        return _to_device(values + [0] * middle + [num_tokens], device)
+    words = _to_device(values + [num_tokens], device)
     if checks is None:
         checks = torch.zeros(_CHECK_WORDS, dtype=torch.int64, device=device)
     if counts is None:
@@ -188,9 +188,9 @@ def encode_row(
     )
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        host = host.pin_memory()
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    # Made in pinned memory directly (pin_memory() would copy a pageable tensor first).
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
