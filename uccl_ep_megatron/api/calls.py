@@ -162,6 +162,7 @@ class CallAgreement:
                 rdma_send=config.num_max_rdma_chunked_send_tokens,
                 rdma_recv=config.num_max_rdma_chunked_recv_tokens,
                 num_worst_tokens=args.num_worst_tokens,
+                buffer=self.comm.buffer_id,
             )
         counts = None if handle is not None else args.num_tokens_per_rank
 
@@ -264,6 +265,7 @@ class CallAgreement:
                 num_sms=config.num_sms,
                 rdma_send=config.num_max_rdma_chunked_send_tokens,
                 rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+                buffer=self.comm.buffer_id,
             )
 
         def inputs() -> list[torch.Tensor]:
@@ -309,7 +311,7 @@ class CallAgreement:
             if prepared.checks_ready is not None:
                 torch.cuda.current_stream(prepared.checks.device).wait_event(prepared.checks_ready)
             row = encode_row(
-                dataclasses.replace(prepared.header, buffer=buffer_id),
+                prepared.header,  # made with this Buffer's number (no copy per call)
                 self.group_size,
                 self.device,
                 prepared.checks,
