@@ -226,3 +226,35 @@ def test_failed_rank_row_reports_its_error_class():
     assert Agreement.decode(rows).failed_ranks == [world - 1]
     code, rank, _ = device_verdict(gathered).tolist()
     assert (VERDICTS[code - 1], rank) == ("error", world - 1)
+
+
+def test_decode_shares_one_header_and_still_names_every_disagreement():
+    world = 8
+    rows = [_dispatch_row(world, 2, [1] * 16)[0].tolist() for _ in range(world)]
+    agreed = Agreement.decode(rows)
+    assert all(h is agreed.headers[0] for h in agreed.headers)
+    agreed.check("dispatch #2")
+    odd = [list(r) for r in rows]
+    odd[5][list(CallHeader.__dataclass_fields__).index("hidden")] = 512
+    with pytest.raises(InvalidInputError, match="the hidden size of x: 256 on ranks 0, 1, 2, 3"):
+        Agreement.decode(odd).check("dispatch #2")
+    magic = list(CallHeader.__dataclass_fields__).index("magic")
+    foreign = [r[:magic] + [7] + r[magic + 1 :] for r in rows]
+    with pytest.raises(InvalidInputError, match=r"rank\(s\) \[0, 1, 2, 3, 4, 5, 6, 7\]"):
+        Agreement.decode(foreign).check("dispatch #2")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_received_rows_are_the_column_sums_of_the_counts(seed):
+    rnd = random.Random(seed)
+    world = rnd.choice([2, 5, 16])
+    counts = [[rnd.randint(0, 1000) for _ in range(world)] for _ in range(world)]
+    rows = [
+        _dispatch_row(world, 2, [0] * world, counts=counts[r])[0].tolist() for r in range(world)
+    ]
+    received = Agreement.decode(rows).received
+    for r in range(world):
+        total = 0
+        for s in range(world):
+            total += counts[s][r]
+        assert received[r] == total

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -246,18 +247,31 @@ class Agreement:
 
     @staticmethod
     def decode(rows: Sequence[Sequence[int]]) -> Agreement:
+        """``rows``: every rank's row as Python ints (``tolist``), with or without the
+        per-expert block. Host time grows with the ranks: in an agreed call every rank sends
+        the same header fields, so one ``CallHeader`` serves every rank that sent them."""
         n, num_ranks = len(_FIELDS), len(rows)
-        headers, bounds, bits, counts, tokens = [], [], [], [], []
+        made: dict[tuple[int, ...], CallHeader] = {}
+        headers = []
         for row in rows:
-            row = [int(v) for v in row]
-            values = dict(zip(_FIELDS, row[:n], strict=True))
-            headers.append(CallHeader(**values))
-            bounds.append((row[n], row[n + 1]))
-            bits.append(row[n + 2])
+            key = tuple(row[:n])
+            header = made.get(key)
+            if header is None:
+                header = made[key] = CallHeader(*key)
+            headers.append(header)
+        return Agreement(
+            headers,
+            [(row[n], row[n + 1]) for row in rows],
+            [row[n + 2] for row in rows],
             # From the end: rows read back without their per-expert block (host_part) or whole.
-            counts.append(row[-1 - num_ranks : -1])
-            tokens.append(row[-1])
-        return Agreement(headers, bounds, bits, counts, tokens)
+            [list(row[-1 - num_ranks : -1]) for row in rows],
+            [row[-1] for row in rows],
+        )
+
+    @functools.cached_property
+    def received(self) -> list[int]:
+        """Rows each rank receives (column sums of ``counts``), summed once."""
+        return [sum(column) for column in zip(*self.counts, strict=True)]
 
     @property
     def failed_ranks(self) -> list[int]:
@@ -266,6 +280,8 @@ class Agreement:
     def check(self, call: str) -> None:
         """Raise the same ``InvalidInputError`` on every rank when the ranks disagree."""
         hs = self.headers
+        if hs[0].magic == _MAGIC and all(h is hs[0] for h in hs):
+            return  # every rank sent one valid header (decode shares it): nothing disagrees
         if any(h.magic != _MAGIC for h in hs):
             bad = [r for r, h in enumerate(hs) if h.magic != _MAGIC]
             raise InvalidInputError(
@@ -317,8 +333,7 @@ class Agreement:
 
     def check_worst_tokens(self, call: str) -> None:
         """Every rank's ``num_worst_tokens`` against the rows it receives (non-cached dispatch)."""
-        for r, h in enumerate(self.headers):
-            rows = sum(c[r] for c in self.counts)
+        for r, (h, rows) in enumerate(zip(self.headers, self.received, strict=True)):
             if 0 < h.num_worst_tokens < rows:
                 raise InvalidInputError(
                     f"{call}: rank {r} passed num_worst_tokens={h.num_worst_tokens} but receives "
