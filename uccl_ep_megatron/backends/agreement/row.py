@@ -20,7 +20,7 @@ from uccl_ep_megatron.core.errors import (
 
 KIND_DISPATCH, KIND_CACHED, KIND_COMBINE = 1, 2, 3
 KIND_NAMES = {KIND_DISPATCH: "dispatch", KIND_CACHED: "cached dispatch", KIND_COMBINE: "combine"}
-_MAGIC = 0x55455032  # "UEP2": a row of this layout
+_MAGIC = 0x55455033  # "UEP3": a row of this layout (with the per-expert block)
 
 # Stable codes of the x dtypes (the same on every rank and build).
 _DTYPES = (
