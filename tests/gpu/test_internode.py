@@ -122,6 +122,10 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     received = int(rh.rank_prefix_matrix[-1, rank])
     _check_src_idx(kh, rh, received, kw["num_worst_tokens"])
     assert kh.recv_count.tolist() == [received]
+    if not kw["num_worst_tokens"]:
+        # The device counts of the handle are the host list's (both from one header read, or,
+        # past the row's per-expert block, from the second exchange).
+        assert kh.recv_tokens_per_expert.tolist() == kcounts
 
     # Cached dispatch of a new x with the same layout.
     x2 = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
@@ -204,6 +208,11 @@ CASES = {
         tokens=1500, hidden=1024, routing="skewed", config=(6, 6, 256, 2, 5), seeds=[21, 22]
     ),
     "t0_h2048": dict(tokens=0, hidden=2048, routing="random", seed=9),
+    # More experts than a call-header row carries (agreement.EXPERT_SLOTS = 512): the counts
+    # are gathered by a second exchange; the same numbers.
+    "t513_h2048_1024_experts_align": dict(
+        tokens=513, hidden=2048, routing="random", experts=1024, topk=8, seed=10, align=4
+    ),
 }
 
 

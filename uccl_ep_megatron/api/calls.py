@@ -31,6 +31,7 @@ from uccl_ep_megatron.backends.agreement import (
     KIND_NAMES,
     Agreement,
     CallHeader,
+    DispatchExperts,
     describe_error,
     encode_row,
     error_code,
@@ -56,6 +57,8 @@ class _Prepared:
     # Recorded after the kernels that computed ``checks`` on the caller's stream: a call that
     # runs on the comm stream after ``previous_event`` alone must still wait for them.
     checks_ready: torch.cuda.Event | None = None
+    # A non-cached dispatch's per-expert counts: its row carries them (no second exchange).
+    experts: DispatchExperts | None = None
 
 
 class CallAgreement:
@@ -123,7 +126,8 @@ class CallAgreement:
             args = dispatch_args(x_data, x_scales, given, config, check_ids)
         if key is not None:
             self._remember(key, args.check_ids)
-        return self._prepared(seq, args, handle, checks)
+        after_event = previous_event is not None and previous_event.event is not None
+        return self._prepared(seq, args, handle, checks, after_event)
 
     def _remember(self, key: Any, value: bool) -> None:
         """Keep a key whose arguments passed every check (``checked_key``, ``combine_key``)."""
@@ -137,8 +141,11 @@ class CallAgreement:
         args: DispatchArgs,
         handle: DispatchHandle | None,
         checks: torch.Tensor | None,
+        after_event: bool = False,
     ) -> _Prepared:
-        """A checked dispatch's ``_Prepared``: its row of the call header and its inputs."""
+        """A checked dispatch's ``_Prepared``: its row of the call header and its inputs.
+        ``after_event``: the call runs after ``previous_event`` alone, not after the caller's
+        stream (``api/streams.py``), so it must wait for the checks' kernels by an event."""
         x_data, x_scales, config = args.x, args.x_scales, args.config
         header = None
         if self._backend.agrees_per_call:  # built only where it is exchanged (host time)
@@ -155,6 +162,7 @@ class CallAgreement:
                 rdma_send=config.num_max_rdma_chunked_send_tokens,
                 rdma_recv=config.num_max_rdma_chunked_recv_tokens,
                 num_worst_tokens=args.num_worst_tokens,
+                buffer=self.comm.buffer_id,
             )
         counts = None if handle is not None else args.num_tokens_per_rank
 
@@ -175,10 +183,15 @@ class CallAgreement:
             return [t for t in read if t is not None]
 
         ready = None
-        if checks is not None and checks.is_cuda:
+        # Otherwise the call runs on the caller's stream, or on the comm stream joined to it
+        # after the checks were launched there: no event, record or wait (host time).
+        if after_event and checks is not None and checks.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(checks.device))
-        return _Prepared(args, header, checks, counts, x_data.shape[0], inputs, ready)
+        experts = None
+        if handle is None and args.num_tokens_per_expert is not None:
+            experts = DispatchExperts(args.num_tokens_per_expert, args.expert_alignment)
+        return _Prepared(args, header, checks, counts, x_data.shape[0], inputs, ready, experts)
 
     def _prepare_combine(
         self,
@@ -252,6 +265,7 @@ class CallAgreement:
                 num_sms=config.num_sms,
                 rdma_send=config.num_max_rdma_chunked_send_tokens,
                 rdma_recv=config.num_max_rdma_chunked_recv_tokens,
+                buffer=self.comm.buffer_id,
             )
 
         def inputs() -> list[torch.Tensor]:
@@ -297,19 +311,21 @@ class CallAgreement:
             if prepared.checks_ready is not None:
                 torch.cuda.current_stream(prepared.checks.device).wait_event(prepared.checks_ready)
             row = encode_row(
-                dataclasses.replace(prepared.header, buffer=buffer_id),
+                prepared.header,  # made with this Buffer's number (no copy per call)
                 self.group_size,
                 self.device,
                 prepared.checks,
                 prepared.counts,
                 prepared.num_tokens,
+                prepared.experts,
             )
         if sync_free and self._backend.agrees_on_device:
             self._backend.exchange_header_async(row, call)
             if error is not None:
                 raise error
             return None
-        agreed = Agreement.decode(self._backend.exchange_header(row, call))
+        experts = None if prepared is None else prepared.experts
+        agreed = Agreement.decode(self._backend.exchange_header(row, call, experts))
         if agreed.failed_ranks:
             texts = self._backend.gather_objects(
                 describe_error(error) if error is not None else None, call

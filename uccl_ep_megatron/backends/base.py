@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.backends.agreement import Agreement
+from uccl_ep_megatron.backends.agreement import Agreement, DispatchExperts
 from uccl_ep_megatron.backends.agreement.group import BufferGroup
 from uccl_ep_megatron.core.config import Config
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
@@ -240,9 +240,13 @@ class Backend(abc.ABC):
         calls report through the status word); never synchronizes the device. The default
         backend reports every error at the call that makes it, so it has none pending."""
 
-    def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]] | None:
+    def exchange_header(
+        self, row: torch.Tensor, call: str, experts: DispatchExperts | None = None
+    ) -> list[list[int]] | None:
         """Every rank's ``row`` (rank order) on the host, bounded by ``UCCL_EP_TIMEOUT_MS``;
-        ``None`` when this backend has no host-side exchange to carry it."""
+        ``None`` when this backend has no host-side exchange to carry it. ``experts``: a
+        non-cached dispatch's per-expert counts, which the rows carry; a backend may read its
+        local experts' received counts back with the rows (the rows may then omit the block)."""
         return None
 
     def exchange_header_async(self, row: torch.Tensor, call: str) -> None:

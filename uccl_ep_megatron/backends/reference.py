@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from uccl_ep_megatron.backends.agreement import DTYPE_CODES
+from uccl_ep_megatron.backends.agreement import DTYPE_CODES, DispatchExperts
 from uccl_ep_megatron.backends.base import (
     Backend,
     DispatchArgs,
@@ -83,7 +83,9 @@ class ReferenceBackend(Backend):
         )
 
     # ---- collectives, on the Buffer's channel, each bounded by UCCL_EP_TIMEOUT_MS ---------
-    def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
+    def exchange_header(
+        self, row: torch.Tensor, call: str, experts: DispatchExperts | None = None
+    ) -> list[list[int]]:
         self.comm.check_usable()
         self._call = call  # names the call in the errors of its later collectives
         rows = self._all_gather_rows(row, "the call-header exchange", call)

@@ -11,10 +11,11 @@ arguments, every rank raises the same error naming the rank, the call and the re
 of one rank failing alone while the others wait in a collective (or, worse, move bytes laid out
 differently: a bf16 1.0 read as fp16 arrives as 1.875).
 
-The row has the same length on every rank whatever the call (header, 3 check words, one count
-per rank, the token count), so even ranks in different calls complete the exchange and report
-it. A rank whose checks failed still takes part, with the error flag set; the text of its error
-then follows in a second exchange that only the error path makes.
+The row has the same length on every rank whatever the call (header, 3 check words, a fixed
+block of per-expert counts that a dispatch fills, one count per rank, the token count), so even
+ranks in different calls complete the exchange and report it. A rank whose checks failed still
+takes part, with the error flag set; the text of its error then follows in a second exchange
+that only the error path makes.
 
 The header names the Buffer too (its number, agreed at construction), so calls of two Buffers
 of one group never match each other.
@@ -35,6 +36,8 @@ from uccl_ep_megatron.backends.agreement.packed import (
 from uccl_ep_megatron.backends.agreement.row import (
     COUNTS_COLUMN,
     DTYPE_CODES,
+    EXPERT_SLOTS,
+    EXPERTS_COLUMN,
     KIND_CACHED,
     KIND_COMBINE,
     KIND_DISPATCH,
@@ -42,11 +45,14 @@ from uccl_ep_megatron.backends.agreement.row import (
     LAYOUT_BITS,
     Agreement,
     CallHeader,
+    DispatchExperts,
     describe_error,
     describe_layout_bits,
     encode_row,
     error_class,
     error_code,
+    host_part,
+    local_expert_counts,
     peer_error,
     row_counts,
     row_num_tokens,
@@ -62,6 +68,9 @@ __all__ = [
     "CallHeader",
     "COUNTS_COLUMN",
     "DTYPE_CODES",
+    "DispatchExperts",
+    "EXPERT_SLOTS",
+    "EXPERTS_COLUMN",
     "KIND_CACHED",
     "KIND_COMBINE",
     "KIND_DISPATCH",
@@ -76,6 +85,8 @@ __all__ = [
     "encode_row",
     "error_class",
     "error_code",
+    "host_part",
+    "local_expert_counts",
     "pack_combine_header",
     "pack_dispatch_header",
     "peer_error",

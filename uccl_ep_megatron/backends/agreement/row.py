@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -19,7 +20,7 @@ from uccl_ep_megatron.core.errors import (
 
 KIND_DISPATCH, KIND_CACHED, KIND_COMBINE = 1, 2, 3
 KIND_NAMES = {KIND_DISPATCH: "dispatch", KIND_CACHED: "cached dispatch", KIND_COMBINE: "combine"}
-_MAGIC = 0x55455032  # "UEP2": a row of this layout
+_MAGIC = 0x55455033  # "UEP3": a row of this layout (with the per-expert block)
 
 # Stable codes of the x dtypes (the same on every rank and build).
 _DTYPES = (
@@ -94,9 +95,38 @@ _FIELD_TEXT = {
 }
 _CHECK_WORDS = 3  # expert id min, max, layout bits
 
+# Per-expert counts a row carries: a dispatch's tokens per expert travel with its header, so
+# an exact dispatch needs no second exchange for them (each rank sums its own experts' columns
+# on the device and reads only those back with the header). Every row has the block, whatever
+# its call: the all-gather needs one width on every rank, and ranks that disagree on the call
+# (one combines while another dispatches, or is in another Buffer) must still complete the
+# exchange to learn it. So the width cannot follow a call's num_experts; it is fixed here. 512
+# covers the routed experts of today's MoE models (DeepSeek-V3 256, Kimi K2 384, Qwen3-Next
+# 512); a dispatch with more leaves the block zero and gathers its counts apart (the same
+# numbers, one more exchange). Counts are int32 (a rank's tokens), two to a word: 2 KB a row.
+EXPERT_SLOTS = 512
+_EXPERT_WORDS = EXPERT_SLOTS // 2
+
 
 def row_width(num_ranks: int) -> int:
-    return len(_FIELDS) + _CHECK_WORDS + num_ranks + 1
+    return len(_FIELDS) + _CHECK_WORDS + _EXPERT_WORDS + num_ranks + 1
+
+
+class DispatchExperts(NamedTuple):
+    """A non-cached dispatch's per-expert counts, which its row carries (``encode_row``), and
+    what its exact-mode exchange reads back of every rank's (``local_expert_counts``)."""
+
+    counts: torch.Tensor  # [E] tokens this rank sends to each expert (num_tokens_per_expert)
+    alignment: int  # expert_alignment of the received counts
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.counts.shape[0])
+
+    @property
+    def carried(self) -> bool:
+        """The row carries the counts (else the block is zero and they are gathered apart)."""
+        return self.num_experts <= EXPERT_SLOTS
 
 
 def error_class(code: int) -> type[UcclEpError]:
@@ -121,32 +151,78 @@ def encode_row(
     checks: torch.Tensor | None = None,
     counts: torch.Tensor | None = None,
     num_tokens: int = 0,
+    experts: DispatchExperts | None = None,
 ) -> torch.Tensor:
-    """The int64 row this rank contributes; ``checks`` and ``counts`` may be device tensors.
+    """The int64 row this rank contributes; ``checks``, ``counts`` and ``experts.counts`` may
+    be device tensors: [header fields | checks | per-expert block | counts per rank | tokens].
 
     The host-known words travel through pinned memory with an asynchronous copy, so building
-    the row never waits for the GPU (a pageable copy would synchronize the stream).
+    the row never waits for the GPU (a pageable copy would synchronize the stream). A row with
+    nothing from the device (a combine, a cached dispatch, a rank whose checks failed) is
+    built whole on the host: one copy instead of a copy, zero fills and a concatenation.
     """
-    host = torch.tensor([getattr(header, f) for f in _FIELDS] + [num_tokens], dtype=torch.int64)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    words = host.to(device, non_blocking=True)
+    values = [getattr(header, f) for f in _FIELDS]
+    carried = experts is not None and experts.carried
+    if checks is None and counts is None and not carried:
+        middle = _CHECK_WORDS + _EXPERT_WORDS + num_ranks
+        return _to_device(values + [0] * middle + [num_tokens], device)
+    words = _to_device(values + [num_tokens], device)
     if checks is None:
         checks = torch.zeros(_CHECK_WORDS, dtype=torch.int64, device=device)
     if counts is None:
         counts = torch.zeros(num_ranks, dtype=torch.int64, device=device)
+    if carried:
+        per_expert = experts.counts.to(device=device, dtype=torch.int32)
+        block = torch.nn.functional.pad(per_expert, (0, EXPERT_SLOTS - experts.num_experts))
+        block = block.view(torch.int64)
+    else:
+        block = torch.zeros(_EXPERT_WORDS, dtype=torch.int64, device=device)
+    # torch.cat promotes the int32 counts to the int64 row in the same kernel.
     return torch.cat(
         [
             words[:-1],
-            checks.to(device=device, dtype=torch.int64).reshape(_CHECK_WORDS),
-            counts.to(device=device, dtype=torch.int64).reshape(num_ranks),
+            checks.to(device=device).reshape(_CHECK_WORDS),
+            block,
+            counts.to(device=device).reshape(num_ranks),
             words[-1:],
         ]
     )
 
 
-# The column of a row where its per-rank counts start (after the header fields and checks).
-COUNTS_COLUMN = len(_FIELDS) + _CHECK_WORDS
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    # Made in pinned memory directly (pin_memory() would copy a pageable tensor first).
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+# Columns of a row: the per-expert block after the header fields and checks, then the per-rank
+# counts (the internode tables kernel takes this column), then the token count (last).
+EXPERTS_COLUMN = len(_FIELDS) + _CHECK_WORDS
+COUNTS_COLUMN = EXPERTS_COLUMN + _EXPERT_WORDS
+
+
+def host_part(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[R, width - block]`` every column of the rows ``[R, width]`` but the per-expert block:
+    what the host checks read (``Agreement.decode`` takes rows with or without the block)."""
+    return torch.cat([rows[:, :EXPERTS_COLUMN], rows[:, COUNTS_COLUMN:]], 1, out=out)
+
+
+def local_expert_counts(
+    rows: torch.Tensor,
+    rank: int,
+    experts_per_rank: int,
+    alignment: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[experts_per_rank]`` int64 rows ``rank`` receives per local expert, rounded up to
+    ``alignment``: the sum over source ranks of the columns of its experts in the per-expert
+    blocks of all-gathered rows ``[R, width]`` (no host sync)."""
+    block = rows[:, EXPERTS_COLUMN:COUNTS_COLUMN].view(torch.int32)  # [R, EXPERT_SLOTS]
+    lo = rank * experts_per_rank
+    n = torch.sum(block[:, lo : lo + experts_per_rank], 0, dtype=torch.int64, out=out)
+    if alignment > 1:
+        n.add_(alignment - 1).div_(alignment, rounding_mode="floor").mul_(alignment)
+    return n
 
 
 def row_counts(rows: torch.Tensor) -> torch.Tensor:
@@ -171,17 +247,31 @@ class Agreement:
 
     @staticmethod
     def decode(rows: Sequence[Sequence[int]]) -> Agreement:
-        n, c = len(_FIELDS), _CHECK_WORDS
-        headers, bounds, bits, counts, tokens = [], [], [], [], []
+        """``rows``: every rank's row as Python ints (``tolist``), with or without the
+        per-expert block. Host time grows with the ranks: in an agreed call every rank sends
+        the same header fields, so one ``CallHeader`` serves every rank that sent them."""
+        n, num_ranks = len(_FIELDS), len(rows)
+        made: dict[tuple[int, ...], CallHeader] = {}
+        headers = []
         for row in rows:
-            row = [int(v) for v in row]
-            values = dict(zip(_FIELDS, row[:n], strict=True))
-            headers.append(CallHeader(**values))
-            bounds.append((row[n], row[n + 1]))
-            bits.append(row[n + 2])
-            counts.append(row[n + c : -1])
-            tokens.append(row[-1])
-        return Agreement(headers, bounds, bits, counts, tokens)
+            key = tuple(row[:n])
+            header = made.get(key)
+            if header is None:
+                header = made[key] = CallHeader(*key)
+            headers.append(header)
+        return Agreement(
+            headers,
+            [(row[n], row[n + 1]) for row in rows],
+            [row[n + 2] for row in rows],
+            # From the end: rows read back without their per-expert block (host_part) or whole.
+            [list(row[-1 - num_ranks : -1]) for row in rows],
+            [row[-1] for row in rows],
+        )
+
+    @functools.cached_property
+    def received(self) -> list[int]:
+        """Rows each rank receives (column sums of ``counts``), summed once."""
+        return [sum(column) for column in zip(*self.counts, strict=True)]
 
     @property
     def failed_ranks(self) -> list[int]:
@@ -190,6 +280,8 @@ class Agreement:
     def check(self, call: str) -> None:
         """Raise the same ``InvalidInputError`` on every rank when the ranks disagree."""
         hs = self.headers
+        if hs[0].magic == _MAGIC and all(h is hs[0] for h in hs):
+            return  # every rank sent one valid header (decode shares it): nothing disagrees
         if any(h.magic != _MAGIC for h in hs):
             bad = [r for r, h in enumerate(hs) if h.magic != _MAGIC]
             raise InvalidInputError(
@@ -241,8 +333,7 @@ class Agreement:
 
     def check_worst_tokens(self, call: str) -> None:
         """Every rank's ``num_worst_tokens`` against the rows it receives (non-cached dispatch)."""
-        for r, h in enumerate(self.headers):
-            rows = sum(c[r] for c in self.counts)
+        for r, (h, rows) in enumerate(zip(self.headers, self.received, strict=True)):
             if 0 < h.num_worst_tokens < rows:
                 raise InvalidInputError(
                     f"{call}: rank {r} passed num_worst_tokens={h.num_worst_tokens} but receives "

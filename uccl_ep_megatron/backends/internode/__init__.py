@@ -12,16 +12,16 @@ backwards and hierarchically: each node sums its rows of a token into one partia
 per (token, node) crosses the network, and the source adds them up (``csrc/kernels/internode.h``).
 
 Every call starts with the all-gather (NCCL) of the call header (``agreement``; exchanged by
-``header.py``), which carries the per-rank counts and the expert-id / layout checks. Being
-stream-ordered, it also makes sure every rank finished its previous kernels (every ring is
-drained before a call with another layout). The index tables (final rows, per-rank prefixes,
-per-channel stream lists) are built from the gathered rows with torch ops on the GPU
-(``tables.py``); no count is copied from the host to the device.
+``header.py``), which carries the per-rank and per-expert counts and the expert-id / layout
+checks. Being stream-ordered, it also makes sure every rank finished its previous kernels (every
+ring is drained before a call with another layout). The index tables (final rows, per-rank
+prefixes, per-channel stream lists) are built from the gathered rows on the GPU by one kernel
+(``tables.py`` has their torch form); no count is copied from the host to the device.
 
 - Exact mode (``num_worst_tokens=0``): a dispatch reads the gathered headers on the host once,
-  so ranks that disagree or reject their arguments all raise the same error before any kernel
-  runs and the outputs are sized; the per-expert counts list is a second read. A cached
-  dispatch and a combine read nothing back.
+  with its local experts' received counts summed on the device, so ranks that disagree or
+  reject their arguments all raise the same error before any kernel runs and the outputs are
+  sized. A cached dispatch and a combine read back the headers alone.
 - Sync-free mode (``num_worst_tokens=W > 0``, and the cached dispatch / combine of its handle):
   nothing is read back. Outputs have W rows; the headers are checked on the GPU
   (``agreement.device_verdict``) and a rejection (bad expert id, layout tensors that disagree

@@ -23,7 +23,7 @@ from uccl_ep_megatron.backends.base import (
     Topology,
 )
 from uccl_ep_megatron.backends.internode.diagnostics import recorded_error
-from uccl_ep_megatron.backends.internode.header import CallHeaderExchange
+from uccl_ep_megatron.backends.internode.header import CallHeaderExchange, ExpertCounts
 from uccl_ep_megatron.backends.internode.launch import (
     CombineTablesTensors,
     DispatchTablesTensors,
@@ -160,6 +160,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         self._ctx_grows = -1
         self._trace: torch.Tensor | None = None
         self._check_scratch: torch.Tensor | None = None
+        self._slot_bytes: dict[tuple[int, ...], tuple[int, int]] = {}
 
     def set_trace(self, on: bool) -> None:
         """Per-block time accounting of every later launch, read with ``read_trace``
@@ -213,7 +214,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
         return self._ep
 
     def _stream(self) -> int:
-        return torch.cuda.current_stream(self.device).cuda_stream
+        # The raw handle, without building a torch.cuda.Stream object (~10 us of host time
+        # under MPS; two to three per call: the routing check, the tables and the launch).
+        return torch._C._cuda_getCurrentRawStream(self._dev_index)
 
     def check(self) -> None:
         """Raise the first failure of a kernel wait, a FIFO push, a proxy thread, or the GPU
@@ -276,6 +279,44 @@ class InternodeBackend(CallHeaderExchange, Backend):
             chunk=config.num_max_rdma_chunked_send_tokens,
         )
 
+    def _slots(
+        self,
+        combine: bool,
+        config: Config,
+        row_bytes: int,
+        num_scales: int,
+        num_topk: int,
+        idx_bytes: int,
+    ) -> tuple[int, int]:
+        """(ring slot, NVLink staging slot) bytes of a call's row shape, its rings checked
+        against the RDMA region (``check_rings`` raises when they do not fit). Pure functions
+        of the shape, the config and this Buffer's fixed region: computed once per shape, not
+        in three binding calls that build dicts on every call. A combine stages its ring
+        slots."""
+        key = (
+            combine,
+            row_bytes,
+            num_scales,
+            num_topk,
+            idx_bytes,
+            config.num_channels,
+            config.num_max_rdma_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens,
+        )
+        slots = self._slot_bytes.get(key)
+        if slots is None:
+            L = self.topology.ranks_per_node
+            if combine:
+                slot = stage = self._in.combine_slot(row_bytes, num_topk)["bytes"]
+            else:
+                slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, L)["bytes"]
+                stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
+            check_rings(self._c, self._region_bytes, self.topology.num_nodes, combine, config, slot)
+            if len(self._slot_bytes) >= 64:  # shapes a caller used and dropped
+                self._slot_bytes.clear()
+            slots = self._slot_bytes[key] = (slot, stage)
+        return slots
+
     def _fit_staging(self, rows_of_rank: tuple[int, ...], slot_bytes: int, op: str) -> None:
         if self.topology.ranks_per_node > 1:  # else no NVLink staging: only barrier flags
             fit_staging(self._ipc, _NVL_STAGE_OFFSET, rows_of_rank, slot_bytes, op)
@@ -320,14 +361,20 @@ class InternodeBackend(CallHeaderExchange, Backend):
         return out
 
     # ---- dispatch -----------------------------------------------------------------------
-    def _expert_counts(self, args: DispatchArgs) -> tuple[list[int], torch.Tensor | None]:
-        """Exact mode: rows per local expert (aligned) from the all-gathered per-expert counts,
-        as the host list (the dispatch's one read besides the call header) and on the device.
-        Sync-free mode has no collective after the header exchange (a rank whose own checks
-        failed raised there and takes part in nothing more): the device counts come from the
-        outputs after the kernels (``received_expert_counts``)."""
+    def _expert_counts(
+        self, args: DispatchArgs, read: ExpertCounts | None
+    ) -> tuple[list[int], torch.Tensor | None]:
+        """Exact mode: rows per local expert (aligned), as the host list and on the device. The
+        header exchange read them with the rows (``read``) when the rows carried every rank's
+        per-expert counts; a dispatch with more experts than a row holds (``EXPERT_SLOTS``)
+        gathers them here, with a second exchange and read. Sync-free mode has no collective
+        after the header exchange (a rank whose own checks failed raised there and takes part
+        in nothing more): the device counts come from the outputs after the kernels
+        (``received_expert_counts``)."""
         if args.num_worst_tokens > 0:
             return [], None
+        if read is not None:
+            return read.host, read.device
         topo = self.topology
         epr = args.num_experts // topo.num_ranks
         gathered = self._gather_rows(args.num_tokens_per_expert)
@@ -449,7 +496,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
         self.check()
-        rows, verdict = self._take_rows()
+        rows, verdict, read = self._take_rows()
         topo, cfg, cached = self.topology, args.config, args.cached
         x = args.x.contiguous()
         row_bytes, num_topk, num_scales = self._dispatch_shape(args, x)
@@ -462,11 +509,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
         expert_list: list[int] = []
         per_expert = None
         if cached is None:
-            expert_list, per_expert = self._expert_counts(args)
-        slot = self._in.dispatch_slot(row_bytes, num_scales, num_topk, topo.ranks_per_node)["bytes"]
-        check_rings(self._c, self._region_bytes, topo.num_nodes, False, cfg, slot)
+            expert_list, per_expert = self._expert_counts(args, read)
         idx_bytes = args.topk_idx.element_size() if num_topk else 8
-        stage = self._in.stage_slot(row_bytes, num_scales, num_topk, idx_bytes)["bytes"]
+        _, stage = self._slots(False, cfg, row_bytes, num_scales, num_topk, idx_bytes)
         self._fit_staging(state.stage_rows, stage, "dispatch")
         t = self._dispatch_tensors(args, x, state, num_scales, tuple(streams))
         # The kernels, the node barrier and staged rows (ranks per node > 1), then the poison
@@ -502,7 +547,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         config: Config,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.check()
-        _, verdict = self._take_rows()
+        verdict = self._take_rows().verdict
         topo = self.topology
         num_nodes = topo.num_nodes
         num_tokens = handle.is_token_in_rank.shape[0]
@@ -515,8 +560,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 f"combine: rows of {row_bytes} bytes; the internode kernels need a multiple of 16"
             )
         num_topk = 0 if topk_weights is None else topk_weights.shape[1]
-        slot = self._in.combine_slot(row_bytes, num_topk)["bytes"]
-        check_rings(self._c, self._region_bytes, num_nodes, True, config, slot)
+        slot, _ = self._slots(True, config, row_bytes, 0, num_topk, 0)
         self._fit_staging(state.stage_rows, slot, "combine")
 
         cch = config.num_channels

@@ -1,23 +1,33 @@
 """The call header of an internode call (``agreement.py``): all-gathered over NCCL on the
 device, read back on the host (exact mode) or checked on the GPU (sync-free mode).
 
+An exact dispatch's rows carry every rank's per-expert counts too: the host reads, in one copy,
+the rows without that block plus this rank's local experts' received counts, summed on the
+device (never the ``[R, E]`` counts themselves), so the dispatch has one exchange and one read.
+
 ``CallHeaderExchange`` is a mixin of ``InternodeBackend``: it uses the backend's ``topology``,
 ``group``, ``device``, ``_timeout_ms`` and ``check()``, and keeps the rows of the current call
-until its dispatch or combine takes them (``_take_rows``)."""
+(and the local expert counts read with them) until its dispatch or combine takes them
+(``_take_rows``)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.backends.agreement import (
+    COUNTS_COLUMN,
+    EXPERTS_COLUMN,
     KIND_DISPATCH,
     VERDICTS,
     CallHeader,
+    DispatchExperts,
     device_verdict,
+    host_part,
+    local_expert_counts,
     timeout_error,
     verdict_message,
     wait_stream,
@@ -26,6 +36,21 @@ from uccl_ep_megatron.core.errors import InvalidInputError, UcclEpError
 
 _W_FIELD = list(CallHeader.__dataclass_fields__).index("num_worst_tokens")
 _KIND_FIELD = list(CallHeader.__dataclass_fields__).index("kind")
+
+
+class ExpertCounts(NamedTuple):
+    """Rows this rank receives per local expert, rounded up to the dispatch's alignment."""
+
+    host: list[int]
+    device: torch.Tensor  # int32 [experts per rank]
+
+
+class TakenRows(NamedTuple):
+    """What the exchange of the current call left for its dispatch or combine."""
+
+    rows: torch.Tensor  # int64 [R, width] on the device
+    verdict: torch.Tensor | None  # the GPU verdict of a sync-free call
+    experts: ExpertCounts | None  # read with the rows (an exact dispatch whose rows carry them)
 
 
 class CallHeaderExchange:
@@ -40,6 +65,7 @@ class CallHeaderExchange:
         # call, the GPU verdict on them that its kernels read.
         self._rows: torch.Tensor | None = None
         self._verdict: torch.Tensor | None = None
+        self._experts: ExpertCounts | None = None
 
     def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """All-gather of one int64 row per rank into ``[R, width]`` on the device (no sync)."""
@@ -76,23 +102,53 @@ class CallHeaderExchange:
                 return None
             time.sleep(0.01)
 
-    def exchange_header(self, row: torch.Tensor, call: str) -> list[list[int]]:
+    def exchange_header(
+        self, row: torch.Tensor, call: str, experts: DispatchExperts | None = None
+    ) -> list[list[int]]:
+        """Every rank's row without its per-expert block, read in one copy together with this
+        rank's local expert counts when ``experts`` are carried (kept for ``_take_rows``)."""
         self.check()
         self._call = call
         # Stream-ordered: every rank's previous kernels finished (all rings drained) before our
         # next kernel starts.
-        self._rows = self._gather_rows(row)
+        self._rows = rows = self._gather_rows(row)
         self._verdict = None
-        rows = self._read(self._rows, "the call-header exchange", call)
-        worst = {r[_W_FIELD] for r in rows if r[_KIND_FIELD] == KIND_DISPATCH}
+        read, local = self._host_read(rows, experts)
+        values = self._read(read, "the call-header exchange", call)
+        num_ranks = rows.shape[0]
+        n = len(values) - (0 if local is None else local.numel())
+        width = n // num_ranks
+        self._experts = None if local is None else ExpertCounts(values[n:], local)
+        rows_host = [values[r * width : (r + 1) * width] for r in range(num_ranks)]
+        worst = {r[_W_FIELD] for r in rows_host if r[_KIND_FIELD] == KIND_DISPATCH}
         if len(worst) > 1:
             # A rank that passed num_worst_tokens > 0 checks on the GPU and skips the call.
-            rank = next(i for i, r in enumerate(rows) if r[_W_FIELD] != rows[0][_W_FIELD])
+            first = rows_host[0][_W_FIELD]
+            rank = next(i for i, r in enumerate(rows_host) if r[_W_FIELD] != first)
+            value = rows_host[rank][_W_FIELD]
             raise InvalidInputError(
-                f"{call}: "
-                + verdict_message(VERDICTS.index("worst_differs") + 1, rank, rows[rank][_W_FIELD])
+                f"{call}: " + verdict_message(VERDICTS.index("worst_differs") + 1, rank, value)
             )
-        return rows
+        return rows_host
+
+    def _host_read(
+        self, rows: torch.Tensor, experts: DispatchExperts | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the host reads of ``rows`` (flat, on the device): the rows without their
+        per-expert block, then, when the rows carry ``experts``, this rank's local expert
+        counts; and those counts as the int32 device tensor of the dispatch's outputs."""
+        num_ranks = rows.shape[0]
+        epr = 0
+        if experts is not None and experts.carried and experts.num_experts % num_ranks == 0:
+            epr = experts.num_experts // num_ranks
+        if not epr:
+            return host_part(rows).view(-1), None
+        host = (rows.shape[1] - (COUNTS_COLUMN - EXPERTS_COLUMN)) * num_ranks
+        read = torch.empty(host + epr, dtype=torch.int64, device=rows.device)
+        host_part(rows, out=read[:host].view(num_ranks, -1))
+        rank = self.topology.rank
+        local = local_expert_counts(rows, rank, epr, experts.alignment, out=read[host:])
+        return read, local.to(torch.int32)
 
     def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
         """The call header of a sync-free call: all-gathered and checked on the GPU; the
@@ -110,13 +166,14 @@ class CallHeaderExchange:
         self._call = call
         self._rows = self._gather_rows(row)
         self._verdict = device_verdict(self._rows)
+        self._experts = None
 
-    def _take_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _take_rows(self) -> TakenRows:
         if self._rows is None:
             raise UcclEpError(
                 f"internode {self._call or 'call'}: no call header was exchanged for it; call "
                 "through Buffer, which exchanges one before every dispatch and combine"
             )
-        rows, verdict = self._rows, self._verdict
-        self._rows = self._verdict = None
-        return rows, verdict
+        taken = TakenRows(self._rows, self._verdict, self._experts)
+        self._rows = self._verdict = self._experts = None
+        return taken

@@ -148,7 +148,7 @@ def state_sizes(
     the host-read rows ``agreed`` (exact mode) or ``num_worst_tokens`` W (sync-free)."""
     if num_worst_tokens > 0:
         return num_worst_tokens, num_worst_tokens, (num_worst_tokens,) * topology.num_ranks
-    stage_rows = tuple(sum(c[r] for c in agreed.counts) for r in range(topology.num_ranks))
+    stage_rows = tuple(agreed.received)
     return stage_rows[topology.rank], max(1, max(agreed.num_tokens)), stage_rows
 
 
