@@ -17,8 +17,8 @@ from uccl_ep_megatron.backends.agreement import (
     KIND_DISPATCH,
     VERDICTS,
     CallHeader,
-    device_verdict,
     timeout_error,
+    verdict_columns,
     verdict_message,
     wait_stream,
 )
@@ -109,7 +109,9 @@ class CallHeaderExchange:
         self.check()
         self._call = call
         self._rows = self._gather_rows(row)
-        self._verdict = device_verdict(self._rows)
+        # device_verdict's checks in one launch (its torch form is the definition).
+        self._verdict = torch.empty(3, dtype=torch.int64, device=self.device)
+        self._in.call_verdict(self._stream(), self._rows, self._verdict, verdict_columns())
 
     def _take_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._rows is None:
