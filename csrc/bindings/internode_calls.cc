@@ -457,6 +457,37 @@ void routing_check_call(intptr_t stream, int ranks_per_node, py::handle t) {
   in::routing_check(a, stream);
 }
 
+// The verdict on a sync-free call's gathered headers; `columns` (VerdictColumns) names where
+// each header field is, read by name.
+void verdict_call(intptr_t stream, py::handle rows_t, py::handle out_t, py::handle cols) {
+  const TensorView rows = arg(rows_t, "call verdict: rows", false, {-1, -1}, {Dt::kInt64});
+  const TensorView out = arg(out_t, "call verdict: out", false, {3}, {Dt::kInt64});
+  in::VerdictArgs a;
+  a.rows = rows.ptr;
+  a.num_ranks = static_cast<int>(rows.size[0]);
+  a.width = static_cast<int>(rows.size[1]);
+  a.col_kind = field(cols, "kind").cast<int>();
+  a.col_seq = field(cols, "seq").cast<int>();
+  a.col_error = field(cols, "error").cast<int>();
+  a.col_magic = field(cols, "magic").cast<int>();
+  a.col_buffer = field(cols, "buffer").cast<int>();
+  a.col_experts = field(cols, "num_experts").cast<int>();
+  a.col_worst = field(cols, "num_worst_tokens").cast<int>();
+  const auto agreed = field(cols, "agreed").cast<std::vector<int>>();
+  UCCL_EP_CHECK_ARG(static_cast<int>(agreed.size()) <= in::kMaxAgreed, "call verdict: ", agreed.size(),
+                    " agreed fields, at most ", in::kMaxAgreed);
+  for (size_t i = 0; i < agreed.size(); ++i) a.agreed[i] = agreed[i];
+  a.num_agreed = static_cast<int>(agreed.size());
+  a.checks_col = field(cols, "checks").cast<int>();
+  a.counts_col = field(cols, "counts").cast<int>();
+  a.magic = field(cols, "magic_value").cast<int64_t>();
+  a.kind_dispatch = field(cols, "kind_dispatch").cast<int>();
+  a.out = out.ptr;
+  for (int c : {a.col_kind, a.col_seq, a.col_error, a.col_magic, a.col_buffer, a.col_experts, a.col_worst, a.checks_col + 2})
+    UCCL_EP_CHECK_ARG(c >= 0 && c < a.width, "call verdict: column ", c, " outside rows of width ", a.width);
+  in::call_verdict(a, stream);
+}
+
 }  // namespace
 #endif
 
@@ -498,6 +529,9 @@ void bind_internode_calls(py::module_& s) {
   s.def("routing_check", &routing_check_call,
         "routing_check(stream, ranks_per_node, tensors): a RoutingCheckTensors; min id, max id and layout bits of "
         "a dispatch's arguments into tensors.out, in one launch.");
+  s.def("call_verdict", &verdict_call,
+        "call_verdict(stream, rows, out, columns): the verdict (code, rank, value) on a sync-free call's gathered "
+        "headers into out; columns a VerdictColumns.");
   s.def("combine_call", &combine_call,
         "combine(ctx, stream, verdict|None, rings, tensors, num_recv): tensors an InternodeCombineTensors; the "
         "combine kernels and the poison fold of the outputs (NaN when a wait timed out).");

@@ -168,6 +168,22 @@ struct RoutingCheckArgs {
 int64_t routing_check_scratch_words(int num_ranks, int ranks_per_node, int num_experts);
 void routing_check(const RoutingCheckArgs& a, intptr_t stream);
 
+// The verdict on the all-gathered call headers of a sync-free call (agreement/verdict.py
+// device_verdict): out (int64 [3]) = code, rank, value. Columns name the header fields.
+constexpr int kMaxAgreed = 16;
+struct VerdictArgs {
+  intptr_t rows = 0;  // int64 [R, width]
+  int num_ranks = 0, width = 0;
+  int col_kind = 0, col_seq = 0, col_error = 0, col_magic = 0, col_buffer = 0, col_experts = 0, col_worst = 0;
+  int agreed[kMaxAgreed] = {};
+  int num_agreed = 0;
+  int checks_col = 0, counts_col = 0;
+  int64_t magic = 0;
+  int kind_dispatch = 0;
+  intptr_t out = 0;
+};
+void call_verdict(const VerdictArgs& a, intptr_t stream);
+
 // Loads every internode kernel on the current device now. Under lazy module loading (the
 // CUDA 12.2+ and PyTorch default) a kernel's first launch loads it while holding the context
 // lock until the GPU drains; if that happens while a dispatch/combine kernel waits for the

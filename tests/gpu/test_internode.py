@@ -665,17 +665,66 @@ def _check_routing(be, rank, world, gen) -> list[str]:
     return done
 
 
+def _check_verdicts(be, world, gen) -> list[str]:
+    from uccl_ep_megatron.backends.agreement import (
+        CallHeader,
+        device_verdict,
+        encode_row,
+        verdict_columns,
+    )
+
+    W = 64
+    header = CallHeader(
+        kind=1, seq=9, dtype=1, hidden=7168, num_topk=8, num_experts=8 * world, num_sms=24,
+        rdma_send=20, rdma_recv=128, num_worst_tokens=W, buffer=3,
+    )  # fmt: skip
+    counts = torch.randint(0, W // world, (world,), generator=gen, device="cuda")
+    checks = torch.tensor([0, 8 * world - 1, 0], device="cuda")
+    base = torch.stack(
+        [encode_row(header, world, torch.device("cuda"), checks, counts, W // 2)] * world
+    )
+    cols = verdict_columns()
+    edits = {
+        "ok": [],
+        "error": [(cols.error, 2)],
+        "magic": [(cols.magic, 7)],
+        "buffer": [(cols.buffer, 4)],
+        "seq": [(cols.seq, 10)],
+        "field": [(cols.agreed[3], 1)],
+        "bad_id": [(cols.checks, -5)],
+        "high_id": [(cols.checks + 1, 10_000)],
+        "bits": [(cols.checks + 2, 12)],
+        "worst": [(cols.num_worst_tokens, W + 1)],
+        "received": [(cols.counts, 10 * W)],
+        "tokens": [(base.shape[1] - 1, W + 1)],
+        "two": [(cols.seq, 11), (cols.checks + 2, 4)],
+        "combine_kind": [(cols.kind, 3)],
+    }
+    done = []
+    for name, changes in edits.items():
+        for at in range(world):
+            rows = base.clone()
+            for col, value in changes:
+                rows[at, col] = value
+            out = torch.empty(3, dtype=torch.int64, device="cuda")
+            be._in.call_verdict(be._stream(), rows, out, cols)
+            assert_same(f"verdict {name} at rank {at}", out, device_verdict(rows))
+            done.append(f"{name}/{at}")
+    return done
+
+
 def checks_case(rank: int, world: int) -> int:
-    """The routing check kernel against its torch form (``Backend.routing_check``): true and
-    corrupted layouts, -1 slots, repeated and out-of-range ids, int32 ids, no tokens."""
+    """The routing check and the header verdict kernels against their torch forms
+    (``Backend.routing_check``, ``device_verdict``): true and corrupted layouts, -1 slots,
+    repeated and out-of-range ids, int32 ids, no tokens; every verdict code at every rank."""
     be = _get_buffers(False)[0]._backend
     gen = torch.Generator(device="cuda").manual_seed(77 + rank)
-    done = _check_routing(be, rank, world, gen)
+    done = _check_routing(be, rank, world, gen) + _check_verdicts(be, world, gen)
     torch.cuda.synchronize()
     return len(done)
 
 
-def test_routing_check_kernel_matches_its_torch_form(gpu_pool):
+def test_check_kernels_match_their_torch_form(gpu_pool):
     out = gpu_pool.run(__file__, "checks_case", env=_env(gpu_pool, False, 0))
     assert all(n >= 100 for n in out), out  # 4 token counts x 5 routings x their layouts
 

@@ -1,6 +1,8 @@
-// The routing check of a dispatch's arguments on the GPU in one launch: what get_dispatch_layout
-// computes from topk_idx, against the layout the caller passed. Its torch form (backends/base.py
-// routing_check) defines it; the GPU tests hold this kernel to it.
+// The per-call checks of the internode path on the GPU, one launch each: the routing check of a
+// dispatch's arguments (what get_dispatch_layout computes from topk_idx, against the layout the
+// caller passed) and the verdict on the all-gathered call headers of a sync-free call. Their
+// torch forms (backends/base.py routing_check, agreement/verdict.py device_verdict) define them;
+// the GPU tests hold these kernels to them.
 #include "common/errors.h"
 #include "kernels/internode/plumbing.cuh"
 
@@ -124,10 +126,60 @@ __global__ void __launch_bounds__(kCheckThreads) routing_check_kernel(RoutingChe
   finish_check(a, scratch);
 }
 
+// One thread per rank s: each check's (failed, value) in VERDICTS order, then the first failure
+// (check-major, lowest rank) for everyone.
+__global__ void __launch_bounds__(kMaxRanks) verdict_kernel(VerdictArgs a) {
+  constexpr int kChecks = 10;
+  __shared__ int64_t s_value[kChecks][kMaxRanks];
+  __shared__ int s_first;
+  const int R = a.num_ranks, s = threadIdx.x;
+  const auto* rows = reinterpret_cast<const int64_t*>(a.rows);
+  if (s == 0) s_first = kChecks * R;
+  __syncthreads();
+  if (s < R) {
+    const int64_t* me = rows + static_cast<int64_t>(s) * a.width;
+    const int64_t* first = rows;
+    const bool dispatch = me[a.col_kind] == a.kind_dispatch;
+    int field = -1;
+    for (int i = 0; i < a.num_agreed && field < 0; ++i)
+      if (me[a.agreed[i]] != first[a.agreed[i]]) field = i;
+    const int64_t lo = me[a.checks_col], hi = me[a.checks_col + 1], bits = me[a.checks_col + 2];
+    const int64_t worst = me[a.col_worst], tokens = me[a.width - 1];
+    int64_t received = 0;
+    for (int r = 0; r < R; ++r) received += rows[static_cast<int64_t>(r) * a.width + a.counts_col + s];
+    const bool failed[kChecks] = {
+        me[a.col_error] != 0,
+        me[a.col_magic] != a.magic,
+        me[a.col_buffer] != first[a.col_buffer],
+        me[a.col_kind] != first[a.col_kind] || me[a.col_seq] != first[a.col_seq],
+        field >= 0,
+        dispatch && lo <= hi && (lo < -1 || hi >= me[a.col_experts]),
+        dispatch && bits != 0,
+        dispatch && worst != first[a.col_worst],
+        dispatch && received > worst,
+        dispatch && tokens > worst,
+    };
+    const int64_t value[kChecks] = {me[a.col_error], me[a.col_magic], me[a.col_buffer], me[a.col_seq],
+                                    field < 0 ? 0 : field, lo < -1 ? lo : hi, bits, worst, received, tokens};
+    for (int i = 0; i < kChecks; ++i) {
+      s_value[i][s] = value[i];
+      if (failed[i]) atomicMin(&s_first, i * R + s);
+    }
+  }
+  __syncthreads();
+  if (s != 0) return;
+  auto* out = reinterpret_cast<int64_t*>(a.out);
+  const int at = s_first;
+  const bool found = at < kChecks * R;
+  out[0] = found ? at / R + 1 : 0;
+  out[1] = found ? at % R : 0;
+  out[2] = found ? s_value[at / R][at % R] : 0;
+}
+
 }  // namespace
 
 std::vector<const void*> checks_kernels() {
-  return {reinterpret_cast<const void*>(routing_check_kernel)};
+  return {reinterpret_cast<const void*>(routing_check_kernel), reinterpret_cast<const void*>(verdict_kernel)};
 }
 
 }  // namespace detail
@@ -153,6 +205,14 @@ void routing_check(const RoutingCheckArgs& a, intptr_t stream) {
   int blocks = (a.num_tokens + detail::kCheckThreads - 1) / detail::kCheckThreads;
   blocks = blocks < 1 ? 1 : (blocks > detail::kCheckBlocks ? detail::kCheckBlocks : blocks);
   detail::routing_check_kernel<<<blocks, detail::kCheckThreads, 0, s>>>(a);
+  GPU_CHECK(gpuGetLastError());
+}
+
+void call_verdict(const VerdictArgs& a, intptr_t stream) {
+  UCCL_EP_CHECK_ARG(a.num_ranks >= 1 && a.num_ranks <= kMaxRanks && a.num_agreed <= kMaxAgreed &&
+                        a.counts_col + a.num_ranks < a.width,
+                    "call verdict: num_ranks=", a.num_ranks, " agreed fields=", a.num_agreed, " width=", a.width);
+  detail::verdict_kernel<<<1, kMaxRanks, 0, reinterpret_cast<gpuStream_t>(stream)>>>(a);
   GPU_CHECK(gpuGetLastError());
 }
 

@@ -58,7 +58,13 @@ from uccl_ep_megatron.backends.agreement.row import (
     row_num_tokens,
     row_width,
 )
-from uccl_ep_megatron.backends.agreement.verdict import VERDICTS, device_verdict, verdict_message
+from uccl_ep_megatron.backends.agreement.verdict import (
+    VERDICTS,
+    VerdictColumns,
+    device_verdict,
+    verdict_columns,
+    verdict_message,
+)
 from uccl_ep_megatron.backends.agreement.waits import timeout_error, wait_stream, wait_work
 
 __all__ = [
@@ -77,6 +83,7 @@ __all__ = [
     "KIND_NAMES",
     "LAYOUT_BITS",
     "VERDICTS",
+    "VerdictColumns",
     "check_packed_headers",
     "describe_packed_header",
     "describe_error",
@@ -94,6 +101,7 @@ __all__ = [
     "row_num_tokens",
     "row_width",
     "timeout_error",
+    "verdict_columns",
     "verdict_message",
     "wait_stream",
     "wait_work",

@@ -4,6 +4,7 @@ text of their verdict."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -13,6 +14,7 @@ from uccl_ep_megatron.backends.agreement.row import (
     _FIELD_TEXT,
     _FIELDS,
     _MAGIC,
+    COUNTS_COLUMN,
     KIND_DISPATCH,
     describe_layout_bits,
     row_counts,
@@ -33,6 +35,43 @@ VERDICTS = (
     "worst_overflow",  # more rows arrive than num_worst_tokens (value: the rows)
     "worst_tokens",  # more tokens than num_worst_tokens (value: the tokens)
 )
+
+
+class VerdictColumns(NamedTuple):
+    """Where ``device_verdict`` finds each header field in a row: what a GPU kernel that
+    computes the same verdict (``_C.internode.call_verdict``) reads by name."""
+
+    kind: int
+    seq: int
+    error: int
+    magic: int
+    buffer: int
+    num_experts: int
+    num_worst_tokens: int
+    agreed: tuple[int, ...]
+    checks: int  # id min, id max, layout bits
+    counts: int  # rows each rank sends to every rank
+    magic_value: int
+    kind_dispatch: int
+
+
+@functools.cache
+def verdict_columns() -> VerdictColumns:
+    at = _FIELDS.index
+    return VerdictColumns(
+        kind=at("kind"),
+        seq=at("seq"),
+        error=at("error"),
+        magic=at("magic"),
+        buffer=at("buffer"),
+        num_experts=at("num_experts"),
+        num_worst_tokens=at("num_worst_tokens"),
+        agreed=tuple(at(f) for f in _AGREED),
+        checks=len(_FIELDS),
+        counts=COUNTS_COLUMN,
+        magic_value=_MAGIC,
+        kind_dispatch=KIND_DISPATCH,
+    )
 
 
 @functools.cache

@@ -25,10 +25,10 @@ from uccl_ep_megatron.backends.agreement import (
     VERDICTS,
     CallHeader,
     DispatchExperts,
-    device_verdict,
     host_part,
     local_expert_counts,
     timeout_error,
+    verdict_columns,
     verdict_message,
     wait_stream,
 )
@@ -165,7 +165,9 @@ class CallHeaderExchange:
         self.check()
         self._call = call
         self._rows = self._gather_rows(row)
-        self._verdict = device_verdict(self._rows)
+        # device_verdict's checks in one launch (its torch form is the definition).
+        self._verdict = torch.empty(3, dtype=torch.int64, device=self.device)
+        self._in.call_verdict(self._stream(), self._rows, self._verdict, verdict_columns())
         self._experts = None
 
     def _take_rows(self) -> TakenRows:
