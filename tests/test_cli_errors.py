@@ -204,7 +204,9 @@ def test_bench_without_a_gpu_is_one_line(bench):
 
 @pytest.mark.parametrize("flags", [["--pipeline", "4"], ["--pipeline", "-1", "--sync-free"]])
 def test_bench_internode_pipeline_needs_sync_free_pairs(flags):
-    assert_one_line_error(cli("bench", "internode", *flags), f"--pipeline={flags[1]}", "--sync-free")
+    assert_one_line_error(
+        cli("bench", "internode", *flags), f"--pipeline={flags[1]}", "--sync-free"
+    )
 
 
 # ---- plugin options (item 8) ----------------------------------------------------------------
