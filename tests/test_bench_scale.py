@@ -141,7 +141,7 @@ def test_command_counts_match_a_simulation_of_the_chunking(op, nodes, max_nodes)
 
 
 def test_head_updates_per_chunk_are_what_the_committed_run_shows():
-    run = scale.load_run(os.path.join(RESULTS, "internode-h100-2x2.json"))
+    run = scale.load_run(os.path.join(RESULTS, "internode-h100-2x2-sweep.json"))
     cal = scale.calibrate(run)
     for kind, value in scale.HEAD_PER_CHUNK.items():
         assert cal["head_per_chunk"][kind] == pytest.approx(value, rel=0.05)
@@ -210,7 +210,7 @@ def test_published_numbers_convert_to_inter_node_bytes_by_the_remote_share():
 
 def test_cli_writes_every_row_and_checks_a_committed_run(tmp_path, capsys):
     out = tmp_path / "scale.json"
-    run = os.path.join(RESULTS, "internode-h100-2x2-50gbps.json")
+    run = os.path.join(RESULTS, "internode-h100-2x2.json")
     assert cli.main(["bench", "scale", "--from-json", run, "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert len(res["rows"]) == 3 * 4 * 3

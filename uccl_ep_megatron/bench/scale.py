@@ -12,7 +12,7 @@ Where its inputs come from (every one has a flag):
   GPUs copying (H100/H200, docs/performance.md);
 - ipc NIC model: 9.9 µs post-to-completion of one write at 0 µs latency (``bench internode
   --copy-only --window 1``); head updates per chunk: ``HEAD_PER_CHUNK``, from the NIC's message
-  counts in bench/results/internode-h100-2x2.json;
+  counts in bench/results/internode-h100-2x2-sweep.json;
 - proxy commands/s per thread: 1 M, an assumption (a post and a completion per message, ~0.25 µs
   each, and the peers' immediates). No committed run saturates the proxies (1 -> 4 threads did not
   change them), so they bound it from below only (~45 K/s per thread); each row prints the rate
