@@ -81,5 +81,5 @@ def w_buffer_with_env(rank, world):
 )
 def test_buffer_rejects_the_value_before_any_exchange(pool2, name, value):
     for msg, dt in pool2.run(HERE, "w_buffer_with_env", env={name: value}):
-        assert f"{name}='{value}'" in msg or f"{name}={value!r}" in msg or value in msg, msg
+        assert name in msg and value in msg, msg  # the variable and the value it holds
         assert dt < 5, dt
