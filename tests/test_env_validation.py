@@ -24,6 +24,8 @@ CASES = [
     ("UCCL_EP_TIMEOUT_MS", "abc", False),
     ("UCCL_EP_NUM_PROXY_THREADS", "0", False),
     ("UCCL_EP_NUM_PROXY_THREADS", "1", True),
+    ("UCCL_EP_PROXY_IDLE_US", "-1", False),
+    ("UCCL_EP_PROXY_IDLE_US", "0", True),
     ("UCCL_EP_RECV_ARENA_BYTES", "-1", False),
     ("UCCL_EP_RECV_ARENA_BYTES", "0", True),
     ("UCCL_EP_FIFO_CAPACITY", "1000", False),

@@ -491,7 +491,7 @@ void bind_proxy(py::module_& m) {
       .def(py::init([](uint32_t rank, uint32_t world, uint32_t ranks_per_node, uint32_t threads, uint64_t timeout_ms,
                        const std::string& ordering, const std::vector<FifoChannel*>& channels, Transport* transport,
                        Counters* counters, uint32_t max_inflight, uint64_t max_inflight_bytes,
-                       const std::vector<int>& cpus) {
+                       const std::vector<int>& cpus, uint32_t idle_us) {
              ProxyOptions o;
              o.rank = rank;
              o.world_size = world;
@@ -502,6 +502,7 @@ void bind_proxy(py::module_& m) {
              o.max_inflight_per_stream = max_inflight;
              o.max_inflight_bytes_per_stream = max_inflight_bytes;
              o.cpus = cpus;
+             o.idle_us = idle_us;
              return std::make_unique<Proxy>(o, channels, transport, counters ? counters->host() : nullptr,
                                             counters ? counters->size() : 0);
            }),
@@ -509,6 +510,7 @@ void bind_proxy(py::module_& m) {
            py::arg("timeout_ms"), py::arg("ordering"), py::arg("channels"), py::arg("transport"),
            py::arg("counters"), py::arg("max_inflight_per_stream") = imm::kSeqWindow,
            py::arg("max_inflight_bytes_per_stream") = 0, py::arg("cpus") = std::vector<int>{},
+           py::arg("idle_us") = 200,
            // The proxy's threads use channels, transport and counters: keep them alive with it.
            py::keep_alive<1, 8>(), py::keep_alive<1, 9>(), py::keep_alive<1, 10>())
       .def("start", &Proxy::start)

@@ -84,6 +84,10 @@ void validate(Env& e, Reject reject) {
     reject("UCCL_EP_NUM_PROXY_THREADS", "must be at least 1 (CPU proxy threads per GPU)",
            [&] { e.num_proxy_threads = d.num_proxy_threads; });
   }
+  if (e.proxy_idle_us < 0) {
+    reject("UCCL_EP_PROXY_IDLE_US", "must be 0 (always spin) or the microseconds of idling before a proxy naps",
+           [&] { e.proxy_idle_us = d.proxy_idle_us; });
+  }
   if (e.recv_arena_bytes < 0) {
     reject("UCCL_EP_RECV_ARENA_BYTES", "must be 0 (no arena: staged path only) or a positive byte count",
            [&] { e.recv_arena_bytes = d.recv_arena_bytes; });

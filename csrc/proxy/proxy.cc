@@ -4,10 +4,12 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <sys/prctl.h>
 
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <thread>
 
 #include "common/errors.h"
 #include "common/log.h"
@@ -77,6 +79,41 @@ std::string thread_name(uint32_t rank, uint32_t thread) {
   return ("ueproxy" + std::to_string(rank) + "t" + std::to_string(thread)).substr(0, 15);
 }
 
+// What a proxy thread does after a pass that moved nothing: spin a little (work usually follows
+// at once inside a call), then yield to co-located threads, and once idle for idle_us (between
+// calls: the host is building the next one) nap ~20 us per poll so the core is free. A call's
+// first command then waits at most one nap; idle_us = 0 keeps spinning.
+class IdlePolicy {
+ public:
+  explicit IdlePolicy(uint32_t idle_us) : idle_(std::chrono::microseconds(idle_us)), nap_(idle_us > 0) {}
+
+  void after_pass(bool moved) {
+    if (moved) {
+      passes_ = 0;
+      return;
+    }
+    if (++passes_ < 64) {
+      UCCL_EP_CPU_RELAX();
+      return;
+    }
+    if (nap_) {
+      const auto now = std::chrono::steady_clock::now();
+      if (passes_ == 64) since_ = now;
+      if (now - since_ >= idle_) {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+        return;
+      }
+    }
+    std::this_thread::yield();
+  }
+
+ private:
+  std::chrono::steady_clock::duration idle_;
+  bool nap_;
+  uint64_t passes_ = 0;
+  std::chrono::steady_clock::time_point since_{};
+};
+
 void thread_main(const std::shared_ptr<Proxy::State>& st, uint32_t thread) {
   const ProxyOptions& o = st->options;
   std::string name = thread_name(o.rank, thread);
@@ -89,21 +126,16 @@ void thread_main(const std::shared_ptr<Proxy::State>& st, uint32_t thread) {
       UCCL_EP_LOG(kWarn, "proxy thread ", name, ": could not pin to the GPU's NUMA CPUs; running unpinned");
     }
   }
+  // Naps are short: the kernel's default timer slack (50 us) would stretch each one.
+  if (o.idle_us > 0) (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
   try {
     Worker w(o, thread, st->channels, *st->transport, st->counters, st->num_counters, *st->stats[thread]);
-    uint32_t idle = 0;
+    IdlePolicy idle(o.idle_us);
     std::atomic<uint64_t>& passes = st->stats[thread]->passes;
     while (!st->stop.load(std::memory_order_relaxed)) {
       const bool moved = w.run_once();
       passes.store(passes.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-      if (moved) {
-        idle = 0;
-      } else if (++idle < 64) {
-        UCCL_EP_CPU_RELAX();
-      } else {
-        // Long idle: let co-located threads (other proxies, the trainer) run.
-        std::this_thread::yield();
-      }
+      idle.after_pass(moved);
     }
   } catch (...) {
     st->record_failure(std::current_exception());

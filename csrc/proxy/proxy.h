@@ -44,6 +44,7 @@ struct ProxyOptions {
   uint64_t max_inflight_bytes_per_stream = 0;          // 0: no cap; UCCL_IB_MAX_INFLIGHT_BYTES
   uint32_t batch = 32;                                 // commands taken from a channel per visit
   std::vector<int> cpus;                               // pin threads here (GPU's NUMA node); empty: no pin
+  uint32_t idle_us = 200;                              // idle this long, then nap between polls; 0: spin
   uint64_t stop_timeout_ms = 5000;                     // bound of stop()'s wait for each thread to exit
 };
 

@@ -47,7 +47,7 @@ TEST(Env, RejectsValuesOutOfRange) {
       {"UCCL_EP_FIFO_CAPACITY", "1000"},    {"UCCL_EP_FIFO_CAPACITY", "1"},
       {"UCCL_EP_RANKS_PER_NODE", "-1"},     {"UCCL_EP_LOG_LEVEL", "foo"},
       {"UCCL_EP_BACKEND", "foo"},           {"UCCL_EP_TRANSPORT", "foo"},
-      {"UCCL_EP_PROXY_ORDERING", "foo"},
+      {"UCCL_EP_PROXY_ORDERING", "foo"},    {"UCCL_EP_PROXY_IDLE_US", "-1"},
   };
   const Env defaults;
   for (const auto& [name, value] : bad) {

@@ -333,6 +333,7 @@ class ProxyEndpoint:
             cap,
             int(e["UCCL_IB_MAX_INFLIGHT_BYTES"]),
             list(cpus or []),
+            int(e["UCCL_EP_PROXY_IDLE_US"]),
         )
         self.proxy.start()
 
