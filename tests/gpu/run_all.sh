@@ -60,7 +60,8 @@ lane_b() {
   UCCL_EP_TEST_RANKS_PER_NODE=1 UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 suite internode_2x1 $B 150 \
     "${PYTEST[@]}" "$T/test_internode.py"
   suite fifo $B 120 "${PYTEST[@]}" "$T/test_fifo_gpu.py"
-  suite failures $B 240 "${PYTEST[@]}" "$T/test_failure_scenarios.py"
+  suite failures $B 300 "${PYTEST[@]}" "$T/test_failure_scenarios.py" \
+    "$T/test_nccl_group_after_timeout.py" "$T/test_module_loading_gpu.py"
 }
 if phase 1; then
   if [ "$NGPU" -ge 4 ]; then
