@@ -679,3 +679,26 @@ def test_add_arguments_is_an_extra_args_provider():
     from uccl_ep_megatron.token_dispatcher import reset_options
 
     reset_options()
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"LOCAL_WORLD_SIZE": "4", "UCCL_EP_RANKS_PER_NODE": "2"}, "EAGER"),  # virtual nodes
+        ({"LOCAL_WORLD_SIZE": "4"}, None),  # one node: no ipc transport
+        (
+            {"LOCAL_WORLD_SIZE": "4", "UCCL_EP_RANKS_PER_NODE": "2", "CUDA_MODULE_LOADING": "LAZY"},
+            "LAZY",  # the caller's choice is kept (the transport then refuses it)
+        ),
+    ],
+)
+def test_run_asks_for_eager_loading_where_the_ipc_transport_may_run(env, expected, monkeypatch):
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, "show_env.py")
+        with open(script, "w") as f:
+            f.write("import json, os\nprint(json.dumps(os.environ.get('CUDA_MODULE_LOADING')))\n")
+        base = {k: "" for k in ("UCCL_EP_RANKS_PER_NODE", "UCCL_EP_TRANSPORT")}
+        proc = _run([sys.executable, "-m", "uccl_ep_megatron.run", script], **{**base, **env})
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
