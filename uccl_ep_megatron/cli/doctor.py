@@ -204,6 +204,13 @@ def render(r: dict[str, Any]) -> str:
     )
     if "transport" in r:
         lines.append(f"== transport (UCCL_EP_TRANSPORT resolved): {r['transport']}")
+        if r["transport"] == "ipc" and g["count"]:
+            # proxy/loading.py: the ipc transport refuses lazy module loading on a GPU.
+            mode = os.environ.get("CUDA_MODULE_LOADING", "unset: the driver loads lazily")
+            lines.append(
+                f"  ipc on a GPU needs CUDA_MODULE_LOADING=EAGER in every rank (now: {mode}); "
+                "uccl-ep-megatron train and python -m uccl_ep_megatron.run set it for virtual nodes"
+            )
     if "env" in r:
         lines.append("== environment (effective)")
         for name, x in r["env"].items():
