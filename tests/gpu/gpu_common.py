@@ -274,3 +274,65 @@ def assert_combined_is_x_times_reached(combined, x, is_token_in_rank) -> None:
     torch.testing.assert_close(
         combined.float(), (x.float() * reached).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2
     )
+
+
+def store_meet(name: str, world: int, limit_s: float) -> None:
+    """Wait, at most ``limit_s``, until every rank got here: through the default store, no
+    collective of the process group, whatever state a failure left it in."""
+    import time
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = f"meet/{name}"
+    store.add(key, 1)
+    deadline = time.monotonic() + limit_s
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the ranks did not all reach {name!r} within {limit_s} s")
+        time.sleep(0.01)
+
+
+def scenario_inputs(rank: int, world: int, hidden: int, seed: int):
+    """Rank ``rank``'s tokens of a failure scenario: 64 + 8 * rank tokens, each routed to two
+    neighbouring experts of 4 per rank (any rank can rebuild any other rank's from the seed)."""
+    num_tokens = 64 + 8 * rank
+    gen = torch.Generator(device="cuda").manual_seed(seed + rank)
+    idx = torch.randint(0, 4 * world, (num_tokens, 2), device="cuda", generator=gen)
+    idx[:, 1] = (idx[:, 0] + 1) % (4 * world)  # distinct experts per token
+    w = torch.rand(num_tokens, 2, device="cuda", generator=gen)
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    return x, idx, w
+
+
+def run_keeping_results(pool, target, *args, env=None) -> tuple[dict, str | None, bool]:
+    """Run ``target`` (``(module path, function)``, called as ``f(rank, world, *args, tmp)``) on
+    the pool's ranks; each rank keeps its result in a file of ``tmp`` (``keep_result``), so the
+    survivors' results arrive when a rank dies (the pool then names it). Returns the results by
+    rank, the pool's error when a rank died, and whether every rank was alive afterwards."""
+    import pickle
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        died = None
+        try:
+            pool.run(target, *args, tmp, env=env)
+        except TimeoutError as exc:
+            died = str(exc)
+        alive = pool.alive()
+        outs = {}
+        for r in range(pool.world):
+            path = os.path.join(tmp, f"rank{r}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    outs[r] = pickle.load(f)
+    return outs, died, alive
+
+
+def keep_result(tmp: str, rank: int, out: Any) -> Any:
+    """On a rank: keep ``out`` where ``run_keeping_results`` reads it."""
+    import pickle
+
+    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    return out

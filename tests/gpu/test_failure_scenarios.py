@@ -24,17 +24,24 @@ in the call itself; a combine raises at the next host-visible point (``check_err
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import NUM_GPUS, dispatch, nvl_bytes_for, require_kernels  # noqa: E402
+from gpu_common import (  # noqa: E402
+    NUM_GPUS,
+    dispatch,
+    keep_result,
+    nvl_bytes_for,
+    require_kernels,
+    run_keeping_results,
+    scenario_inputs,
+    store_meet,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -77,46 +84,23 @@ def ranks(request):
 
 
 def run_scenario(pool, name: str) -> tuple[dict, str | None]:
-    """Run ``name`` on the pool's ranks; results travel through files, so the survivors'
-    arrive when a rank dies (the pool then names the dead rank and closes)."""
+    """Run ``name`` on the pool's ranks; the survivors' results arrive when a rank dies (the
+    pool then names the dead rank and closes)."""
     if not pool.alive():
         pytest.skip("an earlier scenario ended this placement's ranks")
-    with tempfile.TemporaryDirectory() as tmp:
-        died = None
-        try:
-            pool.run((HERE, "_keep"), name, tmp, env={"UCCL_EP_TIMEOUT_MS": str(TIMEOUT_MS)})
-        except TimeoutError as exc:
-            died = str(exc)
-        outs = {}
-        for r in range(2):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    outs[r] = pickle.load(f)
+    outs, died, _ = run_keeping_results(
+        pool, (HERE, "_keep"), name, env={"UCCL_EP_TIMEOUT_MS": str(TIMEOUT_MS)}
+    )
     return outs, died
 
 
 def _keep(rank, world, name, tmp):
-    out = globals()[name](rank, world, name)
-    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
-    return out
+    return keep_result(tmp, rank, globals()[name](rank, world, name))
 
 
 # ---- on the ranks ----------------------------------------------------------------------------
 def _meet(name: str, world: int) -> None:
-    """Wait, at most ``MEET_S``, until every rank got here (through the store: no collective
-    of the process group, whatever state a failure left it in)."""
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    key = f"meet/{name}"
-    store.add(key, 1)
-    deadline = time.monotonic() + MEET_S
-    while store.add(key, 0) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the ranks did not all reach {name!r} within {MEET_S} s")
-        time.sleep(0.01)
+    store_meet(name, world, MEET_S)
 
 
 def _buffer(world):
@@ -126,13 +110,7 @@ def _buffer(world):
 
 
 def _inputs(rank, world):
-    num_tokens = 64 + 8 * rank
-    gen = torch.Generator(device="cuda").manual_seed(11 + rank)
-    idx = torch.randint(0, 4 * world, (num_tokens, 2), device="cuda", generator=gen)
-    idx[:, 1] = (idx[:, 0] + 1) % (4 * world)  # distinct experts per token
-    w = torch.rand(num_tokens, 2, device="cuda", generator=gen)
-    x = torch.randn(num_tokens, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
-    return x, idx, w
+    return scenario_inputs(rank, world, HIDDEN, seed=11)
 
 
 def _dispatch(buf, rank, world):

@@ -21,16 +21,22 @@ its process down before the results are in. After the failure the ranks touch no
 from __future__ import annotations
 
 import os
-import pickle
 import sys
-import tempfile
 import time
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_common import NUM_GPUS, dispatch, nvl_bytes_for  # noqa: E402
+from gpu_common import (  # noqa: E402
+    NUM_GPUS,
+    dispatch,
+    keep_result,
+    nvl_bytes_for,
+    run_keeping_results,
+    scenario_inputs,
+    store_meet,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,46 +59,18 @@ CALL = "the call-header exchange of dispatch #2"  # the first call is the warm-u
 
 
 def run_scenario(pool) -> tuple[dict, str | None, bool]:
-    """Run the scenario on the pool's ranks; results travel through files, so a survivor's
-    arrive when a rank dies (the pool then names it). Also whether every rank was still
-    alive afterwards."""
-    with tempfile.TemporaryDirectory() as tmp:
-        died = None
-        try:
-            pool.run((HERE, "_keep"), tmp, env={"UCCL_EP_TIMEOUT_MS": str(TIMEOUT_MS)})
-        except TimeoutError as exc:
-            died = str(exc)
-        alive = pool.alive()
-        outs = {}
-        for r in range(2):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    outs[r] = pickle.load(f)
-    return outs, died, alive
+    """Run the scenario on the pool's ranks: the results by rank (a survivor's arrive when a
+    rank dies; the pool then names it), and whether every rank was still alive afterwards."""
+    return run_keeping_results(pool, (HERE, "_keep"), env={"UCCL_EP_TIMEOUT_MS": str(TIMEOUT_MS)})
 
 
 def _keep(rank, world, tmp):
-    out = late_rank(rank, world)
-    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(out, f)
-    return out
+    return keep_result(tmp, rank, late_rank(rank, world))
 
 
 # ---- on the ranks ----------------------------------------------------------------------------
 def _meet(name: str, world: int) -> None:
-    """Wait, at most ``MEET_S``, until every rank got here (through the store: no collective
-    of the process group)."""
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    key = f"meet/{name}"
-    store.add(key, 1)
-    deadline = time.monotonic() + MEET_S
-    while store.add(key, 0) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the ranks did not all reach {name!r} within {MEET_S} s")
-        time.sleep(0.01)
+    store_meet(name, world, MEET_S)
 
 
 def _buffer(world):
@@ -102,14 +80,7 @@ def _buffer(world):
 
 
 def _inputs(rank, world):
-    """Rank ``rank``'s tokens (any rank can rebuild any other rank's from its seed)."""
-    num_tokens = 64 + 8 * rank
-    gen = torch.Generator(device="cuda").manual_seed(23 + rank)
-    idx = torch.randint(0, 4 * world, (num_tokens, 2), device="cuda", generator=gen)
-    idx[:, 1] = (idx[:, 0] + 1) % (4 * world)  # distinct experts per token
-    w = torch.rand(num_tokens, 2, device="cuda", generator=gen)
-    x = torch.randn(num_tokens, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
-    return x, idx, w
+    return scenario_inputs(rank, world, HIDDEN, seed=23)
 
 
 def _rows_for(rank, world) -> int:
