@@ -231,6 +231,8 @@ def test_cli_writes_every_row_and_checks_a_committed_run(tmp_path, capsys):
         (["--ops", "dispatch,gather"], "--ops"),
         (["--cmds-per-s-per-thread", "0"], "cmds-per-s-per-thread"),
         (["--head-per-chunk", "1"], "--head-per-chunk"),
+        (["--host-us", "1500"], "--host-us"),
+        (["--host-us=-1,800"], "--host-us"),
         (["--topk", "200", "--ep", "64"], "top-200"),
     ],
 )
@@ -251,3 +253,30 @@ def test_the_model_takes_only_what_the_kernels_take():
 def test_from_json_rejects_a_copy_only_run():
     with pytest.raises(InvalidInputError, match="copy-only"):
         scale.load_run(os.path.join(RESULTS, "internode-copy-h100-2x2.json"))
+
+
+@pytest.mark.parametrize("ep", [16, 64])
+def test_a_calls_host_path_adds_to_it_and_hides_behind_the_previous_transfer_back_to_back(ep):
+    nic = scale.presets()["cx7"]
+    bare = Host()
+    slow = Host(call_host_us={"dispatch": 1500.0, "combine": 800.0})
+    for op, host_us in (("dispatch", 1500.0), ("dispatch_fp8", 1500.0), ("combine", 800.0)):
+        a = predict(op, Shape(), ep // 8, nic, bare)
+        b = predict(op, Shape(), ep // 8, nic, slow)
+        assert a["gbps_per_call"] == a["gbps_pipelined"] == a["gbps"]  # no host term: as before
+        assert b["us"] == a["us"] and b["host_us"] == host_us  # the transfer is unchanged
+        mb = b["mb"] * 1e6
+        assert b["gbps_per_call"] == pytest.approx(mb / (b["us"] + host_us) / 1e3, rel=1e-12)
+        assert b["gbps_pipelined"] == pytest.approx(mb / max(b["us"], host_us) / 1e3, rel=1e-12)
+
+
+def test_from_json_takes_the_host_path_of_the_runs_exact_bf16_calls():
+    path = os.path.join(RESULTS, "internode-h100-2x2.json")
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    cal = scale.calibrate(scale.load_run(path))
+    for op in ("dispatch", "combine"):
+        want = sorted(r["host_us"] for r in rows if r["op"] == op and "host_us" in r)
+        mid = len(want) // 2
+        median = want[mid] if len(want) % 2 else (want[mid - 1] + want[mid]) / 2
+        assert cal["call_host_us"][op] == pytest.approx(median)

@@ -18,7 +18,10 @@ Where its inputs come from (every one has a flag):
   change them), so they bound it from below only (~45 K/s per thread); each row prints the rate
   at which the proxy would become the limit. ``--from-json`` takes a run's own numbers instead.
 - NIC presets: line rate, MTU, headers and ordering from public specifications; latencies and
-  per-message costs are stated assumptions; in-flight caps from launch/nic_presets.yaml.
+  per-message costs are stated assumptions; in-flight caps from launch/nic_presets.yaml;
+- host path per call (checks, the call-header exchange, tables, launches before the kernels):
+  none unless ``--host-us`` or a run's exact calls (``--from-json``) give it; it is assumed the
+  same at every EP, so what it predicts at larger EP is a bound from above.
 """
 
 from __future__ import annotations
@@ -259,6 +262,7 @@ def calibrate(run: dict[str, Any]) -> dict[str, Any]:
     the highest commands/s per proxy thread it reached (a floor of what a thread can do) and,
     from its rows without a line rate, the GB/s the rest of the pipeline reached per op."""
     heads: dict[str, list[float]] = {"dispatch": [], "combine": []}
+    hosts: dict[str, list[float]] = {"dispatch": [], "combine": []}
     floor, pipeline = 0.0, {}
     for r in run["rows"]:
         op = _base_op(r["op"])
@@ -266,6 +270,8 @@ def calibrate(run: dict[str, Any]) -> dict[str, Any]:
         t = traffic(op, shape, nodes, 0.0)
         kind = "combine" if op == "combine" else "dispatch"
         heads[kind].append(max(0.0, (float(r["writes"]) - t.messages) / t.chunks))
+        if r.get("host_us") is not None and r["op"] in ("dispatch", "combine"):  # exact, BF16
+            hosts[kind].append(float(r["host_us"]))
         floor = max(floor, float(r["cmds_per_s"]) / int(r["threads"]))
         if not r.get("link_gbps"):
             pipeline[op] = max(pipeline.get(op, 0.0), float(r["gbps"]))
@@ -273,6 +279,7 @@ def calibrate(run: dict[str, Any]) -> dict[str, Any]:
         "head_per_chunk": {k: statistics.median(v) for k, v in heads.items() if v},
         "cmds_per_s_per_thread_floor": floor,
         "pipeline_gbps": pipeline,
+        "call_host_us": {k: statistics.median(v) for k, v in hosts.items() if v},
     }
 
 
@@ -352,6 +359,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GB/s of everything but the NIC (kernels, proxy, ...); default none, or the run's",
     )
     parser.add_argument(
+        "--host-us",
+        default=None,
+        help="host path per call in µs before its kernels, DISPATCH,COMBINE (default none, or "
+        "the run's exact calls); adds GB/s per call and for sync-free calls back to back",
+    )
+    parser.add_argument(
         "--link-gbps", type=float, default=0.0, help="line rate of every preset; 0 = the preset's"
     )
     parser.add_argument(
@@ -415,6 +428,14 @@ def _host(args: argparse.Namespace, cal: dict[str, Any] | None) -> Host:
     rate = args.cmds_per_s_per_thread
     if rate is None:
         rate = cal.get("cmds_per_s_per_thread_floor") or 1.0e6
+    call_host = dict(cal.get("call_host_us") or {})
+    if args.host_us is not None:
+        d, c = (_list(args.host_us, "--host-us", float) + [None])[:2]
+        if c is None or min(d, c) < 0:
+            raise InvalidInputError(
+                f"--host-us={args.host_us!r}: give DISPATCH,COMBINE µs >= 0, e.g. 1500,800"
+            )
+        call_host = {"dispatch": d, "combine": c}
     pipeline = dict(cal.get("pipeline_gbps") or {})
     if args.pipeline_gbps is not None:
         pipeline = {op: args.pipeline_gbps for op in OPS} if args.pipeline_gbps > 0 else {}
@@ -427,6 +448,7 @@ def _host(args: argparse.Namespace, cal: dict[str, Any] | None) -> Host:
         nvlink_gbps=args.nvlink_gbps,
         head_per_chunk=heads,
         pipeline_gbps=pipeline,
+        call_host_us=call_host,
     )
     for name in ("proxy_threads", "cmds_per_s_per_thread", "fifo_cmds_per_s", "nvlink_gbps"):
         if getattr(host, name) <= 0:
@@ -501,6 +523,7 @@ def _print_inputs(res: dict[str, Any]) -> None:
         f"cmds/s; FIFO push {h['fifo_push_us']} us, push-to-poll {h['fifo_poll_us']} us, "
         f"{h['fifo_cmds_per_s'] / 1e6:.1f} M cmds/s; NVLink {h['nvlink_gbps']:.0f} GB/s; head "
         f"updates per chunk {h['head_per_chunk']}; pipeline GB/s {h['pipeline_gbps'] or 'none'}"
+        f"; host path per call {h['call_host_us'] or 'none'} us"
     )
     used = {r["nic"] for r in res["rows"]}
     for key, n in res["nics"].items():
@@ -526,18 +549,26 @@ def _published_text(pubs: list[dict[str, Any]]) -> str:
 def print_table(res: dict[str, Any]) -> None:
     """The inputs, one line per (EP, NIC, op), and the check against a run when given."""
     _print_inputs(res)
+    host = any(r["host_us"] for r in res["rows"])
     print(
         f"{'EP':>3} {'NIC':<8} {'op':<12} {'MB/rank':>7} {'msgs':>6} {'cmds':>6} {'us':>6} "
-        f"{'GB/s':>5} {'line':>5} {'limit':<8} {'next':<13} {'proxy b/e':>9} {'DeepEP-acct':>11}  "
-        "published (~ inter-node)"
+        f"{'GB/s':>5} {'line':>5} {'limit':<8} {'next':<13} {'proxy b/e':>9} {'DeepEP-acct':>11}"
+        + (f" {'call':>5} {'b2b':>5}" if host else "")
+        + "  published (~ inter-node)"
     )
     for r in res["rows"]:
         print(
             f"{r['ep']:>3} {r['nic']:<8} {r['op']:<12} {r['mb']:>7.1f} {r['messages']:>6.0f} "
             f"{r['commands']:>6.0f} {r['us']:>6.0f} {r['gbps']:>5.1f} {r['line']:>5.2f} "
             f"{r['limit']:<8} {r['next']:<8} {r['next_of_limit']:>4.2f} "
-            f"{r['proxy_break_even'] / 1e3:>8.0f}K {r['deepep_gbps']:>11.1f}  "
-            f"{_published_text(r['published'])}"
+            f"{r['proxy_break_even'] / 1e3:>8.0f}K {r['deepep_gbps']:>11.1f}"
+            + (f" {r['gbps_per_call']:>5.1f} {r['gbps_pipelined']:>5.1f}" if host else "")
+            + f"  {_published_text(r['published'])}"
+        )
+    if host:
+        print(
+            "call: GB/s of one call, its host path then its transfer; b2b: sync-free calls back "
+            "to back, each host path hidden behind the previous transfer"
         )
     if res["check"]:
         print(

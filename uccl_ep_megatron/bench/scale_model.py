@@ -256,9 +256,16 @@ class Host:
     nvlink_gbps: float = 300.0
     head_per_chunk: dict[str, float] = field(default_factory=dict)
     pipeline_gbps: dict[str, float] = field(default_factory=dict)
+    # µs of host path per call ("dispatch", "combine"), before its kernels: argument checks,
+    # the call-header exchange (a cross-rank barrier), tables and launches. Assumed the same at
+    # every EP (the header's wait for the slowest rank and its per-rank counts grow with it).
+    call_host_us: dict[str, float] = field(default_factory=dict)
 
     def heads(self, op: str) -> float:
         return self.head_per_chunk.get("combine" if op == "combine" else "dispatch", 1.0)
+
+    def host_us(self, op: str) -> float:
+        return self.call_host_us.get("combine" if op == "combine" else "dispatch", 0.0)
 
 
 def _window_rate(t: Traffic, shape: Shape, nic: Nic) -> float:
@@ -309,6 +316,10 @@ def predict(op: str, shape: Shape, nodes: int, nic: Nic, host: Host) -> dict[str
     limit, runner_up = ranked[0], ranked[1]
     startup = 3 * nic.latency_us + nic.completion_us  # one barrier round trip, the first write
     us = us_of[limit] + startup
+    # A single call: its host path, then the transfer. Calls issued back to back without a host
+    # wait (sync-free): each call's host path overlaps the previous call's transfer.
+    host_us = host.host_us(op)
+    per_call, pipelined = us + host_us, max(us, host_us)
     others = max(v for name, v in us_of.items() if name != "proxy")
     threads = min(host.proxy_threads, FIFO_CHANNELS, shape.channels)
     return {
@@ -334,6 +345,9 @@ def predict(op: str, shape: Shape, nodes: int, nic: Nic, host: Host) -> dict[str
         # The per-thread rate at which the proxy would become the limit.
         "proxy_break_even": t.commands / (threads * others) * 1e6,
         "deepep_gbps": t.deepep_bytes / us / 1e3,
+        "host_us": host_us,
+        "gbps_per_call": t.bytes / per_call / 1e3,
+        "gbps_pipelined": t.bytes / pipelined / 1e3,
     }
 
 
