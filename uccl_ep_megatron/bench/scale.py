@@ -414,28 +414,26 @@ def _shape(args: argparse.Namespace) -> Shape:
     )
 
 
+def _per_kind(text: str, flag: str, example: str) -> dict[str, float]:
+    """``DISPATCH,COMBINE`` values >= 0 of ``flag`` as ``{"dispatch": .., "combine": ..}``."""
+    d, c = (_list(text, flag, float) + [None])[:2]
+    if c is None or min(d, c) < 0:
+        raise InvalidInputError(f"{flag}={text!r}: give DISPATCH,COMBINE >= 0, e.g. {example}")
+    return {"dispatch": d, "combine": c}
+
+
 def _host(args: argparse.Namespace, cal: dict[str, Any] | None) -> Host:
     """Host-side costs: flags first, then the run's (``--from-json``), then the defaults."""
     cal = cal or {}
     heads = dict(cal.get("head_per_chunk") or HEAD_PER_CHUNK)
     if args.head_per_chunk is not None:
-        d, c = (_list(args.head_per_chunk, "--head-per-chunk", float) + [None])[:2]
-        if c is None or min(d, c) < 0:
-            raise InvalidInputError(
-                f"--head-per-chunk={args.head_per_chunk!r}: give DISPATCH,COMBINE >= 0, e.g. 1,0.3"
-            )
-        heads = {"dispatch": d, "combine": c}
+        heads = _per_kind(args.head_per_chunk, "--head-per-chunk", "1,0.3")
     rate = args.cmds_per_s_per_thread
     if rate is None:
         rate = cal.get("cmds_per_s_per_thread_floor") or 1.0e6
     call_host = dict(cal.get("call_host_us") or {})
     if args.host_us is not None:
-        d, c = (_list(args.host_us, "--host-us", float) + [None])[:2]
-        if c is None or min(d, c) < 0:
-            raise InvalidInputError(
-                f"--host-us={args.host_us!r}: give DISPATCH,COMBINE µs >= 0, e.g. 1500,800"
-            )
-        call_host = {"dispatch": d, "combine": c}
+        call_host = _per_kind(args.host_us, "--host-us", "1500,800")
     pipeline = dict(cal.get("pipeline_gbps") or {})
     if args.pipeline_gbps is not None:
         pipeline = {op: args.pipeline_gbps for op in OPS} if args.pipeline_gbps > 0 else {}
