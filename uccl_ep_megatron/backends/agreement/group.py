@@ -223,7 +223,15 @@ class BufferGroup:
         except RuntimeError as exc:
             if not work.is_completed():
                 return False
-            raise self._failed(what, call, exc) from exc
+            error = exc
+        # The slice ran out just before the collective completed ("Operation timed out!", then
+        # completed), or it failed: a second wait returns at once, or raises its own error.
+        try:
+            work.wait()
+            return True
+        except RuntimeError as exc:
+            error = exc
+        raise self._failed(what, call, error) from error
 
     def _failed(self, what: str, call: str, error: BaseException) -> UcclEpError:
         """The collective failed: a peer's connection closed. Say which rank and why."""
