@@ -120,6 +120,7 @@ def test_capacity_must_be_a_multiple_of_the_alignment():
         make_plan(torch.zeros(2, 1, dtype=torch.long), 1, 4, capacity=6)
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("seed", [0, 3])
 def test_megatron_permutation_of_the_receive_layout_equals_ours(seed):
     """``permute_megatron`` (megatron-core's ``moe_utils.permute``; its unfused path here, TE's

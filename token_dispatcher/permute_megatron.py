@@ -57,13 +57,15 @@ def permute_megatron(
         .scatter(1, col, recv_probs)[:, :num_local_experts]
         .contiguous()
     )
+    # megatron-core <= 0.18 returns (rows, probs, sorted indices); 0.19 adds the pad offsets
+    # and padded counts of its align_size path, both None here (no alignment).
     rows, probs, sorted_indices = mc_permute(
         recv_x,
         routing_map,
         probs=probs_map,
         num_out_tokens=sum(tokens_per_expert),
         fused=fused,
-    )
+    )[:3]
     plan = MegatronPlan(sorted_indices, routing_map, recv_x.shape, fused, list(tokens_per_expert))
     return rows, probs, plan
 
