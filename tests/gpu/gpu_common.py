@@ -336,3 +336,18 @@ def keep_result(tmp: str, rank: int, out: Any) -> Any:
     with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
     return out
+
+
+def raised(fn: Callable[[], Any]) -> tuple[str, str, float]:
+    """(class name, message, seconds) of the ``UcclEpError`` that ``fn()`` raises; an
+    ``AssertionError`` when it raises none."""
+    import time
+
+    from uccl_ep_megatron.core.errors import UcclEpError
+
+    t0 = time.monotonic()
+    try:
+        fn()
+    except UcclEpError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    raise AssertionError(f"no error was raised (after {time.monotonic() - t0:.2f} s)")

@@ -37,6 +37,7 @@ from gpu_common import (  # noqa: E402
     dispatch,
     keep_result,
     nvl_bytes_for,
+    raised,
     require_kernels,
     run_keeping_results,
     scenario_inputs,
@@ -121,18 +122,6 @@ def _dispatch(buf, rank, world):
     return out
 
 
-def _raises(fn) -> tuple[str, str, float]:
-    """(class name, message, seconds) of the error ``fn`` raises."""
-    from uccl_ep_megatron.core.errors import UcclEpError
-
-    t0 = time.monotonic()
-    try:
-        fn()
-    except UcclEpError as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    raise AssertionError(f"no error was raised (after {time.monotonic() - t0:.2f} s)")
-
-
 def _after(rank, world, name) -> str:
     """The group after the failure: a new kernels Buffer whose dispatch equals the reference
     oracle's."""
@@ -158,7 +147,7 @@ def sleeper(rank, world, name):
     _meet(f"{name}/start", world)
     if rank == 1:
         time.sleep(LATE_S)
-    failed = _raises(lambda: _dispatch(a, rank, world))
+    failed = raised(lambda: _dispatch(a, rank, world))
     return [failed], _after(rank, world, name)
 
 
@@ -176,7 +165,7 @@ def late_combine(rank, world, name):
         torch.cuda.synchronize()
         a.check_errors()
 
-    failed = _raises(combine)
+    failed = raised(combine)
     return [failed], _after(rank, world, name)
 
 
@@ -187,9 +176,9 @@ def two_buffers(rank, world, name):
     a, b = _buffer(world), _buffer(world)
     first, second = (a, b) if rank == 0 else (b, a)
     _meet(f"{name}/start", world)
-    failed = [_raises(lambda: _dispatch(first, rank, world))]
+    failed = [raised(lambda: _dispatch(first, rank, world))]
     _meet(f"{name}/between", world)
-    failed.append(_raises(lambda: _dispatch(second, rank, world)))
+    failed.append(raised(lambda: _dispatch(second, rank, world)))
     return failed, _after(rank, world, name)
 
 
@@ -201,7 +190,7 @@ def killed(rank, world, name):
     if rank == 1:
         time.sleep(KILL_AFTER_S)
         os.kill(os.getpid(), signal.SIGKILL)
-    return [_raises(lambda: _dispatch(a, rank, world))], "not checked (rank 1 is dead)"
+    return [raised(lambda: _dispatch(a, rank, world))], "not checked (rank 1 is dead)"
 
 
 # ---- the scenarios (in this order: the last one kills a rank) --------------------------------

@@ -33,6 +33,7 @@ from gpu_common import (  # noqa: E402
     dispatch,
     keep_result,
     nvl_bytes_for,
+    raised,
     run_keeping_results,
     scenario_inputs,
     store_meet,
@@ -92,18 +93,6 @@ def _rows_for(rank, world) -> int:
     return total
 
 
-def _raises(fn) -> tuple[str, str, float]:
-    """(class name, message, seconds) of the error ``fn`` raises."""
-    from uccl_ep_megatron.core.errors import UcclEpError
-
-    t0 = time.monotonic()
-    try:
-        fn()
-    except UcclEpError as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - t0
-    raise AssertionError(f"no error was raised (after {time.monotonic() - t0:.2f} s)")
-
-
 def late_rank(rank, world) -> dict:
     """A good dispatch on both ranks; then rank 1 sleeps past rank 0's timeout before the
     second; then each rank tries a new Buffer on the same group."""
@@ -117,8 +106,8 @@ def late_rank(rank, world) -> dict:
     if rank == 1:
         time.sleep(LATE_S)
     # No synchronize after these: the Buffer's stream waits for a collective that never ends.
-    out["call"] = _raises(lambda: dispatch(buf, x, lay, idx, w))
-    out["new_buffer"] = _raises(lambda: _buffer(world))
+    out["call"] = raised(lambda: dispatch(buf, x, lay, idx, w))
+    out["new_buffer"] = raised(lambda: _buffer(world))
     return out
 
 
