@@ -4,7 +4,10 @@
 
 #include <chrono>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "bindings/bindings.h"
 #include "common/env.h"
@@ -232,6 +235,52 @@ std::pair<double, uint64_t> ipc_copy_test(IpcTransport& t, uint32_t peer, uint64
   }
   return {std::chrono::duration<double>(t_last - t0).count(), recvs};
 }
+
+// The body of proxy_push_test (bindings below): CPU threads standing in for a GPU's producers, one
+// per channel, each pushing `writes` Writes of `write_bytes` to `peer` as fast as the ring takes
+// them (every `atomic_every`-th one carrying +1 on the peer's counter `channel`, as a chunk's last
+// write carries its tail), then Drain(all), waiting for its completion. Channel c's writes cycle
+// over its own `span` bytes at src_offset + c * span and dst_offset + c * span. Returns (seconds
+// from the start to the last drain completed, commands pushed).
+std::pair<double, uint64_t> proxy_push_test(const std::vector<FifoChannel*>& chans, uint32_t peer,
+                                            uint64_t src_offset, uint64_t dst_offset, uint64_t span,
+                                            uint32_t write_bytes, uint32_t writes, uint32_t atomic_every) {
+  UCCL_EP_CHECK_ARG(!chans.empty() && write_bytes > 0 && span >= write_bytes && writes >= 1,
+                    "proxy_push_test: channels=", chans.size(), " write_bytes=", write_bytes, " span=", span,
+                    " writes=", writes, " (need a channel, write_bytes > 0, span >= write_bytes, writes >= 1)");
+  const uint64_t slots = span / write_bytes;
+  std::mutex mu;
+  std::exception_ptr first;  // the first failure; the others follow from the abort it sets
+  std::vector<std::thread> threads;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t c = 0; c < chans.size(); ++c) {
+    threads.emplace_back([&, c] {
+      try {
+        FifoChannel& f = *chans[c];
+        const uint64_t src = src_offset + c * span, dst = dst_offset + c * span;
+        const auto channel = static_cast<uint32_t>(c);
+        for (uint32_t i = 0; i < writes; ++i) {
+          const uint64_t off = (i % slots) * write_bytes;
+          const bool tail = atomic_every > 0 && (i + 1) % atomic_every == 0;
+          const TransferCmd cmd = tail ? build_write_atomic(peer, src + off, dst + off, write_bytes, channel, 1)
+                                       : build_write(peer, src + off, dst + off, write_bytes);
+          f.push(cmd);  // throws TimeoutError when the proxy stops consuming
+        }
+        f.wait_completion(f.push(make_drain_all()));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) {
+          first = std::current_exception();
+          for (auto* other : chans) other->set_abort(true);  // release the other producers
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (first) std::rethrow_exception(first);
+  return {seconds, uint64_t{writes + 1} * chans.size()};
+}
 }  // namespace
 
 void bind_proxy(py::module_& m) {
@@ -404,6 +453,19 @@ void bind_proxy(py::module_& m) {
       "to `peer` (cycling over `span` bytes from the offsets), at most `window` outstanding, and polls until "
       "all completed and `expect_recvs` writes from peers arrived. Returns (seconds to the last send "
       "completion, receives seen).");
+  m.def(
+      "proxy_push_test",
+      [](const std::vector<FifoChannel*>& chans, uint32_t peer, uint64_t src_offset, uint64_t dst_offset,
+         uint64_t span, uint32_t write_bytes, uint32_t writes, uint32_t atomic_every) {
+        py::gil_scoped_release nogil;
+        return proxy_push_test(chans, peer, src_offset, dst_offset, span, write_bytes, writes, atomic_every);
+      },
+      py::arg("channels"), py::arg("peer"), py::arg("src_offset"), py::arg("dst_offset"), py::arg("span"),
+      py::arg("write_bytes"), py::arg("writes"), py::arg("atomic_every"),
+      "Proxy throughput test with CPU producers: one thread per host channel pushes `writes` Writes of "
+      "`write_bytes` to `peer` (every `atomic_every`-th with +1 on the peer's counter of that channel; 0 = "
+      "none), cycling over its own `span` bytes from the offsets (channel c at offset + c * span), then "
+      "Drain(all) and waits for it. Returns (seconds until the last drain completed, commands pushed).");
   m.def("parse_ipc_faults", [](const std::string& spec) { return parse_ipc_faults(spec).size(); }, py::arg("spec"),
         "Checks a UCCL_EP_IPC_FAULT string; returns how many faults it names (raises on a malformed one).");
 

@@ -8,7 +8,8 @@
 #   GPUs 0,1; 2x1 internode, FIFO and the failure scenarios (2 ranks: sharing a GPU under MPS,
 #   and one GPU each) on GPUs 2,3.
 # Phase 2, all GPUs: EP4 intranode and sync-free, 2x2 internode, grouped experts.
-# Phase 3, benchmarks: bench internode (2x2, NIC model at 50 GB/s) and bench layer at EP4.
+# Phase 3, benchmarks: bench internode (2x2, NIC model at 50 GB/s) and bench layer at EP4; bench
+#   proxy (CPU only).
 # Env: SKIP (suite names to leave out), PHASES (default "1 2 3"), DEADLINE_S (default 560).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
@@ -85,13 +86,16 @@ if phase 3 && [ "$NGPU" -ge 4 ]; then
   suite bench_layer "$ALL" 200 python3 -m uccl_ep_megatron.cli bench layer --gpus 4 \
     --dispatchers alltoall,exact,sync-free --json "$OUT/layer-ep4.json"
 fi
+if phase 3; then  # CPU only: the proxies alone on this host's cores
+  suite bench_proxy "$ALL" 60 python3 -m uccl_ep_megatron.bench.proxy --json "$OUT/proxy.json"
+fi
 tar -czf "$OUT/logs.tar.gz" -C /tmp logs
 echo "================ summary (elapsed $SECONDS s)"
 cat "$LOGS"/summary_*.txt
 for f in "$LOGS"/*.log; do
   grep -HE "^(FAILED|ERROR)" "$f" 2>/dev/null | head -6 | cut -c1-240
 done
-for f in bench_internode bench_layer; do
+for f in bench_internode bench_layer bench_proxy; do
   echo "---- $f"
   grep -vE "Warning|warn|return func|^\s*$" "$LOGS/$f.log" 2>/dev/null | tail -14
 done

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -43,3 +44,27 @@ def bench_main(
     parser = argparse.ArgumentParser(prog=prog, description=description)
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+def cpu_seconds(prefix: str) -> float:
+    """CPU seconds of this process's threads whose name starts with ``prefix`` (``ueproxy``: the
+    proxy threads; ``uenic``: the NIC model's): time on a CPU in nanoseconds from
+    ``/proc/self/task/*/schedstat``, or user + system clock ticks (10 ms) where it is absent."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        task = f"/proc/self/task/{tid}"
+        try:
+            with open(f"{task}/comm") as f:
+                if not f.read().startswith(prefix):
+                    continue
+            if os.path.exists(f"{task}/schedstat"):
+                with open(f"{task}/schedstat") as f:
+                    total += int(f.read().split()[0]) / 1e9
+                continue
+            with open(f"{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+        except OSError:
+            continue  # the thread exited between listdir and open
+    return total

@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import os
 import re
 import statistics
 import time
@@ -46,7 +45,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
+from uccl_ep_megatron.bench.common import (
+    add_json_argument,
+    bench_main,
+    cpu_seconds,
+    register_bench,
+    write_json,
+)
 from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
@@ -189,24 +194,6 @@ def run(args: argparse.Namespace) -> int:
     _print_kernels(results)
     write_json(args.json, results)
     return 0
-
-
-def cpu_seconds(prefix: str) -> float:
-    """CPU seconds (user + system) of this process's threads whose name starts with ``prefix``
-    (``ueproxy``: the proxy threads; ``uenic``: the NIC model's)."""
-    total = 0
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if not f.read().startswith(prefix):
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-        except OSError:
-            continue  # the thread exited between listdir and open
-    return total / tick
 
 
 def _time(fn, iters: int, warmup: int) -> tuple[list[float], list[float]]:

@@ -16,7 +16,8 @@ Where its inputs come from (every one has a flag):
 - proxy commands/s per thread: 1 M, an assumption (a post and a completion per message, ~0.25 µs
   each, and the peers' immediates). No committed run saturates the proxies (1 -> 4 threads did not
   change them), so they bound it from below only (~45 K/s per thread); each row prints the rate
-  at which the proxy would become the limit. ``--from-json`` takes a run's own numbers instead.
+  at which the proxy would become the limit. ``--from-json`` takes a run's own numbers instead;
+  ``bench proxy`` measures a host's rate with the proxies alone (CPU producers, no GPU).
 - NIC presets: line rate, MTU, headers and ordering from public specifications; latencies and
   per-message costs are stated assumptions; in-flight caps from launch/nic_presets.yaml;
 - host path per call (checks, the call-header exchange, tables, launches before the kernels):

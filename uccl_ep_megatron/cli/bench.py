@@ -15,6 +15,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "fifo",
     "intranode",
     "internode",
+    "proxy",
     "ordering",
     "layer",
     "scale",
