@@ -52,18 +52,21 @@ LINE = re.compile(
 )
 
 
-def _env() -> dict[str, str]:
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", PYTHONUNBUFFERED="1")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    env.update(extra or {})
     return env
 
 
-def _torchrun(args: list[str], log_name: str, timeout: int = 540) -> str:
+def _torchrun(
+    args: list[str], log_name: str, timeout: int = 540, env: dict[str, str] | None = None
+) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *args]
     with tempfile.TemporaryDirectory() as cwd:  # not the checkout: the installed package
         proc = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=cwd
+            cmd, capture_output=True, text=True, timeout=timeout, env=_env(env), cwd=cwd
         )
     out_dir = os.environ.get("OUT")
     if out_dir:
@@ -73,24 +76,30 @@ def _torchrun(args: list[str], log_name: str, timeout: int = 540) -> str:
     return proc.stdout + proc.stderr
 
 
-@pytest.mark.skipif(
+needs_megatron_training = pytest.mark.skipif(
     not _has_module("megatron.training"),
     reason="needs megatron.training (megatron-core 0.17+ ship it)",
 )
-def test_pretrain_gpt_uccl_ep_loss_curve_equals_alltoall():
+
+
+def _loss_curves(gpus: int, tag: str, env: dict[str, str] | None = None) -> dict:
+    """``pretrain_gpt.py`` at EP ``gpus`` under ``alltoall`` and ``uccl_ep`` (``env`` around the
+    ``uccl_ep`` run): every iteration's loss, the median iteration time, the curves' distance;
+    checks that both curves are the same one and both learn."""
     sys.path.insert(0, SCRIPTS)
     import pretrain_gpt
 
     curves, times = {}, {}
     for dispatcher in ("alltoall", "uccl_ep"):
         args = [
-            f"--nproc-per-node={GPUS}",
+            f"--nproc-per-node={gpus}",
             "-m",
             "uccl_ep_megatron.run",
             os.path.join(SCRIPTS, "pretrain_gpt.py"),
-            *pretrain_gpt.example_args(GPUS, dispatcher, ITERS),
+            *pretrain_gpt.example_args(gpus, dispatcher, ITERS),
         ]
-        text = _torchrun(args, f"pretrain_gpt_{dispatcher}.log")
+        run_env = env if dispatcher == "uccl_ep" else None
+        text = _torchrun(args, f"pretrain_gpt{tag}_{dispatcher}.log", env=run_env)
         rows = [(int(i), float(ms), float(loss)) for i, ms, loss in LINE.findall(text)]
         assert [r[0] for r in rows] == list(range(1, ITERS + 1)), text[-3000:]
         curves[dispatcher] = [r[2] for r in rows]
@@ -99,7 +108,8 @@ def test_pretrain_gpt_uccl_ep_loss_curve_equals_alltoall():
     diffs = [abs(x - y) for x, y in zip(a, b, strict=True)]
     summary = {
         "megatron_core": __import__("megatron.core", fromlist=["x"]).__version__,
-        "gpus": GPUS,
+        "gpus": gpus,
+        "uccl_ep_env": env or {},
         "iterations": ITERS,
         "loss_alltoall": a,
         "loss_uccl_ep": b,
@@ -109,12 +119,35 @@ def test_pretrain_gpt_uccl_ep_loss_curve_equals_alltoall():
     }
     print(json.dumps(summary))
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "pretrain_gpt.json"), "w") as f:
+        with open(os.path.join(os.environ["OUT"], f"pretrain_gpt{tag}.json"), "w") as f:
             json.dump(summary, f)
     # Same weights and data: the first step differs only by summation order (BF16).
     assert diffs[0] < 2e-3, summary
     assert max(diffs) < 2e-2 and summary["mean_abs_diff"] < 5e-3, summary
     assert a[-1] < a[0] and b[-1] < b[0], summary  # both learn
+    return summary
+
+
+@needs_megatron_training
+def test_pretrain_gpt_uccl_ep_loss_curve_equals_alltoall():
+    _loss_curves(GPUS, "")
+
+
+@needs_megatron_training
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 virtual nodes need 2 GPUs")
+def test_pretrain_gpt_through_two_virtual_nodes_equals_alltoall():
+    """The internode path under Megatron-LM's loop: the GPUs split into 2 virtual nodes (4 GPUs:
+    2 x 2; 2 GPUs: 2 x 1), every token bound to the other node through the FIFO, the proxies and
+    the ipc NIC model at a 400 Gb/s line rate per GPU; ``alltoall`` over the same GPUs beside it."""
+    gpus = 4 if torch.cuda.device_count() >= 4 else 2
+    env = {
+        "UCCL_EP_RANKS_PER_NODE": str(gpus // 2),
+        "UCCL_EP_TRANSPORT": "ipc",
+        "UCCL_EP_IPC_LINK_GBPS": "50",
+        "UCCL_EP_IPC_LATENCY_US": "3",
+    }
+    _loss_curves(gpus, f"_2x{gpus // 2}", env)
 
 
 @pytest.mark.skipif(GPUS < 2, reason="flex+deepep needs EP > 1: 2 GPUs")
