@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bytes",
         default="4096,73728",
-        help="bytes per write, e.g. 4096 (about a token) and 73728 (a 20-token BF16 chunk)",
+        help="bytes per write: 4096 (small: the per-command cost shows) and 73728 (the mean write "
+        "of a DeepSeek-V3 BF16 dispatch on 2x2 virtual nodes: 58.8 MB in ~790 commands)",
     )
     parser.add_argument("--writes", type=int, default=4000, help="writes per channel and run")
     parser.add_argument(
