@@ -9,6 +9,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from uccl_ep_megatron.core.errors import InvalidInputError
+
 AddArguments = Callable[[argparse.ArgumentParser], None]
 Run = Callable[[argparse.Namespace], int]
 
@@ -46,6 +48,29 @@ def bench_main(
     return run(parser.parse_args(argv))
 
 
+def flag_list(text: str, flag: str, kind: type, choices: tuple = ()) -> list:
+    """The comma-separated values of ``flag`` as ``kind``; raises ``InvalidInputError`` naming
+    the flag when one does not parse, none is given, or one is not among ``choices``."""
+    try:
+        values = [kind(v.strip()) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise InvalidInputError(f"{flag}={text!r}: give comma-separated {kind.__name__}s") from None
+    bad = [v for v in values if choices and v not in choices]
+    if bad or (not values and choices):
+        raise InvalidInputError(f"{flag}={text!r}: choose from {', '.join(map(str, choices))}")
+    if not values:
+        raise InvalidInputError(f"{flag}={text!r}: give at least one value")
+    return values
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # the thread exited, or the kernel does not keep this file
+        return None
+
+
 def cpu_seconds(prefix: str) -> float:
     """CPU seconds of this process's threads whose name starts with ``prefix`` (``ueproxy``: the
     proxy threads; ``uenic``: the NIC model's): time on a CPU in nanoseconds from
@@ -54,17 +79,14 @@ def cpu_seconds(prefix: str) -> float:
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir("/proc/self/task"):
         task = f"/proc/self/task/{tid}"
-        try:
-            with open(f"{task}/comm") as f:
-                if not f.read().startswith(prefix):
-                    continue
-            if os.path.exists(f"{task}/schedstat"):
-                with open(f"{task}/schedstat") as f:
-                    total += int(f.read().split()[0]) / 1e9
-                continue
-            with open(f"{task}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+        if not (_read(f"{task}/comm") or "").startswith(prefix):
+            continue
+        sched = _read(f"{task}/schedstat")
+        if sched is not None:
+            total += int(sched.split()[0]) / 1e9
+            continue
+        stat = _read(f"{task}/stat")
+        if stat is not None:
+            fields = stat.rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
-        except OSError:
-            continue  # the thread exited between listdir and open
     return total

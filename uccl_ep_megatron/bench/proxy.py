@@ -34,6 +34,7 @@ from uccl_ep_megatron.bench.common import (
     add_json_argument,
     bench_main,
     cpu_seconds,
+    flag_list,
     register_bench,
     write_json,
 )
@@ -77,12 +78,9 @@ def register(subparsers: Any) -> None:
     )
 
 
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise InvalidInputError(f"{flag}={text!r}: give comma-separated integers") from None
-    if not values or min(values) < 1:
+def _positive(text: str, flag: str) -> list[int]:
+    values = flag_list(text, flag, int)
+    if min(values) < 1:
         raise InvalidInputError(f"{flag}={text!r}: give positive integers, e.g. 1,2,4")
     return values
 
@@ -92,7 +90,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[int], list[int]]:
     from uccl_ep_megatron.core import _c
 
     limits = _c.load().cmd_limits
-    threads, sizes = _ints(args.threads, "--threads"), _ints(args.bytes, "--bytes")
+    threads, sizes = _positive(args.threads, "--threads"), _positive(args.bytes, "--bytes")
     if not 1 <= args.channels <= limits["num_atomic_counters"]:
         raise InvalidInputError(
             f"--channels={args.channels}: give 1..{limits['num_atomic_counters']}"

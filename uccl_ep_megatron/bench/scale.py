@@ -35,7 +35,13 @@ import sys
 from dataclasses import replace
 from typing import Any
 
-from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
+from uccl_ep_megatron.bench.common import (
+    add_json_argument,
+    bench_main,
+    flag_list,
+    register_bench,
+    write_json,
+)
 from uccl_ep_megatron.bench.scale_model import (
     MAX_NODES,
     OPS,
@@ -384,17 +390,6 @@ def register(subparsers: Any) -> None:
     )
 
 
-def _list(text: str, flag: str, kind: type, choices: tuple = ()) -> list:
-    try:
-        values = [kind(v.strip()) for v in str(text).split(",") if v.strip()]
-    except ValueError:
-        raise InvalidInputError(f"{flag}={text!r}: give comma-separated {kind.__name__}s") from None
-    bad = [v for v in values if choices and v not in choices]
-    if not values or bad:
-        raise InvalidInputError(f"{flag}={text!r}: choose from {', '.join(map(str, choices))}")
-    return values
-
-
 def _shape(args: argparse.Namespace) -> Shape:
     from uccl_ep_megatron.core.config import default_combine_config, default_dispatch_config
 
@@ -417,7 +412,7 @@ def _shape(args: argparse.Namespace) -> Shape:
 
 def _per_kind(text: str, flag: str, example: str) -> dict[str, float]:
     """``DISPATCH,COMBINE`` values >= 0 of ``flag`` as ``{"dispatch": .., "combine": ..}``."""
-    d, c = (_list(text, flag, float) + [None])[:2]
+    d, c = (flag_list(text, flag, float) + [None])[:2]
     if c is None or min(d, c) < 0:
         raise InvalidInputError(f"{flag}={text!r}: give DISPATCH,COMBINE >= 0, e.g. {example}")
     return {"dispatch": d, "combine": c}
@@ -472,7 +467,7 @@ def _check_args(args: argparse.Namespace) -> list[int]:
         )
     if args.link_gbps < 0:
         raise InvalidInputError(f"--link-gbps={args.link_gbps}: give a rate > 0, or 0 = presets'")
-    eps = _list(args.ep, "--ep", int)
+    eps = flag_list(args.ep, "--ep", int)
     for ep in eps:
         nodes = ep // args.ranks_per_node
         if ep % args.ranks_per_node or not 2 <= nodes <= MAX_NODES:
@@ -493,8 +488,8 @@ def model(args: argparse.Namespace) -> dict[str, Any]:
     nics = presets(args.link_gbps, args.latency_us)
     rows = []
     for ep in eps:
-        for key in _list(args.nics, "--nics", str, tuple(nics)):
-            for op in _list(args.ops, "--ops", str, OPS):
+        for key in flag_list(args.nics, "--nics", str, tuple(nics)):
+            for op in flag_list(args.ops, "--ops", str, OPS):
                 row = predict(op, shape, ep // args.ranks_per_node, nics[key], host)
                 row["published"] = published_for(key, ep, op) if args.ranks_per_node == 8 else []
                 rows.append(row)
