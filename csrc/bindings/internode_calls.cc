@@ -459,7 +459,8 @@ void routing_check_call(intptr_t stream, int ranks_per_node, py::handle t) {
 
 // The verdict on a sync-free call's gathered headers; `columns` (VerdictColumns) names where
 // each header field is, read by name.
-void verdict_call(intptr_t stream, py::handle rows_t, py::handle out_t, py::handle cols) {
+void verdict_call(intptr_t stream, py::handle rows_t, py::handle out_t, py::handle cols, py::handle expert_out_t,
+                  int rank, int alignment) {
   const TensorView rows = arg(rows_t, "call verdict: rows", false, {-1, -1}, {Dt::kInt64});
   const TensorView out = arg(out_t, "call verdict: out", false, {3}, {Dt::kInt64});
   in::VerdictArgs a;
@@ -485,7 +486,46 @@ void verdict_call(intptr_t stream, py::handle rows_t, py::handle out_t, py::hand
   a.out = out.ptr;
   for (int c : {a.col_kind, a.col_seq, a.col_error, a.col_magic, a.col_buffer, a.col_experts, a.col_worst, a.checks_col + 2})
     UCCL_EP_CHECK_ARG(c >= 0 && c < a.width, "call verdict: column ", c, " outside rows of width ", a.width);
+  const TensorView experts = arg(expert_out_t, "call verdict: expert_out", true, {-1}, {Dt::kInt32});
+  if (!experts.none) {
+    a.expert_out = experts.ptr;
+    a.experts_col = field(cols, "experts").cast<int>();
+    a.rank = rank;
+    a.experts_per_rank = static_cast<int>(experts.size[0]);
+    a.alignment = alignment;
+    UCCL_EP_CHECK_ARG(alignment >= 1, "call verdict: alignment=", alignment, " must be >= 1");
+  }
   in::call_verdict(a, stream);
+}
+
+// One rank's call-header row on the GPU: `words` (the header fields, then the token count) and
+// the optional device parts, each int32 or int64; `out` is the int64 row, its width fixing the
+// number of ranks.
+void encode_row_call(intptr_t stream, const std::vector<int64_t>& words, int num_checks, int expert_slots,
+                     py::handle out_t, py::handle checks_t, py::handle counts_t, py::handle experts_t) {
+  const TensorView out = arg(out_t, "call-header row: out", false, {-1}, {Dt::kInt64});
+  const int num_fields = static_cast<int>(words.size()) - 1;
+  UCCL_EP_CHECK_ARG(num_fields >= 0 && num_fields < in::kMaxRowWords, "call-header row: ", words.size(),
+                    " words; at most ", in::kMaxRowWords);
+  in::RowArgs a;
+  for (size_t i = 0; i < words.size(); ++i) a.words[i] = words[i];
+  a.num_fields = num_fields;
+  a.num_checks = num_checks;
+  a.expert_slots = expert_slots;
+  a.num_ranks = static_cast<int>(out.size[0]) - num_fields - num_checks - expert_slots / 2 - 1;
+  UCCL_EP_CHECK_ARG(a.num_ranks >= 1, "call-header row: out has ", out.size[0], " words, too few for ",
+                    num_fields, " fields, ", num_checks, " check words and ", expert_slots, " expert slots");
+  const TensorView checks = arg(checks_t, "call-header row: checks", true, {num_checks}, {Dt::kInt64});
+  const TensorView counts = arg(counts_t, "call-header row: counts", true, {a.num_ranks}, {Dt::kInt32, Dt::kInt64});
+  const TensorView experts = arg(experts_t, "call-header row: experts", true, {-1}, {Dt::kInt32, Dt::kInt64});
+  a.checks = checks.none ? 0 : checks.ptr;
+  a.counts = counts.none ? 0 : counts.ptr;
+  a.counts64 = !counts.none && counts.dtype->dt == Dt::kInt64;
+  a.experts = experts.none ? 0 : experts.ptr;
+  a.experts64 = !experts.none && experts.dtype->dt == Dt::kInt64;
+  a.num_experts = experts.none ? 0 : static_cast<int>(experts.size[0]);
+  a.out = out.ptr;
+  in::encode_row(a, stream);
 }
 
 }  // namespace
@@ -529,9 +569,16 @@ void bind_internode_calls(py::module_& s) {
   s.def("routing_check", &routing_check_call,
         "routing_check(stream, ranks_per_node, tensors): a RoutingCheckTensors; min id, max id and layout bits of "
         "a dispatch's arguments into tensors.out, in one launch.");
-  s.def("call_verdict", &verdict_call,
-        "call_verdict(stream, rows, out, columns): the verdict (code, rank, value) on a sync-free call's gathered "
-        "headers into out; columns a VerdictColumns.");
+  s.def("call_verdict", &verdict_call, py::arg("stream"), py::arg("rows"), py::arg("out"), py::arg("columns"),
+        py::arg("expert_out") = py::none(), py::arg("rank") = 0, py::arg("alignment") = 1,
+        "call_verdict(stream, rows, out, columns, expert_out=None, rank=0, alignment=1): the verdict (code, rank, "
+        "value) on a sync-free call's gathered headers into out; columns a VerdictColumns. With expert_out (int32 "
+        "[experts per rank]): rank's received rows per local expert from the rows' per-expert blocks, rounded up "
+        "to alignment.");
+  s.def("encode_row", &encode_row_call,
+        "encode_row(stream, words, num_checks, expert_slots, out, checks|None, counts|None, experts|None): one "
+        "rank's call-header row into out (int64 [width]) in one launch; words are the header fields, then the "
+        "token count.");
   s.def("combine_call", &combine_call,
         "combine(ctx, stream, verdict|None, rings, tensors, num_recv): tensors an InternodeCombineTensors; the "
         "combine kernels and the poison fold of the outputs (NaN when a wait timed out).");

@@ -181,8 +181,32 @@ struct VerdictArgs {
   int64_t magic = 0;
   int kind_dispatch = 0;
   intptr_t out = 0;
+  // Optional (expert_out != 0): this rank's received rows per local expert, rounded up to
+  // `alignment`, summed from the per-expert blocks (int32 slots from `experts_col`) of the rows
+  // into int32 [experts_per_rank]: a sync-free dispatch's counts without a pass over its outputs.
+  intptr_t expert_out = 0;
+  int experts_col = 0, rank = 0, experts_per_rank = 0, alignment = 1;
 };
 void call_verdict(const VerdictArgs& a, intptr_t stream);
+
+// One rank's call-header row (backends/agreement/row.py encode_row is its definition), built on
+// the GPU in one launch: the host words travel as kernel parameters (no staging copy), then the
+// device parts: routing-check words, per-expert counts (int32 slots, zero past the given ones) and
+// counts per rank, each zero when absent; the token count is the last word.
+constexpr int kMaxRowWords = 32;
+struct RowArgs {
+  int64_t words[kMaxRowWords] = {};  // header fields, then the token count
+  int num_fields = 0;                // words before the token count
+  int num_ranks = 0, expert_slots = 0, num_checks = 0;
+  intptr_t checks = 0;                // int64 [num_checks] or 0
+  intptr_t counts = 0;                // [num_ranks] int32 or int64, or 0
+  bool counts64 = false;
+  intptr_t experts = 0;               // [num_experts] int32 or int64, or 0
+  bool experts64 = false;
+  int num_experts = 0;
+  intptr_t out = 0;                   // int64 [num_fields + num_checks + expert_slots / 2 + num_ranks + 1]
+};
+void encode_row(const RowArgs& a, intptr_t stream);
 
 // Loads every internode kernel on the current device now. Under lazy module loading (the
 // CUDA 12.2+ and PyTorch default) a kernel's first launch loads it while holding the context

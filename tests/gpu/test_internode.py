@@ -26,6 +26,7 @@ the calling thread after a warm-up; a bad expert id on one rank is raised on eve
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
@@ -668,8 +669,10 @@ def _check_routing(be, rank, world, gen) -> list[str]:
 def _check_verdicts(be, world, gen) -> list[str]:
     from uccl_ep_megatron.backends.agreement import (
         CallHeader,
+        DispatchExperts,
         device_verdict,
         encode_row,
+        local_expert_counts,
         verdict_columns,
     )
 
@@ -710,16 +713,99 @@ def _check_verdicts(be, world, gen) -> list[str]:
             be._in.call_verdict(be._stream(), rows, out, cols)
             assert_same(f"verdict {name} at rank {at}", out, device_verdict(rows))
             done.append(f"{name}/{at}")
+    # The local expert counts the same launch sums from rows that carry per-expert counts
+    # (odd and even experts per rank, every rank's view, alignments that round).
+    for epr in (8, 3):
+        E = epr * world
+        rows = torch.stack(
+            [
+                encode_row(
+                    dataclasses.replace(header, num_experts=E),
+                    world,
+                    torch.device("cuda"),
+                    checks,
+                    counts,
+                    W // 2,
+                    DispatchExperts(
+                        torch.randint(0, 50, (E,), generator=gen, device="cuda").to(torch.int32), 1
+                    ),
+                )
+                for _ in range(world)
+            ]
+        )
+        for at in range(world):
+            for align in (1, 4, 7):
+                out = torch.empty(3, dtype=torch.int64, device="cuda")
+                local = torch.full((epr + 1,), -7, dtype=torch.int32, device="cuda")
+                be._in.call_verdict(be._stream(), rows, out, cols, local[:epr], at, align)
+                want = local_expert_counts(rows, at, epr, align).to(torch.int32)
+                assert_same(f"local expert counts {epr}/{at}/{align}", local[:epr], want)
+                assert local[epr].item() == -7, "the kernel wrote past the local experts"
+                assert_same(f"verdict with expert counts {epr}/{at}", out, device_verdict(rows))
+                done.append(f"experts/{epr}/{at}/{align}")
+    return done
+
+
+def _check_rows(be, world, gen) -> list[str]:
+    """The row kernel (``InternodeBackend.encode_row``) against ``encode_row``, its torch
+    form: every call kind, int32 and int64 device parts, per-expert counts past the block."""
+    from uccl_ep_megatron.backends.agreement import (
+        EXPERT_SLOTS,
+        CallHeader,
+        DispatchExperts,
+        encode_row,
+    )
+
+    dev = torch.device("cuda")
+    dispatch = CallHeader(
+        kind=1, seq=12345678901, dtype=1, hidden=7168, num_topk=8, num_experts=8 * world,
+        num_sms=24, rdma_send=20, rdma_recv=128, num_worst_tokens=-3, buffer=7,
+    )  # fmt: skip
+    checks = torch.tensor([-1, 8 * world - 1, 5], device=dev)
+
+    def ints(n: int, dtype: torch.dtype, hi: int = 1 << 20) -> torch.Tensor:
+        return torch.randint(-5, hi, (n,), generator=gen, device=dev).to(dtype)
+
+    cases = {
+        "combine": (CallHeader(kind=3, seq=2, handle_seq=1, num_bias=2), None, None, 0, None),
+        "failed": (CallHeader(kind=1, seq=3, error=2), None, None, 0, None),
+        "dispatch32": (dispatch, checks, ints(world, torch.int32), 4096, None),
+        "dispatch64": (dispatch, checks, ints(world, torch.int64), 17, None),
+        "experts32": (
+            dispatch, checks, ints(world, torch.int32), 4096,
+            DispatchExperts(ints(8 * world, torch.int32), 1),
+        ),
+        "experts64_odd": (
+            dispatch, None, ints(world, torch.int64), 1,
+            DispatchExperts(ints(3 * world + 1, torch.int64), 4),
+        ),
+        "experts_full": (
+            dispatch, checks, None, 2, DispatchExperts(ints(EXPERT_SLOTS, torch.int32), 1)
+        ),
+        "experts_past_block": (
+            dispatch, checks, ints(world, torch.int32), 3,
+            DispatchExperts(ints(EXPERT_SLOTS + world, torch.int32), 1),
+        ),
+    }  # fmt: skip
+    done = []
+    for name, (header, chk, counts, tokens, experts) in cases.items():
+        got = be.encode_row(header, chk, counts, tokens, experts)
+        want = encode_row(header, world, dev, chk, counts, tokens, experts)
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got, want), f"row {name}: {got.tolist()} != {want.tolist()}"
+        done.append(name)
     return done
 
 
 def checks_case(rank: int, world: int) -> int:
-    """The routing check and the header verdict kernels against their torch forms
-    (``Backend.routing_check``, ``device_verdict``): true and corrupted layouts, -1 slots,
-    repeated and out-of-range ids, int32 ids, no tokens; every verdict code at every rank."""
+    """The routing check, the header verdict and the row kernels against their torch forms
+    (``Backend.routing_check``, ``device_verdict``, ``encode_row``): true and corrupted
+    layouts, -1 slots, repeated and out-of-range ids, int32 ids, no tokens; every verdict code
+    at every rank; local expert counts; rows of every call kind."""
     be = _get_buffers(False)[0]._backend
     gen = torch.Generator(device="cuda").manual_seed(77 + rank)
     done = _check_routing(be, rank, world, gen) + _check_verdicts(be, world, gen)
+    done += _check_rows(be, world, gen)
     torch.cuda.synchronize()
     return len(done)
 

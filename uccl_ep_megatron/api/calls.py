@@ -33,7 +33,6 @@ from uccl_ep_megatron.backends.agreement import (
     CallHeader,
     DispatchExperts,
     describe_error,
-    encode_row,
     error_code,
     peer_error,
 )
@@ -306,25 +305,23 @@ class CallAgreement:
         buffer_id = self.comm.buffer_id  # which Buffer: peers in another one must not match
         if prepared is None:
             header = CallHeader(kind=kind, seq=seq, error=error_code(error), buffer=buffer_id)
-            row = encode_row(header, self.group_size, self.device)
+            row = self._backend.encode_row(header)
         else:
             if prepared.checks_ready is not None:
                 torch.cuda.current_stream(prepared.checks.device).wait_event(prepared.checks_ready)
-            row = encode_row(
+            row = self._backend.encode_row(
                 prepared.header,  # made with this Buffer's number (no copy per call)
-                self.group_size,
-                self.device,
                 prepared.checks,
                 prepared.counts,
                 prepared.num_tokens,
                 prepared.experts,
             )
+        experts = None if prepared is None else prepared.experts
         if sync_free and self._backend.agrees_on_device:
-            self._backend.exchange_header_async(row, call)
+            self._backend.exchange_header_async(row, call, experts)
             if error is not None:
                 raise error
             return None
-        experts = None if prepared is None else prepared.experts
         agreed = Agreement.decode(self._backend.exchange_header(row, call, experts))
         if agreed.failed_ranks:
             texts = self._backend.gather_objects(

@@ -14,7 +14,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.backends.agreement import Agreement, DispatchExperts
+from uccl_ep_megatron.backends.agreement import (
+    Agreement,
+    CallHeader,
+    DispatchExperts,
+    encode_row,
+)
 from uccl_ep_megatron.backends.agreement.group import BufferGroup
 from uccl_ep_megatron.core.config import Config
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
@@ -249,8 +254,25 @@ class Backend(abc.ABC):
         local experts' received counts back with the rows (the rows may then omit the block)."""
         return None
 
-    def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
-        """``exchange_header`` without reading the rows back (``agrees_on_device``)."""
+    def encode_row(
+        self,
+        header: CallHeader,
+        checks: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+        num_tokens: int = 0,
+        experts: DispatchExperts | None = None,
+    ) -> torch.Tensor:
+        """This rank's row of the call header (``agreement.encode_row``, which defines it), on
+        this backend's device."""
+        return encode_row(
+            header, self.topology.num_ranks, self.device, checks, counts, num_tokens, experts
+        )
+
+    def exchange_header_async(
+        self, row: torch.Tensor, call: str, experts: DispatchExperts | None = None
+    ) -> None:
+        """``exchange_header`` without reading the rows back (``agrees_on_device``);
+        ``experts`` as there (a backend may sum its local experts' counts on the device)."""
         raise UnsupportedError(
             f"{call}: the {self.name} backend checks call headers on the host "
             "(agrees_on_device is False); use exchange_header"

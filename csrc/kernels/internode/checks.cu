@@ -1,8 +1,9 @@
 // The per-call checks of the internode path on the GPU, one launch each: the routing check of a
 // dispatch's arguments (what get_dispatch_layout computes from topk_idx, against the layout the
-// caller passed) and the verdict on the all-gathered call headers of a sync-free call. Their
-// torch forms (backends/base.py routing_check, agreement/verdict.py device_verdict) define them;
-// the GPU tests hold these kernels to them.
+// caller passed), the verdict on the all-gathered call headers of a sync-free call, and the
+// call-header row itself. Their torch forms (backends/base.py routing_check,
+// agreement/verdict.py device_verdict, agreement/row.py encode_row) define them; the GPU tests
+// hold these kernels to them.
 #include "common/errors.h"
 #include "kernels/internode/plumbing.cuh"
 
@@ -166,6 +167,19 @@ __global__ void __launch_bounds__(kMaxRanks) verdict_kernel(VerdictArgs a) {
       if (failed[i]) atomicMin(&s_first, i * R + s);
     }
   }
+  // This rank's local experts: every thread sums some over the source ranks (local_expert_counts).
+  if (a.expert_out != 0) {
+    auto* counts = reinterpret_cast<int*>(a.expert_out);
+    const int align = a.alignment > 1 ? a.alignment : 1;
+    for (int j = s; j < a.experts_per_rank; j += blockDim.x) {
+      int64_t n = 0;
+      for (int r = 0; r < R; ++r) {
+        const auto* block = reinterpret_cast<const int*>(rows + static_cast<int64_t>(r) * a.width + a.experts_col);
+        n += block[a.rank * a.experts_per_rank + j];
+      }
+      counts[j] = static_cast<int>((n + align - 1) / align * align);
+    }
+  }
   __syncthreads();
   if (s != 0) return;
   auto* out = reinterpret_cast<int64_t*>(a.out);
@@ -176,10 +190,44 @@ __global__ void __launch_bounds__(kMaxRanks) verdict_kernel(VerdictArgs a) {
   out[2] = found ? s_value[at / R][at % R] : 0;
 }
 
+// One rank's call-header row (RowArgs): one thread per word of the row.
+__global__ void encode_row_kernel(RowArgs a) {
+  auto* out = reinterpret_cast<int64_t*>(a.out);
+  const int checks_col = a.num_fields, experts_col = checks_col + a.num_checks;
+  const int counts_col = experts_col + a.expert_slots / 2, width = counts_col + a.num_ranks + 1;
+  for (int w = blockIdx.x * blockDim.x + threadIdx.x; w < width; w += gridDim.x * blockDim.x) {
+    int64_t v = 0;
+    if (w < checks_col) {
+      v = a.words[w];
+    } else if (w < experts_col) {
+      if (a.checks != 0) v = reinterpret_cast<const int64_t*>(a.checks)[w - checks_col];
+    } else if (w < counts_col) {
+      // Two int32 slots to a word, the lower-numbered slot in the low half (little-endian).
+      uint64_t pair = 0;
+      for (int h = 0; h < 2; ++h) {
+        const int e = 2 * (w - experts_col) + h;
+        int64_t n = 0;
+        if (a.experts != 0 && e < a.num_experts)
+          n = a.experts64 ? reinterpret_cast<const int64_t*>(a.experts)[e] : reinterpret_cast<const int*>(a.experts)[e];
+        pair |= static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int>(n))) << (32 * h);
+      }
+      v = static_cast<int64_t>(pair);
+    } else if (w < width - 1) {
+      const int r = w - counts_col;
+      if (a.counts != 0)
+        v = a.counts64 ? reinterpret_cast<const int64_t*>(a.counts)[r] : reinterpret_cast<const int*>(a.counts)[r];
+    } else {
+      v = a.words[a.num_fields];
+    }
+    out[w] = v;
+  }
+}
+
 }  // namespace
 
 std::vector<const void*> checks_kernels() {
-  return {reinterpret_cast<const void*>(routing_check_kernel), reinterpret_cast<const void*>(verdict_kernel)};
+  return {reinterpret_cast<const void*>(routing_check_kernel), reinterpret_cast<const void*>(verdict_kernel),
+          reinterpret_cast<const void*>(encode_row_kernel)};
 }
 
 }  // namespace detail
@@ -212,7 +260,24 @@ void call_verdict(const VerdictArgs& a, intptr_t stream) {
   UCCL_EP_CHECK_ARG(a.num_ranks >= 1 && a.num_ranks <= kMaxRanks && a.num_agreed <= kMaxAgreed &&
                         a.counts_col + a.num_ranks < a.width,
                     "call verdict: num_ranks=", a.num_ranks, " agreed fields=", a.num_agreed, " width=", a.width);
+  UCCL_EP_CHECK_ARG(a.expert_out == 0 || (a.experts_per_rank >= 0 && a.rank >= 0 && a.rank < a.num_ranks &&
+                                           a.experts_col >= 0 &&
+                                           a.experts_col * 8 + (a.rank + 1) * a.experts_per_rank * 4 <= a.width * 8),
+                    "call verdict: local expert counts of rank ", a.rank, " (", a.experts_per_rank,
+                    " experts per rank from column ", a.experts_col, ") outside rows of width ", a.width);
   detail::verdict_kernel<<<1, kMaxRanks, 0, reinterpret_cast<gpuStream_t>(stream)>>>(a);
+  GPU_CHECK(gpuGetLastError());
+}
+
+void encode_row(const RowArgs& a, intptr_t stream) {
+  UCCL_EP_CHECK_ARG(a.num_fields >= 0 && a.num_fields < kMaxRowWords && a.num_ranks >= 1 && a.num_checks >= 0 &&
+                        a.expert_slots >= 0 && a.expert_slots % 2 == 0 && a.num_experts >= 0 &&
+                        (a.experts == 0 || a.num_experts <= a.expert_slots),
+                    "call-header row: fields=", a.num_fields, " (at most ", kMaxRowWords - 1, ") ranks=", a.num_ranks,
+                    " checks=", a.num_checks, " expert slots=", a.expert_slots, " experts=", a.num_experts);
+  const int width = a.num_fields + a.num_checks + a.expert_slots / 2 + a.num_ranks + 1;
+  const int threads = 256, blocks = (width + threads - 1) / threads;
+  detail::encode_row_kernel<<<blocks, threads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(a);
   GPU_CHECK(gpuGetLastError());
 }
 

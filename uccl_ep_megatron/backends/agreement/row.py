@@ -161,7 +161,7 @@ def encode_row(
     nothing from the device (a combine, a cached dispatch, a rank whose checks failed) is
     built whole on the host: one copy instead of a copy, zero fills and a concatenation.
     """
-    values = [getattr(header, f) for f in _FIELDS]
+    values = header_words(header)
     carried = experts is not None and experts.carried
     if checks is None and counts is None and not carried:
         middle = _CHECK_WORDS + _EXPERT_WORDS + num_ranks
@@ -187,6 +187,11 @@ def encode_row(
             words[-1:],
         ]
     )
+
+
+def header_words(header: CallHeader) -> list[int]:
+    """The host-known words of a row, in column order: the header fields."""
+    return [getattr(header, f) for f in _FIELDS]
 
 
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:

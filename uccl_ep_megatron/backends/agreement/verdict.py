@@ -15,6 +15,7 @@ from uccl_ep_megatron.backends.agreement.row import (
     _FIELDS,
     _MAGIC,
     COUNTS_COLUMN,
+    EXPERTS_COLUMN,
     KIND_DISPATCH,
     describe_layout_bits,
     row_counts,
@@ -50,6 +51,7 @@ class VerdictColumns(NamedTuple):
     num_worst_tokens: int
     agreed: tuple[int, ...]
     checks: int  # id min, id max, layout bits
+    experts: int  # the per-expert block (int32 slots, two to a word)
     counts: int  # rows each rank sends to every rank
     magic_value: int
     kind_dispatch: int
@@ -68,6 +70,7 @@ def verdict_columns() -> VerdictColumns:
         num_worst_tokens=at("num_worst_tokens"),
         agreed=tuple(at(f) for f in _AGREED),
         checks=len(_FIELDS),
+        experts=EXPERTS_COLUMN,
         counts=COUNTS_COLUMN,
         magic_value=_MAGIC,
         kind_dispatch=KIND_DISPATCH,

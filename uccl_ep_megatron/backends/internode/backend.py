@@ -369,8 +369,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
         per-expert counts; a dispatch with more experts than a row holds (``EXPERT_SLOTS``)
         gathers them here, with a second exchange and read. Sync-free mode has no collective
         after the header exchange (a rank whose own checks failed raised there and takes part
-        in nothing more): the device counts come from the outputs after the kernels
-        (``received_expert_counts``)."""
+        in nothing more): the device counts come from the verdict's launch on the rows
+        (``exchange_header_async``) or, past the rows' per-expert block, from the outputs after
+        the kernels (``received_expert_counts``)."""
         if args.num_worst_tokens > 0:
             return [], None
         if read is not None:
@@ -522,7 +523,12 @@ class InternodeBackend(CallHeaderExchange, Backend):
             self._context(), self._stream(), verdict, self._rings(cfg), t, cached is not None, epr
         )
         if cached is None and per_expert is None and t.recv_topk_idx is not None:
-            per_expert = received_expert_counts(t.recv_topk_idx, epr, args.expert_alignment)
+            # Sync-free: summed from the rows by the verdict's launch when they carry the
+            # per-expert counts, else counted from the outputs.
+            if read is not None:
+                per_expert = read.device
+            else:
+                per_expert = received_expert_counts(t.recv_topk_idx, epr, args.expert_alignment)
         return DispatchResult(
             recv_x=t.recv_x,
             recv_x_scales=t.recv_x_scales,

@@ -17,16 +17,20 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from uccl_ep_megatron.backends.agreement import (
     COUNTS_COLUMN,
+    EXPERT_SLOTS,
     EXPERTS_COLUMN,
     KIND_DISPATCH,
     VERDICTS,
     CallHeader,
     DispatchExperts,
+    header_words,
     host_part,
     local_expert_counts,
+    row_width,
     timeout_error,
     verdict_columns,
     verdict_message,
@@ -36,6 +40,7 @@ from uccl_ep_megatron.core.errors import InvalidInputError, UcclEpError
 
 _W_FIELD = list(CallHeader.__dataclass_fields__).index("num_worst_tokens")
 _KIND_FIELD = list(CallHeader.__dataclass_fields__).index("kind")
+_CHECK_WORDS = EXPERTS_COLUMN - len(CallHeader.__dataclass_fields__)
 
 
 class ExpertCounts(NamedTuple):
@@ -66,12 +71,59 @@ class CallHeaderExchange:
         self._rows: torch.Tensor | None = None
         self._verdict: torch.Tensor | None = None
         self._experts: ExpertCounts | None = None
+        # The process group's own all-gather into one tensor, found at the first exchange.
+        self._all_gather: Any = None
+        self._gather_opts = AllgatherOptions()
+        if hasattr(self._gather_opts, "asyncOp"):  # as the wrapper sets it (torch 2.6+)
+            self._gather_opts.asyncOp = False
+
+    def encode_row(
+        self,
+        header: CallHeader,
+        checks: torch.Tensor | None = None,
+        counts: torch.Tensor | None = None,
+        num_tokens: int = 0,
+        experts: DispatchExperts | None = None,
+    ) -> torch.Tensor:
+        """``agreement.encode_row`` in one launch (``_C.internode.encode_row``): the host words
+        travel as kernel parameters, with no staging copy and no small torch ops."""
+        row = torch.empty(row_width(self.topology.num_ranks), dtype=torch.int64, device=self.device)
+        per_expert = experts.counts if experts is not None and experts.carried else None
+        self._in.encode_row(
+            self._stream(),
+            header_words(header) + [num_tokens],
+            _CHECK_WORDS,
+            EXPERT_SLOTS,
+            row,
+            self._on_device(checks, (torch.int64,)),
+            self._on_device(counts),
+            self._on_device(per_expert),
+        )
+        return row
+
+    def _on_device(
+        self, t: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = (torch.int32, torch.int64)
+    ) -> torch.Tensor | None:
+        """``t`` as the row kernel reads it: contiguous, on this GPU, of one of ``dtypes``."""
+        if t is None:
+            return None
+        if not (t.is_cuda and t.get_device() == self._dev_index and t.is_contiguous()):
+            t = t.to(device=self.device).contiguous()
+        return t if t.dtype in dtypes else t.to(torch.int64)
 
     def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """All-gather of one int64 row per rank into ``[R, width]`` on the device (no sync)."""
         num_ranks = self.topology.num_ranks
         out = torch.empty(num_ranks * row.numel(), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(out, row.to(torch.int64).contiguous(), group=self.group)
+        if self._all_gather is None:
+            # ``all_gather_single`` (``_allgather_base`` before torch 2.12): what the
+            # torch.distributed wrapper calls after argument checks that cost about as much
+            # host time as the collective's launch, twice per dispatch/combine pair.
+            group = self.group if self.group is not None else dist.group.WORLD
+            self._all_gather = getattr(group, "all_gather_single", None) or group._allgather_base
+        work = self._all_gather(out, row.to(torch.int64).contiguous(), self._gather_opts)
+        if work is not None:  # the current stream waits for it (no host wait)
+            work.wait()
         return out.view(num_ranks, -1)
 
     def _read(self, t: torch.Tensor, what: str, call: str) -> list[Any]:
@@ -150,10 +202,14 @@ class CallHeaderExchange:
         local = local_expert_counts(rows, rank, epr, experts.alignment, out=read[host:])
         return read, local.to(torch.int32)
 
-    def exchange_header_async(self, row: torch.Tensor, call: str) -> None:
+    def exchange_header_async(
+        self, row: torch.Tensor, call: str, experts: DispatchExperts | None = None
+    ) -> None:
         """The call header of a sync-free call: all-gathered and checked on the GPU; the
         verdict travels to this call's kernels, which record a rejection in the status words
-        (raised by ``check`` at the next host-visible point) and move nothing.
+        (raised by ``check`` at the next host-visible point) and move nothing. When the rows
+        carry a dispatch's per-expert counts (``experts``), the same launch sums this rank's
+        local experts' received counts (``local_expert_counts``), kept for ``_take_rows``.
 
         No host wait is needed between calls: the all-gather is stream-ordered like exact
         mode's, so a rank's kernels of this call start only after every rank's kernels of the
@@ -165,10 +221,25 @@ class CallHeaderExchange:
         self.check()
         self._call = call
         self._rows = self._gather_rows(row)
-        # device_verdict's checks in one launch (its torch form is the definition).
-        self._verdict = torch.empty(3, dtype=torch.int64, device=self.device)
-        self._in.call_verdict(self._stream(), self._rows, self._verdict, verdict_columns())
-        self._experts = None
+        num_ranks = self.topology.num_ranks
+        epr = 0
+        if experts is not None and experts.carried and experts.num_experts % num_ranks == 0:
+            epr = experts.num_experts // num_ranks
+        # device_verdict's checks in one launch (its torch form is the definition), and the
+        # local expert counts in the words after the verdict's three.
+        words = torch.empty(3 + (epr + 1) // 2, dtype=torch.int64, device=self.device)
+        self._verdict = words[:3]
+        local = words[3:].view(torch.int32)[:epr] if epr else None
+        self._in.call_verdict(
+            self._stream(),
+            self._rows,
+            self._verdict,
+            verdict_columns(),
+            local,
+            self.topology.rank,
+            experts.alignment if epr else 1,
+        )
+        self._experts = None if local is None else ExpertCounts([], local)
 
     def _take_rows(self) -> TakenRows:
         if self._rows is None:
