@@ -8,8 +8,8 @@
 #   GPUs 0,1; 2x1 internode, FIFO and the failure scenarios (2 ranks: sharing a GPU under MPS,
 #   and one GPU each) on GPUs 2,3.
 # Phase 2, all GPUs: EP4 intranode and sync-free, 2x2 internode, grouped experts.
-# Phase 3, benchmarks: bench internode (2x2, NIC model at 50 GB/s) and bench layer at EP4; bench
-#   proxy (CPU only).
+# Phase 3, benchmarks: bench proxy (CPU only), bench internode (2x2, NIC model at 50 GB/s) and
+#   bench layer at EP4 (last; on 4 GPUs it needs a call of its own: PHASES=3).
 # Env: SKIP (suite names to leave out), PHASES (default "1 2 3"), DEADLINE_S (default 560).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
@@ -79,15 +79,17 @@ if phase 2; then
     suite "internode_2x$((NGPU / 2))" "$ALL" 150 "${PYTEST[@]}" "$T/test_internode.py"
   suite grouped_experts "$ALL" 200 "${PYTEST[@]}" -s "$T/test_grouped_experts.py"
 fi
+if phase 3; then  # CPU only: the proxies alone on this host's cores
+  suite bench_proxy "$ALL" 60 python3 -m uccl_ep_megatron.bench.proxy --json "$OUT/proxy.json"
+fi
 if phase 3 && [ "$NGPU" -ge 4 ]; then
   suite bench_internode "$ALL" 100 python3 -m uccl_ep_megatron.bench.internode --ranks 4 \
     --ranks-per-node 2 --link-gbps 50 --latency-us 3 --threads 4 --chunk 20 --fp8 --sync-free \
     --intranode-ref --iters 8 --json "$OUT/internode-2x2.json"
+  # Last: on 4 GPUs phases 1 and 2 leave it about a minute of the default deadline; a call of
+  # its own (PHASES=3) gives it the time it needs.
   suite bench_layer "$ALL" 200 python3 -m uccl_ep_megatron.cli bench layer --gpus 4 \
     --dispatchers alltoall,exact,sync-free --json "$OUT/layer-ep4.json"
-fi
-if phase 3; then  # CPU only: the proxies alone on this host's cores
-  suite bench_proxy "$ALL" 60 python3 -m uccl_ep_megatron.bench.proxy --json "$OUT/proxy.json"
 fi
 tar -czf "$OUT/logs.tar.gz" -C /tmp logs
 echo "================ summary (elapsed $SECONDS s)"
