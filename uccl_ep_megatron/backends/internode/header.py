@@ -43,6 +43,14 @@ _KIND_FIELD = list(CallHeader.__dataclass_fields__).index("kind")
 _CHECK_WORDS = EXPERTS_COLUMN - len(CallHeader.__dataclass_fields__)
 
 
+def _carried_experts_per_rank(experts: DispatchExperts | None, num_ranks: int) -> int:
+    """Experts per rank of a dispatch whose rows carry its per-expert counts (the local
+    counts are then summed from the rows), else 0."""
+    if experts is None or not experts.carried or experts.num_experts % num_ranks:
+        return 0
+    return experts.num_experts // num_ranks
+
+
 class ExpertCounts(NamedTuple):
     """Rows this rank receives per local expert, rounded up to the dispatch's alignment."""
 
@@ -190,9 +198,7 @@ class CallHeaderExchange:
         per-expert block, then, when the rows carry ``experts``, this rank's local expert
         counts; and those counts as the int32 device tensor of the dispatch's outputs."""
         num_ranks = rows.shape[0]
-        epr = 0
-        if experts is not None and experts.carried and experts.num_experts % num_ranks == 0:
-            epr = experts.num_experts // num_ranks
+        epr = _carried_experts_per_rank(experts, num_ranks)
         if not epr:
             return host_part(rows).view(-1), None
         host = (rows.shape[1] - (COUNTS_COLUMN - EXPERTS_COLUMN)) * num_ranks
@@ -221,10 +227,7 @@ class CallHeaderExchange:
         self.check()
         self._call = call
         self._rows = self._gather_rows(row)
-        num_ranks = self.topology.num_ranks
-        epr = 0
-        if experts is not None and experts.carried and experts.num_experts % num_ranks == 0:
-            epr = experts.num_experts // num_ranks
+        epr = _carried_experts_per_rank(experts, self.topology.num_ranks)
         # device_verdict's checks in one launch (its torch form is the definition), and the
         # local expert counts in the words after the verdict's three.
         words = torch.empty(3 + (epr + 1) // 2, dtype=torch.int64, device=self.device)
