@@ -193,7 +193,7 @@ def test_launch_container_mount_needs_src_and_dst():
     )
 
 
-@pytest.mark.parametrize("bench", ["layer", "fifo"])
+@pytest.mark.parametrize("bench", ["layer", "fifo", "nvlink"])
 def test_bench_without_a_gpu_is_one_line(bench):
     import torch
 

@@ -4,9 +4,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <string>
 #include <vector>
 
 #include "bench/fifo_bench.h"
+#include "bench/nvlink_bench.h"
 #include "fifo/fifo.h"
 
 namespace py = pybind11;
@@ -60,6 +62,23 @@ void bind_bench(py::module_& m) {
       py::arg("cmds_per_warp"), py::arg("capacity"), py::arg("latency_iters"), py::arg("timeout_ms"),
       py::arg("poll_backoff_ns") = 0,
       "GPU->CPU command rate and push->pop latency of the FIFO (releases the GIL while it runs).");
+  m.def(
+      "nvlink_bench",
+      [](const std::vector<int>& devices, const std::string& mode, int sms, int rows, int64_t row_bytes, int fanout,
+         int iters) {
+        gpu::NvlinkBenchResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = gpu::run_nvlink_bench(devices, mode, sms, rows, row_bytes, fanout, iters);
+        }
+        py::dict d;
+        d["seconds"] = r.seconds;
+        d["bytes_per_device"] = r.bytes_per_device;
+        return d;
+      },
+      py::arg("devices"), py::arg("mode"), py::arg("sms"), py::arg("rows"), py::arg("row_bytes"), py::arg("fanout"),
+      py::arg("iters"),
+      "Seconds per all-to-all round of row copies between `devices` (ldst, tma or ce; see nvlink_bench.h).");
 }
 
 }  // namespace

@@ -14,6 +14,7 @@ from typing import Any
 BENCH_MODULES: tuple[str, ...] = (
     "fifo",
     "intranode",
+    "nvlink",
     "internode",
     "proxy",
     "ordering",
