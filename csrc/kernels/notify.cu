@@ -63,6 +63,13 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
                                                                 int64_t header, RecvEntryArgs entry) {
   const int tid = threadIdx.x;
   const int R = num_ranks;
+  // Block 1 (non-cached calls) scans send_pos while block 0 exchanges the counts and waits at
+  // the barrier: the scan reads only this rank's is_token_in_rank, and only the dispatch
+  // kernel, which follows this kernel in stream order, reads send_pos.
+  if (blockIdx.x == 1) {
+    scan_send_pos(in_rank, num_tokens, num_ranks, send_pos);
+    return;
+  }
   __shared__ uint64_t s_seq;
   if (tid == 0) {
     // One block: every thread reads s_seq below, so storing the new value now is safe.
@@ -208,8 +215,6 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
     __syncthreads();
     if (tid == 0) reinterpret_cast<volatile int64_t*>(readback)[0] = s_late ? -1 : 1;
   }
-  // After the barrier and the readback, so the scan never delays a peer's wait or the host.
-  if (send_pos != nullptr) scan_send_pos(in_rank, num_tokens, R, send_pos);
 }
 
 }  // namespace
@@ -229,7 +234,9 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
   UCCL_EP_CHECK_ARG(experts_per_rank <= kMaxLocalExperts, "experts_per_rank=", experts_per_rank,
                     " exceeds the kernels' limit of ", kMaxLocalExperts, " local experts");
   UCCL_EP_CHECK_ARG(expert_alignment >= 1, "expert_alignment=", expert_alignment, " must be >= 1");
-  notify_kernel<<<1, kNotifyThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
+  // A second block scans send_pos beside the count exchange (non-cached calls).
+  const int blocks = send_pos != 0 ? 2 : 1;
+  notify_kernel<<<blocks, kNotifyThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(
       peers, rank, num_ranks, reinterpret_cast<const int*>(num_tokens_per_rank),
       reinterpret_cast<const int*>(num_tokens_per_expert), experts_per_rank, expert_alignment,
       reinterpret_cast<int*>(rank_prefix_matrix), reinterpret_cast<int*>(out_info), status_ref(status),
