@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 OPS = ("dispatch_bf16", "dispatch_bf16_worst", "dispatch_bf16_cached", "combine_bf16")
+# The _C entry points that launch a call's first kernel (notify, or the one-call dispatch).
+LAUNCHES = ("intranode_dispatch_begin", "intranode_notify_call", "intranode_combine_call")
 # The _C entry points a call's host time is split at.
 MARKS = (
     "intranode_dispatch_begin",
@@ -158,10 +160,15 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         for op in OPS:
             fn = fns[op]
             segs: list[dict[str, float]] = []
+            stamps: list[tuple[int, int]] = []  # (call start, first launch done), host clock
 
-            def split(t0: int, t1: int, impl: str = impl, segs: list = segs) -> None:
+            def split(
+                t0: int, t1: int, impl: str = impl, segs: list = segs, stamps: list = stamps
+            ) -> None:
                 if impl == "ours":
                     segs.append(_segments(t0, t1, list(log)))
+                    launched = [b for name, _, b in log if name in LAUNCHES]
+                    stamps.append((t0, launched[0] if launched else t1))
 
             timed = time_call(fn, a["iters"], a["warmup"], before=log.clear, after=split)
             host, dev = timed["host_us"], timed["device_us"]
@@ -179,7 +186,13 @@ def _rank(rank: int, world: int, a: dict) -> dict:
             if segs:
                 for k in segs[0]:
                     seg_med[k] = statistics.median(s.get(k, 0.0) for s in segs)
-            out[f"{op}/{impl}"] = {"host": host, "dev": dev, "seg": seg_med, "prof": prof_text}
+            out[f"{op}/{impl}"] = {
+                "host": host,
+                "dev": dev,
+                "seg": seg_med,
+                "prof": prof_text,
+                "stamps": stamps,
+            }
         state.clear()
     torch.cuda.synchronize()
     out["fallbacks"] = buf._backend.recv_arena.fallbacks  # staged (not zero-copy) dispatches
@@ -208,6 +221,24 @@ def _report(world: int, per_rank: list[dict], iters: int) -> None:
         seg = per_rank[0][f"{op}/ours"]["seg"]
         split = " ".join(f"{k}={v:.1f}" for k, v in seg.items())
         print(f"{row[0]:24} {row[1]:>9} {row[2]:>7} {row[3]:>11} {row[4]:>7}  {split}")
+        # The ranks share one host clock (CLOCK_MONOTONIC): how far apart the calls start, and
+        # when the last rank's first kernel is queued after the first rank's call started.
+        st = [r[f"{op}/ours"]["stamps"] for r in per_rank]
+        if all(len(x) == iters for x in st):
+            skew = [max(x[i][0] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
+            last = [max(x[i][1] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
+            print(
+                f"{'':24}   call starts spread {statistics.median(skew) / 1e3:.1f} us; last "
+                f"rank's first launch {statistics.median(last) / 1e3:.1f} us after the first start"
+            )
+        # Every rank's own medians: which rank the maximum over ranks comes from, and where.
+        for r, res in enumerate(per_rank):
+            mine = res[f"{op}/ours"]
+            text = " ".join(f"{k}={v:.1f}" for k, v in mine["seg"].items())
+            print(
+                f"{'':24}   rank {r}: host {statistics.median(mine['host']):.1f} "
+                f"dev {statistics.median(mine['dev']):.1f}  {text}"
+            )
     print(f"arena fallbacks per rank: {[r['fallbacks'] for r in per_rank]}")
     for op in OPS:
         text = per_rank[0][f"{op}/ours"]["prof"]
