@@ -87,3 +87,45 @@ def test_merge_takes_the_slowest_rank_per_iteration_and_ratios_per_expert_module
     assert rows["exact/SequentialMLP"]["host_syncs_per_layer"] == 1.0  # rank 0's count
     assert rows["exact/SequentialMLP"]["dispatch_ms"] == 2.0  # mean over ranks
     assert out["skipped"] == {"flex": "no deep_ep"} and out["world"] == 2
+
+
+def test_a_flex_dispatcher_megatron_core_cannot_build_is_skipped_with_the_reason(monkeypatch):
+    from uccl_ep_megatron.bench import layer_worker
+
+    built = []
+
+    def dispatcher(name, layer_, a):
+        if name == "flex":
+            raise ValueError("Invalid backend: none")
+        built.append((name, layer_))
+        return object()
+
+    monkeypatch.setattr(layer_worker, "_dispatcher", dispatcher)
+    monkeypatch.setattr(layer_worker, "_flex_unavailable", lambda: None)
+    monkeypatch.setattr(layer_worker, "_DispatchTimes", lambda disp: None)
+    skipped: dict = {}
+    out = layer_worker._variants(
+        {"SequentialMLP": "L1", "TorchGroupedMLP": "L2"},
+        {"dispatchers": "alltoall,flex,exact"},
+        skipped,
+    )
+    assert sorted(out) == [
+        "alltoall/SequentialMLP",
+        "alltoall/TorchGroupedMLP",
+        "exact/SequentialMLP",
+        "exact/TorchGroupedMLP",
+    ]
+    assert "Invalid backend: none" in skipped["flex"]
+    assert ("exact", "L2") in built
+
+
+def test_a_uccl_ep_dispatcher_that_cannot_be_built_still_ends_the_run(monkeypatch):
+    from uccl_ep_megatron.bench import layer_worker
+
+    def dispatcher(name, layer_, a):
+        raise RuntimeError(f"{name} broke")
+
+    monkeypatch.setattr(layer_worker, "_dispatcher", dispatcher)
+    monkeypatch.setattr(layer_worker, "_flex_unavailable", lambda: None)
+    with pytest.raises(RuntimeError, match="exact broke"):
+        layer_worker._variants({"SequentialMLP": "L1"}, {"dispatchers": "exact,flex"}, {})
