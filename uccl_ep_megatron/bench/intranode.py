@@ -107,8 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kernels",
         type=int,
         default=0,
-        help="after timing, profile N more calls per op on rank 0 and print the mean device "
-        "time per kernel (torch.profiler); 0 = off",
+        help="after timing, profile N more calls per op on rank 0 and print each kernel's "
+        "device time per call (median launch, torch.profiler); 0 = off",
     )
     parser.add_argument(
         "--repeat",

@@ -48,9 +48,19 @@ def kernel_name(full: str) -> str:
     return name.split("::")[-1].split()[-1] if name.strip() else full[:40]
 
 
+def per_call_kernel_us(durations: list[tuple[str, float]], calls: int) -> dict[str, float]:
+    """Device microseconds per call of each kernel, from the ``(name, us)`` of every launch of
+    ``calls`` calls: the median launch times the launches per call, so one slow call (a peer
+    late at a barrier, a clock change) does not move the figure as a mean would."""
+    by_name: dict[str, list[float]] = {}
+    for name, us in durations:
+        by_name.setdefault(name, []).append(us)
+    return {name: statistics.median(times) * len(times) / calls for name, times in by_name.items()}
+
+
 def profile_kernels(fn, calls: int, rank: int) -> dict[str, float]:
-    """Mean device microseconds per call of each kernel ``fn`` launches, on rank 0 (every rank
-    makes the calls: they are collective); empty on the other ranks."""
+    """Device microseconds per call of each kernel ``fn`` launches (``per_call_kernel_us``), on
+    rank 0 (every rank makes the calls: they are collective); empty on the other ranks."""
     torch.cuda.synchronize()
     dist.barrier()
     if rank != 0:
@@ -64,12 +74,12 @@ def profile_kernels(fn, calls: int, rank: int) -> dict[str, float]:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    per_kernel: dict[str, float] = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = kernel_name(ev.name)
-            per_kernel[name] = per_kernel.get(name, 0.0) + ev.device_time / calls
-    return per_kernel
+    durations = [
+        (kernel_name(ev.name), ev.device_time)
+        for ev in prof.events()
+        if ev.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return per_call_kernel_us(durations, calls)
 
 
 def floor_bandwidth(rank: int, world: int, shared: bool) -> float:
@@ -104,4 +114,10 @@ def floor_bandwidth(rank: int, world: int, shared: bool) -> float:
     return scale * n / statistics.median(times)
 
 
-__all__ = ["floor_bandwidth", "kernel_name", "profile_kernels", "time_call"]
+__all__ = [
+    "floor_bandwidth",
+    "kernel_name",
+    "per_call_kernel_us",
+    "profile_kernels",
+    "time_call",
+]
