@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(A2aParams p) {
   extern __shared__ __align__(128) uint8_t s_tma[];
   __shared__ uint64_t s_bar[kWarps * kernels::kTmaStages];
   kernels::TmaPipe pipe;
-  if constexpr (kTma) pipe.init(s_tma + warp * kernels::kTmaStages * kernels::kTmaChunk, s_bar + warp * kernels::kTmaStages, lane);
+  if constexpr (kTma)
+    pipe.init(s_tma + warp * kernels::kTmaStages * kernels::kTmaChunk, s_bar + warp * kernels::kTmaStages, lane);
 #endif
   const int R = p.num_ranks;
   const int64_t slot_bytes = static_cast<int64_t>(p.rows) * p.row_bytes;
@@ -101,7 +102,8 @@ NvlinkBenchResult run_nvlink_bench(const std::vector<int>& devices, const std::s
   const int R = static_cast<int>(devices.size());
   UCCL_EP_CHECK_ARG(R >= 2 && R <= kMaxRanks, "bench nvlink needs 2..", kMaxRanks, " devices, got ", R);
   UCCL_EP_CHECK_ARG(fanout >= 1 && fanout < R, "fanout=", fanout, " must be in 1..", R - 1, " (peers per row)");
-  UCCL_EP_CHECK_ARG(row_bytes > 0 && row_bytes % 16 == 0, "row_bytes=", row_bytes, " must be a positive multiple of 16");
+  UCCL_EP_CHECK_ARG(row_bytes > 0 && row_bytes % 16 == 0, "row_bytes=", row_bytes,
+                    " must be a positive multiple of 16");
   UCCL_EP_CHECK_ARG(rows > 0 && iters > 0, "rows=", rows, " and iters=", iters, " must be positive");
   UCCL_EP_CHECK_ARG(mode == "ce" || sms > 0, "sms=", sms, " must be positive for the kernel copies");
   UCCL_EP_CHECK_ARG(mode == "ldst" || mode == "tma" || mode == "ce", "mode=", mode, " must be ldst, tma or ce");

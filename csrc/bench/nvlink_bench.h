@@ -10,7 +10,7 @@
 namespace uccl_ep::gpu {
 
 struct NvlinkBenchResult {
-  std::vector<double> seconds;  // per device: the median over iterations of one round's time
+  std::vector<double> seconds;  // per device: its events' span over the timed rounds / rounds
   int64_t bytes_per_device = 0;  // bytes each device writes into its peers per round
 };
 
@@ -22,8 +22,8 @@ struct NvlinkBenchResult {
 //   "tma":  the dispatch's bulk-copy pipeline (shared-memory stage, bulk stores to each peer),
 //   "ce":   copy engines, one stream per (device, peer), a cudaMemcpyPeerAsync per peer slot
 //           (fanout rows per peer are contiguous there; same bytes).
-// `sms` blocks of 512 threads for the kernels. Rounds are launched back to back after a
-// device-side start barrier, so a round's time does not include the others' launch skew.
+// `sms` blocks of 512 threads for the kernels. After a warm-up round, `iters` rounds go back to
+// back on every device, so the launch skew between devices counts once, not once per round.
 NvlinkBenchResult run_nvlink_bench(const std::vector<int>& devices, const std::string& mode, int sms, int rows,
                                    int64_t row_bytes, int fanout, int iters);
 

@@ -72,7 +72,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(Peers bufs, int 
   }
   __shared__ uint64_t s_seq;
   if (tid == 0) {
-    // One block: every thread reads s_seq below, so storing the new value now is safe.
+    // Block 0 alone gets here (block 1 returned above): every thread reads s_seq below, so
+    // storing the new value now is safe.
     uint64_t* c = seq_counter(bufs.p[rank]);
     s_seq = *c + 1;
     *c = s_seq;
