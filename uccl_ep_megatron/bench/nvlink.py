@@ -11,9 +11,10 @@ peer's region. Modes:
   ``TmaPipe``), same grid;
 - ``ce``: copy engines, one stream per (GPU, peer), one peer copy per peer slot.
 
-GB/s is each GPU's bytes written into its peers per round over the round's time (the slowest
-GPU's median is reported, and the spread over GPUs); the fastest row is the link floor the
-dispatch and combine kernels are judged against (docs/performance.md).
+A GPU's round time is its events' span over ``--iters`` rounds issued back to back, divided by
+them. GB/s is a GPU's bytes written into its peers per round over its round time: the slowest
+GPU's (and the fastest's beside it). The fastest row is the link floor the dispatch and combine
+kernels are judged against (docs/performance.md).
 """
 
 from __future__ import annotations
