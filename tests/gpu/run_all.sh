@@ -8,8 +8,9 @@
 #   GPUs 0,1; 2x1 internode, FIFO and the failure scenarios (2 ranks: sharing a GPU under MPS,
 #   and one GPU each) on GPUs 2,3.
 # Phase 2, all GPUs: EP4 intranode and sync-free, 2x2 internode, grouped experts.
-# Phase 3, benchmarks: bench proxy (CPU only), bench internode (2x2, NIC model at 50 GB/s) and
-#   bench layer at EP4 (last; on 4 GPUs it needs a call of its own: PHASES=3).
+# Phase 3, benchmarks: bench proxy (CPU only), bench nvlink (the link floor, seconds), bench
+#   internode (2x2, NIC model at 50 GB/s) and bench layer at EP4 (last; on 4 GPUs it needs a
+#   call of its own: PHASES=3).
 # Env: SKIP (suite names to leave out), PHASES (default "1 2 3"), DEADLINE_S (default 560).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
@@ -82,6 +83,10 @@ fi
 if phase 3; then  # CPU only: the proxies alone on this host's cores
   suite bench_proxy "$ALL" 60 python3 -m uccl_ep_megatron.bench.proxy --json "$OUT/proxy.json"
 fi
+if phase 3 && [ "$NGPU" -ge 2 ]; then  # seconds: the NVLink link floor over every GPU
+  suite bench_nvlink "$ALL" 60 python3 -m uccl_ep_megatron.bench.nvlink --modes ldst,tma,ce \
+    --sms 12,24,48 --fanout 1,$((NGPU - 1)) --json "$OUT/nvlink.json"
+fi
 if phase 3 && [ "$NGPU" -ge 4 ]; then
   suite bench_internode "$ALL" 100 python3 -m uccl_ep_megatron.bench.internode --ranks 4 \
     --ranks-per-node 2 --link-gbps 50 --latency-us 3 --threads 4 --chunk 20 --fp8 --sync-free \
@@ -97,7 +102,7 @@ cat "$LOGS"/summary_*.txt
 for f in "$LOGS"/*.log; do
   grep -HE "^(FAILED|ERROR)" "$f" 2>/dev/null | head -6 | cut -c1-240
 done
-for f in bench_internode bench_layer bench_proxy; do
+for f in bench_nvlink bench_internode bench_layer bench_proxy; do
   echo "---- $f"
   grep -vE "Warning|warn|return func|^\s*$" "$LOGS/$f.log" 2>/dev/null | tail -14
 done
