@@ -28,6 +28,11 @@ def test_rows_cover_every_copy_and_budget_and_the_copy_engines_once_per_fanout()
     assert len(rows) == len(set(rows))
 
 
+def test_a_value_given_twice_is_timed_once():
+    _, rows = nvlink.plan(_args(modes="ldst,ldst", sms="12,12", fanout="1,1"), num_gpus=2)
+    assert rows == [("ldst", 12, 1)]
+
+
 def test_chosen_gpus_are_kept_in_order():
     devices, _ = nvlink.plan(_args(gpus="3,1"), num_gpus=4)
     assert devices == [3, 1]

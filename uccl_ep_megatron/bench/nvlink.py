@@ -71,9 +71,10 @@ def plan(args: argparse.Namespace, num_gpus: int) -> tuple[list[int], list[tuple
         raise UnsupportedError(
             f"--gpus={args.gpus!r}: this machine has {num_gpus} CUDA devices (0..{num_gpus - 1})"
         )
-    modes = flag_list(args.modes, "--modes", str, MODES)
-    sms = flag_list(args.sms, "--sms", int)
-    fanouts = flag_list(args.fanout, "--fanout", int)
+    # A value given twice is timed once (e.g. --fanout 1,$((GPUs - 1)) on two GPUs).
+    modes = list(dict.fromkeys(flag_list(args.modes, "--modes", str, MODES)))
+    sms = list(dict.fromkeys(flag_list(args.sms, "--sms", int)))
+    fanouts = list(dict.fromkeys(flag_list(args.fanout, "--fanout", int)))
     bad = [f for f in fanouts if not 1 <= f < len(devices)]
     if bad:
         raise InvalidInputError(
