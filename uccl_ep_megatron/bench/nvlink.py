@@ -62,6 +62,8 @@ def register(subparsers: Any) -> None:
 
 def plan(args: argparse.Namespace, num_gpus: int) -> tuple[list[int], list[tuple[str, int, int]]]:
     """The devices and the (mode, sms, fanout) rows to time; ``InvalidInputError`` for bad flags."""
+    if not str(args.gpus).strip() and num_gpus < 2:
+        raise UnsupportedError(f"bench nvlink needs two or more GPUs; this machine has {num_gpus}")
     devices = (
         flag_list(args.gpus, "--gpus", int) if str(args.gpus).strip() else list(range(num_gpus))
     )
