@@ -33,6 +33,11 @@ def test_a_value_given_twice_is_timed_once():
     assert rows == [("ldst", 12, 1)]
 
 
+def test_a_bad_flag_is_named_before_the_missing_gpus():
+    with pytest.raises(InvalidInputError, match="--sms='0'"):
+        nvlink.plan(_args(sms="0"), num_gpus=0)
+
+
 def test_chosen_gpus_are_kept_in_order():
     devices, _ = nvlink.plan(_args(gpus="3,1"), num_gpus=4)
     assert devices == [3, 1]

@@ -61,28 +61,13 @@ def register(subparsers: Any) -> None:
 
 
 def plan(args: argparse.Namespace, num_gpus: int) -> tuple[list[int], list[tuple[str, int, int]]]:
-    """The devices and the (mode, sms, fanout) rows to time; ``InvalidInputError`` for bad flags."""
-    if not str(args.gpus).strip() and num_gpus < 2:
-        raise UnsupportedError(f"bench nvlink needs two or more GPUs; this machine has {num_gpus}")
-    devices = (
-        flag_list(args.gpus, "--gpus", int) if str(args.gpus).strip() else list(range(num_gpus))
-    )
-    if len(devices) < 2 or len(set(devices)) != len(devices):
-        raise InvalidInputError(f"--gpus={args.gpus!r}: give two or more distinct devices")
-    if max(devices) >= num_gpus or min(devices) < 0:
-        raise UnsupportedError(
-            f"--gpus={args.gpus!r}: this machine has {num_gpus} CUDA devices (0..{num_gpus - 1})"
-        )
+    """The devices and the (mode, sms, fanout) rows to time. Raises ``InvalidInputError`` for a
+    bad flag (checked first, so a typo reads the same on any machine) and ``UnsupportedError``
+    when this machine lacks the GPUs."""
     # A value given twice is timed once (e.g. --fanout 1,$((GPUs - 1)) on two GPUs).
     modes = list(dict.fromkeys(flag_list(args.modes, "--modes", str, MODES)))
     sms = list(dict.fromkeys(flag_list(args.sms, "--sms", int)))
     fanouts = list(dict.fromkeys(flag_list(args.fanout, "--fanout", int)))
-    bad = [f for f in fanouts if not 1 <= f < len(devices)]
-    if bad:
-        raise InvalidInputError(
-            f"--fanout={args.fanout!r}: each must be in 1..{len(devices) - 1} "
-            f"with {len(devices)} GPUs"
-        )
     if min(sms) < 1:
         raise InvalidInputError(f"--sms={args.sms!r}: give positive SM budgets")
     for flag, v in (("--tokens", args.tokens), ("--hidden", args.hidden), ("--iters", args.iters)):
@@ -90,6 +75,22 @@ def plan(args: argparse.Namespace, num_gpus: int) -> tuple[list[int], list[tuple
             raise InvalidInputError(f"{flag}={v} must be positive")
     if args.hidden % 8:
         raise InvalidInputError(f"--hidden={args.hidden} must be a multiple of 8 (16-byte rows)")
+    chosen = str(args.gpus).strip()
+    devices = flag_list(args.gpus, "--gpus", int) if chosen else list(range(num_gpus))
+    if chosen and (len(devices) < 2 or len(set(devices)) != len(devices)):
+        raise InvalidInputError(f"--gpus={args.gpus!r}: give two or more distinct devices")
+    if not chosen and num_gpus < 2:
+        raise UnsupportedError(f"bench nvlink needs two or more GPUs; this machine has {num_gpus}")
+    if max(devices) >= num_gpus or min(devices) < 0:
+        raise UnsupportedError(
+            f"--gpus={args.gpus!r}: this machine has {num_gpus} CUDA devices (0..{num_gpus - 1})"
+        )
+    bad = [f for f in fanouts if not 1 <= f < len(devices)]
+    if bad:
+        raise InvalidInputError(
+            f"--fanout={args.fanout!r}: each must be in 1..{len(devices) - 1} "
+            f"with {len(devices)} GPUs"
+        )
     rows = []
     for f in fanouts:
         for m in modes:
