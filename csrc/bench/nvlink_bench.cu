@@ -1,7 +1,6 @@
 // The NVLink copy floor (`uccl-ep-megatron bench nvlink`): the intranode kernels' own row copies
 // (kernels/common.cuh: copy_row_multi, TmaPipe) in a dispatch's all-to-all pattern, all devices
 // at once, next to the copy engines. One process drives every device.
-#include <algorithm>
 #include <vector>
 
 #include "common/gpu.h"
@@ -39,8 +38,14 @@ struct A2aParams {
   int64_t row_bytes;
 };
 
-// Row t goes to peers rank + 1 + (t + j) mod (R - 1), j < fanout, into slot `rank` of their
-// regions at row t: as a dispatch sends a token to the ranks of its experts.
+// The peer that row t of `rank` goes to as its j-th destination (j < fanout): a rotation over
+// the R - 1 peers, as a dispatch sends a token to the ranks of its experts. The kernel and the
+// host's byte counts and spot check all place rows by it.
+__host__ __device__ inline int peer_of(int rank, int64_t t, int j, int R) {
+  return (rank + 1 + static_cast<int>((t + j) % (R - 1))) % R;
+}
+
+// Row t goes to peer_of(rank, t, j), j < fanout, into slot `rank` of their regions at row t.
 template <bool kTma>
 __global__ void __launch_bounds__(kThreads) a2a_kernel(A2aParams p) {
   const int lane = threadIdx.x % dev::kWarpSize, warp = threadIdx.x / dev::kWarpSize;
@@ -60,8 +65,7 @@ __global__ void __launch_bounds__(kThreads) a2a_kernel(A2aParams p) {
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r) dst[r] = nullptr;
     for (int j = 0; j < p.fanout; ++j) {
-      const int d = (p.rank + 1 + static_cast<int>((t + j) % (R - 1))) % R;
-      mask |= 1u << d;
+      mask |= 1u << peer_of(p.rank, t, j, R);
     }
 #pragma unroll
     for (int r = 0; r < kMaxRanks; ++r)
@@ -143,13 +147,13 @@ NvlinkBenchResult run_nvlink_bench(const std::vector<int>& devices, const std::s
     int64_t n = 0;
     for (int64_t t = 0; t < rows; ++t)
       for (int j = 0; j < fanout; ++j)
-        if ((i + 1 + static_cast<int>((t + j) % (R - 1))) % R == d) ++n;
+        if (peer_of(i, t, j, R) == d) ++n;
     return n;
   };
   auto last_row = [&](int i, int d) {
     for (int64_t t = rows - 1; t >= 0; --t)
       for (int j = 0; j < fanout; ++j)
-        if ((i + 1 + static_cast<int>((t + j) % (R - 1))) % R == d) return t;
+        if (peer_of(i, t, j, R) == d) return t;
     return static_cast<int64_t>(-1);
   };
   std::vector<std::vector<int64_t>> ce_bytes(R, std::vector<int64_t>(R, 0));
