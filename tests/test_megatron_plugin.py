@@ -320,7 +320,7 @@ def test_config_field_accepts_uccl_ep(plugin):
 
 
 # ---- MoELayer --------------------------------------------------------------------------------
-def _moe_layer(config_kwargs):
+def _moe_layer(config_kwargs, grouped=False):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -346,6 +346,10 @@ def _moe_layer(config_kwargs):
         module=SequentialMLP,
         submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
     )
+    if grouped:
+        from uccl_ep_megatron.token_dispatcher.grouped_experts import experts_spec
+
+        experts = experts_spec()
     return MoELayer(cfg, MoESubmodules(experts=experts), layer_number=3), cfg
 
 
@@ -368,6 +372,7 @@ def w_moe_layer_runs_experts_on_our_dispatch(rank, world):
         assert isinstance(d, UcclEpTokenDispatcher), type(d)
         assert cfg.moe_token_dispatcher_type == "uccl_ep", "config must be left as it was"
         assert d.layer_number == 3
+        assert d.device_counts is False, "SequentialMLP reads its counts on the host"
         layer.set_layer_number(7)
         assert d.layer_number == 7
 
@@ -417,6 +422,18 @@ def w_moe_layer_runs_experts_on_our_dispatch(rank, world):
         for a, b in zip(ours, (w.grad for w in layer.experts.parameters()), strict=True):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         assert x.grad is not None and torch.isfinite(x.grad).all()
+
+        # Grouped experts take their counts on the GPU: the dispatcher is told so.
+        grouped, _ = _moe_layer(
+            {
+                "moe_token_dispatcher_type": "uccl_ep",
+                "num_moe_experts": 2 * world,
+                "params_dtype": torch.bfloat16,
+                "bf16": True,
+            },
+            grouped=True,
+        )
+        assert grouped.token_dispatcher.device_counts is True
     finally:
         ps.destroy_model_parallel()
         megatron_plugin.uninstall()

@@ -120,6 +120,14 @@ def test_capacity_must_be_a_multiple_of_the_alignment():
         make_plan(torch.zeros(2, 1, dtype=torch.long), 1, 4, capacity=6)
 
 
+def test_packed_segments_need_a_capacity():
+    from uccl_ep_megatron.token_dispatcher.permute_fused import permute_fused
+
+    idx = torch.zeros(2, 1, dtype=torch.long)
+    with pytest.raises(InvalidInputError, match="packed=True needs capacity > 0"):
+        permute_fused(torch.zeros(2, 4), torch.ones(2, 1), idx, 1, packed=True)
+
+
 @pytest.mark.megatron
 @pytest.mark.parametrize("seed", [0, 3])
 def test_megatron_permutation_of_the_receive_layout_equals_ours(seed):

@@ -27,11 +27,16 @@ Two modes (``mode`` attribute, chosen from the config when the dispatcher is bui
 - **sync-free**: a per-rank capacity fixes every size on the host, so dispatch -> experts ->
   combine never waits for the GPU. Dispatch returns ``num_worst_tokens`` rows (padding rows
   have no expert), every local expert gets exactly ``C`` rows and ``tokens_per_expert`` is the
-  constant ``[C] * L``. ``C`` comes from Megatron's ``moe_expert_capacity_factor`` with
-  ``moe_pad_expert_input_to_capacity`` (the router already dropped tokens past the capacity, so
-  nothing is dropped here), else from ``UcclEpOptions.capacity_factor``
-  (``--moe-uccl-ep-capacity-factor``; pairs past ``C`` are dropped, counted on the GPU and logged
-  every ``drop_log_interval`` forward passes from an asynchronous copy).
+  constant ``[C] * L``. Where the experts take their counts on the GPU (``TorchGroupedMLP``:
+  ``device_counts``, set by the plugin's ``MoELayer``), the fused permutation packs the segments
+  instead: expert ``e`` gets its kept pairs (at most ``C``) back to back, the rows past the last
+  segment are zero padding, and ``tokens_per_expert`` is the int32 GPU tensor of segment sizes,
+  so the grouped GEMMs skip the padding; still no host sync. ``C`` comes from Megatron's
+  ``moe_expert_capacity_factor`` with ``moe_pad_expert_input_to_capacity`` (the router already
+  dropped tokens past the capacity, so nothing is dropped here), else from
+  ``UcclEpOptions.capacity_factor`` (``--moe-uccl-ep-capacity-factor``; pairs past ``C`` are
+  dropped, counted on the GPU and logged every ``drop_log_interval`` forward passes from an
+  asynchronous copy).
 
 Under Megatron's EP overlap schedule (``--overlap-moe-expert-parallel-comm``: dispatch and
 combine are separate schedule nodes on Megatron's communication stream, overlapped with the
@@ -194,6 +199,8 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         self.fused = False  # this forward's permutation runs on the fused kernels
         self.plan: PermutePlan | FusedPlan | MegatronPlan | None = None
         self.tokens_per_expert: torch.Tensor | None = None
+        # The experts take tokens_per_expert on the GPU: sync-free mode packs its segments.
+        self.device_counts = False
 
     def _check_config(self) -> None:
         cfg = self.config
@@ -431,7 +438,9 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
 
         Returns:
             ``(rows [sum(tokens_per_expert), H], tokens_per_expert [L] int64 on the CPU,
-            permuted_probs [rows] float32, float64 with --moe-router-dtype fp64)``.
+            permuted_probs [rows] float32, float64 with --moe-router-dtype fp64)``; sync-free
+            mode with ``device_counts``: ``rows [L * C, H]`` with packed segments and
+            ``tokens_per_expert [L]`` int32 on the GPU.
         """
         if self.recv_topk_idx is None:
             raise InvalidInputError("dispatch_postprocess called before token_dispatch")
@@ -458,6 +467,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 capacity=capacity,
                 recv_count=getattr(self.handle, "recv_count", None),
                 dropped=self.dropped,
+                packed=bool(capacity) and self.device_counts,
             )
         else:
             self.plan = make_plan(
@@ -474,7 +484,10 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             dispatch_metrics.recorder.note_tokens(self.layer_number, self.recv_counts)
         if self.router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
-        self.tokens_per_expert = torch.tensor(self.plan.tokens_per_expert, dtype=torch.int64)
+        if isinstance(self.plan, FusedPlan) and self.plan.tokens_per_expert is None:
+            self.tokens_per_expert = self.plan.segment_rows  # packed: sizes on the GPU
+        else:
+            self.tokens_per_expert = torch.tensor(self.plan.tokens_per_expert, dtype=torch.int64)
         if capacity:
             self._drop_log.note(self.dropped)
         return rows, self.tokens_per_expert, permuted_probs

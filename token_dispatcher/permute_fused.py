@@ -44,7 +44,7 @@ class FusedPlan:
     offsets: torch.Tensor  # [L + 1] int32: segment starts
     dropped: torch.Tensor  # [1] int64: pairs that got no row, accumulated by the kernels
     num_recv: int
-    tokens_per_expert: list[int]  # rows per segment, known on the host
+    tokens_per_expert: list[int] | None  # rows per segment, known on the host (None: packed)
 
 
 def _stream(device: torch.device) -> int:
@@ -60,6 +60,7 @@ def _plan_fused(
     capacity: int,
     recv_count: torch.Tensor | None,
     dropped: torch.Tensor | None,
+    packed: bool,
 ) -> tuple[FusedPlan, torch.Tensor]:
     num_recv, num_topk = recv_topk_idx.shape
     device = recv_topk_idx.device
@@ -94,7 +95,7 @@ def _plan_fused(
         offsets=torch.empty(num_local_experts + 1, **i32),
         dropped=dropped,
         num_recv=num_recv,
-        tokens_per_expert=sizes,
+        tokens_per_expert=None if packed else sizes,
     )
     out_probs = torch.empty(num_out, dtype=torch.float32, device=device)
     _c().permute_plan(
@@ -106,6 +107,7 @@ def _plan_fused(
         num_experts=num_local_experts,
         align=align,
         capacity=capacity,
+        packed=packed,
         num_out_rows=num_out,
         probs=probs.data_ptr(),
         pair_dest=plan.pair_dest.data_ptr(),
@@ -217,6 +219,7 @@ def permute_fused(
     capacity: int = 0,
     recv_count: torch.Tensor | None = None,
     dropped: torch.Tensor | None = None,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, FusedPlan]:
     """``permute`` on the GPU kernels, planning included; no host sync.
 
@@ -229,6 +232,11 @@ def permute_fused(
         tokens_per_expert: exact mode: rows per segment as the host knows them (the dispatch's
             ``num_recv_tokens_per_expert_list`` with ``expert_alignment=align``).
         capacity: when > 0, capacity mode: every segment has exactly this many rows.
+        packed: capacity mode with the segments back to back: segment ``e`` holds its kept
+            pairs (at most ``capacity``, rounded up to ``align``) and the rows past the last
+            segment are zero padding. The sizes are known on the GPU only
+            (``plan.segment_rows``, ``plan.offsets``; ``plan.tokens_per_expert`` is ``None``):
+            for experts that take device counts, so that their GEMMs skip the padding.
         recv_count: int32 ``[1]`` device tensor of valid rows (``handle.recv_count``); rows at
             or past it are skipped. ``None``: all rows.
         dropped: int64 ``[1]`` device counter the kernels add the dropped pairs to (``None``:
@@ -241,6 +249,8 @@ def permute_fused(
     if align < 1:
         raise InvalidInputError(f"align={align}: must be >= 1")
     check_capacity(capacity, align)
+    if packed and not capacity:
+        raise InvalidInputError("packed=True needs capacity > 0 (exact mode's segments are packed)")
     if recv_topk_idx.shape[0] != recv_x.shape[0] or recv_probs.shape != recv_topk_idx.shape:
         raise InvalidInputError(
             f"recv_x {tuple(recv_x.shape)}, recv_probs {tuple(recv_probs.shape)} and "
@@ -254,6 +264,7 @@ def permute_fused(
         capacity=capacity,
         recv_count=recv_count,
         dropped=dropped,
+        packed=packed,
     )
     rows, probs = _FusedPermute.apply(recv_x, recv_probs, spec)
     return rows, probs, spec["plan"]

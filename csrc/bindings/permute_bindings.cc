@@ -34,9 +34,9 @@ void bind_permute(py::module_& m) {
   m.def(
       "permute_plan",
       [](intptr_t topk_idx, bool idx_is_64, int num_rows, int num_topk, intptr_t recv_count, int num_experts,
-         int align, int capacity, int64_t num_out_rows, intptr_t probs, intptr_t pair_dest, intptr_t src_row,
-         intptr_t out_probs, intptr_t counts, intptr_t tokens_per_expert, intptr_t offsets, intptr_t dropped,
-         intptr_t stream) {
+         int align, int capacity, bool packed, int64_t num_out_rows, intptr_t probs, intptr_t pair_dest,
+         intptr_t src_row, intptr_t out_probs, intptr_t counts, intptr_t tokens_per_expert, intptr_t offsets,
+         intptr_t dropped, intptr_t stream) {
         const bool pairs = num_rows > 0;
         require(topk_idx, pairs, "permute_plan: topk_idx");
         require(pair_dest, pairs, "permute_plan: pair_dest");
@@ -46,14 +46,14 @@ void bind_permute(py::module_& m) {
         require(tokens_per_expert, true, "permute_plan: tokens_per_expert");
         require(offsets, true, "permute_plan: offsets");
         require(dropped, true, "permute_plan: dropped");
-        k::permute_plan(topk_idx, idx_is_64, num_rows, num_topk, recv_count, num_experts, align, capacity,
+        k::permute_plan(topk_idx, idx_is_64, num_rows, num_topk, recv_count, num_experts, align, capacity, packed,
                         num_out_rows, probs, pair_dest, src_row, out_probs, counts, tokens_per_expert, offsets,
                         dropped, stream);
       },
       py::kw_only(), py::arg("topk_idx"), py::arg("idx_is_64"), py::arg("num_rows"), py::arg("num_topk"),
-      py::arg("recv_count"), py::arg("num_experts"), py::arg("align"), py::arg("capacity"), py::arg("num_out_rows"),
-      py::arg("probs"), py::arg("pair_dest"), py::arg("src_row"), py::arg("out_probs"), py::arg("counts"),
-      py::arg("tokens_per_expert"), py::arg("offsets"), py::arg("dropped"), py::arg("stream"),
+      py::arg("recv_count"), py::arg("num_experts"), py::arg("align"), py::arg("capacity"), py::arg("packed"),
+      py::arg("num_out_rows"), py::arg("probs"), py::arg("pair_dest"), py::arg("src_row"), py::arg("out_probs"),
+      py::arg("counts"), py::arg("tokens_per_expert"), py::arg("offsets"), py::arg("dropped"), py::arg("stream"),
       "Plan the expert-major permutation on the stream (see csrc/kernels/permute.h).");
   m.def(
       "gather_rows",

@@ -87,14 +87,16 @@ __global__ void __launch_bounds__(kRankThreads)
 
 __global__ void __launch_bounds__(kRowThreads)
     place_kernel(const void* idx, bool is_64, int num_rows, int num_topk, int num_experts, int align, int capacity,
-                 int64_t num_out_rows, const float* probs, int* pair_dest, int* src_row, float* out_probs,
+                 bool packed, int64_t num_out_rows, const float* probs, int* pair_dest, int* src_row, float* out_probs,
                  const int* counts, int* tokens_per_expert, int* offsets, int64_t* dropped) {
   extern __shared__ int s_off[];  // [L + 1] segment starts
   if (threadIdx.x == 0) {
     int64_t off = 0, lost = 0;
     for (int e = 0; e < num_experts; ++e) {
       const int64_t cnt = counts[e];
-      const int64_t rows = capacity > 0 ? capacity : (cnt + align - 1) / align * align;
+      const int64_t aligned = (cnt + align - 1) / align * align;
+      // Packed capacity mode: a segment holds its kept pairs (capacity is a multiple of align).
+      const int64_t rows = capacity <= 0 ? aligned : (packed && aligned < capacity ? aligned : capacity);
       s_off[e] = static_cast<int>(off);
       if (capacity > 0) {
         lost += cnt > capacity ? cnt - capacity : 0;
@@ -232,7 +234,7 @@ void launch_reduce(intptr_t src, intptr_t pair_dest, int rows, int topk, int64_t
 }  // namespace
 
 void permute_plan(intptr_t topk_idx, bool idx_is_64, int num_rows, int num_topk, intptr_t recv_count,
-                  int num_experts, int align, int capacity, int64_t num_out_rows, intptr_t probs,
+                  int num_experts, int align, int capacity, bool packed, int64_t num_out_rows, intptr_t probs,
                   intptr_t pair_dest, intptr_t src_row, intptr_t out_probs, intptr_t counts,
                   intptr_t tokens_per_expert, intptr_t offsets, intptr_t dropped, intptr_t stream) {
   UCCL_EP_CHECK_ARG(num_rows >= 0 && num_topk >= 1 && num_topk < (1 << kCountBits),
@@ -244,6 +246,7 @@ void permute_plan(intptr_t topk_idx, bool idx_is_64, int num_rows, int num_topk,
   UCCL_EP_CHECK_ARG(capacity == 0 || num_out_rows == static_cast<int64_t>(capacity) * num_experts,
                     "permute_plan: capacity mode needs num_out_rows = capacity x experts, got ", num_out_rows,
                     " for capacity=", capacity, " x ", num_experts);
+  UCCL_EP_CHECK_ARG(!packed || capacity > 0, "permute_plan: packed=true needs capacity > 0 (exact mode is packed)");
   auto s = reinterpret_cast<gpuStream_t>(stream);
   if (num_out_rows > 0) {
     GPU_CHECK(gpuMemsetAsync(reinterpret_cast<void*>(src_row), 0xff, sizeof(int) * num_out_rows, s));
@@ -257,7 +260,7 @@ void permute_plan(intptr_t topk_idx, bool idx_is_64, int num_rows, int num_topk,
   int64_t blocks = (pairs + kRowThreads - 1) / kRowThreads;
   blocks = blocks < 1 ? 1 : (blocks > kMaxGridBlocks ? kMaxGridBlocks : blocks);
   place_kernel<<<static_cast<int>(blocks), kRowThreads, sizeof(int) * (num_experts + 1), s>>>(
-      reinterpret_cast<const void*>(topk_idx), idx_is_64, num_rows, num_topk, num_experts, align, capacity,
+      reinterpret_cast<const void*>(topk_idx), idx_is_64, num_rows, num_topk, num_experts, align, capacity, packed,
       num_out_rows, reinterpret_cast<const float*>(probs), reinterpret_cast<int*>(pair_dest),
       reinterpret_cast<int*>(src_row), reinterpret_cast<float*>(out_probs), reinterpret_cast<const int*>(counts),
       reinterpret_cast<int*>(tokens_per_expert), reinterpret_cast<int*>(offsets), reinterpret_cast<int64_t*>(dropped));

@@ -19,12 +19,14 @@ namespace uccl_ep::kernels {
 //   src_row [num_out_rows] int32: received row of each output row, -1 for padding;
 //   out_probs [num_out_rows] fp32 (optional): probs[pair] at its output row, 0 on padding;
 //   counts [L] int32: routed pairs per local expert (before capacity);
-//   tokens_per_expert [L] int32: rows per segment (aligned counts, or `capacity`);
+//   tokens_per_expert [L] int32: rows per segment (aligned counts, or `capacity`; `packed`
+//     capacity mode: the kept pairs aligned, at most `capacity`, segments back to back and
+//     the rows past the last one padding);
 //   offsets [L + 1] int32: segment starts;
 //   dropped int64 [1]: incremented by the pairs that got no row (accumulates across calls).
 // `recv_count` is an int32 [1] device pointer or 0 (all N rows valid). `capacity` 0 = exact.
 void permute_plan(intptr_t topk_idx, bool idx_is_64, int num_rows, int num_topk, intptr_t recv_count,
-                  int num_experts, int align, int capacity, int64_t num_out_rows, intptr_t probs,
+                  int num_experts, int align, int capacity, bool packed, int64_t num_out_rows, intptr_t probs,
                   intptr_t pair_dest, intptr_t src_row, intptr_t out_probs, intptr_t counts,
                   intptr_t tokens_per_expert, intptr_t offsets, intptr_t dropped, intptr_t stream);
 

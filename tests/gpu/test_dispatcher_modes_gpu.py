@@ -125,6 +125,77 @@ def test_permute_kernels_equal_torch_path(dtype, idx_dtype, align, capacity, hid
     torch.testing.assert_close(pf.grad, pr.grad, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("align,capacity", [(1, 24), (8, 16), (4, 400)])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_packed_capacity_layout_is_the_capacity_layout_without_its_padding(
+    align, capacity, idx_dtype
+):
+    """``packed=True``: segment e holds what the padded capacity layout keeps for e (the same
+    rows in the same order, its alignment padding included), segments back to back, the rest
+    zero rows; sizes and offsets on the GPU; the same drops; unpermute and gradients equal."""
+    _fused_or_skip()
+    from uccl_ep_megatron.token_dispatcher.permute import permute_fused, unpermute_fused
+
+    num_rows, valid, k, num_local, hidden = 300, 257, 6, 8, 128
+    seed = sum(map(ord, f"packed{align}{capacity}{idx_dtype}"))
+    idx, ref_idx, probs = _case(seed, num_rows, valid, k, num_local, idx_dtype)
+    x = torch.randn(num_rows, hidden, device="cuda").bfloat16()
+    x[valid:] = 0
+    recv_count = torch.tensor([valid], dtype=torch.int32, device="cuda")
+    counts = torch.bincount(ref_idx[ref_idx >= 0], minlength=num_local).tolist()
+    want_sizes = [min((c + align - 1) // align * align, capacity) for c in counts]
+
+    def run(packed):
+        xx = x.clone().requires_grad_(True)
+        pp = probs.clone().requires_grad_(True)
+        dropped = torch.zeros(1, dtype=torch.int64, device="cuda")
+        rows, out_probs, plan = permute_fused(
+            xx, pp, idx, num_local, align=align, capacity=capacity,
+            recv_count=recv_count, dropped=dropped, packed=packed,
+        )  # fmt: skip
+        return xx, pp, rows, out_probs, plan, dropped
+
+    xp, pp_, rows_p, probs_p, plan_p, dropped_p = run(True)
+    xc, pc, rows_c, probs_c, plan_c, dropped_c = run(False)
+    assert plan_p.tokens_per_expert is None and plan_c.tokens_per_expert == [capacity] * num_local
+    assert plan_p.segment_rows.tolist() == want_sizes
+    starts = [0]
+    for n in want_sizes:
+        starts.append(starts[-1] + n)
+    assert plan_p.offsets.tolist() == starts
+    assert int(dropped_p) == int(dropped_c) == sum(max(c - capacity, 0) for c in counts)
+    want_rows = torch.zeros_like(rows_c)
+    want_probs = torch.zeros_like(probs_c)
+    for e, n in enumerate(want_sizes):
+        want_rows[starts[e] : starts[e] + n] = rows_c[e * capacity : e * capacity + n]
+        want_probs[starts[e] : starts[e] + n] = probs_c[e * capacity : e * capacity + n]
+    assert rows_p.shape == rows_c.shape == (num_local * capacity, hidden)
+    assert torch.equal(rows_p, want_rows), "packed rows differ from the capacity layout's"
+    assert torch.equal(probs_p, want_probs)
+
+    # Experts that touch only the segments' rows (as grouped GEMMs with these offsets do):
+    # the tail is poisoned, and nothing of it may reach the outputs or the gradients.
+    w = torch.randn(hidden, device="cuda").bfloat16()
+    grad = torch.randn(num_rows, hidden, device="cuda").bfloat16()
+    outs = []
+    for rows, out_probs, plan, packed in (
+        (rows_p, probs_p, plan_p, True),
+        (rows_c, probs_c, plan_c, False),
+    ):
+        expert_out = rows * w
+        if packed:
+            expert_out = torch.cat(
+                [expert_out[: starts[-1]], expert_out[starts[-1] :] * float("nan")]
+            )
+        out = unpermute_fused(plan, expert_out)
+        ((out.float() * grad.float()).sum() + (out_probs * 3.0).sum()).backward()
+        outs.append(out.detach())
+    assert torch.isfinite(outs[0]).all() and torch.isfinite(xp.grad).all()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(xp.grad, xc.grad)
+    assert torch.equal(pp_.grad, pc.grad)
+
+
 def test_exact_mode_with_wrong_host_sizes_counts_lost_pairs():
     """Host sizes that disagree with the ids never write out of bounds: the lost pairs are
     counted (exact mode normally loses none)."""
