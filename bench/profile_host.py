@@ -115,6 +115,10 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.core.config import Config
     from uccl_ep_megatron.core.options import BufferOptions
 
+    if a["bind"]:  # this rank's share of the CPUs the launcher gave, split in rank order
+        cpus = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cpus) // world)
+        os.sched_setaffinity(0, cpus[rank * per : (rank + 1) * per] or cpus)
     T, E = a["tokens"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
     # Room for the results kept at once (as bench intranode sizes it): every call zero-copy.
@@ -196,6 +200,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         state.clear()
     torch.cuda.synchronize()
     out["fallbacks"] = buf._backend.recv_arena.fallbacks  # staged (not zero-copy) dispatches
+    out["cpus"] = sorted(os.sched_getaffinity(0))
     dist.barrier()
     buf.destroy()
     if theirs is not None:
@@ -240,6 +245,9 @@ def _report(world: int, per_rank: list[dict], iters: int) -> None:
                 f"dev {statistics.median(mine['dev']):.1f}  {text}"
             )
     print(f"arena fallbacks per rank: {[r['fallbacks'] for r in per_rank]}")
+    for r, res in enumerate(per_rank):
+        cpus = res["cpus"]
+        print(f"rank {r} CPUs: {len(cpus)} ({cpus[0]}-{cpus[-1]})")
     for op in OPS:
         text = per_rank[0][f"{op}/ours"]["prof"]
         if text:
@@ -259,6 +267,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument(
+        "--bind", action="store_true", help="pin each rank to its own equal share of the CPUs"
+    )
     args = ap.parse_args()
     from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
