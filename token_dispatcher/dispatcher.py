@@ -266,6 +266,14 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         )
         return False
 
+    def set_experts(self, experts: Any) -> None:
+        """The expert module that takes this dispatcher's rows. Experts that take their counts
+        on the GPU (``TorchGroupedMLP``) get packed sync-free segments (``device_counts``);
+        any other keeps the padded ``[C] * L`` layout and host counts."""
+        from uccl_ep_megatron.token_dispatcher.grouped_experts import TorchGroupedMLP
+
+        self.device_counts = isinstance(experts, TorchGroupedMLP)
+
     def capacity(self, num_tokens: int) -> int:
         """Rows per local expert in sync-free mode for ``num_tokens`` input tokens per rank.
 

@@ -72,6 +72,7 @@ def _dispatcher(name: str, layer: Any, a: dict[str, Any]) -> Any:
         restore_options(saved)
     if disp.mode != name:
         raise RuntimeError(f"uccl_ep dispatcher built in {disp.mode} mode, not {name}")
+    disp.set_experts(layer.experts)  # as the plugin's MoELayer does
     return disp
 
 

@@ -148,11 +148,7 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
             )
         if self.layer_number is not None:
             self.token_dispatcher.layer_number = self.layer_number
-        # Grouped experts take their counts on the GPU: sync-free mode packs the segments so
-        # that their GEMMs skip the capacity padding.
-        from uccl_ep_megatron.token_dispatcher.grouped_experts import TorchGroupedMLP
-
-        self.token_dispatcher.device_counts = isinstance(self.experts, TorchGroupedMLP)
+        self.token_dispatcher.set_experts(self.experts)
 
     _state["moe_layer"] = (moe_layer_cls, original_init, original_set_layer_number)
     moe_layer_cls.__init__ = __init__
