@@ -152,16 +152,27 @@ def test_bad_train_input(tmp_path, capsys):
 
 
 def test_default_run_is_the_short_recipe():
-    """`train` with no arguments: 20 iterations of 16 x 1024 tokens, no checkpoint."""
+    """`train` with no arguments: 20 iterations of 16 x 2048 tokens, no checkpoint, on 4+ GPUs;
+    on 1-3 GPUs the proxy model on 16 x 1024 tokens; the CPU smoke scales the default down."""
+    from uccl_ep_megatron.training.recipes import SMALL_RECIPE, default_recipe
+
     r = load_recipe()
     assert r.name == "deepseek-v3/quick"
     assert r.training["train_iters"] == 20 and r.training["save_interval"] == 0
-    assert r.training["global_batch_size"] * r.model["seq_length"] == 16 * 1024
+    assert r.training["global_batch_size"] * r.model["seq_length"] == 16 * 2048
+    for gpus in (4, 8):
+        assert r.resolved_parallelism(gpus)["ep"] == gpus
+    assert [default_recipe(g) for g in (0, 1, 2, 3, 4, 8)] == (
+        [r.name] + [SMALL_RECIPE] * 3 + [r.name] * 2
+    )
+    small = load_recipe(SMALL_RECIPE)
+    assert small.training["train_iters"] == 20 and small.training["save_interval"] == 0
+    assert small.training["global_batch_size"] * small.model["seq_length"] == 16 * 1024
     proxy = load_recipe("deepseek-v3/proxy")
     same = ("num_layers", "hidden_size", "num_experts", "moe_router_topk", "vocab_size")
-    assert all(r.model[k] == proxy.model[k] for k in same)  # the proxy's model, shorter run
+    assert all(small.model[k] == proxy.model[k] for k in same)  # the proxy's model, shorter
     for gpus in (1, 2, 4, 8):  # one node, any GPU count
-        assert r.resolved_parallelism(gpus)["ep"] == gpus
+        assert small.resolved_parallelism(gpus)["ep"] == gpus
 
 
 def _fake_run(run_dir, dispatcher, tokens_per_s, losses, mfu=True):
@@ -227,7 +238,7 @@ def test_transformer_config_from_the_proxy_recipe():
     pytest.importorskip("megatron.core")
     from uccl_ep_megatron.training.gpu import transformer_config
 
-    r = load_recipe()
+    r = load_recipe("deepseek-v3/proxy")
     par = r.resolved_parallelism(2)
     cfg = transformer_config(r, par, "alltoall")
     m = r.model
@@ -244,6 +255,69 @@ def test_transformer_config_from_the_proxy_recipe():
     assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias
     assert cfg.expert_model_parallel_size == 2 and cfg.mtp_num_layers == 1
     assert cfg.moe_token_dispatcher_type == "alltoall" and cfg.gated_linear_unit
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,qk_dim,v_dim,mask_kind,scale",
+    [
+        (4, 4, 16, 16, "causal", None),  # MHA
+        (4, 4, 24, 16, "causal", 0.3),  # MLA: q/k wider than v, MLA's softmax scale
+        (8, 2, 16, 16, "causal", None),  # GQA
+        (4, 4, 16, 16, "padding", None),  # a given mask, True = masked out
+    ],
+)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_sdpa_core_attention_equals_attention_math(
+    q_heads, kv_heads, qk_dim, v_dim, mask_kind, scale, device
+):
+    """The local path's core attention against softmax(q k^T * scale + mask) v in float64,
+    forward and input gradients, in megatron-core's [s, b, heads, dim] layout: float32 on the
+    CPU, bf16 on a GPU (its fused kernels)."""
+    pytest.importorskip("megatron.core")
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from uccl_ep_megatron.training.gpu.model import sdpa_core_attention
+
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=q_heads, attention_dropout=0.0
+    )
+    mask_type = AttnMaskType.causal if mask_kind == "causal" else AttnMaskType.padding
+    attn = sdpa_core_attention()(cfg, 1, mask_type, "self", softmax_scale=scale)
+    s, b = 7, 3
+    g = torch.Generator().manual_seed(q_heads * 100 + qk_dim + v_dim)
+    q, k, v = (
+        torch.randn(s, b, heads, dim, generator=g).to(device, dtype).requires_grad_(True)
+        for heads, dim in ((q_heads, qk_dim), (kv_heads, qk_dim), (kv_heads, v_dim))
+    )
+    if mask_kind == "causal":  # what GPT batches carry; read as the causal mask type
+        masked = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+        given = torch.zeros(1, 1, s, s, dtype=torch.bool)  # not read with the causal type
+    else:
+        masked = torch.rand(b, 1, s, s, generator=g) < 0.3
+        masked[..., 0] = False  # every query keeps a key
+        given = masked
+    out = attn(q, k, v, given.to(device))
+    assert out.shape == (s, b, q_heads * v_dim) and out.dtype == dtype
+    grad = torch.randn(out.shape, generator=g)
+    (out.float() * grad.to(device)).sum().backward()
+
+    qd, kd, vd = (t.detach().cpu().double().requires_grad_(True) for t in (q, k, v))
+    rep = q_heads // kv_heads
+    kk = kd.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+    vv = vd.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+    scores = qd.permute(1, 2, 0, 3) @ kk.transpose(-1, -2) * (scale or qk_dim**-0.5)
+    probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
+    ref = (probs @ vv).permute(2, 0, 1, 3).reshape(s, b, -1)
+    (ref * grad.double()).sum().backward()
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(out.double().cpu(), ref, **tol)
+    for got, want in ((q, qd), (k, kd), (v, vd)):
+        torch.testing.assert_close(got.grad.double().cpu(), want.grad, **tol)
 
 
 @pytest.mark.megatron

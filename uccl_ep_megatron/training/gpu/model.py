@@ -1,8 +1,9 @@
 """The recipe as a megatron-core model: expert path, ``TransformerConfig`` and ``GPTModel``.
 
 The model is built from Transformer Engine's layer specs when TE is installed and from the
-local (plain PyTorch) ones otherwise; two megatron-core spots that assume TE are patched for
-the local path (``without_transformer_engine``, the MLA core attention).
+local (plain PyTorch) ones otherwise; megatron-core spots that assume TE are patched for the
+local path (``without_transformer_engine``), and its core attention runs on PyTorch's fused
+``scaled_dot_product_attention`` (``sdpa_core_attention``).
 """
 
 from __future__ import annotations
@@ -192,30 +193,96 @@ def transformer_config(recipe, par: dict[str, int], dispatcher: str, experts: st
     return TransformerConfig(**kwargs)
 
 
-def _local_mla_core_attention():
-    """megatron-core's unfused ``DotProductAttention`` made to accept MLA's head dims.
+def sdpa_core_attention():
+    """The local path's core attention on PyTorch's ``scaled_dot_product_attention``.
 
-    Without Transformer Engine the local MLA spec pairs ``MLASelfAttention`` with
-    ``DotProductAttention``, which (megatron-core 0.16) rejects the ``k_channels`` /
-    ``v_channels`` MLA passes and sizes its output by ``kv_channels``. Its math already handles
-    q/k of ``qk_head_dim + qk_pos_emb_head_dim`` and v of ``v_head_dim``; this subclass takes the
-    two arguments, sizes the output by ``v_channels`` and makes the (split) inputs contiguous
-    for its ``view`` calls. The softmax scale comes from MLA (``softmax_scale``).
+    Without Transformer Engine megatron-core's local specs use ``DotProductAttention``: the
+    scores of every head as a ``[b * heads, s, s]`` tensor, a separate softmax, a second bmm,
+    all of it again in backward. This module takes its place (same constructor and forward
+    arguments, MLA's ``k_channels``/``v_channels`` included) and runs PyTorch's fused attention
+    (flash, cuDNN or memory-efficient kernels, whichever fits the head dims; causal work
+    skipped). Masks follow Transformer Engine's attention: with the causal mask type the given
+    mask is not read (it is the causal one); any other type applies ``attention_mask`` (True
+    = masked out). GQA's key/value groups go to SDPA as they are. The softmax scale is MLA's
+    ``softmax_scale``, else 1/sqrt(query head dim), as ``DotProductAttention``'s.
     """
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    import contextlib
 
-    class LocalMLACoreAttention(DotProductAttention):
-        def __init__(self, *args: Any, k_channels=None, v_channels=None, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            if v_channels is not None:
-                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+    import torch.nn.functional as F
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
 
-        def forward(self, query, key, value, *args: Any, **kwargs: Any):
-            return super().forward(
-                query.contiguous(), key.contiguous(), value.contiguous(), *args, **kwargs
+    class SdpaCoreAttention(MegatronModule):
+        def __init__(
+            self,
+            config: Any,
+            layer_number: int,
+            attn_mask_type: Any,
+            attention_type: str,
+            attention_dropout: float | None = None,
+            softmax_scale: float | None = None,
+            k_channels: int | None = None,
+            v_channels: int | None = None,
+            cp_comm_type: str | None = None,
+            pg_collection: Any = None,
+            **_: Any,
+        ) -> None:
+            super().__init__(config=config)
+            if config.context_parallel_size != 1:
+                raise UnsupportedError(
+                    "context parallelism needs Transformer Engine's attention; set "
+                    "parallelism.context_parallel_size to 1"
+                )
+            if getattr(config, "softmax_type", "vanilla") != "vanilla":
+                raise UnsupportedError(
+                    f"softmax_type {config.softmax_type!r} needs Transformer Engine's attention"
+                )
+            self.attn_mask_type = attn_mask_type
+            self.softmax_scale = softmax_scale
+            self.dropout = (
+                config.attention_dropout if attention_dropout is None else attention_dropout
             )
 
-    return DotProductAttention, LocalMLACoreAttention
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: Any = None,
+            attention_bias: torch.Tensor | None = None,
+            packed_seq_params: Any = None,
+        ) -> torch.Tensor:
+            if packed_seq_params is not None or attention_bias is not None:
+                raise UnsupportedError(
+                    "packed sequences and attention bias need Transformer Engine's attention"
+                )
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            causal = mask_type == AttnMaskType.causal
+            mask = None if causal or attention_mask is None else ~attention_mask
+            # [s, b, heads, dim] -> [b, heads, s, dim]
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            dropout = self.dropout if self.training else 0.0
+            # Dropout draws from the model-parallel RNG, as DotProductAttention's does.
+            rng = contextlib.nullcontext()
+            if dropout > 0 and not self.config.sequence_parallel:
+                rng = tensor_parallel.get_cuda_rng_tracker().fork()
+            with rng:
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=mask,
+                    dropout_p=dropout,
+                    is_causal=causal,
+                    scale=self.softmax_scale,
+                    enable_gqa=k.shape[1] != q.shape[1],
+                )
+            # [b, heads, s, v_dim] -> [s, b, heads * v_dim]
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    return SdpaCoreAttention
 
 
 def without_transformer_engine() -> bool:
@@ -249,15 +316,16 @@ def without_transformer_engine() -> bool:
     return True
 
 
-def _patch_mla_core_attention(layer_specs) -> None:
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+def _patch_core_attention(layer_specs) -> None:
+    """Every self-attention of the local specs (MLA's too) on ``sdpa_core_attention``."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    plain, local_mla = _local_mla_core_attention()
+    sdpa = sdpa_core_attention()
     for spec in layer_specs:
         attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
         sub = getattr(attn, "submodules", None)
-        if attn is not None and attn.module is MLASelfAttention and sub.core_attention is plain:
-            sub.core_attention = local_mla
+        if sub is not None and getattr(sub, "core_attention", None) is DotProductAttention:
+            sub.core_attention = sdpa
 
 
 def build_model(recipe, config, experts: str | None = None):
@@ -275,8 +343,8 @@ def build_model(recipe, config, experts: str | None = None):
     # local specs otherwise.
     use_te = not without_transformer_engine()
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
-    if m.get("multi_latent_attention") and not use_te:
-        _patch_mla_core_attention(block.layer_specs)
+    if not use_te:
+        _patch_core_attention(block.layer_specs)
     if experts == "TorchGroupedMLP":
         from uccl_ep_megatron.token_dispatcher.grouped_experts import use_grouped_experts
 
