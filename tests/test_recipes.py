@@ -25,6 +25,7 @@ EXPECTED = {
     "deepseek-v3/h200-cx7",
     "deepseek-v3/proxy",
     "deepseek-v3/quick",
+    "deepseek-v3/small",
 }
 
 

@@ -134,6 +134,22 @@ def _relaunch_args(opts: TrainOptions, run_dir: Path) -> list[str]:
 
 def run(opts: TrainOptions) -> int:
     """Run ``train`` as described in the module docstring; returns the exit code."""
+    gpus = 0 if opts.cpu_smoke else _cuda_devices()
+    if opts.recipe is None and gpus:
+        from uccl_ep_megatron.training.recipes import DEFAULT_RECIPE, default_recipe
+
+        # The ranks of this job (under torchrun: its world), not only the GPUs present.
+        ranks = int(os.environ["WORLD_SIZE"]) if "LOCAL_RANK" in os.environ else opts.gpus
+        ranks = min(ranks or gpus, gpus)
+        name = default_recipe(ranks)
+        if name != DEFAULT_RECIPE and "LOCAL_RANK" not in os.environ:
+            log.warning(
+                "%s needs 4 GPUs of 80 GB; on %d GPU(s) the default is %s (--recipe chooses)",
+                DEFAULT_RECIPE,
+                ranks,
+                name,
+            )
+        opts = dataclasses.replace(opts, recipe=name)
     recipe = load(opts)
     check_data_path(opts.data_path)
     dispatcher = opts.dispatcher or recipe.dispatcher["type"]
@@ -145,7 +161,6 @@ def run(opts: TrainOptions) -> int:
     if opts.peak_tflops is not None and not opts.peak_tflops > 0:
         raise InvalidInputError(f"--peak-tflops {opts.peak_tflops}: must be > 0")
     baselines = parse_compare(opts.compare, dispatcher)
-    gpus = 0 if opts.cpu_smoke else _cuda_devices()
     if gpus == 0:
         return _run_cpu(recipe, opts)
     if (

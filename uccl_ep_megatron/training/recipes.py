@@ -34,6 +34,16 @@ from uccl_ep_megatron.training import recipe_schema
 
 #: Name of the recipe ``uccl-ep-megatron train`` runs when no ``--recipe`` is given.
 DEFAULT_RECIPE = "deepseek-v3/quick"
+#: ``DEFAULT_RECIPE`` needs this many GPUs (of 80 GB); with fewer the default is ``SMALL_RECIPE``.
+DEFAULT_RECIPE_MIN_GPUS = 4
+SMALL_RECIPE = "deepseek-v3/small"
+
+
+def default_recipe(gpus: int) -> str:
+    """The recipe ``train`` runs without ``--recipe`` on ``gpus`` GPUs (0: the CPU smoke, which
+    scales any recipe down): ``DEFAULT_RECIPE``, or ``SMALL_RECIPE`` on 1 to 3 GPUs."""
+    return SMALL_RECIPE if 0 < gpus < DEFAULT_RECIPE_MIN_GPUS else DEFAULT_RECIPE
+
 
 #: Extra recipe folders, ``os.pathsep``-separated, searched before the built-in ones.
 RECIPE_PATH_ENV = "UCCL_EP_RECIPE_PATH"
@@ -348,6 +358,9 @@ def parse_override(text: str) -> dict[str, Any]:
 
 __all__ = [
     "DEFAULT_RECIPE",
+    "DEFAULT_RECIPE_MIN_GPUS",
+    "SMALL_RECIPE",
+    "default_recipe",
     "RECIPE_PATH_ENV",
     "Recipe",
     "list_recipes",
