@@ -152,14 +152,14 @@ def test_bad_train_input(tmp_path, capsys):
 
 
 def test_default_run_is_the_short_recipe():
-    """`train` with no arguments: 20 iterations of 16 x 2048 tokens, no checkpoint, on 4+ GPUs;
+    """`train` with no arguments: 20 iterations of 32 x 2048 tokens, no checkpoint, on 4+ GPUs;
     on 1-3 GPUs the proxy model on 16 x 1024 tokens; the CPU smoke scales the default down."""
     from uccl_ep_megatron.training.recipes import SMALL_RECIPE, default_recipe
 
     r = load_recipe()
     assert r.name == "deepseek-v3/quick"
     assert r.training["train_iters"] == 20 and r.training["save_interval"] == 0
-    assert r.training["global_batch_size"] * r.model["seq_length"] == 16 * 2048
+    assert r.training["global_batch_size"] * r.model["seq_length"] == 32 * 2048
     for gpus in (4, 8):
         assert r.resolved_parallelism(gpus)["ep"] == gpus
     assert [default_recipe(g) for g in (0, 1, 2, 3, 4, 8)] == (
