@@ -321,6 +321,22 @@ def test_sdpa_core_attention_equals_attention_math(
 
 
 @pytest.mark.megatron
+def test_sdpa_core_attention_refuses_what_it_does_not_compute():
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from uccl_ep_megatron.core.errors import UnsupportedError
+    from uccl_ep_megatron.training.gpu.model import sdpa_core_attention
+
+    cfg = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, window_size=(16, 0)
+    )
+    with pytest.raises(UnsupportedError, match=r"window_size \(16, 0\)"):
+        sdpa_core_attention()(cfg, 1, AttnMaskType.causal, "self")
+
+
+@pytest.mark.megatron
 def test_expert_path_choice_and_config():
     pytest.importorskip("megatron.core")
     import dataclasses

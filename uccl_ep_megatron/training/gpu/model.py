@@ -234,6 +234,11 @@ def sdpa_core_attention():
                     "context parallelism needs Transformer Engine's attention; set "
                     "parallelism.context_parallel_size to 1"
                 )
+            if getattr(config, "window_size", None) is not None:
+                raise UnsupportedError(
+                    f"window_size {config.window_size} (sliding-window attention) needs "
+                    "Transformer Engine's attention"
+                )
             if getattr(config, "softmax_type", "vanilla") != "vanilla":
                 raise UnsupportedError(
                     f"softmax_type {config.softmax_type!r} needs Transformer Engine's attention"
