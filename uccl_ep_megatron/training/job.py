@@ -136,7 +136,11 @@ def run(opts: TrainOptions) -> int:
     """Run ``train`` as described in the module docstring; returns the exit code."""
     gpus = 0 if opts.cpu_smoke else _cuda_devices()
     if opts.recipe is None and gpus:
-        from uccl_ep_megatron.training.recipes import DEFAULT_RECIPE, default_recipe
+        from uccl_ep_megatron.training.recipes import (
+            DEFAULT_RECIPE,
+            DEFAULT_RECIPE_MIN_GPUS,
+            default_recipe,
+        )
 
         # The ranks of this job (under torchrun: its world), not only the GPUs present.
         ranks = int(os.environ["WORLD_SIZE"]) if "LOCAL_RANK" in os.environ else opts.gpus
@@ -144,8 +148,9 @@ def run(opts: TrainOptions) -> int:
         name = default_recipe(ranks)
         if name != DEFAULT_RECIPE and "LOCAL_RANK" not in os.environ:
             log.warning(
-                "%s needs 4 GPUs of 80 GB; on %d GPU(s) the default is %s (--recipe chooses)",
+                "%s needs %d GPUs of 80 GB; on %d GPU(s) the default is %s (--recipe chooses)",
                 DEFAULT_RECIPE,
+                DEFAULT_RECIPE_MIN_GPUS,
                 ranks,
                 name,
             )
