@@ -22,7 +22,9 @@ Per op it reports:
 ``--pipeline K`` (with ``--sync-free``) adds ``pipelined``: K sync-free dispatch + combine pairs
 enqueued back to back with no host wait, as a training step issues them; ``us`` and ``rdma_MB``
 are per pair (both directions' bytes), so the host path of one call overlaps the kernels of the
-previous one, which a single timed call cannot show.
+previous one, which a single timed call cannot show. Its ``us`` is the steady state: from the
+end of the first pair to the end of the last, over K - 1 pairs (``us_with_first`` in the JSON
+counts all K from the first call's start, its host path included).
 
 ``--copy-only`` times the NIC model alone: every rank writes to its same-rail peer on the
 other node through one endpoint, no proxy, no kernels (``_C.ipc_copy_test``).
@@ -37,6 +39,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
 import re
 import statistics
 import time
@@ -93,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile", action="store_true", help="also report each op's GPU kernels (one call)"
     )
     parser.add_argument(
+        "--profile-dir",
+        default="",
+        help="with --profile: also write each rank's profiled calls here as Chrome traces",
+    )
+    parser.add_argument(
         "--trace",
         action="store_true",
         help="also report where each kernel role's time goes (one traced call per op)",
@@ -116,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="with --sync-free: also time this many sync-free dispatch + combine pairs back to "
-        "back (per pair); 0 = off",
+        "back (per pair, after the first); 0 = off",
     )
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per op")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per op")
@@ -196,13 +204,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _time(fn, iters: int, warmup: int) -> tuple[list[float], list[float]]:
-    """Device µs of each call after ``warmup`` untimed ones, and the host µs until each call
-    returned; ranks start each call together."""
+def _time(fn, iters: int, warmup: int) -> tuple[list[float], list[float], list[float]]:
+    """Device µs of each call after ``warmup`` untimed ones, the host µs until each call
+    returned, and for ``pipelined`` the device µs from the end of its first pair to the end
+    of its last (the steady state, no first host path in it; else empty); ranks start each
+    call together."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times, host = [], []
+    times, host, steady = [], [], []
+    marks = getattr(fn, "marks", None)
     for _ in range(iters):
         dist.barrier()
         torch.cuda.synchronize()
@@ -215,7 +226,9 @@ def _time(fn, iters: int, warmup: int) -> tuple[list[float], list[float]]:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return times, host
+        if marks:
+            steady.append(marks[0].elapsed_time(end) * 1e3)
+    return times, host, steady
 
 
 def _slowest(times: list[float]) -> float:
@@ -250,12 +263,19 @@ def _ops(buf, a: dict, x, x_fp8, layout, idx, w, cfgs) -> tuple[dict, dict]:
         if a.get("pipeline", 0) > 0:
             pairs = a["pipeline"]
 
+            marks: list[torch.cuda.Event] = []
+
             def pipelined():
-                for _ in range(pairs):
+                marks.clear()
+                for i in range(pairs):
                     dispatch(x, "pipe", worst)
                     combine("pipe")
+                    if i == 0 and pairs > 1:  # the steady state starts after the first pair
+                        marks.append(torch.cuda.Event(enable_timing=True))
+                        marks[0].record()
 
             pipelined.calls_per_run = pairs  # type: ignore[attr-defined]
+            pipelined.marks = marks  # type: ignore[attr-defined]
             ops["pipelined"] = pipelined
     return ops, state
 
@@ -279,8 +299,9 @@ def _configs(world: int, local: int, a: dict, chunk: int):
     )
 
 
-def _kernel_times(fn) -> dict[str, float]:
-    """GPU time per kernel name of one call (torch profiler), and the call's host time."""
+def _kernel_times(fn, per: int = 1, path: str = "") -> dict[str, float]:
+    """GPU time per kernel name of one call (torch profiler; of ``per`` calls: per call), and
+    the call's host time; the profile goes to ``path`` as a Chrome trace when given."""
     from torch.profiler import ProfilerActivity, profile
 
     dist.barrier()
@@ -290,14 +311,16 @@ def _kernel_times(fn) -> dict[str, float]:
         fn()
         host = time.perf_counter() - t0
         torch.cuda.synchronize()
-    out = {"host_call": host * 1e6}
+    if path:
+        prof.export_chrome_trace(path)
+    out = {"host_call": host * 1e6 / per}
     for e in prof.key_averages():
         dev = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
         if dev and e.key and not e.key.startswith(("cudaLaunch", "cudaStream", "cudaEvent")):
             if getattr(e, "device_type", None) is not None and "CUDA" not in str(e.device_type):
                 continue
             key = re.sub(r"\(anonymous namespace\)::|uccl_ep::|void |<.*", "", e.key)[:40]
-            out[key] = out.get(key, 0.0) + dev
+            out[key] = out.get(key, 0.0) + dev / per
     return out
 
 
@@ -339,21 +362,28 @@ def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
     ep = buf._backend.proxy
     s0, n0 = ep.stats(), ep.nic_stats()
     c0, k0, t0 = cpu_seconds("ueproxy"), cpu_seconds("uenic"), time.perf_counter()
-    times, host = _time(fn, a["iters"], a["warmup"])
+    times, host, steady = _time(fn, a["iters"], a["warmup"])
     wall = time.perf_counter() - t0
     s1, n1 = ep.stats(), ep.nic_stats()
     c1, k1 = cpu_seconds("ueproxy"), cpu_seconds("uenic")
     buf._backend.check()
     per = getattr(fn, "calls_per_run", 1)  # ``pipelined``: report per pair
     calls = (a["iters"] + a["warmup"]) * per
-    us = _slowest(times) / per
-    own = statistics.median(times) / per
     rdma = (s1["bytes_posted"] - s0["bytes_posted"]) / calls
+    us_cold = _slowest(times) / per
+    if steady:
+        # Per pair of the steady state: the pairs after the first one, as a training step's
+        # later calls run (their host paths hidden behind the kernels before them).
+        us = _slowest(steady) / (per - 1)
+        own = statistics.median(steady) / (per - 1)
+    else:
+        us, own = us_cold, statistics.median(times) / per
     return {
         "rank": rank,
         "op": name,
         "us": us,
         "us_own": own,
+        "us_with_first": us_cold,
         "host_us": statistics.median(host) / per,
         "rdma_mb": rdma / 1e6,
         "gbps": rdma / us / 1e3,
@@ -401,8 +431,13 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
                 chunk=(cfgs[1] if "combine" in name else cfgs[0]).num_max_rdma_chunked_send_tokens,
                 line=(r["gbps"] / link) if link else None,
             )
-            if a["profile"] and name != "pipelined":
-                r["kernels_us"] = _kernel_times(fn)
+            if a["profile"]:
+                path = ""
+                if a["profile_dir"]:
+                    os.makedirs(a["profile_dir"], exist_ok=True)
+                    label = f"{name}-link{link:g}-thr{nt}-chunk{chunk}-rank{rank}.json"
+                    path = os.path.join(a["profile_dir"], label)
+                r["kernels_us"] = _kernel_times(fn, getattr(fn, "calls_per_run", 1), path)
             if a["trace"] and name != "pipelined":
                 cfg = cfgs[1] if "combine" in name else cfgs[0]
                 r["trace"] = _block_times(fn, buf._backend, cfg.num_channels, name)
@@ -426,7 +461,9 @@ def _intranode_reference(rank, world, a, x, x_fp8, idx, w) -> list[dict]:
     ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
     rows = []
     for name, fn in ops.items():
-        us = _slowest(_time(fn, a["iters"], a["warmup"])[0]) / getattr(fn, "calls_per_run", 1)
+        times, _, steady = _time(fn, a["iters"], a["warmup"])
+        per = getattr(fn, "calls_per_run", 1)
+        us = _slowest(steady) / (per - 1) if steady else _slowest(times) / per
         rows.append({"rank": rank, "op": name, "us": us, "intranode_ref": True})
     buf.destroy()
     return rows
