@@ -43,9 +43,15 @@ __device__ __forceinline__ const float* input_w(const CombineDev& p, int j, int 
   return reinterpret_cast<const float*>(p.c.nvl[j] + p.stage_off + static_cast<int64_t>(r) * p.cs.bytes + p.cs.weights);
 }
 
-// 16-byte vectors a lane keeps in flight per source row: the rows summed here are mostly
-// peers' (NVLink reads of ~1 us each), so one vector at a time would leave the link idle.
+// 16-byte vectors a lane loads per source row and step: the rows summed here are mostly peers'
+// (NVLink reads of ~1 us each), so one vector at a time would leave the link idle.
 constexpr int kVecs = 4;
+// Source rows whose loads one step issues together, before any is summed: a token's rows are
+// summed in one round trip of loads, not one per row (a partial of 2 rows, or the own node's 2
+// rows and a partial, took two and three).
+constexpr int kGroup = 3;
+// Rows one token sums at most: the node's local ranks, the other nodes' partials, two biases.
+constexpr int kMaxSources = kMaxLocal + kMaxNodes + 2;
 
 // A lane's fp32 sums of kVecs vectors of a row (vectors base, base + 32, ... of nv).
 template <int kDtype>
@@ -60,20 +66,31 @@ struct RowAcc {
 #pragma unroll
       for (int i = 0; i < E; ++i) a[u][i] = 0.0f;
   }
-  // Every load is issued before any is used.
-  __device__ __forceinline__ void add(const uint8_t* src, int64_t base, int64_t nv) {
-    int4 q[kVecs];
+  // Adds rows src[0..ns) in that order (per element: the same order as one row at a time);
+  // the loads of up to kGroup rows are issued before any is used.
+  __device__ __forceinline__ void add(const uint8_t* const* src, int ns, int64_t base, int64_t nv) {
+    for (int s0 = 0; s0 < ns; s0 += kGroup) {
+      int4 q[kGroup][kVecs];
 #pragma unroll
-    for (int u = 0; u < kVecs; ++u) {
-      const int64_t v = base + u * dev::kWarpSize;
-      if (v < nv) q[u] = dev::ld_cg16(src + v * 16);
-    }
+      for (int g = 0; g < kGroup; ++g) {
+        if (s0 + g >= ns) break;
 #pragma unroll
-    for (int u = 0; u < kVecs; ++u) {
-      if (base + u * dev::kWarpSize >= nv) continue;
-      const raw* e = reinterpret_cast<const raw*>(&q[u]);
+        for (int u = 0; u < kVecs; ++u) {
+          const int64_t v = base + u * dev::kWarpSize;
+          if (v < nv) q[g][u] = dev::ld_cg16(src[s0 + g] + v * 16);
+        }
+      }
 #pragma unroll
-      for (int i = 0; i < E; ++i) a[u][i] += Elt<kDtype>::to_f(e[i]);
+      for (int g = 0; g < kGroup; ++g) {
+        if (s0 + g >= ns) break;
+#pragma unroll
+        for (int u = 0; u < kVecs; ++u) {
+          if (base + u * dev::kWarpSize >= nv) continue;
+          const raw* e = reinterpret_cast<const raw*>(&q[g][u]);
+#pragma unroll
+          for (int i = 0; i < E; ++i) a[u][i] += Elt<kDtype>::to_f(e[i]);
+        }
+      }
     }
   }
   __device__ __forceinline__ void store(uint8_t* dst, int64_t base, int64_t nv) const {
@@ -96,13 +113,17 @@ template <int kDtype>
 __device__ void pack_partial(const CombineDev& p, uint8_t* slot, int m, int t, int lane) {
   const int L = p.c.L;
   int rows[kMaxLocal];
+  const uint8_t* src[kMaxLocal];
+  int ns = 0;
   const int* pr = p.plan + (static_cast<int64_t>(m) * p.plan_T + t) * L;
-  for (int j = 0; j < L; ++j) rows[j] = pr[j];
+  for (int j = 0; j < L; ++j) {
+    rows[j] = pr[j];
+    if (rows[j] >= 0) src[ns++] = input_row(p, j, rows[j]);
+  }
   const int64_t nv = p.row_bytes / 16;
   for (int64_t base = lane; base < nv; base += kVecs * dev::kWarpSize) {
     RowAcc<kDtype> acc;
-    for (int j = 0; j < L; ++j)
-      if (rows[j] >= 0) acc.add(input_row(p, j, rows[j]), base, nv);
+    acc.add(src, ns, base, nv);
     acc.store(slot + p.cs.x, base, nv);
   }
   float* w = reinterpret_cast<float*>(slot + p.cs.weights);
@@ -175,19 +196,24 @@ __device__ void reduce_token(const CombineDev& p, int ch, const Range& range, co
     }
   }
   const int* own = p.dst_row + static_cast<int64_t>(t) * c.num_ranks + c.node * c.L;
+  // The summands in the reference's order: nodes ascending (the own node's rows by local rank,
+  // another node's partial), then the biases.
+  const uint8_t* src[kMaxSources];
+  int ns = 0;
+  for (int n = 0; n < c.N; ++n) {
+    if (n == c.node) {
+      for (int j = 0; j < c.L; ++j)
+        if (own[j] >= 0) src[ns++] = input_row(p, j, own[j]);
+    } else if (part[n] != nullptr) {
+      src[ns++] = part[n] + p.cs.x;
+    }
+  }
+  if (p.bias0) src[ns++] = p.bias0 + static_cast<int64_t>(t) * p.row_bytes;
+  if (p.bias1) src[ns++] = p.bias1 + static_cast<int64_t>(t) * p.row_bytes;
   const int64_t nv = p.row_bytes / 16;
   for (int64_t base = lane; base < nv; base += kVecs * dev::kWarpSize) {
     RowAcc<kDtype> acc;
-    for (int n = 0; n < c.N; ++n) {
-      if (n == c.node) {
-        for (int j = 0; j < c.L; ++j)
-          if (own[j] >= 0) acc.add(input_row(p, j, own[j]), base, nv);
-      } else if (part[n] != nullptr) {
-        acc.add(part[n] + p.cs.x, base, nv);
-      }
-    }
-    if (p.bias0) acc.add(p.bias0 + static_cast<int64_t>(t) * p.row_bytes, base, nv);
-    if (p.bias1) acc.add(p.bias1 + static_cast<int64_t>(t) * p.row_bytes, base, nv);
+    acc.add(src, ns, base, nv);
     acc.store(p.out + static_cast<int64_t>(t) * p.row_bytes, base, nv);
   }
   if (p.out_w == nullptr) return;

@@ -82,9 +82,10 @@ __device__ __forceinline__ bool rejected(const DevCommon& c) {
   return true;
 }
 
-// Warp copy of `bytes` (multiple of 16) from src to up to kMaxLocal destinations.
+// Warp copy of `bytes` (multiple of 16) from src to up to kMaxLocal destinations. Each lane
+// keeps 8 vectors in flight: a 14 KB row (hidden 7168, BF16) is 4 round trips of loads, not 7.
 __device__ __forceinline__ void warp_copy(uint8_t* const* dst, int ndst, const uint8_t* src, int64_t bytes, int lane) {
-  constexpr int kUnroll = 4;
+  constexpr int kUnroll = 8;
   const int64_t n = bytes / 16;
   for (int64_t base = 0; base < n; base += kUnroll * dev::kWarpSize) {
     int4 v[kUnroll];
