@@ -99,9 +99,17 @@ def pool_fixture(
 
 def fill_free_memory(stream, byte: int, large_bytes: int = 3 << 28) -> None:
     """Fill free caching-allocator memory of ``stream``, in its large-block pool
-    (``large_bytes``) and its small-block pool (allocations up to 1 MiB), with ``byte``."""
+    (``large_bytes``, or half of it until it fits: eight ranks sharing one 80 GB GPU hold most
+    of it, and the poison must not be what runs out) and its small-block pool (allocations up
+    to 1 MiB), with ``byte``."""
     with torch.cuda.stream(stream):
-        large = torch.empty(large_bytes, dtype=torch.uint8, device="cuda")
+        large = None
+        while large is None and large_bytes >= 1 << 24:
+            try:
+                large = torch.empty(large_bytes, dtype=torch.uint8, device="cuda")
+            except torch.cuda.OutOfMemoryError:
+                large_bytes //= 2
+        large = torch.empty(0, dtype=torch.uint8, device="cuda") if large is None else large
         small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
         for p in (large, *small):
             p.fill_(byte)
