@@ -83,30 +83,20 @@ __device__ __forceinline__ int broadcast_round(const int& s_round) {
   return round;
 }
 
-// Tokens a sending round packs per node at most: the chunk rounded up to a multiple of the
-// block's warps (one warp packs one token at a time), so that no warp idles while others pack
-// (a chunk of 12 left 4 of 16 warps idle; one of 20 took two passes for 20 tokens). Each
-// round's tokens still go out in writes of at most a chunk (push_round).
-__device__ __forceinline__ int round_tokens(const DevCommon& c) {
-  return (c.chunk + kWarps - 1) / kWarps * kWarps;
-}
-
-// Thread 0 of a sending block: the tokens for each node this round (s_k), at most
-// round_tokens and the room left in node n's ring (head counter `head_kind`); the own node's
-// rows need no ring.
+// Thread 0 of a sending block: the tokens for each node this round (s_k), at most a chunk and
+// the room left in node n's ring (head counter `head_kind`); the own node's rows need no ring.
 __device__ inline int plan_send_round(const DevCommon& c, int ch, int head_kind, int site, const int* s_cnt,
                                       const int* s_pos, const int64_t* s_sent, int* s_k, int prev,
                                       uint64_t& last_progress) {
   bool all_done = true, any = false;
   int blocked = -1;
   int64_t want = 0, got = 0;
-  const int most = round_tokens(c);
   for (int n = 0; n < c.N; ++n) {
     s_k[n] = 0;
     const int remaining = s_cnt[n] - s_pos[n];
     if (remaining <= 0) continue;
     all_done = false;
-    int k = remaining < most ? remaining : most;
+    int k = remaining < c.chunk ? remaining : c.chunk;
     if (n != c.node) {
       const int64_t head = ld_counter(c.counters + counter_index(head_kind, ch, n));
       const int64_t room = c.cap - (s_sent[n] - head);
@@ -176,13 +166,8 @@ __device__ int ring_send(const DevCommon& c, const RingLayout& rl, int ch, const
         const int k = s_k[n];
         if (k == 0) continue;
         if (n != c.node) {
-          // The round's tokens in writes of at most a chunk, each with its tail update.
-          for (int done = 0; done < k && ok;) {
-            const int piece = k - done < c.chunk ? k - done : c.chunk;
-            ok = push_chunk(c, rl, ch, n, n * c.L + c.local, s_sent[n], piece, counter_index(kinds.tail, ch, c.node));
-            s_sent[n] += piece;
-            done += piece;
-          }
+          ok = push_chunk(c, rl, ch, n, n * c.L + c.local, s_sent[n], k, counter_index(kinds.tail, ch, c.node));
+          s_sent[n] += k;
         }
         s_pos[n] += k;
       }
