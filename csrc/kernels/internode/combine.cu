@@ -246,8 +246,10 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
   if (tid == 0) s_round = kGo;
   __syncthreads();
   // A window never needs more partials from a node than its ring holds: the senders can
-  // always deliver a whole window once the previous one was released.
-  const int window = c.cap < 4 * kWarps ? c.cap : 4 * kWarps;
+  // always deliver a whole window once the previous one was released. One token per warp: a
+  // window is reduced as soon as its partials are in, and the call's last window, reduced after
+  // the wire went quiet, costs one token's reduce (four of 64-token windows took ~100 us).
+  const int window = c.cap < kWarps ? c.cap : kWarps;
   RoundTrace tr(c);
   for (int w0 = range.begin; w0 < range.end; w0 += window) {
     const int w1 = w0 + window < range.end ? w0 + window : range.end;
