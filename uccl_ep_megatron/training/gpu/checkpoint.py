@@ -10,7 +10,59 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from uccl_ep_megatron.core.errors import UnsupportedError
+
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _optimizer_metadata() -> dict:
+    """The distributed optimizer's checkpoint format: ``dp_reshardable``, Megatron-LM's default
+    (reloadable at the same data-parallel size). megatron-core's own default
+    (``fully_sharded_model_space``) is refused by 0.16+ ("ShardedTensor.flattened_range is not
+    supported"); older releases are refused earlier (``check_distributed_optimizer_checkpoints``).
+    """
+    return {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def check_distributed_optimizer_checkpoints() -> None:
+    """Raise before the model is built when this megatron-core cannot checkpoint a distributed
+    optimizer: before 0.16, without Apex or Transformer Engine (torch's Adam keeps a ``step``
+    per parameter), either the save fails (``dp_reshardable``: a scalar where a shard is
+    expected) or the reload does (``KeyError: 'step'``, ``assert len(steps) == 1``)."""
+    from megatron.core import package_info
+    from megatron.core.optimizer import distrib_optimizer
+
+    version = (int(package_info.MAJOR), int(package_info.MINOR))
+    if version < (0, 16) and not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        raise UnsupportedError(
+            f"parallelism.use_distributed_optimizer=true with checkpoints: megatron-core "
+            f"{package_info.__version__} without Apex or Transformer Engine cannot reload a "
+            "distributed optimizer's checkpoint; install megatron-core >= 0.16, set "
+            "parallelism.use_distributed_optimizer=false, or train without checkpoints "
+            "(training.save_interval=0 and no --resume)"
+        )
+
+
+def _allocate_optimizer_state(optimizer) -> None:
+    """A fresh distributed optimizer has no per-parameter state, and megatron-core's
+    ``state_dict()`` (called to build the sharded state dict it loads into) then fails without
+    Apex or Transformer Engine (its ``assert len(steps) == 1``). Allocate the state the load
+    overwrites: megatron-core's zero moments (``init_state_fn``) and torch Adam's step count,
+    which the load sets from the checkpoint's parameter groups. The parameters are not touched
+    (a step on zero gradients, as megatron-core does for FSDP, would decay the fp32 main
+    parameters that this format does not reload)."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or len(inner.state) != 0:
+            continue
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
 
 
 def _latest(ckpt_dir: Path) -> int | None:
@@ -27,7 +79,9 @@ def save_checkpoint(ckpt_dir: Path, iteration: int, gpt, optimizer, scheduler) -
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     state = {"model": gpt.sharded_state_dict()}
-    state["optimizer"] = optimizer.sharded_state_dict(state["model"])
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state["model"], metadata=_optimizer_metadata()
+    )
     state["scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
     dist_checkpointing.save(state, str(path))
@@ -46,7 +100,10 @@ def load_checkpoint(ckpt_dir: Path, gpt, optimizer, scheduler) -> int:
         return 0
     path = ckpt_dir / f"iter_{iteration:07d}"
     state = {"model": gpt.sharded_state_dict()}
-    state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True)
+    _allocate_optimizer_state(optimizer)
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state["model"], is_loading=True, metadata=_optimizer_metadata()
+    )
     loaded = dist_checkpointing.load(state, str(path))
     gpt.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
@@ -54,4 +111,9 @@ def load_checkpoint(ckpt_dir: Path, gpt, optimizer, scheduler) -> int:
     return int(loaded["iteration"])
 
 
-__all__ = ["TRACKER", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "TRACKER",
+    "check_distributed_optimizer_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]

@@ -43,7 +43,11 @@ from uccl_ep_megatron.telemetry.flops import (
     training_flops_per_token,
 )
 from uccl_ep_megatron.telemetry.metrics import MetricsLogger
-from uccl_ep_megatron.training.gpu.checkpoint import load_checkpoint, save_checkpoint
+from uccl_ep_megatron.training.gpu.checkpoint import (
+    check_distributed_optimizer_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from uccl_ep_megatron.training.gpu.data import batches, forward_step
 from uccl_ep_megatron.training.gpu.model import build_model, expert_path, transformer_config
 from uccl_ep_megatron.training.gpu.probe import MoEProbe
@@ -335,6 +339,9 @@ def _prepare(recipe, opts, dispatcher: str, mc: SimpleNamespace) -> SimpleNamesp
     dist.broadcast_object_list(run_dir, src=0)  # one directory even if clocks differ
     run_dir = Path(run_dir[0])
     ckpt_dir = Path(opts.checkpoint_dir) if opts.checkpoint_dir else run_dir / "checkpoints"
+    save_interval = int(recipe.training.get("save_interval") or 0)
+    if recipe.parallelism.get("use_distributed_optimizer") and (save_interval or opts.resume):
+        check_distributed_optimizer_checkpoints()
     _install_dispatcher(dispatcher, recipe)
     par = _init_parallel(recipe, world, mc)
     built = _build(recipe, par, dispatcher, mc)
@@ -360,7 +367,7 @@ def _prepare(recipe, opts, dispatcher: str, mc: SimpleNamespace) -> SimpleNamesp
         built_params=_count_built_params(built.gpt, par),
         probe=MoEProbe(built.gpt),
         forward_backward=mc.get_forward_backward_func(),
-        save_interval=int(recipe.training.get("save_interval") or 0),
+        save_interval=save_interval,
         meta={
             "dispatcher": dispatcher,
             "dispatch_mode": dispatch_mode(built.gpt, dispatcher),
