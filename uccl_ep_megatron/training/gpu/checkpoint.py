@@ -49,8 +49,8 @@ def _allocate_optimizer_state(optimizer) -> None:
     Apex or Transformer Engine (its ``assert len(steps) == 1``). Allocate the state the load
     overwrites: megatron-core's zero moments (``init_state_fn``) and torch Adam's step count,
     which the load sets from the checkpoint's parameter groups. The parameters are not touched
-    (a step on zero gradients, as megatron-core does for FSDP, would decay the fp32 main
-    parameters that this format does not reload)."""
+    (megatron-core's own FSDP path takes an optimizer step on zero gradients instead, which
+    applies weight decay to the fp32 main parameters)."""
     import torch
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
