@@ -610,7 +610,8 @@ def main():
         # Not fp32: save at the last iteration only (any interval above the iterations does).
         + (["training.save_interval=0"] if fp32 else ["training.save_interval=1000"])
         + (["dispatcher.fp8_dispatch=true"] if "fp8" in modes else [])
-        + (["parallelism.use_distributed_optimizer=true"] if "distopt" in modes else []),
+        + (["parallelism.use_distributed_optimizer=true"] if "distopt" in modes else [])
+        + (["training.save_interval=2"] if "save2" in modes else []),
     )
     sys.exit(T.train_megatron(load(opts), opts, sys.argv[3]))
 
@@ -734,16 +735,16 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
 
 @pytest.mark.megatron
 def test_distributed_optimizer_checkpoint_resumes_the_same_training_on_cpu(tmp_path):
-    """2 ranks (EP=2, DP=2), bf16, megatron-core's distributed optimizer: 2 iterations, a
-    checkpoint, and 2 resumed iterations give the losses of 4 uninterrupted ones, within 5e-4
-    (a resume from fresh weights would repeat the first loss, 5e-3 below the third). Resuming
-    in bf16 is not bit-exact here, with or without the distributed optimizer (the third loss
-    differs in the sixth digit in both), so the match is not asserted exactly. Where
-    megatron-core cannot reload such a checkpoint (before 0.16, without Apex or Transformer
-    Engine),
-    the job refuses at start with the versions and the fixes, on every rank."""
+    """2 ranks (EP=2, DP=2), bf16, megatron-core's distributed optimizer: a 4-iteration run
+    saves at iterations 2 and 4; a second run resumed from the iteration-2 checkpoint gives
+    the same third and fourth losses. The fourth follows the third step's update, made from
+    the reloaded Adam moments and step count (and the reloaded schedule): a fresh optimizer
+    state would give another. Where megatron-core cannot reload such a checkpoint (before
+    0.16, without Apex or Transformer Engine), the job refuses at start with the versions and
+    the fixes."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("psutil")
+    import shutil
     import subprocess
     import sys
 
@@ -753,39 +754,40 @@ def test_distributed_optimizer_checkpoint_resumes_the_same_training_on_cpu(tmp_p
     script = tmp_path / "train_on_cpu.py"
     script.write_text(_TRAIN_ON_CPU)
 
-    def train(run, iters: int, modes: str) -> subprocess.CompletedProcess:
+    def train(run, iters: int) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
         return subprocess.run(
-            [*cmd, str(script), str(run), str(iters), "uccl_ep", modes],
+            [*cmd, str(script), str(run), str(iters), "uccl_ep", "distopt,save2"],
             capture_output=True,
             text=True,
             timeout=300,
             env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
         )
 
-    resumed = tmp_path / "resumed"
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     old = (int(package_info.MAJOR), int(package_info.MINOR)) < (0, 16)
     if old and not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
-        proc = train(resumed, 2, "distopt")
+        proc = train(whole, 4)
         assert proc.returncode != 0
         assert "cannot reload a distributed optimizer's checkpoint" in proc.stderr
         assert "megatron-core >= 0.16" in proc.stderr
         return
-    whole = tmp_path / "whole"
-    proc = train(whole, 4, "distopt")
+    proc = train(whole, 4)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    proc = train(resumed, 2, "distopt")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert (resumed / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == "2"
-    proc = train(resumed, 4, "distopt")
+    # The second run starts from the first one's iteration-2 checkpoint (same schedule length).
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(
+        whole / "checkpoints" / "iter_0000002", resumed / "checkpoints" / "iter_0000002"
+    )
+    (resumed / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    proc = train(resumed, 4)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((resumed / "config.json").read_text())["start_iteration"] == 2
-    want = [r["loss"] for r in read_jsonl(whole)]
-    got = [r["loss"] for r in read_jsonl(resumed)]
-    assert len(want) == 4 and len(got) == 4
-    assert got[:2] == want[:2]  # the same first two iterations, before the checkpoint
-    assert got == pytest.approx(want, rel=5e-4)
-    assert want[3] != want[2]  # the steps moved the weights
+    want = {r["step"]: r["loss"] for r in read_jsonl(whole)}
+    got = {r["step"]: r["loss"] for r in read_jsonl(resumed)}
+    assert sorted(want) == [1, 2, 3, 4] and sorted(got) == [3, 4]
+    assert [got[3], got[4]] == pytest.approx([want[3], want[4]], rel=1e-6, abs=1e-6)
+    assert want[4] != want[3]  # the steps moved the weights
 
 
 @pytest.mark.megatron

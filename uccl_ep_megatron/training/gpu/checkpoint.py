@@ -65,6 +65,27 @@ def _allocate_optimizer_state(optimizer) -> None:
                 inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
 
 
+def _restore_adam_steps(optimizer) -> None:
+    """After a distributed optimizer's load, torch Adam's per-parameter step counts are the
+    placeholders the load copied its parameter state into (megatron-core reloads moments and
+    fp32 main parameters, but the steps only into the parameter groups): set them from the
+    groups' reloaded step, or the next update's bias correction would start over."""
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer):
+            continue
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                state = inner.state[p]
+                if "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
 def _latest(ckpt_dir: Path) -> int | None:
     tracker = ckpt_dir / TRACKER
     return int(tracker.read_text().strip()) if tracker.is_file() else None
@@ -107,6 +128,7 @@ def load_checkpoint(ckpt_dir: Path, gpt, optimizer, scheduler) -> int:
     loaded = dist_checkpointing.load(state, str(path))
     gpt.load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
+    _restore_adam_steps(optimizer)
     scheduler.load_state_dict(loaded["scheduler"])
     return int(loaded["iteration"])
 
