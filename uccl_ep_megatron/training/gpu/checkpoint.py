@@ -15,13 +15,11 @@ from uccl_ep_megatron.core.errors import UnsupportedError
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _optimizer_metadata() -> dict:
-    """The distributed optimizer's checkpoint format: ``dp_reshardable``, Megatron-LM's default
-    (reloadable at the same data-parallel size). megatron-core's own default
-    (``fully_sharded_model_space``) is refused by 0.16+ ("ShardedTensor.flattened_range is not
-    supported"); older releases are refused earlier (``check_distributed_optimizer_checkpoints``).
-    """
-    return {"distrib_optim_sharding_type": "dp_reshardable"}
+# The distributed optimizer's checkpoint format: ``dp_reshardable``, Megatron-LM's default
+# (reloadable at the same data-parallel size). megatron-core's own default
+# (``fully_sharded_model_space``) is refused by 0.16+ ("ShardedTensor.flattened_range is not
+# supported"); older releases are refused earlier (``check_distributed_optimizer_checkpoints``).
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def check_distributed_optimizer_checkpoints() -> None:
@@ -43,20 +41,27 @@ def check_distributed_optimizer_checkpoints() -> None:
         )
 
 
+def _distributed_optimizers(optimizer):
+    """The (DistributedOptimizer, its torch optimizer) pairs of a possibly chained optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer):
+            yield opt, opt.optimizer
+
+
 def _allocate_optimizer_state(optimizer) -> None:
     """A fresh distributed optimizer has no per-parameter state, and megatron-core's
     ``state_dict()`` (called to build the sharded state dict it loads into) then fails without
     Apex or Transformer Engine (its ``assert len(steps) == 1``). Allocate the state the load
-    overwrites: megatron-core's zero moments (``init_state_fn``) and torch Adam's step count,
-    which the load sets from the checkpoint's parameter groups. The parameters are not touched
+    overwrites: megatron-core's zero moments (``init_state_fn``) and torch Adam's step count
+    (set after the load by ``_restore_adam_steps``). The parameters are not touched
     (megatron-core's own FSDP path takes an optimizer step on zero gradients instead, which
     applies weight decay to the fp32 main parameters)."""
     import torch
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or len(inner.state) != 0:
+    for opt, inner in _distributed_optimizers(optimizer):
+        if len(inner.state) != 0:
             continue
         if opt.init_state_fn is not None:
             opt.init_state_fn(inner, opt.config)
@@ -71,12 +76,8 @@ def _restore_adam_steps(optimizer) -> None:
     fp32 main parameters, but the steps only into the parameter groups): set them from the
     groups' reloaded step, or the next update's bias correction would start over."""
     import torch
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not isinstance(opt, DistributedOptimizer):
-            continue
-        inner = opt.optimizer
+    for _, inner in _distributed_optimizers(optimizer):
         for group in inner.param_groups:
             if "step" not in group:
                 continue
@@ -101,7 +102,7 @@ def save_checkpoint(ckpt_dir: Path, iteration: int, gpt, optimizer, scheduler) -
     dist.barrier()
     state = {"model": gpt.sharded_state_dict()}
     state["optimizer"] = optimizer.sharded_state_dict(
-        state["model"], metadata=_optimizer_metadata()
+        state["model"], metadata=dict(_OPTIMIZER_METADATA)
     )
     state["scheduler"] = scheduler.state_dict()
     state["iteration"] = iteration
@@ -123,7 +124,7 @@ def load_checkpoint(ckpt_dir: Path, gpt, optimizer, scheduler) -> int:
     state = {"model": gpt.sharded_state_dict()}
     _allocate_optimizer_state(optimizer)
     state["optimizer"] = optimizer.sharded_state_dict(
-        state["model"], is_loading=True, metadata=_optimizer_metadata()
+        state["model"], is_loading=True, metadata=dict(_OPTIMIZER_METADATA)
     )
     loaded = dist_checkpointing.load(state, str(path))
     gpt.load_state_dict(loaded["model"])
