@@ -350,234 +350,8 @@ __device__ void reduce_role(const CombineParams& p, const Plan& s) {
   }
 }
 
-// Rows of peers that combine in place, read over NVLink in a pipeline: a reducer warp with
-// 16-byte loads in registers keeps ~4 KB of a peer's row in flight and waits a round trip per
-// 4 KB: at 2 ranks (H100) the in-place kernel took ~365 us at 12 SMs for 58.7 MB that one copy
-// kernel of 12 SMs moves in ~185, and the call ran 1.5x faster at 24 SMs. Here lane 0 of a warp
-// bulk-copies (TMA) the next items into shared memory, so a warp keeps kPullStages items of
-// kPullItem bytes in flight across columns, peers and the next token, without registers and
-// outside the load path of the SM. An item is one column (kPullItem bytes) of one peer's row; a
-// token's items go column by column, peers in rank order within a column; item g lands in
-// stage g % kPullStages and completes that stage's mbarrier phase g / kPullStages.
-// 4 vectors per lane keep a column's fp32 sums (32 registers for BF16) and its loads in
-// registers; 7 stages fill 224 KB, 14 KB in flight per warp.
-constexpr int kPullVecs = 4;  // 16-byte vectors per lane per item
-constexpr int kPullItem = kPullVecs * 16 * dev::kWarpSize;  // 2,048 bytes: 1/7 of a 7168-wide BF16 row
-constexpr int kPullStages = 7;
-constexpr int kPullSmem = kCombineWarps * kPullStages * kPullItem;  // 224 KB per block
-static_assert(kPullSmem <= 227 * 1024, "pull pipeline exceeds Hopper's shared memory per block");
-
-#if UCCL_EP_HAS_TMA
-// The warp's item producer: which token (0 the current one, 1 the next, 2 past the next), which
-// column, and the peers of that column still to issue. Warp-uniform.
-struct PullCursor {
-  int tok, col;
-  unsigned rem;
-};
-
-template <int kDtype, int kRanks>
-__device__ void reduce_role_pull(const CombineParams& p, const Plan& s, uint8_t* smem, uint64_t* bars) {
-  using E = Elt<kDtype>;
-  using raw = typename E::raw;
-  constexpr int kPerVec = 16 / static_cast<int>(sizeof(raw));
-  const int R = p.num_ranks, lane = threadIdx.x % dev::kWarpSize;
-  uint8_t* own = p.bufs.p[p.rank];
-  const uint8_t* st_x = own + kDataOffset;
-  const float* st_w = reinterpret_cast<const float*>(own + p.w_offset);
-  unsigned* counter = reduce_tokens(own);
-  const bool watch = lane < R && lane != p.rank && s.back[lane] > 0 && !(s.pull >> lane & 1u);
-  const int ct = watch ? chunk_rows(s.back[lane]) : 1;
-  int seen = -1;
-  const int64_t nvec = p.row_bytes / 16;
-  const int ncol = static_cast<int>((nvec + kPullItem / 16 - 1) / (kPullItem / 16));
-  const bool pull_lane = lane < R && (s.pull >> lane & 1u);
-  if (lane < kPullStages) dev::mbar_init(&bars[lane], 1);
-  // The peers' rows were published to the generic proxy (entry barrier); the bulk copies read
-  // them through the async proxy.
-  dev::fence_proxy_async();
-  dev::warp_sync();
-  auto pos_of = [&](int t) {
-    return lane < R && t < p.num_tokens ? p.send_pos[static_cast<int64_t>(t) * R + lane] : -1;
-  };
-  auto pulled = [&](int pos) { return static_cast<unsigned>(dev::warp_ballot(pull_lane && pos >= 0)); };
-  // Current and next token: positions in lane r, pulled-peer masks.
-  int t0 = dev::warp_shfl(lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0, 0);
-  int next = lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0;
-  int t_end = min(p.num_tokens, t0 + kWarpTokens);
-  int t = t0;
-  auto following = [&](int u) { return u + 1 < t_end ? u + 1 : dev::warp_shfl(next, 0); };
-  int pos_cur = pos_of(t), pos_nxt = pos_of(following(t));
-  unsigned pm_cur = pulled(pos_cur), pm_nxt = pulled(pos_nxt);
-  PullCursor pc{0, 0, pm_cur};
-  if (pc.rem == 0) pc = PullCursor{pm_nxt ? 1 : 2, 0, pm_nxt};
-  uint32_t issued = 0, taken = 0;  // items
-  // Issues the cursor's items while a stage is free (the stage's last item was taken by every
-  // lane: the warp barrier orders their reads before lane 0's proxy fence and copy).
-  auto fill = [&]() {
-    while (pc.tok < 2 && issued - taken < static_cast<uint32_t>(kPullStages)) {
-      const int r = __ffs(pc.rem) - 1;
-      const int pos = dev::warp_shfl(pc.tok == 0 ? pos_cur : pos_nxt, r);
-      if (lane == 0) {
-        const int st = static_cast<int>(issued % kPullStages);
-        const int64_t off = static_cast<int64_t>(pc.col) * kPullItem;
-        const int64_t left = p.row_bytes - off;
-        const uint32_t n = static_cast<uint32_t>(left < kPullItem ? left : kPullItem);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        dev::mbar_expect_tx(&bars[st], n);
-        dev::tma_load(smem + st * kPullItem, s.pull_x[r] + static_cast<int64_t>(pos) * p.row_bytes + off, n,
-                      &bars[st]);
-      }
-      ++issued;
-      pc.rem &= pc.rem - 1;
-      if (pc.rem == 0) {
-        if (++pc.col < ncol) {
-          pc.rem = pc.tok == 0 ? pm_cur : pm_nxt;
-        } else if (pc.tok == 0 && pm_nxt != 0) {
-          pc = PullCursor{1, 0, pm_nxt};
-        } else {
-          pc = PullCursor{2, 0, 0};
-        }
-      }
-    }
-  };
-  fill();
-  bool failed = false;
-  while (t < p.num_tokens) {
-    if (watch) {
-      if (pos_cur >= 0 && pos_cur / ct != seen) {
-        seen = pos_cur / ct;
-        failed = !wait_flag(combine_flag(own, lane, seen), s.seq, p.status, PeerAborts{p.bufs, p.rank, R},
-                            p.timeout_ns, lane, s.seq, kSiteCombineReceive);
-      }
-    }
-    if (dev::warp_ballot(failed) != 0) break;
-    dev::warp_sync();
-    const unsigned mask = static_cast<unsigned>(dev::warp_ballot(lane < R && pos_cur >= 0));
-    const uint8_t* src[kRanks];  // rows read in place here: this rank's own and staged ones
-#pragma unroll
-    for (int r = 0; r < kRanks; ++r) {
-      src[r] = nullptr;
-      if (r < R) {
-        const int pos = dev::warp_shfl(pos_cur, r);  // every lane takes part in every shuffle
-        if (pos >= 0 && !(pm_cur >> r & 1u)) src[r] = (r == p.rank ? p.x : st_x) + (s.src_off[r] + pos) * p.row_bytes;
-      }
-    }
-    for (int c = 0; c < ncol; ++c) {
-      float acc[kPullVecs][kPerVec];
-#pragma unroll
-      for (int j = 0; j < kPullVecs; ++j)
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) acc[j][e] = 0.0f;
-      const int64_t i0 = static_cast<int64_t>(c) * (kPullItem / 16) + lane;
-#pragma unroll
-      for (int r = 0; r < kRanks; ++r) {
-        if (r >= R || !(mask >> r & 1u)) continue;
-        int4 v[kPullVecs];
-        if (pm_cur >> r & 1u) {
-          // Items are taken in issue order: this one is item `taken`.
-          const uint32_t g = taken;
-          dev::mbar_wait(&bars[g % kPullStages], (g / kPullStages) & 1u);
-          const int4* stage = reinterpret_cast<const int4*>(smem + (g % kPullStages) * kPullItem);
-#pragma unroll
-          for (int j = 0; j < kPullVecs; ++j) {
-            const int64_t i = i0 + j * dev::kWarpSize;
-            v[j] = i < nvec ? stage[j * dev::kWarpSize + lane] : make_int4(0, 0, 0, 0);
-          }
-          dev::warp_sync();
-          ++taken;
-          fill();  // the stage just read takes the next item
-        } else {
-          const int4* row = reinterpret_cast<const int4*>(src[r]);
-#pragma unroll
-          for (int j = 0; j < kPullVecs; ++j) {
-            const int64_t i = i0 + j * dev::kWarpSize;
-            v[j] = i >= nvec ? make_int4(0, 0, 0, 0) : r == p.rank ? dev::ld_stream(row + i) : dev::ld_cg(row + i);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kPullVecs; ++j) {
-          const raw* vals = reinterpret_cast<const raw*>(&v[j]);
-#pragma unroll
-          for (int e = 0; e < kPerVec; ++e) acc[j][e] += E::to_f(vals[e]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kPullVecs; ++j) {
-        const int64_t i = i0 + j * dev::kWarpSize;
-        if (i >= nvec) continue;
-        const uint8_t* biases[2] = {p.bias0, p.bias1};
-#pragma unroll
-        for (int b = 0; b < 2; ++b) {
-          if (biases[b] != nullptr) {
-            const int4 bv = reinterpret_cast<const int4*>(biases[b] + static_cast<int64_t>(t) * p.row_bytes)[i];
-            const raw* vals = reinterpret_cast<const raw*>(&bv);
-#pragma unroll
-            for (int e = 0; e < kPerVec; ++e) acc[j][e] += E::to_f(vals[e]);
-          }
-        }
-        int4 o;
-        raw* ov = reinterpret_cast<raw*>(&o);
-#pragma unroll
-        for (int e = 0; e < kPerVec; ++e) ov[e] = E::from_f(acc[j][e]);
-        reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * p.row_bytes)[i] = o;
-      }
-    }
-    if (p.out_w != nullptr) {
-      const float* srcw[kRanks];
-#pragma unroll
-      for (int r = 0; r < kRanks; ++r) {
-        srcw[r] = nullptr;
-        if (r < R) {
-          const int pos = dev::warp_shfl(pos_cur, r);
-          if (pos >= 0) {
-            if (s.pull >> r & 1u) {
-              srcw[r] = s.pull_w[r] + static_cast<int64_t>(pos) * p.num_topk;
-            } else {
-              const int64_t row = s.src_off[r] + pos;
-              srcw[r] = (r == p.rank ? p.w : st_w) + row * p.num_topk;
-            }
-          }
-        }
-      }
-      for (int k = lane; k < p.num_topk; k += dev::kWarpSize) {
-        float acc = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kRanks; ++r)
-          if (r < R && (mask >> r & 1u)) acc += r == p.rank ? srcw[r][k] : dev::ld_cg(srcw[r] + k);
-        p.out_w[static_cast<int64_t>(t) * p.num_topk + k] = acc;
-      }
-    }
-    // Advance to the next token: the next becomes current, and the one after it is looked up.
-    int u = t + 1;
-    if (u >= t_end) {
-      u = dev::warp_shfl(next, 0);
-      if (u < p.num_tokens) {
-        next = lane == 0 ? static_cast<int>(atomicAdd(counter, kWarpTokens)) : 0;
-        t_end = min(p.num_tokens, u + kWarpTokens);
-      }
-    }
-    t = u;
-    pos_cur = pos_nxt;
-    pm_cur = pm_nxt;
-    pos_nxt = pos_of(t < p.num_tokens ? following(t) : p.num_tokens);
-    pm_nxt = pulled(pos_nxt);
-    if (pc.tok == 1) {
-      pc.tok = 0;
-    } else if (pc.tok == 2) {
-      pc = pm_nxt != 0 ? PullCursor{1, 0, pm_nxt} : PullCursor{2, 0, 0};
-    }
-    fill();
-  }
-  // Items issued and never taken (a failed wait above): let their copies land before the
-  // block's shared memory goes.
-  for (; taken != issued; ++taken) dev::mbar_wait(&bars[taken % kPullStages], (taken / kPullStages) & 1u);
-}
-#endif
-
 // Pushers take the low block indices, so they are scheduled first (reducers wait on them).
-// kPull: peers' rows read in place go through the shared-memory pipeline (reduce_role_pull;
-// launched with kPullSmem of dynamic shared memory, never with kTma).
-template <int kDtype, bool kVec, int kUnroll, int kRanks, bool kTma, bool kPull>
+template <int kDtype, bool kVec, int kUnroll, int kRanks, bool kTma>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
   __shared__ Plan s;
   __shared__ int s_last;
@@ -605,25 +379,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
     push_role<V, 8, kTma>(p, s, b, P, nullptr);
 #endif
   }
-  if (ok) {
-#if UCCL_EP_HAS_TMA
-    if constexpr (kPull) {
-      if (s.pull != 0) {
-        extern __shared__ __align__(128) uint8_t s_pull[];
-        __shared__ uint64_t s_pull_bar[kCombineWarps * kPullStages];
-        const int warp = threadIdx.x / dev::kWarpSize;
-        reduce_role_pull<kDtype, kRanks>(p, s, s_pull + warp * kPullStages * kPullItem,
-                                         s_pull_bar + warp * kPullStages);
-      } else {
-        reduce_role<kDtype, kVec, kUnroll, kRanks>(p, s);
-      }
-    } else {
-      reduce_role<kDtype, kVec, kUnroll, kRanks>(p, s);
-    }
-#else
-    reduce_role<kDtype, kVec, kUnroll, kRanks>(p, s);
-#endif
-  }
+  if (ok) reduce_role<kDtype, kVec, kUnroll, kRanks>(p, s);
   // Every block read the sequence before its CTA barrier above; the last one to get here
   // advances it past this combine, for the next call on this stream, and zeroes the token
   // counter (the fence orders the block's grabs, even a failed warp's last, before that).
@@ -675,31 +431,20 @@ HostPlan plan(const CombineArgs& a) {
   return h;
 }
 
-// `pull`: this rank combines in place (so, as a rule, its peers too) on sm_90+; the kernel reads
-// the peers' in-place rows through reduce_role_pull when they are. At 2 ranks only so far: at
-// 4 and 8 its registers spill and the EP4 kernel already runs within ~13% of the link.
 template <int kDtype, bool kVec, int kUnroll, int kRanks>
-void launch(const CombineParams& p, int blocks, bool tma, bool pull, gpuStream_t s) {
+void launch(const CombineParams& p, int blocks, bool tma, gpuStream_t s) {
 #if defined(UCCL_EP_DEVICE_CUDA)
   if constexpr (kVec) {
     if (tma) {
-      auto* k = combine_kernel<kDtype, true, kUnroll, kRanks, true, false>;
+      auto* k = combine_kernel<kDtype, true, kUnroll, kRanks, true>;
       constexpr int smem = tma_smem_bytes(kCombineWarps);
       GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       k<<<blocks, kCombineThreads, smem, s>>>(p);
       return;
     }
-    if constexpr (kRanks == 2) {  // measured at 2 ranks only (docs/performance.md)
-      if (pull) {
-        auto* k = combine_kernel<kDtype, true, kUnroll, kRanks, false, true>;
-        GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kPullSmem));
-        k<<<blocks, kCombineThreads, kPullSmem, s>>>(p);
-        return;
-      }
-    }
   }
 #endif
-  combine_kernel<kDtype, kVec, kUnroll, kRanks, false, false><<<blocks, kCombineThreads, 0, s>>>(p);
+  combine_kernel<kDtype, kVec, kUnroll, kRanks, false><<<blocks, kCombineThreads, 0, s>>>(p);
 }
 
 // kRanks bounds the reducer's rank loop so its per-source loads stay in registers, and kUnroll
@@ -707,15 +452,15 @@ void launch(const CombineParams& p, int blocks, bool tma, bool pull, gpuStream_t
 // flight per warp and ~100-120 registers without spills; 8 ranks keep 8 x 2 (the loads a token
 // has in flight grow with the ranks it reached).
 template <int kDtype>
-void launch_dtype(const CombineParams& p, int R, bool vec, bool tma, bool pull, int blocks, gpuStream_t s) {
+void launch_dtype(const CombineParams& p, int R, bool vec, bool tma, int blocks, gpuStream_t s) {
   if (!vec) {
-    launch<kDtype, false, 2, kMaxRanks>(p, blocks, false, false, s);
+    launch<kDtype, false, 2, kMaxRanks>(p, blocks, false, s);
   } else if (R <= 2) {
-    launch<kDtype, true, 8, 2>(p, blocks, tma, pull, s);
+    launch<kDtype, true, 8, 2>(p, blocks, tma, s);
   } else if (R <= 4) {
-    launch<kDtype, true, 4, 4>(p, blocks, tma, pull, s);
+    launch<kDtype, true, 4, 4>(p, blocks, tma, s);
   } else {
-    launch<kDtype, true, 2, kMaxRanks>(p, blocks, tma, pull, s);
+    launch<kDtype, true, 2, kMaxRanks>(p, blocks, tma, s);
   }
 }
 
@@ -760,13 +505,12 @@ void intranode_combine(const CombineArgs& a, intptr_t stream) {
   const int blocks = std::max(R > 1 ? 2 : 1, a.num_sms);
   const bool vec = row_bytes % 16 == 0 && a.x % 16 == 0 && a.out % 16 == 0 && a.bias0 % 16 == 0 && a.bias1 % 16 == 0;
   const bool tma = vec && a.use_tma && tma_supported();
-  const bool pull = vec && !tma && R > 1 && a.x_place >= 0 && tma_supported();
   if (a.dtype == 0) {
-    launch_dtype<0>(p, R, vec, tma, pull, blocks, s);
+    launch_dtype<0>(p, R, vec, tma, blocks, s);
   } else if (a.dtype == 1) {
-    launch_dtype<1>(p, R, vec, tma, pull, blocks, s);
+    launch_dtype<1>(p, R, vec, tma, blocks, s);
   } else {
-    launch_dtype<2>(p, R, vec, tma, pull, blocks, s);
+    launch_dtype<2>(p, R, vec, tma, blocks, s);
   }
   GPU_CHECK(gpuGetLastError());
 }

@@ -231,17 +231,6 @@ __device__ __forceinline__ void tma_wait_all() { asm volatile("cp.async.bulk.wai
 // proxy), both ways: before a bulk load of rows a peer published (seen through an acquire) and
 // after bulk stores that a release store will publish.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-// 16 bytes global -> shared without a register (cached in L2 only, as ld_cg), completed by
-// cp_async_wait in the issuing thread, which alone may then read them.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gsrc) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem)), "l"(gsrc) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-// All but this thread's newest `kPending` committed groups have landed.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
-}
 #endif
 
 }  // namespace uccl_ep::dev
