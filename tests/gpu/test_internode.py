@@ -398,31 +398,34 @@ def sync_free_case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     del out, cached, lcx, lcw
 
     # Under the shared-GPU harness the group is gloo, whose all-gather of CUDA tensors stages
-    # them through host memory: torch's sync debug mode flags all_gather_into_tensor itself
+    # them through host memory: torch's sync debug mode flags the collective and its wait
     # (seen on the device), although the profiler then records no synchronize on the calling
-    # thread. That staging is the group's, not ours: with gloo, every collective runs with the
-    # debug mode off and is counted, and anything else that synchronizes raises here with its
-    # stack; with NCCL (one rank per GPU) nothing is exempted.
+    # thread. That staging is the group's, not ours: with gloo, the header all-gather (the
+    # backend's _gather_rows, which calls the group's own all-gather) runs with the debug mode
+    # off and is counted, and anything else that synchronizes raises here with its stack; with
+    # NCCL (one rank per GPU) nothing is exempted.
     gloo = torch.distributed.get_backend() == "gloo"
-    real_gather = torch.distributed.all_gather_into_tensor
+    backend = kb._backend
+    real_gather = backend._gather_rows
     gathers: list[int] = []
 
-    def gather_of_the_group(*args, **kwargs):
+    def gather_of_the_group(row):
         torch.cuda.set_sync_debug_mode(0)
         try:
-            return real_gather(*args, **kwargs)
+            return real_gather(row)
         finally:
             gathers.append(1)
             torch.cuda.set_sync_debug_mode("error")
 
     if gloo:
-        torch.distributed.all_gather_into_tensor = gather_of_the_group
+        backend._gather_rows = gather_of_the_group
     torch.cuda.set_sync_debug_mode("error")
     try:
         layer()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        torch.distributed.all_gather_into_tensor = real_gather
+        if gloo:
+            del backend._gather_rows  # the class's method again
     counted = _host_syncs(layer)
     torch.cuda.synchronize()
     kb._backend.check()
