@@ -389,6 +389,20 @@ void dispatch_tables_call(Context& c, intptr_t stream, int num_channels, int cou
   a.src_tokens = src_tokens.ptr;
   a.plan = plan.ptr;
   a.plan_words = plan.none ? 0 : plan.bytes() / 4;
+  // A sync-free dispatch's padded outputs, filled whole by the same launch.
+  const TensorView pad_ids =
+      arg(field(t, "pad_ids"), "internode tables: pad_ids", true, {-1, -1}, {Dt::kInt64, Dt::kInt32});
+  const TensorView pad_w = arg(field(t, "pad_weights"), "internode tables: pad_weights", true, {-1, -1}, {Dt::kFloat32});
+  const TensorView pad_src = arg(field(t, "pad_src"), "internode tables: pad_src", true, {-1}, {Dt::kInt32});
+  a.pad_ids = pad_ids.ptr;
+  a.pad_ids64 = pad_ids.none || pad_ids.dtype->dt == Dt::kInt64;
+  a.pad_ids_words = pad_ids.none ? 0 : pad_ids.bytes() / pad_ids.dtype->itemsize;
+  a.pad_weights = pad_w.ptr;
+  a.pad_weights_words = pad_w.none ? 0 : pad_w.bytes() / 4;
+  a.pad_src = pad_src.ptr;
+  a.pad_src_words = pad_src.none ? 0 : pad_src.bytes() / 4;
+  for (const TensorView* v : {&pad_ids, &pad_w, &pad_src})
+    if (v->bytes() > 0) check_ptr(v->ptr, true, "internode tables: a padded output");
   for (const TensorView* v : {&in_rank, &lists, &count, &rows, &dst})
     check_ptr(v->ptr, v->bytes() > 0, "internode tables: a device tensor");
   in::dispatch_tables(a, stream);

@@ -141,6 +141,12 @@ struct DispatchTablesArgs {
   intptr_t recv_rows = 0, recv_prefix = 0, recv_count = 0, src_tokens = 0;  // recv_count [1], src_tokens [N]
   intptr_t plan = 0;                  // int32, plan_words of them set to -1
   int64_t plan_words = 0;
+  // A sync-free dispatch's outputs whose padding rows the same launch fills before its data
+  // kernel (each optional, filled whole: the data kernel overwrites the received rows):
+  // top-k ids with -1 (int64 when pad_ids64, else int32), weights with 0, source indices with -1.
+  intptr_t pad_ids = 0, pad_weights = 0, pad_src = 0;
+  int64_t pad_ids_words = 0, pad_weights_words = 0, pad_src_words = 0;
+  bool pad_ids64 = true;
 };
 void dispatch_tables(const DispatchTablesArgs& a, intptr_t stream);
 

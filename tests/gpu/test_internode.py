@@ -568,11 +568,18 @@ def _check_dispatch_tables(be, rank, in_rank, rows, C, what) -> None:
     T, R = in_rank.shape
     L = be.topology.ranks_per_node
     N = R // L
+    # A sync-free call's padded outputs (W rows, K columns; ids of either width), poisoned.
+    W, K = 2 * T + 3, 1 + T % 5
+    pad_ids = _poisoned(W, K).to(torch.int64 if T % 2 else torch.int32)
     t = DispatchTablesTensors(
         rows, in_rank, _poisoned(T, R), _poisoned(N, T), _poisoned(C, N), _poisoned(R, R),
         _poisoned(L), _poisoned(R + 1), _poisoned(1), _poisoned(N), _poisoned(N, max(1, T), L),
+        pad_ids, torch.full((W, K), float("nan"), device="cuda"), _poisoned(W),
     )  # fmt: skip
     be._in.dispatch_tables(be._context(), be._stream(), C, COUNTS_COLUMN, t)
+    assert bool((t.pad_ids == -1).all()), f"{what}: pad_ids ({t.pad_ids.dtype}) not all -1"
+    assert bool((t.pad_weights == 0).all()), f"{what}: pad_weights not all 0"
+    assert bool((t.pad_src == -1).all()), f"{what}: pad_src not all -1"
     ref = tables.call_tables(rows, rank, L)
     lists, count, _ = tables.stream_tables(in_rank.view(T, N, L).any(2), C)
     assert_same(f"{what} dst_row", t.dst_row, tables.dst_rows(in_rank, ref.first_row))

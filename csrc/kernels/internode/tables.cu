@@ -123,8 +123,15 @@ __device__ void call_tables(const DispatchTablesDev& d) {
         static_cast<int>(rows[static_cast<int64_t>(m * L + d.local) * a.row_width + a.row_width - 1]);
 }
 
+// words[first], words[first + stride], ... below n set to v (the fill blocks' share).
+template <typename W>
+__device__ void fill_words(W* words, int64_t n, W v, int64_t first, int64_t stride) {
+  for (int64_t i = first; i < n; i += stride) words[i] = v;
+}
+
 // Blocks [0, R): dst_row column r; [R, R + N): the stream of node n; R + N: the call tables;
-// the rest fill the plan with -1. A table whose pointer is 0 is skipped.
+// the rest fill the plan with -1 and a sync-free dispatch's padded outputs. A table whose
+// pointer is 0 is skipped.
 __global__ void __launch_bounds__(kTableThreads) dispatch_tables_kernel(DispatchTablesDev d) {
   const DispatchTablesArgs& a = d.a;
   const int R = a.num_ranks, L = a.ranks_per_node, T = a.num_tokens;
@@ -156,10 +163,15 @@ __global__ void __launch_bounds__(kTableThreads) dispatch_tables_kernel(Dispatch
   } else if (b == R + d.N) {
     if (a.rank_prefix != 0) call_tables(d);
   } else {
-    auto* plan = reinterpret_cast<int*>(a.plan);
     const int64_t stride = static_cast<int64_t>(gridDim.x - (R + d.N + 1)) * blockDim.x;
-    for (int64_t i = static_cast<int64_t>(b - (R + d.N + 1)) * blockDim.x + threadIdx.x; i < a.plan_words; i += stride)
-      plan[i] = -1;
+    const int64_t first = static_cast<int64_t>(b - (R + d.N + 1)) * blockDim.x + threadIdx.x;
+    fill_words(reinterpret_cast<int*>(a.plan), a.plan_words, -1, first, stride);
+    if (a.pad_ids64)
+      fill_words(reinterpret_cast<int64_t*>(a.pad_ids), a.pad_ids_words, int64_t{-1}, first, stride);
+    else
+      fill_words(reinterpret_cast<int*>(a.pad_ids), a.pad_ids_words, -1, first, stride);
+    fill_words(reinterpret_cast<float*>(a.pad_weights), a.pad_weights_words, 0.0f, first, stride);
+    fill_words(reinterpret_cast<int*>(a.pad_src), a.pad_src_words, -1, first, stride);
   }
 }
 
@@ -213,7 +225,9 @@ void dispatch_tables(const DispatchTablesArgs& a, intptr_t stream) {
                     "internode tables: num_tokens=", a.num_tokens, " row_width=", a.row_width, " counts at ",
                     a.counts_col);
   detail::DispatchTablesDev d{a, R / L, a.rank / L, a.rank % L};
-  const int fill = a.plan != 0 && a.plan_words > 0 ? detail::kFillBlocks : 0;
+  const bool fills = (a.plan != 0 && a.plan_words > 0) || a.pad_ids_words > 0 || a.pad_weights_words > 0 ||
+                     a.pad_src_words > 0;
+  const int fill = fills ? detail::kFillBlocks : 0;
   detail::dispatch_tables_kernel<<<R + d.N + 1 + fill, detail::kTableThreads, 0,
                                    reinterpret_cast<gpuStream_t>(stream)>>>(d);
   GPU_CHECK(gpuGetLastError());

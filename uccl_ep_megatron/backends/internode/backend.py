@@ -399,26 +399,58 @@ class InternodeBackend(CallHeaderExchange, Backend):
         return row_bytes, num_topk, num_scales
 
     def _int32(self, device: torch.device, *shapes: tuple[int, ...]) -> list[torch.Tensor]:
-        """Fresh int32 tensors of these shapes, carved from one allocation."""
+        """Fresh int32 tensors of these shapes, carved from one allocation (1-D ones are the
+        split's own views: one torch op fewer each)."""
         sizes = [math.prod(s) for s in shapes]
-        flat = torch.empty(sum(sizes), dtype=torch.int32, device=device)
-        return [t.view(s) for t, s in zip(flat.split(sizes), shapes, strict=True)]
+        parts = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)
+        return [t if len(s) == 1 else t.view(s) for t, s in zip(parts, shapes, strict=True)]
 
     def _new_state(
-        self, rows: torch.Tensor, in_rank: torch.Tensor, args: DispatchArgs
-    ) -> tuple[DispatchState, torch.Tensor, torch.Tensor]:
-        """A non-cached dispatch's state and its streams (lists, list_count), built on the GPU
-        by one kernel from the gathered call headers ``rows``."""
+        self,
+        rows: torch.Tensor,
+        in_rank: torch.Tensor,
+        args: DispatchArgs,
+        outputs: tuple[torch.Tensor | None, ...],
+    ) -> tuple[DispatchState, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A non-cached dispatch's state, its streams (lists, list_count) and its
+        ``recv_src_idx``, built on the GPU by one kernel from the gathered call headers
+        ``rows``. ``outputs``: the dispatch's ``(recv_x, scales, ids, weights)``; a sync-free
+        call's ids, weights and source indices are padded by the same launch."""
         topo = self.topology
         R, L, N, T = topo.num_ranks, topo.ranks_per_node, topo.num_nodes, in_rank.shape[0]
         C = args.config.num_channels
         out_rows, plan_tokens, stage_rows = state_sizes(topo, args.num_worst_tokens, args.agreed)
-        shapes = ((T, R), (N, T), (C, N), (R, R), (L,), (R + 1,), (1,), (N,), (N, plan_tokens, L))
-        dst, lists, count, prefix, recv_rows, recv_prefix, recv_count, src, plan = self._int32(
-            in_rank.device, *shapes
+        shapes = (
+            (out_rows,),  # first: the poison fold needs an output 8-byte aligned
+            (T, R),
+            (N, T),
+            (C, N),
+            (R, R),
+            (L,),
+            (R + 1,),
+            (1,),
+            (N,),
+            (N, plan_tokens, L),
         )
+        recv_src, dst, lists, count, prefix, recv_rows, recv_prefix, recv_count, src, plan = (
+            self._int32(in_rank.device, *shapes)
+        )
+        pad = args.num_worst_tokens > 0
         t = DispatchTablesTensors(
-            rows, in_rank, dst, lists, count, prefix, recv_rows, recv_prefix, recv_count, src, plan
+            rows,
+            in_rank,
+            dst,
+            lists,
+            count,
+            prefix,
+            recv_rows,
+            recv_prefix,
+            recv_count,
+            src,
+            plan,
+            pad_ids=outputs[2] if pad else None,
+            pad_weights=outputs[3] if pad else None,
+            pad_src=recv_src if pad else None,
         )
         self._in.dispatch_tables(self._context(), self._stream(), C, COUNTS_COLUMN, t)
         state = DispatchState(
@@ -433,7 +465,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
             out_rows=out_rows,
             stage_rows=stage_rows,
         )
-        return state, lists, count
+        return state, lists, count, recv_src
 
     def _cached_streams(
         self, in_rank: torch.Tensor, config: Config
@@ -452,36 +484,21 @@ class InternodeBackend(CallHeaderExchange, Backend):
         args: DispatchArgs,
         x: torch.Tensor,
         state: DispatchState,
-        num_scales: int,
         streams: tuple[torch.Tensor, torch.Tensor],
+        outputs: tuple[torch.Tensor | None, ...],
+        recv_src: torch.Tensor | None,
     ) -> InternodeDispatchTensors:
-        """The launch's inputs, index tables and freshly allocated outputs."""
+        """The launch's inputs, index tables and outputs. ``Buffer`` handed the arguments
+        over checked and contiguous (``api/validation.py``): ids int64/int32, weights float32."""
         cached = args.cached
         topk_idx = None if cached is not None else args.topk_idx
-        num_topk = 0 if topk_idx is None else topk_idx.shape[1]
         lists, list_count = streams
-        pad = args.num_worst_tokens > 0
-        recv_x, recv_scales, recv_idx, recv_w = dispatch_outputs(
-            state.out_rows,
-            x,
-            num_scales,
-            None if topk_idx is None else topk_idx.dtype,
-            num_topk,
-            pad,
-        )
-        if cached is not None:
-            recv_src = None  # the handle has the sources
-        else:
-            recv_src = torch.empty(state.out_rows, dtype=torch.int32, device=x.device)
-            if pad:
-                recv_src.fill_(-1)
+        recv_x, recv_scales, recv_idx, recv_w = outputs
         return InternodeDispatchTensors(
             x=x,
-            x_scales=None if args.x_scales is None else args.x_scales.contiguous(),
-            topk_idx=None if topk_idx is None else topk_idx.contiguous(),
-            topk_weights=None
-            if topk_idx is None
-            else args.topk_weights.to(torch.float32).contiguous(),
+            x_scales=args.x_scales,
+            topk_idx=topk_idx,
+            topk_weights=None if topk_idx is None else args.topk_weights,
             dst_row=state.dst_row,
             lists=lists,
             list_count=list_count,
@@ -492,21 +509,28 @@ class InternodeBackend(CallHeaderExchange, Backend):
             recv_x_scales=recv_scales,
             recv_topk_idx=recv_idx,
             recv_topk_weights=recv_w,
-            recv_src_idx=recv_src,
+            recv_src_idx=recv_src,  # None for a cached dispatch: the handle has the sources
         )
 
     def dispatch(self, args: DispatchArgs) -> DispatchResult:
-        self.check()
+        # The status words and the proxy were checked by this call's header exchange, just
+        # before (``exchange_header``): no second read here.
         rows, verdict, read = self._take_rows()
         topo, cfg, cached = self.topology, args.config, args.cached
-        x = args.x.contiguous()
+        x = args.x
         row_bytes, num_topk, num_scales = self._dispatch_shape(args, x)
-        in_rank = args.is_token_in_rank.contiguous()
+        in_rank = args.is_token_in_rank
+        topk_idx = None if cached is not None else args.topk_idx
+        idx_dtype = None if topk_idx is None else topk_idx.dtype
+        recv_src = None
         if cached is not None:
             state: DispatchState = cached.state
+            outputs = dispatch_outputs(state.out_rows, x, num_scales, idx_dtype, num_topk)
             streams = self._cached_streams(in_rank, cfg)
         else:
-            state, *streams = self._new_state(rows, in_rank, args)
+            out_rows = state_sizes(topo, args.num_worst_tokens, args.agreed)[0]
+            outputs = dispatch_outputs(out_rows, x, num_scales, idx_dtype, num_topk)
+            state, *streams, recv_src = self._new_state(rows, in_rank, args, outputs)
         expert_list: list[int] = []
         per_expert = None
         if cached is None:
@@ -514,7 +538,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         idx_bytes = args.topk_idx.element_size() if num_topk else 8
         _, stage = self._slots(False, cfg, row_bytes, num_scales, num_topk, idx_bytes)
         self._fit_staging(state.stage_rows, stage, "dispatch")
-        t = self._dispatch_tensors(args, x, state, num_scales, tuple(streams))
+        t = self._dispatch_tensors(args, x, state, tuple(streams), outputs, recv_src)
         # The kernels, the node barrier and staged rows (ranks per node > 1), then the poison
         # fold of the outputs; sizes are read off the tensors in _C. The index tables die with
         # this call, after the launch: the caching allocator is stream-ordered.
@@ -552,7 +576,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
         bias: tuple[torch.Tensor, ...],
         config: Config,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.check()
+        # Checked by this call's header exchange (see dispatch).
         verdict = self._take_rows().verdict
         topo = self.topology
         num_nodes = topo.num_nodes

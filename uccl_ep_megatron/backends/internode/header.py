@@ -129,7 +129,9 @@ class CallHeaderExchange:
             # host time as the collective's launch, twice per dispatch/combine pair.
             group = self.group if self.group is not None else dist.group.WORLD
             self._all_gather = getattr(group, "all_gather_single", None) or group._allgather_base
-        work = self._all_gather(out, row.to(torch.int64).contiguous(), self._gather_opts)
+        if row.dtype != torch.int64 or not row.is_contiguous():  # encode_row's rows are
+            row = row.to(torch.int64).contiguous()
+        work = self._all_gather(out, row, self._gather_opts)
         if work is not None:  # the current stream waits for it (no host wait)
             work.wait()
         return out.view(num_ranks, -1)

@@ -61,7 +61,8 @@ class InternodeCombineTensors(NamedTuple):
 class DispatchTablesTensors(NamedTuple):
     """What ``_C.internode.dispatch_tables`` reads (``rows``, ``in_rank``) and fills (the rest,
     int32 on the GPU; ``tables.py`` has their meaning). A cached dispatch passes only
-    ``in_rank``, ``lists`` and ``list_count``."""
+    ``in_rank``, ``lists`` and ``list_count``. A sync-free dispatch passes its padded outputs
+    too, which the same launch fills whole (the data kernel then writes the received rows)."""
 
     rows: Tensor  # int64 [R, width]: the gathered call headers
     in_rank: torch.Tensor  # bool [T, R]
@@ -74,6 +75,9 @@ class DispatchTablesTensors(NamedTuple):
     recv_count: Tensor  # [1]
     src_tokens: Tensor  # [N]
     plan: Tensor  # [N, plan_tokens, L], set to -1
+    pad_ids: Tensor = None  # int64 / int32 [W, K] recv_topk_idx, set to -1
+    pad_weights: Tensor = None  # float32 [W, K] recv_topk_weights, set to 0
+    pad_src: Tensor = None  # int32 [W] recv_src_idx, set to -1
 
 
 class CombineTablesTensors(NamedTuple):

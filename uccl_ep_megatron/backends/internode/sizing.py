@@ -67,13 +67,13 @@ def dispatch_outputs(
     num_scales: int,
     idx_dtype: torch.dtype | None,
     num_topk: int,
-    pad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """``recv_x``, scales, top-k ids and weights of a dispatch (``None`` where not used).
 
-    With ``pad`` (num_worst_tokens) the rows past the received ones are padding: ids -1 and
-    weights 0, filled before the launch; their ``recv_x`` rows and scales are unspecified (as
-    in DeepEP; filling them cost a 235 MB memset per DeepSeek-V3 dispatch at EP4).
+    Uninitialized: with num_worst_tokens the rows past the received ones are padding, whose
+    ids (-1) and weights (0) the tables' launch fills (``DispatchTablesTensors``); their
+    ``recv_x`` rows and scales are unspecified (as in DeepEP; filling them cost a 235 MB memset
+    per DeepSeek-V3 dispatch at EP4).
     """
     dev = x.device
     recv_x = torch.empty(rows, x.shape[1], dtype=x.dtype, device=dev)
@@ -82,9 +82,6 @@ def dispatch_outputs(
     if idx_dtype is not None:
         ids = torch.empty(rows, num_topk, dtype=idx_dtype, device=dev)
         weights = torch.empty(rows, num_topk, dtype=torch.float32, device=dev)
-        if pad:
-            ids.fill_(-1)
-            weights.zero_()
     return recv_x, scales, ids, weights
 
 
