@@ -30,7 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-OPS = ("dispatch_bf16", "dispatch_bf16_worst", "dispatch_bf16_cached", "combine_bf16")
+OPS = (
+    "dispatch_bf16",
+    "dispatch_fp8",
+    "dispatch_bf16_worst",
+    "dispatch_bf16_cached",
+    "combine_bf16",
+)
 # The _C entry points that launch a call's first kernel (notify, or the one-call dispatch).
 LAUNCHES = ("intranode_dispatch_begin", "intranode_notify_call", "intranode_combine_call")
 # The _C entry points a call's host time is split at.
@@ -110,7 +116,7 @@ def _per_call(prof: cProfile.Profile, calls: int, top: int) -> str:
 def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
-    from uccl_ep_megatron.bench.intranode import _calls, _import_deepep
+    from uccl_ep_megatron.bench.intranode import _calls, _import_deepep, fp8_input
     from uccl_ep_megatron.bench.timing import time_call
     from uccl_ep_megatron.core.config import Config
     from uccl_ep_megatron.core.options import BufferOptions
@@ -121,6 +127,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         os.sched_setaffinity(0, cpus[rank * per : (rank + 1) * per] or cpus)
     T, E = a["tokens"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
+    x_fp8 = fp8_input(x)
     # Room for the results kept at once (as bench intranode sizes it): every call zero-copy.
     arena = None  # the caller's UCCL_EP_RECV_ARENA_BYTES when set
     if "UCCL_EP_RECV_ARENA_BYTES" not in os.environ:
@@ -159,8 +166,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     out: dict[str, Any] = {}
     for impl, (b, cfgs, layout) in impls.items():
         state: dict[str, Any] = {}
-        # No FP8 call is timed here: x stands in for the FP8 input _calls wants.
-        fns = _calls(b, cfgs, x, x, layout, state, T * world)
+        fns = _calls(b, cfgs, x, x_fp8, layout, state, T * world)
         for op in OPS:
             fn = fns[op]
             segs: list[dict[str, float]] = []

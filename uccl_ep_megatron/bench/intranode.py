@@ -188,6 +188,16 @@ def _import_deepep(required: bool = False):
     return deep_ep
 
 
+def fp8_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 form of ``x`` the FP8 rows time: e4m3 values and one float32 scale per 128
+    channels (random in [0.5, 1.5): the kernels move them, they do not interpret them)."""
+    T, H = x.shape
+    return (
+        x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
+        torch.rand(T, H // 128, device=x.device) + 0.5,
+    )
+
+
 def _calls(buf, cfgs: tuple[Any, Any], x, x_fp8, layout: dict, state: dict, worst: int) -> dict:
     """The timed calls on one Buffer (ours or DeepEP's: same API); ``worst`` is the
     ``num_worst_tokens`` of the sync-free pair."""
@@ -266,10 +276,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     shared = dist.get_backend() == "gloo"
     T, H, E, K = a["tokens"], a["hidden"], a["experts"], a["topk"]
     idx, w, x = routed_inputs(a, rank)
-    x_fp8 = (
-        x.float().clamp(-448, 448).to(torch.float8_e4m3fn),
-        torch.rand(T, H // 128, device="cuda") + 0.5,
-    )
+    x_fp8 = fp8_input(x)
     copies = {"tma": True, "ldst": False}
     if a["copy"] != "both":
         copies = {a["copy"]: copies[a["copy"]]}
