@@ -258,3 +258,60 @@ def test_received_rows_are_the_column_sums_of_the_counts(seed):
         for s in range(world):
             total += counts[s][r]
         assert received[r] == total
+
+
+class _GroupExchange(CallHeaderExchange):
+    """The internode header exchange of rank ``rank`` over a real process group (CPU rows)."""
+
+    def __init__(self, rank: int, world: int, group, timeout_ms: int) -> None:
+        self.topology = Topology(rank=rank, num_ranks=world, ranks_per_node=1)
+        self.group, self.device, self._timeout_ms = group, CPU, timeout_ms
+        self._init_header_exchange()
+
+    def check(self) -> None:
+        pass
+
+
+def w_gather_without_a_peer(rank: int, world: int) -> dict:
+    """Both ranks gather a row once; then the last rank stays away from the second gather."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from uccl_ep_megatron.core.errors import CommTimeoutError
+
+    # A group of its own: the gather left pending on it must not reach later tests' collectives.
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=20))
+    ex = _GroupExchange(rank, world, group, timeout_ms=500)
+    ex._call = "combine #9"
+    rows = [_combine_row(world, 9 + r) for r in range(world)]
+    gathered = ex._gather_rows(rows[rank]).tolist() == torch.stack(rows).tolist()
+    if rank == world - 1:
+        return {"gathered": gathered}
+    t0 = time.monotonic()
+    try:
+        ex._gather_rows(rows[rank])
+    except CommTimeoutError as exc:
+        return {
+            "gathered": gathered,
+            "error": str(exc),
+            "s": time.monotonic() - t0,
+            "broken": ex._broken,
+        }
+    return {"gathered": gathered, "error": ""}
+
+
+def test_gloo_header_gather_is_bounded_and_names_the_call(pool2):
+    """A gloo group (ranks sharing a GPU) waits for the header all-gather on the host: a rank
+    whose peer never joins raises within UCCL_EP_TIMEOUT_MS (gloo's own limit is minutes),
+    naming itself and the call, and marks the Buffer unusable."""
+    out = pool2.run(__file__, "w_gather_without_a_peer")
+    assert all(o["gathered"] for o in out), out
+    first = out[0]
+    assert "rank 0: the call-header all-gather of combine #9 did not complete" in first["error"], (
+        out
+    )
+    assert "UCCL_EP_TIMEOUT_MS=500" in first["error"], out
+    assert 0.4 < first["s"] < 5, out
+    assert first["broken"] == "the call-header all-gather of combine #9 timed out", out

@@ -35,6 +35,7 @@ from uccl_ep_megatron.backends.agreement import (
     verdict_columns,
     verdict_message,
     wait_stream,
+    wait_work,
 )
 from uccl_ep_megatron.core.errors import InvalidInputError, UcclEpError
 
@@ -81,6 +82,7 @@ class CallHeaderExchange:
         self._experts: ExpertCounts | None = None
         # The process group's own all-gather into one tensor, found at the first exchange.
         self._all_gather: Any = None
+        self._gather_blocks = False  # set with _all_gather: the group's wait blocks the host
         self._gather_opts = AllgatherOptions()
         if hasattr(self._gather_opts, "asyncOp"):  # as the wrapper sets it (torch 2.6+)
             self._gather_opts.asyncOp = False
@@ -120,7 +122,9 @@ class CallHeaderExchange:
         return t if t.dtype in dtypes else t.to(torch.int64)
 
     def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
-        """All-gather of one int64 row per rank into ``[R, width]`` on the device (no sync)."""
+        """All-gather of one int64 row per rank into ``[R, width]`` on the device: no host
+        wait with NCCL (the stream waits); a gloo group (ranks sharing a GPU) waits on the
+        host, at most UCCL_EP_TIMEOUT_MS."""
         num_ranks = self.topology.num_ranks
         out = torch.empty(num_ranks * row.numel(), dtype=torch.int64, device=self.device)
         if self._all_gather is None:
@@ -129,26 +133,36 @@ class CallHeaderExchange:
             # host time as the collective's launch, twice per dispatch/combine pair.
             group = self.group if self.group is not None else dist.group.WORLD
             self._all_gather = getattr(group, "all_gather_single", None) or group._allgather_base
+            # "gloo", or "cpu:gloo,cuda:nccl" for a group made without a backend: CUDA rows
+            # go through NCCL there.
+            self._gather_blocks = "nccl" not in str(dist.get_backend(group))
         if row.dtype != torch.int64 or not row.is_contiguous():  # encode_row's rows are
             row = row.to(torch.int64).contiguous()
         work = self._all_gather(out, row, self._gather_opts)
-        if work is not None:  # the current stream waits for it (no host wait)
-            work.wait()
+        if work is not None:
+            if self._gather_blocks:
+                # gloo stages the rows through the host and its wait blocks until every rank
+                # joined (gloo's own limit is minutes): bounded as the exact-mode read is.
+                what = "the call-header all-gather"
+                wait_work(work, self._timeout_ms, lambda: self._expired(what, self._call))
+            else:
+                work.wait()
         return out.view(num_ranks, -1)
+
+    def _expired(self, what: str, call: str) -> UcclEpError:
+        """The error of a bounded wait of ``call`` that expired; the Buffer is unusable from
+        now on (the collective may still be pending on the group)."""
+        cause = self._own_failure()
+        self._broken = f"{what} of {call} timed out"
+        if cause is not None:
+            # This rank's own proxy or kernels failed (e.g. a NIC completion error): that,
+            # not "another rank", is why the exchange could not complete.
+            return type(cause)(f"{cause} ({what} of {call} could not complete after it)")
+        return timeout_error(self.topology.rank, what, call, self._timeout_ms)
 
     def _read(self, t: torch.Tensor, what: str, call: str) -> list[Any]:
         """``t`` on the host, waiting for the stream at most UCCL_EP_TIMEOUT_MS."""
-
-        def expired() -> UcclEpError:
-            cause = self._own_failure()
-            self._broken = f"{what} of {call} timed out"
-            if cause is not None:
-                # This rank's own proxy or kernels failed (e.g. a NIC completion error): that,
-                # not "another rank", is why the exchange could not complete.
-                return type(cause)(f"{cause} ({what} of {call} could not complete after it)")
-            return timeout_error(self.topology.rank, what, call, self._timeout_ms)
-
-        wait_stream(self._timeout_ms, expired)
+        wait_stream(self._timeout_ms, lambda: self._expired(what, call))
         return t.tolist()
 
     def _own_failure(self) -> UcclEpError | None:
