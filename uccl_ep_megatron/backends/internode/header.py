@@ -136,7 +136,7 @@ class CallHeaderExchange:
             # "gloo", or "cpu:gloo,cuda:nccl" for a group made without a backend: CUDA rows
             # go through NCCL there.
             self._gather_blocks = "nccl" not in str(dist.get_backend(group))
-        if row.dtype != torch.int64 or not row.is_contiguous():  # encode_row's rows are
+        if row.dtype != torch.int64 or not row.is_contiguous():  # not encode_row's rows
             row = row.to(torch.int64).contiguous()
         work = self._all_gather(out, row, self._gather_opts)
         if work is not None:
