@@ -410,16 +410,18 @@ class InternodeBackend(CallHeaderExchange, Backend):
         rows: torch.Tensor,
         in_rank: torch.Tensor,
         args: DispatchArgs,
+        sizes: tuple[int, int, tuple[int, ...]],
         outputs: tuple[torch.Tensor | None, ...],
     ) -> tuple[DispatchState, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A non-cached dispatch's state, its streams (lists, list_count) and its
         ``recv_src_idx``, built on the GPU by one kernel from the gathered call headers
-        ``rows``. ``outputs``: the dispatch's ``(recv_x, scales, ids, weights)``; a sync-free
-        call's ids, weights and source indices are padded by the same launch."""
+        ``rows``. ``sizes``: its ``state_sizes``; ``outputs``: its ``(recv_x, scales, ids,
+        weights)``; a sync-free call's ids, weights and source indices are padded by the same
+        launch."""
         topo = self.topology
         R, L, N, T = topo.num_ranks, topo.ranks_per_node, topo.num_nodes, in_rank.shape[0]
         C = args.config.num_channels
-        out_rows, plan_tokens, stage_rows = state_sizes(topo, args.num_worst_tokens, args.agreed)
+        out_rows, plan_tokens, stage_rows = sizes
         shapes = (
             (out_rows,),  # first: the poison fold needs an output 8-byte aligned
             (T, R),
@@ -528,9 +530,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
             outputs = dispatch_outputs(state.out_rows, x, num_scales, idx_dtype, num_topk)
             streams = self._cached_streams(in_rank, cfg)
         else:
-            out_rows = state_sizes(topo, args.num_worst_tokens, args.agreed)[0]
-            outputs = dispatch_outputs(out_rows, x, num_scales, idx_dtype, num_topk)
-            state, *streams, recv_src = self._new_state(rows, in_rank, args, outputs)
+            sizes = state_sizes(topo, args.num_worst_tokens, args.agreed)
+            outputs = dispatch_outputs(sizes[0], x, num_scales, idx_dtype, num_topk)
+            state, *streams, recv_src = self._new_state(rows, in_rank, args, sizes, outputs)
         expert_list: list[int] = []
         per_expert = None
         if cached is None:
