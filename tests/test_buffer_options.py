@@ -24,6 +24,7 @@ OTHER = {
     "tma": (True, "1"),
     "launch_ahead": (False, "0"),
     "combine_in_place": (False, "0"),
+    "combine_copy_in": (False, "0"),
     "arena_bytes": (1 << 20, str(1 << 20)),
     "grow_nvl_buffer": (False, "0"),
     "ranks_per_node": (2, "2"),

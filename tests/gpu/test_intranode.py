@@ -161,31 +161,44 @@ def case(rank: int, world: int, params: dict) -> int:
     # Combine: rows transformed per received row, plus weights and bias.
     received = int(kh.recv_count) if kw["num_worst_tokens"] else None
     y, bias = combine_inputs(krx, received, params.get("bias", 0), num_tokens, gen)
+    # recv_x in the arena (zero-copy, 16-byte rows) is combined in place: peers read it there.
+    in_place = in_arena(kb, krx) and (hidden * 2) % 16 == 0
+    backend = kb._backend
+    copies = backend.combine_copied_in_calls
     poison(kb)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_, bias=bias or None, config=config)
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
     # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
     assert_combine_close(kcx, kcw, rcx, rcw, exact=world == 2)
-    backend = kb._backend
+    # y is torch's: by default it was copied into the arena and read there.
+    assert backend.combine_copied_in_calls - copies == int(in_place)
     placed = backend.combine_in_place_calls
     plain, _, _ = kb.combine(krx, kh, config=config)
     assert_combined_is_x_times_reached(plain, x, klay[3])
-    # recv_x in the arena (zero-copy, 16-byte rows) is combined in place: peers read it there.
-    in_place = in_arena(kb, krx) and (hidden * 2) % 16 == 0
     assert backend.combine_in_place_calls - placed == int(in_place)
     # The transformed rows written into recv_x, with recv_topk_weights (both in the arena):
-    # every rank in place; then odd ranks pass a copy of the rows and push them back while the
-    # others are read in place; then even ranks pass a copy of the weights (pushed).
+    # every rank in place; then odd ranks pass a copy of the rows, which is copied into the
+    # arena and read there, or, with the copy-in off, pushed back while the others are read in
+    # place; then even ranks pass a copy of the weights (copied in, or pushed).
     krx.copy_(y)
-    for variant in ("in place", "odd ranks copy x", "even ranks copy weights"):
+    variants = [("in place", True)]
+    variants += [(v, on) for v in ("odd ranks copy x", "even ranks copy weights") for on in (1, 0)]
+    for variant, copy_in in variants:
         xin, win = krx, kw_
         if variant == "odd ranks copy x" and rank % 2:
             xin = krx.clone()
         if variant == "even ranks copy weights" and rank % 2 == 0:
             win = kw_.clone()
+        copied = xin is not krx or win is not kw_
+        backend._combine_copy_in = bool(copy_in)
+        placed, copies = backend.combine_in_place_calls, backend.combine_copied_in_calls
         poison(kb)
         icx, icw, _ = kb.combine(xin, kh, topk_weights=win, bias=bias or None, config=config)
         assert_combine_close(icx, icw, rcx, rcw, exact=world == 2)
+        went_in_place = in_place and (copy_in or not copied)
+        assert backend.combine_in_place_calls - placed == int(went_in_place), variant
+        assert backend.combine_copied_in_calls - copies == int(in_place and copy_in and copied)
+    backend._combine_copy_in = True
     torch.cuda.synchronize()
     return kh.num_recv_tokens
 
@@ -691,8 +704,8 @@ def combine_input_case(rank: int, world: int) -> list[bool]:
     combined in place (peers read them there) with the oracle's result; the tensor dies right
     after each combine, so the next dispatch reuses its block at once (stream order and the
     combine's final "done" wait keep the peers' reads before that). Odd ranks allocate their
-    last input with torch instead: mixed ranks in one combine. Returns per call whether this
-    rank combined in place."""
+    last input with torch instead, with the copy into the arena off: mixed ranks in one
+    combine. Returns per call whether this rank combined in place."""
     kb = _life_buffer()
     rb = _reference()
     backend = kb._backend
@@ -703,6 +716,7 @@ def combine_input_case(rank: int, world: int) -> list[bool]:
         n, hidden = kout[0].shape
         gen = torch.Generator(device="cuda").manual_seed(500 + 10 * i + rank)
         y = torch.randn(n, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+        backend._combine_copy_in = not (i == 3 and rank % 2)
         if i == 3 and rank % 2:
             xin = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
         else:
@@ -713,6 +727,7 @@ def combine_input_case(rank: int, world: int) -> list[bool]:
         before = backend.combine_in_place_calls
         kcx = kb.combine(xin, kout[4])[0]
         placed.append(backend.combine_in_place_calls - before == 1)
+        backend._combine_copy_in = True
         del xin, kout  # the blocks go back while peers may still be combining
         rcx = rb.combine(y, rout[4])[0]
         torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)

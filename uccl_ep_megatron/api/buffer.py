@@ -226,7 +226,9 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         it lies in this rank's receive arena, so the ``combine`` that takes it is read in place
         by the peers instead of pushing its rows (``UCCL_EP_COMBINE_IN_PLACE``); it is an
         ordinary tensor otherwise (other backends, arena off or full, graph capture). Freed like
-        any tensor; work on a third stream must be done before it dies."""
+        any tensor; work on a third stream must be done before it dies. (A combine of an
+        ordinary tensor copies it into the arena first, ``UCCL_EP_COMBINE_COPY_IN``; writing
+        into this one saves that copy.)"""
         self._check_alive()
         comm = self._comm_stream
         # Combine runs on the comm stream, or (synchronous, see api/streams.py) on the

@@ -282,10 +282,11 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         copies = {a["copy"]: copies[a["copy"]]}
     # The receive arena holds the four dispatch results the bench keeps (plain, FP8, cached,
     # sync-free: each at most tokens x ranks rows, a launch-ahead block up to 1/16 and 127
-    # rows more) unless the caller set its size (None: UCCL_EP_RECV_ARENA_BYTES).
+    # rows more) and the copied-in combine's input, unless the caller set its size (None:
+    # UCCL_EP_RECV_ARENA_BYTES).
     arena_bytes = None
     if "UCCL_EP_RECV_ARENA_BYTES" not in os.environ:
-        arena_bytes = 5 * T * world * (H * x.element_size() + 256)
+        arena_bytes = 6 * T * world * (H * x.element_size() + 256)
     aheads = {"on": (True,), "off": (False,), "both": (True, False)}[a["launch_ahead"]]
     ours = {}
     for name, tma in copies.items():
@@ -405,6 +406,11 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     torch.cuda.synchronize()
     # Dispatches of ours whose outputs did not fit the receive arena (staged, not zero-copy).
     res["arena_fallbacks"] = sum(b._backend.recv_arena.fallbacks for b in ours.values())
+    # Combines read in place, and those of them whose x was copied into the arena first.
+    res["combine_paths"] = {
+        k: [b._backend.combine_in_place_calls, b._backend.combine_copied_in_calls]
+        for k, b in ours.items()
+    }
     # Exact dispatches served by launch-ahead, and those that ran again with exact sizes.
     res["launch_ahead"] = {
         k: [b._backend.ahead_calls, b._backend.ahead_reruns] for k, b in ours.items()

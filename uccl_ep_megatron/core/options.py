@@ -88,6 +88,8 @@ class BufferOptions:
             for the group only where every rank has it on.
         combine_in_place: intranode combines read an arena-resident x where it lies
             (``UCCL_EP_COMBINE_IN_PLACE``).
+        combine_copy_in: with ``combine_in_place``, an x (or weights) made outside the arena
+            is copied into an arena block and read there (``UCCL_EP_COMBINE_COPY_IN``).
         arena_bytes: bytes of each rank's receive arena for zero-copy dispatch; 0 on any rank
             turns it off for the group (``UCCL_EP_RECV_ARENA_BYTES``).
         grow_nvl_buffer: a call that stages more rows than ``num_nvl_bytes`` holds grows every
@@ -114,6 +116,7 @@ class BufferOptions:
     tma: bool | None = _knob("UCCL_EP_INTRANODE_TMA", _flag)
     launch_ahead: bool | None = _knob("UCCL_EP_LAUNCH_AHEAD", _flag)
     combine_in_place: bool | None = _knob("UCCL_EP_COMBINE_IN_PLACE", _flag)
+    combine_copy_in: bool | None = _knob("UCCL_EP_COMBINE_COPY_IN", _flag)
     arena_bytes: int | None = _knob("UCCL_EP_RECV_ARENA_BYTES", _int_in(0, unit="bytes"))
     grow_nvl_buffer: bool | None = _knob("UCCL_EP_GROW_NVL_BUFFER", _flag)
     ranks_per_node: int | None = _knob("UCCL_EP_RANKS_PER_NODE", _int_in(0))

@@ -26,6 +26,7 @@ from uccl_ep_megatron.backends.base import (
 )
 from uccl_ep_megatron.backends.intranode.arena import RecvArena, RecvOutputs
 from uccl_ep_megatron.backends.intranode.launch import (
+    CombineTensors,
     as_int32,
     launch_layout,
     prepare_combine,
@@ -225,6 +226,10 @@ class KernelsBackend(Backend):
         self.ahead_calls = 0  # exact dispatches served by launch-ahead
         self.ahead_reruns = 0  # launch-ahead calls that ran again with exact sizes
         self.combine_in_place_calls = 0  # combines whose x peers read in this rank's arena
+        # Combines whose x (or weights) the caller made elsewhere, copied into the arena first
+        # (_copy_in); they count as in place too. Off: such combines push their rows back.
+        self._combine_copy_in = self._combine_in_place and bool(options.combine_copy_in)
+        self.combine_copied_in_calls = 0
         # Dispatches launched by one binding call (intranode_dispatch_begin; see dispatch).
         self.one_call_dispatches = 0
         self._watch([f[1] for f in flags])
@@ -833,6 +838,46 @@ class KernelsBackend(Backend):
             rows, hidden, dtype, self._stream(), comm_stream or self._stream()
         )
 
+    def _in_arena(self, t: torch.Tensor) -> bool:
+        arena = self.recv_arena
+        return arena.enabled and arena.base <= t.data_ptr() < arena.base + arena.nbytes
+
+    def _copy_in(self, t: CombineTensors) -> None:
+        """Copy a combine's x (and weights) that the caller made outside the receive arena into
+        arena blocks, on the call's stream, so that the peers read them in place: one local
+        copy of each row at HBM speed and one read over the link, where pushing reads each row,
+        writes it into the source's staging and reads it there again, all by the combine's SMs
+        (docs/performance.md, "A copied-in combine"). The blocks die with ``t`` after the
+        launch (their reuse waits for the combine on this stream, whose end waits for the peers'
+        reads). Nothing is copied when the arena is off or full, under graph capture, or when
+        rows are not 16-byte multiples (such combines push)."""
+        x, w = t.x, t.weights
+        arena = self.recv_arena
+        if (
+            not self._combine_copy_in
+            or not arena.enabled
+            or x.shape[0] == 0
+            or (x.shape[1] * x.element_size()) % 16 != 0
+            or self._capturing()
+        ):
+            return
+        copy_x = not self._in_arena(x)
+        copy_w = w is not None and w.numel() > 0 and not self._in_arena(w)
+        if not copy_x and not copy_w:
+            return
+        stream = self._stream()
+        blocks = [
+            arena.combine_input(a.shape[0], a.shape[1], a.dtype, stream, stream) if copy else a
+            for a, copy in ((x, copy_x), (w, copy_w))
+        ]
+        if any(b is None for b, copy in zip(blocks, (copy_x, copy_w), strict=True) if copy):
+            return  # no room: this combine pushes (a block taken dies here unused)
+        if copy_x:
+            t.x = blocks[0].copy_(x)
+        if copy_w:
+            t.weights = blocks[1].copy_(w)
+        self.combine_copied_in_calls += 1
+
     def _combine_launch(
         self, dtype: torch.dtype, hidden: int, num_topk: int, num_bias: int, num_sms: int
     ) -> Any:
@@ -868,6 +913,7 @@ class KernelsBackend(Backend):
             self.abort_peers("combine", exc)
             raise
         try:
+            self._copy_in(t)
             x, hidden = t.x, t.x.shape[1]
             state: _State = handle.state
             num_topk = 0 if topk_weights is None else topk_weights.shape[1]
