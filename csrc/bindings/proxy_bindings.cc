@@ -177,6 +177,13 @@ py::dict nic_stats_dict(const IpcNicStats& s) {
   d["batches"] = s.batches;
   d["delivered"] = s.delivered;
   d["wire_busy_ns"] = s.wire_busy_ns;
+  d["wire_gaps_short"] = s.wire_gaps_short;
+  d["wire_idle_short_ns"] = s.wire_idle_short_ns;
+  d["wire_gaps_long"] = s.wire_gaps_long;
+  d["wire_idle_long_ns"] = s.wire_idle_long_ns;
+  d["wire_queue_ns"] = s.wire_queue_ns;
+  d["nic_lag_ns"] = s.nic_lag_ns;
+  d["late_ns"] = s.late_ns;
   d["cpu_seconds"] = s.cpu_seconds;
   return d;
 }

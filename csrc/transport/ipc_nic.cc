@@ -28,6 +28,7 @@ constexpr uint64_t kMaxCoalesce = 16ull << 20;  // bytes one coalesced copy may 
 constexpr int64_t kIdleSpinNs = 20'000'000;     // spin this long with nothing to do, then nap
 constexpr uint64_t kPacketBytes = 4096;         // MTU of the modelled wire
 constexpr uint64_t kHeaderBytes = 64;           // per-packet headers and framing (RoCEv2/SRD order)
+constexpr int64_t kLongGapNs = 50'000;          // an idle wire this long: between calls, not within one
 
 uint64_t wire_bytes(uint32_t length) {
   const uint64_t packets = length == 0 ? 1 : (length + kPacketBytes - 1) / kPacketBytes;
@@ -91,6 +92,13 @@ IpcNicStats IpcTransport::Nic::stats() const {
   s.batches = batches_.load(std::memory_order_relaxed);
   s.delivered = delivered_.load(std::memory_order_relaxed);
   s.wire_busy_ns = wire_busy_ns_.load(std::memory_order_relaxed);
+  s.wire_gaps_short = gaps_short_.load(std::memory_order_relaxed);
+  s.wire_idle_short_ns = idle_short_ns_.load(std::memory_order_relaxed);
+  s.wire_gaps_long = gaps_long_.load(std::memory_order_relaxed);
+  s.wire_idle_long_ns = idle_long_ns_.load(std::memory_order_relaxed);
+  s.wire_queue_ns = queue_ns_.load(std::memory_order_relaxed);
+  s.nic_lag_ns = lag_ns_.load(std::memory_order_relaxed);
+  s.late_ns = late_ns_.load(std::memory_order_relaxed);
   if (has_cpu_clock_.load(std::memory_order_acquire)) {
     timespec ts{};
     if (clock_gettime(cpu_clock_, &ts) == 0) s.cpu_seconds = ts.tv_sec + ts.tv_nsec * 1e-9;
@@ -176,11 +184,22 @@ void IpcTransport::Nic::admit(uint32_t thread, const ipc::WorkRequest& wr, int64
   Flight& f = pool_[id];
   f.wr = wr;
   f.thread = thread;
-  const int64_t start = std::max(now, wr.posted_ns);
+  // The wire takes a message from its post (the doorbell), as a NIC's hardware does within a
+  // microsecond, not from when this thread got to it: the thread's lag (nic_lag_ns) is the
+  // model's own cost, not the wire's. Its bytes still move from here, and it is delivered only
+  // once they landed (late_ns counts deliveries the model's mechanics held past their arrival).
+  const int64_t start = wr.posted_ns;
   int64_t wire_end = start;
   if (ns_per_byte_ > 0) {
     const int64_t begin = std::max(start, egress_free_ns_);
     const auto busy = static_cast<int64_t>(static_cast<double>(wire_bytes(wr.length)) * ns_per_byte_);
+    if (egress_free_ns_ > 0 && start > egress_free_ns_) {  // the wire sat idle until this post
+      const int64_t gap = start - egress_free_ns_;
+      bump(gap < kLongGapNs ? gaps_short_ : gaps_long_);
+      bump(gap < kLongGapNs ? idle_short_ns_ : idle_long_ns_, static_cast<uint64_t>(gap));
+    }
+    bump(queue_ns_, static_cast<uint64_t>(begin - wr.posted_ns));
+    bump(lag_ns_, static_cast<uint64_t>(std::max<int64_t>(0, now - wr.posted_ns)));
     egress_free_ns_ = begin + busy;
     wire_end = egress_free_ns_;
     bump(wire_busy_ns_, static_cast<uint64_t>(busy));
@@ -423,6 +442,7 @@ bool IpcTransport::Nic::deliver_one(uint32_t id, int64_t now) {
   __atomic_store_n(&r->tail, tail + 1, __ATOMIC_RELEASE);
   acks_[f.thread].push_back(Ack{ipc::SendDone{f.wr.peer, f.wr.channel, f.wr.imm, f.wr.length, f.wr.wr_id},
                                 now + latency_ns_});
+  if (now > f.arrive_ns) bump(late_ns_, static_cast<uint64_t>(now - f.arrive_ns));
   bump(delivered_);
   release(id);
   return true;

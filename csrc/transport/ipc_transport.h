@@ -60,6 +60,15 @@ struct IpcNicStats {
   uint64_t batches = 0;        // copy submissions (one API call each)
   uint64_t delivered = 0;      // immediates handed to peers
   uint64_t wire_busy_ns = 0;   // time the egress wire was occupied (line-rate model only)
+  // Line-rate model only: the egress wire idle between two messages, split by the gap's length
+  // (short gaps: the posts did not keep up within a call; long ones: between calls), and per
+  // message the time it waited for the wire behind earlier ones and the time from its post
+  // until the NIC thread took it (the model's own lag).
+  uint64_t wire_gaps_short = 0, wire_idle_short_ns = 0;  // gaps under 50 us
+  uint64_t wire_gaps_long = 0, wire_idle_long_ns = 0;    // gaps of 50 us or more
+  uint64_t wire_queue_ns = 0;  // summed over messages: wire start - post
+  uint64_t nic_lag_ns = 0;     // summed over messages: pickup - post
+  uint64_t late_ns = 0;        // summed over deliveries: delivery - modelled arrival (copies, lag)
   double cpu_seconds = 0;      // CPU time of the NIC thread
 };
 

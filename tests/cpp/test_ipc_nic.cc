@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/errors.h"
@@ -93,6 +94,33 @@ TEST(IpcNic, LineRateBoundsWhenWritesArriveAndBytesLand) {
   EXPECT_EQ(st.writes, kWrites);
   EXPECT_EQ(st.bytes, uint64_t{kWrites} * kLen);
   EXPECT_GE(st.wire_busy_ns, static_cast<uint64_t>(wire_s * 1e9 * 0.999));
+}
+
+TEST(IpcNic, TheWireAccountsForItsIdleGapsAndTheWaitsBehindEarlierWrites) {
+  IpcOptions o;
+  o.link_gbps = 0.25;  // 64 KiB occupy the wire ~264 us
+  const uint32_t kBurst = 8, kLen = 64 << 10;
+  Pair p(2ull * (kBurst + 1) * kLen, o);
+  Endpoint& tx = p.t[0]->endpoint(0);
+  const uint64_t half = uint64_t{kBurst + 1} * kLen;
+  for (uint32_t i = 0; i < kBurst; ++i) tx.post_write(1, 0, uint64_t{i} * kLen, half + uint64_t{i} * kLen, kLen, i, i);
+  tx.flush();
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));  // the wire goes idle
+  tx.post_write(1, 0, uint64_t{kBurst} * kLen, half + uint64_t{kBurst} * kLen, kLen, kBurst, kBurst);
+  tx.flush();
+  Counted rx, sx;
+  drain(p.t[1]->endpoint(0), rx, 0, kBurst + 1);
+  drain(tx, sx, kBurst + 1, 0);
+  const IpcNicStats st = p.t[0]->nic_stats();
+  const double busy_ns = (kLen + kLen / 4096 * 64.0) / 0.25;
+  // The burst went out back to back (posting takes microseconds, a write ~264 us): the k-th
+  // write waited for the k before it, ~28 write times in all; then one idle gap of ~79 ms.
+  EXPECT_EQ(st.wire_gaps_short, 0u);
+  EXPECT_EQ(st.wire_gaps_long, 1u);
+  EXPECT_GE(st.wire_idle_long_ns, static_cast<uint64_t>(70e6));
+  EXPECT_LE(st.wire_idle_long_ns, static_cast<uint64_t>(2e9));  // a slow machine oversleeps
+  EXPECT_GE(st.wire_queue_ns, static_cast<uint64_t>(busy_ns * kBurst * (kBurst - 1) / 2 * 0.95));
+  EXPECT_LE(st.wire_queue_ns, static_cast<uint64_t>(busy_ns * kBurst * (kBurst - 1) / 2 + 20e6));
 }
 
 TEST(IpcNic, LatencyDelaysArrivalAndTheAckFollowsOneLatencyLater) {

@@ -103,7 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trace",
         action="store_true",
-        help="also report where each kernel role's time goes (one traced call per op)",
+        help="also report where each kernel role's time goes (one traced call per op; "
+        "pipelined: its last combine) and where the modelled wire's time went",
     )
     parser.add_argument(
         "--chunk",
@@ -394,6 +395,32 @@ def _measure(buf, name: str, fn, a: dict, rank: int) -> dict:
         "writes": (n1["writes"] - n0["writes"]) / calls,
         "held_out_of_order": s1["held_out_of_order"] - s0["held_out_of_order"],
         "gpu": torch.cuda.get_device_name(),
+        **_wire(n0, n1, calls),
+    }
+
+
+def _wire(n0: dict, n1: dict, calls: int) -> dict:
+    """Where the modelled egress wire's time went (line-rate model only), per call (per pair
+    for ``pipelined``): busy, idle in gaps under 50 us (posts not keeping up within a call) and
+    in longer gaps (between calls, the pauses between timed runs included); per message, the
+    mean wait for the wire behind earlier messages, the NIC thread's own lag from post to
+    pickup, and how long after its modelled arrival it was delivered (copies, the thread)."""
+    if "wire_gaps_short" not in n1 or not n1.get("wire_busy_ns"):
+        return {}
+    d = {k: n1[k] - n0.get(k, 0) for k in n1 if k.startswith(("wire_", "nic_lag", "late"))}
+    writes = max(1, n1["writes"] - n0["writes"])
+    pairs = calls  # ``pipelined`` counts its pairs as calls
+    return {
+        "wire": {
+            "busy_us": d["wire_busy_ns"] / 1e3 / pairs,
+            "idle_short_us": d["wire_idle_short_ns"] / 1e3 / pairs,
+            "gaps_short": d["wire_gaps_short"] / pairs,
+            "idle_long_us": d["wire_idle_long_ns"] / 1e3 / pairs,
+            "gaps_long": d["wire_gaps_long"] / pairs,
+            "queue_us_per_write": d["wire_queue_ns"] / 1e3 / writes,
+            "nic_lag_us_per_write": d["nic_lag_ns"] / 1e3 / writes,
+            "late_us_per_write": d["late_ns"] / 1e3 / writes,
+        }
     }
 
 
@@ -438,9 +465,11 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
                     label = f"{name}-link{link:g}-thr{nt}-chunk{chunk}-rank{rank}.json"
                     path = os.path.join(a["profile_dir"], label)
                 r["kernels_us"] = _kernel_times(fn, getattr(fn, "calls_per_run", 1), path)
-            if a["trace"] and name != "pipelined":
-                cfg = cfgs[1] if "combine" in name else cfgs[0]
-                r["trace"] = _block_times(fn, buf._backend, cfg.num_channels, name)
+            if a["trace"]:
+                # ``pipelined``: the blocks of its last launch, the last pair's combine.
+                op = "combine" if name == "pipelined" else name
+                cfg = cfgs[1] if "combine" in op else cfgs[0]
+                r["trace"] = _block_times(fn, buf._backend, cfg.num_channels, op)
             rows.append(r)
         buf.destroy()
     if a["intranode_ref"]:
@@ -592,6 +621,15 @@ def _print_trace(results: dict) -> None:
             f"  rank{r['rank']} {r['op']} link {r['link_gbps']:g} thr {r['threads']}: "
             f"entry skew {t['entry_skew_us']:.0f}; " + "; ".join(parts)
         )
+        w = r.get("wire")
+        if w:
+            print(
+                f"    wire per call: busy {w['busy_us']:.0f} us, idle {w['idle_short_us']:.0f} in "
+                f"{w['gaps_short']:.0f} gaps < 50 us and {w['idle_long_us']:.0f} in "
+                f"{w['gaps_long']:.1f} longer; per write: {w['queue_us_per_write']:.1f} us "
+                f"behind earlier writes, NIC lag {w['nic_lag_us_per_write']:.1f} us, delivered "
+                f"{w['late_us_per_write']:.1f} us after its modelled arrival"
+            )
 
 
 def _print_kernels(results: dict) -> None:
