@@ -184,6 +184,12 @@ py::dict nic_stats_dict(const IpcNicStats& s) {
   d["wire_queue_ns"] = s.wire_queue_ns;
   d["nic_lag_ns"] = s.nic_lag_ns;
   d["late_ns"] = s.late_ns;
+  d["busy_passes"] = s.busy_passes;
+  d["pickup_ns"] = s.step_ns[0];
+  d["submit_ns"] = s.step_ns[1];
+  d["poll_ns"] = s.step_ns[2];
+  d["deliver_ns"] = s.step_ns[3];
+  d["acks_ns"] = s.step_ns[4];
   d["cpu_seconds"] = s.cpu_seconds;
   return d;
 }

@@ -249,7 +249,8 @@ class IpcTransport::Nic {
   clockid_t cpu_clock_{};
   std::atomic<uint64_t> writes_{0}, bytes_{0}, copies_{0}, batches_{0}, delivered_{0}, wire_busy_ns_{0};
   std::atomic<uint64_t> gaps_short_{0}, idle_short_ns_{0}, gaps_long_{0}, idle_long_ns_{0}, queue_ns_{0},
-      lag_ns_{0}, late_ns_{0};
+      lag_ns_{0}, late_ns_{0}, busy_passes_{0};
+  std::atomic<uint64_t> step_ns_[5] = {};  // IpcNicStats::step_ns
 };
 
 }  // namespace uccl_ep

@@ -99,6 +99,8 @@ IpcNicStats IpcTransport::Nic::stats() const {
   s.wire_queue_ns = queue_ns_.load(std::memory_order_relaxed);
   s.nic_lag_ns = lag_ns_.load(std::memory_order_relaxed);
   s.late_ns = late_ns_.load(std::memory_order_relaxed);
+  s.busy_passes = busy_passes_.load(std::memory_order_relaxed);
+  for (int i = 0; i < 5; ++i) s.step_ns[i] = step_ns_[i].load(std::memory_order_relaxed);
   if (has_cpu_clock_.load(std::memory_order_acquire)) {
     timespec ts{};
     if (clock_gettime(cpu_clock_, &ts) == 0) s.cpu_seconds = ts.tv_sec + ts.tv_nsec * 1e-9;
@@ -140,12 +142,24 @@ void IpcTransport::Nic::run() {
 }
 
 bool IpcTransport::Nic::pass(int64_t now) {
+  // Each step's time, summed over the passes that moved anything (the thread's own cost).
+  int64_t t[6];
+  t[0] = now;
   bool moved = pickup(now);
+  t[1] = ipc::now_ns();
   moved |= submit();
+  t[2] = ipc::now_ns();
   moved |= poll_copies();
+  t[3] = ipc::now_ns();
   moved |= deliver(now);
+  t[4] = ipc::now_ns();
   moved |= flush_acks(now);
+  t[5] = ipc::now_ns();
   check_stalls(now);
+  if (moved) {
+    bump(busy_passes_);
+    for (int i = 0; i < 5; ++i) bump(step_ns_[i], static_cast<uint64_t>(t[i + 1] - t[i]));
+  }
   return moved;
 }
 

@@ -69,6 +69,10 @@ struct IpcNicStats {
   uint64_t wire_queue_ns = 0;  // summed over messages: wire start - post
   uint64_t nic_lag_ns = 0;     // summed over messages: pickup - post
   uint64_t late_ns = 0;        // summed over deliveries: delivery - modelled arrival (copies, lag)
+  // The NIC thread's passes that moved anything, and their time per step: taking work requests,
+  // submitting copies, polling copies, delivering, handing out completions.
+  uint64_t busy_passes = 0;
+  uint64_t step_ns[5] = {0, 0, 0, 0, 0};
   double cpu_seconds = 0;      // CPU time of the NIC thread
 };
 

@@ -121,6 +121,9 @@ TEST(IpcNic, TheWireAccountsForItsIdleGapsAndTheWaitsBehindEarlierWrites) {
   EXPECT_LE(st.wire_idle_long_ns, static_cast<uint64_t>(2e9));  // a slow machine oversleeps
   EXPECT_GE(st.wire_queue_ns, static_cast<uint64_t>(busy_ns * kBurst * (kBurst - 1) / 2 * 0.95));
   EXPECT_LE(st.wire_queue_ns, static_cast<uint64_t>(busy_ns * kBurst * (kBurst - 1) / 2 + 20e6));
+  // The thread's busy passes took the requests and delivered them (each step timed).
+  EXPECT_GT(st.busy_passes, 0u);
+  EXPECT_GT(st.step_ns[0] + st.step_ns[3], 0u);
 }
 
 TEST(IpcNic, LatencyDelaysArrivalAndTheAckFollowsOneLatencyLater) {
