@@ -185,6 +185,7 @@ py::dict nic_stats_dict(const IpcNicStats& s) {
   d["nic_lag_ns"] = s.nic_lag_ns;
   d["late_ns"] = s.late_ns;
   d["busy_passes"] = s.busy_passes;
+  d["dma_passes"] = s.dma_passes;
   d["pickup_ns"] = s.step_ns[0];
   d["submit_ns"] = s.step_ns[1];
   d["poll_ns"] = s.step_ns[2];

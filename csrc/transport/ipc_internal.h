@@ -151,13 +151,17 @@ class IpcTransport::IpcEndpoint : public Endpoint {
 };
 
 
-// The virtual NIC of one rank: one thread that takes work requests from every endpoint's send
-// queue, times them on the wire, moves their bytes and delivers immediates and completions
-// (ipc_nic.cc). Created by connect(), after the peers are mapped.
+// The virtual NIC of one rank (ipc_nic.cc), created by connect() after the peers are mapped.
+// Its thread ("uenic<rank>") takes work requests from every endpoint's send queue, times them on
+// the wire, hands their bytes to the DMA side and delivers immediates and completions once the
+// bytes landed and the modelled arrival passed. Where bytes move between GPUs a second thread
+// ("uenicd<rank>", the NIC's DMA engines) gathers the copies, submits them in batches on the copy
+// streams and publishes, per device, how far they landed: the copy API's cost no longer delays
+// the wire's bookkeeping.
 class IpcTransport::Nic {
  public:
   explicit Nic(IpcTransport& t);
-  ~Nic();  // stops the thread (it finishes nothing further), then frees the copy streams
+  ~Nic();  // stops the threads (they finish nothing further), then frees the copy streams
   Nic(const Nic&) = delete;
   Nic& operator=(const Nic&) = delete;
   void start();
@@ -168,16 +172,23 @@ class IpcTransport::Nic {
     ipc::WorkRequest wr;
     uint32_t thread = 0;
     int64_t arrive_ns = 0;   // earliest time the receiver may see it
-    int32_t queue = -1;      // copy queue of its bytes; -1: nothing to wait for
-    uint64_t ticket = 0;     // copy ticket in `queue`; 0 while not yet submitted
-    int32_t entry = -1;      // its copy's entry in the open batch, until submitted
+    int32_t copy_slot = -1;  // device slot of its bytes' copy; -1: nothing to wait for
+    uint64_t copy_seq = 0;   // its copy's number in that slot (landed once landed_ reaches it)
     int status = kWcSuccess;
     std::string why;         // a failed flight: what the model says happened
   };
-  struct Pending {           // a copy submission the NIC has not seen complete
+  struct CopyJob {           // the NIC thread's hand-off to the DMA thread
+    void* dst;
+    const void* src;
+    uint64_t bytes;
+    uint64_t seq;            // per device slot, from 1, in hand-off order
+    uint32_t slot, peer, thread, channel;  // the slot; the flight's QP and channel (for a stall)
+  };
+  struct Pending {           // a copy submission not yet seen complete
     uint64_t ticket;
     int64_t submit_ns;
-    uint32_t flight;         // one flight whose bytes it carries (named by a stall)
+    uint64_t last_seq;       // the last job it carries
+    CopyJob first;           // a job it carries (named by a stall)
   };
   struct CopyQueue {
     void* handle = nullptr;
@@ -189,10 +200,15 @@ class IpcTransport::Nic {
     std::vector<void*> dst;
     std::vector<const void*> src;
     std::vector<size_t> bytes;
-    std::vector<uint32_t> first_flight;     // a flight of each entry
-    std::vector<uint32_t> flights;          // every flight waiting for this batch
+    std::vector<CopyJob> first;             // the first job of each entry
+    std::vector<uint64_t> last_seq;         // the last job of each entry
     std::vector<int32_t> last_of_peer;      // entry that a contiguous write to peer p may extend
     size_t next = 0;                        // entries before this one were submitted
+  };
+  struct Submitted {         // a device slot's submissions in order: landed up to the first undone
+    uint64_t last_seq;
+    size_t stream;
+    uint64_t ticket;
   };
   struct Ack {
     ipc::SendDone done;
@@ -206,20 +222,25 @@ class IpcTransport::Nic {
   void fault_check(Flight& f, int64_t now);
   void move_bytes(uint32_t id);
   void add_copy(uint32_t id);
-  bool submit();
-  bool submit_device(size_t d);
-  bool poll_copies();
+  bool hand_off();
   bool deliver(int64_t now);
   bool deliver_one(uint32_t id, int64_t now);
   bool copy_done(const Flight& f) const;
   bool flush_acks(int64_t now);
-  void check_stalls(int64_t now);
   void fail(uint32_t id);
   void fail_all(const std::string& message);
   uint32_t alloc_flight();
   void release(uint32_t id);
   size_t device_slot(int device) const;
   int copy_device(uint32_t peer) const;
+  // The DMA thread's.
+  void dma_run();
+  bool dma_take();
+  void dma_add(const CopyJob& job);
+  bool dma_submit();
+  bool dma_submit_device(size_t d);
+  bool dma_poll();
+  void dma_check_stalls(int64_t now);
 
   IpcTransport& t_;
   const uint32_t world_, threads_;
@@ -227,9 +248,7 @@ class IpcTransport::Nic {
   const int64_t latency_ns_;
   std::mt19937_64 rng_;
   std::vector<int> devices_;                 // devices copies are issued on
-  std::vector<std::vector<CopyQueue>> queues_;  // [device slot][stream]
-  std::vector<size_t> next_stream_;
-  std::vector<Batch> open_;                  // [device slot]
+  // NIC thread: flights and their queues.
   std::vector<Flight> pool_;
   std::vector<uint32_t> free_;
   std::vector<std::deque<uint32_t>> qp_;     // RC: [thread * world + peer], post order
@@ -240,16 +259,27 @@ class IpcTransport::Nic {
   std::vector<std::deque<Ack>> acks_;        // [thread], due times non-decreasing
   std::vector<uint64_t> qp_posted_;          // writes posted per QP (fault counters)
   std::vector<int64_t> qp_failed_ns_;        // QP in the error state: when its failure completes
+  std::vector<uint64_t> job_seq_;            // [device slot]: copies handed off
+  std::deque<CopyJob> overflow_;             // handed off while the job ring was full
   uint64_t posted_total_ = 0;
   int64_t egress_free_ns_ = 0;
   uint64_t inflight_ = 0;                    // flights not yet delivered or failed
+  // Between the two threads.
+  ipc::SpscRing<CopyJob> jobs_;
+  std::unique_ptr<std::atomic<uint64_t>[]> landed_;  // [device slot]: jobs 1..landed_ landed
+  // DMA thread: batches and copy streams.
+  std::vector<std::vector<CopyQueue>> queues_;  // [device slot][stream]
+  std::vector<size_t> next_stream_;
+  std::vector<Batch> open_;                  // [device slot]
+  std::vector<std::deque<Submitted>> order_;  // [device slot]
+  std::vector<uint64_t> taken_seq_;          // [device slot]: jobs taken from the ring
   std::atomic<bool> stop_{false};
-  std::thread thread_;
-  std::atomic<bool> has_cpu_clock_{false};
-  clockid_t cpu_clock_{};
+  std::thread thread_, dma_thread_;
+  std::atomic<bool> has_cpu_clock_{false}, has_dma_clock_{false};
+  clockid_t cpu_clock_{}, dma_clock_{};
   std::atomic<uint64_t> writes_{0}, bytes_{0}, copies_{0}, batches_{0}, delivered_{0}, wire_busy_ns_{0};
   std::atomic<uint64_t> gaps_short_{0}, idle_short_ns_{0}, gaps_long_{0}, idle_long_ns_{0}, queue_ns_{0},
-      lag_ns_{0}, late_ns_{0}, busy_passes_{0};
+      lag_ns_{0}, late_ns_{0}, busy_passes_{0}, dma_passes_{0};
   std::atomic<uint64_t> step_ns_[5] = {};  // IpcNicStats::step_ns
 };
 

@@ -1,7 +1,9 @@
 // The virtual NIC of the ipc transport (the model is described in ipc_transport.h). One thread per
-// rank runs pass() in a loop: take new work requests, submit gathered copies, poll the copy
-// streams, deliver what arrived, hand out due completions. It never waits for the GPU: a copy
-// that does not finish becomes an error naming it, after copy_timeout_ms.
+// rank runs pass() in a loop: take new work requests, hand their bytes' copies to the DMA thread,
+// deliver what arrived, hand out due completions. Where bytes move between GPUs a second thread
+// (the DMA engines) gathers the copies, submits them in batches on the copy streams and polls
+// them. Neither waits for the GPU: a copy that does not finish becomes an error naming it, after
+// copy_timeout_ms.
 #include <pthread.h>
 #include <sched.h>
 
@@ -29,6 +31,7 @@ constexpr int64_t kIdleSpinNs = 20'000'000;     // spin this long with nothing t
 constexpr uint64_t kPacketBytes = 4096;         // MTU of the modelled wire
 constexpr uint64_t kHeaderBytes = 64;           // per-packet headers and framing (RoCEv2/SRD order)
 constexpr int64_t kLongGapNs = 50'000;          // an idle wire this long: between calls, not within one
+constexpr uint32_t kJobRing = 1u << 14;         // copies in flight from the NIC thread to the DMA thread
 
 uint64_t wire_bytes(uint32_t length) {
   const uint64_t packets = length == 0 ? 1 : (length + kPacketBytes - 1) / kPacketBytes;
@@ -51,13 +54,16 @@ IpcTransport::Nic::Nic(IpcTransport& t)
       qp_(size_t{t.setup_.num_threads} * t.setup_.world_size),
       acks_(t.setup_.num_threads),
       qp_posted_(size_t{t.setup_.num_threads} * t.setup_.world_size, 0),
-      qp_failed_ns_(size_t{t.setup_.num_threads} * t.setup_.world_size, 0) {
+      qp_failed_ns_(size_t{t.setup_.num_threads} * t.setup_.world_size, 0),
+      jobs_(kJobRing) {
   // Copy streams, made here on the connecting thread before any kernel runs.
   for (uint32_t p = 0; p < world_; ++p) {
     const int dev = copy_device(p);
     if (dev < 0 || std::find(devices_.begin(), devices_.end(), dev) != devices_.end()) continue;
     devices_.push_back(dev);
   }
+  landed_ = std::make_unique<std::atomic<uint64_t>[]>(devices_.size());
+  for (size_t d = 0; d < devices_.size(); ++d) landed_[d].store(0, std::memory_order_relaxed);
   for (int dev : devices_) {
     queues_.emplace_back();
     for (uint32_t s = 0; s < t.options_.copy_streams; ++s) {
@@ -69,12 +75,16 @@ IpcTransport::Nic::Nic(IpcTransport& t)
     next_stream_.push_back(0);
     open_.emplace_back();
     open_.back().last_of_peer.assign(world_, -1);
+    order_.emplace_back();
+    taken_seq_.push_back(0);
+    job_seq_.push_back(0);
   }
 }
 
 IpcTransport::Nic::~Nic() {
   stop_.store(true);
   if (thread_.joinable()) thread_.join();
+  if (dma_thread_.joinable()) dma_thread_.join();
   for (auto& per_dev : queues_) {
     for (auto& q : per_dev) t_.options_.gpu->copy_queue_destroy(q.handle);
   }
@@ -82,6 +92,7 @@ IpcTransport::Nic::~Nic() {
 
 void IpcTransport::Nic::start() {
   thread_ = std::thread([this] { run(); });
+  if (!devices_.empty()) dma_thread_ = std::thread([this] { dma_run(); });
 }
 
 IpcNicStats IpcTransport::Nic::stats() const {
@@ -100,11 +111,13 @@ IpcNicStats IpcTransport::Nic::stats() const {
   s.nic_lag_ns = lag_ns_.load(std::memory_order_relaxed);
   s.late_ns = late_ns_.load(std::memory_order_relaxed);
   s.busy_passes = busy_passes_.load(std::memory_order_relaxed);
+  s.dma_passes = dma_passes_.load(std::memory_order_relaxed);
   for (int i = 0; i < 5; ++i) s.step_ns[i] = step_ns_[i].load(std::memory_order_relaxed);
-  if (has_cpu_clock_.load(std::memory_order_acquire)) {
-    timespec ts{};
-    if (clock_gettime(cpu_clock_, &ts) == 0) s.cpu_seconds = ts.tv_sec + ts.tv_nsec * 1e-9;
-  }
+  timespec ts{};
+  if (has_cpu_clock_.load(std::memory_order_acquire) && clock_gettime(cpu_clock_, &ts) == 0)
+    s.cpu_seconds += ts.tv_sec + ts.tv_nsec * 1e-9;
+  if (has_dma_clock_.load(std::memory_order_acquire) && clock_gettime(dma_clock_, &ts) == 0)
+    s.cpu_seconds += ts.tv_sec + ts.tv_nsec * 1e-9;
   return s;
 }
 
@@ -143,22 +156,20 @@ void IpcTransport::Nic::run() {
 
 bool IpcTransport::Nic::pass(int64_t now) {
   // Each step's time, summed over the passes that moved anything (the thread's own cost).
-  int64_t t[6];
+  int64_t t[4];
   t[0] = now;
   bool moved = pickup(now);
+  moved |= hand_off();
   t[1] = ipc::now_ns();
-  moved |= submit();
-  t[2] = ipc::now_ns();
-  moved |= poll_copies();
-  t[3] = ipc::now_ns();
   moved |= deliver(now);
-  t[4] = ipc::now_ns();
+  t[2] = ipc::now_ns();
   moved |= flush_acks(now);
-  t[5] = ipc::now_ns();
-  check_stalls(now);
+  t[3] = ipc::now_ns();
   if (moved) {
     bump(busy_passes_);
-    for (int i = 0; i < 5; ++i) bump(step_ns_[i], static_cast<uint64_t>(t[i + 1] - t[i]));
+    bump(step_ns_[0], static_cast<uint64_t>(t[1] - t[0]));
+    bump(step_ns_[3], static_cast<uint64_t>(t[2] - t[1]));
+    bump(step_ns_[4], static_cast<uint64_t>(t[3] - t[2]));
   }
   return moved;
 }
@@ -290,42 +301,118 @@ void IpcTransport::Nic::fault_check(Flight& f, int64_t now) {
   }
 }
 
-// Adds a flight's bytes to its device's open batch, extending the previous copy to the same
-// peer when source and destination both continue it (consecutive chunks of a ring stream).
+// Hands a flight's copy to the DMA thread; the flight is delivered once landed_ reaches its number.
 void IpcTransport::Nic::add_copy(uint32_t id) {
   Flight& f = pool_[id];
   const size_t d = device_slot(copy_device(f.wr.peer));
-  Batch& b = open_[d];
-  char* dst = t_.peers_[f.wr.peer]->region + f.wr.dst_offset;
-  const char* src = static_cast<const char*>(t_.setup_.region.base) + f.wr.src_offset;
-  const int32_t last = b.last_of_peer[f.wr.peer];
-  if (last >= static_cast<int32_t>(b.next) && static_cast<char*>(b.dst[last]) + b.bytes[last] == dst &&
-      static_cast<const char*>(b.src[last]) + b.bytes[last] == src && b.bytes[last] + f.wr.length <= kMaxCoalesce) {
-    b.bytes[last] += f.wr.length;
-    f.entry = last;
-  } else {
-    b.dst.push_back(dst);
-    b.src.push_back(src);
-    b.bytes.push_back(f.wr.length);
-    b.first_flight.push_back(id);
-    f.entry = static_cast<int32_t>(b.dst.size() - 1);
-    b.last_of_peer[f.wr.peer] = f.entry;
-  }
-  f.queue = static_cast<int32_t>(d);  // the device slot until a stream is chosen at submission
-  b.flights.push_back(id);
+  f.copy_slot = static_cast<int32_t>(d);
+  f.copy_seq = ++job_seq_[d];
+  const CopyJob job{t_.peers_[f.wr.peer]->region + f.wr.dst_offset,
+                    static_cast<const char*>(t_.setup_.region.base) + f.wr.src_offset,
+                    f.wr.length,
+                    f.copy_seq,
+                    static_cast<uint32_t>(d),
+                    f.wr.peer,
+                    f.thread,
+                    f.wr.channel};
+  if (!overflow_.empty() || !jobs_.try_push(job)) overflow_.push_back(job);
 }
 
-bool IpcTransport::Nic::submit() {
+// Publishes the copies handed off this pass (and any the full ring held back).
+bool IpcTransport::Nic::hand_off() {
+  bool moved = false;
+  while (!overflow_.empty() && jobs_.try_push(overflow_.front())) {
+    overflow_.pop_front();
+    moved = true;
+  }
+  if (jobs_.unpublished()) {
+    jobs_.publish();
+    moved = true;
+  }
+  return moved;
+}
+
+bool IpcTransport::Nic::copy_done(const Flight& f) const {
+  if (f.copy_slot < 0) return true;
+  return landed_[static_cast<size_t>(f.copy_slot)].load(std::memory_order_acquire) >= f.copy_seq;
+}
+
+// ---- the DMA thread ----------------------------------------------------------------------------
+
+void IpcTransport::Nic::dma_run() {
+  const std::string name = ("uenicd" + std::to_string(t_.setup_.rank)).substr(0, 15);
+  pthread_setname_np(pthread_self(), name.c_str());
+  if (pthread_getcpuclockid(pthread_self(), &dma_clock_) == 0) has_dma_clock_.store(true, std::memory_order_release);
+  int64_t idle_since = ipc::now_ns();
+  try {
+    while (!stop_.load(std::memory_order_relaxed)) {
+      const int64_t t0 = ipc::now_ns();
+      bool moved = dma_take();
+      moved |= dma_submit();
+      const int64_t t1 = ipc::now_ns();
+      moved |= dma_poll();
+      const int64_t t2 = ipc::now_ns();
+      dma_check_stalls(t2);
+      bool outstanding = false;
+      for (size_t d = 0; d < devices_.size(); ++d)
+        outstanding |= landed_[d].load(std::memory_order_relaxed) != taken_seq_[d];
+      if (moved) {
+        bump(dma_passes_);
+        bump(step_ns_[1], static_cast<uint64_t>(t1 - t0));
+        bump(step_ns_[2], static_cast<uint64_t>(t2 - t1));
+      }
+      if (moved || outstanding || t2 - idle_since < kIdleSpinNs) {
+        if (moved || outstanding) idle_since = t2;
+        UCCL_EP_NIC_RELAX();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));  // no calls in flight
+      }
+    }
+  } catch (const std::exception& e) {
+    fail_all(detail::concat("ipc rank ", t_.setup_.rank, " NIC DMA thread failed: ", e.what()));
+  }
+}
+
+// Takes the copies the NIC thread handed off into the open batches.
+bool IpcTransport::Nic::dma_take() {
+  const uint64_t n = jobs_.available();
+  for (uint64_t i = 0; i < n; ++i) dma_add(jobs_.peek(i));
+  if (n > 0) jobs_.consume(n);
+  return n > 0;
+}
+
+// Adds a copy to its device's open batch, extending the previous copy to the same peer when
+// source and destination both continue it (consecutive chunks of a ring stream).
+void IpcTransport::Nic::dma_add(const CopyJob& job) {
+  Batch& b = open_[job.slot];
+  taken_seq_[job.slot] = job.seq;
+  const int32_t last = b.last_of_peer[job.peer];
+  if (last >= static_cast<int32_t>(b.next) && static_cast<char*>(b.dst[last]) + b.bytes[last] == job.dst &&
+      static_cast<const char*>(b.src[last]) + b.bytes[last] == job.src && b.bytes[last] + job.bytes <= kMaxCoalesce &&
+      b.last_seq[last] + 1 == job.seq) {
+    b.bytes[last] += job.bytes;
+    b.last_seq[last] = job.seq;
+    return;
+  }
+  b.dst.push_back(job.dst);
+  b.src.push_back(job.src);
+  b.bytes.push_back(job.bytes);
+  b.first.push_back(job);
+  b.last_seq.push_back(job.seq);
+  b.last_of_peer[job.peer] = static_cast<int32_t>(b.dst.size() - 1);
+}
+
+bool IpcTransport::Nic::dma_submit() {
   bool moved = false;
   for (size_t d = 0; d < open_.size(); ++d) {
-    while (open_[d].next < open_[d].dst.size() && submit_device(d)) moved = true;
+    while (open_[d].next < open_[d].dst.size() && dma_submit_device(d)) moved = true;
   }
   return moved;
 }
 
 // Submits the next copies of device slot d's open batch on the first stream with room: all of
 // them in one call where the GPU library batches copies, else one. False: every stream is full.
-bool IpcTransport::Nic::submit_device(size_t d) {
+bool IpcTransport::Nic::dma_submit_device(size_t d) {
   Batch& b = open_[d];
   auto& streams = queues_[d];
   const GpuHooks& gpu = *t_.options_.gpu;
@@ -342,16 +429,10 @@ bool IpcTransport::Nic::submit_device(size_t d) {
                                                         b.bytes.data() + b.next, n)
                                 : gpu.copy_submit(q.handle, b.dst[b.next], b.src[b.next], b.bytes[b.next]);
     q.submitted = ticket;
-    q.pending.push_back(Pending{ticket, ipc::now_ns(), b.first_flight[b.next]});
-    const size_t first = b.next;
+    const uint64_t last_seq = b.last_seq[b.next + n - 1];
+    q.pending.push_back(Pending{ticket, ipc::now_ns(), last_seq, b.first[b.next]});
+    order_[d].push_back(Submitted{last_seq, s, ticket});
     b.next += n;
-    for (uint32_t id : b.flights) {
-      Flight& f = pool_[id];
-      if (f.ticket == 0 && f.entry >= static_cast<int32_t>(first) && f.entry < static_cast<int32_t>(b.next)) {
-        f.queue = static_cast<int32_t>(d * streams.size() + s);
-        f.ticket = ticket;
-      }
-    }
     bump(copies_, n);
     bump(batches_);
     next_stream_[d] = (s + 1) % streams.size();
@@ -359,8 +440,8 @@ bool IpcTransport::Nic::submit_device(size_t d) {
       b.dst.clear();
       b.src.clear();
       b.bytes.clear();
-      b.first_flight.clear();
-      b.flights.clear();
+      b.first.clear();
+      b.last_seq.clear();
       b.next = 0;
       std::fill(b.last_of_peer.begin(), b.last_of_peer.end(), -1);
     }
@@ -369,10 +450,11 @@ bool IpcTransport::Nic::submit_device(size_t d) {
   return false;
 }
 
-bool IpcTransport::Nic::poll_copies() {
+// Polls the copy streams and publishes, per device slot, the copies landed in submission order.
+bool IpcTransport::Nic::dma_poll() {
   bool moved = false;
-  for (auto& per_dev : queues_) {
-    for (auto& q : per_dev) {
+  for (size_t d = 0; d < queues_.size(); ++d) {
+    for (auto& q : queues_[d]) {
       if (q.completed == q.submitted) continue;
       const uint64_t c = t_.options_.gpu->copy_completed(q.handle);
       if (c == q.completed) continue;
@@ -380,15 +462,33 @@ bool IpcTransport::Nic::poll_copies() {
       while (!q.pending.empty() && q.pending.front().ticket <= c) q.pending.pop_front();
       moved = true;
     }
+    auto& order = order_[d];
+    uint64_t landed = 0;
+    while (!order.empty() && queues_[d][order.front().stream].completed >= order.front().ticket) {
+      landed = order.front().last_seq;
+      order.pop_front();
+    }
+    if (landed != 0) landed_[d].store(landed, std::memory_order_release);
   }
   return moved;
 }
 
-bool IpcTransport::Nic::copy_done(const Flight& f) const {
-  if (f.queue < 0) return true;
-  if (f.ticket == 0) return false;  // still in the open batch
-  const size_t per = t_.options_.copy_streams;
-  return queues_[static_cast<size_t>(f.queue) / per][static_cast<size_t>(f.queue) % per].completed >= f.ticket;
+// A copy submitted copy_timeout_ms ago that has not completed: the GPU never ran it (its
+// stream is blocked, e.g. behind work that waits for this proxy, or the device hung).
+void IpcTransport::Nic::dma_check_stalls(int64_t now) {
+  const int64_t limit = static_cast<int64_t>(t_.options_.copy_timeout_ms) * 1'000'000;
+  for (auto& per_dev : queues_) {
+    for (auto& q : per_dev) {
+      if (q.pending.empty() || now - q.pending.front().submit_ns <= limit) continue;
+      const CopyJob& j = q.pending.front().first;
+      t_.endpoints_[j.thread]->fail(detail::concat(
+          "ipc rank ", t_.setup_.rank, " thread ", j.thread, ": GPU copy of ", j.bytes, " bytes to rank ", j.peer,
+          " (channel ", j.channel, ") has not completed after ", (now - q.pending.front().submit_ns) / 1'000'000,
+          " ms; the GPU never ran it (its copy stream is blocked, e.g. behind work that waits for this proxy, or the "
+          "device hung)"));
+      q.pending.front().submit_ns = now;  // reported once per timeout
+    }
+  }
 }
 
 // Delivers what arrived: RC in post order per QP, SRD in arrival order. Failed flights complete
@@ -474,24 +574,6 @@ bool IpcTransport::Nic::flush_acks(int64_t now) {
     cq.publish();
   }
   return moved;
-}
-
-// A copy submitted copy_timeout_ms ago that has not completed: the GPU never ran it (its
-// stream is blocked, e.g. behind work that waits for this proxy, or the device hung).
-void IpcTransport::Nic::check_stalls(int64_t now) {
-  const int64_t limit = static_cast<int64_t>(t_.options_.copy_timeout_ms) * 1'000'000;
-  for (auto& per_dev : queues_) {
-    for (auto& q : per_dev) {
-      if (q.pending.empty() || now - q.pending.front().submit_ns <= limit) continue;
-      const Flight& f = pool_[q.pending.front().flight];
-      t_.endpoints_[f.thread]->fail(detail::concat(
-          "ipc rank ", t_.setup_.rank, " thread ", f.thread, ": GPU copy of ", f.wr.length, " bytes to rank ",
-          f.wr.peer, " (channel ", f.wr.channel, ") has not completed after ",
-          (now - q.pending.front().submit_ns) / 1'000'000, " ms; the GPU never ran it (its copy stream is blocked, ",
-          "e.g. behind work that waits for this proxy, or the device hung)"));
-      q.pending.front().submit_ns = now;  // reported once per timeout
-    }
-  }
 }
 
 void IpcTransport::Nic::fail(uint32_t id) {

@@ -69,11 +69,12 @@ struct IpcNicStats {
   uint64_t wire_queue_ns = 0;  // summed over messages: wire start - post
   uint64_t nic_lag_ns = 0;     // summed over messages: pickup - post
   uint64_t late_ns = 0;        // summed over deliveries: delivery - modelled arrival (copies, lag)
-  // The NIC thread's passes that moved anything, and their time per step: taking work requests,
-  // submitting copies, polling copies, delivering, handing out completions.
-  uint64_t busy_passes = 0;
+  // The passes that moved anything of the NIC thread (taking work requests and handing their
+  // copies off, delivering, handing out completions) and of its DMA thread (submitting copies,
+  // polling them), and their time per step: take, submit, poll, deliver, complete.
+  uint64_t busy_passes = 0, dma_passes = 0;
   uint64_t step_ns[5] = {0, 0, 0, 0, 0};
-  double cpu_seconds = 0;      // CPU time of the NIC thread
+  double cpu_seconds = 0;      // CPU time of the NIC thread and its DMA thread
 };
 
 // Host memory in a named shared-memory segment, so an ipc peer in another process can map it.

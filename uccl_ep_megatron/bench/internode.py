@@ -405,11 +405,12 @@ def _wire(n0: dict, n1: dict, calls: int) -> dict:
     in longer gaps (between calls, the pauses between timed runs included); per message, the
     mean wait for the wire behind earlier messages, the NIC thread's own lag from post to
     pickup, and how long after its modelled arrival it was delivered (copies, the thread); the
-    NIC thread's busy passes and their time per step."""
+    busy passes of the NIC thread and its DMA thread and their time per step."""
     if "wire_gaps_short" not in n1 or not n1.get("wire_busy_ns"):
         return {}
     steps = ("pickup", "submit", "poll", "deliver", "acks")
-    keys = ("wire_", "nic_lag", "late", "busy_passes") + tuple(f"{x}_ns" for x in steps)
+    keys = ("wire_", "nic_lag", "late", "busy_passes", "dma_passes")
+    keys += tuple(f"{x}_ns" for x in steps)
     d = {k: n1[k] - n0.get(k, 0) for k in n1 if k.startswith(keys)}
     writes = max(1, n1["writes"] - n0["writes"])
     pairs = calls  # ``pipelined`` counts its pairs as calls
@@ -424,6 +425,7 @@ def _wire(n0: dict, n1: dict, calls: int) -> dict:
             "nic_lag_us_per_write": d["nic_lag_ns"] / 1e3 / writes,
             "late_us_per_write": d["late_ns"] / 1e3 / writes,
             "nic_passes": d["busy_passes"] / pairs,
+            "dma_passes": d.get("dma_passes", 0) / pairs,
             "nic_step_us": {x: d[f"{x}_ns"] / 1e3 / pairs for x in steps},
         }
     }
@@ -636,7 +638,10 @@ def _print_trace(results: dict) -> None:
                 f"{w['late_us_per_write']:.1f} us after its modelled arrival"
             )
             st = ", ".join(f"{k} {v:.0f}" for k, v in w["nic_step_us"].items())
-            print(f"    NIC thread per call: {w['nic_passes']:.0f} busy passes; us: {st}")
+            print(
+                f"    NIC threads per call: {w['nic_passes']:.0f} busy passes, DMA thread "
+                f"{w['dma_passes']:.0f}; us: {st}"
+            )
 
 
 def _print_kernels(results: dict) -> None:
