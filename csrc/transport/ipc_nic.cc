@@ -42,6 +42,31 @@ void bump(std::atomic<uint64_t>& c, uint64_t v = 1) {
   c.store(c.load(std::memory_order_relaxed) + v, std::memory_order_relaxed);
 }
 
+// Names the calling thread `name` and finds its CPU clock (for the model's CPU time).
+void name_thread(const std::string& name, clockid_t& clock, std::atomic<bool>& has_clock) {
+  pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+  if (pthread_getcpuclockid(pthread_self(), &clock) == 0) has_clock.store(true, std::memory_order_release);
+}
+
+// Runs pass(now) until `stop`; pass returns whether work is in flight. The thread spins while
+// it is and for kIdleSpinNs after; then (no calls in flight) it gives the core back, napping
+// 50 us per round: the next call pays one wake-up.
+template <typename Pass>
+void serve(const std::atomic<bool>& stop, Pass pass) {
+  int64_t idle_since = ipc::now_ns();
+  while (!stop.load(std::memory_order_relaxed)) {
+    const int64_t now = ipc::now_ns();
+    if (pass(now)) {
+      idle_since = now;
+      UCCL_EP_NIC_RELAX();
+    } else if (now - idle_since < kIdleSpinNs) {
+      UCCL_EP_NIC_RELAX();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
 }  // namespace
 
 IpcTransport::Nic::Nic(IpcTransport& t)
@@ -132,23 +157,9 @@ size_t IpcTransport::Nic::device_slot(int device) const {
 }
 
 void IpcTransport::Nic::run() {
-  const std::string name = ("uenic" + std::to_string(t_.setup_.rank)).substr(0, 15);
-  pthread_setname_np(pthread_self(), name.c_str());
-  if (pthread_getcpuclockid(pthread_self(), &cpu_clock_) == 0) has_cpu_clock_.store(true, std::memory_order_release);
-  int64_t idle_since = ipc::now_ns();
+  name_thread("uenic" + std::to_string(t_.setup_.rank), cpu_clock_, has_cpu_clock_);
   try {
-    while (!stop_.load(std::memory_order_relaxed)) {
-      const int64_t now = ipc::now_ns();
-      if (pass(now) || inflight_ > 0) {
-        idle_since = now;
-        UCCL_EP_NIC_RELAX();
-      } else if (now - idle_since < kIdleSpinNs) {
-        UCCL_EP_NIC_RELAX();
-      } else {
-        // Long idle (no calls in flight): give the core back; the next call pays one wake-up.
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
-    }
+    serve(stop_, [this](int64_t now) { return pass(now) || inflight_ > 0; });
   } catch (const std::exception& e) {
     fail_all(detail::concat("ipc rank ", t_.setup_.rank, " NIC thread failed: ", e.what()));
   }
@@ -340,13 +351,9 @@ bool IpcTransport::Nic::copy_done(const Flight& f) const {
 // ---- the DMA thread ----------------------------------------------------------------------------
 
 void IpcTransport::Nic::dma_run() {
-  const std::string name = ("uenicd" + std::to_string(t_.setup_.rank)).substr(0, 15);
-  pthread_setname_np(pthread_self(), name.c_str());
-  if (pthread_getcpuclockid(pthread_self(), &dma_clock_) == 0) has_dma_clock_.store(true, std::memory_order_release);
-  int64_t idle_since = ipc::now_ns();
+  name_thread("uenicd" + std::to_string(t_.setup_.rank), dma_clock_, has_dma_clock_);
   try {
-    while (!stop_.load(std::memory_order_relaxed)) {
-      const int64_t t0 = ipc::now_ns();
+    serve(stop_, [this](int64_t t0) {
       bool moved = dma_take();
       moved |= dma_submit();
       const int64_t t1 = ipc::now_ns();
@@ -361,13 +368,8 @@ void IpcTransport::Nic::dma_run() {
         bump(step_ns_[1], static_cast<uint64_t>(t1 - t0));
         bump(step_ns_[2], static_cast<uint64_t>(t2 - t1));
       }
-      if (moved || outstanding || t2 - idle_since < kIdleSpinNs) {
-        if (moved || outstanding) idle_since = t2;
-        UCCL_EP_NIC_RELAX();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));  // no calls in flight
-      }
-    }
+      return moved || outstanding;
+    });
   } catch (const std::exception& e) {
     fail_all(detail::concat("ipc rank ", t_.setup_.rank, " NIC DMA thread failed: ", e.what()));
   }
