@@ -34,6 +34,7 @@ struct FakeGpu {
   static std::atomic<bool> stall;             // copies never complete
   static std::atomic<int> queues_created, queues_destroyed, peer_enables;
   static std::atomic<uint64_t> seed;
+  static std::atomic<uint64_t> batches;  // batched submissions of more than one copy
   static void reset(uint32_t delay_us, bool stalled) {
     max_delay_us = delay_us;
     stall = stalled;
@@ -46,6 +47,7 @@ std::atomic<uint32_t> FakeGpu::max_delay_us{0};
 std::atomic<bool> FakeGpu::stall{false};
 std::atomic<int> FakeGpu::queues_created{0}, FakeGpu::queues_destroyed{0}, FakeGpu::peer_enables{0};
 std::atomic<uint64_t> FakeGpu::seed{1};
+std::atomic<uint64_t> FakeGpu::batches{0};
 
 struct FakeQueue {
   struct Copy {
@@ -53,6 +55,7 @@ struct FakeQueue {
     const void* src;
     size_t bytes;
     Clock::time_point due;
+    bool last;  // the last copy of its submission (a batch is one submission)
   };
   uint32_t depth;
   std::mt19937_64 rng;
@@ -77,7 +80,24 @@ uint64_t fake_submit(void* queue, void* dst, const void* src, size_t bytes) {
                   q->depth);
   }
   const uint32_t d = FakeGpu::max_delay_us.load();
-  q->inflight.push_back({dst, src, bytes, Clock::now() + std::chrono::microseconds(d ? q->rng() % (d + 1) : 0)});
+  q->inflight.push_back(
+      {dst, src, bytes, Clock::now() + std::chrono::microseconds(d ? q->rng() % (d + 1) : 0), true});
+  return ++q->submitted;
+}
+// A batch is one submission (one ticket, as one cudaMemcpyBatchAsync and its event): its copies
+// land one by one, and the ticket completes with the last of them.
+uint64_t fake_submit_batch(void* queue, void* const* dst, const void* const* src, const size_t* bytes, size_t n) {
+  auto* q = static_cast<FakeQueue*>(queue);
+  if (n == 0 || q->submitted - q->completed >= q->depth) {
+    UCCL_EP_THROW(InvalidArgument, "fake copy queue: batch of ", n, " with ", q->submitted - q->completed,
+                  " in flight, depth ", q->depth);
+  }
+  const uint32_t d = FakeGpu::max_delay_us.load();
+  for (size_t i = 0; i < n; ++i) {
+    const auto due = Clock::now() + std::chrono::microseconds(d ? q->rng() % (d + 1) : 0);
+    q->inflight.push_back({dst[i], src[i], bytes[i], due, i + 1 == n});
+  }
+  ++FakeGpu::batches;
   return ++q->submitted;
 }
 uint64_t fake_completed(void* queue) {
@@ -88,8 +108,8 @@ uint64_t fake_completed(void* queue) {
   while (!q->inflight.empty() && q->inflight.front().due <= now) {
     const auto& c = q->inflight.front();
     std::memcpy(c.dst, c.src, c.bytes);
+    if (c.last) ++q->completed;
     q->inflight.pop_front();
-    ++q->completed;
   }
   return q->completed;
 }
@@ -113,6 +133,15 @@ const GpuHooks* fake_hooks() {
   }();
   return &h;
 }
+// The same with batched submission, as the CUDA build has it.
+const GpuHooks* fake_batch_hooks() {
+  static const GpuHooks h = [] {
+    GpuHooks x = *fake_hooks();
+    x.copy_submit_batch = fake_submit_batch;
+    return x;
+  }();
+  return &h;
+}
 
 uint8_t pattern(uint32_t rank, uint32_t warp, uint32_t k, uint32_t i) {
   return static_cast<uint8_t>(rank * 131u + warp * 71u + k * 13u + i * 7u + 1u);
@@ -129,6 +158,7 @@ struct Shape {
   uint64_t timeout_ms = 20000;
   Ordering ordering = Ordering::kReceiver;
   bool peer_access = true;
+  bool batched = false;  // copies submitted in batches (copy_submit_batch)
 };
 
 // Ranks of one process, "GPU" r each (host memory), connected through the ipc transport.
@@ -163,7 +193,7 @@ struct GpuWorld {
       o.copy_queue_depth = s.copy_queue_depth;
       o.copy_timeout_ms = s.copy_timeout_ms;
       o.peer_access = s.peer_access;
-      o.gpu = fake_hooks();
+      o.gpu = s.batched ? fake_batch_hooks() : fake_hooks();
       transports.push_back(std::make_unique<IpcTransport>(t, o));
       infos.push_back(transports.back()->local_info());
     }
@@ -360,6 +390,25 @@ TEST(GpuCopyQueue, ReceiverOrderingWithReorderAndDeferredCopies) {
     s.copy_delay_us = 100;
     s.copy_queue_depth = seed % 2 ? 3 : 256;
     run_ordered_streams(s, 80);
+  }
+}
+
+// Batched submissions, several copies per ticket spread over the copy streams: a write's
+// immediate is still published only after its bytes landed, under RC and under SRD.
+TEST(GpuCopyQueue, BatchedCopiesPublishOnlyLandedCopies) {
+  for (bool reorder : {false, true}) {
+    SCOPED_TRACE(reorder);
+    Shape s;
+    s.channels = 4;
+    s.threads = 2;
+    s.reorder = reorder;
+    s.ordering = reorder ? Ordering::kReceiver : Ordering::kNone;
+    s.copy_delay_us = 200;
+    s.copy_queue_depth = 2;
+    s.batched = true;
+    const uint64_t before = FakeGpu::batches.load();
+    run_ordered_streams(s, 120);
+    EXPECT_GT(FakeGpu::batches.load(), before) << "no submission carried more than one copy: the test proves nothing";
   }
 }
 
