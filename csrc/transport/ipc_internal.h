@@ -202,7 +202,6 @@ class IpcTransport::Nic {
     std::vector<size_t> bytes;
     std::vector<CopyJob> first;             // the first job of each entry
     std::vector<uint64_t> last_seq;         // the last job of each entry
-    std::vector<int32_t> last_of_peer;      // entry that a contiguous write to peer p may extend
     size_t next = 0;                        // entries before this one were submitted
   };
   struct Submitted {         // a device slot's submissions in order: landed up to the first undone

@@ -99,7 +99,6 @@ IpcTransport::Nic::Nic(IpcTransport& t)
     }
     next_stream_.push_back(0);
     open_.emplace_back();
-    open_.back().last_of_peer.assign(world_, -1);
     order_.emplace_back();
     taken_seq_.push_back(0);
     job_seq_.push_back(0);
@@ -383,15 +382,17 @@ bool IpcTransport::Nic::dma_take() {
   return n > 0;
 }
 
-// Adds a copy to its device's open batch, extending the previous copy to the same peer when
-// source and destination both continue it (consecutive chunks of a ring stream).
+// Adds a copy to its device's open batch, extending the previous copy when it goes to the same
+// peer and source and destination both continue it (consecutive chunks of a ring stream).
 void IpcTransport::Nic::dma_add(const CopyJob& job) {
   Batch& b = open_[job.slot];
   taken_seq_[job.slot] = job.seq;
-  const int32_t last = b.last_of_peer[job.peer];
-  if (last >= static_cast<int32_t>(b.next) && static_cast<char*>(b.dst[last]) + b.bytes[last] == job.dst &&
-      static_cast<const char*>(b.src[last]) + b.bytes[last] == job.src && b.bytes[last] + job.bytes <= kMaxCoalesce &&
-      b.last_seq[last] + 1 == job.seq) {
+  // Only the newest unsubmitted entry may grow: entries stay in job order, which is what lets a
+  // submission's last job stand for all of its jobs (dma_poll).
+  const size_t last = b.dst.size() - 1;
+  if (b.dst.size() > b.next && b.first[last].peer == job.peer &&
+      static_cast<char*>(b.dst[last]) + b.bytes[last] == job.dst &&
+      static_cast<const char*>(b.src[last]) + b.bytes[last] == job.src && b.bytes[last] + job.bytes <= kMaxCoalesce) {
     b.bytes[last] += job.bytes;
     b.last_seq[last] = job.seq;
     return;
@@ -401,7 +402,6 @@ void IpcTransport::Nic::dma_add(const CopyJob& job) {
   b.bytes.push_back(job.bytes);
   b.first.push_back(job);
   b.last_seq.push_back(job.seq);
-  b.last_of_peer[job.peer] = static_cast<int32_t>(b.dst.size() - 1);
 }
 
 bool IpcTransport::Nic::dma_submit() {
@@ -445,7 +445,6 @@ bool IpcTransport::Nic::dma_submit_device(size_t d) {
       b.first.clear();
       b.last_seq.clear();
       b.next = 0;
-      std::fill(b.last_of_peer.begin(), b.last_of_peer.end(), -1);
     }
     return true;
   }

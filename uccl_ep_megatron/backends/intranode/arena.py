@@ -199,6 +199,10 @@ class RecvArena:
         )
         return RecvOutputs((recv_x, recv_scales, recv_idx, recv_w, recv_src), False, _NO_ENTRY)
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` starts inside this rank's arena (where peers can read it in place)."""
+        return self.enabled and self.base <= t.data_ptr() < self.base + self.nbytes
+
     def combine_input(
         self, rows: int, hidden: int, dtype: torch.dtype, stream: int, use_stream: int
     ) -> torch.Tensor | None:

@@ -838,10 +838,6 @@ class KernelsBackend(Backend):
             rows, hidden, dtype, self._stream(), comm_stream or self._stream()
         )
 
-    def _in_arena(self, t: torch.Tensor) -> bool:
-        arena = self.recv_arena
-        return arena.enabled and arena.base <= t.data_ptr() < arena.base + arena.nbytes
-
     def _copy_in(self, t: CombineTensors) -> None:
         """Copy a combine's x (and weights) that the caller made outside the receive arena into
         arena blocks, on the call's stream, so that the peers read them in place: one local
@@ -861,8 +857,8 @@ class KernelsBackend(Backend):
             or self._capturing()
         ):
             return
-        copy_x = not self._in_arena(x)
-        copy_w = w is not None and w.numel() > 0 and not self._in_arena(w)
+        copy_x = not arena.holds(x)
+        copy_w = w is not None and w.numel() > 0 and not arena.holds(w)
         if not copy_x and not copy_w:
             return
         stream = self._stream()
