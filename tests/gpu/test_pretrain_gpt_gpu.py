@@ -82,10 +82,13 @@ needs_megatron_training = pytest.mark.skipif(
 )
 
 
-def _loss_curves(gpus: int, tag: str, env: dict[str, str] | None = None) -> dict:
+def _loss_curves(
+    gpus: int, tag: str, env: dict[str, str] | None = None, extra: list[str] | None = None
+) -> dict:
     """``pretrain_gpt.py`` at EP ``gpus`` under ``alltoall`` and ``uccl_ep`` (``env`` around the
-    ``uccl_ep`` run): every iteration's loss, the median iteration time, the curves' distance;
-    checks that both curves are the same one and both learn."""
+    ``uccl_ep`` run, ``extra`` flags after its arguments): every iteration's loss, the median
+    iteration time, the curves' distance; checks that both curves are the same one and both
+    learn."""
     sys.path.insert(0, SCRIPTS)
     import pretrain_gpt
 
@@ -97,6 +100,7 @@ def _loss_curves(gpus: int, tag: str, env: dict[str, str] | None = None) -> dict
             "uccl_ep_megatron.run",
             os.path.join(SCRIPTS, "pretrain_gpt.py"),
             *pretrain_gpt.example_args(gpus, dispatcher, ITERS),
+            *((extra or []) if dispatcher == "uccl_ep" else []),
         ]
         run_env = env if dispatcher == "uccl_ep" else None
         text = _torchrun(args, f"pretrain_gpt{tag}_{dispatcher}.log", env=run_env)
@@ -110,6 +114,7 @@ def _loss_curves(gpus: int, tag: str, env: dict[str, str] | None = None) -> dict
         "megatron_core": __import__("megatron.core", fromlist=["x"]).__version__,
         "gpus": gpus,
         "uccl_ep_env": env or {},
+        "uccl_ep_flags": extra or [],
         "iterations": ITERS,
         "loss_alltoall": a,
         "loss_uccl_ep": b,
@@ -148,6 +153,26 @@ def test_pretrain_gpt_through_two_virtual_nodes_equals_alltoall():
         "UCCL_EP_IPC_LATENCY_US": "3",
     }
     _loss_curves(gpus, f"_2x{gpus // 2}", env)
+
+
+@needs_megatron_training
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 virtual nodes need 2 GPUs")
+def test_pretrain_gpt_sync_free_through_two_virtual_nodes_equals_alltoall():
+    """Sync-free mode (no host wait anywhere in a step) through 2 virtual nodes under Megatron-LM's
+    loop, at a capacity that no routing can exceed (factor 4 = experts / top-k: a source's tokens
+    all on one expert still fit), so nothing is dropped and the loss curve must be
+    ``alltoall``'s. Megatron-LM's own ``pretrain_gpt.py`` at EP4 in this mode (capacity factor
+    1.25) ended in a dispatch timeout in its first iteration (docs/performance.md)."""
+    gpus = 4 if torch.cuda.device_count() >= 4 else 2
+    env = {
+        "UCCL_EP_RANKS_PER_NODE": str(gpus // 2),
+        "UCCL_EP_TRANSPORT": "ipc",
+        "UCCL_EP_IPC_LINK_GBPS": "50",
+        "UCCL_EP_IPC_LATENCY_US": "3",
+        "UCCL_EP_TIMEOUT_MS": "60000",
+    }
+    _loss_curves(gpus, f"_2x{gpus // 2}_sync_free", env, ["--moe-uccl-ep-capacity-factor", "4"])
 
 
 @pytest.mark.skipif(GPUS < 2, reason="flex+deepep needs EP > 1: 2 GPUs")
