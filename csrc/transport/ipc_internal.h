@@ -240,6 +240,7 @@ class IpcTransport::Nic {
   bool dma_submit_device(size_t d);
   bool dma_poll();
   void dma_check_stalls(int64_t now);
+  void check_dma_call(int64_t now);  // the NIC thread's watch over a DMA thread stuck in a GPU call
 
   IpcTransport& t_;
   const uint32_t world_, threads_;
@@ -272,6 +273,10 @@ class IpcTransport::Nic {
   std::vector<Batch> open_;                  // [device slot]
   std::vector<std::deque<Submitted>> order_;  // [device slot]
   std::vector<uint64_t> taken_seq_;          // [device slot]: jobs taken from the ring
+  // When the DMA thread entered the GPU library call it is in (ns; 0: in none), and the entry the
+  // NIC thread last reported (check_dma_call).
+  std::atomic<int64_t> gpu_call_since_{0};
+  int64_t gpu_call_reported_ = 0;
   std::atomic<bool> stop_{false};
   std::thread thread_, dma_thread_;
   std::atomic<bool> has_cpu_clock_{false}, has_dma_clock_{false};

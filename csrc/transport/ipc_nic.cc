@@ -33,6 +33,21 @@ constexpr uint64_t kHeaderBytes = 64;           // per-packet headers and framin
 constexpr int64_t kLongGapNs = 50'000;          // an idle wire this long: between calls, not within one
 constexpr uint32_t kJobRing = 1u << 14;         // copies in flight from the NIC thread to the DMA thread
 
+// The DMA thread inside a GPU library call (submit or poll a copy stream) for its lifetime: the
+// NIC thread names a call that does not return (check_dma_call).
+class InGpuCall {
+ public:
+  explicit InGpuCall(std::atomic<int64_t>& since) : since_(since) {
+    since_.store(ipc::now_ns(), std::memory_order_release);
+  }
+  ~InGpuCall() { since_.store(0, std::memory_order_release); }
+  InGpuCall(const InGpuCall&) = delete;
+  InGpuCall& operator=(const InGpuCall&) = delete;
+
+ private:
+  std::atomic<int64_t>& since_;
+};
+
 uint64_t wire_bytes(uint32_t length) {
   const uint64_t packets = length == 0 ? 1 : (length + kPacketBytes - 1) / kPacketBytes;
   return length + packets * kHeaderBytes;
@@ -175,6 +190,7 @@ bool IpcTransport::Nic::pass(int64_t now) {
   t[2] = ipc::now_ns();
   moved |= flush_acks(now);
   t[3] = ipc::now_ns();
+  check_dma_call(t[3]);
   if (moved) {
     bump(busy_passes_);
     bump(step_ns_[0], static_cast<uint64_t>(t[1] - t[0]));
@@ -422,14 +438,20 @@ bool IpcTransport::Nic::dma_submit_device(size_t d) {
     const size_t s = (next_stream_[d] + k) % streams.size();
     CopyQueue& q = streams[s];
     if (q.submitted - q.completed >= t_.options_.copy_queue_depth) {
-      q.completed = gpu.copy_completed(q.handle);
+      {
+        InGpuCall in_call(gpu_call_since_);
+        q.completed = gpu.copy_completed(q.handle);
+      }
       if (q.submitted - q.completed >= t_.options_.copy_queue_depth) continue;
     }
     const size_t n = gpu.copy_submit_batch ? std::min(b.dst.size() - b.next, kMaxBatch) : 1;
-    const uint64_t ticket = gpu.copy_submit_batch
-                                ? gpu.copy_submit_batch(q.handle, b.dst.data() + b.next, b.src.data() + b.next,
-                                                        b.bytes.data() + b.next, n)
-                                : gpu.copy_submit(q.handle, b.dst[b.next], b.src[b.next], b.bytes[b.next]);
+    uint64_t ticket = 0;
+    {
+      InGpuCall in_call(gpu_call_since_);
+      ticket = gpu.copy_submit_batch ? gpu.copy_submit_batch(q.handle, b.dst.data() + b.next, b.src.data() + b.next,
+                                                             b.bytes.data() + b.next, n)
+                                     : gpu.copy_submit(q.handle, b.dst[b.next], b.src[b.next], b.bytes[b.next]);
+    }
     q.submitted = ticket;
     const uint64_t last_seq = b.last_seq[b.next + n - 1];
     q.pending.push_back(Pending{ticket, ipc::now_ns(), last_seq, b.first[b.next]});
@@ -457,7 +479,11 @@ bool IpcTransport::Nic::dma_poll() {
   for (size_t d = 0; d < queues_.size(); ++d) {
     for (auto& q : queues_[d]) {
       if (q.completed == q.submitted) continue;
-      const uint64_t c = t_.options_.gpu->copy_completed(q.handle);
+      uint64_t c = 0;
+      {
+        InGpuCall in_call(gpu_call_since_);
+        c = t_.options_.gpu->copy_completed(q.handle);
+      }
       if (c == q.completed) continue;
       q.completed = c;
       while (!q.pending.empty() && q.pending.front().ticket <= c) q.pending.pop_front();
@@ -490,6 +516,27 @@ void IpcTransport::Nic::dma_check_stalls(int64_t now) {
       q.pending.front().submit_ns = now;  // reported once per timeout
     }
   }
+}
+
+// A DMA thread that entered a GPU library call copy_timeout_ms ago and is still inside it: the
+// copies cannot move, and no stall of a submitted copy will ever be seen. One way to get here: a
+// CUDA call of another thread of this process that waits for the device (cudaFree,
+// cudaDeviceSynchronize), made while a kernel waits for these copies, can hold the copy calls:
+// the copies wait for the call, the call for the kernel, the kernel for the copies. A NIC moves
+// bytes without the CUDA API; this model does not. The NIC thread, which never calls into the GPU
+// library, names such a call once.
+void IpcTransport::Nic::check_dma_call(int64_t now) {
+  const int64_t since = gpu_call_since_.load(std::memory_order_acquire);
+  if (since == 0 || since == gpu_call_reported_) return;
+  const int64_t waited = now - since;
+  if (waited <= static_cast<int64_t>(t_.options_.copy_timeout_ms) * 1'000'000) return;
+  gpu_call_reported_ = since;
+  fail_all(detail::concat(
+      "ipc rank ", t_.setup_.rank, ": the NIC model's DMA thread has been inside a GPU copy-stream call (submit or "
+      "poll) for ", waited / 1'000'000,
+      " ms, so no copy can move. One way to get here: another thread of this process makes a CUDA call that waits "
+      "for the device (cudaFree, cudaDeviceSynchronize, ...) while a kernel waits for these copies; the ipc NIC "
+      "model needs the CUDA API to move bytes (a NIC does not)"));
 }
 
 // Delivers what arrived: RC in post order per QP, SRD in arrival order. Failed flights complete

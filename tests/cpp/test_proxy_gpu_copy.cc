@@ -32,12 +32,14 @@ using Clock = std::chrono::steady_clock;
 struct FakeGpu {
   static std::atomic<uint32_t> max_delay_us;  // copy latency drawn from [0, max_delay_us]
   static std::atomic<bool> stall;             // copies never complete
+  static std::atomic<bool> block_submit;      // a submission does not return until cleared
   static std::atomic<int> queues_created, queues_destroyed, peer_enables;
   static std::atomic<uint64_t> seed;
   static std::atomic<uint64_t> batches;  // batched submissions of more than one copy
   static void reset(uint32_t delay_us, bool stalled) {
     max_delay_us = delay_us;
     stall = stalled;
+    block_submit = false;
     queues_created = 0;
     queues_destroyed = 0;
     peer_enables = 0;
@@ -45,6 +47,7 @@ struct FakeGpu {
 };
 std::atomic<uint32_t> FakeGpu::max_delay_us{0};
 std::atomic<bool> FakeGpu::stall{false};
+std::atomic<bool> FakeGpu::block_submit{false};
 std::atomic<int> FakeGpu::queues_created{0}, FakeGpu::queues_destroyed{0}, FakeGpu::peer_enables{0};
 std::atomic<uint64_t> FakeGpu::seed{1};
 std::atomic<uint64_t> FakeGpu::batches{0};
@@ -72,7 +75,13 @@ void fake_destroy(void* q) {
   ++FakeGpu::queues_destroyed;
   delete static_cast<FakeQueue*>(q);
 }
+// A submission held inside the library call, as a CUDA call can be held behind another thread's
+// device-wide wait.
+void fake_held() {
+  while (FakeGpu::block_submit) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
 uint64_t fake_submit(void* queue, void* dst, const void* src, size_t bytes) {
+  fake_held();
   auto* q = static_cast<FakeQueue*>(queue);
   // The transport must respect the depth it asked for (a real event ring would be overrun).
   if (q->submitted - q->completed >= q->depth) {
@@ -87,6 +96,7 @@ uint64_t fake_submit(void* queue, void* dst, const void* src, size_t bytes) {
 // A batch is one submission (one ticket, as one cudaMemcpyBatchAsync and its event): its copies
 // land one by one, and the ticket completes with the last of them.
 uint64_t fake_submit_batch(void* queue, void* const* dst, const void* const* src, const size_t* bytes, size_t n) {
+  fake_held();
   auto* q = static_cast<FakeQueue*>(queue);
   if (n == 0 || q->submitted - q->completed >= q->depth) {
     UCCL_EP_THROW(InvalidArgument, "fake copy queue: batch of ", n, " with ", q->submitted - q->completed,
@@ -439,6 +449,41 @@ TEST(GpuCopyQueue, StalledCopyIsReportedNotHung) {
     EXPECT_NE(msg.find("ipc rank 0 thread 0"), std::string::npos) << msg;
   }
   FakeGpu::stall = false;  // let teardown drain
+}
+
+// The DMA thread held inside a copy submission: nothing was submitted, so no copy stalls; the NIC
+// thread names the held call within copy_timeout_ms, and the producer is released, not hung.
+TEST(GpuCopyQueue, DmaThreadHeldInACopyCallIsReportedNotHung) {
+  for (const bool batched : {false, true}) {
+    SCOPED_TRACE(batched ? "batched" : "one copy per submission");
+    Shape s;
+    s.channels = 1;
+    s.threads = 1;
+    s.reorder = false;
+    s.copy_timeout_ms = 200;
+    s.timeout_ms = 5000;
+    s.batched = batched;
+    FakeGpu::reset(0, false);
+    FakeGpu::block_submit = true;
+    GpuWorld w(s);
+    w.start();
+    FifoChannel& f = *w.fifos[0][0];
+    const auto t0 = Clock::now();
+    f.push(build_write(1, 0, w.area, 64));
+    EXPECT_THROW(f.wait_completion(f.push(make_drain_all())), TimeoutError);
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count();
+    EXPECT_LT(waited, 3000) << "the held call was not reported before the proxy's own timeout";
+    try {
+      w.proxies[0]->check();
+      ADD_FAILURE() << "no error recorded";
+    } catch (const TransportError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("ipc rank 0: the NIC model's DMA thread has been inside a GPU copy-stream call"),
+                std::string::npos)
+          << msg;
+    }
+    FakeGpu::block_submit = false;  // let teardown drain
+  }
 }
 
 // UCCL_EP_IPC_PEER_ACCESS=0: no P2P enabling (the driver stages copies), everything else alike.
