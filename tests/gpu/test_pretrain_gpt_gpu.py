@@ -138,6 +138,18 @@ def test_pretrain_gpt_uccl_ep_loss_curve_equals_alltoall():
     _loss_curves(GPUS, "")
 
 
+def _two_virtual_nodes() -> tuple[int, dict[str, str]]:
+    """The GPUs (4 when there are, else 2) and the env that splits them into 2 virtual nodes
+    over the ipc NIC model at a 400 Gb/s line rate per GPU."""
+    gpus = 4 if torch.cuda.device_count() >= 4 else 2
+    return gpus, {
+        "UCCL_EP_RANKS_PER_NODE": str(gpus // 2),
+        "UCCL_EP_TRANSPORT": "ipc",
+        "UCCL_EP_IPC_LINK_GBPS": "50",
+        "UCCL_EP_IPC_LATENCY_US": "3",
+    }
+
+
 @needs_megatron_training
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 virtual nodes need 2 GPUs")
@@ -145,13 +157,7 @@ def test_pretrain_gpt_through_two_virtual_nodes_equals_alltoall():
     """The internode path under Megatron-LM's loop: the GPUs split into 2 virtual nodes (4 GPUs:
     2 x 2; 2 GPUs: 2 x 1), every token bound to the other node through the FIFO, the proxies and
     the ipc NIC model at a 400 Gb/s line rate per GPU; ``alltoall`` over the same GPUs beside it."""
-    gpus = 4 if torch.cuda.device_count() >= 4 else 2
-    env = {
-        "UCCL_EP_RANKS_PER_NODE": str(gpus // 2),
-        "UCCL_EP_TRANSPORT": "ipc",
-        "UCCL_EP_IPC_LINK_GBPS": "50",
-        "UCCL_EP_IPC_LATENCY_US": "3",
-    }
+    gpus, env = _two_virtual_nodes()
     _loss_curves(gpus, f"_2x{gpus // 2}", env)
 
 
@@ -164,14 +170,8 @@ def test_pretrain_gpt_sync_free_through_two_virtual_nodes_equals_alltoall():
     all on one expert still fit), so nothing is dropped and the loss curve must be
     ``alltoall``'s. Megatron-LM's own ``pretrain_gpt.py`` at EP4 in this mode (capacity factor
     1.25) ended in a dispatch timeout in its first iteration (docs/performance.md)."""
-    gpus = 4 if torch.cuda.device_count() >= 4 else 2
-    env = {
-        "UCCL_EP_RANKS_PER_NODE": str(gpus // 2),
-        "UCCL_EP_TRANSPORT": "ipc",
-        "UCCL_EP_IPC_LINK_GBPS": "50",
-        "UCCL_EP_IPC_LATENCY_US": "3",
-        "UCCL_EP_TIMEOUT_MS": "60000",
-    }
+    gpus, env = _two_virtual_nodes()
+    env["UCCL_EP_TIMEOUT_MS"] = "60000"
     _loss_curves(gpus, f"_2x{gpus // 2}_sync_free", env, ["--moe-uccl-ep-capacity-factor", "4"])
 
 
