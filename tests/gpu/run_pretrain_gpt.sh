@@ -27,16 +27,18 @@ RUNS=${RUNS:-alltoall uccl_ep uccl_ep_sf flex alltoall_ov uccl_ep_ov uccl_ep_sf_
 ITERS=${ITERS:-25}
 WARMUP=${WARMUP:-5}
 GPUS=$(nvidia-smi -L | wc -l)
+SEQ=4096
+GBS=16
 
 # 4 MoE layers of hidden 4096, 64 experts of width 1408, top-8; 16 sequences of 4096 tokens per
 # iteration (4 micro-batches per rank at EP4, so the overlap schedule has pairs to overlap).
 MODEL="--num-layers 4 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008
-  --seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope
+  --seq-length $SEQ --max-position-embeddings $SEQ --position-embedding-type rope
   --normalization RMSNorm --swiglu --untie-embeddings-and-output-weights
   --attention-dropout 0 --hidden-dropout 0
   --num-experts 64 --moe-router-topk 8 --moe-ffn-hidden-size 1408 --moe-router-dtype fp32
   --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-3 ${SHAPE:-}"
-TRAINING="--micro-batch-size 1 --global-batch-size 16 --train-iters $ITERS --lr 1e-4
+TRAINING="--micro-batch-size 1 --global-batch-size $GBS --train-iters $ITERS --lr 1e-4
   --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 2 --weight-decay 0.1 --clip-grad 1.0
   --bf16 --seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 1000000 --mock-data
   --tokenizer-type NullTokenizer --vocab-size 32000
@@ -92,9 +94,9 @@ for run in $RUNS; do
   [ $r -eq 0 ] || { rc=1; grep -E "Error|error:" "$OUT/pretrain-$run.log" | tail -5; }
   echo "${env_run[*]} ${cmd[*]}" > "$OUT/pretrain-$run.cmd"
 done
-python3 - "$OUT" "$WARMUP" "$RUNS" <<'PY'
+python3 - "$OUT" "$WARMUP" "$RUNS" "$((GBS * SEQ))" <<'PY'
 import json, os, re, statistics, sys
-out, warmup, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3].split()
+out, warmup, runs, tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), int(sys.argv[4])
 line = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
                   r".*?lm loss: ([\d.Ee+-]+) \|")
 result = {"runs": {}}
@@ -102,15 +104,20 @@ for run in runs:
     log = os.path.join(out, f"pretrain-{run}.log")
     if not os.path.exists(log):
         continue
-    rows = [(int(i), float(ms), float(loss)) for i, ms, loss in line.findall(open(log).read())]
+    text = open(log).read()
+    command = open(os.path.join(out, f"pretrain-{run}.cmd")).read().strip()
+    rows = [(int(i), float(ms), float(loss)) for i, ms, loss in line.findall(text)]
     if not rows:
-        result["runs"][run] = {"error": "no iteration lines"}
+        # The first rank's exception, not the launcher's ChildFailedError after it.
+        errors = [x for x in text.splitlines()
+                  if re.search(r"\w(Error|Exception): ", x) and "ChildFailedError" not in x]
+        result["runs"][run] = {"command": command, "error": errors[0][:2000] if errors
+                               else "no iteration lines"}
         continue
     ms = statistics.median(r[1] for r in rows[warmup:]) if len(rows) > warmup else None
     result["runs"][run] = {
-        "command": open(os.path.join(out, f"pretrain-{run}.cmd")).read().strip(),
-        "iterations": len(rows), "median_iteration_ms": ms,
-        "tokens_per_s": 16 * 4096 / (ms / 1e3) if ms else None,
+        "command": command, "iterations": len(rows), "median_iteration_ms": ms,
+        "tokens_per_s": tokens / (ms / 1e3) if ms else None,
         "iteration_ms": [r[1] for r in rows], "loss": [r[2] for r in rows]}
 base = result["runs"].get("alltoall", {}).get("loss")
 for name, r in result["runs"].items():
@@ -121,7 +128,7 @@ ref = {k: result["runs"].get(k, {}).get("median_iteration_ms") for k in ("alltoa
 for name, r in result["runs"].items():
     ms = r.get("median_iteration_ms")
     if not ms:
-        print(f"{name:14} {r.get('error', 'incomplete')}")
+        print(f"{name:14} {r.get('error', 'incomplete')[:300]}")
         continue
     vs = "  ".join(f"vs {k} {ref[k] / ms:.3f}" for k in ref if ref[k])
     print(f"{name:14} {ms:8.1f} ms/iter {r['tokens_per_s']:9,.0f} tok/s  {vs}  loss "
