@@ -187,7 +187,6 @@ class IpcTransport::Nic {
   struct Pending {           // a copy submission not yet seen complete
     uint64_t ticket;
     int64_t submit_ns;
-    uint64_t last_seq;       // the last job it carries
     CopyJob first;           // a job it carries (named by a stall)
   };
   struct CopyQueue {
@@ -239,6 +238,7 @@ class IpcTransport::Nic {
   bool dma_submit();
   bool dma_submit_device(size_t d);
   bool dma_poll();
+  uint64_t dma_completed(const CopyQueue& q);  // the queue's completed ticket (one GPU call)
   void dma_check_stalls(int64_t now);
   void check_dma_call(int64_t now);  // the NIC thread's watch over a DMA thread stuck in a GPU call
 

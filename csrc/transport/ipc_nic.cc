@@ -438,10 +438,7 @@ bool IpcTransport::Nic::dma_submit_device(size_t d) {
     const size_t s = (next_stream_[d] + k) % streams.size();
     CopyQueue& q = streams[s];
     if (q.submitted - q.completed >= t_.options_.copy_queue_depth) {
-      {
-        InGpuCall in_call(gpu_call_since_);
-        q.completed = gpu.copy_completed(q.handle);
-      }
+      q.completed = dma_completed(q);
       if (q.submitted - q.completed >= t_.options_.copy_queue_depth) continue;
     }
     const size_t n = gpu.copy_submit_batch ? std::min(b.dst.size() - b.next, kMaxBatch) : 1;
@@ -454,7 +451,7 @@ bool IpcTransport::Nic::dma_submit_device(size_t d) {
     }
     q.submitted = ticket;
     const uint64_t last_seq = b.last_seq[b.next + n - 1];
-    q.pending.push_back(Pending{ticket, ipc::now_ns(), last_seq, b.first[b.next]});
+    q.pending.push_back(Pending{ticket, ipc::now_ns(), b.first[b.next]});
     order_[d].push_back(Submitted{last_seq, s, ticket});
     b.next += n;
     bump(copies_, n);
@@ -479,11 +476,7 @@ bool IpcTransport::Nic::dma_poll() {
   for (size_t d = 0; d < queues_.size(); ++d) {
     for (auto& q : queues_[d]) {
       if (q.completed == q.submitted) continue;
-      uint64_t c = 0;
-      {
-        InGpuCall in_call(gpu_call_since_);
-        c = t_.options_.gpu->copy_completed(q.handle);
-      }
+      const uint64_t c = dma_completed(q);
       if (c == q.completed) continue;
       q.completed = c;
       while (!q.pending.empty() && q.pending.front().ticket <= c) q.pending.pop_front();
@@ -498,6 +491,11 @@ bool IpcTransport::Nic::dma_poll() {
     if (landed != 0) landed_[d].store(landed, std::memory_order_release);
   }
   return moved;
+}
+
+uint64_t IpcTransport::Nic::dma_completed(const CopyQueue& q) {
+  InGpuCall in_call(gpu_call_since_);
+  return t_.options_.gpu->copy_completed(q.handle);
 }
 
 // A copy submitted copy_timeout_ms ago that has not completed: the GPU never ran it (its

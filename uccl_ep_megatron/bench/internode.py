@@ -413,7 +413,7 @@ def _wire(n0: dict, n1: dict, calls: int) -> dict:
     keys += tuple(f"{x}_ns" for x in steps)
     d = {k: n1[k] - n0.get(k, 0) for k in n1 if k.startswith(keys)}
     writes = max(1, n1["writes"] - n0["writes"])
-    pairs = calls  # ``pipelined`` counts its pairs as calls
+    pairs = calls  # per call; ``pipelined`` counts its pairs as calls
     return {
         "wire": {
             "busy_us": d["wire_busy_ns"] / 1e3 / pairs,
