@@ -35,6 +35,7 @@ OTHER = {
     "ipc_link_gbps": (50.0, "50"),
     "ipc_latency_us": (2.5, "2.5"),
     "ipc_fault": ("dead_peer:rank=1,after=5", "dead_peer:rank=1,after=5"),
+    "ipc_delivery": ("copy", "copy"),
     "ipc_copy_streams": (2, "2"),
 }
 # Variables the registry keeps as text that the options hold as numbers.
@@ -116,6 +117,7 @@ def test_blank_variables_take_the_registry_default(clean_env):
         ("ipc_link_gbps", -1, "must be a finite number >= 0"),
         ("ipc_latency_us", "3", "must be a finite number >= 0"),
         ("ipc_fault", 5, "must be a string"),
+        ("ipc_delivery", "dma", "must be one of 'store', 'copy'"),
         ("ipc_copy_streams", 0, r"must be an int in \[1, 64\]"),
     ],
 )

@@ -209,6 +209,12 @@ def test_bench_internode_pipeline_needs_sync_free_pairs(flags):
     )
 
 
+def test_bench_internode_names_a_bad_delivery():
+    assert_one_line_error(
+        cli("bench", "internode", "--delivery", "store,dma"), "--delivery='store,dma'", "store,copy"
+    )
+
+
 # ---- plugin options (item 8) ----------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, needle",

@@ -86,13 +86,16 @@ def test_doctor_diagnoses_a_value_that_does_not_parse(capsys, monkeypatch):
     assert "UCCL_EP_NUM_PROXY_THREADS=4" in text  # the others are still reported
 
 
-def test_render_says_the_ipc_transport_needs_eager_loading_on_a_gpu(monkeypatch):
+def test_render_says_the_ipc_copy_delivery_needs_eager_loading_on_a_gpu(monkeypatch):
     r = doctor.collect()
     r["transport"] = "ipc"
     r["gpus"] = {"count": 1, "note": "", "devices": [], "peer_access": []}
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    monkeypatch.delenv("UCCL_EP_IPC_DELIVERY", raising=False)
+    assert "CUDA_MODULE_LOADING" not in doctor.render(r)  # store delivery: no CUDA call
+    monkeypatch.setenv("UCCL_EP_IPC_DELIVERY", "copy")
     text = doctor.render(r)
-    assert "ipc on a GPU needs CUDA_MODULE_LOADING=EAGER" in text
+    assert "ipc with UCCL_EP_IPC_DELIVERY=copy on a GPU needs CUDA_MODULE_LOADING=EAGER" in text
     assert "now: unset: the driver loads lazily" in text
     monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
     assert "(now: EAGER)" in doctor.render(r)

@@ -1,5 +1,6 @@
-"""Eager CUDA module loading for the ipc transport: which ranks ask for it, and the check that
-refuses lazy loading with the fix in its message (``proxy/loading.py`` says why it matters)."""
+"""Eager CUDA module loading for the ipc transport's copy delivery: which ranks ask for it, and
+the check that refuses lazy loading with the fix in its message (``proxy/loading.py`` says why
+it matters; the default store delivery makes no CUDA call and needs neither)."""
 
 from __future__ import annotations
 
@@ -32,12 +33,15 @@ from uccl_ep_megatron.proxy.loading import (
 )
 def test_which_ranks_may_use_ipc(environ, local_ranks, transport, expected):
     assert may_use_ipc(environ, local_ranks, transport) is expected
-    env = eager_loading_env(environ, local_ranks, transport)
+    # Store delivery (the default, or named) needs no eager loading; copy delivery does.
+    for delivery in ({}, {"UCCL_EP_IPC_DELIVERY": "store"}):
+        assert eager_loading_env({**environ, **delivery}, local_ranks, transport) == {}
+    env = eager_loading_env({**environ, "UCCL_EP_IPC_DELIVERY": " Copy "}, local_ranks, transport)
     assert env == ({ENV: "EAGER"} if expected else {})
 
 
 def test_a_loading_mode_the_user_chose_is_kept():
-    environ = {"UCCL_EP_RANKS_PER_NODE": "2", ENV: "LAZY"}
+    environ = {"UCCL_EP_RANKS_PER_NODE": "2", "UCCL_EP_IPC_DELIVERY": "copy", ENV: "LAZY"}
     assert may_use_ipc(environ, 4)
     assert eager_loading_env(environ, 4) == {}
 
@@ -47,8 +51,11 @@ def test_lazy_loading_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(UnsupportedError) as info:
         check_ipc_module_loading(3, mode="LAZY")
     text = str(info.value)
-    assert text.startswith("rank 3: the ipc transport needs CUDA_MODULE_LOADING=EAGER")
+    assert text.startswith(
+        "rank 3: the ipc transport's copy delivery needs CUDA_MODULE_LOADING=EAGER"
+    )
     assert "CUDA_MODULE_LOADING='LAZY'" in text
+    assert "UCCL_EP_IPC_DELIVERY=store" in text
     assert "UCCL_EP_TRANSPORT=verbs" in text
 
 
@@ -64,6 +71,9 @@ def test_train_asks_for_eager_loading_only_for_uccl_ep(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setenv("UCCL_EP_RANKS_PER_NODE", "2")
     recipe = load_recipe()
+    monkeypatch.delenv("UCCL_EP_IPC_DELIVERY", raising=False)
+    assert _rank_env(recipe, "uccl_ep", 4) == {}  # store delivery: no CUDA call in the model
+    monkeypatch.setenv("UCCL_EP_IPC_DELIVERY", "copy")
     assert _rank_env(recipe, "uccl_ep", 4) == {ENV: "EAGER"}
     assert _rank_env(recipe, "alltoall", 4) == {}
     assert _rank_env(recipe, "uccl_ep", 2) == {}  # 2 ranks per node of 2: one node

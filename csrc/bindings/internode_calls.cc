@@ -80,6 +80,11 @@ struct Context {
     for (size_t j = 0; j < b.nvl.size(); ++j) {
       check_alloc(b.nvl[j], 1, {AllocKind::kDeviceBuffer, AllocKind::kIpcMapping}, op, detail::concat("nvl[", j, "]"));
     }
+    UCCL_EP_CHECK_ARG(b.remote.empty() || static_cast<int>(b.remote.size()) == num_nodes(), "internode ", op,
+                      ": got ", b.remote.size(), " remote regions for ", num_nodes(), " nodes (one per node, or none)");
+    for (size_t n = 0; n < b.remote.size(); ++n) {
+      if (b.remote[n] == 0) UCCL_EP_THROW(InvalidArgument, "internode ", op, ": remote[", n, "] is a null pointer");
+    }
     check_alloc(b.status, kStatusBytes, {AllocKind::kHostStatus}, op, "status");
     check_alloc(b.counters, in::kNumCounters * sizeof(int64_t), {AllocKind::kMappedCounters}, op, "counters");
   }
@@ -105,7 +110,7 @@ struct Context {
 Context make_context(int rank, int num_ranks, int ranks_per_node, py::handle fifo_handles_t, int num_fifos,
                      intptr_t counters, py::handle state_t, intptr_t region, int64_t region_bytes,
                      std::vector<intptr_t> nvl, int64_t stage_offset, intptr_t status, int64_t timeout_ns,
-                     uint64_t barrier_seq) {
+                     uint64_t barrier_seq, std::vector<intptr_t> remote) {
   UCCL_EP_CHECK_ARG(num_fifos >= 1, "internode Context: num_fifos=", num_fifos, " must be positive");
   UCCL_EP_CHECK_ARG(stage_offset >= 0 && timeout_ns > 0, "internode Context: stage_offset=", stage_offset,
                     " timeout_ns=", timeout_ns);
@@ -126,6 +131,7 @@ Context make_context(int rank, int num_ranks, int ranks_per_node, py::handle fif
   b.region = region;
   b.region_bytes = region_bytes;
   b.nvl = std::move(nvl);
+  b.remote = std::move(remote);
   b.status = status;
   b.timeout_ns = timeout_ns;
   c.check("Context");
@@ -549,12 +555,13 @@ void bind_internode_calls(py::module_& s) {
 #ifdef UCCL_EP_WITH_GPU
   py::class_<Context>(s, "Context",
                       "The per-Buffer part of every internode launch (group shape, FIFOs, counters, RDMA "
-                      "region, NVLink buffers, status, timeout) and the node-barrier sequence, checked when "
+                      "region, NVLink buffers, status, timeout; `remote`: every node's peer region when the ipc NIC "
+                      "model's senders store ring slots in place) and the node-barrier sequence, checked when "
                       "built; rebuilt (carrying barrier_seq over) after the NVLink buffers grow.")
       .def(py::init(&make_context), py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"),
            py::arg("fifo_handles"), py::arg("num_fifos"), py::arg("counters"), py::arg("state"), py::arg("region"),
            py::arg("region_bytes"), py::arg("nvl"), py::arg("stage_offset"), py::arg("status"),
-           py::arg("timeout_ns"), py::arg("barrier_seq") = 0)
+           py::arg("timeout_ns"), py::arg("barrier_seq") = 0, py::arg("remote") = std::vector<intptr_t>{})
       .def_readonly("barrier_seq", &Context::barrier_seq)
       .def(
           "set_trace",

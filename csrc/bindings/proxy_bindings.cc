@@ -425,7 +425,8 @@ void bind_proxy(py::module_& m) {
       .def(py::init([](uint32_t rank, uint32_t world, uint32_t threads, uint32_t channels, uintptr_t region,
                        uint64_t bytes, int gpu_device, bool reorder, uint64_t seed, uint32_t max_delay_us,
                        uint32_t inbox_capacity, const std::string& shm_name, uint64_t copy_timeout_ms,
-                       double link_gbps, double latency_us, const std::string& fault, uint32_t copy_streams) {
+                       double link_gbps, double latency_us, const std::string& fault, uint32_t copy_streams,
+                       bool bytes_in_place) {
              const TransportSetup s = transport_setup(rank, world, threads, channels, region, bytes, gpu_device);
              IpcOptions o;
              o.reorder = reorder;
@@ -437,6 +438,7 @@ void bind_proxy(py::module_& m) {
              o.latency_us = latency_us;
              o.faults = parse_ipc_faults(fault);
              o.copy_streams = copy_streams;
+             o.bytes_in_place = bytes_in_place;
              o.peer_access = Env::load().ipc_peer_access;
              o.gpu = hooks_or_null();
              return std::make_unique<IpcTransport>(s, o, shm_name);
@@ -445,7 +447,10 @@ void bind_proxy(py::module_& m) {
            py::arg("region_ptr"), py::arg("region_bytes"), py::arg("gpu_device") = -1, py::arg("reorder") = false,
            py::arg("seed") = 0, py::arg("max_delay_us") = 50, py::arg("inbox_capacity") = 4096,
            py::arg("shm_name") = "", py::arg("copy_timeout_ms") = 30000, py::arg("link_gbps") = 0.0,
-           py::arg("latency_us") = 0.0, py::arg("fault") = "", py::arg("copy_streams") = 4)
+           py::arg("latency_us") = 0.0, py::arg("fault") = "", py::arg("copy_streams") = 4,
+           py::arg("bytes_in_place") = false)
+      .def("peer_region", &IpcTransport::peer_region, py::arg("peer"),
+           "Address of `peer`'s region as mapped in this process (after connect).")
       .def(
           "nic_stats",
           [](const IpcTransport& t) {

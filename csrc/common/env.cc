@@ -69,6 +69,11 @@ void validate(Env& e, Reject reject) {
   if (!one_of(e.transport, {"auto", "verbs", "ipc"})) {
     reject("UCCL_EP_TRANSPORT", "is not a transport; use auto, verbs or ipc", [&] { e.transport = d.transport; });
   }
+  if (e.ipc_delivery.empty()) e.ipc_delivery = d.ipc_delivery;
+  if (!one_of(e.ipc_delivery, {"store", "copy"})) {
+    reject("UCCL_EP_IPC_DELIVERY", "is not an ipc delivery; use store or copy",
+           [&] { e.ipc_delivery = d.ipc_delivery; });
+  }
   if (e.proxy_ordering.empty()) e.proxy_ordering = d.proxy_ordering;
   if (!one_of(e.proxy_ordering, {"receiver", "sender", "none"})) {
     reject("UCCL_EP_PROXY_ORDERING", "is not an ordering; use receiver, sender or none",

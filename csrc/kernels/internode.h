@@ -61,6 +61,12 @@ struct Common {
   intptr_t region = 0;    // registered RDMA region (device memory)
   int64_t region_bytes = 0;
   std::vector<intptr_t> nvl;  // NVLink buffers of the node's ranks (index = local rank)
+  // Empty: a NIC moves ring bytes (the senders pack into this rank's send rings and the proxy
+  // posts writes from there). Else one region per node, index = node: the region of the rank
+  // with this local index on that node, mapped here (the ipc NIC model with
+  // UCCL_EP_IPC_DELIVERY=store). The senders then store each slot straight into that rank's
+  // receive ring over NVLink, and the model times the writes' delivery without moving bytes.
+  std::vector<intptr_t> remote;
   int cap = 0;                // ring slots per (channel, node)
   int chunk = 0;              // tokens per RDMA write
   intptr_t status = 0;

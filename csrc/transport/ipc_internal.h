@@ -231,6 +231,7 @@ class IpcTransport::Nic {
   void release(uint32_t id);
   size_t device_slot(int device) const;
   int copy_device(uint32_t peer) const;
+  bool in_place() const;  // IpcOptions::bytes_in_place
   // The DMA thread's.
   void dma_run();
   bool dma_take();

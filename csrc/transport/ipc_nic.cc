@@ -96,8 +96,9 @@ IpcTransport::Nic::Nic(IpcTransport& t)
       qp_posted_(size_t{t.setup_.num_threads} * t.setup_.world_size, 0),
       qp_failed_ns_(size_t{t.setup_.num_threads} * t.setup_.world_size, 0),
       jobs_(kJobRing) {
-  // Copy streams, made here on the connecting thread before any kernel runs.
-  for (uint32_t p = 0; p < world_; ++p) {
+  // Copy streams, made here on the connecting thread before any kernel runs. None when the
+  // kernels store GPU bytes in place: then this NIC makes no CUDA call at all.
+  for (uint32_t p = 0; p < world_ && !in_place(); ++p) {
     const int dev = copy_device(p);
     if (dev < 0 || std::find(devices_.begin(), devices_.end(), dev) != devices_.end()) continue;
     devices_.push_back(dev);
@@ -165,6 +166,8 @@ int IpcTransport::Nic::copy_device(uint32_t peer) const {
   if (t_.setup_.region.gpu_device >= 0) return t_.setup_.region.gpu_device;
   return p.region_gpu ? p.gpu_device : -1;
 }
+
+bool IpcTransport::Nic::in_place() const { return t_.options_.bytes_in_place; }
 
 size_t IpcTransport::Nic::device_slot(int device) const {
   return static_cast<size_t>(std::find(devices_.begin(), devices_.end(), device) - devices_.begin());
@@ -276,12 +279,12 @@ void IpcTransport::Nic::admit(uint32_t thread, const ipc::WorkRequest& wr, int64
 }
 
 // Moves a flight's bytes: memcpy for host regions (the NIC thread is the DMA engine), else a
-// copy in its device's open batch.
+// copy in its device's open batch, or nothing where the kernels stored them in place.
 void IpcTransport::Nic::move_bytes(uint32_t id) {
   const Flight& f = pool_[id];
   if (f.wr.length == 0) return;
   if (copy_device(f.wr.peer) >= 0) {
-    add_copy(id);
+    if (!in_place()) add_copy(id);
     return;
   }
   const char* src = static_cast<const char*>(t_.setup_.region.base) + f.wr.src_offset;
@@ -517,12 +520,14 @@ void IpcTransport::Nic::dma_check_stalls(int64_t now) {
 }
 
 // A DMA thread that entered a GPU library call copy_timeout_ms ago and is still inside it: the
-// copies cannot move, and no stall of a submitted copy will ever be seen. One way to get here: a
-// CUDA call of another thread of this process that waits for the device (cudaFree,
-// cudaDeviceSynchronize), made while a kernel waits for these copies, can hold the copy calls:
-// the copies wait for the call, the call for the kernel, the kernel for the copies. A NIC moves
-// bytes without the CUDA API; this model does not. The NIC thread, which never calls into the GPU
-// library, names such a call once.
+// copies cannot move, and no stall of a submitted copy will ever be seen. The way to get here: a
+// CUDA call of another thread of this process that waits for every running kernel while holding
+// the context (cudaFree, cudaFreeHost, cudaHostUnregister, a library loading kernels such as
+// cuBLAS on a new GEMM shape, a lazily loaded kernel's first launch; measured on H200), made
+// while a kernel waits for these copies: the copies wait for the call, the call for the kernel,
+// the kernel for the copies. A NIC moves bytes without the CUDA API; copy delivery does not (store
+// delivery makes no CUDA call). The NIC thread, which never calls into the GPU library, names
+// such a call once.
 void IpcTransport::Nic::check_dma_call(int64_t now) {
   const int64_t since = gpu_call_since_.load(std::memory_order_acquire);
   if (since == 0 || since == gpu_call_reported_) return;
@@ -532,9 +537,11 @@ void IpcTransport::Nic::check_dma_call(int64_t now) {
   fail_all(detail::concat(
       "ipc rank ", t_.setup_.rank, ": the NIC model's DMA thread has been inside a GPU copy-stream call (submit or "
       "poll) for ", waited / 1'000'000,
-      " ms, so no copy can move. One way to get here: another thread of this process makes a CUDA call that waits "
-      "for the device (cudaFree, cudaDeviceSynchronize, ...) while a kernel waits for these copies; the ipc NIC "
-      "model needs the CUDA API to move bytes (a NIC does not)"));
+      " ms, so no copy can move. Another thread of this process is making a CUDA call that waits for the running "
+      "kernels (cudaFree, cudaFreeHost, a library loading kernels such as cuBLAS on a new GEMM shape, a lazily "
+      "loaded kernel's first launch) while a kernel waits for these copies; the ipc NIC model's copy delivery "
+      "needs the CUDA API to move bytes (a NIC does not). Use UCCL_EP_IPC_DELIVERY=store (the default), which "
+      "makes no CUDA call"));
 }
 
 // Delivers what arrived: RC in post order per QP, SRD in arrival order. Failed flights complete

@@ -130,6 +130,7 @@ std::string IpcTransport::local_info() const {
   f["inbox_ptr"] = std::to_string(reinterpret_cast<uint64_t>(inbox_->data()));
   f["ptr"] = std::to_string(reinterpret_cast<uint64_t>(setup_.region.base));
   f["bytes"] = std::to_string(setup_.region.bytes);
+  f["in_place"] = options_.bytes_in_place ? "1" : "0";
   f["gpu"] = std::to_string(setup_.region.gpu_device + 1);
   f["shm"] = kv::hex(shared_region_name_);
   f["handle"] = setup_.region.gpu_device >= 0
@@ -153,6 +154,11 @@ void IpcTransport::connect(const std::vector<std::string>& infos) {
                           kv::get_u64(f, "inbox_cap", origin) == options_.inbox_capacity,
                       origin, " disagrees on world size / proxy threads / inbox capacity; ",
                       "set UCCL_EP_NUM_PROXY_THREADS identically on all ranks");
+    UCCL_EP_CHECK_ARG((kv::get(f, "in_place", origin) == "1") == options_.bytes_in_place, origin,
+                      " moves write bytes differently from rank ", setup_.rank, " (",
+                      options_.bytes_in_place ? "copies" : "stores in place", " vs ",
+                      options_.bytes_in_place ? "stores in place" : "copies",
+                      "); set UCCL_EP_IPC_DELIVERY identically on all ranks");
     auto p = std::make_unique<Peer>();
     const bool same_process = kv::get_u64(f, "pid", origin) == my_pid;
     if (r == setup_.rank) {
@@ -203,6 +209,9 @@ void IpcTransport::connect(const std::vector<std::string>& infos) {
     if (options_.peer_access && setup_.region.gpu_device >= 0 && p.region_gpu && !p.ipc_opened &&
         p.gpu_device != setup_.region.gpu_device &&
         !options_.gpu->enable_peer_access(setup_.region.gpu_device, p.gpu_device)) {
+      UCCL_EP_CHECK_ARG(!options_.bytes_in_place, "ipc rank ", setup_.rank, ": GPU ", setup_.region.gpu_device,
+                        " cannot access GPU ", p.gpu_device, " (rank ", r, ") peer-to-peer, so its kernels cannot ",
+                        "store ring bytes there; set UCCL_EP_IPC_DELIVERY=copy");
       UCCL_EP_LOG(kWarn, "ipc rank ", setup_.rank, ": GPU ", setup_.region.gpu_device, " cannot access GPU ",
                   p.gpu_device, " (rank ", r, ") peer-to-peer; copies are staged through host memory");
     }
@@ -220,6 +229,12 @@ Endpoint& IpcTransport::endpoint(uint32_t thread) {
 }
 
 IpcNicStats IpcTransport::nic_stats() const { return nic_ ? nic_->stats() : IpcNicStats{}; }
+
+uintptr_t IpcTransport::peer_region(uint32_t peer) const {
+  UCCL_EP_CHECK_ARG(peer < peers_.size(), "rank ", peer, " is not a connected peer (world ", peers_.size(),
+                    "); connect the ipc transport first");
+  return reinterpret_cast<uintptr_t>(peers_[peer]->region);
+}
 
 uint64_t IpcTransport::peer_region_bytes(uint32_t peer) const {
   UCCL_EP_CHECK_ARG(peer < peers_.size(), "rank ", peer, " is not a connected peer (world ", peers_.size(), ")");

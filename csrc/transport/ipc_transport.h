@@ -8,7 +8,9 @@
 // writes to one peer coalesced) or memcpy for host regions, and once a write's bytes landed AND
 // its modelled arrival time passed, hands its immediate to the peer's proxy through a
 // shared-memory inbox; the sender's completion follows one latency later (the ack). Proxies poll
-// completions; nothing in a proxy thread waits for the GPU.
+// completions; nothing in a proxy thread waits for the GPU. With bytes_in_place (store
+// delivery) the kernels stored a GPU write's bytes at its destination before posting it, and
+// the NIC moves none: it makes no CUDA call, which copies would (see check_dma_call).
 //
 // Model (per virtual NIC):
 // - line rate B (UCCL_EP_IPC_LINK_GBPS, GB/s; 0 = as fast as the copies go): egress is one
@@ -49,6 +51,11 @@ struct IpcOptions {
   uint32_t copy_streams = 4;        // copy streams per GPU the NIC spreads batches over
   uint64_t copy_timeout_ms = 30000;  // a GPU copy pending longer: TransportError (keep < proxy timeout)
   bool peer_access = true;          // enable P2P to same-process GPU peers (UCCL_EP_IPC_PEER_ACCESS)
+  // GPU regions: every write's bytes are at their destination before it is posted (the
+  // internode kernels store ring slots into the receiver's region over NVLink;
+  // UCCL_EP_IPC_DELIVERY=store). The NIC then times each write and delivers it as usual but
+  // copies nothing, so it makes no CUDA call at all once connected.
+  bool bytes_in_place = false;
   const GpuHooks* gpu = nullptr;   // required when the region is GPU memory
 };
 
@@ -103,6 +110,9 @@ class IpcTransport : public Transport {
   void connect(const std::vector<std::string>& infos) override;
   Endpoint& endpoint(uint32_t thread) override;
   uint64_t peer_region_bytes(uint32_t peer) const override;
+  // Where `peer`'s region is mapped in this process (this rank's own for peer == rank); the
+  // kernels store into it when bytes_in_place. Needs connect().
+  uintptr_t peer_region(uint32_t peer) const;
   IpcNicStats nic_stats() const;
 
   struct Peer;

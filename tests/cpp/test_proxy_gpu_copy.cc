@@ -169,6 +169,8 @@ struct Shape {
   Ordering ordering = Ordering::kReceiver;
   bool peer_access = true;
   bool batched = false;  // copies submitted in batches (copy_submit_batch)
+  bool in_place = false;  // IpcOptions::bytes_in_place: producers store the bytes themselves
+  double latency_us = 0;  // IpcOptions::latency_us
 };
 
 // Ranks of one process, "GPU" r each (host memory), connected through the ipc transport.
@@ -203,6 +205,8 @@ struct GpuWorld {
       o.copy_queue_depth = s.copy_queue_depth;
       o.copy_timeout_ms = s.copy_timeout_ms;
       o.peer_access = s.peer_access;
+      o.bytes_in_place = s.in_place;
+      o.latency_us = s.latency_us;
       o.gpu = s.batched ? fake_batch_hooks() : fake_hooks();
       transports.push_back(std::make_unique<IpcTransport>(t, o));
       infos.push_back(transports.back()->local_info());
@@ -472,6 +476,95 @@ TEST(GpuCopyQueue, DmaThreadHeldInACopyCallIsReportedNotHung) {
     EXPECT_NE(msg.find("ipc rank 0: the NIC model's DMA thread has been inside a GPU copy-stream call"),
               std::string::npos)
         << msg;
+  }
+}
+
+// Store delivery (UCCL_EP_IPC_DELIVERY=store): the producers store each write's bytes into the
+// peer's region themselves, as the internode kernels do over NVLink, and the NIC only times the
+// writes. It makes no GPU call once connected: no copy stream exists, and with every GPU call
+// held (what a context-synchronizing call of another thread does to copy delivery) the traffic
+// still completes. A write's immediate still arrives no sooner than the modelled latency.
+TEST(GpuCopyQueue, StoreDeliveryMakesNoGpuCallAndKeepsTheLatency) {
+  Shape s;
+  s.channels = 4;
+  s.threads = 2;
+  s.reorder = false;
+  s.in_place = true;
+  s.latency_us = 2000;
+  FakeGpu::reset(0, false);
+  FakeGpu::block_submit = true;  // any copy submission would hang here
+  GpuWorld w(s);
+  EXPECT_EQ(FakeGpu::queues_created.load(), 0) << "store delivery must not create copy streams";
+  w.start();
+  const uint32_t len = 4096, writes = 64;
+  std::vector<std::thread> producers;
+  std::atomic<int64_t> earliest_us{INT64_MAX};
+  for (uint32_t r = 0; r < s.world; ++r) {
+    producers.emplace_back([&, r] {
+      const uint32_t peer = 1 - r;
+      FifoChannel& f = *w.fifos[r][r % s.channels];
+      try {
+        for (uint32_t k = 0; k < writes; ++k) {
+          const uint64_t off = uint64_t{k} * len;
+          for (uint32_t i = 0; i < len; ++i) w.regions[peer][w.area + off + i] = pattern(r, 0, k, i);
+          const auto t0 = Clock::now();
+          const int64_t* ctr = &w.counters[peer][r * s.channels + r % s.channels];
+          f.push(build_write_atomic(peer, off, w.area + off, len, r * s.channels + r % s.channels, 1));
+          if (k == 0) {  // the first write's immediate: never before its latency
+            while (__atomic_load_n(ctr, __ATOMIC_ACQUIRE) < 1) std::this_thread::yield();
+            const auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+            earliest_us.store(us);
+          }
+        }
+        f.wait_completion(f.push(make_drain_all()));
+      } catch (const Error& e) {
+        ADD_FAILURE() << "rank " << r << ": " << e.what();
+      }
+    });
+  }
+  for (auto& t : producers) t.join();
+  for (auto& p : w.proxies) p->check();
+  EXPECT_GE(earliest_us.load(), 2000) << "an immediate arrived before the modelled latency";
+  for (uint32_t r = 0; r < s.world; ++r) {
+    const uint32_t peer = 1 - r;
+    // The receiving proxy applies the last atomic on its own thread: wait for it, bounded.
+    const int64_t* ctr = &w.counters[r][peer * s.channels + peer % s.channels];
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (__atomic_load_n(ctr, __ATOMIC_ACQUIRE) < int64_t{writes} && Clock::now() < deadline)
+      std::this_thread::yield();
+    EXPECT_EQ(__atomic_load_n(ctr, __ATOMIC_ACQUIRE), int64_t{writes});
+    const IpcNicStats n = w.transports[r]->nic_stats();
+    EXPECT_GE(n.writes, uint64_t{writes}) << "every write is still on the modelled wire";
+    EXPECT_EQ(n.bytes, uint64_t{writes} * len) << "every write's bytes are still on the modelled wire";
+    EXPECT_EQ(n.copies, 0u);
+    EXPECT_EQ(n.batches, 0u);
+  }
+  FakeGpu::block_submit = false;
+}
+
+// Every rank must deliver alike: a copying rank would overwrite what a storing peer put in place.
+TEST(GpuCopyQueue, MixedDeliveryIsRejectedAtConnect) {
+  FakeGpu::reset(0, false);
+  std::vector<std::vector<uint8_t>> regions(2, std::vector<uint8_t>(4096));
+  std::vector<std::unique_ptr<IpcTransport>> ts;
+  std::vector<std::string> infos;
+  for (uint32_t r = 0; r < 2; ++r) {
+    TransportSetup t;
+    t.rank = r;
+    t.world_size = 2;
+    t.region = RegionInfo{regions[r].data(), regions[r].size(), static_cast<int>(r)};
+    IpcOptions o;
+    o.gpu = fake_hooks();
+    o.bytes_in_place = r == 1;
+    ts.push_back(std::make_unique<IpcTransport>(t, o));
+    infos.push_back(ts.back()->local_info());
+  }
+  try {
+    ts[0]->connect(infos);
+    ADD_FAILURE() << "connect accepted a peer that stores in place while this rank copies";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("set UCCL_EP_IPC_DELIVERY identically on all ranks"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -4,7 +4,8 @@
 # summary table last (logs are tarred into one file).
 #   copy     bench internode --copy-only: the NIC model alone (unthrottled and at 50 GB/s)
 #   bench    bench internode on 2x2 (4 GPUs) and 2x1: line rates, proxy threads, chunk sizes
-#   tests    tests/gpu/test_internode.py on 2x1 and 2x2 (PYTEST_K selects cases)
+#   tests    tests/gpu/test_internode.py on 2x1 and 2x2, and on 2x2 with copy delivery (PYTEST_K
+#            selects cases)
 # Env: STEPS, PYTEST_K, BENCH_ARGS (extra flags for the 2x2 bench), DEADLINE_S (default 540).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
@@ -58,6 +59,8 @@ if has tests; then
     ${PYTEST_K:+-k "$PYTEST_K"})
   UCCL_EP_TEST_RANKS_PER_NODE=2 step tests_2x2 240 "${PYTEST[@]}"
   UCCL_EP_TEST_RANKS_PER_NODE=1 step tests_2x1 200 "${PYTEST[@]}"
+  # The NIC model's copy delivery (the default is store): the same suite on 2x2.
+  UCCL_EP_TEST_IPC_DELIVERY=copy UCCL_EP_TEST_RANKS_PER_NODE=2 step tests_2x2_copy 240 "${PYTEST[@]}"
 fi
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
 echo "==== summary ===="

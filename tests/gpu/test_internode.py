@@ -71,7 +71,13 @@ def _env(pool, reorder: bool, seed: int) -> dict[str, str]:
         # The NIC model at a 400 Gb/s line rate (50 GB/s per GPU) and 3 us, as the bench runs it.
         "UCCL_EP_IPC_LINK_GBPS": os.environ.get("UCCL_EP_TEST_IPC_LINK_GBPS", "50"),
         "UCCL_EP_IPC_LATENCY_US": os.environ.get("UCCL_EP_TEST_IPC_LATENCY_US", "3"),
+        "UCCL_EP_IPC_DELIVERY": DELIVERY,
     }
+
+
+# How the NIC model gets ring bytes to the peer GPU (UCCL_EP_IPC_DELIVERY): the suite runs with
+# UCCL_EP_TEST_IPC_DELIVERY=store (default) and again with copy (tests/gpu/run_internode.sh).
+DELIVERY = os.environ.get("UCCL_EP_TEST_IPC_DELIVERY", "store")
 
 
 def _get_buffers(reorder: bool):
@@ -184,6 +190,7 @@ def case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     out["proxy_writes"] = stats.get("writes_posted", 0)
     out["held_out_of_order"] = stats.get("held_out_of_order", 0)
     out["transport"] = kb._backend.proxy.transport_kind
+    out["in_place"] = kb._backend.proxy.bytes_in_place
     return out
 
 
@@ -229,6 +236,7 @@ def test_internode_matches_reference(gpu_pool, name, reorder):
     out = gpu_pool.run(__file__, "case", CASES[name], reorder, env=_env(gpu_pool, reorder, 7))
     assert len(out) == gpu_pool.world_size
     assert all(o["transport"] == "ipc" for o in out)
+    assert all(o["in_place"] == (DELIVERY == "store") for o in out), (DELIVERY, out)
     if CASES[name]["tokens"] > 0:
         # Tokens crossed the virtual network through the proxies.
         assert sum(o["proxy_writes"] for o in out) > 0

@@ -131,6 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per op")
     parser.add_argument("--reorder", action="store_true", help="SRD: unordered delivery")
     parser.add_argument(
+        "--delivery",
+        default="store",
+        help="how the NIC model gets write bytes to GPUs (UCCL_EP_IPC_DELIVERY), comma-separated: "
+        "store (the kernels store them in the receiver's ring) and/or copy (copy engines)",
+    )
+    parser.add_argument(
         "--intranode-ref", action="store_true", help="also time the tokens intranode (one node)"
     )
     parser.add_argument(
@@ -164,6 +170,9 @@ def run(args: argparse.Namespace) -> int:
             f"--pipeline={args.pipeline}: give a count of pairs >= 1 together with --sync-free "
             "(the pairs are sync-free calls), or 0"
         )
+    deliveries = [d.strip() for d in args.delivery.split(",") if d.strip()]
+    if not deliveries or any(d not in ("store", "copy") for d in deliveries):
+        raise SystemExit(f"--delivery={args.delivery!r}: give store, copy or store,copy")
     gpus = args.num_gpus or visible_gpus()
     world = args.ranks or gpus
     local = args.ranks_per_node or world // 2
@@ -189,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         "world": world,
         "ranks_per_node": local,
         "latency_us": lats,
+        "delivery": deliveries,
         "reorder": bool(args.reorder),
     }
     with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
@@ -196,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         if args.copy_only:
             rows = pool.run(_copy_worker, vars(args), local, links, _ints(args.copy_only), lats[0])
         else:
-            rows = pool.run(_worker, vars(args), local, threads, links, chunks, lats)
+            rows = pool.run(_worker, vars(args), local, threads, links, chunks, lats, deliveries)
     results = {"meta": meta, "rows": [r for part in rows for r in part]}
     meta["gpu"] = next((r["gpu"] for r in results["rows"] if "gpu" in r), "")
     _print(results)
@@ -431,7 +441,7 @@ def _wire(n0: dict, n1: dict, calls: int) -> dict:
     }
 
 
-def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
+def _worker(rank, world, a, local, threads, links, chunks, lats, deliveries) -> list[dict]:
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.core.options import BufferOptions
 
@@ -442,7 +452,8 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
         torch.rand(T, H // 128, device="cuda") + 0.5,
     )
     rows = []
-    for link, lat, nt, chunk in itertools.product(links, lats, threads, chunks):
+    sweep = itertools.product(deliveries, links, lats, threads, chunks)
+    for delivery, link, lat, nt, chunk in sweep:
         options = BufferOptions(
             backend="kernels",
             ranks_per_node=local,
@@ -451,6 +462,7 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
             num_proxy_threads=nt,
             ipc_link_gbps=link,
             ipc_latency_us=lat,
+            ipc_delivery=delivery,
         )
         buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], options=options)
         cfgs = _configs(world, local, a, chunk)
@@ -459,6 +471,7 @@ def _worker(rank, world, a, local, threads, links, chunks, lats) -> list[dict]:
         for name, fn in ops.items():
             r = _measure(buf, name, fn, a, rank)
             r.update(
+                delivery=delivery,
                 threads=nt,
                 link_gbps=link,
                 latency_us=lat,
@@ -575,6 +588,7 @@ def _print(results: dict) -> None:
     groups: dict[tuple, list[dict]] = {}
     for r in results["rows"]:
         key = (
+            r.get("delivery", ""),
             r["op"],
             r.get("link_gbps"),
             r.get("latency_us"),
@@ -585,23 +599,24 @@ def _print(results: dict) -> None:
         )
         groups.setdefault(key, []).append(r)
     print(
-        f"{'op':<13}{'link':>6}{'lat':>5}{'thr':>4}{'chunk':>6}{'us':>9}{'rdma_MB':>9}{'GB/s':>7}{'line':>6}"
-        f"{'cmds/s':>9}{'proxy':>7}{'nic':>6}{'copies':>8}{'host':>7}"
+        f"{'bytes':<6}{'op':<13}{'link':>6}{'lat':>5}{'thr':>4}{'chunk':>6}{'us':>9}{'rdma_MB':>9}"
+        f"{'GB/s':>7}{'line':>6}{'cmds/s':>9}{'proxy':>7}{'nic':>6}{'copies':>8}{'host':>7}"
     )
-    for (op, link, lat, nt, chunk, size, ref), rs in groups.items():
+    for (delivery, op, link, lat, nt, chunk, size, ref), rs in groups.items():
         if ref:
-            print(f"{op:<13}{'intranode reference (one node)':>39}{_avg(rs, 'us'):>9.0f}")
+            print(f"{'':<6}{op:<13}{'intranode reference (one node)':>39}{_avg(rs, 'us'):>9.0f}")
             continue
         if op == "copy_only":
             print(
-                f"{op:<13}{link:>6g}{'':>5}{'':>4}{size:>6}{_avg(rs, 'us_per_write'):>9.1f}{'':>9}"
+                f"{'copy':<6}{op:<13}{link:>6g}{'':>5}{'':>4}{size:>6}"
+                f"{_avg(rs, 'us_per_write'):>9.1f}{'':>9}"
                 f"{_avg(rs, 'gbps'):>7.1f}"
                 f"{_avg(rs, 'line'):>6.2f}{'':>9}{'':>7}{_avg(rs, 'nic_cpu'):>6.2f}"
                 f"{_avg(rs, 'copies'):>8.0f}"
             )
             continue
         print(
-            f"{op:<13}{link:>6g}{lat:>5g}{nt:>4}{chunk:>6}{_avg(rs, 'us'):>9.0f}"
+            f"{delivery:<6}{op:<13}{link:>6g}{lat:>5g}{nt:>4}{chunk:>6}{_avg(rs, 'us'):>9.0f}"
             f"{_avg(rs, 'rdma_mb'):>9.1f}{_avg(rs, 'gbps'):>7.1f}{_avg(rs, 'line'):>6.2f}"
             f"{_avg(rs, 'cmds_per_s'):>9.0f}"
             f"{_avg(rs, 'proxy_cpu'):>7.2f}{_avg(rs, 'nic_cpu'):>6.2f}{_avg(rs, 'copies'):>8.0f}"
@@ -625,7 +640,8 @@ def _print_trace(results: dict) -> None:
                 f" {v['waits']:.0f} waits, last exit {v['last_exit_us']:.0f})"
             )
         print(
-            f"  rank{r['rank']} {r['op']} link {r['link_gbps']:g} thr {r['threads']}: "
+            f"  rank{r['rank']} {r.get('delivery', '')} {r['op']} link {r['link_gbps']:g} "
+            f"thr {r['threads']}: "
             f"entry skew {t['entry_skew_us']:.0f}; " + "; ".join(parts)
         )
         w = r.get("wire")

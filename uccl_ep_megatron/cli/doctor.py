@@ -18,6 +18,7 @@ from typing import Any
 from uccl_ep_megatron.core import _c
 from uccl_ep_megatron.core.config import env_markdown
 from uccl_ep_megatron.core.errors import InvalidInputError
+from uccl_ep_megatron.proxy.loading import copies_over_ipc
 
 SYSFS = "/sys"
 
@@ -204,12 +205,13 @@ def render(r: dict[str, Any]) -> str:
     )
     if "transport" in r:
         lines.append(f"== transport (UCCL_EP_TRANSPORT resolved): {r['transport']}")
-        if r["transport"] == "ipc" and g["count"]:
-            # proxy/loading.py: the ipc transport refuses lazy module loading on a GPU.
+        if r["transport"] == "ipc" and g["count"] and copies_over_ipc(os.environ):
+            # proxy/loading.py: the ipc copy delivery refuses lazy module loading on a GPU.
             mode = os.environ.get("CUDA_MODULE_LOADING", "unset: the driver loads lazily")
             lines.append(
-                f"  ipc on a GPU needs CUDA_MODULE_LOADING=EAGER in every rank (now: {mode}); "
-                "uccl-ep-megatron train and python -m uccl_ep_megatron.run set it for virtual nodes"
+                "  ipc with UCCL_EP_IPC_DELIVERY=copy on a GPU needs CUDA_MODULE_LOADING=EAGER "
+                f"in every rank (now: {mode}); uccl-ep-megatron train and python -m "
+                "uccl_ep_megatron.run set it for virtual nodes"
             )
     if "env" in r:
         lines.append("== environment (effective)")

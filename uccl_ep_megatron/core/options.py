@@ -108,7 +108,12 @@ class BufferOptions:
         ipc_latency_us: one-way latency of the virtual wire (``UCCL_EP_IPC_LATENCY_US``).
         ipc_fault: faults the NIC model injects, e.g. ``"dead_peer:rank=1,after=200"``
             (``UCCL_EP_IPC_FAULT``; the same on every rank).
-        ipc_copy_streams: copy streams of the virtual NIC (``UCCL_EP_IPC_COPY_STREAMS``).
+        ipc_delivery: how the NIC model gets write bytes to GPU regions: ``"store"`` (the
+            sending kernels store them in the receiver's ring; the model times delivery) or
+            ``"copy"`` (the model copies them with the copy engines) (``UCCL_EP_IPC_DELIVERY``;
+            the same on every rank).
+        ipc_copy_streams: copy streams of the virtual NIC in copy delivery
+            (``UCCL_EP_IPC_COPY_STREAMS``).
     """
 
     backend: str | None = _knob("UCCL_EP_BACKEND", _one_of("auto", "kernels", "reference"))
@@ -129,6 +134,7 @@ class BufferOptions:
     ipc_link_gbps: float | None = _knob("UCCL_EP_IPC_LINK_GBPS", _number, convert=_as_number)
     ipc_latency_us: float | None = _knob("UCCL_EP_IPC_LATENCY_US", _number, convert=_as_number)
     ipc_fault: str | None = _knob("UCCL_EP_IPC_FAULT", _text)
+    ipc_delivery: str | None = _knob("UCCL_EP_IPC_DELIVERY", _one_of("store", "copy"))
     ipc_copy_streams: int | None = _knob("UCCL_EP_IPC_COPY_STREAMS", _int_in(1, 64))
 
     def __post_init__(self) -> None:

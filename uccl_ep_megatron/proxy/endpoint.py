@@ -204,6 +204,9 @@ class ProxyEndpoint:
         shm_name: for host regions shared across processes (``_C.HostRegion(shared=True)``).
         rank, world_size, infos: bypass torch.distributed (in-process tests): this rank's
             identity; call :meth:`connect` with every rank's :attr:`local_info` afterwards.
+        bytes_in_place: the producers store every write's bytes at its destination themselves
+            (the internode kernels with ``UCCL_EP_IPC_DELIVERY=store``), so the ipc NIC model
+            times the writes and moves no GPU bytes; ignored by the verbs transport.
     """
 
     def __init__(
@@ -217,6 +220,7 @@ class ProxyEndpoint:
         shm_name: str = "",
         rank: int | None = None,
         world_size: int | None = None,
+        bytes_in_place: bool = False,
     ) -> None:
         c = _c.load()
         self.config = (config or ProxyConfig()).resolved()
@@ -242,7 +246,8 @@ class ProxyEndpoint:
             )
         self.transport_kind = choose_transport(cfg.transport)
         gpu = -1 if device is None else int(device)
-        if self.transport_kind == "ipc" and gpu >= 0:
+        self.bytes_in_place = self.transport_kind == "ipc" and bool(bytes_in_place)
+        if self.transport_kind == "ipc" and gpu >= 0 and not self.bytes_in_place:
             check_ipc_module_loading(self.rank)
         # Producers wait longer than the proxy: when a peer dies, the proxy times out first and
         # records which rank and channel stalled, then aborts the producers' waits.
@@ -286,6 +291,7 @@ class ProxyEndpoint:
                 cfg.ipc_latency_us,
                 cfg.ipc_fault,
                 cfg.ipc_copy_streams,
+                self.bytes_in_place,
             )
         self.proxy: Any = None
         self._host = socket.gethostname()
@@ -372,6 +378,16 @@ class ProxyEndpoint:
         thread); empty for other transports."""
         fn = getattr(self.transport, "nic_stats", None)
         return dict(fn()) if fn is not None else {}
+
+    def peer_regions(self, ranks: list[int]) -> list[int]:
+        """Where each of ``ranks``' regions is mapped in this process, for producers that store
+        in place (``bytes_in_place``); needs :meth:`connect`."""
+        if not self.bytes_in_place:
+            raise InvalidInputError(
+                "peer_regions is for an ipc endpoint made with bytes_in_place=True "
+                f"(this one: transport {self.transport_kind}, bytes_in_place False)"
+            )
+        return [int(self.transport.peer_region(r)) for r in ranks]
 
     def counter_values(self) -> list[int]:
         """Current software-atomic counters of this rank."""

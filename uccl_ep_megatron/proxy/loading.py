@@ -1,19 +1,19 @@
-"""CUDA module loading and the ipc transport.
+"""CUDA module loading and the ipc transport's copy delivery.
 
-The ipc NIC model moves bytes with CUDA copies issued from its NIC threads, while the internode
-kernels of the same process spin until those copies land. Under CUDA's lazy module loading (the
-driver's default since CUDA 12.2) the first launch of any kernel loads its code, and that load
-may synchronize the whole context: it waits for the spinning kernels while holding the context,
-so the NIC threads' next copy never starts and every rank stalls. It happens whenever a kernel is
-launched for the first time while a dispatch or combine is in flight: Megatron's first backward,
-an expert GEMM enqueued behind a dispatch. The internode backend loads its own kernels when it
-starts (``preload_kernels``), but it cannot load every kernel of the process. A real NIC takes
-no CUDA call, so the verbs transport is not affected.
+With ``UCCL_EP_IPC_DELIVERY=copy`` the ipc NIC model moves bytes with CUDA copies issued from its
+own thread, while the internode kernels of the same process spin until those copies land. Some
+CUDA calls of any other thread of the process wait for every running kernel while holding the
+context, so the NIC's next copy call never returns and every rank stalls: the first launch of a
+kernel under lazy module loading (the driver's default since CUDA 12.2), a library loading its
+kernels (cuBLAS does on a new GEMM shape, ``cuLibraryLoadData``), ``cudaFree``, ``cudaFreeHost``
+and ``cudaHostUnregister`` (measured on H200, driver 580). The NIC model reports such a stall
+after ``copy_timeout_ms``. The default delivery, ``store``, has the kernels store ring bytes
+themselves and the model make no CUDA call, so none of this applies to it; nor to a real NIC.
 
-Eager loading (``CUDA_MODULE_LOADING=EAGER``, read once when CUDA starts) loads every kernel up
-front, so no load ever waits on a running kernel. The ipc transport refuses to start on a GPU
-without it (``check_ipc_module_loading``), and the launchers of this package ask for it in the
-ranks they start (``eager_loading_env``) when those ranks may use the ipc transport.
+Eager loading (``CUDA_MODULE_LOADING=EAGER``, read once when CUDA starts) removes the first cause:
+the ipc transport refuses copy delivery on a GPU without it (``check_ipc_module_loading``), and
+the launchers of this package ask for it in the ranks they start (``eager_loading_env``) when
+those ranks may use copy delivery. The other causes it cannot remove.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def check_ipc_module_loading(rank: int, mode: str | None = None) -> None:
     if mode != "LAZY":
         return
     raise UnsupportedError(
-        f"rank {rank}: the ipc transport needs CUDA_MODULE_LOADING=EAGER, but this process "
-        f"loads CUDA modules lazily ({ENV}={os.environ.get(ENV, 'unset')!r}). The ipc NIC "
-        "model copies from its own threads while the internode kernels wait for those copies, "
-        "and a kernel loaded lazily during a call blocks both, so every rank would stall. Set "
-        f"{ENV}=EAGER in the environment of every rank before CUDA starts (uccl-ep-megatron's "
-        "train, bench and `python -m uccl_ep_megatron.run` do it for ranks split into virtual "
-        "nodes), or use UCCL_EP_TRANSPORT=verbs on RDMA NICs"
+        f"rank {rank}: the ipc transport's copy delivery needs CUDA_MODULE_LOADING=EAGER, but "
+        f"this process loads CUDA modules lazily ({ENV}={os.environ.get(ENV, 'unset')!r}). The "
+        "ipc NIC model copies from its own thread while the internode kernels wait for those "
+        "copies, and a kernel loaded lazily during a call blocks both, so every rank would "
+        f"stall. Set {ENV}=EAGER in the environment of every rank before CUDA starts "
+        "(uccl-ep-megatron's train, bench and `python -m uccl_ep_megatron.run` do it), use "
+        "UCCL_EP_IPC_DELIVERY=store (the default), or UCCL_EP_TRANSPORT=verbs on RDMA NICs"
     )
 
 
@@ -74,11 +74,20 @@ def may_use_ipc(environ: Mapping[str, str], local_ranks: int, transport: str | N
     return 0 < per_node < local_ranks
 
 
+def copies_over_ipc(environ: Mapping[str, str]) -> bool:
+    """Whether ``environ`` asks the ipc NIC model for copy delivery (``UCCL_EP_IPC_DELIVERY``;
+    the default, ``store``, makes no CUDA call)."""
+    return environ.get("UCCL_EP_IPC_DELIVERY", "").strip().lower() == "copy"
+
+
 def eager_loading_env(
     environ: Mapping[str, str], local_ranks: int, transport: str | None = None
 ) -> dict[str, str]:
-    """``{CUDA_MODULE_LOADING: EAGER}`` for ranks that may use the ipc transport, unless the
-    caller chose a loading mode (then the transport's check speaks if it is lazy)."""
-    if ENV in environ or not may_use_ipc(environ, local_ranks, transport):
+    """``{CUDA_MODULE_LOADING: EAGER}`` for ranks that may use the ipc transport's copy
+    delivery, unless the caller chose a loading mode (then the transport's check speaks if it
+    is lazy)."""
+    if ENV in environ or not copies_over_ipc(environ):
+        return {}
+    if not may_use_ipc(environ, local_ranks, transport):
         return {}
     return {ENV: "EAGER"}

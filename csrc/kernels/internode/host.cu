@@ -55,6 +55,12 @@ DevCommon make_common(const Common& c) {
   d.state = reinterpret_cast<int64_t*>(c.state);
   d.region = reinterpret_cast<uint8_t*>(c.region);
   for (int j = 0; j < c.ranks_per_node; ++j) d.nvl[j] = reinterpret_cast<uint8_t*>(c.nvl[j]);
+  UCCL_EP_CHECK_ARG(c.remote.empty() || static_cast<int>(c.remote.size()) == nodes, "remote regions: ",
+                    c.remote.size(), " for ", nodes, " nodes (one per node, or none)");
+  for (size_t n = 0; n < c.remote.size(); ++n) {
+    UCCL_EP_CHECK_ARG(c.remote[n] != 0, "remote region of node ", n, " is null");
+    d.remote[n] = reinterpret_cast<uint8_t*>(c.remote[n]);
+  }
   d.cap = c.cap;
   d.chunk = c.chunk;
   d.status = kernels::status_ref(c.status);

@@ -26,6 +26,7 @@ struct DevCommon {
   int64_t* state;
   uint8_t* region;
   uint8_t* nvl[kMaxLocal];
+  uint8_t* remote[kMaxNodes];  // Common::remote, or all null
   int cap, chunk;
   // The internode status words and their device flag (kernels::host_status_alloc's block).
   kernels::StatusRef status;

@@ -120,8 +120,11 @@ struct SendKinds {
 // The sending side of a ring role, shared by the dispatch sender and the combine forwarder.
 // Stream n of channel `ch` holds count_of(n) items. Each round every warp packs its items with
 // pack(n, pos, slot): pos is the item's index in stream n, slot its send-ring slot (nullptr for
-// this rank's own node, which has no ring). Thread 0 then writes each node's chunk into the
-// receiver's ring and bumps its tail. Returns the last round state (kDone: everything sent).
+// this rank's own node, which has no ring), or with remote regions (Common::remote) the slot of
+// the receiver's ring itself. Thread 0 then writes each node's chunk into the receiver's ring
+// (with remote regions the write only carries the delivery) and bumps its tail. The ring room
+// check is the same either way: a receive slot is free once the receiver's head passed it.
+// Returns the last round state (kDone: everything sent).
 template <typename CountOf, typename Pack>
 __device__ int ring_send(const DevCommon& c, const RingLayout& rl, int ch, const SendKinds& kinds,
                          CountOf count_of, Pack pack) {
@@ -152,11 +155,15 @@ __device__ int ring_send(const DevCommon& c, const RingLayout& rl, int ch, const
     for (int item = warp; item < total; item += kWarps) {
       int n = 0, i = item;
       while (i >= s_k[n]) i -= s_k[n++];
-      uint8_t* slot =
-          n == c.node ? nullptr : c.region + ring_slot_offset(rl.send_offset, rl, ch, n, s_sent[n] + i);
+      uint8_t* slot = nullptr;
+      if (n != c.node) {
+        slot = c.remote[n] != nullptr ? c.remote[n] + ring_slot_offset(rl.recv_offset, rl, ch, c.node, s_sent[n] + i)
+                                      : c.region + ring_slot_offset(rl.send_offset, rl, ch, n, s_sent[n] + i);
+      }
       pack(n, s_pos[n] + i, slot);
     }
-    // The proxy (or NIC) reads the slots once the command is visible: publish them first.
+    // The proxy (or NIC) reads the slots once the command is visible, and with remote regions
+    // the receiver reads them once the write's delivery bumped its tail: publish them first.
     __threadfence_system();
     __syncthreads();
     if (tid == 0) {

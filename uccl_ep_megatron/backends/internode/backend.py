@@ -145,6 +145,14 @@ class InternodeBackend(CallHeaderExchange, Backend):
         self._region_bytes = min(int(b) for b in self._ipc.extras)
         self._ep = self._proxy_endpoint(group, dev_index, int(num_rdma_bytes), options)
         self._ep.connect()
+        # ipc NIC model, store delivery: the senders store ring slots straight into the region of
+        # the rank with this local index on each node (the model only times the writes).
+        self._remote: list[int] = []
+        if self._ep.bytes_in_place:
+            local = topo.rank % topo.ranks_per_node
+            self._remote = self._ep.peer_regions(
+                [n * topo.ranks_per_node + local for n in range(topo.num_nodes)]
+            )
         handles = self._ep.device_handles()
         self._fifo_handles = torch.frombuffer(bytearray(handles), dtype=torch.uint8).to(device)
         self._state = torch.zeros(int(c.internode.STATE_WORDS), dtype=torch.int64, device=device)
@@ -205,7 +213,12 @@ class InternodeBackend(CallHeaderExchange, Backend):
             ipc_copy_streams=options.ipc_copy_streams,
         )
         return ProxyEndpoint(
-            self._region, region_bytes, device=dev_index, group=group, config=config
+            self._region,
+            region_bytes,
+            device=dev_index,
+            group=group,
+            config=config,
+            bytes_in_place=options.ipc_delivery == "store",
         )
 
     @property
@@ -259,6 +272,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 self._status,
                 self._timeout_ms * 1_000_000,
                 0 if self._ctx is None else self._ctx.barrier_seq,
+                self._remote,
             )
             self._ctx_grows = grows
             if self._trace is not None:
