@@ -169,7 +169,9 @@ def test_pretrain_gpt_sync_free_through_two_virtual_nodes_equals_alltoall():
     loop, at a capacity that no routing can exceed (factor 4 = experts / top-k: a source's tokens
     all on one expert still fit), so nothing is dropped and the loss curve must be
     ``alltoall``'s. Megatron-LM's own ``pretrain_gpt.py`` at EP4 in this mode (capacity factor
-    1.25) ended in a dispatch timeout in its first iteration (docs/performance.md)."""
+    1.25) stalled in its first iteration while the NIC model copied bytes through the CUDA API
+    (a cuBLAS kernel load in the main thread held the copies; docs/performance.md); the default
+    store delivery makes no CUDA call."""
     gpus, env = _two_virtual_nodes()
     env["UCCL_EP_TIMEOUT_MS"] = "60000"
     _loss_curves(gpus, f"_2x{gpus // 2}_sync_free", env, ["--moe-uccl-ep-capacity-factor", "4"])
