@@ -698,24 +698,30 @@ def test_add_arguments_is_an_extra_args_provider():
     reset_options()
 
 
+VIRTUAL = {"LOCAL_WORLD_SIZE": "4", "UCCL_EP_RANKS_PER_NODE": "2"}
+COPY = {"UCCL_EP_IPC_DELIVERY": "copy"}
+
+
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({"LOCAL_WORLD_SIZE": "4", "UCCL_EP_RANKS_PER_NODE": "2"}, "EAGER"),  # virtual nodes
-        ({"LOCAL_WORLD_SIZE": "4"}, None),  # one node: no ipc transport
+        ({**VIRTUAL, **COPY}, "EAGER"),  # virtual nodes, the ipc model copying through CUDA
+        (VIRTUAL, None),  # store delivery (the default) makes no CUDA call
+        ({"LOCAL_WORLD_SIZE": "4", **COPY}, None),  # one node: no ipc transport
         (
-            {"LOCAL_WORLD_SIZE": "4", "UCCL_EP_RANKS_PER_NODE": "2", "CUDA_MODULE_LOADING": "LAZY"},
+            {**VIRTUAL, **COPY, "CUDA_MODULE_LOADING": "LAZY"},
             "LAZY",  # the caller's choice is kept (the transport then refuses it)
         ),
     ],
 )
-def test_run_asks_for_eager_loading_where_the_ipc_transport_may_run(env, expected, monkeypatch):
+def test_run_asks_for_eager_loading_where_the_ipc_copy_delivery_may_run(env, expected, monkeypatch):
     monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     with tempfile.TemporaryDirectory() as d:
         script = os.path.join(d, "show_env.py")
         with open(script, "w") as f:
             f.write("import json, os\nprint(json.dumps(os.environ.get('CUDA_MODULE_LOADING')))\n")
-        base = {k: "" for k in ("UCCL_EP_RANKS_PER_NODE", "UCCL_EP_TRANSPORT")}
+        keys = ("UCCL_EP_RANKS_PER_NODE", "UCCL_EP_TRANSPORT", "UCCL_EP_IPC_DELIVERY")
+        base = {k: "" for k in keys}
         proc = _run([sys.executable, "-m", "uccl_ep_megatron.run", script], **{**base, **env})
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout.strip().splitlines()[-1]) == expected
