@@ -147,6 +147,12 @@ def _internode_context(**change):
             "internode Context: state has dtype int32",
         ),
         ({"state": None}, "internode Context: state is None"),
+        ({"stage_offset": 1024}, r"stage_offset=1024 \(at least 1600: the control area\)"),
+        ({"arenas": [MADE_UP]}, "1 receive arenas of arena_bytes=0"),
+        (
+            {"arenas": [MADE_UP, MADE_UP], "arena_bytes": 1 << 20},
+            "got 2 receive arenas for 1 ranks per node",
+        ),
     ],
 )
 def test_internode_context_checks_its_fields(change, needle):

@@ -136,6 +136,8 @@ void bind_internode(py::module_& m) {
   sites[py::int_(static_cast<int>(in::kSiteNvlBarrier))] = "NVLink barrier of the node";
   sites[py::int_(static_cast<int>(in::kSiteDispatchRow))] = "dispatch row check (a slot named a row out of range)";
   sites[py::int_(static_cast<int>(in::kSiteAgreement))] = "call-header check on the GPU (sync-free call)";
+  sites[py::int_(static_cast<int>(in::kSitePlace))] =
+      "placement exchange of the node (waiting for a node peer's kernel of the same call to start)";
   s.attr("SITE_AGREEMENT") = static_cast<int>(in::kSiteAgreement);
   s.attr("SITES") = sites;
   s.def(

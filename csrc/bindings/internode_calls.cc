@@ -1,6 +1,7 @@
 // The internode backend's per-call entry points: one binding call per dispatch (the kernel, the
-// node barrier and staged-row copy, the poison fold) and one per combine (staging, the kernel,
-// the closing node barrier, the poison fold), each taking the torch tensors themselves and a
+// node barrier and, for outputs outside the receive arena, the staged-row copy, the poison fold)
+// and one per combine (staging of an input outside the arena, the kernel, the closing node
+// barrier, the poison fold), each taking the torch tensors themselves and a
 // per-Buffer context built once. The Python side used to fill ~41 launch-struct fields per call.
 //
 // Every tensor is read once into a typed view (tensor_view.h) and checked here, before anything
@@ -62,8 +63,12 @@ struct Context {
   TensorView fifo_handles;  // uint8 [num_fifos * sizeof(FifoDeviceHandle)], device memory
   TensorView state;         // int64 [kStateWords], device memory
   int64_t stage_offset = 0;  // where NVLink staging starts in each NVLink buffer
-  uint64_t barrier_seq = 0;  // the last node barrier's sequence number
+  uint64_t barrier_seq = 0;  // the last node barrier's (or placement's) sequence number
   TensorView trace;          // int64 [words], device memory, or none (set_trace)
+  // This rank's receive arena (base.arenas[local] is its own mapping), or 0 bytes: a call's
+  // rows lying there are placed for the node peers (kPlaceFlagsOffset).
+  intptr_t arena = 0;
+  int64_t arena_bytes = 0;
 
   int num_nodes() const { return base.num_ranks / base.ranks_per_node; }
 
@@ -79,6 +84,10 @@ struct Context {
     check_alloc(b.region, static_cast<uint64_t>(b.region_bytes), {AllocKind::kDeviceBuffer}, op, "region");
     for (size_t j = 0; j < b.nvl.size(); ++j) {
       check_alloc(b.nvl[j], 1, {AllocKind::kDeviceBuffer, AllocKind::kIpcMapping}, op, detail::concat("nvl[", j, "]"));
+    }
+    for (size_t j = 0; j < b.arenas.size(); ++j) {
+      check_alloc(b.arenas[j], 1, {AllocKind::kDeviceBuffer, AllocKind::kIpcMapping}, op,
+                  detail::concat("arenas[", j, "]"));
     }
     UCCL_EP_CHECK_ARG(b.remote.empty() || static_cast<int>(b.remote.size()) == num_nodes(), "internode ", op,
                       ": got ", b.remote.size(), " remote regions for ", num_nodes(), " nodes (one per node, or none)");
@@ -110,10 +119,15 @@ struct Context {
 Context make_context(int rank, int num_ranks, int ranks_per_node, py::handle fifo_handles_t, int num_fifos,
                      intptr_t counters, py::handle state_t, intptr_t region, int64_t region_bytes,
                      std::vector<intptr_t> nvl, int64_t stage_offset, intptr_t status, int64_t timeout_ns,
-                     uint64_t barrier_seq, std::vector<intptr_t> remote) {
+                     uint64_t barrier_seq, std::vector<intptr_t> remote, std::vector<intptr_t> arenas,
+                     int64_t arena_bytes) {
   UCCL_EP_CHECK_ARG(num_fifos >= 1, "internode Context: num_fifos=", num_fifos, " must be positive");
-  UCCL_EP_CHECK_ARG(stage_offset >= 0 && timeout_ns > 0, "internode Context: stage_offset=", stage_offset,
-                    " timeout_ns=", timeout_ns);
+  UCCL_EP_CHECK_ARG(stage_offset >= in::kPlaceEnd && timeout_ns > 0, "internode Context: stage_offset=",
+                    stage_offset, " (at least ", in::kPlaceEnd, ": the control area) timeout_ns=", timeout_ns);
+  UCCL_EP_CHECK_ARG(arenas.empty() || arena_bytes > 0, "internode Context: ", arenas.size(),
+                    " receive arenas of arena_bytes=", arena_bytes);
+  UCCL_EP_CHECK_ARG(arenas.empty() || static_cast<int>(arenas.size()) == ranks_per_node, "internode Context: got ",
+                    arenas.size(), " receive arenas for ", ranks_per_node, " ranks per node (one per local rank, or none)");
   Context c;
   c.fifo_handles = arg(fifo_handles_t, "internode Context: fifo_handles", false,
                        {int64_t{num_fifos} * static_cast<int64_t>(sizeof(FifoDeviceHandle))}, {Dt::kUInt8});
@@ -132,12 +146,41 @@ Context make_context(int rank, int num_ranks, int ranks_per_node, py::handle fif
   b.region_bytes = region_bytes;
   b.nvl = std::move(nvl);
   b.remote = std::move(remote);
+  b.arenas = std::move(arenas);
+  if (!b.arenas.empty() && ranks_per_node >= 1 && rank >= 0) {
+    c.arena = b.arenas[rank % ranks_per_node];
+    c.arena_bytes = arena_bytes;
+  }
   b.status = status;
   b.timeout_ns = timeout_ns;
   c.check("Context");
   check_ptr(b.fifo_handles, true, "internode Context: fifo_handles");
   check_ptr(b.state, true, "internode Context: state");
   return c;
+}
+
+// The placement words of a call's rows (kPlaceWordsOffset): kind kPlaceArena and each given
+// tensor's byte offset in this rank's arena (-1 for an absent one) when all of them lie whole
+// inside it, else kind 0 (the peers use this rank's staging). Returns the kind.
+int64_t place_words(const Context& c, std::initializer_list<const TensorView*> ts, int64_t (&w)[in::kPlaceWords]) {
+  for (int i = 0; i < in::kPlaceWords; ++i) w[i] = -1;
+  w[0] = 0;
+  if (c.arena == 0) return 0;
+  const uintptr_t lo = static_cast<uintptr_t>(c.arena), hi = lo + static_cast<uintptr_t>(c.arena_bytes);
+  int i = 1;
+  for (const TensorView* t : ts) {
+    if (!t->none) {
+      const uintptr_t p = static_cast<uintptr_t>(t->ptr);
+      if (p < lo || p + static_cast<uintptr_t>(t->bytes()) > hi) {
+        for (int k = 1; k < in::kPlaceWords; ++k) w[k] = -1;
+        return 0;
+      }
+      w[i] = static_cast<int64_t>(p - lo);
+    }
+    ++i;
+  }
+  w[0] = in::kPlaceArena;
+  return w[0];
 }
 
 intptr_t verdict_of(py::handle verdict_t, const char* what) {
@@ -186,12 +229,13 @@ Rings rings_of(py::handle r) {
   return Rings{field(r, "channels").cast<int>(), field(r, "slots").cast<int>(), field(r, "chunk").cast<int>()};
 }
 
-// A dispatch: the sender/forwarder kernel, then (ranks per node > 1) the node barrier and the
-// copy of rows peers staged here, then the poison fold of the outputs. Top-k (`topk_idx`,
+// A dispatch: the sender/forwarder kernel, then (ranks per node > 1) the node barrier and, unless
+// the outputs lie in this rank's receive arena (the kernel told the node peers so and they
+// wrote there), the copy of rows peers staged here, then the poison fold of the outputs. Top-k (`topk_idx`,
 // `topk_weights`, `recv_topk_*`) and FP8 scales (`x_scales`, `recv_scales`) come with their
 // outputs or not at all. A cached dispatch reuses the handle's `plan` (only its shape is
 // read) and passes `recv_src_idx` None.
-void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle rings_t, py::handle t, bool cached,
+bool dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle rings_t, py::handle t, bool cached,
                    int experts_per_rank) {
   const Rings rings = rings_of(rings_t);
   const int num_channels = rings.channels, cap = rings.slots, chunk = rings.chunk;
@@ -260,6 +304,12 @@ void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle
   a.recv_prefix = recv_prefix.ptr;
   a.out_rows = static_cast<int>(rows);
   check_dispatch(a, cached);
+  bool placed = false;
+  if (L > 1) {
+    // A cached dispatch writes no sources (the handle has them): not placed either.
+    placed = place_words(c, {&recv_x, &recv_scales, &recv_idx, &recv_w, &recv_src}, a.place) == in::kPlaceArena;
+    a.place_seq = ++c.barrier_seq;
+  }
   in::dispatch(a, stream);
   if (L > 1) in::dispatch_finish(a, ++c.barrier_seq, stream);
   // A failure inside this call is raised at the next one; until then the outputs say so.
@@ -269,6 +319,7 @@ void dispatch_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle
                  {&recv_idx, kMinusOne},
                  {&recv_w, 0},
                  {&recv_src, kMinusOne}});
+  return placed;
 }
 
 void check_combine(const in::CombineArgs& a) {
@@ -286,13 +337,13 @@ void check_combine(const in::CombineArgs& a) {
   check_ptr(a.out_weights, a.num_tokens > 0 && a.num_topk > 0, "internode combine: out_weights");
 }
 
-// A combine: (ranks per node > 1) this rank's rows staged for its node peers and a node
-// barrier, the kernel, a closing node barrier (peers read the staging until then), then the
-// poison fold of the outputs. `num_recv` rows of `x` are combined: the received count, or its
+// A combine: (ranks per node > 1, x outside this rank's receive arena) this rank's rows staged
+// for its node peers, the kernel (which tells the peers where to read them: staging or arena), a
+// closing node barrier (peers read them until then), then the poison fold of the outputs. `num_recv` rows of `x` are combined: the received count, or its
 // bound num_worst_tokens (the kernels read the real count from `recv_count` on the device).
 // The tables come from the dispatch's handle (`plan`, `src_tokens`, `dst_row`, `recv_count`)
 // and from this call's streams (`lists`, `list_count` of the forwarded tokens, `stream_cum`).
-void combine_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle rings_t, py::handle t, int num_recv) {
+bool combine_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle rings_t, py::handle t, int num_recv) {
   const Rings rings = rings_of(rings_t);
   const int num_channels = rings.channels, cap = rings.slots, chunk = rings.chunk;
   const py::object x_t = field(t, "x"), weights_t = field(t, "topk_weights"), bias0_t = field(t, "bias0"),
@@ -348,10 +399,16 @@ void combine_call(Context& c, intptr_t stream, py::handle verdict_t, py::handle 
   a.out_weights = out_w.ptr;
   a.stage_offset = c.stage_offset;
   check_combine(a);
-  if (L > 1) in::combine_prepare(a, ++c.barrier_seq, stream);
+  bool placed = false;
+  if (L > 1) {
+    placed = place_words(c, {&x, &weights}, a.place) == in::kPlaceArena;
+    if (!placed) in::combine_stage(a, stream);
+    a.place_seq = ++c.barrier_seq;
+  }
   in::combine(a, stream);
   if (L > 1) in::node_barrier(a.common, ++c.barrier_seq, stream);
   views::poison(c.base.status, stream, {{&out, x.dtype->nan}, {&out_w, kF32Nan}});
+  return placed;
 }
 
 // The index tables of a dispatch in one launch (DispatchTablesTensors, backends/internode/
@@ -556,12 +613,14 @@ void bind_internode_calls(py::module_& s) {
   py::class_<Context>(s, "Context",
                       "The per-Buffer part of every internode launch (group shape, FIFOs, counters, RDMA "
                       "region, NVLink buffers, status, timeout; `remote`: every node's peer region when the ipc NIC "
-                      "model's senders store ring slots in place) and the node-barrier sequence, checked when "
-                      "built; rebuilt (carrying barrier_seq over) after the NVLink buffers grow.")
+                      "model's senders store ring slots in place; `arenas`: the node's receive arenas as mapped here, "
+                      "index = local rank, each `arena_bytes` long) and the node-barrier sequence, checked when built; "
+                      "rebuilt (carrying barrier_seq over) after the NVLink buffers grow.")
       .def(py::init(&make_context), py::arg("rank"), py::arg("num_ranks"), py::arg("ranks_per_node"),
            py::arg("fifo_handles"), py::arg("num_fifos"), py::arg("counters"), py::arg("state"), py::arg("region"),
            py::arg("region_bytes"), py::arg("nvl"), py::arg("stage_offset"), py::arg("status"),
-           py::arg("timeout_ns"), py::arg("barrier_seq") = 0, py::arg("remote") = std::vector<intptr_t>{})
+           py::arg("timeout_ns"), py::arg("barrier_seq") = 0, py::arg("remote") = std::vector<intptr_t>{},
+           py::arg("arenas") = std::vector<intptr_t>{}, py::arg("arena_bytes") = 0)
       .def_readonly("barrier_seq", &Context::barrier_seq)
       .def(
           "set_trace",
@@ -580,7 +639,8 @@ void bind_internode_calls(py::module_& s) {
         "dispatch(ctx, stream, verdict|None, rings, tensors, cached, experts_per_rank): rings is a RingShape "
         "(channels, slots, chunk), tensors an InternodeDispatchTensors (backends/internode/launch.py); the "
         "dispatch kernels and the poison fold of their outputs (NaN rows, -1 ids and sources, 0 weights when a "
-        "wait timed out).");
+        "wait timed out). Returns whether the outputs lie in this rank's receive arena (node peers wrote their rows "
+        "there: no staged copy).");
   s.def("dispatch_tables", &dispatch_tables_call,
         "dispatch_tables(ctx, stream, channels, counts_col, tensors): a DispatchTablesTensors "
         "(backends/internode/launch.py); the call's index tables from the gathered call headers in one launch.");
@@ -602,7 +662,8 @@ void bind_internode_calls(py::module_& s) {
         "token count.");
   s.def("combine_call", &combine_call,
         "combine(ctx, stream, verdict|None, rings, tensors, num_recv): tensors an InternodeCombineTensors; the "
-        "combine kernels and the poison fold of the outputs (NaN when a wait timed out).");
+        "combine kernels and the poison fold of the outputs (NaN when a wait timed out). Returns whether x (and its "
+        "weights) lie in this rank's receive arena (node peers read them there: no staging copy).");
 #endif
 }
 

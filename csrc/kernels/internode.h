@@ -43,6 +43,8 @@ enum Site : int {
   kSiteDispatchRow = 18,      // a ring slot named a row outside the receiver's output (corruption)
   kSiteAgreement = 19,        // sync-free call: the GPU check of the call headers failed ([1] rank,
                               // [2] verdict code, [5] value); no kernel moved any data
+  kSitePlace = 20,            // a kernel waits for a node peer's placement of the call ([1] = peer rank,
+                              // [2] = the placement sequence, [5] = the last one seen): its kernel never started
 };
 
 // Pinned, device-mapped status words with their device flag (kernels::host_status_alloc, on the
@@ -67,6 +69,9 @@ struct Common {
   // UCCL_EP_IPC_DELIVERY=store). The senders then store each slot straight into that rank's
   // receive ring over NVLink, and the model times the writes' delivery without moving bytes.
   std::vector<intptr_t> remote;
+  // Empty, or the receive arenas of the node's ranks as mapped here (index = local rank): a
+  // peer whose rows of a call lie in its arena (kPlaceFlagsOffset) is written or read there.
+  std::vector<intptr_t> arenas;
   int cap = 0;                // ring slots per (channel, node)
   int chunk = 0;              // tokens per RDMA write
   intptr_t status = 0;
@@ -96,12 +101,19 @@ struct DispatchArgs {
   intptr_t recv_rows = 0;    // [L] rows each local rank of this node receives (bounds check)
   intptr_t recv_prefix = 0;  // [R + 1] first output row from source s; [R] = rows received
   int out_rows = 0;          // rows of this rank's outputs (received rows, or num_worst_tokens)
+  // L > 1: where this rank's outputs lie (kPlaceWordsOffset's words: kind, then the byte offsets
+  // of recv_x, scales, ids, weights, sources in its arena), told to the node peers by the
+  // kernel under sequence place_seq. Kind kPlaceArena: peers write their rows there, and
+  // dispatch_finish copies nothing.
+  int64_t place[kPlaceWords] = {};
+  uint64_t place_seq = 0;
 };
 
 // Launches the sender/forwarder kernel (2 * num_channels blocks).
 void dispatch(const DispatchArgs& a, intptr_t stream);
-// L > 1: NVLink barrier of the node, then rows local peers staged here are copied into the
-// outputs (a.recv_prefix on the device says which rows came from which source).
+// L > 1: NVLink barrier of the node, then, unless the outputs lie in this rank's arena (where
+// the peers wrote their rows), the rows local peers staged here are copied into the outputs
+// (a.recv_prefix on the device says which rows came from which source).
 void dispatch_finish(const DispatchArgs& a, uint64_t barrier_seq, intptr_t stream);
 
 struct CombineArgs {
@@ -124,10 +136,16 @@ struct CombineArgs {
   intptr_t bias0 = 0, bias1 = 0;
   intptr_t out = 0, out_weights = 0;
   int64_t stage_offset = 0;
+  // L > 1: where this rank's x and weights lie (kind, byte offsets of x and weights in its
+  // arena), told to the node peers by the kernel under sequence place_seq; kind 0: staged by
+  // combine_stage first.
+  int64_t place[kPlaceWords] = {};
+  uint64_t place_seq = 0;
 };
 
-// L > 1: copies x and weights into this rank's NVLink buffer, then a node barrier.
-void combine_prepare(const CombineArgs& a, uint64_t barrier_seq, intptr_t stream);
+// L > 1 and x outside this rank's arena: copies x and weights into its NVLink staging, where
+// the node peers read them once the combine kernel (after it on the stream) says so.
+void combine_stage(const CombineArgs& a, intptr_t stream);
 void combine(const CombineArgs& a, intptr_t stream);
 // L > 1: node barrier so no peer still reads this rank's staging when the next call reuses it.
 void node_barrier(const Common& c, uint64_t barrier_seq, intptr_t stream);

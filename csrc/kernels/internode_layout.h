@@ -22,6 +22,23 @@ constexpr int kMaxTopk = 32;
 constexpr int kTraceWords = 8;
 constexpr int kMaxRanks = kMaxNodes * kMaxLocal;
 
+// Placement of a call's node-local rows (the control area of every NVLink buffer, before its
+// staging). At the start of its dispatch or combine kernel each rank tells every node peer
+// where its rows of that call lie: a dispatch's outputs, or a combine's input (x and weights),
+// in its receive arena, where the peers write or read them in place, or nowhere the peers can
+// reach (kind 0), when the peers use its NVLink staging as before. flags: uint64 [kMaxLocal
+// source] = the call's placement sequence, stored with release after the words; words: int64
+// [kMaxLocal source][kPlaceWords] = {kind (1 arena, 0 staged), then byte offsets in the
+// source's arena (-1: none) of recv_x, scales, top-k ids, weights, source indices (dispatch)
+// or of x, weights (combine)}. Calls of a node are separated by node barriers, so one slot per
+// source suffices: a peer writes the next call's words only after every rank passed the last
+// call's closing barrier, which follows its reads.
+constexpr int kPlaceWords = 8;
+constexpr int kPlaceArena = 1;
+constexpr int64_t kPlaceFlagsOffset = 1024;
+constexpr int64_t kPlaceWordsOffset = kPlaceFlagsOffset + 8 * kMaxLocal;
+constexpr int64_t kPlaceEnd = kPlaceWordsOffset + 8 * kMaxLocal * kPlaceWords;  // staging starts at or after
+
 // Software-atomic counters (int64 in the proxy's mapped host array), one per (kind, channel,
 // node). Named from the point of view of the rank that owns the counter:
 //   kDispatchTail[c][m]: tokens of source (m, my local) that landed in my dispatch ring (c, m)

@@ -80,14 +80,24 @@ def _env(pool, reorder: bool, seed: int) -> dict[str, str]:
 DELIVERY = os.environ.get("UCCL_EP_TEST_IPC_DELIVERY", "store")
 
 
-def _get_buffers(reorder: bool):
-    """One internode and one reference Buffer per (process, injector setting)."""
-    from uccl_ep_megatron import Buffer
+# Receive arena of the node's ranks (2 x 2 and more): "on" (the default size on every rank),
+# "off" (every call staged) or "mixed" (rank 0's arena holds no large call's outputs: it takes
+# the staged path while its node peer writes and reads in place).
+_ARENA_BYTES = {"on": None, "off": 0, "mixed": 1 << 20}
+
+
+def _get_buffers(reorder: bool, arena: str = "on", rank: int = 0):
+    """One internode and one reference Buffer per (process, injector setting, arena)."""
+    from uccl_ep_megatron import Buffer, BufferOptions
     from uccl_ep_megatron.cluster.local import reference_oracle
 
-    key = ("reorder" if reorder else "plain",)
+    key = ("reorder" if reorder else "plain", arena)
     if key not in _buffers:
-        kb = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels")
+        size = _ARENA_BYTES[arena]
+        if arena == "mixed" and rank != 0:
+            size = None
+        opts = BufferOptions(arena_bytes=size) if size is not None else None
+        kb = Buffer(None, NVL_BYTES, RDMA_BYTES, backend="kernels", options=opts)
         rb = reference_oracle(None, NVL_BYTES, RDMA_BYTES)
         _buffers[key] = (kb, rb)
     return _buffers[key]
@@ -159,6 +169,19 @@ def _one(kb, rb, rank: int, world: int, params: dict, seed: int) -> dict:
     kb._backend.check()
     # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
     assert_combine_close(kcx, kcw, rcx, rcw, exact=world == 2)
+    # The same input written into Buffer.get_combine_input's tensor: with node peers it lies in
+    # the receive arena and they read it in place instead of from the staging; the same sums in
+    # the same order.
+    y_in = kb.get_combine_input(y.shape[0], y.shape[1], y.dtype)
+    y_in.copy_(y)
+    placed = kb._backend.placed_combines
+    pcx, pcw, _ = kb.combine(y_in, kh, topk_weights=kw_, bias=bias or None, config=config)
+    torch.cuda.synchronize()
+    kb._backend.check()
+    assert_same("combine of get_combine_input's x", pcx, kcx)
+    assert_same("combine of get_combine_input's x: weights", pcw, kcw)
+    if world > 2 and y.shape[0] > 0 and params.get("arena", "on") == "on":
+        assert kb._backend.placed_combines == placed + 1
     plain, _, _ = kb.combine(krx, kh, config=config)
     torch.cuda.synchronize()
     kb._backend.check()
@@ -179,7 +202,7 @@ def _check_src_idx(kh, rh, received: int, worst: int) -> None:
 
 
 def case(rank: int, world: int, params: dict, reorder: bool) -> dict:
-    kb, rb = _get_buffers(reorder)
+    kb, rb = _get_buffers(reorder, params.get("arena", "on"), rank)
     assert kb.backend == "kernels_internode", kb.backend
     assert rb.backend == "reference"
     assert kb.num_rdma_ranks == 2
@@ -191,6 +214,7 @@ def case(rank: int, world: int, params: dict, reorder: bool) -> dict:
     out["held_out_of_order"] = stats.get("held_out_of_order", 0)
     out["transport"] = kb._backend.proxy.transport_kind
     out["in_place"] = kb._backend.proxy.bytes_in_place
+    out["placed"] = (kb._backend.placed_dispatches, kb._backend.placed_combines)
     return out
 
 
@@ -243,6 +267,29 @@ def test_internode_matches_reference(gpu_pool, name, reorder):
     if reorder and CASES[name]["tokens"] >= 1000:
         # The injector really delivered out of order, and the receivers re-ordered it.
         assert sum(o["held_out_of_order"] for o in out) > 0
+    if gpu_pool.world_size > 2 and CASES[name]["tokens"] > 0:
+        # Node peers wrote every dispatch's rows into the outputs in the receive arena, and
+        # read the combine of those outputs (``krx``) where it lies.
+        assert all(o["placed"][0] > 0 and o["placed"][1] > 0 for o in out), out
+
+
+# The node's staging instead of the receive arena, on every rank or on one (mixed placements in
+# one call); the same outputs.
+@pytest.mark.parametrize("arena", ["off", "mixed"])
+@pytest.mark.parametrize(
+    "name", ["t4096_h7168_dsv3", "t300_h2048_worst", "t2000_h2048_small_rings"]
+)
+def test_internode_staged_placement_matches_reference(gpu_pool, name, arena):
+    if gpu_pool.world_size <= 2:
+        pytest.skip("one rank per node: no node peer, no staging")
+    params = {**CASES[name], "arena": arena}
+    out = gpu_pool.run(__file__, "case", params, False, env=_env(gpu_pool, False, 7))
+    placed = [o["placed"] for o in out]
+    if arena == "off":
+        assert all(p == (0, 0) for p in placed), placed
+    else:
+        # Rank 0's 1 MiB arena holds none of these calls' outputs; its node peer's does.
+        assert placed[0] == (0, 0) and placed[1][0] > 0, placed
 
 
 # ---- sync-free mode (num_worst_tokens = W > 0) ---------------------------------------------

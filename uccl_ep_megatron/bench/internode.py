@@ -149,6 +149,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--rdma-bytes", type=int, default=1 << 30, help="Buffer num_rdma_bytes")
     parser.add_argument("--nvl-bytes", type=int, default=1 << 30, help="Buffer num_nvl_bytes")
+    parser.add_argument(
+        "--arena-bytes",
+        type=int,
+        default=4 << 30,
+        help="receive arena of the internode Buffer (ranks per node > 1): room for the outputs "
+        "of every op the bench keeps at once",
+    )
     add_json_argument(parser)
 
 
@@ -463,13 +470,19 @@ def _worker(rank, world, a, local, threads, links, chunks, lats, deliveries) -> 
             ipc_link_gbps=link,
             ipc_latency_us=lat,
             ipc_delivery=delivery,
+            arena_bytes=a["arena_bytes"],
         )
         buf = Buffer(None, a["nvl_bytes"], a["rdma_bytes"], options=options)
         cfgs = _configs(world, local, a, chunk)
         layout = buf.get_dispatch_layout(idx, E)[:4]
         ops, _ = _ops(buf, a, x, x_fp8, layout, idx, w, cfgs)
+        be = buf._backend
         for name, fn in ops.items():
+            placed = (be.placed_dispatches, be.placed_combines)
             r = _measure(buf, name, fn, a, rank)
+            # Calls whose node peers wrote or read their rows in this rank's receive arena (not
+            # through the NVLink staging), of this op's timed and warm-up calls.
+            r["placed"] = [be.placed_dispatches - placed[0], be.placed_combines - placed[1]]
             r.update(
                 delivery=delivery,
                 threads=nt,

@@ -1,5 +1,5 @@
 // The node's NVLink steps around the ring kernels: the barrier among a node's ranks, and the
-// staging of this rank's combine input where its node peers read it.
+// staging of a combine input outside this rank's arena, where its node peers read it.
 #include "common/errors.h"
 #include "kernels/internode/plumbing.cuh"
 
@@ -29,7 +29,8 @@ __global__ void __launch_bounds__(kBarrierThreads) combine_stage_kernel(StageDev
     for (int k = lane; k < s.K; k += dev::kWarpSize)
       reinterpret_cast<float*>(row + s.cs.weights)[k] = s.w[static_cast<int64_t>(r) * s.K + k];
   }
-  // Rows must be in place on every block before the signal: one-block barrier kernel after.
+  // The rows are in place for the peers at the kernel boundary: the combine kernel after it
+  // publishes this rank's placement (exchange_place) only then.
 }
 
 __global__ void __launch_bounds__(kBarrierThreads) node_barrier_kernel(kernels::Peers bufs, int local, int L,
@@ -53,24 +54,23 @@ void node_barrier(const Common& c, uint64_t barrier_seq, intptr_t stream) {
   GPU_CHECK(gpuGetLastError());
 }
 
-void combine_prepare(const CombineArgs& a, uint64_t barrier_seq, intptr_t stream) {
+void combine_stage(const CombineArgs& a, intptr_t stream) {
   const detail::DevCommon d = detail::make_common(a.common);
-  if (a.num_recv > 0) {
-    UCCL_EP_CHECK_ARG(a.recv_count != 0, "combine_prepare without its recv_count");
-    detail::StageDev sd{};
-    sd.x = reinterpret_cast<const uint8_t*>(a.x);
-    sd.w = reinterpret_cast<const float*>(a.topk_weights);
-    sd.K = a.topk_weights ? a.num_topk : 0;
-    sd.recv_count = reinterpret_cast<const int*>(a.recv_count);
-    sd.row_bytes = a.row_bytes;
-    sd.cs = combine_slot(a.row_bytes, a.num_topk);
-    sd.stage = d.nvl[d.local] + a.stage_offset;
-    constexpr int kWarpsPerBlock = detail::kBarrierThreads / dev::kWarpSize;
-    detail::combine_stage_kernel<<<detail::grid_for(a.num_recv, kWarpsPerBlock), detail::kBarrierThreads, 0,
-                                   reinterpret_cast<gpuStream_t>(stream)>>>(sd);
-    GPU_CHECK(gpuGetLastError());
-  }
-  node_barrier(a.common, barrier_seq, stream);
+  if (a.num_recv <= 0) return;
+  UCCL_EP_CHECK_ARG(a.recv_count != 0, "combine_stage without its recv_count");
+  detail::StageDev sd{};
+  sd.x = reinterpret_cast<const uint8_t*>(a.x);
+  sd.w = reinterpret_cast<const float*>(a.topk_weights);
+  sd.K = a.topk_weights ? a.num_topk : 0;
+  sd.recv_count = reinterpret_cast<const int*>(a.recv_count);
+  sd.row_bytes = a.row_bytes;
+  sd.cs = combine_slot(a.row_bytes, a.num_topk);
+  sd.stage = d.nvl[d.local] + a.stage_offset;
+  constexpr int kWarpsPerBlock = detail::kBarrierThreads / dev::kWarpSize;
+  // The combine kernel after it on the stream tells the node peers the rows are in place.
+  detail::combine_stage_kernel<<<detail::grid_for(a.num_recv, kWarpsPerBlock), detail::kBarrierThreads, 0,
+                                 reinterpret_cast<gpuStream_t>(stream)>>>(sd);
+  GPU_CHECK(gpuGetLastError());
 }
 
 }  // namespace uccl_ep::internode

@@ -31,16 +31,57 @@ struct CombineDev {
   uint8_t* out;
   float* out_w;
   int64_t stage_off;
+  int64_t place[kPlaceWords];  // where this rank's x and weights lie (CombineArgs::place)
+  uint64_t place_seq;
 };
 
-// Row r of local rank j's combine input: read in place for this rank, from j's staging else.
-__device__ __forceinline__ const uint8_t* input_row(const CombineDev& p, int j, int r) {
-  if (j == p.c.local) return p.x + static_cast<int64_t>(r) * p.row_bytes;
-  return p.c.nvl[j] + p.stage_off + static_cast<int64_t>(r) * p.cs.bytes + p.cs.x;
+// Where a block reads local rank j's combine input: row r of x at x[j] + r * x_stride[j], its
+// weights at w[j] + r * w_stride[j] bytes; in place for this rank and for a peer whose input
+// lies in its arena, in the peer's NVLink staging else.
+struct PeerInputs {
+  const uint8_t* x[kMaxLocal];
+  const uint8_t* w[kMaxLocal];
+  int64_t x_stride[kMaxLocal];
+  int64_t w_stride[kMaxLocal];
+};
+
+// Every thread: the node's placements of this combine (block 0 publishes this rank's), turned
+// into the block's PeerInputs; false in every thread when a wait failed.
+__device__ bool load_peer_inputs(const CombineDev& p, PeerInputs& d) {
+  __shared__ int64_t s_place[kMaxLocal][kPlaceWords];
+  const DevCommon& c = p.c;
+  if (!exchange_place(c, p.place_seq, p.place, s_place)) return false;
+  const int j = threadIdx.x;
+  if (j < c.L) {
+    const int64_t* w = s_place[j];
+    const int64_t w_row = static_cast<int64_t>(p.K) * sizeof(float);
+    if (j == c.local) {
+      d.x[j] = p.x;
+      d.w[j] = reinterpret_cast<const uint8_t*>(p.w);
+      d.x_stride[j] = p.row_bytes;
+      d.w_stride[j] = w_row;
+    } else if (w[0] == kPlaceArena && c.arena[j] != nullptr) {
+      d.x[j] = c.arena[j] + w[1];
+      d.w[j] = w[2] >= 0 ? c.arena[j] + w[2] : nullptr;
+      d.x_stride[j] = p.row_bytes;
+      d.w_stride[j] = w_row;
+    } else {
+      const uint8_t* stage = c.nvl[j] + p.stage_off;
+      d.x[j] = stage + p.cs.x;
+      d.w[j] = stage + p.cs.weights;
+      d.x_stride[j] = d.w_stride[j] = p.cs.bytes;
+    }
+  }
+  __syncthreads();
+  return true;
 }
-__device__ __forceinline__ const float* input_w(const CombineDev& p, int j, int r) {
-  if (j == p.c.local) return p.w + static_cast<int64_t>(r) * p.K;
-  return reinterpret_cast<const float*>(p.c.nvl[j] + p.stage_off + static_cast<int64_t>(r) * p.cs.bytes + p.cs.weights);
+
+// Row r of local rank j's combine input, and its weights.
+__device__ __forceinline__ const uint8_t* input_row(const PeerInputs& in, int j, int r) {
+  return in.x[j] + static_cast<int64_t>(r) * in.x_stride[j];
+}
+__device__ __forceinline__ const float* input_w(const PeerInputs& in, int j, int r) {
+  return reinterpret_cast<const float*>(in.w[j] + static_cast<int64_t>(r) * in.w_stride[j]);
 }
 
 // 16-byte vectors a lane loads per source row and step: the rows summed here are mostly peers'
@@ -110,7 +151,7 @@ struct RowAcc {
 // Partial of this node for token t of source (m, my local): the sum of the local ranks' rows
 // (ascending local rank, fp32), written in x's dtype into a combine ring slot.
 template <int kDtype>
-__device__ void pack_partial(const CombineDev& p, uint8_t* slot, int m, int t, int lane) {
+__device__ void pack_partial(const CombineDev& p, const PeerInputs& pin, uint8_t* slot, int m, int t, int lane) {
   const int L = p.c.L;
   int rows[kMaxLocal];
   const uint8_t* src[kMaxLocal];
@@ -118,7 +159,7 @@ __device__ void pack_partial(const CombineDev& p, uint8_t* slot, int m, int t, i
   const int* pr = p.plan + (static_cast<int64_t>(m) * p.plan_T + t) * L;
   for (int j = 0; j < L; ++j) {
     rows[j] = pr[j];
-    if (rows[j] >= 0) src[ns++] = input_row(p, j, rows[j]);
+    if (rows[j] >= 0) src[ns++] = input_row(pin, j, rows[j]);
   }
   const int64_t nv = p.row_bytes / 16;
   for (int64_t base = lane; base < nv; base += kVecs * dev::kWarpSize) {
@@ -130,14 +171,14 @@ __device__ void pack_partial(const CombineDev& p, uint8_t* slot, int m, int t, i
   for (int k = lane; k < p.K; k += dev::kWarpSize) {
     float s = 0.0f;
     for (int j = 0; j < L; ++j)
-      if (rows[j] >= 0) s += dev::ld_cg(input_w(p, j, rows[j]) + k);
+      if (rows[j] >= 0) s += dev::ld_cg(input_w(pin, j, rows[j]) + k);
     w[k] = s;
   }
   if (lane == 0) *reinterpret_cast<int*>(slot + p.cs.src) = t;
 }
 
 template <int kDtype>
-__device__ void combine_forwarder(const CombineDev& p, int ch) {
+__device__ void combine_forwarder(const CombineDev& p, const PeerInputs& pin, int ch) {
   const DevCommon& c = p.c;
   const int lane = threadIdx.x % dev::kWarpSize;
   const SendKinds kinds{kCombineHead, kCombineTail, kCombineSent, kSiteCombineSend};
@@ -147,7 +188,7 @@ __device__ void combine_forwarder(const CombineDev& p, int ch) {
       [&](int m, int pos, uint8_t* slot) {
         const int begin = channel_range(p.src_T[m], c.C, ch).begin;
         const int t = p.lists[static_cast<int64_t>(m) * p.plan_T + begin + pos];
-        pack_partial<kDtype>(p, slot, m, t, lane);
+        pack_partial<kDtype>(p, pin, slot, m, t, lane);
       });
 }
 
@@ -178,8 +219,8 @@ __device__ int wait_window(const CombineDev& p, int ch, int w1, const int64_t* s
 // Token t: the own node's rows and the other nodes' partials summed (nodes ascending, ranks
 // ascending inside: the reference's order), plus the biases.
 template <int kDtype>
-__device__ void reduce_token(const CombineDev& p, int ch, const Range& range, const int64_t* s_base, int t,
-                             int lane) {
+__device__ void reduce_token(const CombineDev& p, const PeerInputs& pin, int ch, const Range& range,
+                             const int64_t* s_base, int t, int lane) {
   const DevCommon& c = p.c;
   const uint8_t* part[kMaxNodes];
   for (int n = 0; n < c.N; ++n) {
@@ -203,7 +244,7 @@ __device__ void reduce_token(const CombineDev& p, int ch, const Range& range, co
   for (int n = 0; n < c.N; ++n) {
     if (n == c.node) {
       for (int j = 0; j < c.L; ++j)
-        if (own[j] >= 0) src[ns++] = input_row(p, j, own[j]);
+        if (own[j] >= 0) src[ns++] = input_row(pin, j, own[j]);
     } else if (part[n] != nullptr) {
       src[ns++] = part[n] + p.cs.x;
     }
@@ -222,7 +263,7 @@ __device__ void reduce_token(const CombineDev& p, int ch, const Range& range, co
     for (int n = 0; n < c.N; ++n) {
       if (n == c.node) {
         for (int j = 0; j < c.L; ++j)
-          if (own[j] >= 0) s += dev::ld_cg(input_w(p, j, own[j]) + k);
+          if (own[j] >= 0) s += dev::ld_cg(input_w(pin, j, own[j]) + k);
       } else if (part[n] != nullptr) {
         s += dev::ld_cg(reinterpret_cast<const float*>(part[n] + p.cs.weights) + k);
       }
@@ -232,7 +273,7 @@ __device__ void reduce_token(const CombineDev& p, int ch, const Range& range, co
 }
 
 template <int kDtype>
-__device__ void combine_receiver(const CombineDev& p, int ch) {
+__device__ void combine_receiver(const CombineDev& p, const PeerInputs& pin, int ch) {
   const DevCommon& c = p.c;
   const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
   const Range range = channel_range(p.T, c.C, ch);
@@ -259,7 +300,7 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
       tr.planned(kWait);
     }
     if (broadcast_round(s_round) == kStop) break;
-    for (int t = w0 + warp; t < w1; t += kWarps) reduce_token<kDtype>(p, ch, range, s_base, t, lane);
+    for (int t = w0 + warp; t < w1; t += kWarps) reduce_token<kDtype>(p, pin, ch, range, s_base, t, lane);
     __syncthreads();
     if (tid == 0) {
       tr.moved();
@@ -284,11 +325,13 @@ __device__ void combine_receiver(const CombineDev& p, int ch) {
 template <int kDtype>
 __global__ void __launch_bounds__(kThreads) combine_kernel(CombineDev p) {
   if (rejected(p.c)) return;
+  __shared__ PeerInputs s_in;
+  if (!load_peer_inputs(p, s_in)) return;
   const int ch = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    combine_forwarder<kDtype>(p, ch);
+    combine_forwarder<kDtype>(p, s_in, ch);
   } else {
-    combine_receiver<kDtype>(p, ch);
+    combine_receiver<kDtype>(p, s_in, ch);
   }
 }
 
@@ -323,6 +366,8 @@ CombineDev make_combine(const CombineArgs& a) {
   p.out = reinterpret_cast<uint8_t*>(a.out);
   p.out_w = reinterpret_cast<float*>(a.out_weights);
   p.stage_off = a.stage_offset;
+  for (int i = 0; i < kPlaceWords; ++i) p.place[i] = a.place[i];
+  p.place_seq = a.place_seq;
   return p;
 }
 

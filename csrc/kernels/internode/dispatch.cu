@@ -34,7 +34,52 @@ struct DispatchDev {
   int64_t stage_off;
   const int* recv_rows;    // [L] output rows of each local rank: a slot's row must be below
   const int* recv_prefix;  // [R + 1] first output row from each source
+  int64_t place[kPlaceWords];  // where this rank's outputs lie (DispatchArgs::place)
+  uint64_t place_seq;
 };
+
+// Where a block writes the rows of each local rank j: the outputs themselves (this rank's, or
+// a peer's in its arena; null where the call has none), or, when `direct[j]` is false, j's
+// NVLink staging.
+struct PeerRows {
+  uint8_t* x[kMaxLocal];
+  float* scales[kMaxLocal];
+  uint8_t* idx[kMaxLocal];
+  float* w[kMaxLocal];
+  int* src[kMaxLocal];
+  bool direct[kMaxLocal];
+};
+
+// Every thread: the node's placements of this dispatch (block 0 publishes this rank's), turned
+// into the block's PeerRows; false in every thread when a wait failed.
+__device__ bool load_peer_rows(const DispatchDev& p, PeerRows& d) {
+  __shared__ int64_t s_place[kMaxLocal][kPlaceWords];
+  const DevCommon& c = p.c;
+  if (!exchange_place(c, p.place_seq, p.place, s_place)) return false;
+  const int j = threadIdx.x;
+  if (j < c.L) {
+    if (j == c.local) {
+      d.direct[j] = true;
+      d.x[j] = p.recv_x;
+      d.scales[j] = p.recv_scales;
+      d.idx[j] = static_cast<uint8_t*>(p.recv_idx);
+      d.w[j] = p.recv_w;
+      d.src[j] = p.recv_src;
+    } else {
+      const int64_t* w = s_place[j];
+      d.direct[j] = w[0] == kPlaceArena && c.arena[j] != nullptr;
+      auto at = [&](int i) -> uint8_t* { return d.direct[j] && w[1 + i] >= 0 ? c.arena[j] + w[1 + i] : nullptr; };
+      d.x[j] = at(0);
+      d.scales[j] = reinterpret_cast<float*>(at(1));
+      d.idx[j] = at(2);
+      d.w[j] = reinterpret_cast<float*>(at(3));
+      // A cached dispatch keeps the handles' source indices (this launch's null wins).
+      d.src[j] = p.recv_src == nullptr ? nullptr : reinterpret_cast<int*>(at(4));
+    }
+  }
+  __syncthreads();
+  return true;
+}
 
 // Where token data comes from: the caller's tensors (own-node tokens) or a ring slot.
 struct TokenIn {
@@ -47,8 +92,10 @@ struct TokenIn {
 };
 
 // Copies one token to every local rank of this node that hosts one of its experts, at its
-// final row: into this rank's outputs directly, into a peer's NVLink staging otherwise.
-__device__ void forward_token(const DispatchDev& p, const TokenIn& in, const int (&rows)[kMaxLocal], int lane) {
+// final row: into the outputs directly (this rank's, or a peer's in its arena), into a peer's
+// NVLink staging otherwise.
+__device__ void forward_token(const DispatchDev& p, const PeerRows& pr, const TokenIn& in,
+                              const int (&rows)[kMaxLocal], int lane) {
   const DevCommon& c = p.c;
   uint8_t* dst[kMaxLocal];
   int nd = 0;
@@ -60,7 +107,7 @@ __device__ void forward_token(const DispatchDev& p, const TokenIn& in, const int
       if (lane == 0) fail(c, kSiteDispatchRow, c.node * c.L + j, bound, -1, rows[j]);
       return;
     }
-    dst[nd++] = j == c.local ? p.recv_x + static_cast<int64_t>(rows[j]) * p.row_bytes
+    dst[nd++] = pr.direct[j] ? pr.x[j] + static_cast<int64_t>(rows[j]) * p.row_bytes
                              : c.nvl[j] + p.stage_off + static_cast<int64_t>(rows[j]) * p.ss.bytes + p.ss.x;
   }
   if (nd == 0) return;
@@ -69,16 +116,16 @@ __device__ void forward_token(const DispatchDev& p, const TokenIn& in, const int
   for (int j = 0; j < c.L; ++j) {
     const int r = rows[j];
     if (r < 0) continue;
-    const bool mine = j == c.local;
+    const bool mine = pr.direct[j];
     uint8_t* st = mine ? nullptr : c.nvl[j] + p.stage_off + static_cast<int64_t>(r) * p.ss.bytes;
     if (p.ns > 0) {
-      float* d = mine ? p.recv_scales + static_cast<int64_t>(r) * p.ns : reinterpret_cast<float*>(st + p.ss.scales);
+      float* d = mine ? pr.scales[j] + static_cast<int64_t>(r) * p.ns : reinterpret_cast<float*>(st + p.ss.scales);
       for (int i = lane; i < p.ns; i += dev::kWarpSize) d[i] = dev::ld_cg(in.scales + i);
     }
     if (p.K > 0) {
       const int rank_j = c.node * c.L + j;
-      uint8_t* di = mine ? static_cast<uint8_t*>(p.recv_idx) + static_cast<int64_t>(r) * p.K * idx_bytes : st + p.ss.idx;
-      float* dw = mine ? p.recv_w + static_cast<int64_t>(r) * p.K : reinterpret_cast<float*>(st + p.ss.weights);
+      uint8_t* di = mine ? pr.idx[j] + static_cast<int64_t>(r) * p.K * idx_bytes : st + p.ss.idx;
+      float* dw = mine ? pr.w[j] + static_cast<int64_t>(r) * p.K : reinterpret_cast<float*>(st + p.ss.weights);
       for (int k = lane; k < p.K; k += dev::kWarpSize) {
         const int64_t gid = in.gid64 ? dev::ld_cg(in.gid64 + k) : static_cast<int64_t>(dev::ld_cg(in.gid32 + k));
         const int64_t lid = gid - static_cast<int64_t>(rank_j) * p.epr;
@@ -92,7 +139,7 @@ __device__ void forward_token(const DispatchDev& p, const TokenIn& in, const int
       }
     }
     if (p.recv_src != nullptr && lane == 0) {
-      int* ds = mine ? p.recv_src + r : reinterpret_cast<int*>(st + p.ss.src);
+      int* ds = mine ? pr.src[j] + r : reinterpret_cast<int*>(st + p.ss.src);
       *ds = in.src;
     }
   }
@@ -117,7 +164,7 @@ __device__ void pack_token(const DispatchDev& p, uint8_t* slot, int t, int n, in
 }
 
 // Token t of this rank bound for its own node: forwarded over NVLink right away.
-__device__ void forward_own(const DispatchDev& p, int t, int lane) {
+__device__ void forward_own(const DispatchDev& p, const PeerRows& pr, int t, int lane) {
   const DevCommon& c = p.c;
   int rows[kMaxLocal];
   for (int j = 0; j < c.L; ++j) rows[j] = p.dst_row[static_cast<int64_t>(t) * c.num_ranks + c.node * c.L + j];
@@ -134,10 +181,10 @@ __device__ void forward_own(const DispatchDev& p, int t, int lane) {
     in.w = p.topk_w + o;
   }
   in.src = t;
-  forward_token(p, in, rows, lane);
+  forward_token(p, pr, in, rows, lane);
 }
 
-__device__ void dispatch_sender(const DispatchDev& p, int ch) {
+__device__ void dispatch_sender(const DispatchDev& p, const PeerRows& pr, int ch) {
   const DevCommon& c = p.c;
   const int lane = threadIdx.x % dev::kWarpSize;
   const Range range = channel_range(p.T, c.C, ch);
@@ -147,7 +194,7 @@ __device__ void dispatch_sender(const DispatchDev& p, int ch) {
       [&](int n, int pos, uint8_t* slot) {
         const int t = p.lists[static_cast<int64_t>(n) * p.T + range.begin + pos];
         if (slot == nullptr) {
-          forward_own(p, t, lane);
+          forward_own(p, pr, t, lane);
         } else {
           pack_token(p, slot, t, n, lane);
         }
@@ -198,7 +245,7 @@ __device__ int plan_forward_round(const DevCommon& c, int ch, const int64_t* s_c
                       last_progress);
 }
 
-__device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
+__device__ void dispatch_forwarder(const DispatchDev& p, const PeerRows& pr, int ch) {
   const DevCommon& c = p.c;
   const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
   __shared__ int64_t s_cons[kMaxNodes], s_calls[kMaxNodes];
@@ -251,7 +298,7 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
       in.gid32 = reinterpret_cast<const int*>(slot + p.ds.gid);
       in.w = reinterpret_cast<const float*>(slot + p.ds.weights);
       in.src = dev::ld_cg(reinterpret_cast<const int*>(slot + p.ds.src));
-      forward_token(p, in, rows, lane);
+      forward_token(p, pr, in, rows, lane);
       if (p.plan != nullptr && lane < c.L && in.src >= 0 && in.src < p.plan_T)
         p.plan[(static_cast<int64_t>(m) * p.plan_T + in.src) * c.L + lane] = rows[lane];
     }
@@ -280,11 +327,13 @@ __device__ void dispatch_forwarder(const DispatchDev& p, int ch) {
 
 __global__ void __launch_bounds__(kThreads) dispatch_kernel(DispatchDev p) {
   if (rejected(p.c)) return;
+  __shared__ PeerRows s_rows;
+  if (!load_peer_rows(p, s_rows)) return;
   const int ch = blockIdx.x / 2;
   if (blockIdx.x % 2 == 0) {
-    dispatch_sender(p, ch);
+    dispatch_sender(p, s_rows, ch);
   } else {
-    dispatch_forwarder(p, ch);
+    dispatch_forwarder(p, s_rows, ch);
   }
 }
 
@@ -361,6 +410,8 @@ DispatchDev make_dispatch(const DispatchArgs& a) {
   p.stage_off = a.stage_offset;
   p.recv_rows = reinterpret_cast<const int*>(a.recv_rows);
   p.recv_prefix = reinterpret_cast<const int*>(a.recv_prefix);
+  for (int i = 0; i < kPlaceWords; ++i) p.place[i] = a.place[i];
+  p.place_seq = a.place_seq;
   return p;
 }
 
@@ -381,6 +432,7 @@ void dispatch(const DispatchArgs& a, intptr_t stream) {
 void dispatch_finish(const DispatchArgs& a, uint64_t barrier_seq, intptr_t stream) {
   const detail::DispatchDev p = detail::make_dispatch(a);
   node_barrier(a.common, barrier_seq, stream);
+  if (a.place[0] == kPlaceArena) return;  // the peers wrote their rows into the outputs
   // The barrier is one block (signal and wait are per block); the copy then spreads out.
   detail::dispatch_finish_kernel<<<detail::grid_for(a.out_rows, detail::kWarps), detail::kThreads, 0,
                                    reinterpret_cast<gpuStream_t>(stream)>>>(p);

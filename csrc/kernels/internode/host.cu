@@ -61,6 +61,9 @@ DevCommon make_common(const Common& c) {
     UCCL_EP_CHECK_ARG(c.remote[n] != 0, "remote region of node ", n, " is null");
     d.remote[n] = reinterpret_cast<uint8_t*>(c.remote[n]);
   }
+  UCCL_EP_CHECK_ARG(c.arenas.empty() || static_cast<int>(c.arenas.size()) == c.ranks_per_node, "arenas: ",
+                    c.arenas.size(), " for ", c.ranks_per_node, " local ranks (one per local rank, or none)");
+  for (size_t j = 0; j < c.arenas.size(); ++j) d.arena[j] = reinterpret_cast<uint8_t*>(c.arenas[j]);
   d.cap = c.cap;
   d.chunk = c.chunk;
   d.status = kernels::status_ref(c.status);

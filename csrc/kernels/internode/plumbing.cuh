@@ -27,6 +27,7 @@ struct DevCommon {
   uint8_t* region;
   uint8_t* nvl[kMaxLocal];
   uint8_t* remote[kMaxNodes];  // Common::remote, or all null
+  uint8_t* arena[kMaxLocal];   // Common::arenas, or all null
   int cap, chunk;
   // The internode status words and their device flag (kernels::host_status_alloc's block).
   kernels::StatusRef status;
@@ -81,6 +82,67 @@ __device__ __forceinline__ bool rejected(const DevCommon& c) {
   if (blockIdx.x == 0 && threadIdx.x == 0)
     fail(c, kSiteAgreement, static_cast<int>(c.verdict[1]), c.verdict[0], -1, c.verdict[2]);
   return true;
+}
+
+// The placement words and flag of source `src` in NVLink buffer `buf` (kPlaceFlagsOffset).
+__device__ __forceinline__ int64_t* place_words(uint8_t* buf, int src) {
+  return reinterpret_cast<int64_t*>(buf + kPlaceWordsOffset) + static_cast<int64_t>(src) * kPlaceWords;
+}
+__device__ __forceinline__ uint64_t* place_flag(uint8_t* buf, int src) {
+  return reinterpret_cast<uint64_t*>(buf + kPlaceFlagsOffset) + src;
+}
+
+// Block 0 tells every node peer where this rank's rows of call `seq` lie: the words, then,
+// after a system fence, the sequence with release. Threads 0..L-1 (one per peer) call it.
+__device__ __forceinline__ void publish_place(const DevCommon& c, uint64_t seq, const int64_t* words) {
+  const int j = threadIdx.x;
+  if (blockIdx.x != 0 || j >= c.L || j == c.local) return;
+  volatile int64_t* w = place_words(c.nvl[j], c.local);
+  for (int i = 0; i < kPlaceWords; ++i) w[i] = words[i];
+  dev::fence_system();
+  dev::st_release_sys(place_flag(c.nvl[j], c.local), seq);
+}
+
+// Thread j < L of a block waits for node peer j's placement of call `seq` and copies its words
+// into out[j] (its own: `own`). False when the wait failed: another block failed first, or the
+// peer's kernel did not start within the timeout (recorded at kSitePlace, naming the peer).
+__device__ inline bool load_place(const DevCommon& c, uint64_t seq, const int64_t* own,
+                                  int64_t (*out)[kPlaceWords]) {
+  const int j = threadIdx.x;
+  if (j >= c.L) return true;
+  if (j == c.local) {
+    for (int i = 0; i < kPlaceWords; ++i) out[j][i] = own[i];
+    return true;
+  }
+  const uint64_t* f = place_flag(c.nvl[c.local], j);
+  const uint64_t start = dev::global_timer_ns();
+  uint32_t iter = 0;
+  uint64_t v;
+  while ((v = dev::ld_acquire_sys(f)) < seq) {
+    if ((++iter & 1023u) == 0 && aborted(c)) return false;
+    const uint64_t waited = dev::global_timer_ns() - start;
+    if (waited > c.timeout_ns) {
+      fail(c, kSitePlace, c.node * c.L + j, static_cast<int64_t>(seq), -1, static_cast<int64_t>(v));
+      return false;
+    }
+  }
+  const volatile int64_t* w = place_words(c.nvl[c.local], j);
+  for (int i = 0; i < kPlaceWords; ++i) out[j][i] = w[i];
+  return true;
+}
+
+// Every thread of the block: the node's placements of call `seq` in s_place (block 0 first
+// publishes this rank's own); false in every thread when a wait failed. One rank per node
+// (L == 1) has no peer: only its own words.
+__device__ inline bool exchange_place(const DevCommon& c, uint64_t seq, const int64_t* own,
+                                      int64_t (*s_place)[kPlaceWords]) {
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) s_ok = 1;
+  __syncthreads();
+  publish_place(c, seq, own);
+  if (!load_place(c, seq, own, s_place)) s_ok = 0;
+  __syncthreads();
+  return s_ok != 0;
 }
 
 // Warp copy of `bytes` (multiple of 16) from src to up to kMaxLocal destinations. Each lane

@@ -39,6 +39,7 @@ from uccl_ep_megatron.backends.internode.tables import (
     received_expert_counts,
     state_sizes,
 )
+from uccl_ep_megatron.backends.intranode.arena import RecvArena
 from uccl_ep_megatron.backends.intranode.backend import KernelsBackend
 from uccl_ep_megatron.backends.intranode.launch import (
     as_int32,
@@ -143,6 +144,22 @@ class InternodeBackend(CallHeaderExchange, Backend):
         )
         # Rings are placed by this rank's formula at every peer: the smallest region bounds all.
         self._region_bytes = min(int(b) for b in self._ipc.extras)
+        # A receive arena shared by the node's ranks (more than one per node): dispatch outputs
+        # are carved from it, so node peers write their rows straight into them, and a combine
+        # input there is read in place by the peers; neither goes through the NVLink staging.
+        self.recv_arena: RecvArena | None = None
+        if topo.ranks_per_node > 1:
+            self.recv_arena = RecvArena(
+                c,
+                group,
+                topo.rank,
+                dev_index,
+                int(options.arena_bytes),
+                topo.num_ranks,
+                peers=list(range(node0, node0 + topo.ranks_per_node)),
+            )
+        self.placed_dispatches = 0  # dispatches whose node peers wrote into the arena outputs
+        self.placed_combines = 0  # combines whose node peers read the input in the arena
         self._ep = self._proxy_endpoint(group, dev_index, int(num_rdma_bytes), options)
         self._ep.connect()
         # ipc NIC model, store delivery: the senders store ring slots straight into the region of
@@ -273,6 +290,10 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 self._timeout_ms * 1_000_000,
                 0 if self._ctx is None else self._ctx.barrier_seq,
                 self._remote,
+                self.recv_arena.ptrs if self.recv_arena is not None else [],
+                self.recv_arena.nbytes
+                if self.recv_arena is not None and self.recv_arena.enabled
+                else 0,
             )
             self._ctx_grows = grows
             if self._trace is not None:
@@ -330,6 +351,53 @@ class InternodeBackend(CallHeaderExchange, Backend):
                 self._slot_bytes.clear()
             slots = self._slot_bytes[key] = (slot, stage)
         return slots
+
+    def note_stream(self, stream: int) -> None:
+        if self.recv_arena is not None:
+            self.recv_arena.note_stream(stream)
+
+    def combine_input(
+        self, rows: int, hidden: int, dtype: torch.dtype, comm_stream: int
+    ) -> torch.Tensor | None:
+        # A block of the node's receive arena (ranks per node > 1): the node peers read the
+        # combine that takes it in place, with no staging copy (see intranode's).
+        arena = self.recv_arena
+        if arena is None or torch.cuda.is_current_stream_capturing():
+            return None
+        stream = self._stream()
+        return arena.combine_input(rows, hidden, dtype, stream, comm_stream or stream)
+
+    def _outputs(
+        self,
+        rows: int,
+        x: torch.Tensor,
+        num_scales: int,
+        topk_idx: torch.Tensor | None,
+        cached_src: torch.Tensor | None,
+    ) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor | None]:
+        """A dispatch's ``(recv_x, scales, ids, weights)`` and its source indices (a cached
+        dispatch's: the handle's; ``None`` when the index tables carve them): carved from the
+        receive arena where there is one and they fit, else allocated."""
+        arena = self.recv_arena
+        if arena is None or not arena.enabled:
+            idx_dtype = None if topk_idx is None else topk_idx.dtype
+            num_topk = 0 if topk_idx is None else topk_idx.shape[1]
+            return dispatch_outputs(rows, x, num_scales, idx_dtype, num_topk), cached_src
+        stream = self._stream()
+        outs = arena.outputs(
+            rows,
+            x.shape[1],
+            x.dtype,
+            num_scales,
+            topk_idx,
+            cached_src,
+            x.device,
+            torch.cuda.is_current_stream_capturing(),
+            stream,
+            self.caller_stream or stream,
+        )
+        recv_x, scales, ids, weights, src = outs.made()
+        return (recv_x, scales, ids, weights), src
 
     def _fit_staging(self, rows_of_rank: tuple[int, ...], slot_bytes: int, op: str) -> None:
         if self.topology.ranks_per_node > 1:  # else no NVLink staging: only barrier flags
@@ -426,12 +494,13 @@ class InternodeBackend(CallHeaderExchange, Backend):
         args: DispatchArgs,
         sizes: tuple[int, int, tuple[int, ...]],
         outputs: tuple[torch.Tensor | None, ...],
+        src: torch.Tensor | None,
     ) -> tuple[DispatchState, torch.Tensor, torch.Tensor, torch.Tensor]:
         """A non-cached dispatch's state, its streams (lists, list_count) and its
-        ``recv_src_idx``, built on the GPU by one kernel from the gathered call headers
-        ``rows``. ``sizes``: its ``state_sizes``; ``outputs``: its ``(recv_x, scales, ids,
-        weights)``; a sync-free call's ids, weights and source indices are padded by the same
-        launch."""
+        ``recv_src_idx`` (``src``, or carved with the tables), built on the GPU by one kernel
+        from the gathered call headers ``rows``. ``sizes``: its ``state_sizes``; ``outputs``:
+        its ``(recv_x, scales, ids, weights)``; a sync-free call's ids, weights and source
+        indices are padded by the same launch."""
         topo = self.topology
         R, L, N, T = topo.num_ranks, topo.ranks_per_node, topo.num_nodes, in_rank.shape[0]
         C = args.config.num_channels
@@ -448,9 +517,10 @@ class InternodeBackend(CallHeaderExchange, Backend):
             (N,),
             (N, plan_tokens, L),
         )
-        recv_src, dst, lists, count, prefix, recv_rows, recv_prefix, recv_count, src, plan = (
+        carved, dst, lists, count, prefix, recv_rows, recv_prefix, recv_count, src_tokens, plan = (
             self._int32(in_rank.device, *shapes)
         )
+        recv_src = carved if src is None else src
         pad = args.num_worst_tokens > 0
         t = DispatchTablesTensors(
             rows,
@@ -462,7 +532,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
             recv_rows,
             recv_prefix,
             recv_count,
-            src,
+            src_tokens,
             plan,
             pad_ids=outputs[2] if pad else None,
             pad_weights=outputs[3] if pad else None,
@@ -474,7 +544,7 @@ class InternodeBackend(CallHeaderExchange, Backend):
             dst_row=dst,
             plan=plan,
             plan_tokens=plan_tokens,
-            src_tokens=src,
+            src_tokens=src_tokens,
             recv_rows=recv_rows,
             recv_prefix=recv_prefix,
             recv_count=recv_count,
@@ -537,16 +607,15 @@ class InternodeBackend(CallHeaderExchange, Backend):
         row_bytes, num_topk, num_scales = self._dispatch_shape(args, x)
         in_rank = args.is_token_in_rank
         topk_idx = None if cached is not None else args.topk_idx
-        idx_dtype = None if topk_idx is None else topk_idx.dtype
         recv_src = None
         if cached is not None:
             state: DispatchState = cached.state
-            outputs = dispatch_outputs(state.out_rows, x, num_scales, idx_dtype, num_topk)
+            outputs, _ = self._outputs(state.out_rows, x, num_scales, None, cached.recv_src_idx)
             streams = self._cached_streams(in_rank, cfg)
         else:
             sizes = state_sizes(topo, args.num_worst_tokens, args.agreed)
-            outputs = dispatch_outputs(sizes[0], x, num_scales, idx_dtype, num_topk)
-            state, *streams, recv_src = self._new_state(rows, in_rank, args, sizes, outputs)
+            outputs, src = self._outputs(sizes[0], x, num_scales, topk_idx, None)
+            state, *streams, recv_src = self._new_state(rows, in_rank, args, sizes, outputs, src)
         expert_list: list[int] = []
         per_expert = None
         if cached is None:
@@ -559,9 +628,10 @@ class InternodeBackend(CallHeaderExchange, Backend):
         # fold of the outputs; sizes are read off the tensors in _C. The index tables die with
         # this call, after the launch: the caching allocator is stream-ordered.
         epr = args.num_experts // topo.num_ranks
-        self._in.dispatch_call(
+        if self._in.dispatch_call(
             self._context(), self._stream(), verdict, self._rings(cfg), t, cached is not None, epr
-        )
+        ):
+            self.placed_dispatches += 1
         if cached is None and per_expert is None and t.recv_topk_idx is not None:
             # Sync-free: summed from the rows by the verdict's launch when they carry the
             # per-expert counts, else counted from the outputs.
@@ -648,9 +718,10 @@ class InternodeBackend(CallHeaderExchange, Backend):
             dst_row=state.dst_row,
             stream_cum=cum,
         )
-        self._in.combine_call(
+        if self._in.combine_call(
             self._context(), self._stream(), verdict, self._rings(config), tensors, state.out_rows
-        )
+        ):
+            self.placed_combines += 1
         return t.out, t.out_weights
 
     # ---- teardown -----------------------------------------------------------------------
@@ -668,6 +739,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
         self._ep.close()
         with torch.cuda.device(self._dev_index):
             self._ipc.close(collective, self._timeout_ms)
+            if self.recv_arena is not None:
+                # Freed now, or when the last dispatch output carved from it dies.
+                self.recv_arena.close(collective, self._timeout_ms)
             # Every write into the region was consumed by this rank's kernels (synchronized
             # above), so no peer still targets it; peers' mappings keep their own reference.
             c.device_free(self._region)

@@ -16,8 +16,10 @@ from uccl_ep_megatron.backends.agreement import verdict_message
 from uccl_ep_megatron.backends.base import Topology
 from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UcclEpError
 
-# Site of the NVLink barrier (word 1 is then the peer's local index); kernels/internode.h.
+# Site of the NVLink barrier (word 1 is then the peer's local index) and of the node's
+# placement exchange (word 1 the peer's rank, word 2 the sequence); kernels/internode.h.
 _SITE_NVL_BARRIER = 17
+_SITE_PLACE = 20
 _STATE_NAMES = ("dispatch_sent", "dispatch_consumed", "combine_sent", "combine_consumed", "calls")
 
 
@@ -66,6 +68,8 @@ def recorded_error(
     if site == _SITE_NVL_BARRIER:
         peer = topology.node * topology.ranks_per_node + peer
         detail = f"barrier #{want}"
+    elif site == _SITE_PLACE:
+        detail = f"placement #{want} (saw #{got})"
     else:
         streams = stream_state(c_in, endpoint, state, topology, channel, peer)
         detail = f"channel {channel}, waited for {want}, saw {got}; {streams}"

@@ -86,10 +86,19 @@ class RecvArena:
 
     Collective: every rank of ``group`` creates it at the same point. Zero-copy needs an arena
     on every rank, so when any rank asks for 0 bytes none is allocated (``enabled`` False).
+    ``peers``: the group ranks whose arenas this rank maps, in kernel order (default: all
+    ``num_ranks``; the internode backend maps its node's).
     """
 
     def __init__(
-        self, c: Any, group: dist.ProcessGroup, rank: int, device: int, nbytes: int, num_ranks: int
+        self,
+        c: Any,
+        group: dist.ProcessGroup,
+        rank: int,
+        device: int,
+        nbytes: int,
+        num_ranks: int,
+        peers: list[int] | None = None,
     ) -> None:
         from uccl_ep_megatron.backends.ipc_buffer import IpcBuffers
 
@@ -104,9 +113,8 @@ class RecvArena:
         self._closed = False
         if not self.enabled:
             return
-        self._ipc = IpcBuffers(
-            c, group, rank, device, self.nbytes, list(range(num_ranks)), keep_bytes=0
-        )
+        mapped = list(range(num_ranks)) if peers is None else list(peers)
+        self._ipc = IpcBuffers(c, group, rank, device, self.nbytes, mapped, keep_bytes=0)
         self.base = self._ipc.local
         self._core = c.RecvArenaCore(self.base, self.nbytes, device, True)
 
@@ -117,7 +125,7 @@ class RecvArena:
 
     @property
     def ptrs(self) -> list[int]:
-        """Every rank's arena as mapped here (own included), or [] when disabled."""
+        """Every mapped rank's arena as mapped here (own included), or [] when disabled."""
         return self._ipc.ptrs if self._ipc is not None else []
 
     @property
