@@ -624,8 +624,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
         _, stage = self._slots(False, cfg, row_bytes, num_scales, num_topk, idx_bytes)
         self._fit_staging(state.stage_rows, stage, "dispatch")
         t = self._dispatch_tensors(args, x, state, tuple(streams), outputs, recv_src)
-        # The kernels, the node barrier and staged rows (ranks per node > 1), then the poison
-        # fold of the outputs; sizes are read off the tensors in _C. The index tables die with
+        # The kernels, then (ranks per node > 1) the node barrier and, for outputs outside the
+        # receive arena, the rows node peers staged here; then the poison fold of the outputs;
+        # sizes are read off the tensors in _C. The index tables die with
         # this call, after the launch: the caching allocator is stream-ordered.
         epr = args.num_experts // topo.num_ranks
         if self._in.dispatch_call(
@@ -701,8 +702,9 @@ class InternodeBackend(CallHeaderExchange, Backend):
         )
 
         biases = t.biases
-        # Staging and a node barrier (ranks per node > 1), the kernel, a closing node barrier
-        # (peers read this rank's staging until then), then the poison fold of the outputs.
+        # Ranks per node > 1: x staged unless it lies in the receive arena (the kernel tells the
+        # node peers where to read it); the kernel, a closing node barrier (peers read x until
+        # then), then the poison fold of the outputs.
         tensors = InternodeCombineTensors(
             x=x,
             topk_weights=t.weights,
