@@ -23,6 +23,10 @@ Where its inputs come from (every one has a flag):
 - host path per call (checks, the call-header exchange, tables, launches before the kernels):
   none unless ``--host-us`` or a run's exact calls (``--from-json``) give it; it is assumed the
   same at every EP, so what it predicts at larger EP is a bound from above.
+- call boundary (the wire's idle time between sync-free calls back to back: header all-gather,
+  tables, barriers, the kernels' ramp-up and tail): none unless ``--boundary-us`` or a run's
+  ``pipelined`` rows with the modelled wire's accounting (``--from-json``) give it; also assumed
+  the same at every EP, a bound from below of what it costs there.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from dataclasses import replace
@@ -256,18 +261,38 @@ def load_run(path: str) -> dict[str, Any]:
         if _base_op(r.get("op", ""))
         and all(k in r for k in ("threads", "writes", "chunk", "cmds_per_s", "gbps", "rdma_mb"))
     ]
+    # Sync-free pairs back to back with the modelled wire's accounting (runs with a line rate).
+    pipelined = [
+        r
+        for r in run.get("rows", [])
+        if r.get("op") == "pipelined"
+        and r.get("link_gbps")
+        and isinstance(r.get("wire"), dict)
+        and all(k in r["wire"] for k in ("busy_us", "idle_short_us"))
+    ]
     if not rows:
         raise InvalidInputError(
             f"--from-json {path!r}: no timed dispatch/combine rows (a --copy-only run has none); "
             "give the JSON of a bench internode run without --copy-only"
         )
-    return {"meta": meta, "rows": rows, "path": path}
+    return {"meta": meta, "rows": rows, "pipelined": pipelined, "path": path}
+
+
+def pair_boundary_us(row: dict[str, Any]) -> float:
+    """µs of one ``pipelined`` pair (a sync-free dispatch + combine, back to back) during which
+    the wire idled between calls: the pair's steady time less the wire's busy time and its short
+    gaps (< 50 µs, within a call). Not the trace's long gaps themselves: those also hold the
+    pause between timed runs (barrier, sync, the first call's host path), spread over the pairs,
+    which sync-free calls in a training step do not pay (busy + short + long exceeds the pair)."""
+    w = row["wire"]
+    return max(0.0, float(row["us"]) - float(w["busy_us"]) - float(w["idle_short_us"]))
 
 
 def calibrate(run: dict[str, Any]) -> dict[str, Any]:
     """What a run says about the costs: head updates per chunk (from the NIC's message count),
-    the highest commands/s per proxy thread it reached (a floor of what a thread can do) and,
-    from its rows without a line rate, the GB/s the rest of the pipeline reached per op."""
+    the highest commands/s per proxy thread it reached (a floor of what a thread can do), from
+    its rows without a line rate, the GB/s the rest of the pipeline reached per op, the host path
+    of its exact calls and, from its ``pipelined`` rows, the call boundary."""
     heads: dict[str, list[float]] = {"dispatch": [], "combine": []}
     hosts: dict[str, list[float]] = {"dispatch": [], "combine": []}
     floor, pipeline = 0.0, {}
@@ -282,11 +307,16 @@ def calibrate(run: dict[str, Any]) -> dict[str, Any]:
         floor = max(floor, float(r["cmds_per_s"]) / int(r["threads"]))
         if not r.get("link_gbps"):
             pipeline[op] = max(pipeline.get(op, 0.0), float(r["gbps"]))
+    # Per pair, median over every rank and configuration (as the host path); the trace does not
+    # tell the dispatch's boundary from the combine's, so each call takes half.
+    pairs = [pair_boundary_us(r) for r in run.get("pipelined", [])]
+    boundary = statistics.median(pairs) / 2 if pairs else None
     return {
         "head_per_chunk": {k: statistics.median(v) for k, v in heads.items() if v},
         "cmds_per_s_per_thread_floor": floor,
         "pipeline_gbps": pipeline,
         "call_host_us": {k: statistics.median(v) for k, v in hosts.items() if v},
+        "boundary_us": {} if boundary is None else {"dispatch": boundary, "combine": boundary},
     }
 
 
@@ -372,6 +402,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the run's exact calls); adds GB/s per call and for sync-free calls back to back",
     )
     parser.add_argument(
+        "--boundary-us",
+        default=None,
+        help="µs per call the wire idles between sync-free calls back to back, DISPATCH,COMBINE "
+        "(default none, or half the run's pipelined pair's); lowers the back-to-back GB/s",
+    )
+    parser.add_argument(
         "--link-gbps", type=float, default=0.0, help="line rate of every preset; 0 = the preset's"
     )
     parser.add_argument(
@@ -411,11 +447,15 @@ def _shape(args: argparse.Namespace) -> Shape:
 
 
 def _per_kind(text: str, flag: str, example: str) -> dict[str, float]:
-    """``DISPATCH,COMBINE`` values >= 0 of ``flag`` as ``{"dispatch": .., "combine": ..}``."""
-    d, c = (flag_list(text, flag, float) + [None])[:2]
-    if c is None or min(d, c) < 0:
+    """``DISPATCH,COMBINE``, two finite numbers >= 0, of ``flag`` as ``{"dispatch": ..,
+    "combine": ..}``; anything else raises naming the flag, the value and the form."""
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if len(values) != 2 or not all(math.isfinite(v) and v >= 0 for v in values):
         raise InvalidInputError(f"{flag}={text!r}: give DISPATCH,COMBINE >= 0, e.g. {example}")
-    return {"dispatch": d, "combine": c}
+    return {"dispatch": values[0], "combine": values[1]}
 
 
 def _host(args: argparse.Namespace, cal: dict[str, Any] | None) -> Host:
@@ -430,6 +470,9 @@ def _host(args: argparse.Namespace, cal: dict[str, Any] | None) -> Host:
     call_host = dict(cal.get("call_host_us") or {})
     if args.host_us is not None:
         call_host = _per_kind(args.host_us, "--host-us", "1500,800")
+    boundary = dict(cal.get("boundary_us") or {})
+    if args.boundary_us is not None:
+        boundary = _per_kind(args.boundary_us, "--boundary-us", "200,200")
     pipeline = dict(cal.get("pipeline_gbps") or {})
     if args.pipeline_gbps is not None:
         pipeline = {op: args.pipeline_gbps for op in OPS} if args.pipeline_gbps > 0 else {}
@@ -443,6 +486,7 @@ def _host(args: argparse.Namespace, cal: dict[str, Any] | None) -> Host:
         head_per_chunk=heads,
         pipeline_gbps=pipeline,
         call_host_us=call_host,
+        boundary_us=boundary,
     )
     for name in ("proxy_threads", "cmds_per_s_per_thread", "fifo_cmds_per_s", "nvlink_gbps"):
         if getattr(host, name) <= 0:
@@ -504,6 +548,10 @@ def model(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _us(per_kind: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.0f} us" for k, v in per_kind.items()) or "none"
+
+
 def _print_inputs(res: dict[str, Any]) -> None:
     s, h = res["shape"], res["host"]
     print(
@@ -517,7 +565,7 @@ def _print_inputs(res: dict[str, Any]) -> None:
         f"cmds/s; FIFO push {h['fifo_push_us']} us, push-to-poll {h['fifo_poll_us']} us, "
         f"{h['fifo_cmds_per_s'] / 1e6:.1f} M cmds/s; NVLink {h['nvlink_gbps']:.0f} GB/s; head "
         f"updates per chunk {h['head_per_chunk']}; pipeline GB/s {h['pipeline_gbps'] or 'none'}"
-        f"; host path per call {h['call_host_us'] or 'none'} us"
+        f"; host path per call {_us(h['call_host_us'])}; call boundary {_us(h['boundary_us'])}"
     )
     used = {r["nic"] for r in res["rows"]}
     for key, n in res["nics"].items():
@@ -544,10 +592,12 @@ def print_table(res: dict[str, Any]) -> None:
     """The inputs, one line per (EP, NIC, op), and the check against a run when given."""
     _print_inputs(res)
     host = any(r["host_us"] for r in res["rows"])
+    b2b = host or any(r["boundary_us"] for r in res["rows"])
     print(
         f"{'EP':>3} {'NIC':<8} {'op':<12} {'MB/rank':>7} {'msgs':>6} {'cmds':>6} {'us':>6} "
         f"{'GB/s':>5} {'line':>5} {'limit':<8} {'next':<13} {'proxy b/e':>9} {'DeepEP-acct':>11}"
-        + (f" {'call':>5} {'b2b':>5}" if host else "")
+        + (f" {'call':>5}" if host else "")
+        + (f" {'b2b':>5}" if b2b else "")
         + "  published (~ inter-node)"
     )
     for r in res["rows"]:
@@ -556,13 +606,15 @@ def print_table(res: dict[str, Any]) -> None:
             f"{r['commands']:>6.0f} {r['us']:>6.0f} {r['gbps']:>5.1f} {r['line']:>5.2f} "
             f"{r['limit']:<8} {r['next']:<8} {r['next_of_limit']:>4.2f} "
             f"{r['proxy_break_even'] / 1e3:>8.0f}K {r['deepep_gbps']:>11.1f}"
-            + (f" {r['gbps_per_call']:>5.1f} {r['gbps_pipelined']:>5.1f}" if host else "")
+            + (f" {r['gbps_per_call']:>5.1f}" if host else "")
+            + (f" {r['gbps_pipelined']:>5.1f}" if b2b else "")
             + f"  {_published_text(r['published'])}"
         )
-    if host:
+    if b2b:
         print(
-            "call: GB/s of one call, its host path then its transfer; b2b: sync-free calls back "
-            "to back, each host path hidden behind the previous transfer"
+            ("call: GB/s of one call, its host path then its transfer; " if host else "")
+            + "b2b: sync-free calls back to back, each host path hidden behind the previous "
+            "call, each call paying the boundary in place of its start-up"
         )
     if res["check"]:
         print(

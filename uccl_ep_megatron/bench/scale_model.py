@@ -18,6 +18,9 @@ Per rank and call (expected values under random routing):
   (Little's law: bytes a stream may have in flight over a round trip), the ring's head loop,
   NVLink forwarding inside the destination node and, when given, a measured pipeline rate; plus
   a start-up of one barrier round trip and the first write.
+- **Back to back** (sync-free calls with no host wait): each call's host path hides behind the
+  previous call's GPU time, and each call pays a boundary, when given: the GPU-side time between
+  one call's last write and the next call's first, in place of the start-up it contains.
 """
 
 from __future__ import annotations
@@ -260,12 +263,21 @@ class Host:
     # the call-header exchange (a cross-rank barrier), tables and launches. Assumed the same at
     # every EP (the header's wait for the slowest rank and its per-rank counts grow with it).
     call_host_us: dict[str, float] = field(default_factory=dict)
+    # µs per call ("dispatch", "combine") of sync-free calls back to back during which the wire
+    # idles between one call's last write and the next call's first: GPU-side work on the
+    # stream (the call-header all-gather, the index tables, the node barriers, the kernels'
+    # ramp-up and tail). Assumed the same at every EP (the all-gather's wait and the tables
+    # grow with the ranks).
+    boundary_us: dict[str, float] = field(default_factory=dict)
 
     def heads(self, op: str) -> float:
         return self.head_per_chunk.get("combine" if op == "combine" else "dispatch", 1.0)
 
     def host_us(self, op: str) -> float:
         return self.call_host_us.get("combine" if op == "combine" else "dispatch", 0.0)
+
+    def boundary(self, op: str) -> float:
+        return self.boundary_us.get("combine" if op == "combine" else "dispatch", 0.0)
 
 
 def _window_rate(t: Traffic, shape: Shape, nic: Nic) -> float:
@@ -316,10 +328,18 @@ def predict(op: str, shape: Shape, nodes: int, nic: Nic, host: Host) -> dict[str
     limit, runner_up = ranked[0], ranked[1]
     startup = 3 * nic.latency_us + nic.completion_us  # one barrier round trip, the first write
     us = us_of[limit] + startup
-    # A single call: its host path, then the transfer. Calls issued back to back without a host
-    # wait (sync-free): each call's host path overlaps the previous call's transfer.
-    host_us = host.host_us(op)
-    per_call, pipelined = us + host_us, max(us, host_us)
+    # A single call: its host path, then the transfer; no boundary (its header exchange and
+    # tables are in its host path, which waits for them in an exact call; its barrier and first
+    # write are the start-up).
+    # Sync-free calls back to back: the GPU runs each call's transfer and the boundary before
+    # the next one, and the host path overlaps that. The boundary, measured from one call's last
+    # write to the next call's first, holds a start-up (the last write landing, the barrier
+    # round trip): a call takes the transfer plus the larger of the two, not both. It is not
+    # added to the host path: a sync-free call's all-gather and tables wait on the stream, not
+    # on the host, and the host path of exact calls already holds the header exchange.
+    host_us, boundary = host.host_us(op), host.boundary(op)
+    b2b_us = us - startup + max(startup, boundary)
+    per_call, pipelined = us + host_us, max(b2b_us, host_us)
     others = max(v for name, v in us_of.items() if name != "proxy")
     threads = min(host.proxy_threads, FIFO_CHANNELS, shape.channels)
     return {
@@ -346,6 +366,7 @@ def predict(op: str, shape: Shape, nodes: int, nic: Nic, host: Host) -> dict[str
         "proxy_break_even": t.commands / (threads * others) * 1e6,
         "deepep_gbps": t.deepep_bytes / us / 1e3,
         "host_us": host_us,
+        "boundary_us": boundary,
         "gbps_per_call": t.bytes / per_call / 1e3,
         "gbps_pipelined": t.bytes / pipelined / 1e3,
     }
