@@ -770,6 +770,75 @@ def megatron_pattern_case(rank: int, world: int) -> int:
     return num_layers
 
 
+def direct_lane_case(rank: int, world: int) -> dict:
+    """Synchronous calls whose arguments match a key that passed every check take the direct
+    lane (api/direct.py): dispatch, cached dispatch and combine equal the reference and the
+    general path's results (asynchronous calls of the same inputs), exact and sync-free; a bad
+    id in a call that hits the key raises on every rank, and the Buffer then works again; a
+    new shape takes the general path. Returns, per step, the calls the lane served in it."""
+    from uccl_ep_megatron import Buffer
+    from uccl_ep_megatron.core.errors import InvalidInputError
+
+    kb, rb = _get_buffers()
+    taken: dict[str, int] = {}
+
+    def step(name, fn):
+        before = kb._direct_calls
+        try:
+            return fn()
+        finally:
+            taken[name] = kb._direct_calls - before
+
+    num_experts, idx, w, x = _small_inputs(rank, world, 300 + rank)
+    lay = kb.get_dispatch_layout(idx, num_experts)[:4]
+    rlay = rb.get_dispatch_layout(idx, num_experts)[:4]
+    x2 = torch.flip(x, (0,)).contiguous()
+    for mode, worst in (("exact", 0), ("sync-free", 64 * world)):
+        kw = {"num_worst_tokens": worst}
+        ref = dispatch(rb, x, rlay, idx, w, **kw)
+        rcx = rb.combine(ref[0], ref[4])[0]
+        dispatch(kb, x, lay, idx, w, **kw)  # remembers the key (or hits it already)
+        poison(kb)
+        direct = step(f"{mode} dispatch", lambda kw=kw: dispatch(kb, x, lay, idx, w, **kw))
+        poison(kb)
+        general = step(
+            f"{mode} async dispatch",
+            lambda kw=kw: dispatch(
+                kb, x, lay, idx, w, previous_event=Buffer.capture(), async_finish=True, **kw
+            ),
+        )
+        general[-1].current_stream_wait()
+        count = int(direct[4].recv_count)
+        for name, got in (("direct", direct), ("general", general)):
+            assert_recv_same(got, ref, count=count)
+            assert_same(f"{name} counts", got[3], ref[3])
+            assert_same(
+                f"{name} rank_prefix_matrix", got[4].rank_prefix_matrix, ref[4].rank_prefix_matrix
+            )
+            assert_same(f"{name} recv_src_idx", got[4].recv_src_idx, ref[4].recv_src_idx)
+        kb.dispatch(x2, handle=direct[4])  # the cached key
+        poison(kb)
+        cached = step(f"{mode} cached", lambda h=direct[4]: kb.dispatch(x2, handle=h)[0])
+        want = rb.dispatch(x2, handle=ref[4])[0]
+        assert_same("direct cached recv_x", cached[:count], want[:count])
+        kb.combine(direct[0], direct[4])
+        poison(kb)
+        kcx = step(f"{mode} combine", lambda d=direct: kb.combine(d[0], d[4])[0])
+        assert_combine_close(kcx, None, rcx, None, exact=world == 2)
+    # The same key with a bad id: the lane takes it, the GPU check raises on every rank.
+    bad = idx.clone()
+    bad[3, 1] = num_experts
+    message = ""
+    try:
+        step("bad id", lambda: dispatch(kb, x, lay, bad, w))
+    except InvalidInputError as exc:
+        message = str(exc)
+    after = dispatch(kb, x, lay, idx, w)
+    assert_recv_same(after, dispatch(rb, x, rlay, idx, w))
+    step("new shape", lambda: dispatch(kb, x[:, :128].contiguous(), lay, idx, w))
+    return {"taken": taken, "message": message}
+
+
 def launch_ahead_case(rank: int, world: int) -> dict:
     """Exact dispatches launched ahead of their counts (UCCL_EP_LAUNCH_AHEAD, on by default):
     a call whose counts exceed the bound the previous call set runs again with exact sizes on
@@ -1013,3 +1082,14 @@ def test_combine_input_in_the_arena_is_combined_in_place(gpu_pool):
 
 def test_megatron_order_of_dispatches_and_frees(gpu_pool):
     assert gpu_pool.run(__file__, "megatron_pattern_case", env=ENV) == [4] * gpu_pool.world_size
+
+
+def test_direct_lane_matches_general_path_and_reference(gpu_pool):
+    out = gpu_pool.run(__file__, "direct_lane_case", env=ENV)
+    world = gpu_pool.world_size
+    want = {"bad id": 1, "new shape": 0}
+    for mode in ("exact", "sync-free"):
+        want |= {f"{mode} {c}": 1 for c in ("dispatch", "cached", "combine")}
+        want[f"{mode} async dispatch"] = 0
+    assert all(o["taken"] == want for o in out), out
+    assert all(f"expert id {4 * world}" in o["message"] for o in out), out

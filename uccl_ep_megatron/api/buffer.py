@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.api.calls import CallAgreement, worst_of
+from uccl_ep_megatron.api.direct import DirectCalls
 from uccl_ep_megatron.api.streams import CommStream, cached_outputs, dispatch_outputs
 from uccl_ep_megatron.api.topology import detect_placement, group_device, meet, sm_budget
 from uccl_ep_megatron.api.validation import ArgumentChecks, DispatchInputs, XType
 from uccl_ep_megatron.backends import create_backend
 from uccl_ep_megatron.backends.agreement import KIND_CACHED, KIND_COMBINE, KIND_DISPATCH
-from uccl_ep_megatron.backends.base import DispatchHandle, DispatchResult, Topology
+from uccl_ep_megatron.backends.base import DispatchArgs, DispatchHandle, DispatchResult, Topology
 from uccl_ep_megatron.core.config import (
     Config,
     default_combine_config,
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 _uids = itertools.count(1)
 
 
-class Buffer(CallAgreement, ArgumentChecks, CommStream):
+class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
     """Expert-parallel dispatch/combine over ``group`` (DeepEP normal-mode API).
 
     Args:
@@ -172,6 +173,7 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         self._sizes_ok: set[tuple[int, Config]] = set()  # (hidden bytes, config) that fit
         # checked_key of dispatch arguments that passed every check -> their check_ids.
         self._checked: dict[tuple[Any, ...], bool] = {}
+        self._direct_calls = 0  # calls the direct lane served (api/direct.py)
 
     # ---- properties and static helpers ---------------------------------------------------
     @property
@@ -374,20 +376,24 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             handle, event)``; for cached dispatch ``(recv_x, None, None, None, None, event)``.
         """
         self._check_alive()
+        given = DispatchInputs(
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+            expert_alignment,
+            num_worst_tokens,
+        )
+        if self._direct and previous_event is None and not async_finish:
+            done = self._dispatch_direct(x, handle, given, config)
+            if done is not None:
+                return done
         kind = KIND_DISPATCH if handle is None else KIND_CACHED
         seq = self._next_call()
         prepared = None
         try:
-            given = DispatchInputs(
-                num_tokens_per_rank,
-                num_tokens_per_rdma_rank,
-                is_token_in_rank,
-                num_tokens_per_expert,
-                topk_idx,
-                topk_weights,
-                expert_alignment,
-                num_worst_tokens,
-            )
             prepared = self._prepare_dispatch(seq, x, handle, given, config, previous_event)
             error = None
         except Exception as exc:  # noqa: BLE001 - every rank learns of it, then it is raised
@@ -408,25 +414,39 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
         result, event = self._run(
             run, inputs, event_in, async_finish, allocate_on_comm_stream, outputs
         )
-        args = prepared.args
+        return self._dispatch_returns(result, prepared.args, handle, seq, event)
+
+    def _dispatch_returns(
+        self,
+        result: DispatchResult,
+        args: DispatchArgs,
+        handle: DispatchHandle | None,
+        seq: int,
+        event: EventOverlap | None = None,
+    ) -> tuple[Any, ...]:
+        """What ``dispatch`` returns for the backend's ``result`` of ``args`` (``event``: the
+        call's, None for a synchronous call on the caller's stream)."""
+        if event is None:
+            event = EventOverlap(None)
         recv_x: XType = result.recv_x
         if args.x_scales is not None:
             recv_x = (result.recv_x, result.recv_x_scales)
         if handle is not None:
             return recv_x, None, None, None, None, event
+        topk_idx = args.topk_idx
         new_handle = DispatchHandle(
-            rank_prefix_matrix=result.rank_prefix_matrix,
-            is_token_in_rank=args.is_token_in_rank,
-            num_tokens_per_rank=args.num_tokens_per_rank,
-            recv_src_idx=result.recv_src_idx,
-            num_recv_tokens=result.num_recv_tokens,
-            num_worst_tokens=num_worst_tokens,
-            num_topk=0 if topk_idx is None else topk_idx.shape[1],
-            state=result.state,
-            owner=self.uid,
-            seq=seq,
-            recv_count=result.recv_count,
-            recv_tokens_per_expert=result.recv_tokens_per_expert,
+            result.rank_prefix_matrix,
+            args.is_token_in_rank,
+            args.num_tokens_per_rank,
+            result.recv_src_idx,
+            result.num_recv_tokens,
+            args.num_worst_tokens,
+            0 if topk_idx is None else topk_idx.shape[1],
+            result.state,
+            self.uid,
+            seq,
+            result.recv_count,
+            result.recv_tokens_per_expert,
         )
         return (
             recv_x,
@@ -463,6 +483,10 @@ class Buffer(CallAgreement, ArgumentChecks, CommStream):
             ``(combined_x [T, H], combined_topk_weights [T, K] or None, event)``.
         """
         self._check_alive()
+        if self._direct and previous_event is None and not async_finish:
+            done = self._combine_direct(x, handle, topk_weights, bias, config)
+            if done is not None:
+                return done[0], done[1], EventOverlap(None)
         seq = self._next_call()
         prepared = None
         try:
