@@ -5,12 +5,19 @@ The ranks come from the one launcher (``uccl_ep_megatron.cluster.local``); the c
 DeepEP V1 beside it when ``deep_ep`` imports). For each call kind it prints, per rank count:
 
 - host and device microseconds per call (median over ``--iters``, each iteration the maximum
-  over ranks; device = events around the call on the caller's stream), ours and DeepEP's;
+  over ranks; device = events around the call on the caller's stream), ours and DeepEP's, and
+  with ``--general`` ours again through the Buffer's general path (its direct lane off,
+  ``api/direct.py``), each op timed by every implementation in turn;
 - ours split at the ``_C`` entry points (rank 0, median): Python before notify is launched,
   the notify launch, the wait for the counts (exact dispatch), Python between the counts and
   the kernel launch, the kernel launch, Python after it; with ``--fine`` at the Python steps
   too (argument checks, status read, receive-arena outputs, torch.empty, the result);
-- with ``--top N``, the N functions of rank 0 with the most own time under cProfile.
+- with ``--top N``, the N functions of rank 0 with the most own time under cProfile;
+- with ``--floor``, what the host operations a call is made of cost on this CPU (rank 0, one
+  at a time, median of batches): reading a tensor's pointer, shape and dtype (what ``_C``
+  does per argument), making a tensor (``torch.empty``, a view, a DLPack import as the receive
+  arena makes its outputs), a kernel launch, a ``_C`` call, a dataclass of a result. A call's
+  host time is at least the sum of the operations it needs.
 
 Run on a GPU machine:
 
@@ -113,6 +120,54 @@ def _per_call(prof: cProfile.Profile, calls: int, top: int) -> str:
     return "\n".join(lines)
 
 
+def _no_lane(*args: Any) -> None:
+    """A Buffer's direct lane that never serves a call (``--general``)."""
+    return None
+
+
+def _floor(buf: Any, x: torch.Tensor, batches: int = 21, n: int = 200) -> dict[str, float]:
+    """Microseconds per host operation on this CPU (see the module docstring): the median over
+    ``batches`` of ``n`` back-to-back calls each. ``x`` is a dispatch's [T, H] input."""
+    from uccl_ep_megatron.backends.base import DispatchResult
+
+    c, status = buf._backend._c, buf._backend._status
+    info = torch.zeros(64, dtype=torch.int32, device=x.device)
+    small = torch.zeros(16, dtype=torch.int32, device=x.device)
+    T, H = x.shape
+    arena = buf._backend.recv_arena.core
+
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def dlpack() -> None:
+        # One receive-arena block of a row and its tensors: rows, ids, weights, sources.
+        arena.reserve(1, H, 4, 16, 0, 8, 64, True, stream, stream).tensors(-1)
+
+    ops = {
+        "x.data_ptr()": lambda: x.data_ptr(),
+        "x.shape": lambda: x.shape,
+        "x.dtype": lambda: x.dtype,
+        "torch.empty [T, H] cuda": lambda: torch.empty(T, H, dtype=x.dtype, device=x.device),
+        "as_strided view": lambda: info.as_strided((4,), (1,), 4),
+        "arena block + 4 DLPack tensors": dlpack,
+        "kernel launch (fill_)": lambda: small.fill_(1),
+        "_C call (host_status_read)": lambda: c.host_status_read(status),
+        "DispatchResult (12 fields)": lambda: DispatchResult(
+            x, None, None, None, [], info, info, 0, None, info, info, True
+        ),
+    }
+    out = {}
+    for name, fn in ops.items():
+        per = []
+        for _ in range(batches):
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                fn()
+            per.append((time.perf_counter_ns() - t0) / n / 1e3)
+        out[name] = statistics.median(per)
+        torch.cuda.synchronize()
+    return out
+
+
 def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
@@ -131,7 +186,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     # Room for the results kept at once (as bench intranode sizes it): every call zero-copy.
     arena = None  # the caller's UCCL_EP_RECV_ARENA_BYTES when set
     if "UCCL_EP_RECV_ARENA_BYTES" not in os.environ:
-        arena = 5 * T * world * (a["hidden"] * 2 + 256)
+        arena = 5 * T * world * (a["hidden"] * 2 + 256) * (2 if a["general"] else 1)
     opts = BufferOptions(arena_bytes=arena)
     buf = Buffer(None, 2 << 30, 0, backend="kernels", explicitly_destroy=True, options=opts)
     log: list[tuple[str, int, int]] = []
@@ -163,11 +218,16 @@ def _rank(rank: int, world: int, a: dict) -> dict:
             cfgs,
             dispatch_kwargs(theirs.get_dispatch_layout(idx, E), idx, w),
         )
-    out: dict[str, Any] = {}
-    for impl, (b, cfgs, layout) in impls.items():
-        state: dict[str, Any] = {}
-        fns = _calls(b, cfgs, x, x_fp8, layout, state, T * world)
-        for op in OPS:
+    if a["general"]:  # the same Buffer, every call through the general path
+        impls["general"] = impls["ours"]
+    out: dict[str, Any] = {"floor": _floor(buf, x) if a["floor"] and rank == 0 else {}}
+    states: dict[str, dict[str, Any]] = {impl: {} for impl in impls}
+    calls = {
+        impl: _calls(b, cfgs, x, x_fp8, layout, states[impl], T * world)
+        for impl, (b, cfgs, layout) in impls.items()
+    }
+    for op in OPS:  # each op by every impl in turn (machine drift falls on all alike)
+        for impl, fns in calls.items():
             fn = fns[op]
             segs: list[dict[str, float]] = []
             stamps: list[tuple[int, int]] = []  # (call start, first launch done), host clock
@@ -175,12 +235,18 @@ def _rank(rank: int, world: int, a: dict) -> dict:
             def split(
                 t0: int, t1: int, impl: str = impl, segs: list = segs, stamps: list = stamps
             ) -> None:
-                if impl == "ours":
+                if impl != "deepep":
                     segs.append(_segments(t0, t1, list(log)))
                     launched = [b for name, _, b in log if name in LAUNCHES]
                     stamps.append((t0, launched[0] if launched else t1))
 
-            timed = time_call(fn, a["iters"], a["warmup"], before=log.clear, after=split)
+            if impl == "general":  # api/direct.py: None takes the general path
+                buf._dispatch_direct = buf._combine_direct = _no_lane
+            try:
+                timed = time_call(fn, a["iters"], a["warmup"], before=log.clear, after=split)
+            finally:
+                if impl == "general":
+                    del buf._dispatch_direct, buf._combine_direct
             host, dev = timed["host_us"], timed["device_us"]
             prof_text = ""
             if a["top"] and impl == "ours":
@@ -203,6 +269,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
                 "prof": prof_text,
                 "stamps": stamps,
             }
+    for state in states.values():
         state.clear()
     torch.cuda.synchronize()
     out["fallbacks"] = buf._backend.recv_arena.fallbacks  # staged (not zero-copy) dispatches
@@ -216,32 +283,39 @@ def _rank(rank: int, world: int, a: dict) -> dict:
 
 def _report(world: int, per_rank: list[dict], iters: int) -> None:
     print(f"\n# {world} rank(s): host / device us per call (median over {iters} of max over ranks)")
+    general = f"{OPS[0]}/general" in per_rank[0]
+    impls = ("ours", "general", "deepep") if general else ("ours", "deepep")
+    names = {"ours": "ours", "general": "general", "deepep": "DeepEP"}
     print(
-        f"{'op':24} {'ours host':>9} {'dev':>7} {'DeepEP host':>11} {'dev':>7}  ours on rank 0 (us)"
+        f"{'op':24} "
+        + " ".join(f"{names[i] + ' host':>12} {'dev':>7}" for i in impls)
+        + "  ours on rank 0 (us)"
     )
     for op in OPS:
-        row = [op]
-        for impl in ("ours", "deepep"):
+        row = []
+        for impl in impls:
             key = f"{op}/{impl}"
             if key not in per_rank[0]:
-                row += ["-", "-"]
+                row += [f"{'-':>12}", f"{'-':>7}"]
                 continue
             h = [max(r[key]["host"][i] for r in per_rank) for i in range(iters)]
             d = [max(r[key]["dev"][i] for r in per_rank) for i in range(iters)]
-            row += [f"{statistics.median(h):.1f}", f"{statistics.median(d):.1f}"]
+            row += [f"{statistics.median(h):12.1f}", f"{statistics.median(d):7.1f}"]
         seg = per_rank[0][f"{op}/ours"]["seg"]
         split = " ".join(f"{k}={v:.1f}" for k, v in seg.items())
-        print(f"{row[0]:24} {row[1]:>9} {row[2]:>7} {row[3]:>11} {row[4]:>7}  {split}")
+        print(f"{op:24} {' '.join(row)}  {split}")
         # The ranks share one host clock (CLOCK_MONOTONIC): how far apart the calls start, and
         # when the last rank's first kernel is queued after the first rank's call started.
-        st = [r[f"{op}/ours"]["stamps"] for r in per_rank]
-        if all(len(x) == iters for x in st):
-            skew = [max(x[i][0] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
-            last = [max(x[i][1] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
-            print(
-                f"{'':24}   call starts spread {statistics.median(skew) / 1e3:.1f} us; last "
-                f"rank's first launch {statistics.median(last) / 1e3:.1f} us after the first start"
-            )
+        for impl in impls[:-1] if general else ("ours",):
+            st = [r[f"{op}/{impl}"]["stamps"] for r in per_rank]
+            if all(len(x) == iters for x in st):
+                skew = [max(x[i][0] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
+                last = [max(x[i][1] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
+                print(
+                    f"{'':24}   {impl}: call starts spread {statistics.median(skew) / 1e3:.1f} "
+                    f"us; last rank's first launch {statistics.median(last) / 1e3:.1f} us after "
+                    "the first start"
+                )
         # Every rank's own medians: which rank the maximum over ranks comes from, and where.
         for r, res in enumerate(per_rank):
             mine = res[f"{op}/ours"]
@@ -254,6 +328,10 @@ def _report(world: int, per_rank: list[dict], iters: int) -> None:
     for r, res in enumerate(per_rank):
         cpus = res["cpus"]
         print(f"rank {r} CPUs: {len(cpus)} ({cpus[0]}-{cpus[-1]})")
+    if per_rank[0]["floor"]:
+        print(f"\n# {world} rank(s): host operations on rank 0's CPU (us each)")
+        for name, us in per_rank[0]["floor"].items():
+            print(f"{name:34} {us:8.2f}")
     for op in OPS:
         text = per_rank[0][f"{op}/ours"]["prof"]
         if text:
@@ -269,6 +347,12 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=12, help="our SM budget")
     ap.add_argument("--deepep-sms", type=int, default=24)
     ap.add_argument("--fine", action="store_true", help="stamp the Python steps too (FINE_* below)")
+    ap.add_argument("--floor", action="store_true", help="time single host operations too")
+    ap.add_argument(
+        "--general",
+        action="store_true",
+        help="also time our calls through the general path (the direct lane off), in turn",
+    )
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
