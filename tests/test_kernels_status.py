@@ -100,3 +100,36 @@ def test_grow_refused_while_capturing_and_after_a_capture():
     with pytest.raises(BufferTooSmallError, match=r"num_nvl_bytes >= 4194304"):
         be._fit(1 << 22, "combine of up to 64 rows", capturing=False)
     assert grows == [1]
+
+
+def test_check_all_ranks_raises_exactly_for_bad_words():
+    # Notify's per-rank check rows (id min, id max, first disagreeing rank, its two counts,
+    # packed header), random good and bad: raising must match an independent per-rank judgement,
+    # and a bad row's error names its rank.
+    import random
+
+    from uccl_ep_megatron.backends.intranode.status import CHECK_WORDS, check_all_ranks
+
+    rng = random.Random(7)
+    experts = 64
+    for _ in range(2000):
+        ranks = rng.choice([1, 2, 4, 8])
+        rows, bad_ranks, headers = [], [], []
+        for r in range(ranks):
+            lo = rng.choice([-1, 0, 3, -1, -2, -5])
+            hi = rng.choice([experts - 1, 0, 10, -1, experts, experts + 7])
+            dest = rng.choice([-1, -1, -1, 0, 2])
+            header = rng.choice([5, 5, 5, 5, 9])
+            rows += [lo, hi, dest, 3, 4] + [0] * (CHECK_WORDS - 6) + [header]
+            headers.append(header)
+            if lo < -1 or hi >= experts or dest >= 0:
+                bad_ranks.append(r)
+        expect_bad = bool(bad_ranks) or len(set(headers)) > 1
+        try:
+            check_all_ranks(rows, experts)
+            raised = None
+        except InvalidInputError as exc:
+            raised = str(exc)
+        assert (raised is not None) == expect_bad, (rows, raised)
+        if raised is not None and len(set(headers)) == 1:
+            assert raised.startswith(f"rank {bad_ranks[0]}: "), (rows, raised)

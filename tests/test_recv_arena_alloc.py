@@ -287,3 +287,37 @@ def test_a_reservation_with_aux_holds_the_handles_send_pos_and_info(c):
     del info
     gc.collect()
     assert arena.core.live == 0 and arena.core.free_ranges() == [(0, 1 << 20)]
+
+
+def test_reservation_aux_of_a_rank_gives_the_handles_views_of_info(c):
+    # aux(rank): send_pos, then the handle's views of info [R*R matrix | per-expert rows]: the
+    # matrix, the rank's received rows (the matrix's last row, that rank's column) and the
+    # per-expert counts, at the places the plain info tensor has them, each holding the block.
+    ranks, experts, tokens = 4, 6, 10
+    for rank in range(ranks):
+        arena = HostArena(c, 1 << 20)
+        aux = (tokens, ranks, ranks * ranks + experts)
+        plain = arena.core.reserve(8, 64, 4, 16, 0, 2, 64, True, 0, 0, *aux)
+        old_send_pos, info = plain.aux()
+        words = torch.arange(100, 100 + aux[2], dtype=torch.int32)
+        info.copy_(words)
+        at = arena.offset(info)
+        del plain, old_send_pos, info
+        gc.collect()
+        res = arena.core.reserve(8, 64, 4, 16, 0, 2, 64, True, 0, 0, *aux)  # the same block
+        send_pos, prefix, count, per_expert = res.aux(rank)
+        assert arena.offset(prefix) == at
+        assert (send_pos.dtype, tuple(send_pos.shape)) == (torch.int32, (tokens, ranks))
+        assert torch.equal(prefix, words[: ranks * ranks].view(ranks, ranks))
+        assert count.tolist() == [words[ranks * (ranks - 1) + rank].item()]
+        assert torch.equal(per_expert, words[ranks * ranks :])
+        with pytest.raises(Exception, match="made already"):
+            res.aux(rank)
+        del res, send_pos, prefix, per_expert
+        gc.collect()
+        assert arena.core.live == 1  # count alone keeps the block
+        del count
+        gc.collect()
+        assert arena.core.live == 0
+    with pytest.raises(Exception, match="rank=4 of 4 ranks"):
+        HostArena(c, 1 << 20).core.reserve(8, 64, 4, 16, 0, 2, 64, True, 0, 0, *aux).aux(ranks)

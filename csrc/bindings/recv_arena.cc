@@ -173,7 +173,7 @@ struct Reservation {
   }
   int64_t block_offset() const;
   py::tuple tensors(int64_t rows_made);
-  py::tuple aux_tensors();
+  py::tuple aux_tensors(int64_t rank);
 };
 
 class Arena : public std::enable_shared_from_this<Arena> {
@@ -514,13 +514,23 @@ py::tuple Reservation::tensors(int64_t rows_made) {
   return py::make_tuple(x, scales, idx, w, src);
 }
 
-py::tuple Reservation::aux_tensors() {
+py::tuple Reservation::aux_tensors(int64_t rank) {
   UCCL_EP_CHECK_ARG(lay.info >= 0 && !aux_made,
                     "RecvReservation.aux: ", lay.info < 0 ? "this block holds no send_pos/info" : "made already");
+  const int64_t R = aux.ranks, words = R * R;
+  UCCL_EP_CHECK_ARG(rank < R && aux.info >= words, "RecvReservation.aux: rank=", rank, " of ", R,
+                    " ranks, info of ", aux.info, " words (at least ranks^2)");
   aux_made = true;
   Arena& a = *block->arena;
-  return py::make_tuple(a.make(block, at + lay.send_pos, aux.tokens, aux.ranks, {0, 32, 1}),
-                        a.make(block, at + lay.info, aux.info, 0, {0, 32, 1}));
+  const DLDataType i32{0, 32, 1};
+  py::object send_pos = a.make(block, at + lay.send_pos, aux.tokens, aux.ranks, i32);
+  if (rank < 0) return py::make_tuple(send_pos, a.make(block, at + lay.info, aux.info, 0, i32));
+  // The handle's views of info [rank prefix matrix (R x R) | received rows per local expert]:
+  // the matrix, this rank's received rows (the matrix's last row, column `rank`), the counts.
+  const intptr_t info = at + lay.info;
+  return py::make_tuple(send_pos, a.make(block, info, R, R, i32),
+                        a.make(block, info + 4 * (words - R + rank), 1, 0, i32),
+                        a.make(block, info + 4 * words, aux.info - words, 0, i32));
 }
 
 }  // namespace
@@ -577,9 +587,11 @@ void bind_recv_arena(py::module_& m) {
       .def("tensors", &Reservation::tensors, py::arg("rows") = -1,
            "(recv_x, scales, topk_idx, weights, src_idx) viewing the block (once), each of its first `rows` rows "
            "(-1: all reserved); each keeps the block alive.")
-      .def("aux", &Reservation::aux_tensors,
+      .def("aux", &Reservation::aux_tensors, py::arg("rank") = -1,
            "(send_pos [tokens, ranks], info [words]) int32 of a block reserved by intranode_dispatch_begin (once); "
-           "each keeps the block alive.");
+           "with rank >= 0, info as the handle's views instead: (send_pos, rank_prefix_matrix [ranks, ranks], "
+           "recv_count [1] (rank's received rows), recv_tokens_per_expert [words - ranks^2]). Each keeps the block "
+           "alive.");
   py::class_<Arena, std::shared_ptr<Arena>>(m, "RecvArenaCore",
                                             "The receive arena's block allocator and output factory "
                                             "(bindings/recv_arena.cc).")

@@ -87,8 +87,12 @@ class _Call:
     launch: Any  # _C.DispatchLaunch of the call's layout (reused across calls)
     stream: int
     args: DispatchArgs  # the call's tensors, read by name in _C
-    info: torch.Tensor  # [rank_prefix_matrix (R*R) | aligned rows per local expert]
+    # [rank_prefix_matrix (R*R) | aligned rows per local expert]; None when `views` holds them
+    info: torch.Tensor | None
     send_pos: torch.Tensor
+    # The handle's views of info (matrix, this rank's received rows, per-expert rows), made
+    # with the receive block's tensors by a one-call dispatch; None: views of `info`.
+    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 # A launch-ahead call that must run again with exact sizes (see KernelsBackend.dispatch).
@@ -580,8 +584,8 @@ class KernelsBackend(Backend):
         if cached is not None:
             outs.made()  # its info stays in the block, which the rows keep alive
             return self._cached_result(cached, outs, rows.num_recv)
-        send_pos, info = reserved.aux()
-        call = _Call(ctx, launch, stream, args, info, send_pos)
+        send_pos, *views = reserved.aux(self.topology.rank)
+        call = _Call(ctx, launch, stream, args, None, send_pos, tuple(views))
         if args.num_worst_tokens > 0:
             return self._dispatch_result(call, outs.made(), [], None, rows, True)
         return self._ahead_result(call, outs, rows.num_recv)
@@ -806,22 +810,30 @@ class KernelsBackend(Backend):
         notify's ``info``. ``rows``: the call's ``_C.DispatchRows`` (its combine's too);
         ``zero_copy``: the outputs lie in the receive arena."""
         recv_x, recv_scales, recv_idx, recv_w, recv_src = outputs
-        R, rank = self.topology.num_ranks, self.topology.rank
-        nrr = R * R
-        # One as_strided per view (slicing then viewing is two torch calls: host time).
-        view = call.info.as_strided
+        views = call.views
+        if views is None:
+            R, rank = self.topology.num_ranks, self.topology.rank
+            nrr = R * R
+            # One as_strided per view (slicing then viewing is two torch calls: host time).
+            view = call.info.as_strided
+            views = (
+                view((R, R), (R, 1), 0),
+                view((1,), (1,), nrr - R + rank),  # this rank's received rows: the last row's
+                view((call.launch.experts_per_rank,), (1,), nrr),
+            )
+        prefix, count, per_expert = views
         return DispatchResult(
             recv_x,
             recv_scales,
             recv_idx,
             recv_w,
             expert_counts,
-            view((R, R), (R, 1), 0),
+            prefix,
             recv_src,
             rows.num_recv,
             _State(prefix_host, call.send_pos, rows),
-            view((1,), (1,), nrr - R + rank),  # this rank's received rows: the last row's
-            view((call.launch.experts_per_rank,), (1,), nrr),
+            count,
+            per_expert,
             zero_copy,
         )
 

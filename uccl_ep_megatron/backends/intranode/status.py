@@ -58,8 +58,16 @@ def check_all_ranks(rows: list[int], num_experts: int) -> None:
     identical everywhere, so all ranks raise together at the same call instead of the others
     waiting for that rank's rows until the timeout, rows landing past outputs sized from the
     wrong count, or bytes of one dtype read as another."""
-    check_packed_headers(rows[CHECK_WORDS - 1 :: CHECK_WORDS], "dispatch")
     w = CHECK_WORDS
+    headers = rows[w - 1 :: w]
+    if (
+        min(rows[0::w]) >= -1
+        and max(rows[1::w]) < num_experts
+        and max(rows[2::w]) < 0
+        and min(headers) == max(headers)
+    ):
+        return  # every rank's words are good: the per-rank checks below would pass (host time)
+    check_packed_headers(headers, "dispatch")
     for r in range(len(rows) // w):
         lo, hi, dest, given, actual = rows[r * w : r * w + 5]
         try:
