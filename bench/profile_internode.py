@@ -6,7 +6,9 @@ configs). Each step of the call (``Buffer`` and ``InternodeBackend`` methods, th
 entry points, the header all-gather) is stamped with perf_counter around every call; a step's
 time includes the steps it calls. For each mode (sync-free, exact) and op it prints the host µs
 of the whole call (median over ``--iters`` calls that start together, per rank) and rank 0's
-median µs per step, largest first.
+median µs per step, largest first. Synchronous calls run on the caller's stream; with
+``--comm-stream`` every call is also timed on the Buffer's communication stream (the path of an
+asynchronous call, joined back), in turn.
 
 Run on a GPU machine:
 
@@ -105,24 +107,32 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         setattr(backend_module, name, _stamp(getattr(backend_module, name), name, acc))
     be._in = _TimedC(be._in, acc)
     out: dict[str, Any] = {}
+    # --comm-stream: each call also on the Buffer's communication stream (joined to the
+    # caller's both ways, its tensors recorded), in turn with the caller's-stream call.
+    paths = (("", True), (" (comm stream)", False)) if a["comm_stream"] else (("", buf._direct),)
+    direct = buf._direct
     for mode, worst in (("sync-free", a["tokens"] * world), ("exact", 0)):
         for _ in range(a["warmup"]):
             r = buf.dispatch(x, config=dcfg, num_worst_tokens=worst, **kw)
             buf.combine(r[0], r[4], topk_weights=r[2], config=ccfg)
         torch.cuda.synchronize()
-        calls: dict[str, list[tuple[float, dict[str, float]]]] = {"dispatch": [], "combine": []}
+        calls: dict[str, list[tuple[float, dict[str, float]]]] = {}
         for _ in range(a["iters"]):
-            for op in ("dispatch", "combine"):
-                dist.barrier()
-                torch.cuda.synchronize()
-                acc.clear()
-                t0 = time.perf_counter()
-                if op == "dispatch":
-                    r = buf.dispatch(x, config=dcfg, num_worst_tokens=worst, **kw)
-                else:
-                    buf.combine(r[0], r[4], topk_weights=r[2], config=ccfg)
-                calls[op].append(((time.perf_counter() - t0) * 1e6, dict(acc)))
-                torch.cuda.synchronize()
+            for tag, on_caller in paths:
+                buf._direct = on_caller
+                for op in ("dispatch", "combine"):
+                    dist.barrier()
+                    torch.cuda.synchronize()
+                    acc.clear()
+                    t0 = time.perf_counter()
+                    if op == "dispatch":
+                        r = buf.dispatch(x, config=dcfg, num_worst_tokens=worst, **kw)
+                    else:
+                        buf.combine(r[0], r[4], topk_weights=r[2], config=ccfg)
+                    row = ((time.perf_counter() - t0) * 1e6, dict(acc))
+                    calls.setdefault(op + tag, []).append(row)
+                    torch.cuda.synchronize()
+            buf._direct = direct
         for op, rows in calls.items():
             steps = {k for _, s in rows for k in s}
             out[f"{mode} {op}"] = {
@@ -164,6 +174,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument(
+        "--comm-stream",
+        action="store_true",
+        help="also time each call on the Buffer's communication stream, in turn",
+    )
     args = ap.parse_args()
     from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 

@@ -75,6 +75,10 @@ class InternodeBackend(CallHeaderExchange, Backend):
     defers_id_check = True
     agrees_per_call = True
     agrees_on_device = True
+    # Synchronous calls run on the caller's stream (api/streams.py): every launch, the header
+    # all-gather and the outputs' allocation take the current stream, and the receive arena is
+    # told the caller's (caller_stream) and the comm stream's first use (note_stream).
+    runs_on_caller_stream = True
     x_dtypes = KernelsBackend.x_dtypes  # the same row formats as the intranode kernels
 
     @classmethod
