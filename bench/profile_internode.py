@@ -8,7 +8,8 @@ time includes the steps it calls. For each mode (sync-free, exact) and op it pri
 of the whole call (median over ``--iters`` calls that start together, per rank) and rank 0's
 median µs per step, largest first. Synchronous calls run on the caller's stream; with
 ``--comm-stream`` every call is also timed on the Buffer's communication stream (the path of an
-asynchronous call, joined back), in turn.
+asynchronous call, joined back), and with ``--full-checks`` with every argument check run (the
+Buffer skips the checks of argument shapes that passed them before), in turn.
 
 Run on a GPU machine:
 
@@ -107,10 +108,16 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         setattr(backend_module, name, _stamp(getattr(backend_module, name), name, acc))
     be._in = _TimedC(be._in, acc)
     out: dict[str, Any] = {}
-    # --comm-stream: each call also on the Buffer's communication stream (joined to the
-    # caller's both ways, its tensors recorded), in turn with the caller's-stream call.
-    paths = (("", True), (" (comm stream)", False)) if a["comm_stream"] else (("", buf._direct),)
+    # (tag, on the caller's stream, argument checks in full) of each timed path, in turn:
+    # --comm-stream adds each call on the Buffer's communication stream (joined to the caller's
+    # both ways, its tensors recorded), --full-checks each call with the Buffer's memory of
+    # checked argument shapes cleared first (every check runs, as on a shape's first call).
     direct = buf._direct
+    paths = [("", direct, False)]
+    if a["comm_stream"]:
+        paths.append((" (comm stream)", False, False))
+    if a["full_checks"]:
+        paths.append((" (full checks)", direct, True))
     for mode, worst in (("sync-free", a["tokens"] * world), ("exact", 0)):
         for _ in range(a["warmup"]):
             r = buf.dispatch(x, config=dcfg, num_worst_tokens=worst, **kw)
@@ -118,18 +125,22 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         torch.cuda.synchronize()
         calls: dict[str, list[tuple[float, dict[str, float]]]] = {}
         for _ in range(a["iters"]):
-            for tag, on_caller in paths:
+            for tag, on_caller, full_checks in paths:
                 buf._direct = on_caller
                 for op in ("dispatch", "combine"):
                     dist.barrier()
                     torch.cuda.synchronize()
                     acc.clear()
+                    kept = buf._checked  # the other paths' memory, back after this call
+                    if full_checks:
+                        buf._checked = {}
                     t0 = time.perf_counter()
                     if op == "dispatch":
                         r = buf.dispatch(x, config=dcfg, num_worst_tokens=worst, **kw)
                     else:
                         buf.combine(r[0], r[4], topk_weights=r[2], config=ccfg)
                     row = ((time.perf_counter() - t0) * 1e6, dict(acc))
+                    buf._checked = kept
                     calls.setdefault(op + tag, []).append(row)
                     torch.cuda.synchronize()
             buf._direct = direct
@@ -178,6 +189,11 @@ def main() -> None:
         "--comm-stream",
         action="store_true",
         help="also time each call on the Buffer's communication stream, in turn",
+    )
+    ap.add_argument(
+        "--full-checks",
+        action="store_true",
+        help="also time each call with every argument check run (as on a shape's first call)",
     )
     args = ap.parse_args()
     from uccl_ep_megatron.cluster.local import RankPool, visible_gpus

@@ -78,10 +78,12 @@ class CallAgreement:
         checks = None
         key: Any = None
         backend = self._backend
-        if not backend.agrees_per_call and (handle is not None or backend.defers_id_check):
+        after_event = previous_event is not None and previous_event.event is not None
+        if backend.defers_id_check or (handle is not None and not backend.agrees_per_call):
             # The checks read only what the key holds: arguments that match a key that passed
             # once pass again (see checked_key), so they are built without running them. A
-            # cached dispatch's handle is checked on every call (below).
+            # cached dispatch's handle is checked on every call (below); a backend that agrees
+            # per call still launches its routing checks, which read the values.
             key = checked_key(x, given, config)
             if key is not None and handle is not None:
                 key = ("cached", key)
@@ -100,8 +102,11 @@ class CallAgreement:
                     return self._prepared(seq, args, handle, None)
                 key = None  # the full checks below raise what is wrong with the handle
         if check_ids is not None and key is not None:
+            if backend.agrees_per_call:  # ids and layout travel in the call header
+                num_experts = given.num_tokens_per_expert.shape[0]
+                check_ids, checks = self._routing_checks(given, num_experts, check_ids)
             args = dispatch_args(x_data, x_scales, given, config, check_ids)
-            return self._prepared(seq, args, None, None)
+            return self._prepared(seq, args, None, checks, after_event)
         x_data, x_scales = self._split_x(x)
         num_tokens, hidden = x_data.shape
         self._check_buffer_size(x_data, hidden, config)
@@ -125,7 +130,6 @@ class CallAgreement:
             args = dispatch_args(x_data, x_scales, given, config, check_ids)
         if key is not None:
             self._remember(key, args.check_ids)
-        after_event = previous_event is not None and previous_event.event is not None
         return self._prepared(seq, args, handle, checks, after_event)
 
     def _remember(self, key: Any, value: bool) -> None:
@@ -209,7 +213,8 @@ class CallAgreement:
         expected_rows = handle.num_worst_tokens or handle.num_recv_tokens
         num_tokens = handle.is_token_in_rank.shape[0]
         key = None
-        if not self._backend.agrees_per_call:  # as in _prepare_dispatch
+        backend = self._backend
+        if backend.defers_id_check or not backend.agrees_per_call:  # as in _prepare_dispatch
             key = combine_key(x, topk_weights, bias, config, expected_rows, num_tokens)
             if key is not None and key in self._checked:
                 biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else bias
