@@ -6,6 +6,7 @@ functions send them. Expected values come from oracle.py, never from the backend
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -406,12 +407,14 @@ def w_bad_inputs(rank, world):
     expect(Exception, "destroyed", buf.combine, recv_x, handle)
 
 
-def w_checked_key_memo(rank, world):
+def w_checked_key_memo(rank, world, agrees):
     """A Buffer skips the checks of arguments whose checked_key passed once (backends that
     defer their id and routing checks). The reference backend makes those checks itself, so
     the memo is switched on here by hand and only ``_prepare_dispatch`` runs: after a good call
     is remembered, every bad argument set must still raise the error the full checks raise,
-    and a good one must build the same DispatchArgs as the full checks."""
+    and a good one must build the same DispatchArgs as the full checks. ``agrees``: the
+    backend agrees per call (as the internode one does): the memo path must still launch the
+    routing checks of the call header, and give the same words."""
     from uccl_ep_megatron import InvalidInputError
     from uccl_ep_megatron.api.validation import DispatchInputs
 
@@ -437,7 +440,7 @@ def w_checked_key_memo(rank, world):
     other = make_buffer(world, hidden, 4)
     other_handle = other.dispatch(**{**good, "handle": None})[4]
     # The memo's condition: ids and routing left to the backend's own checks.
-    buf._backend.defers_id_check, buf._backend.agrees_per_call = True, False
+    buf._backend.defers_id_check, buf._backend.agrees_per_call = True, agrees
 
     def prepare(seq, x, handle, config, previous_event, **given):
         return buf._prepare_dispatch(
@@ -451,7 +454,12 @@ def w_checked_key_memo(rank, world):
         a, b = getattr(full.args, field), getattr(memo.args, field)
         assert a is b, field  # the same (already contiguous) tensors
     assert memo.args.num_experts == full.args.num_experts == num_experts
-    assert memo.args.check_ids == full.args.check_ids == (inp.topk_idx.numel() > 0)
+    # Agreeing per call, the ids are checked by the routing checks the header carries.
+    assert memo.args.check_ids == full.args.check_ids == (inp.topk_idx.numel() > 0 and not agrees)
+    assert (memo.checks is None) == (full.checks is None) == (not agrees)
+    if agrees:
+        assert memo.checks is not full.checks and torch.equal(memo.checks, full.checks)
+        assert memo.header is not None and memo.header == dataclasses.replace(full.header, seq=2)
     assert memo.args.config == full.args.config and memo.num_tokens == full.num_tokens
     # Each bad set differs from the good one in one checked property only.
     bad = [
@@ -596,8 +604,9 @@ def test_bad_inputs(pool2):
     pool2.run(HERE, "w_bad_inputs")
 
 
-def test_checked_key_memo(pool2):
-    pool2.run(HERE, "w_checked_key_memo")
+@pytest.mark.parametrize("agrees", [False, True], ids=["intranode", "agrees-per-call"])
+def test_checked_key_memo(pool2, agrees):
+    pool2.run(HERE, "w_checked_key_memo", agrees)
 
 
 def test_gradcheck_float64(pool2):
