@@ -89,24 +89,14 @@ class CallAgreement:
                 key = ("cached", key)
         check_ids = self._checked.get(key) if key is not None else None
         if check_ids is not None:
-            x_data, x_scales = (x, None) if isinstance(x, torch.Tensor) else x
-            x_data = x_data.contiguous()
-            x_scales = None if x_scales is None else x_scales.contiguous()
-            if handle is not None:
-                if (
-                    isinstance(handle, DispatchHandle)
-                    and handle.owner == self.uid
-                    and x_data.shape[0] == handle.is_token_in_rank.shape[0]
-                ):
-                    args = cached_args(x_data, x_scales, handle, given.expert_alignment, config)
-                    return self._prepared(seq, args, handle, None)
-                key = None  # the full checks below raise what is wrong with the handle
-        if check_ids is not None and key is not None:
-            if backend.agrees_per_call:  # ids and layout travel in the call header
-                num_experts = given.num_tokens_per_expert.shape[0]
-                check_ids, checks = self._routing_checks(given, num_experts, check_ids)
-            args = dispatch_args(x_data, x_scales, given, config, check_ids)
-            return self._prepared(seq, args, None, checks, after_event)
+            args = self._remembered_args(x, handle, given, config, check_ids)
+            if args is not None:
+                if handle is None and backend.agrees_per_call:
+                    # Ids and layout travel in the call header: their checks still launch.
+                    num_experts = given.num_tokens_per_expert.shape[0]
+                    _, checks = self._routing_checks(given, num_experts, check_ids)
+                return self._prepared(seq, args, handle, checks, after_event)
+            # Otherwise a handle the checks below judge (they raise what is wrong with it).
         x_data, x_scales = self._split_x(x)
         num_tokens, hidden = x_data.shape
         self._check_buffer_size(x_data, hidden, config)
@@ -131,6 +121,30 @@ class CallAgreement:
         if key is not None:
             self._remember(key, args.check_ids)
         return self._prepared(seq, args, handle, checks, after_event)
+
+    def _remembered_args(
+        self,
+        x: XType,
+        handle: DispatchHandle | None,
+        given: DispatchInputs,
+        config: Config,
+        check_ids: bool,
+    ) -> DispatchArgs | None:
+        """The ``DispatchArgs`` of a dispatch whose ``checked_key`` passed every check before
+        (``check_ids``: the value remembered with it), or None for a handle the key does not
+        cover: not this Buffer's, or made for another number of tokens."""
+        x_data, x_scales = (x, None) if isinstance(x, torch.Tensor) else x
+        x_data = x_data.contiguous()
+        x_scales = None if x_scales is None else x_scales.contiguous()
+        if handle is None:
+            return dispatch_args(x_data, x_scales, given, config, check_ids)
+        if (
+            isinstance(handle, DispatchHandle)
+            and handle.owner == self.uid
+            and x_data.shape[0] == handle.is_token_in_rank.shape[0]
+        ):
+            return cached_args(x_data, x_scales, handle, given.expert_alignment, config)
+        return None
 
     def _remember(self, key: Any, value: bool) -> None:
         """Keep a key whose arguments passed every check (``checked_key``, ``combine_key``)."""

@@ -18,14 +18,7 @@ from typing import Any
 
 import torch
 
-from uccl_ep_megatron.api.validation import (
-    DispatchInputs,
-    XType,
-    cached_args,
-    checked_key,
-    combine_key,
-    dispatch_args,
-)
+from uccl_ep_megatron.api.validation import DispatchInputs, XType, checked_key, combine_key
 from uccl_ep_megatron.backends.base import DispatchHandle
 from uccl_ep_megatron.core.config import Config
 
@@ -75,19 +68,8 @@ class DirectCalls:
         check_ids = self._checked.get(key)
         if check_ids is None:
             return None
-        x_data, x_scales = (x, None) if isinstance(x, torch.Tensor) else x
-        x_data = x_data.contiguous()
-        if x_scales is not None:
-            x_scales = x_scales.contiguous()
-        if handle is None:
-            args = dispatch_args(x_data, x_scales, given, config, check_ids)
-        elif (
-            type(handle) is DispatchHandle
-            and handle.owner == self.uid
-            and x_data.shape[0] == handle.is_token_in_rank.shape[0]
-        ):
-            args = cached_args(x_data, x_scales, handle, given.expert_alignment, config)
-        else:
+        args = self._remembered_args(x, handle, given, config, check_ids)
+        if args is None:
             return None
         seq = self._next_call()
         self._direct_stream()
