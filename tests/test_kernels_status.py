@@ -133,3 +133,20 @@ def test_check_all_ranks_raises_exactly_for_bad_words():
         assert (raised is not None) == expect_bad, (rows, raised)
         if raised is not None and len(set(headers)) == 1:
             assert raised.startswith(f"rank {bad_ranks[0]}: "), (rows, raised)
+
+
+def test_notify_checks_good_reads_whole_rows_only():
+    # The predicate the kernels backend trusts before judging rows one by one (also inside
+    # intranode_ahead_finish): rows of NOTIFY_CHECK_WORDS, the Python constant's width; a
+    # partial row or no row at all is never called good.
+    from uccl_ep_megatron.backends.intranode.status import CHECK_WORDS
+    from uccl_ep_megatron.core._c import load
+
+    c = load()
+    assert c.NOTIFY_CHECK_WORDS == CHECK_WORDS
+    good = [-1, 63, -1, 0, 0, 5]
+    assert c.notify_checks_good(good * 3, 64)
+    assert not c.notify_checks_good(good * 3, 63)  # id 63 of 63 experts
+    assert not c.notify_checks_good(good * 3 + [0], 64)
+    assert not c.notify_checks_good([], 64)
+    assert not c.notify_checks_good(good + good[:-1] + [6], 64)  # two headers

@@ -10,7 +10,8 @@ namespace uccl_ep::bindings {
 
 void bind_common(pybind11::module_& m);
 void bind_kernels(pybind11::module_& m);
-// The intranode backend's per-call entry points (intranode_calls.cc), bound by bind_kernels.
+// The intranode backend's per-call entry points (intranode_calls.cc), bound by bind_kernels (of a
+// build without GPU kernels: only notify_checks_good).
 void bind_intranode_calls(pybind11::module_& m);
 void bind_internode(pybind11::module_& m);
 // The internode backend's per-call entry points (internode_calls.cc), bound by bind_internode
@@ -44,5 +45,8 @@ struct ReserveAux {
 pybind11::object reserve_outputs(pybind11::handle core, int64_t rows, int64_t hidden, int x_code, int x_bits,
                                  int64_t num_scales, int64_t num_topk, int idx_bits, bool with_src,
                                  const ReserveAux& aux, intptr_t stream, intptr_t use_stream, ReservedOutputs* out);
+// The tensors of a reservation made by intranode_dispatch_begin, once: ((recv_x, scales, topk_idx,
+// weights, src_idx) of its first `rows` rows, RecvReservation.aux(rank)'s four handle tensors).
+pybind11::tuple reservation_tensors(pybind11::handle reservation, int64_t rows, int64_t rank);
 
 }  // namespace uccl_ep::bindings

@@ -12,19 +12,20 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
 #include "bindings/bindings.h"
 #include "bindings/intranode_launch.h"
 
 #ifdef UCCL_EP_WITH_GPU
 #include <Python.h>
 
-#include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <initializer_list>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "bindings/pointer_checks.h"
 #include "bindings/tensor_view.h"
@@ -35,6 +36,28 @@
 namespace py = pybind11;
 
 namespace uccl_ep::bindings {
+
+namespace {
+
+// Words per rank of notify's input checks (kCheckWords of intranode.h): {id min, id max (both -1
+// when unchecked), first rank whose num_tokens_per_rank entry differs from is_token_in_rank's
+// column (-1: none), that entry, that column's sum, the packed call header}.
+constexpr int kNotifyCheckWords = 6;
+
+// Whether the `ranks` rows of notify checks at `w` are all good, so that check_all_ranks
+// (backends/intranode/status.py) raises nothing: every id within [-1, num_experts), no layout
+// mismatch, one call header on every rank.
+bool notify_checks_good(const int64_t* w, int64_t ranks, int64_t num_experts) {
+  if (ranks <= 0) return false;
+  const int64_t header = w[kNotifyCheckWords - 1];
+  for (int64_t r = 0; r < ranks; ++r) {
+    const int64_t* row = w + r * kNotifyCheckWords;
+    if (row[0] < -1 || row[1] >= num_experts || row[2] >= 0 || row[kNotifyCheckWords - 1] != header) return false;
+  }
+  return true;
+}
+
+}  // namespace
 
 #ifdef UCCL_EP_WITH_GPU
 namespace {
@@ -637,10 +660,63 @@ DispatchRows exact_rows(const std::vector<int64_t>& pm, int rank, int num_ranks)
   return DispatchRows{num_recv, staging, own, sent, combine, false};
 }
 
+static_assert(kNotifyCheckWords == k::kCheckWords, "notify_checks_good reads intranode.h's check rows");
+
+// The end of a launch-ahead dispatch (intranode_dispatch_begin of an exact uncached call with its
+// bound `bound`) in one step: its counts read back (as read_counts does), and when the status word
+// is clear, every rank's checks are good and no rank receives more than the bound, the call's
+// result: (1, rank prefix matrix (host tuple), aligned received rows per local expert (list), its
+// exact DispatchRows, the most rows any rank receives, the five outputs of its received rows, the
+// handle's four tensors) of `reservation`. Otherwise read_counts' (state, words): the caller
+// judges them (it raises what failed, or runs the call again when a rank exceeded the bound).
+py::tuple ahead_finish(const Context& c, const DispatchLaunch& l, py::handle reservation, int64_t bound) {
+  const int R = c.num_ranks;
+  UCCL_EP_CHECK_ARG(l.readback(), "intranode_ahead_finish: the launch is not an exact uncached dispatch");
+  c.check("intranode_ahead_finish");
+  const int num_info = R * R + l.experts_per_rank;
+  int state = 0;
+  {
+    py::gil_scoped_release nogil;
+    state = k::host_readback_wait(c.status, 2 * c.timeout_ns);
+  }
+  py::list out;
+  if (state != 1) return py::make_tuple(state, out);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const volatile int64_t* status = reinterpret_cast<const volatile int64_t*>(c.status);
+  const volatile int64_t* rb = status + k::kReadbackWord;
+  std::vector<int64_t> info(num_info), checks(static_cast<size_t>(R) * k::kCheckWords);
+  for (int i = 0; i < num_info; ++i) info[i] = rb[k::kReadbackInfo + i];
+  for (size_t i = 0; i < checks.size(); ++i) checks[i] = rb[k::kReadbackChecks + i];
+  std::vector<int64_t> prefix(info.begin(), info.begin() + int64_t{R} * R);
+  const int64_t most = *std::max_element(prefix.end() - R, prefix.end());
+  if (status[0] == 0 && notify_checks_good(checks.data(), R, l.num_experts) && most <= bound) {
+    const DispatchRows rows = exact_rows(prefix, c.rank, R);
+    py::tuple made = reservation_tensors(reservation, rows.num_recv, c.rank);
+    py::list per_expert;
+    for (int i = R * R; i < num_info; ++i) per_expert.append(info[i]);
+    return py::make_tuple(1, py::tuple(py::cast(prefix)), per_expert, rows, most, made[0], made[1]);
+  }
+  for (int64_t v : info) out.append(v);
+  for (int64_t v : checks) out.append(v);
+  return py::make_tuple(state, out);
+}
+
 }  // namespace
 #endif
 
 void bind_intranode_calls(py::module_& m) {
+  m.def(
+      "notify_checks_good",
+      [](const std::vector<int64_t>& words, int64_t num_experts) {
+        const auto ranks = static_cast<int64_t>(words.size()) / kNotifyCheckWords;
+        return static_cast<int64_t>(words.size()) == ranks * kNotifyCheckWords &&
+               notify_checks_good(words.data(), ranks, num_experts);
+      },
+      py::arg("words"), py::arg("num_experts"),
+      "Whether every rank's notify checks (rows of NOTIFY_CHECK_WORDS: id min, id max, first rank whose "
+      "num_tokens_per_rank entry differs from is_token_in_rank's column, that entry, that column's sum, the "
+      "packed call header) are good: ids within [-1, num_experts), no mismatch, one header.");
+  m.attr("NOTIFY_CHECK_WORDS") = kNotifyCheckWords;
 #ifdef UCCL_EP_WITH_GPU
   py::class_<Context>(m, "IntranodeContext",
                       "The per-Buffer part of every intranode launch (buffers, rank, status, timeout), "
@@ -742,6 +818,13 @@ void bind_intranode_calls(py::module_& m) {
   m.def("intranode_read_counts", &read_counts, py::arg("ctx"), py::arg("num_info"),
         "(state, words) of the notify launched with readback: state 1 with out_info's num_info words and "
         "every rank's checks, -1 when its barrier failed (status words), 0 when it did not finish in time.");
+  m.def("intranode_ahead_finish", &ahead_finish, py::arg("ctx"), py::arg("launch"), py::arg("reservation"),
+        py::arg("bound"),
+        "The end of a launch-ahead dispatch begun by intranode_dispatch_begin with `bound` rows: (1, rank "
+        "prefix matrix (tuple), received rows per local expert (list), DispatchRows, most rows any rank "
+        "receives, the five outputs of the received rows, RecvReservation.aux(rank)'s four tensors) when the "
+        "status word is clear, every rank's checks are good and no rank exceeds the bound; otherwise "
+        "intranode_read_counts' (state, words), to be judged by the caller.");
   m.def("intranode_dispatch_call", &dispatch_call,
         "dispatch(ctx, launch: DispatchLaunch, rows: DispatchRows, stream, inputs, rank_prefix_matrix, send_pos, "
         "outputs): the dispatch kernel after its notify, reading x, x_scales, topk_idx, topk_weights and "

@@ -206,8 +206,8 @@ void bind_kernels(py::module_& m) {
   m.def("combine_push_blocks", &k::combine_push_blocks, py::arg("push_rows"), py::arg("reduce_rows"),
         py::arg("blocks"),
         "Blocks of a combine grid that push rows back (the rest reduce): the kernel's own split.");
-  bind_intranode_calls(m);
 #endif
+  bind_intranode_calls(m);
 }
 
 }  // namespace uccl_ep::bindings

@@ -567,6 +567,12 @@ bool reserved_outputs(py::handle h, ReservedOutputs* out) {
   return true;
 }
 
+py::tuple reservation_tensors(py::handle reservation, int64_t rows, int64_t rank) {
+  Reservation& r = reservation.cast<Reservation&>();
+  py::tuple outputs = r.tensors(rows);
+  return py::make_tuple(outputs, r.aux_tensors(rank));
+}
+
 py::object reserve_outputs(py::handle core, int64_t rows, int64_t hidden, int x_code, int x_bits, int64_t num_scales,
                            int64_t num_topk, int idx_bits, bool with_src, const ReserveAux& aux, intptr_t stream,
                            intptr_t use_stream, ReservedOutputs* out) {

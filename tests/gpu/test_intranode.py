@@ -854,17 +854,20 @@ def launch_ahead_case(rank: int, world: int) -> dict:
     assert be._ahead_rows > 0, "no launch-ahead bound after an exact dispatch"
     del small
     calls, reruns, one_call = be.ahead_calls, be.ahead_reruns, be.one_call_dispatches
+    finishes = be.ahead_finishes
     poison(kb)
     live = be.recv_arena.live_blocks()
     k, r = _layer_call(kb, rb, rank, world, seed=91, tokens=1024)  # 16x the rows: over
     _check_layer("counts over the bound", k, r)
     assert (be.ahead_calls, be.ahead_reruns) == (calls, reruns + 1), (be.ahead_calls, calls)
+    assert be.ahead_finishes == finishes  # judged from the words intranode_ahead_finish read
     # The bound's block went back when the call ran again: only the exact outputs' is held.
     assert be.recv_arena.live_blocks() == live + 1, (be.recv_arena.live_blocks(), live)
     poison(kb)
     k, r = _layer_call(kb, rb, rank, world, seed=92, tokens=1024)  # same size: within
     _check_layer("counts within the bound", k, r)
     assert (be.ahead_calls, be.ahead_reruns) == (calls + 1, reruns + 1)
+    assert be.ahead_finishes == finishes + 1  # counts, outputs and handle in one binding call
     assert k[0].shape[0] == k[4].num_recv_tokens and in_arena(kb, k[0])
     kcx = kb.combine(k[0], k[4])[0]
     rcx = rb.combine(r[0], r[4])[0]
@@ -888,6 +891,7 @@ def launch_ahead_case(rank: int, world: int) -> dict:
     k, r = _layer_call(kb, rb, rank, world, seed=94, tokens=1024)
     _check_layer("after the rejected launch-ahead call", k, r)
     assert be.ahead_calls == calls + 2, (be.ahead_calls, calls)
+    assert be.ahead_finishes == finishes + 2  # the rejected call was judged from the words
     # Every launch-ahead call (the rejected one too) was launched by one binding call.
     assert be.one_call_dispatches - one_call == 4, (be.one_call_dispatches, one_call)
     del k, r

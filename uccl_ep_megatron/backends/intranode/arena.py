@@ -59,11 +59,17 @@ class RecvOutputs:
         """The five outputs, made from the reservation on first use (of its first ``rows``
         rows; -1: all)."""
         if self.tensors is None:
-            x, scales, idx, w, src = self.reservation.tensors(rows)
-            if x.dtype != self.dtype:
-                x = x.view(self.dtype)
-            self.tensors = (x, scales, idx, w, src)
-            self.reservation = None  # the tensors hold the block now
+            self.adopt(self.reservation.tensors(rows))
+        return self.tensors
+
+    def adopt(self, tensors: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The five outputs from ``tensors``, the reservation's as a binding made them (FP8
+        rows viewed as ``dtype``); they hold the block from now on."""
+        x, scales, idx, w, src = tensors
+        if x.dtype != self.dtype:
+            x = x.view(self.dtype)
+        self.tensors = (x, scales, idx, w, src)
+        self.reservation = None
         return self.tensors
 
 

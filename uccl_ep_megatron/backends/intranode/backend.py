@@ -89,7 +89,7 @@ class _Call:
     args: DispatchArgs  # the call's tensors, read by name in _C
     # [rank_prefix_matrix (R*R) | aligned rows per local expert]; None when `views` holds them
     info: torch.Tensor | None
-    send_pos: torch.Tensor
+    send_pos: torch.Tensor | None  # None until a launch-ahead call's counts came (_ahead_result)
     # The handle's views of info (matrix, this rank's received rows, per-expert rows), made
     # with the receive block's tensors by a one-call dispatch; None: views of `info`.
     views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -229,6 +229,9 @@ class KernelsBackend(Backend):
         self._ahead_rows = 0  # the next call's bound (_note_counts): identical on every rank
         self.ahead_calls = 0  # exact dispatches served by launch-ahead
         self.ahead_reruns = 0  # launch-ahead calls that ran again with exact sizes
+        # Launch-ahead calls whose counts, outputs and handle came from one binding call
+        # (intranode_ahead_finish); the others were judged from its words.
+        self.ahead_finishes = 0
         self.combine_in_place_calls = 0  # combines whose x peers read in this rank's arena
         # Combines whose x (or weights) the caller made elsewhere, copied into the arena first
         # (_copy_in); they count as in place too. Off: such combines push their rows back.
@@ -584,11 +587,12 @@ class KernelsBackend(Backend):
         if cached is not None:
             outs.made()  # its info stays in the block, which the rows keep alive
             return self._cached_result(cached, outs, rows.num_recv)
+        if args.num_worst_tokens == 0:  # launch-ahead: the handle's tensors come with the counts
+            call = _Call(ctx, launch, stream, args, None, None)
+            return self._ahead_result(call, outs, rows.num_recv, reserved)
         send_pos, *views = reserved.aux(self.topology.rank)
         call = _Call(ctx, launch, stream, args, None, send_pos, tuple(views))
-        if args.num_worst_tokens > 0:
-            return self._dispatch_result(call, outs.made(), [], None, rows, True)
-        return self._ahead_result(call, outs, rows.num_recv)
+        return self._dispatch_result(call, outs.made(), [], None, rows, True)
 
     def _staged(self, args: DispatchArgs, launch: Any, rows: Any) -> Any:
         """The step-by-step path: notify, then the data kernel, each its own binding call, into
@@ -668,19 +672,40 @@ class KernelsBackend(Backend):
         info = torch.empty(R * R + launch.experts_per_rank, dtype=torch.int32, device=dev)
         return _Call(self._context(), launch, stream, args, info, send_pos)
 
-    def _ahead_result(self, call: _Call, outs: Any, bound: int) -> Any:
+    def _ahead_result(self, call: _Call, outs: Any, bound: int, reserved: Any = None) -> Any:
         """A launch-ahead call's result once the host has read its counts, or ``_RUN_AGAIN``
         when some rank receives more than ``bound`` rows: every rank holds the same matrix, so
-        every data kernel skipped the call and every rank runs it again."""
+        every data kernel skipped the call and every rank runs it again. ``reserved``: the
+        call's block from ``intranode_dispatch_begin``, whose outputs and handle tensors (not
+        made yet: ``call.send_pos`` is None) a good call takes in the same binding call as its
+        counts; any other outcome is judged here from the words that call read."""
         c = self._c
         rank, num_ranks = self.topology.rank, self.topology.num_ranks
-        prefix_host, expert_counts = self._read_counts(call, num_ranks * num_ranks)
+        read = None
+        if reserved is not None:
+            read = c.intranode_ahead_finish(call.ctx, call.launch, reserved, bound)
+            if len(read) > 2:  # good: see intranode_ahead_finish
+                note_host_wait()
+                self._check_usable()
+                _, prefix_host, expert_counts, rows, most, outputs, aux = read
+                self._note_most(most)
+                self.ahead_calls += 1
+                self.ahead_finishes += 1
+                call.send_pos, *views = aux
+                call.views = tuple(views)
+                return self._dispatch_result(
+                    call, outs.adopt(outputs), expert_counts, prefix_host, rows, True
+                )
+        prefix_host, expert_counts = self._read_counts(call, num_ranks * num_ranks, read)
         rows = c.intranode_exact_rows(prefix_host, rank, num_ranks)
         if self._note_counts(prefix_host) > bound:
             self.ahead_reruns += 1
             return _RUN_AGAIN
         self.ahead_calls += 1
         num_recv = rows.num_recv
+        if call.send_pos is None:
+            call.send_pos, *views = reserved.aux(rank)
+            call.views = tuple(views)
         if outs.tensors is None:  # reserved: tensors of exactly the received rows
             tensors = outs.made(num_recv)
         else:  # staged (the arena was full): views of them
@@ -754,13 +779,18 @@ class KernelsBackend(Backend):
             call.ctx, call.launch, call.stream, call.args, call.info, call.send_pos, entry
         )
 
-    def _read_counts(self, call: _Call, nrr: int) -> tuple[tuple[int, ...], list[int]]:
+    def _read_counts(
+        self, call: _Call, nrr: int, read: tuple[int, list[int]] | None = None
+    ) -> tuple[tuple[int, ...], list[int]]:
         """The readback of an exact call's notify: (host prefix matrix, aligned received rows
-        per local expert), after raising any rank's bad input on every rank."""
+        per local expert), after raising any rank's bad input on every rank. ``read``: the
+        ``(state, words)`` a binding call read already (``intranode_ahead_finish``)."""
         c = self._c
         rank = self.topology.rank
         experts_per_rank = call.launch.experts_per_rank
-        state, info_host = c.intranode_read_counts(call.ctx, nrr + experts_per_rank)
+        if read is None:
+            read = c.intranode_read_counts(call.ctx, nrr + experts_per_rank)
+        state, info_host = read
         note_host_wait()
         self._check_status()
         if state == -1:  # the status words were clear: cannot happen, but never hang
@@ -783,7 +813,10 @@ class KernelsBackend(Backend):
         the launch-ahead bound of the next call from it: that plus 1/16 and 64 rows, rounded
         up to 64 (every rank holds the same matrix, so the same bound)."""
         R = self.topology.num_ranks
-        most = max(prefix_host[R * (R - 1) :])
+        return self._note_most(max(prefix_host[R * (R - 1) :]))
+
+    def _note_most(self, most: int) -> int:
+        """``_note_counts`` of a call whose most rows any rank receives are ``most``."""
         if self._launch_ahead:
             self._ahead_rows = (most + most // 16 + 127) // 64 * 64
         return most

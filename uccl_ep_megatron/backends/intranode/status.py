@@ -11,6 +11,7 @@ import torch
 
 from uccl_ep_megatron.backends.agreement import check_packed_headers, error_class
 from uccl_ep_megatron.backends.base import check_expert_ids
+from uccl_ep_megatron.core._c import load as load_c
 from uccl_ep_megatron.core.errors import CommTimeoutError, InvalidInputError, UcclEpError
 
 _SITES = {
@@ -21,7 +22,8 @@ _SITES = {
     5: "dispatch receive-entry",  # a sender waiting for a peer's zero-copy output addresses
     6: "combine done",  # a rank combining in place, waiting for a peer to finish reading its x
 }
-CHECK_WORDS = 6  # kCheckWords of intranode.h: one row of notify's input checks per rank
+# kCheckWords of intranode.h (_C.NOTIFY_CHECK_WORDS): one row of notify's input checks per rank
+CHECK_WORDS = 6
 # Kinds of a peer's abort record (abort_word in intranode.h): it rejected its arguments, one of
 # its kernel waits timed out, or its host gave up on the call (interrupted, failed, stuck); or
 # its process exited (posted in its name by the rank that saw it exit, into its own region).
@@ -58,16 +60,10 @@ def check_all_ranks(rows: list[int], num_experts: int) -> None:
     identical everywhere, so all ranks raise together at the same call instead of the others
     waiting for that rank's rows until the timeout, rows landing past outputs sized from the
     wrong count, or bytes of one dtype read as another."""
-    w = CHECK_WORDS
-    headers = rows[w - 1 :: w]
-    if (
-        min(rows[0::w]) >= -1
-        and max(rows[1::w]) < num_experts
-        and max(rows[2::w]) < 0
-        and min(headers) == max(headers)
-    ):
+    if load_c().notify_checks_good(rows, num_experts):
         return  # every rank's words are good: the per-rank checks below would pass (host time)
-    check_packed_headers(headers, "dispatch")
+    w = CHECK_WORDS
+    check_packed_headers(rows[w - 1 :: w], "dispatch")
     for r in range(len(rows) // w):
         lo, hi, dest, given, actual = rows[r * w : r * w + 5]
         try:
