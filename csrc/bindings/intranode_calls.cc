@@ -139,9 +139,10 @@ struct Context {
   }
 };
 
-// Fills the outputs of a call whose wait timed out (see poison_if_failed); None/empty skipped.
-void poison(const Context& c, intptr_t stream, std::initializer_list<std::pair<const TensorView*, uint64_t>> fills) {
-  views::poison(c.status, stream, fills);
+// The regions (None/empty skipped) a kernel fills with their patterns when its call failed (a
+// wait timed out): k::PoisonRegions, written by the kernel's last block.
+void poison_regions(k::PoisonRegions* r, std::initializer_list<std::pair<const TensorView*, uint64_t>> fills) {
+  for (const auto& [v, pattern] : fills) r->add(v->ptr, v->bytes(), pattern);
 }
 
 constexpr uint64_t kMinusOne = ~0ull;
@@ -370,9 +371,9 @@ void tuple_views(const DispatchLaunch& l, py::handle outputs, DispatchViews* v) 
   if (!l.cached) v->recv_src = arg(out(4), "intranode_dispatch: recv_src_idx", false, 1, rows, -1, {Dt::kInt32});
 }
 
-// The dispatch kernel on checked views (dispatch_call, dispatch_begin), then the poison fold of
-// its outputs: a failure inside this call is raised at the next one; until then the outputs say
-// so. `zero_copy`: the outputs lie in this rank's arena; `entry_published`: notify told the peers
+// The dispatch kernel on checked views (dispatch_call, dispatch_begin), with the poison fold of
+// its outputs (done by the kernel's last block): a failure inside this call is raised at the
+// next one; until then the outputs say so. `zero_copy`: the outputs lie in this rank's arena; `entry_published`: notify told the peers
 // where; `judge`: a launch-ahead call (see k::DispatchArgs).
 void dispatch_launch(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
                      const DispatchViews& v, bool zero_copy, bool entry_published, bool judge) {
@@ -407,17 +408,17 @@ void dispatch_launch(const Context& c, const DispatchLaunch& l, const DispatchRo
   a.entry_published = entry_published;
   a.judge = judge;
   a.num_experts = l.num_experts;
+  // The poison fold: NaN rows and scales, -1 ids and sources, 0 weights when the call failed,
+  // written by the kernel's last block.
+  const uint64_t f32_nan = repeat(0x7FC00000u, 4);
+  poison_regions(&a.poison, {{&v.recv_x, v.x.dtype->nan},
+                             {&v.recv_scales, f32_nan},
+                             {&v.recv_idx, kMinusOne},
+                             {&v.recv_w, 0},
+                             {&v.recv_src, kMinusOne}});
   if (zero_copy) c.check_in_arena({&v.recv_x, &v.recv_scales, &v.recv_idx, &v.recv_w, &v.recv_src});
   check_dispatch(a);
   k::intranode_dispatch(a, stream);
-  const uint64_t x_nan = v.x.dtype->nan;
-  const uint64_t f32_nan = repeat(0x7FC00000u, 4);
-  poison(c, stream,
-         {{&v.recv_x, x_nan},
-          {&v.recv_scales, f32_nan},
-          {&v.recv_idx, kMinusOne},
-          {&v.recv_w, 0},
-          {&v.recv_src, kMinusOne}});
 }
 
 // The dispatch kernel after its notify, then the poison fold of its outputs. `outputs`: the
@@ -606,8 +607,8 @@ int combine_call(const Context& c, const CombineLaunch& l, const DispatchRows& r
       a.w_place = wp;
     }
   }
+  poison_regions(&a.poison, {{&out, x.dtype->nan}, {&out_w, repeat(0x7FC00000u, 4)}});
   k::intranode_combine(a, stream);
-  poison(c, stream, {{&out, x.dtype->nan}, {&out_w, repeat(0x7FC00000u, 4)}});
   return (a.x_place >= 0 ? kCombinedInPlace : 0) | (k::stream_capturing(stream) ? kCombineCaptured : 0);
 }
 

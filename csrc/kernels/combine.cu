@@ -53,6 +53,7 @@ struct CombineParams {
   int64_t header;
   Peers arenas;            // every rank's receive arena as mapped here (null: none)
   int64_t x_place, w_place;  // this rank's x / weights offsets in its arena (-1: it pushes)
+  PoisonRegions poison;    // out and out_w, filled by the last block when the call failed
 };
 
 // rows[s][j] of the dispatch: rows rank j received from rank s.
@@ -388,6 +389,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
   if (threadIdx.x == 0) {
     __threadfence();
     s_last = atomicAdd(seq_done_blocks(own), 1u) == gridDim.x - 1;
+    if (s_last) __threadfence();  // every other block's stores and status writes, before ours
   }
   __syncthreads();
   if (!s_last) return;
@@ -403,6 +405,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
                     p.timeout_ns);
   }
   __syncthreads();
+  // A failed call's outputs are filled here, with no launch of its own (the in-place wait
+  // above may have failed too).
+  if (status_set(p.status)) fill_poison(p.poison, threadIdx.x, blockDim.x);
   if (threadIdx.x == 0) {
     *seq_done_blocks(own) = 0;
     *reduce_tokens(own) = 0;
@@ -498,6 +503,7 @@ void intranode_combine(const CombineArgs& a, intptr_t stream) {
   if (!a.arenas.empty()) p.arenas = make_peers(a.arenas, R);
   p.x_place = a.x_place;
   p.w_place = a.w_place;
+  p.poison = a.poison;
   UCCL_EP_CHECK_ARG(a.x_place < 0 || !a.arenas.empty(), "intranode_combine: x_place=", a.x_place,
                     " without receive arenas");
   auto s = reinterpret_cast<gpuStream_t>(stream);

@@ -77,6 +77,39 @@ __device__ __forceinline__ unsigned* seq_done_blocks(uint8_t* buf) {
 __device__ __forceinline__ unsigned* send_done_blocks(uint8_t* buf) {
   return reinterpret_cast<unsigned*>(buf + kSeqOffset + 12);
 }
+__device__ __forceinline__ unsigned* dispatch_done_blocks(uint8_t* buf) {
+  return reinterpret_cast<unsigned*>(buf + kSeqOffset + 20);
+}
+
+// Fills every region of `r` with its pattern, threads `tid`, `tid + stride`, ... of the caller.
+__device__ __forceinline__ void fill_poison(const PoisonRegions& r, int64_t tid, int64_t stride) {
+  for (int i = 0; i < r.count; ++i) {
+    auto* bytes = reinterpret_cast<uint8_t*>(r.ptr[i]);
+    const int64_t words = r.bytes[i] / 8;
+    uint64_t* w = reinterpret_cast<uint64_t*>(bytes);
+    for (int64_t q = tid; q < words; q += stride) w[q] = r.pattern[i];
+    for (int64_t b = words * 8 + tid; b < r.bytes[i]; b += stride)
+      bytes[b] = static_cast<uint8_t>(r.pattern[i] >> (8 * (b % 8)));
+  }
+}
+
+// The end of a kernel whose every block calls this once, as its last step (all of its threads):
+// the last block to get here fills `r` when the status is set by then (a wait of the call timed
+// out, or an earlier call failed), and zeroes `done` for the next launch on the stream.
+__device__ __forceinline__ void poison_when_failed(const StatusRef& status, const PoisonRegions& r, unsigned* done) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's output stores and status writes, before the count
+    s_last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (s_last) {
+      *done = 0;
+      __threadfence();  // every other block's, before the status read below
+    }
+  }
+  __syncthreads();
+  if (s_last && status_set(status)) fill_poison(r, threadIdx.x, blockDim.x);
+}
 
 // The control slot (kNotifySlots) of the notify with sequence `seq`, and its arrays there.
 __device__ __forceinline__ int notify_slot(uint64_t seq) { return static_cast<int>(seq % kNotifySlots); }

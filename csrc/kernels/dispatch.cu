@@ -50,8 +50,10 @@ __device__ __forceinline__ uint64_t pack_chunk(uint64_t seq, int first, int rows
 // copy hides under the NVLink transfer instead of following it. On a zero-copy rank all blocks
 // send; the kernel ends once every peer's "done" arrived. When no peer is staged there is
 // nothing to publish per chunk: the tokens are then dealt over all sender warps directly.
+// Every exit is block-wide (after a barrier on a shared flag), so dispatch_kernel's end runs
+// with all of a block's threads.
 template <typename V, int kUnroll, bool kTma>
-__global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
+__device__ __forceinline__ void dispatch_blocks(const SendParams& p) {
   __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
   __shared__ int s_recv_begin[kMaxRanks + 1];  // my rows from source s: [s_recv_begin[s], [s+1])
   __shared__ int s_failed;
@@ -302,6 +304,14 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
 #endif
 }
 
+// The kernel: its blocks' work, then the outputs of a failed call filled by the last block to
+// finish (no launch of its own), so they never hold stale rows.
+template <typename V, int kUnroll, bool kTma>
+__global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
+  dispatch_blocks<V, kUnroll, kTma>(p);
+  poison_when_failed(p.status, p.poison, dispatch_done_blocks(p.bufs.p[p.rank]));
+}
+
 bool aligned16(intptr_t v) { return v % 16 == 0; }
 
 }  // namespace
@@ -424,6 +434,7 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.entry_published = a.entry_published;
   p.judge = a.judge;
   p.num_experts = a.num_experts;
+  p.poison = a.poison;
   const intptr_t outs[5] = {a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights,
                             a.cached ? 0 : a.recv_src_idx};
   for (int i = 0; i < 5; ++i) p.recv_off[i] = a.zero_copy && outs[i] != 0 ? outs[i] - a.arenas[a.rank] : -1;

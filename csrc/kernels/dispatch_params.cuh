@@ -61,6 +61,7 @@ struct SendParams {
   bool judge;            // launch-ahead: skip the call on dispatch_verdict (DispatchArgs::judge)
   int num_experts;       // the id range dispatch_verdict checks (judge only)
   int64_t recv_off[5];
+  PoisonRegions poison;  // the outputs, filled by the last block to finish when the call failed
 };
 
 // Block 0 tells every peer where this rank receives (kRecvEntryOffset): the mode and offsets,

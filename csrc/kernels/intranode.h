@@ -54,11 +54,12 @@ constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks
 // combine blocks that finished (the last one advances the sequence and zeroes this count and
 // the one at +16); at +12 a uint32 count of the dispatch sender blocks that finished (the last
 // one signals the zero-copy destinations and resets it); at +16 a uint32 count of the tokens
-// handed out to the combine's reducer warps.
+// handed out to the combine's reducer warps; at +20 a uint32 count of the dispatch kernel's
+// blocks that finished (the last one fills the outputs of a failed call and resets it).
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
 // combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
-static_assert(kSeqOffset + 20 <= kDataOffset, "control overlap");
+static_assert(kSeqOffset + 24 <= kDataOffset, "control overlap");
 // Peer abort: a rank that gives up on a call writes a word at [its rank] into every peer's
 // control region (never cleared: its Buffer is unusable from then on). A wait that finds the
 // word of the peer it waits for stops at once, and a barrier that a peer passed before giving
@@ -189,8 +190,8 @@ int host_readback_wait(intptr_t ptr, int64_t timeout_ns);
 // When the status word is set (a wait of this call timed out, so its kernels skipped their data
 // movement), fills each region [ptrs[i], ptrs[i] + bytes[i]) with the 8-byte `patterns[i]`
 // (little-endian, repeated; regions start 8-byte aligned); otherwise does nothing. Launched on
-// the call's stream after its last kernel, so outputs are never left uninitialised.
-constexpr int kMaxPoisonRegions = 8;
+// the call's stream after its last kernel, so outputs are never left uninitialised (the
+// intranode dispatch and combine kernels do it themselves: DispatchArgs::poison).
 void poison_if_failed(intptr_t status, const std::vector<intptr_t>& ptrs, const std::vector<int64_t>& bytes,
                       const std::vector<uint64_t>& patterns, intptr_t stream);
 
@@ -251,6 +252,19 @@ void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ra
 constexpr int kRecvEntryArgs = 6;
 static_assert(1 + kRecvEntryArgs <= kRecvEntryWords, "receive entry words");
 
+// A call's output regions, each filled with its 8-byte pattern (little-endian, repeated) when the
+// call failed: by poison_if_failed, or by the last block of the intranode dispatch and combine
+// kernels to finish, when the status is set by then (no kernel launch of its own).
+constexpr int kMaxPoisonRegions = 8;
+struct PoisonRegions {
+  intptr_t ptr[kMaxPoisonRegions] = {};
+  int64_t bytes[kMaxPoisonRegions] = {};
+  uint64_t pattern[kMaxPoisonRegions] = {};
+  int count = 0;
+  // Adds [ptr, ptr + bytes) (nothing when bytes is 0); checked: non-null, 8-byte aligned.
+  void add(intptr_t ptr, int64_t bytes, uint64_t pattern);
+};
+
 struct DispatchArgs {
   std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
   int rank = 0, num_ranks = 0, num_tokens = 0, experts_per_rank = 0;
@@ -293,6 +307,7 @@ struct DispatchArgs {
   // call again with exact sizes when a rank receives more than num_out_rows rows.
   bool judge = false;
   int num_experts = 0;
+  PoisonRegions poison;  // the outputs, filled when the call failed
 };
 // Bytes of registered buffer (control region included) a dispatch with these sizes needs.
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);
@@ -333,6 +348,7 @@ struct CombineArgs {
   // >= 0: peers read its rows there, it pushes none; -1: it pushes, see kCombinePlaceOffset).
   std::vector<intptr_t> arenas;
   int64_t x_place = -1, w_place = -1;
+  PoisonRegions poison;  // out and out_weights, filled when the call failed
 };
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);

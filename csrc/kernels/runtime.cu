@@ -217,13 +217,6 @@ int host_readback_wait(intptr_t ptr, int64_t timeout_ns) {
 
 namespace {
 
-struct PoisonRegions {
-  uint8_t* p[kMaxPoisonRegions];
-  int64_t n[kMaxPoisonRegions];
-  uint64_t pattern[kMaxPoisonRegions];
-  int count;
-};
-
 constexpr int kPoisonThreads = 256;
 
 __global__ void __launch_bounds__(kPoisonThreads) poison_kernel(StatusRef status, PoisonRegions r) {
@@ -231,36 +224,32 @@ __global__ void __launch_bounds__(kPoisonThreads) poison_kernel(StatusRef status
   if (threadIdx.x == 0) s_set = status_set(status) ? 1 : 0;
   __syncthreads();
   if (!s_set) return;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int i = 0; i < r.count; ++i) {
-    const int64_t words = r.n[i] / 8;
-    uint64_t* w = reinterpret_cast<uint64_t*>(r.p[i]);
-    for (int64_t q = tid; q < words; q += stride) w[q] = r.pattern[i];
-    for (int64_t b = words * 8 + tid; b < r.n[i]; b += stride)
-      r.p[i][b] = static_cast<uint8_t>(r.pattern[i] >> (8 * (b % 8)));
-  }
+  fill_poison(r, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+              static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
 }  // namespace
+
+void PoisonRegions::add(intptr_t p, int64_t n, uint64_t pat) {
+  if (n == 0) return;
+  UCCL_EP_CHECK_ARG(count < kMaxPoisonRegions, "poison regions: more than ", kMaxPoisonRegions);
+  UCCL_EP_CHECK_ARG(n > 0 && p != 0 && p % 8 == 0, "poison region ", count, " at ", p, " of ", n,
+                    " bytes must be non-null, 8-byte aligned and non-negative");
+  ptr[count] = p;
+  bytes[count] = n;
+  pattern[count] = pat;
+  ++count;
+}
 
 void poison_if_failed(intptr_t status, const std::vector<intptr_t>& ptrs, const std::vector<int64_t>& bytes,
                       const std::vector<uint64_t>& patterns, intptr_t stream) {
   UCCL_EP_CHECK_ARG(ptrs.size() == bytes.size() && ptrs.size() == patterns.size(), "poison_if_failed: ",
                     ptrs.size(), " pointers, ", bytes.size(), " sizes and ", patterns.size(),
                     " patterns must be as many");
-  UCCL_EP_CHECK_ARG(ptrs.size() <= static_cast<size_t>(kMaxPoisonRegions), "poison_if_failed: ", ptrs.size(),
-                    " regions exceed ", kMaxPoisonRegions);
-  PoisonRegions r{};
+  PoisonRegions r;
   int64_t total = 0;
   for (size_t i = 0; i < ptrs.size(); ++i) {
-    if (bytes[i] == 0) continue;
-    UCCL_EP_CHECK_ARG(bytes[i] > 0 && ptrs[i] != 0 && ptrs[i] % 8 == 0, "poison_if_failed: region ", i, " at ",
-                      ptrs[i], " of ", bytes[i], " bytes must be non-null, 8-byte aligned and non-negative");
-    r.p[r.count] = reinterpret_cast<uint8_t*>(ptrs[i]);
-    r.n[r.count] = bytes[i];
-    r.pattern[r.count] = patterns[i];
-    ++r.count;
+    r.add(ptrs[i], bytes[i], patterns[i]);
     total += bytes[i];
   }
   if (r.count == 0) return;
