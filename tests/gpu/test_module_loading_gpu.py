@@ -51,4 +51,6 @@ def test_eager_loading_starts_the_ipc_transport():
 def test_lazy_loading_is_refused_before_any_kernel_runs():
     out = _run("LAZY")
     assert "mode LAZY" in out
-    assert "refused rank 0: the ipc transport needs CUDA_MODULE_LOADING=EAGER" in out
+    assert (
+        "refused rank 0: the ipc transport's copy delivery needs CUDA_MODULE_LOADING=EAGER" in out
+    )
