@@ -51,6 +51,7 @@ MARKS = (
     "intranode_dispatch_begin",
     "intranode_notify_call",
     "intranode_read_counts",
+    "intranode_ahead_finish",
     "intranode_dispatch_call",
     "intranode_combine_call",
 )
