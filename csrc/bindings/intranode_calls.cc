@@ -270,26 +270,36 @@ void notify_call(const Context& c, const DispatchLaunch& l, intptr_t stream, py:
   notify_launch(c, l, stream, v, recv_entry);
 }
 
-// The readback of the notify launched with `readback`: (1, out_info's `num_info` words + every
-// rank's checks), (-1, []) when its barrier failed (the status words say why), (0, []) when it
-// did not finish within two timeouts (the stream is stuck behind earlier work).
-py::tuple read_counts(const Context& c, int num_info) {
-  const int R = c.num_ranks;
-  UCCL_EP_CHECK_ARG(num_info >= R * R && num_info <= R * R + k::kMaxLocalExperts, "intranode_read_counts: num_info=",
-                    num_info, " is not R*R + local experts for R=", R);
-  c.check("intranode_read_counts");
+// Waits for the readback of the notify launched with `readback` (GIL released) and returns its
+// state: 1 with `words` = out_info's `num_info` words, then every rank's checks; -1 when its
+// barrier failed (the status words say why); 0 when it did not finish within two timeouts (the
+// stream is stuck behind earlier work). `words` is left empty unless the state is 1.
+int read_back(const Context& c, int num_info, std::vector<int64_t>* words) {
   int state = 0;
   {
     py::gil_scoped_release nogil;
     state = k::host_readback_wait(c.status, 2 * c.timeout_ns);
   }
-  py::list out;
-  if (state != 1) return py::make_tuple(state, out);
+  words->clear();
+  if (state != 1) return state;
   std::atomic_thread_fence(std::memory_order_acquire);
   const volatile int64_t* w = reinterpret_cast<const volatile int64_t*>(c.status) + k::kReadbackWord;
-  for (int i = 0; i < num_info; ++i) out.append(static_cast<int64_t>(w[k::kReadbackInfo + i]));
-  for (int i = 0; i < R * k::kCheckWords; ++i) out.append(static_cast<int64_t>(w[k::kReadbackChecks + i]));
-  return py::make_tuple(state, out);
+  words->reserve(num_info + c.num_ranks * k::kCheckWords);
+  for (int i = 0; i < num_info; ++i) words->push_back(static_cast<int64_t>(w[k::kReadbackInfo + i]));
+  for (int i = 0; i < c.num_ranks * k::kCheckWords; ++i)
+    words->push_back(static_cast<int64_t>(w[k::kReadbackChecks + i]));
+  return state;
+}
+
+// (state, words) of read_back, words as a list.
+py::tuple read_counts(const Context& c, int num_info) {
+  const int R = c.num_ranks;
+  UCCL_EP_CHECK_ARG(num_info >= R * R && num_info <= R * R + k::kMaxLocalExperts, "intranode_read_counts: num_info=",
+                    num_info, " is not R*R + local experts for R=", R);
+  c.check("intranode_read_counts");
+  std::vector<int64_t> words;
+  const int state = read_back(c, num_info, &words);
+  return py::make_tuple(state, py::cast(words));
 }
 
 // The view of `rows` x `cols` (0: 1-D) elements of `dt` at `ptr` (none when 0): a place in a
@@ -675,31 +685,21 @@ py::tuple ahead_finish(const Context& c, const DispatchLaunch& l, py::handle res
   UCCL_EP_CHECK_ARG(l.readback(), "intranode_ahead_finish: the launch is not an exact uncached dispatch");
   c.check("intranode_ahead_finish");
   const int num_info = R * R + l.experts_per_rank;
-  int state = 0;
-  {
-    py::gil_scoped_release nogil;
-    state = k::host_readback_wait(c.status, 2 * c.timeout_ns);
+  std::vector<int64_t> words;
+  const int state = read_back(c, num_info, &words);
+  if (state == 1) {
+    const std::vector<int64_t> prefix(words.begin(), words.begin() + int64_t{R} * R);
+    const int64_t most = *std::max_element(prefix.end() - R, prefix.end());
+    const bool clear = reinterpret_cast<const volatile int64_t*>(c.status)[0] == 0;
+    if (clear && notify_checks_good(words.data() + num_info, R, l.num_experts) && most <= bound) {
+      const DispatchRows rows = exact_rows(prefix, c.rank, R);
+      py::tuple made = reservation_tensors(reservation, rows.num_recv, c.rank);
+      py::list per_expert;
+      for (int i = R * R; i < num_info; ++i) per_expert.append(words[i]);
+      return py::make_tuple(1, py::tuple(py::cast(prefix)), per_expert, rows, most, made[0], made[1]);
+    }
   }
-  py::list out;
-  if (state != 1) return py::make_tuple(state, out);
-  std::atomic_thread_fence(std::memory_order_acquire);
-  const volatile int64_t* status = reinterpret_cast<const volatile int64_t*>(c.status);
-  const volatile int64_t* rb = status + k::kReadbackWord;
-  std::vector<int64_t> info(num_info), checks(static_cast<size_t>(R) * k::kCheckWords);
-  for (int i = 0; i < num_info; ++i) info[i] = rb[k::kReadbackInfo + i];
-  for (size_t i = 0; i < checks.size(); ++i) checks[i] = rb[k::kReadbackChecks + i];
-  std::vector<int64_t> prefix(info.begin(), info.begin() + int64_t{R} * R);
-  const int64_t most = *std::max_element(prefix.end() - R, prefix.end());
-  if (status[0] == 0 && notify_checks_good(checks.data(), R, l.num_experts) && most <= bound) {
-    const DispatchRows rows = exact_rows(prefix, c.rank, R);
-    py::tuple made = reservation_tensors(reservation, rows.num_recv, c.rank);
-    py::list per_expert;
-    for (int i = R * R; i < num_info; ++i) per_expert.append(info[i]);
-    return py::make_tuple(1, py::tuple(py::cast(prefix)), per_expert, rows, most, made[0], made[1]);
-  }
-  for (int64_t v : info) out.append(v);
-  for (int64_t v : checks) out.append(v);
-  return py::make_tuple(state, out);
+  return py::make_tuple(state, py::cast(words));
 }
 
 }  // namespace
