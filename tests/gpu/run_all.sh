@@ -4,9 +4,9 @@
 # own time limit and a whole-run deadline, so a hang costs only its own slot. Logs are tarred
 # into $OUT/logs.tar.gz, benchmark JSON lands in $OUT, a summary table is printed last.
 #   bash tests/gpu/run_all.sh   (megatron-core wheels for Python 3.12 in .whl/, optional)
-# Phase 1, two lanes at once: EP2 intranode, sync-free, binding checks and the Megatron layer on
-#   GPUs 0,1; 2x1 internode, FIFO and the failure scenarios (2 ranks: sharing a GPU under MPS,
-#   and one GPU each) on GPUs 2,3.
+# Phase 1, two lanes at once: EP2 intranode, sync-free, binding checks, the Megatron layer, the
+#   dispatcher modes, EP overlap, teardown and timeout poisoning on GPUs 0,1; 2x1 internode, FIFO
+#   and the failure scenarios (2 ranks: sharing a GPU under MPS, and one GPU each) on GPUs 2,3.
 # Phase 2, all GPUs: EP4 intranode and sync-free, 2x2 internode, grouped experts.
 # Phase 3, benchmarks: bench proxy (CPU only), bench nvlink (the link floor, seconds), bench
 #   internode (2x2, NIC model at 50 GB/s) and bench layer at EP4 (last; on 4 GPUs it needs a
@@ -57,6 +57,8 @@ lane_a() {
   UCCL_EP_TEST_RANKS=2 suite intranode_ep2 $A 170 "${PYTEST[@]}" "$T/test_intranode.py" \
     "$T/test_sync_free.py" "$T/test_bindings_checks.py"
   suite megatron_ep2 $A 150 "${PYTEST[@]}" -s "$T/test_megatron_gpu.py"
+  suite others_ep2 $A 150 "${PYTEST[@]}" "$T/test_dispatcher_modes_gpu.py" \
+    "$T/test_overlap_gpu.py" "$T/test_teardown.py" "$T/test_timeout_poison.py"
 }
 lane_b() {
   UCCL_EP_TEST_RANKS_PER_NODE=1 UCCL_EP_TEST_KERNEL_TIMEOUT_MS=15000 suite internode_2x1 $B 150 \
