@@ -209,9 +209,10 @@ struct NotifyViews {
   TensorView per_rank, per_expert, info, in_rank, send_pos, idx;
 };
 
-// notify: see k::intranode_notify, on checked views (notify_call, dispatch_begin).
-void notify_launch(const Context& c, const DispatchLaunch& l, intptr_t stream, const NotifyViews& v,
-                   const std::vector<int64_t>& recv_entry) {
+// notify's arguments (see k::NotifyArgs) from checked views (notify_call, dispatch_begin); with
+// a readback (exact calls), its ready word is cleared here, before the launch.
+k::NotifyArgs notify_args(const Context& c, const DispatchLaunch& l, const NotifyViews& v,
+                          const std::vector<int64_t>& recv_entry) {
   const int64_t T = v.in_rank.size[0];
   UCCL_EP_CHECK_ARG(recv_entry.empty() || static_cast<int>(recv_entry.size()) == k::kRecvEntryArgs,
                     "intranode_notify: recv_entry has ", recv_entry.size(), " words; expected ", k::kRecvEntryArgs,
@@ -225,21 +226,35 @@ void notify_launch(const Context& c, const DispatchLaunch& l, intptr_t stream, c
   check_ptr(v.per_rank.ptr, true, "intranode_notify: num_tokens_per_rank");
   check_ptr(v.info.ptr, true, "intranode_notify: out_info");
   check_ptr(v.in_rank.ptr, !v.send_pos.none && T > 0, "intranode_notify: is_token_in_rank");
-  intptr_t rb = 0;
+  k::NotifyArgs a;
+  a.buffers = c.buffers;
+  a.rank = c.rank;
+  a.num_ranks = c.num_ranks;
+  a.num_tokens_per_rank = v.per_rank.ptr;
+  a.num_tokens_per_expert = v.per_expert.ptr;
+  a.experts_per_rank = l.experts_per_rank;
+  a.expert_alignment = l.expert_alignment;
+  a.out_info = v.info.ptr;
+  a.status = c.status;
+  a.timeout_ns = c.timeout_ns;
+  a.is_token_in_rank = v.in_rank.ptr;
+  a.num_tokens = static_cast<int>(T);
+  a.send_pos = v.send_pos.ptr;
+  a.topk_idx = v.idx.ptr;
+  a.idx_is_64 = v.idx.none || v.idx.dtype->dt == Dt::kInt64;
+  a.num_topk = v.idx.none ? 0 : static_cast<int>(v.idx.size[1]);
+  a.num_worst_tokens = l.num_worst_tokens;
+  a.num_experts = l.num_experts;
+  a.header = l.header;
+  a.recv_entry = recv_entry;
   if (l.readback()) {
     // Cleared before the launch: the host's store precedes the kernel's.
     auto* w = reinterpret_cast<volatile int64_t*>(c.status);
     w[k::kReadbackWord] = 0;
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    rb = c.status + static_cast<intptr_t>(sizeof(int64_t)) * k::kReadbackWord;
+    a.readback = c.status + static_cast<intptr_t>(sizeof(int64_t)) * k::kReadbackWord;
   }
-  const TensorView& idx = v.idx;
-  // The prefix matrix is info's head: the kernel writes both from one pass.
-  k::intranode_notify(c.buffers, c.rank, c.num_ranks, v.per_rank.ptr, v.per_expert.ptr, l.experts_per_rank,
-                      l.expert_alignment, v.info.ptr, v.info.ptr, c.status, c.timeout_ns, v.in_rank.ptr,
-                      static_cast<int>(T), v.send_pos.ptr, stream, idx.ptr, idx.none || idx.dtype->dt == Dt::kInt64,
-                      idx.none ? 0 : static_cast<int>(idx.size[1]), rb, l.num_worst_tokens, l.num_experts, l.header,
-                      recv_entry);
+  return a;
 }
 
 // num_tokens_per_rank and num_tokens_per_expert (none without local experts) of `inputs`, checked.
@@ -253,7 +268,7 @@ void count_views(const Context& c, const DispatchLaunch& l, py::handle inputs, N
 }
 
 // notify (the binding): is_token_in_rank, the counts and topk_idx of `inputs` (a DispatchArgs),
-// with `info` and `send_pos` (not read for a cached dispatch), checked, then notify_launch.
+// with `info` and `send_pos` (not read for a cached dispatch), checked, then notify as its own kernel.
 void notify_call(const Context& c, const DispatchLaunch& l, intptr_t stream, py::handle inputs, py::handle info_t,
                  py::handle send_pos_t, const std::vector<int64_t>& recv_entry) {
   c.check("intranode_notify");
@@ -267,7 +282,7 @@ void notify_call(const Context& c, const DispatchLaunch& l, intptr_t stream, py:
   v.info = arg(info_t, "intranode_notify: out_info", false, 1, int64_t{R} * R + l.experts_per_rank, -1, {Dt::kInt32});
   if (!l.cached) v.send_pos = arg(send_pos_t, "intranode_notify: send_pos", false, 2, T, R, {Dt::kInt32});
   v.idx = arg(field(inputs, n.topk_idx), "intranode_notify: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
-  notify_launch(c, l, stream, v, recv_entry);
+  k::intranode_notify(notify_args(c, l, v, recv_entry), stream);
 }
 
 // Waits for the readback of the notify launched with `readback` (GIL released) and returns its
@@ -383,10 +398,12 @@ void tuple_views(const DispatchLaunch& l, py::handle outputs, DispatchViews* v) 
 
 // The dispatch kernel on checked views (dispatch_call, dispatch_begin), with the poison fold of
 // its outputs (done by the kernel's last block): a failure inside this call is raised at the
-// next one; until then the outputs say so. `zero_copy`: the outputs lie in this rank's arena; `entry_published`: notify told the peers
-// where; `judge`: a launch-ahead call (see k::DispatchArgs).
+// next one; until then the outputs say so. `zero_copy`: the outputs lie in this rank's arena;
+// `entry_published`: notify told the peers where; `judge`: a launch-ahead call; `notify`: notify
+// folded into this launch (see k::DispatchArgs).
 void dispatch_launch(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
-                     const DispatchViews& v, bool zero_copy, bool entry_published, bool judge) {
+                     const DispatchViews& v, bool zero_copy, bool entry_published, bool judge,
+                     const k::NotifyArgs* notify = nullptr) {
   k::DispatchArgs a;
   c.fill(a);
   a.num_tokens = static_cast<int>(v.x.size[0]);
@@ -418,6 +435,7 @@ void dispatch_launch(const Context& c, const DispatchLaunch& l, const DispatchRo
   a.entry_published = entry_published;
   a.judge = judge;
   a.num_experts = l.num_experts;
+  a.notify = notify;
   // The poison fold: NaN rows and scales, -1 ids and sources, 0 weights when the call failed,
   // written by the kernel's last block.
   const uint64_t f32_nan = repeat(0x7FC00000u, 4);
@@ -478,7 +496,9 @@ std::pair<int, int> dlpack_dtype(Dt dt, int itemsize) {
 // (`cached_send_pos` is the handle's send_pos exactly when `launch.cached`). The status word,
 // the capture state and the staging size are looked at, one receive-arena block is reserved for
 // the outputs and the handle's send_pos and info (a cached dispatch: info only; its source
-// indices are the handle's), then notify and the dispatch kernel are launched on `stream`.
+// indices are the handle's), then notify and the dispatch kernel are launched on `stream`: as
+// one kernel for sync-free and cached calls (notify in its first blocks), apart for a
+// launch-ahead call.
 // Returns the RecvReservation (its tensors are made after this), or None when the call must
 // take the step-by-step path: the status word is set (that path raises it), the stream is being
 // captured, the staging does not hold `rows.staging_rows`, or the block does not fit.
@@ -529,14 +549,19 @@ py::object dispatch_begin(const Context& c, const DispatchLaunch& l, const Dispa
   n.in_rank = v.in_rank;
   n.send_pos = l.cached ? TensorView{} : v.send_pos;
   n.idx = v.idx;
-  notify_launch(c, l, stream, n, std::vector<int64_t>(res.entry.begin(), res.entry.end()));
+  const k::NotifyArgs notify = notify_args(c, l, n, std::vector<int64_t>(res.entry.begin(), res.entry.end()));
   v.out_rows = rows;
   v.recv_x = placed(res.x, rows, H, v.x.dtype);
   v.recv_scales = placed(res.scales, rows, S, v.scales.dtype);
   v.recv_idx = placed(res.idx, rows, K, v.idx.dtype);
   v.recv_w = placed(res.w, rows, K, v.weights.dtype);
   v.recv_src = placed(res.src, rows, 0, i32);
-  dispatch_launch(c, l, r, stream, v, true, true, judge);
+  // Sync-free and cached calls run notify in the dispatch kernel's first blocks (one launch
+  // less). A launch-ahead call launches it apart, first: the host waits for its readback, which
+  // notify's own kernel delivered 8-9 us sooner than the folded blocks did, more than the launch
+  // saved (bench/profile_host.py on one H200, docs/performance.md "Host time per call").
+  if (judge) k::intranode_notify(notify, stream);
+  dispatch_launch(c, l, r, stream, v, true, true, judge, judge ? nullptr : &notify);
   return reservation;
 }
 

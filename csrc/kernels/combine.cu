@@ -441,10 +441,9 @@ void launch(const CombineParams& p, int blocks, bool tma, gpuStream_t s) {
 #if defined(UCCL_EP_DEVICE_CUDA)
   if constexpr (kVec) {
     if (tma) {
-      auto* k = combine_kernel<kDtype, true, kUnroll, kRanks, true>;
       constexpr int smem = tma_smem_bytes(kCombineWarps);
-      GPU_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      k<<<blocks, kCombineThreads, smem, s>>>(p);
+      allow_dynamic_smem<combine_kernel<kDtype, true, kUnroll, kRanks, true>>(smem);
+      combine_kernel<kDtype, true, kUnroll, kRanks, true><<<blocks, kCombineThreads, smem, s>>>(p);
       return;
     }
   }

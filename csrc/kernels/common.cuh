@@ -2,6 +2,7 @@
 // its timeout, and the warp-wide row copy; the combine element conversions (internode too).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #if defined(__HIP_PLATFORM_AMD__) || defined(USE_ROCM) || defined(UCCL_EP_HIP)
@@ -30,6 +31,35 @@ inline Peers make_peers(const std::vector<intptr_t>& buffers, int num_ranks) {
   for (int r = 0; r < num_ranks; ++r) p.p[r] = reinterpret_cast<uint8_t*>(buffers[r]);
   return p;
 }
+
+// A fact about the current device asked once per device (ids below 64; others every time):
+// bit d of `known` says device d was asked, bit d of `value` holds its answer.
+using PerDevice = std::atomic<uint64_t>;
+template <typename Ask>
+bool per_device_once(PerDevice* known, PerDevice* value, Ask ask) {
+  int dev = 0;
+  GPU_CHECK(gpuGetDevice(&dev));
+  if (dev < 0 || dev >= 64) return ask(dev);
+  const uint64_t bit = 1ull << dev;
+  if (known->load(std::memory_order_acquire) & bit) return (value->load(std::memory_order_relaxed) & bit) != 0;
+  const bool v = ask(dev);
+  if (v) value->fetch_or(bit, std::memory_order_relaxed);
+  known->fetch_or(bit, std::memory_order_release);
+  return v;
+}
+
+#if defined(UCCL_EP_DEVICE_CUDA)
+// Lets `Kernel` launch with `bytes` of dynamic shared memory: one driver call per device
+// instead of one before every launch.
+template <auto Kernel>
+void allow_dynamic_smem(int bytes) {
+  static PerDevice known, done;
+  per_device_once(&known, &done, [bytes](int) {
+    GPU_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    return true;
+  });
+}
+#endif
 
 // Site codes reported in the status words (Python maps them to names).
 enum BarrierSite : int {
@@ -80,6 +110,9 @@ __device__ __forceinline__ unsigned* send_done_blocks(uint8_t* buf) {
 __device__ __forceinline__ unsigned* dispatch_done_blocks(uint8_t* buf) {
   return reinterpret_cast<unsigned*>(buf + kSeqOffset + 20);
 }
+__device__ __forceinline__ uint64_t* notify_done_blocks(uint8_t* buf) {
+  return reinterpret_cast<uint64_t*>(buf + kSeqOffset + 24);
+}
 
 // Fills every region of `r` with its pattern, threads `tid`, `tid + stride`, ... of the caller.
 __device__ __forceinline__ void fill_poison(const PoisonRegions& r, int64_t tid, int64_t stride) {
@@ -95,8 +128,10 @@ __device__ __forceinline__ void fill_poison(const PoisonRegions& r, int64_t tid,
 
 // The end of a kernel whose every block calls this once, as its last step (all of its threads):
 // the last block to get here fills `r` when the status is set by then (a wait of the call timed
-// out, or an earlier call failed), and zeroes `done` for the next launch on the stream.
-__device__ __forceinline__ void poison_when_failed(const StatusRef& status, const PoisonRegions& r, unsigned* done) {
+// out, or an earlier call failed), and zeroes `done` (and `also_zero`, when given: a count the
+// blocks raised before) for the next launch on the stream.
+__device__ __forceinline__ void poison_when_failed(const StatusRef& status, const PoisonRegions& r, unsigned* done,
+                                                   uint64_t* also_zero = nullptr) {
   __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -104,6 +139,7 @@ __device__ __forceinline__ void poison_when_failed(const StatusRef& status, cons
     s_last = atomicAdd(done, 1u) == gridDim.x - 1;
     if (s_last) {
       *done = 0;
+      if (also_zero != nullptr) *also_zero = 0;
       __threadfence();  // every other block's, before the status read below
     }
   }

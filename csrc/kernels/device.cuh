@@ -15,6 +15,13 @@ using lane_mask_t = unsigned long long;
 using lane_mask_t = unsigned int;
 #endif
 
+// A kernel parameter read in place (its address may be taken without a local copy).
+#if defined(UCCL_EP_DEVICE_HIP)
+#define UCCL_EP_GRID_CONSTANT
+#else
+#define UCCL_EP_GRID_CONSTANT __grid_constant__
+#endif
+
 namespace uccl_ep::dev {
 
 constexpr int kWarpSize = UCCL_EP_WARP_SIZE;
@@ -61,6 +68,15 @@ __device__ __forceinline__ int warp_shfl(int v, int src) {
   return __shfl(v, src);
 #else
   return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
+
+// The value of lane (this lane ^ mask), for 64-bit values; every lane must participate.
+__device__ __forceinline__ long long warp_shfl_xor(long long v, int mask) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  return __shfl_xor(v, mask);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask);
 #endif
 }
 

@@ -43,6 +43,16 @@ __device__ __forceinline__ uint64_t pack_chunk(uint64_t seq, int first, int rows
   return ((seq & 0xFFFFFFull) << 40) | (static_cast<uint64_t>(first) << 20) | static_cast<uint64_t>(rows);
 }
 
+// This block's index among the kernel's data blocks, which follow notify's (p.notify_blocks),
+// and their number: computed where used from blockIdx and the parameters, which holds no
+// register (the 16-byte copy path sits at the 128-register cap).
+__device__ __forceinline__ int data_block(const SendParams& p) {
+  return static_cast<int>(blockIdx.x) - p.notify_blocks;
+}
+__device__ __forceinline__ int data_blocks(const SendParams& p) {
+  return static_cast<int>(gridDim.x) - p.notify_blocks;
+}
+
 // Sender blocks [0, num_send_blocks) take chunks of consecutive tokens round-robin; each warp
 // sends whole tokens (row read once, written to every destination at its final row), then
 // the chunk's row range is published to each staged peer with one release store. Receiver
@@ -51,7 +61,7 @@ __device__ __forceinline__ uint64_t pack_chunk(uint64_t seq, int first, int rows
 // send; the kernel ends once every peer's "done" arrived. When no peer is staged there is
 // nothing to publish per chunk: the tokens are then dealt over all sender warps directly.
 // Every exit is block-wide (after a barrier on a shared flag), so dispatch_kernel's end runs
-// with all of a block's threads.
+// with all of a block's threads. Its blocks are the grid's after notify's (p.notify_blocks).
 template <typename V, int kUnroll, bool kTma>
 __device__ __forceinline__ void dispatch_blocks(const SendParams& p) {
   __shared__ int s_prefix_row[kMaxRanks];  // rows rank r receives from ranks before mine
@@ -89,8 +99,8 @@ __device__ __forceinline__ void dispatch_blocks(const SendParams& p) {
   if constexpr (kTma) pipe.init(s_tma + warp * kTmaStages * kTmaChunk, s_bar + warp * kTmaStages, lane);
 #endif
 
-  publish_entry(p, seq);
-  if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+  publish_entry(p, seq, data_block(p));
+  if (data_block(p) < p.num_send_blocks) {
     // ---------------------------------------------------------------- sender
     __shared__ RowPtrs s_dst;
     __shared__ unsigned s_zc;  // destinations receiving zero-copy
@@ -187,12 +197,12 @@ __device__ __forceinline__ void dispatch_blocks(const SendParams& p) {
     // chunks dealt to 12 blocks left a 6-vs-5.3-chunk tail, and each chunk waited for its slowest
     // warp).
     if ((zc | 1u << p.rank) == (1u << R) - 1u) {
-      send_tokens(static_cast<int>(blockIdx.x) * kSendWarps + warp, p.num_tokens, p.num_send_blocks * kSendWarps);
+      send_tokens(data_block(p) * kSendWarps + warp, p.num_tokens, p.num_send_blocks * kSendWarps);
 #if UCCL_EP_HAS_TMA
       if constexpr (kTma) pipe.drain();  // this warp's bulk stores have landed
 #endif
     } else {
-      for (int c = blockIdx.x; c < nchunks; c += p.num_send_blocks) {
+      for (int c = data_block(p); c < nchunks; c += p.num_send_blocks) {
         const int t_begin = c * ct, t_end = min(p.num_tokens, t_begin + ct);
         send_tokens(t_begin + warp, t_end, kSendWarps);
 #if UCCL_EP_HAS_TMA
@@ -220,17 +230,17 @@ __device__ __forceinline__ void dispatch_blocks(const SendParams& p) {
     // Zero-copy: no receiver blocks, so the senders fill the padding rows, and block 0 keeps
     // the kernel alive until every peer's rows have landed (stream order is all a consumer
     // of the outputs relies on).
-    const int64_t nw = static_cast<int64_t>(gridDim.x) * kSendWarps;
-    fill_padding(p, s_recv_begin[R], static_cast<int64_t>(blockIdx.x) * kSendWarps + warp, nw, lane);
-    if (blockIdx.x == 0 && tid < R && tid != p.rank)
+    const int64_t nw = static_cast<int64_t>(data_blocks(p)) * kSendWarps;
+    fill_padding(p, s_recv_begin[R], static_cast<int64_t>(data_block(p)) * kSendWarps + warp, nw, lane);
+    if (data_block(p) == 0 && tid < R && tid != p.rank)
       wait_at_least(recv_done(p.bufs.p[p.rank]) + tid, seq, tid, kSiteDispatchDone, p.status,
                     PeerAborts{p.bufs, p.rank, R}, p.timeout_ns);
     return;
   }
 
   // ------------------------------------------------------------------ receiver
-  const int j = blockIdx.x - p.num_send_blocks;
-  const int nrecv = gridDim.x - p.num_send_blocks;
+  const int j = data_block(p) - p.num_send_blocks;
+  const int nrecv = data_blocks(p) - p.num_send_blocks;
   const int warps = blockDim.x / dev::kWarpSize;
   const int meta_idx_words = p.num_topk * p.idx_size / 4;
   const volatile int* src_tokens = tokens_of(p.bufs.p[p.rank], notify_slot(seq));
@@ -304,25 +314,57 @@ __device__ __forceinline__ void dispatch_blocks(const SendParams& p) {
 #endif
 }
 
-// The kernel: its blocks' work, then the outputs of a failed call filled by the last block to
-// finish (no launch of its own), so they never hold stale rows.
+// A notify block of a dispatch kernel that runs notify itself, then its count (whatever
+// notify's outcome: a failure is in the status word, which dispatch_blocks reads first): the
+// block's writes (the sequence, info, send_pos) before the count, with release. Not inlined, on
+// the parameters in place: inlined, it made the 16-byte copy path (at the 128-register cap)
+// spill registers.
+__device__ __noinline__ void notify_of_dispatch(const SendParams* p) {
+  notify_block<kSendThreads>(p->notify, static_cast<int>(blockIdx.x));
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(reinterpret_cast<unsigned long long*>(notify_done_blocks(p->bufs.p[p->rank])), 1ull);
+  }
+}
+
+// The kernel: notify's blocks first when it is folded in (p.notify_blocks), then the data
+// blocks, which wait for them as a kernel launched after notify would wait (stream order): thread
+// 0 acquires their count and the block barrier hands their writes to every thread. The wait is
+// bounded by notify's own (each times out at timeout_ns); twice that is a backstop. Then the
+// outputs of a failed call are filled by the last block to finish (no launch of its own), so
+// they never hold stale rows.
 template <typename V, int kUnroll, bool kTma>
-__global__ void __launch_bounds__(kSendThreads) dispatch_kernel(SendParams p) {
-  dispatch_blocks<V, kUnroll, kTma>(p);
-  poison_when_failed(p.status, p.poison, dispatch_done_blocks(p.bufs.p[p.rank]));
+__global__ void __launch_bounds__(kSendThreads) dispatch_kernel(const UCCL_EP_GRID_CONSTANT SendParams p) {
+  const int nb = p.notify_blocks;
+  if (static_cast<int>(blockIdx.x) < nb) {
+    notify_of_dispatch(&p);
+  } else {
+    if (nb > 0) {
+      if (threadIdx.x == 0)
+        wait_at_least(notify_done_blocks(p.bufs.p[p.rank]), static_cast<uint64_t>(nb), p.rank, kSiteNotify, p.status,
+                      PeerAborts{p.bufs, p.rank, p.num_ranks}, 2 * p.timeout_ns);
+      __syncthreads();
+    }
+    dispatch_blocks<V, kUnroll, kTma>(p);
+  }
+  poison_when_failed(p.status, p.poison, dispatch_done_blocks(p.bufs.p[p.rank]),
+                     notify_done_blocks(p.bufs.p[p.rank]));
 }
 
 bool aligned16(intptr_t v) { return v % 16 == 0; }
 
 }  // namespace
 
-// Bulk copies (TMA) exist on sm_90+ NVIDIA GPUs only.
+// Bulk copies (TMA) exist on sm_90+ NVIDIA GPUs only. Asked once per device (per_device_once).
 bool tma_supported() {
 #if defined(UCCL_EP_DEVICE_CUDA)
-  int dev = 0, major = 0;
-  GPU_CHECK(cudaGetDevice(&dev));
-  GPU_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-  return major >= 9;
+  static PerDevice known, sm90;
+  return per_device_once(&known, &sm90, [](int dev) {
+    int major = 0;
+    GPU_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major >= 9;
+  });
 #else
   return false;
 #endif
@@ -371,6 +413,12 @@ static void check_dispatch_args(const DispatchArgs& a) {
   UCCL_EP_CHECK_ARG(!a.zero_copy || !a.arenas.empty(), "zero_copy dispatch without receive arenas");
   UCCL_EP_CHECK_ARG(!a.judge || (!a.cached && a.entry_published), "a launch-ahead dispatch (judge) must be a "
                     "non-cached call whose notify published the receive entry");
+  const NotifyArgs* n = a.notify;
+  UCCL_EP_CHECK_ARG(n == nullptr || (n->out_info == a.rank_prefix_matrix &&
+                                     n->send_pos == (a.cached ? 0 : a.send_pos) && n->rank == a.rank &&
+                                     n->num_ranks == a.num_ranks && n->status == a.status),
+                    "a dispatch with notify folded in needs notify's out_info as rank_prefix_matrix, its send_pos "
+                    "(none when cached), rank, ranks and status");
 }
 
 void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
@@ -435,23 +483,28 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
   p.judge = a.judge;
   p.num_experts = a.num_experts;
   p.poison = a.poison;
+  if (a.notify != nullptr) {
+    p.notify = notify_params(*a.notify);
+    p.notify_blocks = notify_blocks(p.notify);
+  }
   const intptr_t outs[5] = {a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights,
                             a.cached ? 0 : a.recv_src_idx};
   for (int i = 0; i < 5; ++i) p.recv_off[i] = a.zero_copy && outs[i] != 0 ? outs[i] - a.arenas[a.rank] : -1;
   const int blocks = std::max(2, a.num_sms);
   p.num_send_blocks = blocks - dispatch_recv_blocks(a, blocks);
+  const int grid = p.notify_blocks + blocks;
   auto s = reinterpret_cast<gpuStream_t>(stream);
   const bool vec = a.row_bytes % 16 == 0 && aligned16(a.x) && aligned16(a.recv_x);
   if (vec && a.use_tma && tma_supported()) {
 #if defined(UCCL_EP_DEVICE_CUDA)
     constexpr int smem = tma_smem_bytes(kSendWarps);
-    GPU_CHECK(cudaFuncSetAttribute(dispatch_kernel<int4, 8, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    dispatch_kernel<int4, 8, true><<<blocks, kSendThreads, smem, s>>>(p);
+    allow_dynamic_smem<dispatch_kernel<int4, 8, true>>(smem);
+    dispatch_kernel<int4, 8, true><<<grid, kSendThreads, smem, s>>>(p);
 #endif
   } else if (vec) {
-    dispatch_kernel<int4, 8, false><<<blocks, kSendThreads, 0, s>>>(p);
+    dispatch_kernel<int4, 8, false><<<grid, kSendThreads, 0, s>>>(p);
   } else {
-    dispatch_kernel<uint8_t, 8, false><<<blocks, kSendThreads, 0, s>>>(p);
+    dispatch_kernel<uint8_t, 8, false><<<grid, kSendThreads, 0, s>>>(p);
   }
   GPU_CHECK(gpuGetLastError());
 }

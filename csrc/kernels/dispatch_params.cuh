@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "kernels/common.cuh"
+#include "kernels/notify.cuh"
 
 namespace uccl_ep::kernels {
 namespace dispatch_detail {
@@ -62,14 +63,19 @@ struct SendParams {
   int num_experts;       // the id range dispatch_verdict checks (judge only)
   int64_t recv_off[5];
   PoisonRegions poison;  // the outputs, filled by the last block to finish when the call failed
+  // notify folded in (DispatchArgs::notify): blocks [0, notify_blocks) run it, the data blocks
+  // after them wait for it; 0: notify ran before, on the stream.
+  int notify_blocks;
+  NotifyParams notify;
 };
 
-// Block 0 tells every peer where this rank receives (kRecvEntryOffset): the mode and offsets,
-// then, after a system fence, the sequence with release (unless notify did: sync-free calls).
-// A staged rank says so too, so every sender knows each destination's mode from one word.
-__device__ __forceinline__ void publish_entry(const SendParams& p, uint64_t seq) {
+// Data block 0 (`block`) tells every peer where this rank receives (kRecvEntryOffset): the mode
+// and offsets, then, after a system fence, the sequence with release (unless notify did:
+// sync-free and launch-ahead calls). A staged rank says so too, so every sender knows each
+// destination's mode from one word.
+__device__ __forceinline__ void publish_entry(const SendParams& p, uint64_t seq, int block) {
   const int d = threadIdx.x;
-  if (p.entry_published || blockIdx.x != 0 || d >= p.num_ranks || d == p.rank) return;
+  if (p.entry_published || block != 0 || d >= p.num_ranks || d == p.rank) return;
   volatile uint64_t* e = recv_entry(p.bufs.p[d], notify_slot(seq), p.rank);
   e[1] = p.zero_copy ? 1 : 0;
 #pragma unroll
@@ -143,3 +149,4 @@ __device__ __forceinline__ void fill_padding(const SendParams& p, int64_t begin,
 
 }  // namespace dispatch_detail
 }  // namespace uccl_ep::kernels
+

@@ -55,11 +55,12 @@ constexpr size_t kDataOffset = kChunkFlagsOffset + 8ull * kMaxRanks * kMaxChunks
 // the one at +16); at +12 a uint32 count of the dispatch sender blocks that finished (the last
 // one signals the zero-copy destinations and resets it); at +16 a uint32 count of the tokens
 // handed out to the combine's reducer warps; at +20 a uint32 count of the dispatch kernel's
-// blocks that finished (the last one fills the outputs of a failed call and resets it).
+// blocks that finished (the last one fills the outputs of a failed call and resets it); at +24
+// a uint64 count of the notify blocks of a dispatch kernel that runs notify itself that
+// finished (its data blocks wait for all of them; its last block resets it).
 // notify: seq = last + 1 (stored at once, one block); dispatch: seq = last (its notify's);
 // combine: last + 1, stored by its last block to finish.
 constexpr size_t kSeqOffset = kIdBoundsOffset + 8ull * kCheckWords * kNotifySlots * kMaxRanks;
-static_assert(kSeqOffset + 24 <= kDataOffset, "control overlap");
 // Peer abort: a rank that gives up on a call writes a word at [its rank] into every peer's
 // control region (never cleared: its Buffer is unusable from then on). A wait that finds the
 // word of the peer it waits for stops at once, and a barrier that a peer passed before giving
@@ -71,6 +72,7 @@ static_assert(kSeqOffset + 24 <= kDataOffset, "control overlap");
 // reason text too); a kernel wait of it timed out (no text: seq, site and peer say it all); its
 // process exited (posted by the survivor itself, see kAbortPeerExited).
 constexpr size_t kAbortOffset = kSeqOffset + 64;  // uint64 [kMaxRanks]
+static_assert(kSeqOffset + 32 <= kAbortOffset && kAbortOffset < kDataOffset, "control overlap");
 constexpr uint64_t kAbortRejected = 1;
 constexpr uint64_t kAbortTimedOut = 2;
 constexpr uint64_t kAbortHostGaveUp = 3;
@@ -217,34 +219,46 @@ void get_dispatch_layout(intptr_t topk_idx, bool idx_is_64, int num_tokens, int 
                          intptr_t num_tokens_per_expert, intptr_t is_token_in_rank, intptr_t stream);
 
 // ---- dispatch -----------------------------------------------------------------------------
-// Exchanges each rank's per-rank counts (and per-expert counts for the receiver's experts)
-// with every peer, then writes `out_info` = [rank_prefix_matrix (R*R) | aligned per-local-
-// expert counts (experts_per_rank)] and the same prefix matrix into `rank_prefix_matrix`.
-// Doubles as the entry barrier of a dispatch (peers write into our staging only after it).
-// When `send_pos` is non-zero it also scans is_token_in_rank [T, R] into send_pos [T, R].
-// The (min, max) of `topk_idx` ([num_tokens, num_topk], int64 or int32 by `idx_is_64`; 0 = no
-// ids: (-1, -1)), scanned here before the barrier instead of by separate launches, and, when
-// `send_pos` is set, the check of
+// notify exchanges each rank's per-rank counts (and per-expert counts for the receiver's
+// experts) with every peer, then writes `out_info` = [rank_prefix_matrix (R*R) | aligned per-
+// local-expert counts (experts_per_rank)]. It doubles as the entry barrier of a dispatch (peers
+// write into our staging only after it). When `send_pos` is non-zero it also scans
+// is_token_in_rank [T, R] into send_pos [T, R]. The (min, max) of `topk_idx`
+// ([num_tokens, num_topk], int64 or int32 by `idx_is_64`; 0 = no ids: (-1, -1)), scanned here
+// before the barrier instead of by separate launches, and, when `send_pos` is set, the check of
 // num_tokens_per_rank against is_token_in_rank (a mismatch would place rows past the outputs)
 // travel to every rank with the counts; with `readback` (the host block's kReadbackWord, or 0)
 // every rank's checks and out_info go to the host (see kReadbackWord), so all ranks see a bad
 // input of any rank at the host read that sizes the outputs, and raise together before any
-// row moves. `header` (the call's dtype, hidden,
-// scales, top-k, experts, packed by the caller) travels with the checks (word 5); a cached
-// dispatch (`send_pos` 0) compares it with the barrier instead (kStatusHeaderMismatch).
+// row moves. `header` (the call's dtype, hidden, scales, top-k, experts, packed by the caller)
+// travels with the checks (word 5); a cached dispatch (`send_pos` 0) compares it with the
+// barrier instead (kStatusHeaderMismatch).
 // Sync-free mode (`num_worst_tokens` > 0): notify itself judges every rank's checks and the
 // received row counts (> num_worst_tokens is an overflow) and records the first failure in the
 // status word (kStatusBadExpertId...), identically on every rank, so the dispatch kernel that
 // follows skips its data movement everywhere and the host raises at its next call.
-void intranode_notify(const std::vector<intptr_t>& buffers, int rank, int num_ranks,
-                      intptr_t num_tokens_per_rank, intptr_t num_tokens_per_expert,
-                      int experts_per_rank, int expert_alignment,
-                      intptr_t rank_prefix_matrix, intptr_t out_info, intptr_t status,
-                      int64_t timeout_ns, intptr_t is_token_in_rank, int num_tokens,
-                      intptr_t send_pos, intptr_t stream, intptr_t topk_idx = 0, bool idx_is_64 = true,
-                      int num_topk = 0, intptr_t readback = 0, int num_worst_tokens = 0,
-                      int num_experts = 0, int64_t header = 0,
-                      const std::vector<int64_t>& recv_entry = {});
+struct NotifyArgs {
+  std::vector<intptr_t> buffers;  // registered buffer base of every rank (own included)
+  int rank = 0, num_ranks = 0;
+  intptr_t num_tokens_per_rank = 0;    // [R] int32
+  intptr_t num_tokens_per_expert = 0;  // [R * experts_per_rank] int32, or 0
+  int experts_per_rank = 0, expert_alignment = 1;
+  intptr_t out_info = 0;  // [R*R + experts_per_rank] int32
+  intptr_t status = 0;
+  int64_t timeout_ns = 0;
+  intptr_t is_token_in_rank = 0;  // [T, R] bool
+  int num_tokens = 0;
+  intptr_t send_pos = 0;  // [T, R] int32, or 0
+  intptr_t topk_idx = 0;
+  bool idx_is_64 = true;
+  int num_topk = 0;
+  intptr_t readback = 0;
+  int num_worst_tokens = 0, num_experts = 0;
+  int64_t header = 0;
+  std::vector<int64_t> recv_entry;  // see kRecvEntryArgs
+};
+// notify as its own kernel.
+void intranode_notify(const NotifyArgs& a, intptr_t stream);
 // `recv_entry` of notify: this rank's receive entry words after the sequence ({mode, offsets of
 // recv_x, scales, ids, weights, sources}, kRecvEntryOffset), written into every peer before the
 // barrier, so the dispatch kernel's senders find it at once. Sync-free calls give it (their
@@ -308,6 +322,10 @@ struct DispatchArgs {
   bool judge = false;
   int num_experts = 0;
   PoisonRegions poison;  // the outputs, filled when the call failed
+  // notify folded into this launch (one launch less): its blocks come first in the grid, and
+  // the data blocks wait for them (notify_done_blocks). Its out_info must be rank_prefix_matrix
+  // and its send_pos this call's (none for a cached call). Null: notify ran before, on the stream.
+  const NotifyArgs* notify = nullptr;
 };
 // Bytes of registered buffer (control region included) a dispatch with these sizes needs.
 int64_t dispatch_staging_bytes(int64_t rows, int64_t row_bytes, int num_scales, int num_topk, int idx_size);

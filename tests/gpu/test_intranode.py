@@ -339,6 +339,27 @@ def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
     return message
 
 
+def bad_id_position_case(rank: int, world: int, dtype: str, where: str, offset: int) -> str:
+    """One out-of-range expert id at the first or last slot of a [63, 3] ``topk_idx`` of
+    ``dtype`` that starts ``offset`` elements into its allocation. notify reads 16-byte aligned
+    ids as vectors (63 x 3 leaves one id past the last vector) and the others one by one: the
+    id must be found wherever it lies."""
+    kb, _ = _get_buffers()
+    num_tokens, topk, num_experts = 63, 3, 4 * world
+    gen = torch.Generator(device="cuda").manual_seed(11 + rank)
+    dt = getattr(torch, dtype)
+    idx = routing("random", rank, world, num_tokens, num_experts, topk, gen).to(dt)
+    store = torch.zeros(num_tokens * topk + offset, dtype=dt, device="cuda")
+    bad = store[offset:].view(num_tokens, topk)
+    bad.copy_(idx)
+    bad.view(-1)[0 if where == "first" else num_tokens * topk - 1] = num_experts
+    assert (bad.data_ptr() % 16 == 0) == (offset == 0)
+    w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
+    x = torch.randn(num_tokens, 256, generator=gen, device="cuda").to(torch.bfloat16)
+    lay = kb.get_dispatch_layout(bad, num_experts)[:4]
+    return _rejected(kb, x, lay, bad, w, f"expert id {num_experts} at the {where} slot")
+
+
 def bad_input_one_rank_case(rank: int, world: int, kind: str) -> str:
     """A bad input on the last rank only (``kind``: an out-of-range expert id, or a
     num_tokens_per_rank that disagrees with is_token_in_rank, which would place rows past the
@@ -991,6 +1012,15 @@ def test_staged_dispatch_combine_matches_reference(gpu_pool, name):
 def test_bad_expert_id_raises_at_dispatch(gpu_pool, bad_id):
     value = 4 * gpu_pool.world_size if bad_id == "num_experts" else bad_id
     out = gpu_pool.run(__file__, "bad_ids_case", value, env=ENV)
+    assert all(f"expert id {value}" in m for m in out), out
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("where", ["first", "last"])
+@pytest.mark.parametrize("dtype", ["int64", "int32"])
+def test_bad_expert_id_is_found_in_every_position(gpu_pool, dtype, where, offset):
+    out = gpu_pool.run(__file__, "bad_id_position_case", dtype, where, offset, env=ENV)
+    value = 4 * gpu_pool.world_size
     assert all(f"expert id {value}" in m for m in out), out
 
 

@@ -1,0 +1,302 @@
+// Intranode notify on the GPU: the count exchange and entry barrier of a dispatch (see
+// intranode_notify in intranode.h), with the input checks that travel with the counts and the
+// send-position scan. Run by notify's own kernel (notify.cu) or by the first blocks of the
+// dispatch kernel (DispatchArgs::notify), whose data blocks wait for them.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common.cuh"
+
+namespace uccl_ep::kernels {
+
+// notify's kernel parameters (notify_params makes them from a NotifyArgs).
+struct NotifyParams {
+  Peers bufs;
+  int rank, num_ranks;
+  const int* per_rank;    // num_tokens_per_rank [R]
+  const int* per_expert;  // num_tokens_per_expert [R * experts_per_rank] or null
+  int experts_per_rank, alignment;
+  int* info;  // out_info: [rank_prefix_matrix (R*R) | aligned rows per local expert]
+  StatusRef status;
+  int64_t timeout_ns;
+  const bool* in_rank;  // is_token_in_rank [T, R]
+  int num_tokens;
+  int* send_pos;  // [T, R], or null (cached: not scanned)
+  const void* topk_idx;
+  bool idx_is_64;
+  int num_topk;
+  int64_t* readback;  // the host block's kReadbackWord, or null
+  int num_worst_tokens, num_experts;
+  int64_t header;
+  RecvEntryArgs entry;
+};
+
+// The checked parameters of `a` (host).
+NotifyParams notify_params(const NotifyArgs& a);
+
+// Blocks notify runs on: a second one scans send_pos beside the count exchange (non-cached calls).
+inline int notify_blocks(const NotifyParams& q) { return q.send_pos != nullptr ? 2 : 1; }
+
+namespace notify_detail {
+
+// send_pos[t][r] = position of token t among the tokens sent to rank r (an exclusive scan of
+// column r of is_token_in_rank), -1 where not sent; one block, tile by tile with warp ballots.
+template <int kThreads>
+__device__ void scan_send_pos(const bool* in_rank, int num_tokens, int R, int* send_pos) {
+  __shared__ int s_running[kMaxRanks];
+  __shared__ int s_warp[kThreads / dev::kWarpSize][kMaxRanks];
+  const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
+  if (tid < kMaxRanks) s_running[tid] = 0;
+  __syncthreads();
+  for (int tile = 0; tile < num_tokens; tile += kThreads) {
+    const int t = tile + tid;
+    const bool valid = t < num_tokens;
+    bool flag[kMaxRanks];
+    int lane_pos[kMaxRanks];
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r) {
+      flag[r] = valid && r < R && in_rank[static_cast<int64_t>(t) * R + r];
+      const lane_mask_t b = dev::warp_ballot(flag[r]);
+      lane_pos[r] = dev::popc_mask(b & dev::lanemask_lt());
+      if (lane == 0) s_warp[warp][r] = dev::popc_mask(b);
+    }
+    __syncthreads();
+    if (tid < R) {
+      int running = s_running[tid];
+      for (int w = 0; w < kThreads / dev::kWarpSize; ++w) {
+        const int v = s_warp[w][tid];
+        s_warp[w][tid] = running;
+        running += v;
+      }
+      s_running[tid] = running;
+    }
+    __syncthreads();
+    if (valid) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (r < R) send_pos[static_cast<int64_t>(t) * R + r] = flag[r] ? s_warp[warp][r] + lane_pos[r] : -1;
+    }
+    __syncthreads();
+  }
+}
+
+__device__ __forceinline__ void take_id(int64_t e, int64_t& lo, int64_t& hi) {
+  lo = e < lo ? e : lo;
+  hi = e > hi ? e : hi;
+}
+
+// Folds this thread's share of the `n` ids at `ids` (int64, or int32 when !is_64) into (lo, hi):
+// 16-byte loads, kLoads of them in flight per thread, when the ids are 16-byte aligned (with one
+// load per id each thread waits for every load in turn: 64 of them for DeepSeek-V3's 4096 x 8
+// ids on 512 threads, all before the readback the host waits for); the tail and unaligned ids
+// one by one.
+template <int kThreads>
+__device__ __forceinline__ void id_range(const void* ids, bool is_64, int64_t n, int tid, int64_t& lo, int64_t& hi) {
+  constexpr int kLoads = 4;
+  const int per = is_64 ? 2 : 4;  // ids per 16 bytes
+  int64_t head = 0;               // ids read as vectors
+  if (reinterpret_cast<uintptr_t>(ids) % 16 == 0) {
+    const int4* v = static_cast<const int4*>(ids);
+    const int64_t nv = n / per;
+    head = nv * per;
+    for (int64_t base = tid; base < nv; base += int64_t{kThreads} * kLoads) {
+      int4 x[kLoads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u)
+        if (base + int64_t{u} * kThreads < nv) x[u] = v[base + int64_t{u} * kThreads];
+#pragma unroll
+      for (int u = 0; u < kLoads; ++u) {
+        if (base + int64_t{u} * kThreads >= nv) continue;
+        if (is_64) {
+          take_id(static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint32_t>(x[u].y)) << 32 |
+                                       static_cast<uint32_t>(x[u].x)),
+                  lo, hi);
+          take_id(static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint32_t>(x[u].w)) << 32 |
+                                       static_cast<uint32_t>(x[u].z)),
+                  lo, hi);
+        } else {
+          take_id(x[u].x, lo, hi);
+          take_id(x[u].y, lo, hi);
+          take_id(x[u].z, lo, hi);
+          take_id(x[u].w, lo, hi);
+        }
+      }
+    }
+  }
+  for (int64_t i = head + tid; i < n; i += kThreads)
+    take_id(is_64 ? static_cast<const int64_t*>(ids)[i] : static_cast<int64_t>(static_cast<const int32_t*>(ids)[i]),
+            lo, hi);
+}
+
+}  // namespace notify_detail
+
+// Block `block` (< notify_blocks(q)) of notify, run by kThreads threads (blockDim.x).
+template <int kThreads>
+__device__ __forceinline__ void notify_block(const NotifyParams& q, int block) {
+  using notify_detail::scan_send_pos;
+  constexpr int kWarps = kThreads / dev::kWarpSize;
+  const int tid = threadIdx.x;
+  const int R = q.num_ranks;
+  // Block 1 (non-cached calls) scans send_pos while block 0 exchanges the counts and waits at
+  // the barrier: the scan reads only this rank's is_token_in_rank, and only the dispatch
+  // kernel (or, folded in, its data blocks once notify_done_blocks says so) reads send_pos.
+  if (block == 1) {
+    scan_send_pos<kThreads>(q.in_rank, q.num_tokens, q.num_ranks, q.send_pos);
+    return;
+  }
+  __shared__ uint64_t s_seq;
+  if (tid == 0) {
+    // Block 0 alone gets here (block 1 returned above): every thread reads s_seq below, so
+    // storing the new value now is safe.
+    uint64_t* c = seq_counter(q.bufs.p[q.rank]);
+    s_seq = *c + 1;
+    *c = s_seq;
+  }
+  __syncthreads();
+  const uint64_t seq = s_seq;
+  const int slot = notify_slot(seq);
+  // Tokens is_token_in_rank sends to each rank; the outputs are sized from num_tokens_per_rank,
+  // so the two must agree. Before the barrier (a few microseconds for T*R flags), so every rank
+  // learns of a mismatch with the counts.
+  __shared__ int s_sent[kMaxRanks];
+  if (tid < kMaxRanks) s_sent[tid] = 0;
+  __syncthreads();
+  if (q.send_pos != nullptr) {
+    int local[kMaxRanks] = {};
+    for (int t = tid; t < q.num_tokens; t += kThreads) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (r < R) local[r] += q.in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxRanks; ++r)
+      if (r < R && local[r] != 0) atomicAdd(&s_sent[r], local[r]);
+  }
+  // The id range, reduced over each warp, then over the warps (the barrier below waits for it).
+  __shared__ int64_t s_lo[kWarps], s_hi[kWarps];
+  if (q.topk_idx != nullptr) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    notify_detail::id_range<kThreads>(q.topk_idx, q.idx_is_64, static_cast<int64_t>(q.num_tokens) * q.num_topk, tid,
+                                      lo, hi);
+    for (int m = dev::kWarpSize / 2; m > 0; m >>= 1) {
+      const int64_t olo = dev::warp_shfl_xor(lo, m), ohi = dev::warp_shfl_xor(hi, m);
+      lo = olo < lo ? olo : lo;
+      hi = ohi > hi ? ohi : hi;
+    }
+    if (tid % dev::kWarpSize == 0) {
+      s_lo[tid / dev::kWarpSize] = lo;
+      s_hi[tid / dev::kWarpSize] = hi;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      for (int w = 1; w < kWarps; ++w) {
+        s_lo[0] = s_lo[w] < s_lo[0] ? s_lo[w] : s_lo[0];
+        s_hi[0] = s_hi[w] > s_hi[0] ? s_hi[w] : s_hi[0];
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < R) {
+    tokens_of(q.bufs.p[tid], slot)[q.rank] = q.num_tokens;
+    int bad = -1;
+    for (int r = 0; q.send_pos != nullptr && r < R && bad < 0; ++r)
+      if (s_sent[r] != q.per_rank[r]) bad = r;
+    int64_t* b = id_bounds_of(q.bufs.p[tid], slot) + kCheckWords * q.rank;
+    // No ids (or none to check): (-1, -1), which every check accepts.
+    const bool ids = q.topk_idx != nullptr && q.num_tokens > 0 && q.num_topk > 0;
+    b[0] = ids ? s_lo[0] : -1;
+    b[1] = ids ? s_hi[0] : -1;
+    b[2] = bad;
+    b[3] = bad >= 0 ? q.per_rank[bad] : 0;
+    b[4] = bad >= 0 ? s_sent[bad] : 0;
+    b[5] = q.header;
+  }
+  // This rank's receive entry (sync-free calls), published like the dispatch kernel would.
+  if (q.entry.on && tid < R && tid != q.rank) {
+    volatile uint64_t* e = recv_entry(q.bufs.p[tid], slot, q.rank);
+    for (int i = 0; i < kRecvEntryArgs; ++i) e[1 + i] = static_cast<uint64_t>(q.entry.w[i]);
+    dev::fence_system();
+    dev::st_release_sys(const_cast<uint64_t*>(e), seq);
+  }
+  // My row of the count matrix goes to every rank, so each rank sees the whole matrix.
+  for (int i = tid; i < R * R; i += kThreads) {
+    const int r = i / R, j = i % R;
+    counts_of(q.bufs.p[r], slot)[q.rank * kMaxRanks + j] = q.per_rank[j];
+  }
+  if (q.per_expert != nullptr) {
+    for (int i = tid; i < R * q.experts_per_rank; i += kThreads) {
+      const int r = i / q.experts_per_rank, e = i % q.experts_per_rank;
+      expert_counts_of(q.bufs.p[r], slot)[q.rank * kMaxLocalExperts + e] =
+          q.per_expert[r * q.experts_per_rank + e];
+    }
+  }
+  // A cached dispatch reads nothing back: its header is compared here, on the GPU (the header
+  // slot by sequence parity, like the counts).
+  const size_t header_offset =
+      q.send_pos == nullptr && q.header != 0 ? kCachedHeaderOffset + 8ull * kMaxRanks * slot : 0;
+  if (!barrier_block(q.bufs, q.rank, R, seq, true, q.status, q.timeout_ns, kSiteNotify,
+                     BarrierExtras{true, header_offset, q.header})) {
+    // The host spins on the readback: tell it now (the status words say why).
+    if (q.readback != nullptr && tid == 0) {
+      __threadfence_system();
+      reinterpret_cast<volatile int64_t*>(q.readback)[0] = -1;
+    }
+    return;
+  }
+  if (q.readback != nullptr && tid < kCheckWords * R)
+    q.readback[kReadbackChecks + tid] =
+        reinterpret_cast<const volatile int64_t*>(id_bounds_of(q.bufs.p[q.rank], slot))[tid];
+  // Sync-free mode: every rank records the same first bad input (dispatch_verdict), so the
+  // dispatch kernel that follows skips its data movement everywhere; nothing reaches the host
+  // until its next call reads the word.
+  if (q.num_worst_tokens > 0 && tid == 0) {
+    const Verdict v =
+        dispatch_verdict(reinterpret_cast<const volatile int64_t*>(id_bounds_of(q.bufs.p[q.rank], slot)),
+                         counts_of(q.bufs.p[q.rank], slot), R, q.num_worst_tokens, q.num_experts);
+    if (v.code != 0) record_status(q.status, v.code, v.who, v.value, v.extra);
+  }
+
+  // Control data is read through volatile loads: peers wrote it, no L1 line may serve it.
+  const volatile int* counts = counts_of(q.bufs.p[q.rank], slot);
+  for (int i = tid; i < R * R; i += kThreads) {
+    const int s = i / R, j = i % R;
+    int sum = 0;
+    for (int s2 = 0; s2 <= s; ++s2) sum += counts[s2 * kMaxRanks + j];
+    q.info[i] = sum;
+    if (q.readback != nullptr) q.readback[kReadbackInfo + i] = sum;
+  }
+  if (q.per_expert != nullptr) {
+    const volatile int* ec = expert_counts_of(q.bufs.p[q.rank], slot);
+    for (int e = tid; e < q.experts_per_rank; e += kThreads) {
+      int sum = 0;
+      for (int s = 0; s < R; ++s) sum += ec[s * kMaxLocalExperts + e];
+      const int aligned = (sum + q.alignment - 1) / q.alignment * q.alignment;
+      q.info[R * R + e] = aligned;
+      if (q.readback != nullptr) q.readback[kReadbackInfo + R * R + e] = aligned;
+    }
+  }
+  if (q.readback != nullptr) {
+    // A peer that gave up on this barrier may have done so just after this rank passed it
+    // (it signals before it waits; its record can land after the barrier's check): look once
+    // more, now that the readback took some microseconds, so that the host raises in this call
+    // instead of the data kernel stopping with poisoned outputs. One load per peer; it narrows
+    // the window, it does not close it (the data kernel's waits still catch what lands later).
+    __shared__ int s_late;
+    if (tid == 0) s_late = 0;
+    __syncthreads();
+    if (tid < R && tid != q.rank && abort_of(q.bufs.p[q.rank])[tid] != 0) {
+      record_status(q.status, kStatusPeerAbort, tid, static_cast<int64_t>(seq), kSiteNotify);
+      s_late = 1;
+    }
+    __syncthreads();
+    // One system fence after the CTA barrier covers every thread's posted host writes (fences
+    // are cumulative; the intranode barrier fences the same way), then one store says ready.
+    if (tid == 0) {
+      __threadfence_system();
+      reinterpret_cast<volatile int64_t*>(q.readback)[0] = s_late ? -1 : 1;
+    }
+  }
+}
+
+}  // namespace uccl_ep::kernels
