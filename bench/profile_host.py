@@ -19,9 +19,12 @@ DeepEP V1 beside it when ``deep_ep`` imports). For each call kind it prints, per
   arena makes its outputs), a kernel launch, a ``_C`` call, a dataclass of a result. A call's
   host time is at least the sum of the operations it needs.
 
+With ``--json PATH`` the same numbers also go to a JSON file, one entry per rank count (with
+the device, the command and the shape).
+
 Run on a GPU machine:
 
-    python bench/profile_host.py [--ranks 1,2,4] [--iters 100] [--top 0]
+    python bench/profile_host.py [--ranks 1,2,4] [--iters 100] [--top 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ import cProfile
 import os
 import pstats
 import statistics
+import sys
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from uccl_ep_megatron.bench.common import add_json_argument, write_json
 
 OPS = (
     "dispatch_bf16",
@@ -282,59 +288,95 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     return out
 
 
-def _report(world: int, per_rank: list[dict], iters: int) -> None:
-    print(f"\n# {world} rank(s): host / device us per call (median over {iters} of max over ranks)")
+def _summary(world: int, per_rank: list[dict], iters: int) -> dict[str, Any]:
+    """What ``_report`` prints and ``--json`` writes for one rank count: per op and
+    implementation the medians over iterations of the maximum over ranks (host and device us),
+    rank 0's split, how far apart the ranks' calls start and when the last rank's first kernel
+    is queued (ours and the general path), every rank's own medians, the arena fallbacks, each
+    rank's CPUs and rank 0's host operation floor."""
     general = f"{OPS[0]}/general" in per_rank[0]
     impls = ("ours", "general", "deepep") if general else ("ours", "deepep")
+    ops: dict[str, Any] = {}
+    for op in OPS:
+        entry: dict[str, Any] = {}
+        for impl in impls:
+            key = f"{op}/{impl}"
+            if key not in per_rank[0]:
+                continue
+            h = [max(r[key]["host"][i] for r in per_rank) for i in range(iters)]
+            d = [max(r[key]["dev"][i] for r in per_rank) for i in range(iters)]
+            row: dict[str, Any] = {"host_us": statistics.median(h), "dev_us": statistics.median(d)}
+            # The ranks share one host clock (CLOCK_MONOTONIC): how far apart the calls start,
+            # and when the last rank's first kernel is queued after the first rank's call started.
+            st = [r[key].get("stamps", []) for r in per_rank]
+            if impl != "deepep" and all(len(x) == iters for x in st):
+                skew = [max(x[i][0] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
+                last = [max(x[i][1] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
+                row["start_spread_us"] = statistics.median(skew) / 1e3
+                row["last_first_launch_us"] = statistics.median(last) / 1e3
+            entry[impl] = row
+        ours = [r[f"{op}/ours"] for r in per_rank]
+        entry["split_rank0_us"] = ours[0]["seg"]
+        # Every rank's own medians: which rank the maximum over ranks comes from, and where.
+        entry["per_rank"] = [
+            {
+                "host_us": statistics.median(m["host"]),
+                "dev_us": statistics.median(m["dev"]),
+                "split_us": m["seg"],
+            }
+            for m in ours
+        ]
+        ops[op] = entry
+    return {
+        "world": world,
+        "iters": iters,
+        "impls": list(impls),
+        "ops": ops,
+        "arena_fallbacks": [r["fallbacks"] for r in per_rank],
+        "cpus": [r["cpus"] for r in per_rank],
+        "floor_us": per_rank[0]["floor"],
+        "cprofile": {op: per_rank[0][f"{op}/ours"]["prof"] for op in OPS},
+    }
+
+
+def _report(summary: dict[str, Any]) -> None:
+    world, iters, impls = summary["world"], summary["iters"], summary["impls"]
+    general = "general" in impls
+    print(f"\n# {world} rank(s): host / device us per call (median over {iters} of max over ranks)")
     names = {"ours": "ours", "general": "general", "deepep": "DeepEP"}
     print(
         f"{'op':24} "
         + " ".join(f"{names[i] + ' host':>12} {'dev':>7}" for i in impls)
         + "  ours on rank 0 (us)"
     )
-    for op in OPS:
+    for op, entry in summary["ops"].items():
         row = []
         for impl in impls:
-            key = f"{op}/{impl}"
-            if key not in per_rank[0]:
+            if impl not in entry:
                 row += [f"{'-':>12}", f"{'-':>7}"]
                 continue
-            h = [max(r[key]["host"][i] for r in per_rank) for i in range(iters)]
-            d = [max(r[key]["dev"][i] for r in per_rank) for i in range(iters)]
-            row += [f"{statistics.median(h):12.1f}", f"{statistics.median(d):7.1f}"]
-        seg = per_rank[0][f"{op}/ours"]["seg"]
-        split = " ".join(f"{k}={v:.1f}" for k, v in seg.items())
+            row += [f"{entry[impl]['host_us']:12.1f}", f"{entry[impl]['dev_us']:7.1f}"]
+        split = " ".join(f"{k}={v:.1f}" for k, v in entry["split_rank0_us"].items())
         print(f"{op:24} {' '.join(row)}  {split}")
-        # The ranks share one host clock (CLOCK_MONOTONIC): how far apart the calls start, and
-        # when the last rank's first kernel is queued after the first rank's call started.
         for impl in impls[:-1] if general else ("ours",):
-            st = [r[f"{op}/{impl}"]["stamps"] for r in per_rank]
-            if all(len(x) == iters for x in st):
-                skew = [max(x[i][0] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
-                last = [max(x[i][1] for x in st) - min(x[i][0] for x in st) for i in range(iters)]
+            if "start_spread_us" in entry[impl]:
                 print(
-                    f"{'':24}   {impl}: call starts spread {statistics.median(skew) / 1e3:.1f} "
-                    f"us; last rank's first launch {statistics.median(last) / 1e3:.1f} us after "
-                    "the first start"
+                    f"{'':24}   {impl}: call starts spread {entry[impl]['start_spread_us']:.1f} "
+                    f"us; last rank's first launch {entry[impl]['last_first_launch_us']:.1f} us "
+                    "after the first start"
                 )
-        # Every rank's own medians: which rank the maximum over ranks comes from, and where.
-        for r, res in enumerate(per_rank):
-            mine = res[f"{op}/ours"]
-            text = " ".join(f"{k}={v:.1f}" for k, v in mine["seg"].items())
-            print(
-                f"{'':24}   rank {r}: host {statistics.median(mine['host']):.1f} "
-                f"dev {statistics.median(mine['dev']):.1f}  {text}"
-            )
-    print(f"arena fallbacks per rank: {[r['fallbacks'] for r in per_rank]}")
-    for r, res in enumerate(per_rank):
-        cpus = res["cpus"]
+        for r, mine in enumerate(entry["per_rank"]):
+            text = " ".join(f"{k}={v:.1f}" for k, v in mine["split_us"].items())
+            host, dev = mine["host_us"], mine["dev_us"]
+            print(f"{'':24}   rank {r}: host {host:.1f} dev {dev:.1f}  {text}")
+    print(f"arena fallbacks per rank: {summary['arena_fallbacks']}")
+    for r, cpus in enumerate(summary["cpus"]):
         print(f"rank {r} CPUs: {len(cpus)} ({cpus[0]}-{cpus[-1]})")
-    if per_rank[0]["floor"]:
+    if summary["floor_us"]:
         print(f"\n# {world} rank(s): host operations on rank 0's CPU (us each)")
-        for name, us in per_rank[0]["floor"].items():
+        for name, us in summary["floor_us"].items():
             print(f"{name:34} {us:8.2f}")
-    for op in OPS:
-        text = per_rank[0][f"{op}/ours"]["prof"]
+    for op, text in summary["cprofile"].items():
         if text:
             print(f"\n==== {world} rank(s), {op}, rank 0, cProfile by own time\n{text}")
 
@@ -361,13 +403,25 @@ def main() -> None:
     ap.add_argument(
         "--bind", action="store_true", help="pin each rank to its own equal share of the CPUs"
     )
+    add_json_argument(ap)
     args = ap.parse_args()
     from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
+    results = []
     for world in [int(s) for s in args.ranks.split(",") if s.strip()]:
         with RankPool(world, num_gpus=visible_gpus(), task_timeout_s=900) as pool:
             per_rank = pool.run((os.path.abspath(__file__), "_rank"), vars(args))
-        _report(world, per_rank, args.iters)
+        summary = _summary(world, per_rank, args.iters)
+        _report(summary)
+        results.append(
+            {
+                "device": torch.cuda.get_device_name(0),
+                "command": "python bench/profile_host.py " + " ".join(sys.argv[1:]),
+                **{k: getattr(args, k) for k in ("tokens", "hidden", "experts", "topk", "sms")},
+                **summary,
+            }
+        )
+        write_json(args.json, results)  # after every rank count: a later failure keeps these
 
 
 if __name__ == "__main__":
