@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from uccl_ep_megatron.bench.inputs import add_shape_arguments
+
 
 def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.api.buffer import Buffer
@@ -95,10 +97,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200, help="calls per path and protocol")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--sms", type=int, default=12)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_arguments(ap)
     args = ap.parse_args()
     from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 

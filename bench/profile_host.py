@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.bench.common import add_json_argument, write_json
+from uccl_ep_megatron.bench.inputs import add_shape_arguments
 
 OPS = (
     "dispatch_bf16",
@@ -396,10 +397,7 @@ def main() -> None:
         action="store_true",
         help="also time our calls through the general path (the direct lane off), in turn",
     )
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_arguments(ap)
     ap.add_argument(
         "--bind", action="store_true", help="pin each rank to its own equal share of the CPUs"
     )

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from uccl_ep_megatron.bench.inputs import add_shape_arguments
+
 # The stamped steps: Buffer methods, InternodeBackend methods, functions of the backend's module.
 BUFFER_STEPS = ("_prepare_dispatch", "_prepare_combine", "_dispatch_args", "_agree", "_run")
 BACKEND_STEPS = (
@@ -181,10 +183,7 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=24)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
+    add_shape_arguments(ap)
     ap.add_argument(
         "--comm-stream",
         action="store_true",

@@ -3,7 +3,17 @@ themselves come from the one launcher, ``uccl_ep_megatron.cluster.local``."""
 
 from __future__ import annotations
 
+import argparse
+
 import torch
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shape ``routed_inputs`` reads (DeepSeek-V3's by default)."""
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=7168, help="hidden size")
+    parser.add_argument("--experts", type=int, default=256, help="routed experts in total")
+    parser.add_argument("--topk", type=int, default=8, help="experts per token")
 
 
 def routed_inputs(a: dict, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

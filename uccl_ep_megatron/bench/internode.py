@@ -55,7 +55,7 @@ from uccl_ep_megatron.bench.common import (
     register_bench,
     write_json,
 )
-from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
+from uccl_ep_megatron.bench.inputs import add_shape_arguments, dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 
@@ -78,10 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-gpus", type=int, default=0, help="GPUs to place the ranks on; 0 = all visible"
     )
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=7168, help="hidden size")
-    parser.add_argument("--experts", type=int, default=256, help="routed experts in total")
-    parser.add_argument("--topk", type=int, default=8, help="experts per token")
+    add_shape_arguments(parser)
     parser.add_argument("--sms", type=int, default=24, help="SM budget (2 per channel)")
     parser.add_argument("--threads", default="4", help="proxy thread counts, comma-separated")
     parser.add_argument(

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
-from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
+from uccl_ep_megatron.bench.inputs import add_shape_arguments, dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.bench.intranode_report import (
     merge,
     print_kernels,
@@ -68,10 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-gpus", type=int, default=0, help="GPUs to place the ranks on; 0 = all visible"
     )
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--hidden", type=int, default=7168, help="hidden size")
-    parser.add_argument("--experts", type=int, default=256, help="routed experts in total")
-    parser.add_argument("--topk", type=int, default=8, help="experts per token")
+    add_shape_arguments(parser)
     parser.add_argument("--sms", default="24", help="comma-separated SM budgets to time (even)")
     parser.add_argument("--iters", type=int, default=30, help="timed iterations per op (>= 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed iterations per op")
