@@ -48,5 +48,8 @@ pybind11::object reserve_outputs(pybind11::handle core, int64_t rows, int64_t hi
 // The tensors of a reservation made by intranode_dispatch_begin, once: ((recv_x, scales, topk_idx,
 // weights, src_idx) of its first `rows` rows, RecvReservation.aux(rank)'s four handle tensors).
 pybind11::tuple reservation_tensors(pybind11::handle reservation, int64_t rows, int64_t rank);
+// Makes RecvReservation.aux(rank)'s tensors now and keeps them for the one call that takes them
+// (`aux(rank)` or reservation_tensors): they need no counts, so they are made before a wait.
+void reservation_aux_ahead(pybind11::handle reservation, int64_t rank);
 
 }  // namespace uccl_ep::bindings

@@ -710,6 +710,10 @@ py::tuple ahead_finish(const Context& c, const DispatchLaunch& l, py::handle res
   UCCL_EP_CHECK_ARG(l.readback(), "intranode_ahead_finish: the launch is not an exact uncached dispatch");
   c.check("intranode_ahead_finish");
   const int num_info = R * R + l.experts_per_rank;
+  // The handle's four tensors need no counts: made while notify runs, not after the wait (the
+  // host would otherwise spin through those microseconds). A call that ends otherwise takes
+  // them from the reservation (RecvReservation.aux).
+  reservation_aux_ahead(reservation, c.rank);
   std::vector<int64_t> words;
   const int state = read_back(c, num_info, &words);
   if (state == 1) {

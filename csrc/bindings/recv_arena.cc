@@ -161,6 +161,9 @@ struct Reservation {
   DLDataType x_dt{};
   int idx_bits = 64;
   bool made = false, aux_made = false;
+  // The handle tensors made ahead (reservation_aux_ahead) for `aux_rank`, until taken.
+  py::object aux_ahead;
+  int64_t aux_rank = -1;
   Reservation() = default;
   Reservation(const Reservation&) = delete;
   Reservation& operator=(const Reservation&) = delete;
@@ -174,6 +177,7 @@ struct Reservation {
   int64_t block_offset() const;
   py::tuple tensors(int64_t rows_made);
   py::tuple aux_tensors(int64_t rank);
+  py::tuple make_aux(int64_t rank);
 };
 
 class Arena : public std::enable_shared_from_this<Arena> {
@@ -515,6 +519,16 @@ py::tuple Reservation::tensors(int64_t rows_made) {
 }
 
 py::tuple Reservation::aux_tensors(int64_t rank) {
+  if (aux_ahead) {
+    UCCL_EP_CHECK_ARG(rank == aux_rank, "RecvReservation.aux: rank=", rank, " but the tensors were made for rank ",
+                      aux_rank);
+    py::tuple t = py::reinterpret_steal<py::tuple>(aux_ahead.release());
+    return t;
+  }
+  return make_aux(rank);
+}
+
+py::tuple Reservation::make_aux(int64_t rank) {
   UCCL_EP_CHECK_ARG(lay.info >= 0 && !aux_made,
                     "RecvReservation.aux: ", lay.info < 0 ? "this block holds no send_pos/info" : "made already");
   const int64_t R = aux.ranks, words = R * R;
@@ -565,6 +579,12 @@ bool reserved_outputs(py::handle h, ReservedOutputs* out) {
   if (!py::isinstance<Reservation>(h)) return false;
   describe(h.cast<const Reservation&>(), out);
   return true;
+}
+
+void reservation_aux_ahead(py::handle reservation, int64_t rank) {
+  Reservation& r = reservation.cast<Reservation&>();
+  r.aux_ahead = r.make_aux(rank);
+  r.aux_rank = rank;
 }
 
 py::tuple reservation_tensors(py::handle reservation, int64_t rows, int64_t rank) {
