@@ -158,6 +158,15 @@ __device__ __forceinline__ int* counts_of(uint8_t* buf, int slot) {
 __device__ __forceinline__ int* expert_counts_of(uint8_t* buf, int slot) {
   return reinterpret_cast<int*>(buf + kExpertCountsOffset) + static_cast<int64_t>(slot) * kMaxRanks * kMaxLocalExperts;
 }
+__device__ __forceinline__ unsigned* scan_claim_of(uint8_t* buf) {
+  return reinterpret_cast<unsigned*>(buf + kScanPartsOffset);
+}
+__device__ __forceinline__ unsigned* scan_done_of(uint8_t* buf) {
+  return reinterpret_cast<unsigned*>(buf + kScanPartsOffset + 4);
+}
+__device__ __forceinline__ uint64_t* scan_part_of(uint8_t* buf, int slice) {
+  return reinterpret_cast<uint64_t*>(buf + kScanPartsOffset + 64) + 8 * slice;
+}
 __device__ __forceinline__ int64_t* id_bounds_of(uint8_t* buf, int slot) {
   return reinterpret_cast<int64_t*>(buf + kIdBoundsOffset) + slot * kMaxRanks * kCheckWords;
 }

@@ -125,6 +125,33 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
 #endif
 }
 
+// Release/acquire among the blocks of one GPU (a word written and read on this GPU only):
+// cheaper than the system-scope pair above, which also orders for peers and the host.
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#else
+  __threadfence();
+  *reinterpret_cast<volatile uint64_t*>(p) = v;
+#endif
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#else
+  uint64_t v = *reinterpret_cast<const volatile uint64_t*>(p);
+  __threadfence();
+  return v;
+#endif
+}
+
 // Streaming 16-byte load of data read exactly once (keeps L1 clean for metadata).
 template <typename T>
 __device__ __forceinline__ T ld_stream(const T* p) {

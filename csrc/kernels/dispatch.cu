@@ -320,7 +320,7 @@ __device__ __forceinline__ void dispatch_blocks(const SendParams& p) {
 // the parameters in place: inlined, it made the 16-byte copy path (at the 128-register cap)
 // spill registers.
 __device__ __noinline__ void notify_of_dispatch(const SendParams* p) {
-  notify_block<kSendThreads>(p->notify, static_cast<int>(blockIdx.x));
+  notify_block<kSendThreads, false>(p->notify, static_cast<int>(blockIdx.x));
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

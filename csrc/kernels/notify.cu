@@ -10,7 +10,12 @@ namespace {
 constexpr int kNotifyThreads = 1024;
 
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyParams q) {
-  notify_block<kNotifyThreads>(q, static_cast<int>(blockIdx.x));
+  // notify's own blocks first (notify_blocks: 2 with a send_pos to scan), then the scan blocks.
+  const int block = static_cast<int>(blockIdx.x), own = q.send_pos != nullptr ? 2 : 1;
+  if (block >= own)
+    notify_scan_block<kNotifyThreads>(q);
+  else
+    notify_block<kNotifyThreads, true>(q, block);
 }
 
 }  // namespace
@@ -48,8 +53,9 @@ NotifyParams notify_params(const NotifyArgs& a) {
 }
 
 void intranode_notify(const NotifyArgs& a, intptr_t stream) {
-  const NotifyParams q = notify_params(a);
-  notify_kernel<<<notify_blocks(q), kNotifyThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(q);
+  NotifyParams q = notify_params(a);
+  q.scan_blocks = notify_scan_blocks(q);
+  notify_kernel<<<notify_blocks(q) + q.scan_blocks, kNotifyThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(q);
   GPU_CHECK(gpuGetLastError());
 }
 

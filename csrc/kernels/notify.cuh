@@ -1,7 +1,9 @@
 // Intranode notify on the GPU: the count exchange and entry barrier of a dispatch (see
 // intranode_notify in intranode.h), with the input checks that travel with the counts and the
 // send-position scan. Run by notify's own kernel (notify.cu) or by the first blocks of the
-// dispatch kernel (DispatchArgs::notify), whose data blocks wait for them.
+// dispatch kernel (DispatchArgs::notify), whose data blocks wait for them. In its own kernel,
+// scan blocks after notify's share the reading of the checked inputs with block 0: slices
+// claimed one by one, so that block 0 never waits for a block that has not started.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +32,10 @@ struct NotifyParams {
   int num_worst_tokens, num_experts;
   int64_t header;
   RecvEntryArgs entry;
+  // Blocks after notify's own (notify_blocks) that read the expert ids and is_token_in_rank's
+  // flags with block 0, and the slices they are cut into (kScanPartsOffset); 0: block 0 reads
+  // them alone (a dispatch kernel that runs notify always does).
+  int scan_blocks;
 };
 
 // The checked parameters of `a` (host).
@@ -37,6 +43,17 @@ NotifyParams notify_params(const NotifyArgs& a);
 
 // Blocks notify runs on: a second one scans send_pos beside the count exchange (non-cached calls).
 inline int notify_blocks(const NotifyParams& q) { return q.send_pos != nullptr ? 2 : 1; }
+
+// Scan blocks for notify's own kernel: one per 32 KiB of checked input (ids and flags), at most
+// kMaxScanBlocks; none below 64 KiB, where block 0 reads them as fast as it waits for a part.
+inline int notify_scan_blocks(const NotifyParams& q) {
+  const int64_t T = q.num_tokens;
+  const int64_t bytes = (q.send_pos != nullptr ? T * q.num_ranks : 0) +
+                        (q.topk_idx != nullptr ? T * q.num_topk * (q.idx_is_64 ? 8 : 4) : 0);
+  if (bytes < (int64_t{64} << 10)) return 0;
+  const int64_t blocks = (bytes + (int64_t{32} << 10) - 1) / (int64_t{32} << 10);
+  return static_cast<int>(blocks < kMaxScanBlocks ? blocks : kMaxScanBlocks);
+}
 
 namespace notify_detail {
 
@@ -86,13 +103,13 @@ __device__ __forceinline__ void take_id(int64_t e, int64_t& lo, int64_t& hi) {
   hi = e > hi ? e : hi;
 }
 
-// Folds this thread's share of the `n` ids at `ids` (int64, or int32 when !is_64) into (lo, hi):
-// 16-byte loads, kLoads of them in flight per thread, when the ids are 16-byte aligned (with one
-// load per id each thread waits for every load in turn: 64 of them for DeepSeek-V3's 4096 x 8
-// ids on 512 threads, all before the readback the host waits for); the tail and unaligned ids
-// one by one.
-template <int kThreads>
-__device__ __forceinline__ void id_range(const void* ids, bool is_64, int64_t n, int tid, int64_t& lo, int64_t& hi) {
+// Folds the share of the `n` ids at `ids` (int64, or int32 when !is_64) of the thread that is
+// `first` of `stride` readers into (lo, hi): 16-byte loads, kLoads of them in flight per thread,
+// when the ids are 16-byte aligned (with one load per id each thread waits for every load in
+// turn: 64 of them for DeepSeek-V3's 4096 x 8 ids on 512 threads, all before the readback the
+// host waits for); the tail and unaligned ids one by one.
+__device__ __forceinline__ void id_range(const void* ids, bool is_64, int64_t n, int64_t first, int64_t stride,
+                                         int64_t& lo, int64_t& hi) {
   constexpr int kLoads = 4;
   const int per = is_64 ? 2 : 4;  // ids per 16 bytes
   int64_t head = 0;               // ids read as vectors
@@ -100,14 +117,14 @@ __device__ __forceinline__ void id_range(const void* ids, bool is_64, int64_t n,
     const int4* v = static_cast<const int4*>(ids);
     const int64_t nv = n / per;
     head = nv * per;
-    for (int64_t base = tid; base < nv; base += int64_t{kThreads} * kLoads) {
+    for (int64_t base = first; base < nv; base += stride * kLoads) {
       int4 x[kLoads];
 #pragma unroll
       for (int u = 0; u < kLoads; ++u)
-        if (base + int64_t{u} * kThreads < nv) x[u] = v[base + int64_t{u} * kThreads];
+        if (base + u * stride < nv) x[u] = v[base + u * stride];
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
-        if (base + int64_t{u} * kThreads >= nv) continue;
+        if (base + u * stride >= nv) continue;
         if (is_64) {
           take_id(static_cast<int64_t>(static_cast<uint64_t>(static_cast<uint32_t>(x[u].y)) << 32 |
                                        static_cast<uint32_t>(x[u].x)),
@@ -124,18 +141,168 @@ __device__ __forceinline__ void id_range(const void* ids, bool is_64, int64_t n,
       }
     }
   }
-  for (int64_t i = head + tid; i < n; i += kThreads)
+  for (int64_t i = head + first; i < n; i += stride)
     take_id(is_64 ? static_cast<const int64_t*>(ids)[i] : static_cast<int64_t>(static_cast<const int32_t*>(ids)[i]),
             lo, hi);
 }
 
+// The share of the thread that is `first` of `stride` readers of what notify checks: the tokens
+// is_token_in_rank sends to each rank (into sent[], non-cached calls) and the range of the ids.
+__device__ __forceinline__ void scan_share(const NotifyParams& q, int64_t first, int64_t stride,
+                                           int (&sent)[kMaxRanks], int64_t& lo, int64_t& hi) {
+  const int R = q.num_ranks;
+  if (q.send_pos != nullptr) {
+    for (int64_t t = first; t < q.num_tokens; t += stride) {
+#pragma unroll
+      for (int r = 0; r < kMaxRanks; ++r)
+        if (r < R) sent[r] += q.in_rank[t * R + r] ? 1 : 0;
+    }
+  }
+  if (q.topk_idx != nullptr)
+    id_range(q.topk_idx, q.idx_is_64, static_cast<int64_t>(q.num_tokens) * q.num_topk, first, stride, lo, hi);
+}
+
+// The block's sums of sent[] into s_sent[] (zeroed, then a block barrier, by the caller) and
+// its range into s_range[0..1]; every thread calls it, and every thread sees the results after.
+template <int kThreads>
+__device__ __forceinline__ void reduce_share(const int (&sent)[kMaxRanks], int R, int64_t lo, int64_t hi,
+                                             int* s_sent, int64_t* s_range) {
+  constexpr int kWarps = kThreads / dev::kWarpSize;
+  __shared__ int64_t s_lo[kWarps], s_hi[kWarps];
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int r = 0; r < kMaxRanks; ++r)
+    if (r < R && sent[r] != 0) atomicAdd(&s_sent[r], sent[r]);
+  for (int m = dev::kWarpSize / 2; m > 0; m >>= 1) {
+    const int64_t olo = dev::warp_shfl_xor(lo, m), ohi = dev::warp_shfl_xor(hi, m);
+    lo = olo < lo ? olo : lo;
+    hi = ohi > hi ? ohi : hi;
+  }
+  if (tid % dev::kWarpSize == 0) {
+    s_lo[tid / dev::kWarpSize] = lo;
+    s_hi[tid / dev::kWarpSize] = hi;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    for (int w = 1; w < kWarps; ++w) {
+      lo = s_lo[w] < lo ? s_lo[w] : lo;
+      hi = s_hi[w] > hi ? s_hi[w] : hi;
+    }
+    s_range[0] = lo;
+    s_range[1] = hi;
+  }
+  __syncthreads();
+}
+
+// Slices of the checked inputs (q.scan_blocks of them) claimed one at a time by this block until
+// none is left, each reduced into its part (released with its ready word at GPU scope: only
+// block 0, on this GPU, reads it); every thread of a scan block or of block 0 calls it. A block
+// that claims a slice is running, so block 0 waits only for slices being read; a scan block
+// that starts late finds none. The last block to stop claiming (of the scan blocks and block 0)
+// zeroes the claim count for the next launch.
+template <int kThreads>
+__device__ __forceinline__ void scan_slices(const NotifyParams& q) {
+  __shared__ int s_slice;
+  __shared__ int s_sent[kMaxRanks];
+  __shared__ int64_t s_range[2];
+  const int tid = threadIdx.x;
+  uint8_t* own = q.bufs.p[q.rank];
+  for (;;) {
+    if (tid == 0) s_slice = static_cast<int>(atomicAdd(scan_claim_of(own), 1u));
+    if (tid < kMaxRanks) s_sent[tid] = 0;
+    __syncthreads();
+    const int slice = s_slice;
+    if (slice >= q.scan_blocks) break;
+    int sent[kMaxRanks] = {};
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    scan_share(q, int64_t{slice} * kThreads + tid, int64_t{q.scan_blocks} * kThreads, sent, lo, hi);
+    reduce_share<kThreads>(sent, q.num_ranks, lo, hi, s_sent, s_range);
+    if (tid == 0) {
+      uint64_t* part = scan_part_of(own, slice);
+      part[1] = static_cast<uint64_t>(s_range[0]);
+      part[2] = static_cast<uint64_t>(s_range[1]);
+      for (int r = 0; r < kMaxRanks; r += 2)
+        part[3 + r / 2] = static_cast<uint64_t>(static_cast<uint32_t>(s_sent[r])) |
+                          static_cast<uint64_t>(static_cast<uint32_t>(s_sent[r + 1])) << 32;
+      dev::st_release_gpu(part, 1);
+    }
+    __syncthreads();  // s_slice and s_sent are reused by the next claim
+  }
+  if (tid == 0 && atomicAdd(scan_done_of(own), 1u) == static_cast<unsigned>(q.scan_blocks)) {
+    *scan_claim_of(own) = 0;
+    *scan_done_of(own) = 0;
+  }
+}
+
+// Block 0's wait for the slices' parts (a thread per part, each wait bounded by the timeout),
+// then their sums into s_sent[] and their range into s_range[0..1]; every thread calls it. A
+// part's ready word is zeroed once read. False (every thread alike) when a part did not come:
+// the timeout is recorded and the peers are told, as a barrier wait that times out does.
+__device__ __forceinline__ bool take_scan_parts(const NotifyParams& q, uint64_t seq, int* s_sent,
+                                                int64_t* s_range) {
+  __shared__ int s_missing;
+  __shared__ int64_t s_lo[kMaxScanBlocks], s_hi[kMaxScanBlocks];
+  __shared__ int s_part_sent[kMaxScanBlocks][kMaxRanks];
+  const int tid = threadIdx.x;
+  if (tid == 0) s_missing = 0;
+  __syncthreads();
+  if (tid < q.scan_blocks) {
+    uint64_t* part = scan_part_of(q.bufs.p[q.rank], tid);
+    const uint64_t start = dev::global_timer_ns();
+    bool came = true;
+    while (dev::ld_acquire_gpu(part) != 1) {
+      if (dev::global_timer_ns() - start > static_cast<uint64_t>(q.timeout_ns)) {
+        came = false;
+        break;
+      }
+    }
+    if (came) {
+      const volatile uint64_t* w = part;
+      s_lo[tid] = static_cast<int64_t>(w[1]);
+      s_hi[tid] = static_cast<int64_t>(w[2]);
+      for (int r = 0; r < kMaxRanks; r += 2) {
+        const uint64_t v = w[3 + r / 2];
+        s_part_sent[tid][r] = static_cast<int>(static_cast<uint32_t>(v));
+        s_part_sent[tid][r + 1] = static_cast<int>(static_cast<uint32_t>(v >> 32));
+      }
+      *reinterpret_cast<volatile uint64_t*>(part) = 0;
+    } else {
+      s_missing = 1;
+    }
+  }
+  __syncthreads();
+  if (s_missing != 0) {
+    if (tid == 0) time_out(q.status, PeerAborts{q.bufs, q.rank, q.num_ranks}, q.rank, seq, kSiteNotify);
+    return false;
+  }
+  if (tid == 0) {
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    for (int i = 0; i < q.scan_blocks; ++i) {
+      lo = s_lo[i] < lo ? s_lo[i] : lo;
+      hi = s_hi[i] > hi ? s_hi[i] : hi;
+      for (int r = 0; r < kMaxRanks; ++r) s_sent[r] += s_part_sent[i][r];
+    }
+    s_range[0] = lo;
+    s_range[1] = hi;
+  }
+  __syncthreads();
+  return true;
+}
+
 }  // namespace notify_detail
 
-// Block `block` (< notify_blocks(q)) of notify, run by kThreads threads (blockDim.x).
+// A scan block of notify's own kernel: slices of the checked inputs for block 0 (scan_slices).
 template <int kThreads>
+__device__ __forceinline__ void notify_scan_block(const NotifyParams& q) {
+  notify_detail::scan_slices<kThreads>(q);
+}
+
+// Block `block` (< notify_blocks(q)) of notify, run by kThreads threads (blockDim.x); kScan:
+// notify's own kernel, which may have scan blocks (the dispatch kernel's copy never has them,
+// and compiles without their code).
+template <int kThreads, bool kScan>
 __device__ __forceinline__ void notify_block(const NotifyParams& q, int block) {
   using notify_detail::scan_send_pos;
-  constexpr int kWarps = kThreads / dev::kWarpSize;
   const int tid = threadIdx.x;
   const int R = q.num_ranks;
   // Block 1 (non-cached calls) scans send_pos while block 0 exchanges the counts and waits at
@@ -156,62 +323,8 @@ __device__ __forceinline__ void notify_block(const NotifyParams& q, int block) {
   __syncthreads();
   const uint64_t seq = s_seq;
   const int slot = notify_slot(seq);
-  // Tokens is_token_in_rank sends to each rank; the outputs are sized from num_tokens_per_rank,
-  // so the two must agree. Before the barrier (a few microseconds for T*R flags), so every rank
-  // learns of a mismatch with the counts.
-  __shared__ int s_sent[kMaxRanks];
-  if (tid < kMaxRanks) s_sent[tid] = 0;
-  __syncthreads();
-  if (q.send_pos != nullptr) {
-    int local[kMaxRanks] = {};
-    for (int t = tid; t < q.num_tokens; t += kThreads) {
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r)
-        if (r < R) local[r] += q.in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0;
-    }
-#pragma unroll
-    for (int r = 0; r < kMaxRanks; ++r)
-      if (r < R && local[r] != 0) atomicAdd(&s_sent[r], local[r]);
-  }
-  // The id range, reduced over each warp, then over the warps (the barrier below waits for it).
-  __shared__ int64_t s_lo[kWarps], s_hi[kWarps];
-  if (q.topk_idx != nullptr) {
-    int64_t lo = INT64_MAX, hi = INT64_MIN;
-    notify_detail::id_range<kThreads>(q.topk_idx, q.idx_is_64, static_cast<int64_t>(q.num_tokens) * q.num_topk, tid,
-                                      lo, hi);
-    for (int m = dev::kWarpSize / 2; m > 0; m >>= 1) {
-      const int64_t olo = dev::warp_shfl_xor(lo, m), ohi = dev::warp_shfl_xor(hi, m);
-      lo = olo < lo ? olo : lo;
-      hi = ohi > hi ? ohi : hi;
-    }
-    if (tid % dev::kWarpSize == 0) {
-      s_lo[tid / dev::kWarpSize] = lo;
-      s_hi[tid / dev::kWarpSize] = hi;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      for (int w = 1; w < kWarps; ++w) {
-        s_lo[0] = s_lo[w] < s_lo[0] ? s_lo[w] : s_lo[0];
-        s_hi[0] = s_hi[w] > s_hi[0] ? s_hi[w] : s_hi[0];
-      }
-    }
-  }
-  __syncthreads();
-  if (tid < R) {
-    tokens_of(q.bufs.p[tid], slot)[q.rank] = q.num_tokens;
-    int bad = -1;
-    for (int r = 0; q.send_pos != nullptr && r < R && bad < 0; ++r)
-      if (s_sent[r] != q.per_rank[r]) bad = r;
-    int64_t* b = id_bounds_of(q.bufs.p[tid], slot) + kCheckWords * q.rank;
-    // No ids (or none to check): (-1, -1), which every check accepts.
-    const bool ids = q.topk_idx != nullptr && q.num_tokens > 0 && q.num_topk > 0;
-    b[0] = ids ? s_lo[0] : -1;
-    b[1] = ids ? s_hi[0] : -1;
-    b[2] = bad;
-    b[3] = bad >= 0 ? q.per_rank[bad] : 0;
-    b[4] = bad >= 0 ? s_sent[bad] : 0;
-    b[5] = q.header;
-  }
+  // What needs no input scan goes to the peers first (with scan blocks, while they read).
+  if (tid < R) tokens_of(q.bufs.p[tid], slot)[q.rank] = q.num_tokens;
   // This rank's receive entry (sync-free calls), published like the dispatch kernel would.
   if (q.entry.on && tid < R && tid != q.rank) {
     volatile uint64_t* e = recv_entry(q.bufs.p[tid], slot, q.rank);
@@ -230,6 +343,42 @@ __device__ __forceinline__ void notify_block(const NotifyParams& q, int block) {
       expert_counts_of(q.bufs.p[r], slot)[q.rank * kMaxLocalExperts + e] =
           q.per_expert[r * q.experts_per_rank + e];
     }
+  }
+  // Tokens is_token_in_rank sends to each rank (the outputs are sized from num_tokens_per_rank,
+  // so the two must agree) and the range of the ids: read here or by the scan blocks, before
+  // the barrier, so every rank learns of a bad input with the counts.
+  __shared__ int s_sent[kMaxRanks];
+  __shared__ int64_t s_range[2];
+  if (tid < kMaxRanks) s_sent[tid] = 0;
+  __syncthreads();
+  if (!kScan || q.scan_blocks == 0) {
+    int sent[kMaxRanks] = {};
+    int64_t lo = INT64_MAX, hi = INT64_MIN;
+    notify_detail::scan_share(q, tid, kThreads, sent, lo, hi);
+    notify_detail::reduce_share<kThreads>(sent, R, lo, hi, s_sent, s_range);
+  } else if constexpr (kScan) {
+    notify_detail::scan_slices<kThreads>(q);
+    if (!notify_detail::take_scan_parts(q, seq, s_sent, s_range)) {
+      if (q.readback != nullptr && tid == 0) {
+        __threadfence_system();
+        reinterpret_cast<volatile int64_t*>(q.readback)[0] = -1;
+      }
+      return;
+    }
+  }
+  if (tid < R) {
+    int bad = -1;
+    for (int r = 0; q.send_pos != nullptr && r < R && bad < 0; ++r)
+      if (s_sent[r] != q.per_rank[r]) bad = r;
+    int64_t* b = id_bounds_of(q.bufs.p[tid], slot) + kCheckWords * q.rank;
+    // No ids (or none to check): (-1, -1), which every check accepts.
+    const bool ids = q.topk_idx != nullptr && q.num_tokens > 0 && q.num_topk > 0;
+    b[0] = ids ? s_range[0] : -1;
+    b[1] = ids ? s_range[1] : -1;
+    b[2] = bad;
+    b[3] = bad >= 0 ? q.per_rank[bad] : 0;
+    b[4] = bad >= 0 ? s_sent[bad] : 0;
+    b[5] = q.header;
   }
   // A cached dispatch reads nothing back: its header is compared here, on the GPU (the header
   // slot by sequence parity, like the counts).

@@ -296,12 +296,18 @@ def timeout_case(rank: int, world: int) -> str:
     raise AssertionError("dispatch without peers did not time out")
 
 
-def _small_inputs(rank: int, world: int, seed: int):
-    """(num_experts, topk_idx, topk_weights, x) of a small random top-2 dispatch."""
-    num_tokens, hidden, num_experts = 64, 256, 4 * world
+# Tokens and top-k of the "large" input-check cases: 256 KiB of int64 ids, which notify's own
+# kernel reads with scan blocks (notify_scan_blocks); the small cases' it reads in block 0.
+LARGE_CHECK = (4096, 8)
+
+
+def _small_inputs(rank: int, world: int, seed: int, num_tokens: int = 64, topk: int = 2):
+    """(num_experts, topk_idx, topk_weights, x) of a small random top-2 dispatch (or of
+    ``num_tokens`` tokens and ``topk``)."""
+    hidden, num_experts = 256, 4 * world
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    idx = routing("random", rank, world, num_tokens, num_experts, 2, gen)
-    w = torch.rand(num_tokens, 2, generator=gen, device="cuda")
+    idx = routing("random", rank, world, num_tokens, num_experts, topk, gen)
+    w = torch.rand(num_tokens, topk, generator=gen, device="cuda")
     x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
     return num_experts, idx, w, x
 
@@ -339,13 +345,17 @@ def bad_ids_case(rank: int, world: int, bad_id: int) -> str:
     return message
 
 
-def bad_id_position_case(rank: int, world: int, dtype: str, where: str, offset: int) -> str:
-    """One out-of-range expert id at the first or last slot of a [63, 3] ``topk_idx`` of
-    ``dtype`` that starts ``offset`` elements into its allocation. notify reads 16-byte aligned
-    ids as vectors (63 x 3 leaves one id past the last vector) and the others one by one: the
-    id must be found wherever it lies."""
+def bad_id_position_case(
+    rank: int, world: int, dtype: str, where: str, offset: int, size: str
+) -> str:
+    """One out-of-range expert id at the first or last slot of a [63, 3] ``topk_idx`` (or
+    [4099, 8] for ``size="large"``, read by notify's scan blocks) of ``dtype`` that starts
+    ``offset`` elements into its allocation. notify reads 16-byte aligned ids as vectors (63 x 3
+    leaves one id past the last vector) and the others one by one: the id must be found
+    wherever it lies."""
     kb, _ = _get_buffers()
-    num_tokens, topk, num_experts = 63, 3, 4 * world
+    num_tokens, topk = (63, 3) if size == "small" else (LARGE_CHECK[0] + 3, LARGE_CHECK[1])
+    num_experts = 4 * world
     gen = torch.Generator(device="cuda").manual_seed(11 + rank)
     dt = getattr(torch, dtype)
     idx = routing("random", rank, world, num_tokens, num_experts, topk, gen).to(dt)
@@ -360,16 +370,17 @@ def bad_id_position_case(rank: int, world: int, dtype: str, where: str, offset: 
     return _rejected(kb, x, lay, bad, w, f"expert id {num_experts} at the {where} slot")
 
 
-def bad_input_one_rank_case(rank: int, world: int, kind: str) -> str:
+def bad_input_one_rank_case(rank: int, world: int, kind: str, size: str) -> str:
     """A bad input on the last rank only (``kind``: an out-of-range expert id, or a
     num_tokens_per_rank that disagrees with is_token_in_rank, which would place rows past the
     outputs): every rank raises InvalidInputError naming that rank at the same dispatch, at
     once (the checks travel with notify's counts), not after UCCL_EP_TIMEOUT_MS; the Buffer
-    then still dispatches correctly."""
+    then still dispatches correctly. ``size="large"``: inputs notify reads with scan blocks."""
     import time
 
     kb, rb = _get_buffers()
-    num_experts, idx, w, x = _small_inputs(rank, world, 17 + rank)
+    shape = () if size == "small" else LARGE_CHECK
+    num_experts, idx, w, x = _small_inputs(rank, world, 17 + rank, *shape)
     bad = idx.clone()
     if rank == world - 1 and kind == "id":
         bad[5, 0] = num_experts
@@ -1018,15 +1029,17 @@ def test_bad_expert_id_raises_at_dispatch(gpu_pool, bad_id):
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("where", ["first", "last"])
 @pytest.mark.parametrize("dtype", ["int64", "int32"])
-def test_bad_expert_id_is_found_in_every_position(gpu_pool, dtype, where, offset):
-    out = gpu_pool.run(__file__, "bad_id_position_case", dtype, where, offset, env=ENV)
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_bad_expert_id_is_found_in_every_position(gpu_pool, dtype, where, offset, size):
+    out = gpu_pool.run(__file__, "bad_id_position_case", dtype, where, offset, size, env=ENV)
     value = 4 * gpu_pool.world_size
     assert all(f"expert id {value}" in m for m in out), out
 
 
+@pytest.mark.parametrize("size", ["small", "large"])
 @pytest.mark.parametrize("kind", ["id", "layout"])
-def test_bad_input_on_one_rank_raises_on_every_rank(gpu_pool, kind):
-    out = gpu_pool.run(__file__, "bad_input_one_rank_case", kind, env=ENV)
+def test_bad_input_on_one_rank_raises_on_every_rank(gpu_pool, kind, size):
+    out = gpu_pool.run(__file__, "bad_input_one_rank_case", kind, size, env=ENV)
     last, experts = gpu_pool.world_size - 1, 4 * gpu_pool.world_size
     want = f"expert id {experts}" if kind == "id" else "num_tokens_per_rank[0]="
     assert all(f"rank {last}:" in m and want in m for m in out), out
