@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.bench.common import add_json_argument, write_json
+from uccl_ep_megatron.bench.common import add_json_argument, cpu_probe_ms, write_json
 from uccl_ep_megatron.bench.inputs import add_shape_arguments
 
 OPS = (
@@ -188,6 +188,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
         cpus = sorted(os.sched_getaffinity(0))
         per = max(1, len(cpus) // world)
         os.sched_setaffinity(0, cpus[rank * per : (rank + 1) * per] or cpus)
+    probe = [cpu_probe_ms()]  # this CPU's speed, and again after the timed calls
     T, E = a["tokens"], a["experts"]
     idx, w, x = routed_inputs(a, rank)
     x_fp8 = fp8_input(x)
@@ -282,6 +283,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     torch.cuda.synchronize()
     out["fallbacks"] = buf._backend.recv_arena.fallbacks  # staged (not zero-copy) dispatches
     out["cpus"] = sorted(os.sched_getaffinity(0))
+    out["cpu_probe_ms"] = probe + [cpu_probe_ms()]
     dist.barrier()
     buf.destroy()
     if theirs is not None:
@@ -294,7 +296,7 @@ def _summary(world: int, per_rank: list[dict], iters: int) -> dict[str, Any]:
     implementation the medians over iterations of the maximum over ranks (host and device us),
     rank 0's split, how far apart the ranks' calls start and when the last rank's first kernel
     is queued (ours and the general path), every rank's own medians, the arena fallbacks, each
-    rank's CPUs and rank 0's host operation floor."""
+    rank's CPUs and CPU probe (before and after) and rank 0's host operation floor."""
     general = f"{OPS[0]}/general" in per_rank[0]
     impls = ("ours", "general", "deepep") if general else ("ours", "deepep")
     ops: dict[str, Any] = {}
@@ -335,6 +337,7 @@ def _summary(world: int, per_rank: list[dict], iters: int) -> dict[str, Any]:
         "ops": ops,
         "arena_fallbacks": [r["fallbacks"] for r in per_rank],
         "cpus": [r["cpus"] for r in per_rank],
+        "cpu_probe_ms": [r["cpu_probe_ms"] for r in per_rank],
         "floor_us": per_rank[0]["floor"],
         "cprofile": {op: per_rank[0][f"{op}/ours"]["prof"] for op in OPS},
     }
@@ -372,7 +375,8 @@ def _report(summary: dict[str, Any]) -> None:
             print(f"{'':24}   rank {r}: host {host:.1f} dev {dev:.1f}  {text}")
     print(f"arena fallbacks per rank: {summary['arena_fallbacks']}")
     for r, cpus in enumerate(summary["cpus"]):
-        print(f"rank {r} CPUs: {len(cpus)} ({cpus[0]}-{cpus[-1]})")
+        probe = " -> ".join(f"{v:.2f}" for v in summary["cpu_probe_ms"][r])
+        print(f"rank {r} CPUs: {len(cpus)} ({cpus[0]}-{cpus[-1]}); CPU probe {probe} ms")
     if summary["floor_us"]:
         print(f"\n# {world} rank(s): host operations on rank 0's CPU (us each)")
         for name, us in summary["floor_us"].items():

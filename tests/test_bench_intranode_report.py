@@ -1,4 +1,5 @@
-"""``bench intranode --repeat``: each op's ratio to DeepEP per run and their median."""
+"""``bench intranode``'s report: each op's ratio to DeepEP per run and their median
+(``--repeat``); the per-rank CPU probe it records beside the host times."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import argparse
 
 import pytest
 
+from uccl_ep_megatron.bench import common
 from uccl_ep_megatron.bench.intranode import add_arguments, run
-from uccl_ep_megatron.bench.intranode_report import print_repeats, ratio_medians
+from uccl_ep_megatron.bench.intranode_report import (
+    merge,
+    print_repeats,
+    print_table,
+    ratio_medians,
+)
 
 
 def _result(world: int, ratios: dict[str, float]) -> dict:
@@ -44,3 +51,43 @@ def test_repeat_must_be_positive():
     add_arguments(parser)
     with pytest.raises(SystemExit, match="--repeat=0"):
         run(parser.parse_args(["--repeat", "0", "--num-gpus", "1"]))
+
+
+def test_cpu_probe_is_the_fastest_of_its_loops_in_ms(monkeypatch):
+    # Clock readings (ns) around each of three loops: 3.0, 2.0 and 2.5 ms.
+    ticks = iter([0, 3_000_000, 10, 2_000_010, 20, 2_500_020])
+    monkeypatch.setattr(common.time, "perf_counter_ns", lambda: next(ticks))
+    assert common.cpu_probe_ms(repeats=3) == pytest.approx(2.0)
+
+
+def _rank_result(rank: int, probe: list[float]) -> dict:
+    timing = {"device_us": [100.0 + rank, 90.0], "host_us": [50.0, 60.0 + rank]}
+    return {
+        "world": 2,
+        "tokens": 8,
+        "hidden": 128,
+        "experts": 4,
+        "topk": 2,
+        "device": "gpu",
+        "deepep": False,
+        "deepep_sms": 0,
+        "recv_bytes": 4096,
+        "cross_bytes": 2048,
+        "floor_Bps": 1e9,
+        "agreement": {},
+        "kernels": [],
+        "timings": [{"op": "dispatch_bf16", "impl": "ours", "copy": "tma", "sms": 12, **timing}],
+        "cpu_probe_ms": probe,
+    }
+
+
+def test_merge_keeps_every_ranks_cpu_probe_and_the_table_prints_it(capsys):
+    out = merge([_rank_result(0, [2.5, 2.45]), _rank_result(1, [4.1, 5.0])], shared=False)
+    assert out["cpu_probe_ms"] == [[2.5, 2.45], [4.1, 5.0]]
+    # Per iteration the slower rank: device 101, 90 -> median 95.5; host 50, 61 -> 55.5.
+    assert out["rows"][0]["device_us"]["median"] == pytest.approx(95.5)
+    assert out["rows"][0]["host_us"]["median"] == pytest.approx(55.5)
+    print_table(out)
+    text = capsys.readouterr().out
+    assert "# CPU probe, ms before -> after" in text
+    assert "rank 0 2.50 -> 2.45; rank 1 4.10 -> 5.00" in text

@@ -25,6 +25,7 @@ def _per_rank(ops):
     ranks = []
     for r in range(2):
         res = {"fallbacks": r, "cpus": [8 * r, 8 * r + 7], "floor": {"op": 1.5} if r == 0 else {}}
+        res["cpu_probe_ms"] = [2.5 + r, 4.25 - r]
         for k, op in enumerate(ops):
             base = 10.0 * (k + 1)
             # Rank 1 is slower on iteration 0 only, rank 0 on iterations 1 and 2.
@@ -61,6 +62,7 @@ def test_summary_is_the_median_of_the_maximum_over_ranks(tmp_path, capsys):
         assert [p["host_us"] for p in s["ops"][op]["per_rank"]] == [base + 3, base + 2]
     assert s["arena_fallbacks"] == [0, 1]
     assert s["floor_us"] == {"op": 1.5}
+    assert s["cpu_probe_ms"] == [[2.5, 4.25], [3.5, 3.25]]
 
     path = tmp_path / "out.json"
     mod.write_json(str(path), [s])
@@ -74,3 +76,4 @@ def test_summary_is_the_median_of_the_maximum_over_ranks(tmp_path, capsys):
     assert "call starts spread 0.5 us; last rank's first launch 2.5 us" in text
     assert "rank 1: host 12.0 dev 112.0" in text
     assert "arena fallbacks per rank: [0, 1]" in text
+    assert "rank 1 CPUs: 2 (8-15); CPU probe 3.50 -> 3.25 ms" in text

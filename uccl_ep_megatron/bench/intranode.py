@@ -35,7 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from uccl_ep_megatron.bench.common import add_json_argument, bench_main, register_bench, write_json
+from uccl_ep_megatron.bench.common import (
+    add_json_argument,
+    bench_main,
+    cpu_probe_ms,
+    register_bench,
+    write_json,
+)
 from uccl_ep_megatron.bench.inputs import add_shape_arguments, dispatch_kwargs, routed_inputs
 from uccl_ep_megatron.bench.intranode_report import (
     merge,
@@ -320,6 +326,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
         "deepep_sms": a["deepep_sms"],
         "agreement": {},
         "kernels": [],
+        "cpu_probe_ms": [cpu_probe_ms()],  # and again after the timed calls
     }
     if theirs is not None:
         d_layout = theirs.get_dispatch_layout(idx, E)[:4]
@@ -401,6 +408,7 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
             res["timings"].append({"op": op, "impl": impl, "copy": copy, "sms": at, **t})
 
     torch.cuda.synchronize()
+    res["cpu_probe_ms"].append(cpu_probe_ms())
     # Dispatches of ours whose outputs did not fit the receive arena (staged, not zero-copy).
     res["arena_fallbacks"] = sum(b._backend.recv_arena.fallbacks for b in ours.values())
     # Combines read in place, and those of them whose x was copied into the arena first.

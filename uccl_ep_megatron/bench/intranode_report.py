@@ -18,6 +18,8 @@ def merge(per_rank: list[dict], shared: bool) -> dict:
     out = {k: r0[k] for k in ("world", "tokens", "hidden", "experts", "topk", "device", "deepep")}
     out["shared_gpu"] = shared
     out["arena_fallbacks"] = [r.get("arena_fallbacks", 0) for r in per_rank]
+    # Each rank's CPU speed before and after its timed calls (bench.common.cpu_probe_ms).
+    out["cpu_probe_ms"] = [r.get("cpu_probe_ms", []) for r in per_rank]
     out["launch_ahead"] = r0.get("launch_ahead", {})  # rank 0's [served, ran again] per Buffer
     # Rank 0's [combines in place, of them copied into the arena first] per Buffer.
     out["combine_paths"] = r0.get("combine_paths", {})
@@ -76,6 +78,10 @@ def print_table(r: dict) -> None:
     )
     f = r["floor"]
     print(f"# floor: {f['what']} at {f['GBps']:.0f} GB/s -> {f['us']:.1f} us")
+    probes = "; ".join(
+        f"rank {i} " + " -> ".join(f"{v:.2f}" for v in p) for i, p in enumerate(r["cpu_probe_ms"])
+    )
+    print(f"# CPU probe, ms before -> after (a fixed Python loop; host us grow with it): {probes}")
     if "nccl" in r:
         print(f"# NCCL all_to_all_single of dedup rows: {r['nccl']['device_us']['median']:.1f} us")
     if r["deepep"]:
