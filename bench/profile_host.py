@@ -7,8 +7,9 @@ DeepEP V1 beside it when ``deep_ep`` imports). For each call kind it prints, per
 - host and device microseconds per call (median over ``--iters``, each iteration the maximum
   over ranks; device = events around the call on the caller's stream), ours and DeepEP's, and
   with ``--general`` ours again through the Buffer's general path (its direct lane off,
-  ``api/direct.py``), each op timed by every implementation in turn;
-- ours split at the ``_C`` entry points (rank 0, median): Python before notify is launched,
+  ``api/direct.py``), each op timed by every implementation in turn, ours without stamps;
+- ours split at the ``_C`` entry points (rank 0, median), from a second pass with stamps (its
+  host time, which the stamps add to, printed beside): Python before notify is launched,
   the notify launch, the wait for the counts (exact dispatch), Python between the counts and
   the kernel launch, the kernel launch, Python after it; with ``--fine`` at the Python steps
   too (argument checks, status read, receive-arena outputs, torch.empty, the result);
@@ -199,15 +200,23 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     opts = BufferOptions(arena_bytes=arena)
     buf = Buffer(None, 2 << 30, 0, backend="kernels", explicitly_destroy=True, options=opts)
     log: list[tuple[str, int, int]] = []
-    buf._backend._c = _Timed(buf._backend._c, log)
+    # (object, attribute, plain, stamped): the stamps are on only for the split's pass.
+    patches = [(buf._backend, "_c", buf._backend._c, _Timed(buf._backend._c, log))]
     if a["fine"]:
         from uccl_ep_megatron.backends.intranode.arena import RecvOutputs
 
         for obj, names in ((buf, FINE_BUFFER), (buf._backend, FINE_BACKEND)):
             for name in names:
-                setattr(obj, name, _stamped(getattr(obj, name), name, log))
-        RecvOutputs.made = _stamped(RecvOutputs.made, "made", log)
-        torch.empty = _stamped(torch.empty, "empty", log)
+                real = getattr(obj, name)
+                patches.append((obj, name, real, _stamped(real, name, log)))
+        made = RecvOutputs.__dict__["made"]
+        patches.append((RecvOutputs, "made", made, _stamped(RecvOutputs.made, "made", log)))
+        patches.append((torch, "empty", torch.empty, _stamped(torch.empty, "empty", log)))
+
+    def stamping(on: bool) -> None:
+        for obj, name, plain, stamped in patches:
+            setattr(obj, name, stamped if on else plain)
+
     kw = dispatch_kwargs(buf.get_dispatch_layout(idx, E)[:4], idx, w)
     sms = min(a["sms"], buf.max_num_sms or a["sms"])
     impls = {"ours": (buf, (Config(sms), Config(sms)), kw)}
@@ -251,9 +260,16 @@ def _rank(rank: int, world: int, a: dict) -> dict:
 
             if impl == "general":  # api/direct.py: None takes the general path
                 buf._dispatch_direct = buf._combine_direct = _no_lane
+            stamped_host: list[float] = []
             try:
-                timed = time_call(fn, a["iters"], a["warmup"], before=log.clear, after=split)
+                timed = time_call(fn, a["iters"], a["warmup"])
+                if impl != "deepep":  # the split, in a second pass with the stamps on
+                    stamping(True)
+                    stamped_host = time_call(fn, a["iters"], 0, before=log.clear, after=split)[
+                        "host_us"
+                    ]
             finally:
+                stamping(False)
                 if impl == "general":
                     del buf._dispatch_direct, buf._combine_direct
             host, dev = timed["host_us"], timed["device_us"]
@@ -273,6 +289,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
                     seg_med[k] = statistics.median(s.get(k, 0.0) for s in segs)
             out[f"{op}/{impl}"] = {
                 "host": host,
+                "host_stamped": stamped_host,
                 "dev": dev,
                 "seg": seg_med,
                 "prof": prof_text,
@@ -309,6 +326,9 @@ def _summary(world: int, per_rank: list[dict], iters: int) -> dict[str, Any]:
             h = [max(r[key]["host"][i] for r in per_rank) for i in range(iters)]
             d = [max(r[key]["dev"][i] for r in per_rank) for i in range(iters)]
             row: dict[str, Any] = {"host_us": statistics.median(h), "dev_us": statistics.median(d)}
+            if impl != "deepep":  # the split's pass: the same calls with the stamps on
+                hs = [max(r[key]["host_stamped"][i] for r in per_rank) for i in range(iters)]
+                row["host_stamped_us"] = statistics.median(hs)
             # The ranks share one host clock (CLOCK_MONOTONIC): how far apart the calls start,
             # and when the last rank's first kernel is queued after the first rank's call started.
             st = [r[key].get("stamps", []) for r in per_rank]
@@ -351,7 +371,7 @@ def _report(summary: dict[str, Any]) -> None:
     print(
         f"{'op':24} "
         + " ".join(f"{names[i] + ' host':>12} {'dev':>7}" for i in impls)
-        + "  ours on rank 0 (us)"
+        + "  ours again with stamps: host (max over ranks), rank 0's split (us)"
     )
     for op, entry in summary["ops"].items():
         row = []
@@ -361,7 +381,8 @@ def _report(summary: dict[str, Any]) -> None:
                 continue
             row += [f"{entry[impl]['host_us']:12.1f}", f"{entry[impl]['dev_us']:7.1f}"]
         split = " ".join(f"{k}={v:.1f}" for k, v in entry["split_rank0_us"].items())
-        print(f"{op:24} {' '.join(row)}  {split}")
+        stamped = entry["ours"]["host_stamped_us"]
+        print(f"{op:24} {' '.join(row)}  {stamped:.1f}: {split}")
         for impl in impls[:-1] if general else ("ours",):
             if "start_spread_us" in entry[impl]:
                 print(

@@ -1,6 +1,6 @@
 """bench/profile_host.py's summary (what it prints and what ``--json`` writes), from made-up
-per-rank timings: medians over iterations of the maximum over ranks, rank 0's split, the start
-spread, every rank's own medians."""
+per-rank timings: medians over iterations of the maximum over ranks (without stamps and with
+them), rank 0's split, the start spread, every rank's own medians."""
 
 from __future__ import annotations
 
@@ -33,7 +33,14 @@ def _per_rank(ops):
             dev = [100 + x for x in host]
             stamps = [(1000 * i + 500 * r, 1000 * i + 500 * r + 2000) for i in range(3)]
             seg = {"py->dispatch_begin": base / 2 + r, "py->return": base / 4}
-            res[f"{op}/ours"] = {"host": host, "dev": dev, "seg": seg, "prof": "", "stamps": stamps}
+            res[f"{op}/ours"] = {
+                "host": host,
+                "host_stamped": [x + 20 for x in host],  # the stamps' own cost
+                "dev": dev,
+                "seg": seg,
+                "prof": "",
+                "stamps": stamps,
+            }
             res[f"{op}/deepep"] = {"host": [x / 2 for x in host], "dev": dev, "seg": {}, "prof": ""}
         ranks.append(res)
     return ranks
@@ -50,6 +57,8 @@ def test_summary_is_the_median_of_the_maximum_over_ranks(tmp_path, capsys):
         assert s["ops"][op]["ours"]["host_us"] == base + 5
         assert s["ops"][op]["ours"]["dev_us"] == 100 + base + 5
         assert s["ops"][op]["deepep"]["host_us"] == (base + 5) / 2
+        assert s["ops"][op]["ours"]["host_stamped_us"] == base + 25
+        assert "host_stamped_us" not in s["ops"][op]["deepep"]
         # rank 1 starts 500 ns after rank 0 and its first launch is queued 2000 ns after its start
         assert s["ops"][op]["ours"]["start_spread_us"] == 0.5
         assert s["ops"][op]["ours"]["last_first_launch_us"] == 2.5
@@ -72,7 +81,7 @@ def test_summary_is_the_median_of_the_maximum_over_ranks(tmp_path, capsys):
     text = capsys.readouterr().out
     first = mod.OPS[0]
     row = next(line for line in text.splitlines() if line.startswith(first))
-    assert row.split()[1:5] == ["15.0", "115.0", "7.5", "115.0"], row
+    assert row.split()[1:6] == ["15.0", "115.0", "7.5", "115.0", "35.0:"], row
     assert "call starts spread 0.5 us; last rank's first launch 2.5 us" in text
     assert "rank 1: host 12.0 dev 112.0" in text
     assert "arena fallbacks per rank: [0, 1]" in text
