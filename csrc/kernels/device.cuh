@@ -100,57 +100,52 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // seen by every agent of the system (peer GPUs read our writes over NVLink/xGMI).
 __device__ __forceinline__ void fence_system() { __threadfence_system(); }
 
-__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) {
+// Release store and acquire load of a 64-bit flag. kSystem: ordered for every agent of the
+// system (peer GPUs over NVLink/xGMI, the host); otherwise among the blocks of this GPU only
+// (a word written and read on this GPU), which is cheaper.
+template <bool kSystem>
+__device__ __forceinline__ void st_release(uint64_t* p, uint64_t v) {
 #if defined(UCCL_EP_DEVICE_HIP)
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+  __hip_atomic_store(p, v, __ATOMIC_RELEASE, kSystem ? __HIP_MEMORY_SCOPE_SYSTEM : __HIP_MEMORY_SCOPE_AGENT);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  if constexpr (kSystem)
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  else
+    asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 #else
-  __threadfence_system();
+  if constexpr (kSystem)
+    __threadfence_system();
+  else
+    __threadfence();
   *reinterpret_cast<volatile uint64_t*>(p) = v;
 #endif
 }
 
-__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+template <bool kSystem>
+__device__ __forceinline__ uint64_t ld_acquire(const uint64_t* p) {
 #if defined(UCCL_EP_DEVICE_HIP)
-  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM);
+  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, kSystem ? __HIP_MEMORY_SCOPE_SYSTEM : __HIP_MEMORY_SCOPE_AGENT);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
   uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  if constexpr (kSystem)
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  else
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 #else
   uint64_t v = *reinterpret_cast<const volatile uint64_t*>(p);
-  __threadfence_system();
+  if constexpr (kSystem)
+    __threadfence_system();
+  else
+    __threadfence();
   return v;
 #endif
 }
 
-// Release/acquire among the blocks of one GPU (a word written and read on this GPU only):
-// cheaper than the system-scope pair above, which also orders for peers and the host.
-__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) {
-#if defined(UCCL_EP_DEVICE_HIP)
-  __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-#else
-  __threadfence();
-  *reinterpret_cast<volatile uint64_t*>(p) = v;
-#endif
-}
-
-__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) {
-#if defined(UCCL_EP_DEVICE_HIP)
-  return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT);
-#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  uint64_t v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-#else
-  uint64_t v = *reinterpret_cast<const volatile uint64_t*>(p);
-  __threadfence();
-  return v;
-#endif
-}
+__device__ __forceinline__ void st_release_sys(uint64_t* p, uint64_t v) { st_release<true>(p, v); }
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) { return ld_acquire<true>(p); }
+__device__ __forceinline__ void st_release_gpu(uint64_t* p, uint64_t v) { st_release<false>(p, v); }
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* p) { return ld_acquire<false>(p); }
 
 // Streaming 16-byte load of data read exactly once (keeps L1 clean for metadata).
 template <typename T>
