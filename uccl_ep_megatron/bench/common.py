@@ -104,3 +104,36 @@ def cpu_probe_ms(repeats: int = 5) -> float:
         sum(range(200_000))
         best = min(best, (time.perf_counter_ns() - t0) / 1e6)
     return best
+
+
+def cpu_map_ms() -> dict[str, list]:
+    """``cpu_probe_ms`` on each CPU this process may run on, the calling thread pinned to each
+    in turn (its affinity restored after): which vCPUs run slower than the others right now.
+    ``{"cpus": [...], "ms": [...]}``, in CPU order."""
+    allowed = sorted(os.sched_getaffinity(0))
+    ms = []
+    try:
+        for cpu in allowed:
+            os.sched_setaffinity(0, {cpu})
+            ms.append(cpu_probe_ms())
+    finally:
+        os.sched_setaffinity(0, allowed)
+    return {"cpus": allowed, "ms": ms}
+
+
+def slow_cpus(cpu_map: dict[str, list], factor: float = 1.25) -> list[int]:
+    """The CPUs of a ``cpu_map_ms`` result whose probe took over ``factor`` times the
+    fastest one's."""
+    limit = factor * min(cpu_map["ms"])
+    return [c for c, ms in zip(cpu_map["cpus"], cpu_map["ms"], strict=True) if ms > limit]
+
+
+def cpu_map_line(before: dict[str, list], after: dict[str, list]) -> str:
+    """One line on how many CPUs ran the probe slowly before and after a run (benches whose
+    CPU threads, such as the proxies, set their speed)."""
+    n = len(before["cpus"])
+    return (
+        f"# CPUs slower than 1.25x the fastest at the probe loop: {len(slow_cpus(before))} of {n} "
+        f"before the run, {len(slow_cpus(after))} of {n} after (fastest {min(before['ms']):.2f} / "
+        f"{min(after['ms']):.2f} ms; a virtual machine's vCPUs can share physical cores)"
+    )

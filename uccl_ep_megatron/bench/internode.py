@@ -51,6 +51,8 @@ import torch.distributed as dist
 from uccl_ep_megatron.bench.common import (
     add_json_argument,
     bench_main,
+    cpu_map_line,
+    cpu_map_ms,
     cpu_seconds,
     register_bench,
     write_json,
@@ -205,15 +207,20 @@ def run(args: argparse.Namespace) -> int:
         "delivery": deliveries,
         "reorder": bool(args.reorder),
     }
+    # How fast each CPU runs right now, before and after: the proxies' and the NIC model's
+    # threads move fewer commands on a slow one.
+    cpu_before = cpu_map_ms()
     with RankPool(world, num_gpus=gpus, task_timeout_s=1800) as pool:
         meta["shared_gpu"] = pool.placement.shared
         if args.copy_only:
             rows = pool.run(_copy_worker, vars(args), local, links, _ints(args.copy_only), lats[0])
         else:
             rows = pool.run(_worker, vars(args), local, threads, links, chunks, lats, deliveries)
+    meta["cpu_map_ms"] = {"before": cpu_before, "after": cpu_map_ms()}
     results = {"meta": meta, "rows": [r for part in rows for r in part]}
     meta["gpu"] = next((r["gpu"] for r in results["rows"] if "gpu" in r), "")
     _print(results)
+    print(cpu_map_line(cpu_before, meta["cpu_map_ms"]["after"]))
     _print_kernels(results)
     write_json(args.json, results)
     return 0
