@@ -289,6 +289,15 @@ __device__ __forceinline__ bool take_scan_parts(const NotifyParams& q, uint64_t 
   return true;
 }
 
+// A wait of notify's failed (the status words say why): the host spins on the readback, so it
+// is told now. Thread 0 of block 0 writes it.
+__device__ __forceinline__ void readback_failed(const NotifyParams& q) {
+  if (q.readback != nullptr && threadIdx.x == 0) {
+    __threadfence_system();
+    reinterpret_cast<volatile int64_t*>(q.readback)[0] = -1;
+  }
+}
+
 }  // namespace notify_detail
 
 // A scan block of notify's own kernel: slices of the checked inputs for block 0 (scan_slices).
@@ -359,10 +368,7 @@ __device__ __forceinline__ void notify_block(const NotifyParams& q, int block) {
   } else if constexpr (kScan) {
     notify_detail::scan_slices<kThreads>(q);
     if (!notify_detail::take_scan_parts(q, seq, s_sent, s_range)) {
-      if (q.readback != nullptr && tid == 0) {
-        __threadfence_system();
-        reinterpret_cast<volatile int64_t*>(q.readback)[0] = -1;
-      }
+      notify_detail::readback_failed(q);
       return;
     }
   }
@@ -386,11 +392,7 @@ __device__ __forceinline__ void notify_block(const NotifyParams& q, int block) {
       q.send_pos == nullptr && q.header != 0 ? kCachedHeaderOffset + 8ull * kMaxRanks * slot : 0;
   if (!barrier_block(q.bufs, q.rank, R, seq, true, q.status, q.timeout_ns, kSiteNotify,
                      BarrierExtras{true, header_offset, q.header})) {
-    // The host spins on the readback: tell it now (the status words say why).
-    if (q.readback != nullptr && tid == 0) {
-      __threadfence_system();
-      reinterpret_cast<volatile int64_t*>(q.readback)[0] = -1;
-    }
+    notify_detail::readback_failed(q);
     return;
   }
   if (q.readback != nullptr && tid < kCheckWords * R)
