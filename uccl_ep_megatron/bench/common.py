@@ -121,7 +121,11 @@ def cpu_map_ms() -> dict[str, list]:
     return {"cpus": allowed, "ms": ms}
 
 
-def slow_cpus(cpu_map: dict[str, list], factor: float = 1.25) -> list[int]:
+# A CPU is slow when its probe takes over this many times the fastest CPU's.
+SLOW_CPU_FACTOR = 1.25
+
+
+def slow_cpus(cpu_map: dict[str, list], factor: float = SLOW_CPU_FACTOR) -> list[int]:
     """The CPUs of a ``cpu_map_ms`` result whose probe took over ``factor`` times the
     fastest one's."""
     limit = factor * min(cpu_map["ms"])
@@ -133,7 +137,8 @@ def cpu_map_line(before: dict[str, list], after: dict[str, list]) -> str:
     CPU threads, such as the proxies, set their speed)."""
     n = len(before["cpus"])
     return (
-        f"# CPUs slower than 1.25x the fastest at the probe loop: {len(slow_cpus(before))} of {n} "
-        f"before the run, {len(slow_cpus(after))} of {n} after (fastest {min(before['ms']):.2f} / "
-        f"{min(after['ms']):.2f} ms; a virtual machine's vCPUs can share physical cores)"
+        f"# CPUs slower than {SLOW_CPU_FACTOR}x the fastest at the probe loop: "
+        f"{len(slow_cpus(before))} of {n} before the run, {len(slow_cpus(after))} of {n} after "
+        f"(fastest {min(before['ms']):.2f} / {min(after['ms']):.2f} ms; a virtual machine's "
+        "vCPUs can share physical cores)"
     )
