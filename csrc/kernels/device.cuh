@@ -80,6 +80,26 @@ __device__ __forceinline__ long long warp_shfl_xor(long long v, int mask) {
 #endif
 }
 
+// The sum of v over the warp, in every lane; every lane must participate.
+__device__ __forceinline__ int warp_sum(int v) {
+#if defined(UCCL_EP_DEVICE_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(0xffffffffu, v);
+#else
+  for (int m = kWarpSize / 2; m > 0; m >>= 1) v += static_cast<int>(warp_shfl_xor(v, m));
+  return v;
+#endif
+}
+
+// (lo, hi) over the warp, in every lane: the least lo and the greatest hi; every lane must
+// participate.
+__device__ __forceinline__ void warp_min_max(int64_t& lo, int64_t& hi) {
+  for (int m = kWarpSize / 2; m > 0; m >>= 1) {
+    const int64_t olo = warp_shfl_xor(lo, m), ohi = warp_shfl_xor(hi, m);
+    lo = olo < lo ? olo : lo;
+    hi = ohi > hi ? ohi : hi;
+  }
+}
+
 // Nanoseconds from a clock that ticks the same on every SM (for timeouts only).
 __device__ __forceinline__ uint64_t global_timer_ns() {
 #if defined(UCCL_EP_DEVICE_HIP)

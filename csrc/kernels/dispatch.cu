@@ -320,12 +320,18 @@ __device__ __forceinline__ void dispatch_blocks(const SendParams& p) {
 // the parameters in place: inlined, it made the 16-byte copy path (at the 128-register cap)
 // spill registers.
 __device__ __noinline__ void notify_of_dispatch(const SendParams* p) {
-  notify_block<kSendThreads, false>(p->notify, static_cast<int>(blockIdx.x));
+  notify_block<kSendThreads>(p->notify, static_cast<int>(blockIdx.x));
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(reinterpret_cast<unsigned long long*>(notify_done_blocks(p->bufs.p[p->rank])), 1ull);
   }
+}
+
+// A data block's share of reading notify's checked inputs (its scan slices, with notify's block
+// 0), before it waits for notify. Not inlined, for the same reason as notify_of_dispatch.
+__device__ __noinline__ void scan_of_dispatch(const SendParams* p) {
+  notify_detail::scan_slices<kSendThreads>(p->notify);
 }
 
 // The kernel: notify's blocks first when it is folded in (p.notify_blocks), then the data
@@ -341,6 +347,7 @@ __global__ void __launch_bounds__(kSendThreads) dispatch_kernel(const UCCL_EP_GR
     notify_of_dispatch(&p);
   } else {
     if (nb > 0) {
+      if (p.notify.scan_blocks > 0) scan_of_dispatch(&p);
       if (threadIdx.x == 0)
         wait_at_least(notify_done_blocks(p.bufs.p[p.rank]), static_cast<uint64_t>(nb), p.rank, kSiteNotify, p.status,
                       PeerAborts{p.bufs, p.rank, p.num_ranks}, 2 * p.timeout_ns);
@@ -487,10 +494,14 @@ void intranode_dispatch(const DispatchArgs& a, intptr_t stream) {
     p.notify = notify_params(*a.notify);
     p.notify_blocks = notify_blocks(p.notify);
   }
+  const int blocks = std::max(2, a.num_sms);
+  if (a.notify != nullptr) {  // the data blocks read slices of notify's inputs with its block 0
+    p.notify.scan_blocks = notify_scan_blocks(p.notify);
+    p.notify.scan_claimers = blocks;
+  }
   const intptr_t outs[5] = {a.recv_x, a.recv_scales, a.recv_topk_idx, a.recv_topk_weights,
                             a.cached ? 0 : a.recv_src_idx};
   for (int i = 0; i < 5; ++i) p.recv_off[i] = a.zero_copy && outs[i] != 0 ? outs[i] - a.arenas[a.rank] : -1;
-  const int blocks = std::max(2, a.num_sms);
   p.num_send_blocks = blocks - dispatch_recv_blocks(a, blocks);
   const int grid = p.notify_blocks + blocks;
   auto s = reinterpret_cast<gpuStream_t>(stream);

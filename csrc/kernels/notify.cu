@@ -15,7 +15,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyParams q) 
   if (block >= own)
     notify_scan_block<kNotifyThreads>(q);
   else
-    notify_block<kNotifyThreads, true>(q, block);
+    notify_block<kNotifyThreads>(q, block);
 }
 
 }  // namespace
@@ -54,7 +54,7 @@ NotifyParams notify_params(const NotifyArgs& a) {
 
 void intranode_notify(const NotifyArgs& a, intptr_t stream) {
   NotifyParams q = notify_params(a);
-  q.scan_blocks = notify_scan_blocks(q);
+  q.scan_blocks = q.scan_claimers = notify_scan_blocks(q);
   notify_kernel<<<notify_blocks(q) + q.scan_blocks, kNotifyThreads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(q);
   GPU_CHECK(gpuGetLastError());
 }

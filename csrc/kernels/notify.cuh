@@ -1,9 +1,10 @@
 // Intranode notify on the GPU: the count exchange and entry barrier of a dispatch (see
 // intranode_notify in intranode.h), with the input checks that travel with the counts and the
 // send-position scan. Run by notify's own kernel (notify.cu) or by the first blocks of the
-// dispatch kernel (DispatchArgs::notify), whose data blocks wait for them. In its own kernel,
-// scan blocks after notify's share the reading of the checked inputs with block 0: slices
-// claimed one by one, so that block 0 never waits for a block that has not started.
+// dispatch kernel (DispatchArgs::notify), whose data blocks wait for them. Other blocks share
+// the reading of the checked inputs with block 0 (scan blocks after notify's in its own kernel,
+// the data blocks before they wait in the dispatch kernel): slices claimed one by one, so that
+// block 0 never waits for a block that has not started.
 #pragma once
 
 #include <cstdint>
@@ -32,10 +33,10 @@ struct NotifyParams {
   int num_worst_tokens, num_experts;
   int64_t header;
   RecvEntryArgs entry;
-  // Blocks after notify's own (notify_blocks) that read the expert ids and is_token_in_rank's
-  // flags with block 0, and the slices they are cut into (kScanPartsOffset); 0: block 0 reads
-  // them alone (a dispatch kernel that runs notify always does).
-  int scan_blocks;
+  // Slices the expert ids and is_token_in_rank's flags are cut into (kScanPartsOffset), read by
+  // block 0 and scan_claimers other blocks (notify's scan blocks after its own, or the data
+  // blocks of a dispatch kernel that runs notify); 0: block 0 reads them alone.
+  int scan_blocks, scan_claimers;
 };
 
 // The checked parameters of `a` (host).
@@ -44,8 +45,9 @@ NotifyParams notify_params(const NotifyArgs& a);
 // Blocks notify runs on: a second one scans send_pos beside the count exchange (non-cached calls).
 inline int notify_blocks(const NotifyParams& q) { return q.send_pos != nullptr ? 2 : 1; }
 
-// Scan blocks for notify's own kernel: one per 32 KiB of checked input (ids and flags), at most
-// kMaxScanBlocks; none below 64 KiB, where block 0 reads them as fast as it waits for a part.
+// Scan slices (and notify's own kernel's scan blocks): one per 32 KiB of checked input (ids and
+// flags), at most kMaxScanBlocks; none below 64 KiB, where block 0 reads them as fast as it
+// waits for a part.
 inline int notify_scan_blocks(const NotifyParams& q) {
   const int64_t T = q.num_tokens;
   const int64_t bytes = (q.send_pos != nullptr ? T * q.num_ranks : 0) +
@@ -164,42 +166,47 @@ __device__ __forceinline__ void scan_share(const NotifyParams& q, int64_t first,
 
 // The block's sums of sent[] into s_sent[] (zeroed, then a block barrier, by the caller) and
 // its range into s_range[0..1]; every thread calls it, and every thread sees the results after.
+// Each warp folds its own first (one shared atomic per warp and rank); the first warp folds the
+// warps' ranges.
 template <int kThreads>
 __device__ __forceinline__ void reduce_share(const int (&sent)[kMaxRanks], int R, int64_t lo, int64_t hi,
                                              int* s_sent, int64_t* s_range) {
   constexpr int kWarps = kThreads / dev::kWarpSize;
+  static_assert(kWarps <= dev::kWarpSize, "the first warp folds one range per warp");
   __shared__ int64_t s_lo[kWarps], s_hi[kWarps];
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid % dev::kWarpSize, warp = tid / dev::kWarpSize;
 #pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r)
-    if (r < R && sent[r] != 0) atomicAdd(&s_sent[r], sent[r]);
-  for (int m = dev::kWarpSize / 2; m > 0; m >>= 1) {
-    const int64_t olo = dev::warp_shfl_xor(lo, m), ohi = dev::warp_shfl_xor(hi, m);
-    lo = olo < lo ? olo : lo;
-    hi = ohi > hi ? ohi : hi;
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (r < R) {  // R is the same in every lane
+      const int sum = dev::warp_sum(sent[r]);
+      if (lane == 0 && sum != 0) atomicAdd(&s_sent[r], sum);
+    }
   }
-  if (tid % dev::kWarpSize == 0) {
-    s_lo[tid / dev::kWarpSize] = lo;
-    s_hi[tid / dev::kWarpSize] = hi;
+  dev::warp_min_max(lo, hi);
+  if (lane == 0) {
+    s_lo[warp] = lo;
+    s_hi[warp] = hi;
   }
   __syncthreads();
-  if (tid == 0) {
-    for (int w = 1; w < kWarps; ++w) {
-      lo = s_lo[w] < lo ? s_lo[w] : lo;
-      hi = s_hi[w] > hi ? s_hi[w] : hi;
+  if (warp == 0) {
+    lo = lane < kWarps ? s_lo[lane] : INT64_MAX;
+    hi = lane < kWarps ? s_hi[lane] : INT64_MIN;
+    dev::warp_min_max(lo, hi);
+    if (lane == 0) {
+      s_range[0] = lo;
+      s_range[1] = hi;
     }
-    s_range[0] = lo;
-    s_range[1] = hi;
   }
   __syncthreads();
 }
 
 // Slices of the checked inputs (q.scan_blocks of them) claimed one at a time by this block until
 // none is left, each reduced into its part (released with its ready word at GPU scope: only
-// block 0, on this GPU, reads it); every thread of a scan block or of block 0 calls it. A block
-// that claims a slice is running, so block 0 waits only for slices being read; a scan block
-// that starts late finds none. The last block to stop claiming (of the scan blocks and block 0)
-// zeroes the claim count for the next launch.
+// block 0, on this GPU, reads it); every thread of block 0 and of the q.scan_claimers other
+// blocks calls it (notify's scan blocks, or the data blocks of a dispatch kernel that runs
+// notify, before they wait for it), all with kThreads threads. A block that claims a slice is
+// running, so block 0 waits only for slices being read; a block that starts late finds none.
+// The last block to stop claiming zeroes the claim count for the next launch.
 template <int kThreads>
 __device__ __forceinline__ void scan_slices(const NotifyParams& q) {
   __shared__ int s_slice;
@@ -228,7 +235,7 @@ __device__ __forceinline__ void scan_slices(const NotifyParams& q) {
     }
     __syncthreads();  // s_slice and s_sent are reused by the next claim
   }
-  if (tid == 0 && atomicAdd(scan_done_of(own), 1u) == static_cast<unsigned>(q.scan_blocks)) {
+  if (tid == 0 && atomicAdd(scan_done_of(own), 1u) == static_cast<unsigned>(q.scan_claimers)) {
     *scan_claim_of(own) = 0;
     *scan_done_of(own) = 0;
   }
@@ -275,15 +282,21 @@ __device__ __forceinline__ bool take_scan_parts(const NotifyParams& q, uint64_t 
     if (tid == 0) time_out(q.status, PeerAborts{q.bufs, q.rank, q.num_ranks}, q.rank, seq, kSiteNotify);
     return false;
   }
-  if (tid == 0) {
-    int64_t lo = INT64_MAX, hi = INT64_MIN;
-    for (int i = 0; i < q.scan_blocks; ++i) {
-      lo = s_lo[i] < lo ? s_lo[i] : lo;
-      hi = s_hi[i] > hi ? s_hi[i] : hi;
-      for (int r = 0; r < kMaxRanks; ++r) s_sent[r] += s_part_sent[i][r];
+  // The first warp sums the parts: a lane per part for the range, a lane per rank for the counts.
+  static_assert(kMaxScanBlocks <= dev::kWarpSize && kMaxRanks <= dev::kWarpSize, "a lane per part and rank");
+  if (tid < dev::kWarpSize) {
+    int64_t lo = tid < q.scan_blocks ? s_lo[tid] : INT64_MAX;
+    int64_t hi = tid < q.scan_blocks ? s_hi[tid] : INT64_MIN;
+    dev::warp_min_max(lo, hi);
+    if (tid < kMaxRanks) {
+      int sum = 0;
+      for (int i = 0; i < q.scan_blocks; ++i) sum += s_part_sent[i][tid];
+      s_sent[tid] += sum;
     }
-    s_range[0] = lo;
-    s_range[1] = hi;
+    if (tid == 0) {
+      s_range[0] = lo;
+      s_range[1] = hi;
+    }
   }
   __syncthreads();
   return true;
@@ -306,10 +319,8 @@ __device__ __forceinline__ void notify_scan_block(const NotifyParams& q) {
   notify_detail::scan_slices<kThreads>(q);
 }
 
-// Block `block` (< notify_blocks(q)) of notify, run by kThreads threads (blockDim.x); kScan:
-// notify's own kernel, which may have scan blocks (the dispatch kernel's copy never has them,
-// and compiles without their code).
-template <int kThreads, bool kScan>
+// Block `block` (< notify_blocks(q)) of notify, run by kThreads threads (blockDim.x).
+template <int kThreads>
 __device__ __forceinline__ void notify_block(const NotifyParams& q, int block) {
   using notify_detail::scan_send_pos;
   const int tid = threadIdx.x;
@@ -360,12 +371,12 @@ __device__ __forceinline__ void notify_block(const NotifyParams& q, int block) {
   __shared__ int64_t s_range[2];
   if (tid < kMaxRanks) s_sent[tid] = 0;
   __syncthreads();
-  if (!kScan || q.scan_blocks == 0) {
+  if (q.scan_blocks == 0) {
     int sent[kMaxRanks] = {};
     int64_t lo = INT64_MAX, hi = INT64_MIN;
     notify_detail::scan_share(q, tid, kThreads, sent, lo, hi);
     notify_detail::reduce_share<kThreads>(sent, R, lo, hi, s_sent, s_range);
-  } else if constexpr (kScan) {
+  } else {
     notify_detail::scan_slices<kThreads>(q);
     if (!notify_detail::take_scan_parts(q, seq, s_sent, s_range)) {
       notify_detail::readback_failed(q);

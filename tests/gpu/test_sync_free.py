@@ -290,11 +290,14 @@ def _expect_raise(fn, what: str) -> str:
 
 def error_case(rank: int, world: int, kind: str) -> dict:
     """``kind`` "overflow": every token goes to rank 0, one row more than num_worst_tokens;
-    "bad_id": the last rank passes an expert id out of range. The call returns, its outputs
-    are poisoned on every rank, and every rank raises at check_errors() and the next call."""
+    "bad_id": the last rank passes an expert id out of range; "bad_id_large": the same among
+    4096 x 8 ids, its last, which the dispatch kernel's data blocks read in slices with notify.
+    The call returns, its outputs are poisoned on every rank, and every rank raises at
+    check_errors() and the next call."""
     from uccl_ep_megatron import Buffer
 
-    num_tokens, hidden, topk = 200, 1024, 2
+    large = kind == "bad_id_large"
+    num_tokens, hidden, topk = (4096, 1024, min(8, 4 * world)) if large else (200, 1024, 2)
     kb = Buffer(None, nvl_bytes_for(world, hidden), 0, backend="kernels")
     _keep.append(kb)  # unusable after the error; peers may still map it: never freed
     num_experts = 4 * world
@@ -307,7 +310,7 @@ def error_case(rank: int, world: int, kind: str) -> dict:
     if kind == "overflow":
         worst -= 1  # rank 0 receives every rank's tokens, num_tokens * world rows
     elif rank == world - 1:
-        idx[7, 1] = num_experts
+        idx[(-1, -1) if large else (7, 1)] = num_experts
     lay = kb.get_dispatch_layout(idx, num_experts)[:4]
     torch.cuda.synchronize()
     kb.check_errors()  # nothing recorded yet
@@ -377,7 +380,7 @@ def test_cuda_graph_replay(gpu_pool, arena):
     assert len(out) == gpu_pool.world_size
 
 
-@pytest.mark.parametrize("kind", ["overflow", "bad_id"])
+@pytest.mark.parametrize("kind", ["overflow", "bad_id", "bad_id_large"])
 def test_gpu_found_error_raises_on_every_rank(gpu_pool, kind):
     world = gpu_pool.world_size
     out = gpu_pool.run(__file__, "error_case", kind, env=ENV)
