@@ -14,6 +14,11 @@ DeepEP V1 beside it when ``deep_ep`` imports). For each call kind it prints, per
   the kernel launch, the kernel launch, Python after it; with ``--fine`` at the Python steps
   too (argument checks, status read, receive-arena outputs, torch.empty, the result);
 - with ``--top N``, the N functions of rank 0 with the most own time under cProfile;
+- with ``--protocol``, what the host time of ours' exact BF16 dispatch moves with (rank 0's,
+  each condition in turn per iteration; meant for 1 rank): the release of the previous result
+  timed apart from the call, and the call after a device sync alone, after the process-group
+  barrier that the timed loop above (``time_call``) puts before every call, and after 1 ms of
+  idle spinning;
 - with ``--floor``, what the host operations a call is made of cost on this CPU (rank 0, one
   at a time, median of batches): reading a tensor's pointer, shape and dtype (what ``_C``
   does per argument), making a tensor (``torch.empty``, a view, a DLPack import as the receive
@@ -177,6 +182,40 @@ def _floor(buf: Any, x: torch.Tensor, batches: int = 21, n: int = 200) -> dict[s
     return out
 
 
+def _spin(us: float) -> None:
+    """Keep this CPU busy for ``us`` microseconds (the GPU idles meanwhile)."""
+    end = time.perf_counter_ns() + int(us * 1e3)
+    while time.perf_counter_ns() < end:
+        pass
+
+
+# --protocol: what runs between the device sync and the timed call, per condition.
+PROTOCOL = {
+    "sync": lambda: None,
+    "sync+barrier": dist.barrier,
+    "sync+idle 1 ms": lambda: _spin(1000),
+}
+
+
+def _protocol(state: dict, call: Any, iters: int) -> dict[str, float]:
+    """Median host µs of ``call`` (an exact dispatch storing its result in ``state["out"]``)
+    under each ``PROTOCOL`` condition, in turn per iteration, and of releasing the previous
+    result (``release``), timed apart. Only the barrier's condition lines the ranks up before
+    the call: with more than one rank the others' host time includes waiting for the peers."""
+    times: dict[str, list[float]] = {"release": [], **{name: [] for name in PROTOCOL}}
+    for _ in range(iters):
+        for name, before in PROTOCOL.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            state.pop("out", None)
+            times["release"].append((time.perf_counter_ns() - t0) / 1e3)
+            before()
+            t0 = time.perf_counter_ns()
+            state["out"] = call()
+            times[name].append((time.perf_counter_ns() - t0) / 1e3)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def _rank(rank: int, world: int, a: dict) -> dict:
     from uccl_ep_megatron.api.buffer import Buffer
     from uccl_ep_megatron.bench.inputs import dispatch_kwargs, routed_inputs
@@ -295,6 +334,11 @@ def _rank(rank: int, world: int, a: dict) -> dict:
                 "prof": prof_text,
                 "stamps": stamps,
             }
+    if a["protocol"]:
+        ours_buf, (dcfg, _), layout = impls["ours"]
+        out["protocol"] = _protocol(
+            states["ours"], lambda: ours_buf.dispatch(x, config=dcfg, **layout), a["iters"]
+        )
     for state in states.values():
         state.clear()
     torch.cuda.synchronize()
@@ -359,6 +403,7 @@ def _summary(world: int, per_rank: list[dict], iters: int) -> dict[str, Any]:
         "cpus": [r["cpus"] for r in per_rank],
         "cpu_probe_ms": [r["cpu_probe_ms"] for r in per_rank],
         "floor_us": per_rank[0]["floor"],
+        "protocol_rank0_us": per_rank[0].get("protocol", {}),
         "cprofile": {op: per_rank[0][f"{op}/ours"]["prof"] for op in OPS},
     }
 
@@ -398,6 +443,11 @@ def _report(summary: dict[str, Any]) -> None:
     for r, cpus in enumerate(summary["cpus"]):
         probe = " -> ".join(f"{v:.2f}" for v in summary["cpu_probe_ms"][r])
         print(f"rank {r} CPUs: {len(cpus)} ({cpus[0]}-{cpus[-1]}); CPU probe {probe} ms")
+    if summary["protocol_rank0_us"]:
+        print(f"\n# {world} rank(s): ours' exact BF16 dispatch, rank 0's host us (median)")
+        for name, us in summary["protocol_rank0_us"].items():
+            what = "releasing the previous result" if name == "release" else f"call after {name}"
+            print(f"{what:34} {us:8.1f}")
     if summary["floor_us"]:
         print(f"\n# {world} rank(s): host operations on rank 0's CPU (us each)")
         for name, us in summary["floor_us"].items():
@@ -417,6 +467,11 @@ def main() -> None:
     ap.add_argument("--deepep-sms", type=int, default=24)
     ap.add_argument("--fine", action="store_true", help="stamp the Python steps too (FINE_* below)")
     ap.add_argument("--floor", action="store_true", help="time single host operations too")
+    ap.add_argument(
+        "--protocol",
+        action="store_true",
+        help="time ours' exact dispatch under each PROTOCOL condition, and its result's release",
+    )
     ap.add_argument(
         "--general",
         action="store_true",

@@ -25,6 +25,7 @@ def _per_rank(ops):
     ranks = []
     for r in range(2):
         res = {"fallbacks": r, "cpus": [8 * r, 8 * r + 7], "floor": {"op": 1.5} if r == 0 else {}}
+        res["protocol"] = {"release": 3.5 + r, "sync": 50.0 + r, "sync+barrier": 60.0 + r}
         res["cpu_probe_ms"] = [2.5 + r, 4.25 - r]
         for k, op in enumerate(ops):
             base = 10.0 * (k + 1)
@@ -71,6 +72,7 @@ def test_summary_is_the_median_of_the_maximum_over_ranks(tmp_path, capsys):
         assert [p["host_us"] for p in s["ops"][op]["per_rank"]] == [base + 3, base + 2]
     assert s["arena_fallbacks"] == [0, 1]
     assert s["floor_us"] == {"op": 1.5}
+    assert s["protocol_rank0_us"] == {"release": 3.5, "sync": 50.0, "sync+barrier": 60.0}
     assert s["cpu_probe_ms"] == [[2.5, 4.25], [3.5, 3.25]]
 
     path = tmp_path / "out.json"
@@ -86,3 +88,37 @@ def test_summary_is_the_median_of_the_maximum_over_ranks(tmp_path, capsys):
     assert "rank 1: host 12.0 dev 112.0" in text
     assert "arena fallbacks per rank: [0, 1]" in text
     assert "rank 1 CPUs: 2 (8-15); CPU probe 3.50 -> 3.25 ms" in text
+    lines = text.splitlines()
+    assert any(x.startswith("releasing the previous result") and x.endswith(" 3.5") for x in lines)
+    assert any(x.startswith("call after sync+barrier") and x.endswith(" 60.0") for x in lines)
+
+
+def test_protocol_times_the_release_apart_from_each_condition_s_call(monkeypatch):
+    """``--protocol``: each condition runs before its own call, in turn per iteration, and
+    releasing the previous result is timed apart (here it takes 2 ms, the calls none)."""
+    import time
+
+    mod = _module()
+    monkeypatch.setattr(mod.torch.cuda, "synchronize", lambda: None)
+    order: list[str] = []
+    monkeypatch.setattr(
+        mod, "PROTOCOL", {"a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    )
+    released: list[int] = []
+
+    class Result:
+        def __del__(self):
+            time.sleep(0.002)
+            released.append(1)
+
+    def call():
+        order.append("call")
+        return Result()
+
+    state: dict = {}
+    out = mod._protocol(state, call, 3)
+    assert order == ["a", "call", "b", "call"] * 3
+    assert len(released) == 5 and "out" in state  # every result but the last, before a call
+    assert set(out) == {"release", "a", "b"}
+    assert out["release"] >= 2000  # the medians of six releases, five of them slow
+    assert out["a"] < 1000 and out["b"] < 1000
