@@ -14,7 +14,7 @@ DeepEP V1 beside it when ``deep_ep`` imports). For each call kind it prints, per
   the kernel launch, the kernel launch, Python after it; with ``--fine`` at the Python steps
   too (argument checks, status read, receive-arena outputs, torch.empty, the result);
 - with ``--top N``, the N functions of rank 0 with the most own time under cProfile;
-- with ``--protocol``, what the host time of ours' exact BF16 dispatch moves with (rank 0's,
+- with ``--protocol``, what the host time of our exact BF16 dispatch moves with (rank 0's,
   each condition in turn per iteration; meant for 1 rank): the release of the previous result
   timed apart from the call, and the call after a device sync alone, after the process-group
   barrier that the timed loop above (``time_call``) puts before every call, and after 1 ms of
@@ -444,7 +444,7 @@ def _report(summary: dict[str, Any]) -> None:
         probe = " -> ".join(f"{v:.2f}" for v in summary["cpu_probe_ms"][r])
         print(f"rank {r} CPUs: {len(cpus)} ({cpus[0]}-{cpus[-1]}); CPU probe {probe} ms")
     if summary["protocol_rank0_us"]:
-        print(f"\n# {world} rank(s): ours' exact BF16 dispatch, rank 0's host us (median)")
+        print(f"\n# {world} rank(s): our exact BF16 dispatch, rank 0's host us (median)")
         for name, us in summary["protocol_rank0_us"].items():
             what = "releasing the previous result" if name == "release" else f"call after {name}"
             print(f"{what:34} {us:8.1f}")
@@ -470,7 +470,7 @@ def main() -> None:
     ap.add_argument(
         "--protocol",
         action="store_true",
-        help="time ours' exact dispatch under each PROTOCOL condition, and its result's release",
+        help="time our exact dispatch under each PROTOCOL condition, and its result's release",
     )
     ap.add_argument(
         "--general",
