@@ -128,10 +128,11 @@ static_assert(kCombineDoneOffset + 8 * kMaxRanks <= kCombineFlagsOffset, "contro
 // notify's scan slices (NotifyParams::scan_blocks in notify.cuh). The checked inputs (expert
 // ids, is_token_in_rank flags) are cut into scan_blocks slices that notify's block 0 and the
 // other claiming blocks (notify's scan blocks, or a dispatch kernel's data blocks) claim one by
-// one; each slice's sums go into its part for block 0. At kScanPartsOffset: uint32 claim (the next slice), uint32 done (blocks that stopped
-// claiming; the last of them zeroes both for the next launch on the stream), then at +64 the
-// parts, uint64 [kMaxScanBlocks][8] = {ready (1; block 0 zeroes it once read), min id, max id,
-// tokens sent per rank (int32 [kMaxRanks], four words), 0}.
+// one; each slice's sums go into its part for block 0. At kScanPartsOffset: uint32 claim (the
+// next slice), uint32 done (blocks that stopped claiming; the last of them zeroes both for the
+// next launch on the stream), then at +64 the parts, uint64 [kMaxScanBlocks][8] = {ready (1;
+// block 0 zeroes it once read), min id, max id, tokens sent per rank (int32 [kMaxRanks], four
+// words), 0}.
 constexpr int kMaxScanBlocks = 8;
 constexpr size_t kScanPartsOffset = kCombineDoneOffset + 8 * kMaxRanks;
 static_assert(kScanPartsOffset % 64 == 0 && kScanPartsOffset + 64 + 64 * kMaxScanBlocks <= kCombineFlagsOffset,

@@ -10,10 +10,11 @@ namespace {
 constexpr int kNotifyThreads = 1024;
 
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyParams q) {
-  // notify's own blocks first (notify_blocks: 2 with a send_pos to scan), then the scan blocks.
-  const int block = static_cast<int>(blockIdx.x), own = q.send_pos != nullptr ? 2 : 1;
-  if (block >= own)
-    notify_scan_block<kNotifyThreads>(q);
+  // notify's own blocks first (notify_blocks), then the scan blocks, which read slices of the
+  // checked inputs for block 0.
+  const int block = static_cast<int>(blockIdx.x);
+  if (block >= notify_blocks(q))
+    notify_detail::scan_slices<kNotifyThreads>(q);
   else
     notify_block<kNotifyThreads>(q, block);
 }

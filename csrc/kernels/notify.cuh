@@ -43,7 +43,7 @@ struct NotifyParams {
 NotifyParams notify_params(const NotifyArgs& a);
 
 // Blocks notify runs on: a second one scans send_pos beside the count exchange (non-cached calls).
-inline int notify_blocks(const NotifyParams& q) { return q.send_pos != nullptr ? 2 : 1; }
+__host__ __device__ inline int notify_blocks(const NotifyParams& q) { return q.send_pos != nullptr ? 2 : 1; }
 
 // Scan slices (and notify's own kernel's scan blocks): one per 32 KiB of checked input (ids and
 // flags), at most kMaxScanBlocks; none below 64 KiB, where block 0 reads them as fast as it
@@ -312,12 +312,6 @@ __device__ __forceinline__ void readback_failed(const NotifyParams& q) {
 }
 
 }  // namespace notify_detail
-
-// A scan block of notify's own kernel: slices of the checked inputs for block 0 (scan_slices).
-template <int kThreads>
-__device__ __forceinline__ void notify_scan_block(const NotifyParams& q) {
-  notify_detail::scan_slices<kThreads>(q);
-}
 
 // Block `block` (< notify_blocks(q)) of notify, run by kThreads threads (blockDim.x).
 template <int kThreads>
