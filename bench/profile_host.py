@@ -6,9 +6,11 @@ DeepEP V1 beside it when ``deep_ep`` imports). For each call kind it prints, per
 
 - host and device microseconds per call (median over ``--iters``, each iteration the maximum
   over ranks; device = events around the call on the caller's stream), ours and DeepEP's, and
-  with ``--general`` ours again through the Buffer's general path (its direct lane off,
-  ``api/direct.py``), each op timed by every implementation in turn, ours without stamps;
-- ours split at the ``_C`` entry points (rank 0, median), from a second pass with stamps (its
+  with ``--general`` ours again through the Buffer's general path (its direct lane and the
+  lane's binding off, ``api/direct.py``), each op timed by every implementation in turn, ours
+  without stamps;
+- ours split at the ``_C`` entry points and the lane binding's launch (rank 0, median), from
+  a second pass with stamps (its
   host time, which the stamps add to, printed beside): Python before notify is launched,
   the notify launch, the wait for the counts (exact dispatch), Python between the counts and
   the kernel launch, the kernel launch, Python after it; with ``--fine`` at the Python steps
@@ -57,8 +59,14 @@ OPS = (
     "dispatch_bf16_cached",
     "combine_bf16",
 )
-# The _C entry points that launch a call's first kernel (notify, or the one-call dispatch).
-LAUNCHES = ("intranode_dispatch_begin", "intranode_notify_call", "intranode_combine_call")
+# The _C entry points that launch a call's first kernel (notify, or the one-call dispatch;
+# "lane_launch": the direct lane's binding up to its launch, _TimedLane).
+LAUNCHES = (
+    "intranode_dispatch_begin",
+    "intranode_notify_call",
+    "intranode_combine_call",
+    "lane_launch",
+)
 # The _C entry points a call's host time is split at.
 MARKS = (
     "intranode_dispatch_begin",
@@ -89,6 +97,31 @@ class _Timed:
             return out
 
         return stamped
+
+
+class _TimedLane:
+    """A Buffer's ``_C.IntranodeLane`` with its calls stamped: "lane_launch" from entry to its
+    launch (the binding's ``launched_ns``, on the same monotonic clock), "lane_finish" from
+    there to its exit (a call it leaves to the Python lane is stamped whole as "lane_none")."""
+
+    def __init__(self, lane: Any, log: list[tuple[str, int, int]]) -> None:
+        self._lane, self._log = lane, log
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lane, name)
+
+    def dispatch(self, *args: Any) -> Any:
+        lane = self._lane
+        calls = lane.calls
+        t0 = time.perf_counter_ns()
+        out = lane.dispatch(*args)
+        t1 = time.perf_counter_ns()
+        if lane.calls == calls:
+            self._log.append(("lane_none", t0, t1))
+        else:
+            self._log.append(("lane_launch", t0, lane.launched_ns))
+            self._log.append(("lane_finish", lane.launched_ns, t1))
+        return out
 
 
 # With --fine, these Python steps are stamped too (each runs between the _C entry points,
@@ -241,6 +274,8 @@ def _rank(rank: int, world: int, a: dict) -> dict:
     log: list[tuple[str, int, int]] = []
     # (object, attribute, plain, stamped): the stamps are on only for the split's pass.
     patches = [(buf._backend, "_c", buf._backend._c, _Timed(buf._backend._c, log))]
+    if buf._lane is not None:
+        patches.append((buf, "_lane", buf._lane, _TimedLane(buf._lane, log)))
     if a["fine"]:
         from uccl_ep_megatron.backends.intranode.arena import RecvOutputs
 
@@ -254,6 +289,8 @@ def _rank(rank: int, world: int, a: dict) -> dict:
 
     def stamping(on: bool) -> None:
         for obj, name, plain, stamped in patches:
+            if name == "_lane" and obj._lane is None:
+                continue  # --general's pass: the lane is off
             setattr(obj, name, stamped if on else plain)
 
     kw = dispatch_kwargs(buf.get_dispatch_layout(idx, E)[:4], idx, w)
@@ -299,6 +336,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
 
             if impl == "general":  # api/direct.py: None takes the general path
                 buf._dispatch_direct = buf._combine_direct = _no_lane
+                lane, buf._lane = buf._lane, None
             stamped_host: list[float] = []
             try:
                 timed = time_call(fn, a["iters"], a["warmup"])
@@ -311,6 +349,7 @@ def _rank(rank: int, world: int, a: dict) -> dict:
                 stamping(False)
                 if impl == "general":
                     del buf._dispatch_direct, buf._combine_direct
+                    buf._lane = lane
             host, dev = timed["host_us"], timed["device_us"]
             prof_text = ""
             if a["top"] and impl == "ours":

@@ -13,6 +13,9 @@ void bind_kernels(pybind11::module_& m);
 // The intranode backend's per-call entry points (intranode_calls.cc), bound by bind_kernels (of a
 // build without GPU kernels: only notify_checks_good).
 void bind_intranode_calls(pybind11::module_& m);
+// The direct lane of an uncached dispatch in one binding call (intranode_lane.cc), bound by
+// bind_kernels of a build with GPU kernels.
+void bind_intranode_lane(pybind11::module_& m);
 void bind_internode(pybind11::module_& m);
 // The internode backend's per-call entry points (internode_calls.cc), bound by bind_internode
 // into the `internode` submodule.

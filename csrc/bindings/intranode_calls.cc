@@ -27,6 +27,7 @@
 #include <string>
 #include <utility>
 
+#include "bindings/intranode_calls.h"
 #include "bindings/pointer_checks.h"
 #include "bindings/tensor_view.h"
 #include "common/errors.h"
@@ -60,7 +61,7 @@ bool notify_checks_good(const int64_t* w, int64_t ranks, int64_t num_experts) {
 }  // namespace
 
 #ifdef UCCL_EP_WITH_GPU
-namespace {
+namespace intranode {
 
 namespace k = uccl_ep::kernels;
 
@@ -74,70 +75,6 @@ TensorView arg(py::handle t, const char* what, bool optional, int dim, int64_t r
                std::initializer_list<Dt> dts) {
   return dim == 1 ? views::arg(t, what, optional, {rows}, dts) : views::arg(t, what, optional, {rows, cols}, dts);
 }
-
-// The per-Buffer part of every launch, checked when it is built (and the buffers and status
-// again at each call: the registry makes a freed or regrown buffer raise, never fault).
-struct Context {
-  std::vector<intptr_t> buffers;
-  int64_t buffer_bytes = 0;
-  int rank = 0, num_ranks = 0;
-  intptr_t status = 0;
-  int64_t timeout_ns = 0;
-  bool use_tma = false;
-  // Receive arenas (zero-copy dispatch), every rank's as mapped here; empty when off.
-  std::vector<intptr_t> arenas;
-  std::vector<int64_t> arena_sizes;  // bytes of each rank's arena
-  // A combine whose x (and weights) lie in this rank's arena is read there by its peers
-  // instead of pushed (UCCL_EP_COMBINE_IN_PLACE).
-  bool combine_in_place = true;
-
-  // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
-  void fill(k::DispatchArgs& a) const {
-    fill_common(a);
-    a.arenas = arenas;
-  }
-  void fill(k::CombineArgs& a) const {
-    fill_common(a);
-    a.arenas = arenas;
-  }
-
-  // Byte offset in this rank's arena of a tensor lying wholly inside it, else -1.
-  int64_t arena_place(const TensorView& v) const {
-    if (arenas.empty() || v.none || v.bytes() == 0) return -1;
-    const intptr_t lo = arenas[rank], hi = lo + arena_sizes[rank];
-    return v.ptr >= lo && v.ptr + v.bytes() <= hi ? static_cast<int64_t>(v.ptr - lo) : -1;
-  }
-
-  template <typename Args>
-  void fill_common(Args& a) const {
-    a.buffers = buffers;
-    a.buffer_bytes = buffer_bytes;
-    a.rank = rank;
-    a.num_ranks = num_ranks;
-    a.use_tma = use_tma;
-    a.status = status;
-    a.timeout_ns = timeout_ns;
-  }
-
-  void check(const char* what) const {
-    UCCL_EP_CHECK_ARG(rank >= 0 && rank < num_ranks && num_ranks <= k::kMaxRanks, what, ": rank=", rank,
-                      " num_ranks=", num_ranks, " (at most ", k::kMaxRanks, ")");
-    check_buffers(buffers, num_ranks, buffer_bytes, what);
-    check_status_of(status, what);
-  }
-
-  // Zero-copy dispatch: every output that holds bytes lies inside this rank's arena.
-  void check_in_arena(std::initializer_list<const TensorView*> outs) const {
-    UCCL_EP_CHECK_ARG(!arenas.empty(), "intranode_dispatch: zero_copy=True but this context has no receive arenas");
-    const intptr_t lo = arenas[rank], hi = lo + arena_sizes[rank];
-    for (const TensorView* v : outs) {
-      if (v->none || v->bytes() == 0) continue;
-      UCCL_EP_CHECK_ARG(v->ptr >= lo && v->ptr + v->bytes() <= hi, "intranode_dispatch: a zero-copy output [",
-                        v->ptr, ", +", v->bytes(), ") lies outside this rank's receive arena [", lo, ", +",
-                        arena_sizes[rank], ")");
-    }
-  }
-};
 
 // The regions (None/empty skipped) a kernel fills with their patterns when its call failed (a
 // wait timed out): k::PoisonRegions, written by the kernel's last block.
@@ -203,12 +140,6 @@ py::object field(py::handle obj, PyObject* name) {
   return py::reinterpret_steal<py::object>(v);
 }
 
-// The views notify reads and writes: the counts in, the info (rank prefix matrix | rows per
-// local expert) out, the positions (none for a cached dispatch) and the ids to scan (none: no ids).
-struct NotifyViews {
-  TensorView per_rank, per_expert, info, in_rank, send_pos, idx;
-};
-
 // notify's arguments (see k::NotifyArgs) from checked views (notify_call, dispatch_begin); with
 // a readback (exact calls), its ready word is cleared here, before the launch.
 k::NotifyArgs notify_args(const Context& c, const DispatchLaunch& l, const NotifyViews& v,
@@ -257,14 +188,20 @@ k::NotifyArgs notify_args(const Context& c, const DispatchLaunch& l, const Notif
   return a;
 }
 
+void expect_counts(const Context& c, const DispatchLaunch& l, const NotifyViews* v) {
+  const int R = c.num_ranks;
+  views::expect(v->per_rank, "intranode_notify: num_tokens_per_rank", {R}, {Dt::kInt32});
+  if (!(l.experts_per_rank == 0 && v->per_expert.none))
+    views::expect(v->per_expert, "intranode_notify: num_tokens_per_expert", {int64_t{l.experts_per_rank} * R},
+                  {Dt::kInt32});
+}
+
 // num_tokens_per_rank and num_tokens_per_expert (none without local experts) of `inputs`, checked.
 void count_views(const Context& c, const DispatchLaunch& l, py::handle inputs, NotifyViews* v) {
-  const int R = c.num_ranks;
   const FieldNames& n = names();
-  v->per_rank = arg(field(inputs, n.num_tokens_per_rank), "intranode_notify: num_tokens_per_rank", false, 1, R, -1,
-                    {Dt::kInt32});
-  v->per_expert = arg(field(inputs, n.num_tokens_per_expert), "intranode_notify: num_tokens_per_expert",
-                      l.experts_per_rank == 0, 1, int64_t{l.experts_per_rank} * R, -1, {Dt::kInt32});
+  v->per_rank = views::view_of(field(inputs, n.num_tokens_per_rank), "intranode_notify: num_tokens_per_rank");
+  v->per_expert = views::view_of(field(inputs, n.num_tokens_per_expert), "intranode_notify: num_tokens_per_expert");
+  expect_counts(c, l, v);
 }
 
 // notify (the binding): is_token_in_rank, the counts and topk_idx of `inputs` (a DispatchArgs),
@@ -331,28 +268,30 @@ TensorView placed(intptr_t ptr, int64_t rows, int64_t cols, const views::DtypeIn
   return v;
 }
 
-// The views of a dispatch's launch: its inputs, the handle's send_pos and info, its outputs
-// (`out_rows` rows each; recv_src none for a cached dispatch, which keeps the handle's).
-struct DispatchViews {
-  TensorView x, scales, idx, weights, in_rank, info, send_pos;
-  TensorView recv_x, recv_scales, recv_idx, recv_w, recv_src;
-  int64_t out_rows = 0;
-};
+void expect_inputs(const Context& c, DispatchViews* v) {
+  auto expect = [](const TensorView& t, const char* what, bool optional, std::initializer_list<int64_t> shape,
+                   std::initializer_list<Dt> dts) {
+    if (!(optional && t.none)) views::expect(t, what, shape, dts);
+  };
+  expect(v->x, "intranode_dispatch: x", false, {-1, -1},
+         {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
+  const int64_t T = v->x.size[0];
+  expect(v->scales, "intranode_dispatch: x_scales", true, {T, -1}, {Dt::kFloat32});
+  expect(v->idx, "intranode_dispatch: topk_idx", true, {T, -1}, {Dt::kInt64, Dt::kInt32});
+  const int64_t K = v->idx.none ? 0 : v->idx.size[1];
+  expect(v->weights, "intranode_dispatch: topk_weights", v->idx.none, {T, K}, {Dt::kFloat32});
+  expect(v->in_rank, "intranode_dispatch: is_token_in_rank", false, {T, c.num_ranks}, {Dt::kBool});
+}
 
-// x, x_scales, topk_idx, topk_weights and is_token_in_rank of `inputs` (a DispatchArgs), checked:
-// FP8 scales and top-k come with their outputs or not at all.
+// x, x_scales, topk_idx, topk_weights and is_token_in_rank of `inputs` (a DispatchArgs), checked.
 void input_views(const Context& c, py::handle inputs, DispatchViews* v) {
   const FieldNames& n = names();
-  v->x = arg(field(inputs, n.x), "intranode_dispatch: x", false, 2, -1, -1,
-             {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32, Dt::kE4m3, Dt::kE4m3Fnuz});
-  const int64_t T = v->x.size[0];
-  v->scales = arg(field(inputs, n.x_scales), "intranode_dispatch: x_scales", true, 2, T, -1, {Dt::kFloat32});
-  v->idx = arg(field(inputs, n.topk_idx), "intranode_dispatch: topk_idx", true, 2, T, -1, {Dt::kInt64, Dt::kInt32});
-  const int64_t K = v->idx.none ? 0 : v->idx.size[1];
-  v->weights =
-      arg(field(inputs, n.topk_weights), "intranode_dispatch: topk_weights", v->idx.none, 2, T, K, {Dt::kFloat32});
-  v->in_rank = arg(field(inputs, n.is_token_in_rank), "intranode_dispatch: is_token_in_rank", false, 2, T,
-                   c.num_ranks, {Dt::kBool});
+  v->x = views::view_of(field(inputs, n.x), "intranode_dispatch: x");
+  v->scales = views::view_of(field(inputs, n.x_scales), "intranode_dispatch: x_scales");
+  v->idx = views::view_of(field(inputs, n.topk_idx), "intranode_dispatch: topk_idx");
+  v->weights = views::view_of(field(inputs, n.topk_weights), "intranode_dispatch: topk_weights");
+  v->in_rank = views::view_of(field(inputs, n.is_token_in_rank), "intranode_dispatch: is_token_in_rank");
+  expect_inputs(c, v);
 }
 
 // The outputs of a reservation (zero-copy, tensors made after the launch), checked against the
@@ -502,8 +441,9 @@ std::pair<int, int> dlpack_dtype(Dt dt, int itemsize) {
 // Returns the RecvReservation (its tensors are made after this), or None when the call must
 // take the step-by-step path: the status word is set (that path raises it), the stream is being
 // captured, the staging does not hold `rows.staging_rows`, or the block does not fit.
-py::object dispatch_begin(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
-                          intptr_t use_stream, py::handle arena, py::handle inputs, py::handle cached_send_pos_t) {
+py::object begin_checked(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
+                         intptr_t use_stream, py::handle arena, DispatchViews& v, NotifyViews& n,
+                         const TensorView& handle_send_pos) {
   c.check("intranode_dispatch_begin");
   const volatile int64_t* status = reinterpret_cast<const volatile int64_t*>(c.status);
   if (status[0] != 0 || arena.is_none() || k::stream_capturing(stream)) return py::none();
@@ -515,20 +455,14 @@ py::object dispatch_begin(const Context& c, const DispatchLaunch& l, const Dispa
                         (!l.sync_free() || rows == l.num_worst_tokens),
                     "intranode_dispatch_begin: rows=", rows, " own_rows=", r.own_rows, " send_rows=", r.send_rows,
                     " staging_rows=", r.staging_rows, " num_worst_tokens=", l.num_worst_tokens);
-  UCCL_EP_CHECK_ARG(l.cached != cached_send_pos_t.is_none(),
+  UCCL_EP_CHECK_ARG(l.cached != handle_send_pos.none,
                     "intranode_dispatch_begin: cached_send_pos is the handle's send_pos of a cached dispatch "
                     "(DispatchLaunch.cached=",
                     l.cached, "), and None otherwise");
-  DispatchViews v;
-  input_views(c, inputs, &v);
   const int64_t T = v.x.size[0], H = v.x.size[1];
   const int64_t S = v.scales.none ? 0 : v.scales.size[1];
   const int64_t K = v.idx.none ? 0 : v.idx.size[1];
   UCCL_EP_CHECK_ARG(!l.cached || v.idx.none, "intranode_dispatch_begin: a cached dispatch takes no topk_idx");
-  NotifyViews n;
-  count_views(c, l, inputs, &n);
-  const TensorView handle_send_pos =
-      arg(cached_send_pos_t, "intranode_dispatch: send_pos", true, 2, T, R, {Dt::kInt32});
   // Staging for `staging_rows` (a launch-ahead bound is sized with 8-byte ids, as every rank
   // decides alike from what the call header makes equal).
   const int idx_size = v.idx.none || judge ? 8 : v.idx.dtype->itemsize;
@@ -563,6 +497,18 @@ py::object dispatch_begin(const Context& c, const DispatchLaunch& l, const Dispa
   if (judge) k::intranode_notify(notify, stream);
   dispatch_launch(c, l, r, stream, v, true, true, judge, judge ? nullptr : &notify);
   return reservation;
+}
+
+// intranode_dispatch_begin (the binding): the tensors of `inputs` (a DispatchArgs) read by name.
+py::object dispatch_begin(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
+                          intptr_t use_stream, py::handle arena, py::handle inputs, py::handle cached_send_pos_t) {
+  DispatchViews v;
+  input_views(c, inputs, &v);
+  NotifyViews n;
+  count_views(c, l, inputs, &n);
+  const TensorView handle_send_pos =
+      arg(cached_send_pos_t, "intranode_dispatch: send_pos", true, 2, v.x.size[0], c.num_ranks, {Dt::kInt32});
+  return begin_checked(c, l, r, stream, use_stream, arena, v, n, handle_send_pos);
 }
 
 // The pipelined combine kernel, then the poison fold of its outputs. Returns kCombinedInPlace
@@ -699,13 +645,8 @@ DispatchRows exact_rows(const std::vector<int64_t>& pm, int rank, int num_ranks)
 static_assert(kNotifyCheckWords == k::kCheckWords, "notify_checks_good reads intranode.h's check rows");
 
 // The end of a launch-ahead dispatch (intranode_dispatch_begin of an exact uncached call with its
-// bound `bound`) in one step: its counts read back (as read_counts does), and when the status word
-// is clear, every rank's checks are good and no rank receives more than the bound, the call's
-// result: (1, rank prefix matrix (host tuple), aligned received rows per local expert (list), its
-// exact DispatchRows, the most rows any rank receives, the five outputs of its received rows, the
-// handle's four tensors) of `reservation`. Otherwise read_counts' (state, words): the caller
-// judges them (it raises what failed, or runs the call again when a rank exceeded the bound).
-py::tuple ahead_finish(const Context& c, const DispatchLaunch& l, py::handle reservation, int64_t bound) {
+// bound `bound`) in one step: its counts read back (as read_counts does) and judged (AheadEnd).
+AheadEnd ahead_end(const Context& c, const DispatchLaunch& l, py::handle reservation, int64_t bound) {
   const int R = c.num_ranks;
   UCCL_EP_CHECK_ARG(l.readback(), "intranode_ahead_finish: the launch is not an exact uncached dispatch");
   c.check("intranode_ahead_finish");
@@ -714,24 +655,39 @@ py::tuple ahead_finish(const Context& c, const DispatchLaunch& l, py::handle res
   // host would otherwise spin through those microseconds). A call that ends otherwise takes
   // them from the reservation (RecvReservation.aux).
   reservation_aux_ahead(reservation, c.rank);
-  std::vector<int64_t> words;
-  const int state = read_back(c, num_info, &words);
-  if (state == 1) {
-    const std::vector<int64_t> prefix(words.begin(), words.begin() + int64_t{R} * R);
-    const int64_t most = *std::max_element(prefix.end() - R, prefix.end());
-    const bool clear = reinterpret_cast<const volatile int64_t*>(c.status)[0] == 0;
-    if (clear && notify_checks_good(words.data() + num_info, R, l.num_experts) && most <= bound) {
-      const DispatchRows rows = exact_rows(prefix, c.rank, R);
-      py::tuple made = reservation_tensors(reservation, rows.num_recv, c.rank);
-      py::list per_expert;
-      for (int i = R * R; i < num_info; ++i) per_expert.append(words[i]);
-      return py::make_tuple(1, py::tuple(py::cast(prefix)), per_expert, rows, most, made[0], made[1]);
-    }
+  AheadEnd end;
+  end.state = read_back(c, num_info, &end.words);
+  if (end.state != 1) return end;
+  const std::vector<int64_t>& words = end.words;
+  std::vector<int64_t> prefix(words.begin(), words.begin() + int64_t{R} * R);
+  const int64_t most = *std::max_element(prefix.end() - R, prefix.end());
+  const bool clear = reinterpret_cast<const volatile int64_t*>(c.status)[0] == 0;
+  if (clear && notify_checks_good(words.data() + num_info, R, l.num_experts) && most <= bound) {
+    end.rows = exact_rows(prefix, c.rank, R);
+    end.made = reservation_tensors(reservation, end.rows.num_recv, c.rank);
+    end.most = most;
+    end.prefix = std::move(prefix);
+    end.good = true;
   }
-  return py::make_tuple(state, py::cast(words));
+  return end;
 }
 
-}  // namespace
+// intranode_ahead_finish (the binding): (1, rank prefix matrix (host tuple), aligned received rows
+// per local expert (list), its exact DispatchRows, the most rows any rank receives, the five
+// outputs of its received rows, the handle's four tensors) of a good call (AheadEnd::good), else
+// read_counts' (state, words): the caller judges them (it raises what failed, or runs the call
+// again when a rank exceeded the bound).
+py::tuple ahead_finish(const Context& c, const DispatchLaunch& l, py::handle reservation, int64_t bound) {
+  AheadEnd end = ahead_end(c, l, reservation, bound);
+  if (!end.good) return py::make_tuple(end.state, py::cast(end.words));
+  const int R = c.num_ranks;
+  py::list per_expert;
+  for (int i = R * R; i < R * R + l.experts_per_rank; ++i) per_expert.append(end.words[i]);
+  return py::make_tuple(1, py::tuple(py::cast(end.prefix)), per_expert, end.rows, end.most, end.made[0],
+                        end.made[1]);
+}
+
+}  // namespace intranode
 #endif
 
 void bind_intranode_calls(py::module_& m) {
@@ -748,6 +704,7 @@ void bind_intranode_calls(py::module_& m) {
       "packed call header) are good: ids within [-1, num_experts), no mismatch, one header.");
   m.attr("NOTIFY_CHECK_WORDS") = kNotifyCheckWords;
 #ifdef UCCL_EP_WITH_GPU
+  using namespace intranode;
   py::class_<Context>(m, "IntranodeContext",
                       "The per-Buffer part of every intranode launch (buffers, rank, status, timeout), "
                       "checked when built; rebuilt after a buffer regrow.")

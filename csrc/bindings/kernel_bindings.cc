@@ -208,6 +208,9 @@ void bind_kernels(py::module_& m) {
         "Blocks of a combine grid that push rows back (the rest reduce): the kernel's own split.");
 #endif
   bind_intranode_calls(m);
+#ifdef UCCL_EP_WITH_GPU
+  bind_intranode_lane(m);
+#endif
 }
 
 }  // namespace uccl_ep::bindings

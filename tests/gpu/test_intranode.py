@@ -805,21 +805,26 @@ def megatron_pattern_case(rank: int, world: int) -> int:
 def direct_lane_case(rank: int, world: int) -> dict:
     """Synchronous calls whose arguments match a key that passed every check take the direct
     lane (api/direct.py): dispatch, cached dispatch and combine equal the reference and the
-    general path's results (asynchronous calls of the same inputs), exact and sync-free; a bad
-    id in a call that hits the key raises on every rank, and the Buffer then works again; a
-    new shape takes the general path. Returns, per step, the calls the lane served in it."""
+    general path's results (asynchronous calls of the same inputs), exact and sync-free; an
+    uncached dispatch whose signature took the one-call path before is served by the lane's
+    binding (`_C.IntranodeLane`), BF16 and FP8, with the same results; a bad id in a call that
+    hits the key raises on every rank, and the Buffer then works again; a new shape takes the
+    general path. Returns, per step, the calls the lane served in it and those its binding
+    served."""
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.core.errors import InvalidInputError
 
     kb, rb = _get_buffers()
     taken: dict[str, int] = {}
+    bound: dict[str, int] = {}
 
     def step(name, fn):
-        before = kb._direct_calls
+        before, lane = kb._direct_calls, kb._lane.calls
         try:
             return fn()
         finally:
             taken[name] = kb._direct_calls - before
+            bound[name] = kb._lane.calls - lane
 
     num_experts, idx, w, x = _small_inputs(rank, world, 300 + rank)
     lay = kb.get_dispatch_layout(idx, num_experts)[:4]
@@ -833,6 +838,8 @@ def direct_lane_case(rank: int, world: int) -> dict:
         poison(kb)
         direct = step(f"{mode} dispatch", lambda kw=kw: dispatch(kb, x, lay, idx, w, **kw))
         poison(kb)
+        lane = step(f"{mode} lane dispatch", lambda kw=kw: dispatch(kb, x, lay, idx, w, **kw))
+        poison(kb)
         general = step(
             f"{mode} async dispatch",
             lambda kw=kw: dispatch(
@@ -841,7 +848,8 @@ def direct_lane_case(rank: int, world: int) -> dict:
         )
         general[-1].current_stream_wait()
         count = int(direct[4].recv_count)
-        for name, got in (("direct", direct), ("general", general)):
+        assert int(lane[4].recv_count) == count and lane[4].seq == direct[4].seq + 1
+        for name, got in (("direct", direct), ("general", general), ("lane", lane)):
             assert_recv_same(got, ref, count=count)
             assert_same(f"{name} counts", got[3], ref[3])
             assert_same(
@@ -857,6 +865,21 @@ def direct_lane_case(rank: int, world: int) -> dict:
         poison(kb)
         kcx = step(f"{mode} combine", lambda d=direct: kb.combine(d[0], d[4])[0])
         assert_combine_close(kcx, None, rcx, None, exact=world == 2)
+        del lane
+        # FP8 rows with their scales: the key, the Python lane (its binding learns), the binding.
+        x8 = (
+            x.float().to(torch.float8_e4m3fn),
+            torch.rand(x.shape[0], x.shape[1] // 128, device="cuda"),
+        )
+        ref8 = dispatch(rb, x8, rlay, idx, w, **kw)
+        for call in ("fp8 key", "fp8 python lane", "fp8 lane"):
+            poison(kb)
+            got8 = step(f"{mode} {call}", lambda kw=kw, x8=x8: dispatch(kb, x8, lay, idx, w, **kw))
+            assert got8[0][0].dtype == torch.float8_e4m3fn, got8[0][0].dtype
+            assert_recv_same(got8, ref8, fp8=True, count=int(got8[4].recv_count))
+            assert_same(f"{call} counts", got8[3], ref8[3])
+            assert_same(f"{call} recv_src_idx", got8[4].recv_src_idx, ref8[4].recv_src_idx)
+        del got8
     # The same key with a bad id: the lane takes it, the GPU check raises on every rank.
     bad = idx.clone()
     bad[3, 1] = num_experts
@@ -868,7 +891,7 @@ def direct_lane_case(rank: int, world: int) -> dict:
     after = dispatch(kb, x, lay, idx, w)
     assert_recv_same(after, dispatch(rb, x, rlay, idx, w))
     step("new shape", lambda: dispatch(kb, x[:, :128].contiguous(), lay, idx, w))
-    return {"taken": taken, "message": message}
+    return {"taken": taken, "bound": bound, "message": message}
 
 
 def launch_ahead_case(rank: int, world: int) -> dict:
@@ -1135,8 +1158,17 @@ def test_direct_lane_matches_general_path_and_reference(gpu_pool):
     out = gpu_pool.run(__file__, "direct_lane_case", env=ENV)
     world = gpu_pool.world_size
     want = {"bad id": 1, "new shape": 0}
+    # The binding serves an uncached synchronous dispatch of a signature that took the one-call
+    # path before, on the stream of the Buffer's previous call (whether the first exact call
+    # took it depends on the bound earlier cases left; after the asynchronous call, the Python
+    # lane orders the next call after the comm stream).
+    want_bound = {"bad id": 1, "new shape": 0}
     for mode in ("exact", "sync-free"):
-        want |= {f"{mode} {c}": 1 for c in ("dispatch", "cached", "combine")}
-        want[f"{mode} async dispatch"] = 0
+        want |= {f"{mode} {c}": 1 for c in ("dispatch", "lane dispatch", "cached", "combine")}
+        want |= {f"{mode} fp8 {c}": 1 for c in ("python lane", "lane")}
+        want |= {f"{mode} async dispatch": 0, f"{mode} fp8 key": 0}
+        want_bound |= {f"{mode} {c}": 0 for c in ("async dispatch", "cached", "combine")}
+        want_bound |= {f"{mode} lane dispatch": 1, f"{mode} fp8 lane": 1}
     assert all(o["taken"] == want for o in out), out
+    assert all(o["bound"][k] == v for o in out for k, v in want_bound.items()), out
     assert all(f"expert id {4 * world}" in o["message"] for o in out), out

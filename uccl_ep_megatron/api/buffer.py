@@ -165,6 +165,9 @@ class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
             )
         self._init_comm_stream(self.device, device_index)
         self._direct = self._backend.runs_on_caller_stream and self._comm_stream is not None
+        # The direct lane of an uncached dispatch in one binding call, where the backend has one
+        # (api/direct.py).
+        self._lane = self._backend.make_lane(self.uid) if self._direct else None
         self._destroyed = False
         self._calls = 0  # dispatch/combine calls so far: the `seq` of the call header
         # Default configs per (op, Buffer.num_sms): they read the environment (ranks per
@@ -376,6 +379,25 @@ class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
             handle, event)``; for cached dispatch ``(recv_x, None, None, None, None, event)``.
         """
         self._check_alive()
+        lane = self._lane
+        if lane is not None and handle is None and previous_event is None and not async_finish:
+            done = lane.dispatch(
+                self,
+                x,
+                num_tokens_per_rank,
+                num_tokens_per_rdma_rank,
+                is_token_in_rank,
+                num_tokens_per_expert,
+                topk_idx,
+                topk_weights,
+                expert_alignment,
+                num_worst_tokens,
+                config,
+            )
+            if done is not None and len(done) == 6:
+                return done
+        else:
+            done = None
         given = DispatchInputs(
             num_tokens_per_rank,
             num_tokens_per_rdma_rank,
@@ -386,6 +408,11 @@ class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
             expert_alignment,
             num_worst_tokens,
         )
+        if done is not None:
+            # Launched by the lane's binding, its counts for the backend to judge: handed over
+            # in a list it empties (a call run again needs the bound's block back first).
+            rest, done = [done], None
+            return self._lane_rest(x, given, config, rest)
         if self._direct and previous_event is None and not async_finish:
             done = self._dispatch_direct(x, handle, given, config)
             if done is not None:

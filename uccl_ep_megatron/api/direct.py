@@ -9,6 +9,12 @@ backend's arguments from the key's hit and calls the backend; anything else (a f
 a shape, a bad argument, another device, a handle of another Buffer) returns ``None`` and
 takes the general path, which checks, agrees, raises on every rank alike or remembers the key.
 ``DirectCalls`` is a mixin of ``Buffer`` (``api/buffer.py``): ``self`` is the ``Buffer``.
+
+Where the backend has one (``Backend.make_lane``), an uncached dispatch whose signature took the
+backend's one-call path before skips even this Python: ``Buffer.dispatch`` hands its arguments
+to the lane's binding (``_C.IntranodeLane``, ``csrc/bindings/intranode_lane.cc``), which matches
+them, launches and returns the result, or returns None before any effect (this lane then takes
+the call).
 """
 
 from __future__ import annotations
@@ -18,7 +24,13 @@ from typing import Any
 
 import torch
 
-from uccl_ep_megatron.api.validation import DispatchInputs, XType, checked_key, combine_key
+from uccl_ep_megatron.api.validation import (
+    DispatchInputs,
+    XType,
+    checked_key,
+    combine_key,
+    dispatch_args,
+)
 from uccl_ep_megatron.backends.base import DispatchHandle
 from uccl_ep_megatron.core.config import Config
 
@@ -75,6 +87,19 @@ class DirectCalls:
         self._direct_stream()
         self._direct_calls += 1
         return self._dispatch_returns(backend.dispatch(args), args, handle, seq)
+
+    def _lane_rest(
+        self, x: XType, given: DispatchInputs, config: Config | None, rest: list[Any]
+    ) -> tuple[Any, ...]:
+        """``dispatch``'s return value for a launch-ahead call that the lane's binding launched
+        and whose readback is not a good call's (``rest``: [(reservation, (state, words),
+        bound rows, seq)]): the backend judges it (``ahead_rest``)."""
+        seq = rest[0][3]
+        config = self._direct_config(config, "dispatch")
+        x_data, x_scales = (x, None) if isinstance(x, torch.Tensor) else x
+        args = dispatch_args(x_data, x_scales, given, config, False)
+        result = self._backend.ahead_rest(args, rest)
+        return self._dispatch_returns(result, args, None, seq)
 
     def _combine_direct(
         self,

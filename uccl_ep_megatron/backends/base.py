@@ -229,6 +229,11 @@ class Backend(abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sum each received row back into its source token (and top-k weights likewise)."""
 
+    def make_lane(self, uid: int) -> Any:
+        """A binding that serves ``Buffer(uid).dispatch``'s direct lane in one call
+        (``api/direct.py``), or ``None``: the lane stays in Python."""
+        return None
+
     def combine_input(
         self, rows: int, hidden: int, dtype: torch.dtype, comm_stream: int
     ) -> torch.Tensor | None:

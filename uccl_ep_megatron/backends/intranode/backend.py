@@ -56,6 +56,7 @@ from uccl_ep_megatron.core.errors import (
     UcclEpError,
     UnsupportedError,
 )
+from uccl_ep_megatron.core.events import EventOverlap
 from uccl_ep_megatron.core.options import BufferOptions
 
 log = logging.getLogger(__name__)
@@ -239,6 +240,7 @@ class KernelsBackend(Backend):
         self.combine_copied_in_calls = 0
         # Dispatches launched by one binding call (intranode_dispatch_begin; see dispatch).
         self.one_call_dispatches = 0
+        self.lane: Any = None  # _C.IntranodeLane of the Buffer's direct lane (make_lane)
         self._watch([f[1] for f in flags])
 
     def _watch(self, identities: list[Any]) -> None:
@@ -583,6 +585,22 @@ class KernelsBackend(Backend):
         if reserved is None:
             return None
         self.one_call_dispatches += 1
+        if cached is None and self.lane is not None:  # its binding serves this signature now
+            x = args.x if args.x_scales is None else (args.x, args.x_scales)
+            self.lane.learn(
+                x,
+                args.num_tokens_per_rank,
+                args.num_tokens_per_rdma_rank,
+                args.is_token_in_rank,
+                args.num_tokens_per_expert,
+                args.topk_idx,
+                args.topk_weights,
+                args.expert_alignment,
+                args.num_worst_tokens,
+                args.config,
+                launch,
+                self._last_call,
+            )
         outs = RecvOutputs(None, True, [], reserved, args.x.dtype)
         if cached is not None:
             outs.made()  # its info stays in the block, which the rows keep alive
@@ -658,6 +676,47 @@ class KernelsBackend(Backend):
         self._notify(call, [])
         return self._exact(call)
 
+    def make_lane(self, uid: int) -> Any:
+        """``_C.IntranodeLane`` (``bindings/intranode_lane.cc``): the direct lane of an
+        uncached one-call dispatch in one binding call; None without a receive arena (no
+        one-call path)."""
+        if self.recv_arena.core is None:
+            return None
+        self.lane = self._c.IntranodeLane(
+            device=self._device_index,
+            rank=self.topology.rank,
+            uid=uid,
+            tensor_type=torch.Tensor,
+            handle_type=DispatchHandle,
+            state_type=_State,
+            event_type=EventOverlap,
+            error_type=UcclEpError,
+            note_wait=note_host_wait,
+            current_stream=torch._C._cuda_getCurrentRawStream,
+        )
+        return self.lane
+
+    def ahead_rest(self, args: DispatchArgs, rest: list[Any]) -> Any:
+        """The rest of a launch-ahead call that the direct lane's binding launched and whose
+        readback is not a good call's, ``rest`` = [(reservation, (state, words), bound rows,
+        seq)] (emptied here): judged as ``_ahead_result`` judges it (it raises what failed, or
+        runs the call again with exact sizes)."""
+        reserved, read, bound, _ = rest.pop()
+        try:
+            launch = self._dispatch_launch(args)
+            call = _Call(self._context(), launch, self._stream(), args, None, None)
+            outs = RecvOutputs(None, True, [], reserved, args.x.dtype)
+            result = self._ahead_result(call, outs, bound.num_recv, reserved, read)
+            if result is _RUN_AGAIN:
+                del call, outs, reserved  # the bound's block goes back before the exact call's
+                return self._run_again(args, launch)
+            return result
+        except UcclEpError:
+            raise
+        except BaseException as exc:
+            self._give_up("dispatch", exc)
+            raise
+
     def _new_call(self, args: DispatchArgs, launch: Any, stream: int) -> _Call:
         """A step-by-step call, with its send_pos (the handle's when cached) and its info
         ``[rank_prefix_matrix (R*R) | aligned received rows per local expert]``: the handle's
@@ -672,17 +731,19 @@ class KernelsBackend(Backend):
         info = torch.empty(R * R + launch.experts_per_rank, dtype=torch.int32, device=dev)
         return _Call(self._context(), launch, stream, args, info, send_pos)
 
-    def _ahead_result(self, call: _Call, outs: Any, bound: int, reserved: Any = None) -> Any:
+    def _ahead_result(
+        self, call: _Call, outs: Any, bound: int, reserved: Any = None, read: Any = None
+    ) -> Any:
         """A launch-ahead call's result once the host has read its counts, or ``_RUN_AGAIN``
         when some rank receives more than ``bound`` rows: every rank holds the same matrix, so
         every data kernel skipped the call and every rank runs it again. ``reserved``: the
         call's block from ``intranode_dispatch_begin``, whose outputs and handle tensors (not
         made yet: ``call.send_pos`` is None) a good call takes in the same binding call as its
-        counts; any other outcome is judged here from the words that call read."""
+        counts; any other outcome is judged here from the words that call read (``read``: the
+        ``(state, words)`` the direct lane's binding read already)."""
         c = self._c
         rank, num_ranks = self.topology.rank, self.topology.num_ranks
-        read = None
-        if reserved is not None:
+        if reserved is not None and read is None:
             read = c.intranode_ahead_finish(call.ctx, call.launch, reserved, bound)
             if len(read) > 2:  # good: see intranode_ahead_finish
                 note_host_wait()

@@ -1,0 +1,135 @@
+// What the intranode call bindings (intranode_calls.cc) share with the direct lane
+// (intranode_lane.cc): the per-Buffer context of every launch, the checked views of a
+// dispatch's tensors, and the steps of a one-call dispatch that both take once the views are
+// read (through the bindings' named fields, or by the lane from its own arguments).
+#pragma once
+
+#ifdef UCCL_EP_WITH_GPU
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <vector>
+
+#include "bindings/intranode_launch.h"
+#include "bindings/pointer_checks.h"
+#include "bindings/tensor_view.h"
+#include "common/errors.h"
+#include "kernels/intranode.h"
+
+namespace uccl_ep::bindings::intranode {
+
+namespace py = pybind11;
+namespace k = uccl_ep::kernels;
+using views::TensorView;
+
+// The per-Buffer part of every launch, checked when it is built (and the buffers and status
+// again at each call: the registry makes a freed or regrown buffer raise, never fault).
+struct Context {
+  std::vector<intptr_t> buffers;
+  int64_t buffer_bytes = 0;
+  int rank = 0, num_ranks = 0;
+  intptr_t status = 0;
+  int64_t timeout_ns = 0;
+  bool use_tma = false;
+  // Receive arenas (zero-copy dispatch), every rank's as mapped here; empty when off.
+  std::vector<intptr_t> arenas;
+  std::vector<int64_t> arena_sizes;  // bytes of each rank's arena
+  // A combine whose x (and weights) lie in this rank's arena is read there by its peers
+  // instead of pushed (UCCL_EP_COMBINE_IN_PLACE).
+  bool combine_in_place = true;
+
+  // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
+  void fill(k::DispatchArgs& a) const {
+    fill_common(a);
+    a.arenas = arenas;
+  }
+  void fill(k::CombineArgs& a) const {
+    fill_common(a);
+    a.arenas = arenas;
+  }
+
+  // Byte offset in this rank's arena of a tensor lying wholly inside it, else -1.
+  int64_t arena_place(const TensorView& v) const {
+    if (arenas.empty() || v.none || v.bytes() == 0) return -1;
+    const intptr_t lo = arenas[rank], hi = lo + arena_sizes[rank];
+    return v.ptr >= lo && v.ptr + v.bytes() <= hi ? static_cast<int64_t>(v.ptr - lo) : -1;
+  }
+
+  template <typename Args>
+  void fill_common(Args& a) const {
+    a.buffers = buffers;
+    a.buffer_bytes = buffer_bytes;
+    a.rank = rank;
+    a.num_ranks = num_ranks;
+    a.use_tma = use_tma;
+    a.status = status;
+    a.timeout_ns = timeout_ns;
+  }
+
+  void check(const char* what) const {
+    UCCL_EP_CHECK_ARG(rank >= 0 && rank < num_ranks && num_ranks <= k::kMaxRanks, what, ": rank=", rank,
+                      " num_ranks=", num_ranks, " (at most ", k::kMaxRanks, ")");
+    check_buffers(buffers, num_ranks, buffer_bytes, what);
+    check_status_of(status, what);
+  }
+
+  // Zero-copy dispatch: every output that holds bytes lies inside this rank's arena.
+  void check_in_arena(std::initializer_list<const TensorView*> outs) const {
+    UCCL_EP_CHECK_ARG(!arenas.empty(), "intranode_dispatch: zero_copy=True but this context has no receive arenas");
+    const intptr_t lo = arenas[rank], hi = lo + arena_sizes[rank];
+    for (const TensorView* v : outs) {
+      if (v->none || v->bytes() == 0) continue;
+      UCCL_EP_CHECK_ARG(v->ptr >= lo && v->ptr + v->bytes() <= hi, "intranode_dispatch: a zero-copy output [",
+                        v->ptr, ", +", v->bytes(), ") lies outside this rank's receive arena [", lo, ", +",
+                        arena_sizes[rank], ")");
+    }
+  }
+};
+
+// The views notify reads and writes: the counts in, the info (rank prefix matrix | rows per
+// local expert) out, the positions (none for a cached dispatch) and the ids to scan (none: no ids).
+struct NotifyViews {
+  TensorView per_rank, per_expert, info, in_rank, send_pos, idx;
+};
+
+// The views of a dispatch's launch: its inputs, the handle's send_pos and info, its outputs
+// (`out_rows` rows each; recv_src none for a cached dispatch, which keeps the handle's).
+struct DispatchViews {
+  TensorView x, scales, idx, weights, in_rank, info, send_pos;
+  TensorView recv_x, recv_scales, recv_idx, recv_w, recv_src;
+  int64_t out_rows = 0;
+};
+
+// x, x_scales, topk_idx, topk_weights and is_token_in_rank of `v`, read already, checked: FP8
+// scales and top-k come with their outputs or not at all.
+void expect_inputs(const Context& c, DispatchViews* v);
+
+// num_tokens_per_rank and num_tokens_per_expert (none without local experts) of `v`, read
+// already, checked.
+void expect_counts(const Context& c, const DispatchLaunch& l, const NotifyViews* v);
+
+// intranode_dispatch_begin on views read and checked by expect_inputs and expect_counts
+// (`handle_send_pos`: a cached dispatch's, else none): the RecvReservation, or None (the
+// step-by-step path).
+py::object begin_checked(const Context& c, const DispatchLaunch& l, const DispatchRows& r, intptr_t stream,
+                         intptr_t use_stream, py::handle arena, DispatchViews& v, NotifyViews& n,
+                         const TensorView& handle_send_pos);
+
+// The end of a launch-ahead dispatch (intranode_ahead_finish): `good` when the status word is
+// clear, every rank's checks are good and no rank receives more than the bound; then `prefix`,
+// `rows`, `most`, `per_expert` (aligned rows per local expert) and `made` ((five outputs),
+// (four handle tensors)). Otherwise `state` and `words` of the readback, for the caller to judge.
+struct AheadEnd {
+  int state = 0;
+  std::vector<int64_t> words;
+  bool good = false;
+  std::vector<int64_t> prefix;
+  DispatchRows rows;
+  int64_t most = 0;
+  py::tuple made;
+};
+AheadEnd ahead_end(const Context& c, const DispatchLaunch& l, py::handle reservation, int64_t bound);
+
+}  // namespace uccl_ep::bindings::intranode
+#endif

@@ -1,0 +1,442 @@
+// The direct lane of Buffer.dispatch in one binding call (`IntranodeLane`). api/direct.py takes a
+// synchronous call whose arguments passed every check before straight to the backend; its
+// Python, run between a barrier and the first launch, is most of an exact dispatch's host time
+// (docs/performance.md, "Host time per call"). This lane does the same for an uncached dispatch
+// that took the one-call path (intranode_dispatch_begin) with the same signature before: every
+// tensor's class, device, shape, dtype and contiguity, the two ints and the config. It reads each
+// tensor once, for the signature and the launch, launches, and returns what Buffer.dispatch
+// returns. Anything else it leaves to the Python lane by returning None before any effect: a new
+// signature, another stream or device, a backend that is not usable, a buffer to rebuild, no
+// launch-ahead bound yet, a block that does not fit. A launch-ahead call whose counts are not
+// good (a bad input, a rank over the bound) returns its reservation and readback for the backend
+// to judge (`KernelsBackend.ahead_rest`).
+#ifdef UCCL_EP_WITH_GPU
+#include <Python.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "bindings/bindings.h"
+#include "bindings/intranode_calls.h"
+#include "common/gpu.h"
+
+namespace uccl_ep::bindings::intranode {
+namespace {
+
+using views::interned;
+
+// Attribute names the lane reads or writes, interned once.
+struct Names {
+  PyObject* const shape = interned("shape");
+  PyObject* const dtype = interned("dtype");
+  PyObject* const data_ptr = interned("data_ptr");
+  PyObject* const get_device = interned("get_device");
+  PyObject* const is_contiguous = interned("is_contiguous");
+  PyObject* const view = interned("view");
+  PyObject* const aux = interned("aux");
+  PyObject* const tensors = interned("tensors");
+  // Buffer
+  PyObject* const num_sms = interned("num_sms");
+  PyObject* const default_configs = interned("_default_configs");
+  PyObject* const last_raw = interned("_last_raw");
+  PyObject* const backend = interned("_backend");
+  PyObject* const calls = interned("_calls");
+  PyObject* const direct_calls = interned("_direct_calls");
+  // KernelsBackend
+  PyObject* const destroyed = interned("_destroyed");
+  PyObject* const exited = interned("_exited");
+  PyObject* const aborted = interned("_aborted");
+  PyObject* const ahead_rows = interned("_ahead_rows");
+  PyObject* const note_most = interned("_note_most");
+  PyObject* const recv_arena = interned("recv_arena");
+  PyObject* const core = interned("core");
+  PyObject* const ctx = interned("_ctx");
+  PyObject* const ctx_grows = interned("_ctx_grows");
+  PyObject* const ipc = interned("_ipc");
+  PyObject* const grows = interned("grows");
+  PyObject* const last_call = interned("_last_call");
+  PyObject* const caller_stream = interned("caller_stream");
+  PyObject* const one_call_dispatches = interned("one_call_dispatches");
+  PyObject* const ahead_calls = interned("ahead_calls");
+  PyObject* const ahead_finishes = interned("ahead_finishes");
+  PyObject* const check_usable = interned("_check_usable");
+  PyObject* const give_up = interned("_give_up");
+};
+
+const Names& names() {
+  static const Names n;
+  return n;
+}
+
+py::object get(py::handle o, PyObject* name) {
+  PyObject* v = PyObject_GetAttr(o.ptr(), name);
+  if (!v) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(v);
+}
+
+void set(py::handle o, PyObject* name, py::handle v) {
+  if (PyObject_SetAttr(o.ptr(), name, v.ptr()) < 0) throw py::error_already_set();
+}
+
+py::object call0(py::handle o, PyObject* name) {
+  PyObject* v = PyObject_CallMethodNoArgs(o.ptr(), name);
+  if (!v) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(v);
+}
+
+int64_t as_int(py::handle v) {
+  const long long n = PyLong_AsLongLong(v.ptr());
+  if (n == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return n;
+}
+
+// Adds one to the int attribute `name` of `o`; returns the new value.
+int64_t bump(py::handle o, PyObject* name) {
+  const int64_t n = as_int(get(o, name)) + 1;
+  set(o, name, py::int_(n));
+  return n;
+}
+
+// One argument as the signature sees it: None, or a tensor's class, device, view (address,
+// sizes, dtype) and contiguity.
+struct Arg {
+  PyTypeObject* type = nullptr;  // nullptr: None
+  TensorView view;
+  int64_t device = -1;
+  bool contiguous = true;
+
+  bool same(const Arg& o) const {
+    if (type != o.type) return false;
+    if (type == nullptr) return true;
+    if (device != o.device || view.dim != o.view.dim || view.dtype != o.view.dtype || contiguous != o.contiguous)
+      return false;
+    for (int i = 0; i < view.dim; ++i)
+      if (view.size[i] != o.view.size[i]) return false;
+    return true;
+  }
+};
+
+// The order of a dispatch's arguments in a signature.
+enum { kX, kScales, kPerRank, kPerRdma, kInRank, kPerExpert, kIdx, kWeights, kArgs };
+
+struct Entry {
+  Arg args[kArgs];
+  PyTypeObject* pair = nullptr;  // x came as this tuple or list (x, x_scales); nullptr: a tensor
+  int64_t alignment = 1, worst = 0;
+  py::object config, launch, bound_rows, last_call, x_dtype;
+  const DispatchLaunch* l = nullptr;  // launch's
+};
+
+class Lane {
+ public:
+  Lane(int device, int rank, int64_t uid, py::object tensor_type, py::object handle_type, py::object state_type,
+       py::object event_type, py::object error_type, py::object note_wait, py::object current_stream)
+      : device_(device),
+        rank_(rank),
+        uid_(uid),
+        tensor_type_(std::move(tensor_type)),
+        handle_type_(std::move(handle_type)),
+        state_type_(std::move(state_type)),
+        event_type_(std::move(event_type)),
+        error_type_(std::move(error_type)),
+        note_wait_(std::move(note_wait)),
+        current_stream_(std::move(current_stream)) {}
+
+  // Remember the signature of a dispatch that took the one-call path with these arguments, run
+  // with `config` (a checked Config), `launch` (its DispatchLaunch) and `last_call` (the backend's
+  // description of it). Returns whether it was kept (any argument that the lane does not take,
+  // such as a non-contiguous tensor, keeps it out).
+  bool learn(py::handle x, py::handle per_rank, py::handle per_rdma, py::handle in_rank, py::handle per_expert,
+             py::handle idx, py::handle weights, int64_t alignment, int64_t worst, py::object config,
+             py::object launch, py::object last_call) {
+    auto made = std::make_shared<Entry>();
+    Entry& e = *made;
+    if (!read_all(x, per_rank, per_rdma, in_rank, per_expert, idx, weights, e.args, &e.pair)) return false;
+    for (int i = 0; i < kArgs; ++i)
+      if (!e.args[i].contiguous) return false;
+    const Arg& counts = e.args[kPerRank];
+    const Arg& experts = e.args[kPerExpert];
+    if (counts.type == nullptr || counts.view.dtype->dt != views::Dt::kInt32 ||
+        (experts.type != nullptr && experts.view.dtype->dt != views::Dt::kInt32))
+      return false;
+    e.alignment = alignment;
+    e.worst = worst;
+    e.config = std::move(config);
+    e.l = &launch.cast<const DispatchLaunch&>();
+    UCCL_EP_CHECK_ARG(!e.l->cached && e.l->num_worst_tokens == worst && e.l->expert_alignment == alignment,
+                      "IntranodeLane.learn: the launch is not this uncached call's");
+    e.launch = std::move(launch);
+    if (worst > 0) e.bound_rows = py::cast(DispatchRows::of_bound(worst));
+    e.last_call = std::move(last_call);
+    py::handle x_data = e.pair ? py::handle(PySequence_Fast_GET_ITEM(x.ptr(), 0)) : x;
+    e.x_dtype = get(x_data, names().dtype);
+    for (auto& old : entries_) {
+      if (old->config.ptr() == e.config.ptr() && matches(*old, e.args, e.pair, alignment, worst)) {
+        old = std::move(made);
+        return true;
+      }
+    }
+    if (entries_.size() >= 64) entries_.clear();  // signatures a caller used and dropped
+    entries_.push_back(std::move(made));
+    return true;
+  }
+
+  // Buffer.dispatch(x, num_tokens_per_rank=..., ..., config=config) of `buffer` without a handle,
+  // previous event or async_finish: its return value, None (the Python lane), or the tuple
+  // (reservation, (state, words), bound rows, seq) of a launch-ahead call to judge.
+  py::object dispatch(py::handle buffer, py::handle x, py::handle per_rank, py::handle per_rdma, py::handle in_rank,
+                      py::handle per_expert, py::handle idx, py::handle weights, py::handle alignment,
+                      py::handle worst, py::handle config) {
+    bool launched = false;
+    try {
+      return run(buffer, x, per_rank, per_rdma, in_rank, per_expert, idx, weights, alignment, worst, config,
+                 &launched);
+    } catch (py::error_already_set& e) {
+      // As KernelsBackend.dispatch: a rank that leaves a launched call for any reason but an
+      // error every rank raises alike tells its peers at once (their kernels would wait for it).
+      if (launched && !e.matches(error_type_))
+        get(get(buffer, names().backend), names().give_up)("dispatch", e.value());
+      throw;
+    }
+  }
+
+  void clear() { entries_.clear(); }
+  size_t size() const { return entries_.size(); }
+  int64_t calls() const { return calls_; }
+  int64_t launched_ns() const { return launched_ns_; }
+
+ private:
+  py::object run(py::handle buffer, py::handle x, py::handle per_rank, py::handle per_rdma, py::handle in_rank,
+                 py::handle per_expert, py::handle idx, py::handle weights, py::handle alignment, py::handle worst,
+                 py::handle config, bool* launched) {
+    const Names& n = names();
+    if (entries_.empty() || !PyLong_CheckExact(alignment.ptr()) || !PyLong_CheckExact(worst.ptr()))
+      return py::none();
+    const long long align_v = PyLong_AsLongLong(alignment.ptr());
+    const long long worst_v = PyLong_AsLongLong(worst.ptr());
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      return py::none();
+    }
+    Arg a[kArgs];
+    PyTypeObject* pair = nullptr;
+    if (!read_all(x, per_rank, per_rdma, in_rank, per_expert, idx, weights, a, &pair)) return py::none();
+    PyObject* cfg = config.ptr();
+    py::object defaults;
+    if (config.is_none()) {
+      // Buffer._direct_config: the default config of (op, Buffer.num_sms), made earlier.
+      py::object key = py::make_tuple("dispatch", get(buffer, n.num_sms));
+      defaults = get(buffer, n.default_configs);
+      cfg = PyDict_GetItemWithError(defaults.ptr(), key.ptr());
+      if (cfg == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return py::none();
+      }
+    }
+    // Held for the call: a learn while the GIL is released (the wait for the counts) may
+    // replace the entry.
+    std::shared_ptr<const Entry> e;
+    for (const auto& cand : entries_)
+      if (cand->config.ptr() == cfg && matches(*cand, a, pair, align_v, worst_v)) e = cand;
+    if (!e) return py::none();
+    int dev = -1;
+    if (gpuGetDevice(&dev) != gpuSuccess) {
+      (void)gpuGetLastError();
+      return py::none();
+    }
+    if (dev != device_) return py::none();
+    py::object raw = current_stream_(device_);
+    const int same_stream = PyObject_RichCompareBool(raw.ptr(), get(buffer, n.last_raw).ptr(), Py_EQ);
+    if (same_stream < 0) throw py::error_already_set();
+    if (!same_stream) return py::none();  // the Python lane orders it after the last stream first
+    py::object backend = get(buffer, n.backend);
+    if (!usable(backend)) return py::none();  // the Python lane raises why
+    py::object rows_obj;
+    if (worst_v > 0) {
+      rows_obj = e->bound_rows;
+    } else {
+      const int64_t ahead = as_int(get(backend, n.ahead_rows));
+      if (ahead <= 0) return py::none();  // no bound yet: an exact call, counts first
+      if (ahead != bound_) {
+        bound_rows_ = py::cast(DispatchRows::of_bound(ahead));
+        bound_ = ahead;
+      }
+      rows_obj = bound_rows_;
+    }
+    const DispatchRows& r = rows_obj.cast<const DispatchRows&>();
+    py::object core = get(get(backend, n.recv_arena), n.core);
+    py::object ctx = get(backend, n.ctx);
+    if (core.is_none() || ctx.is_none()) return py::none();
+    const int same_grows =
+        PyObject_RichCompareBool(get(backend, n.ctx_grows).ptr(), get(get(backend, n.ipc), n.grows).ptr(), Py_EQ);
+    if (same_grows < 0) throw py::error_already_set();
+    if (!same_grows) return py::none();  // the buffers grew: the Python lane rebuilds the context
+    const Context& c = ctx.cast<const Context&>();
+    set(backend, n.last_call, e->last_call);
+    DispatchViews v;
+    v.x = a[kX].view;
+    v.scales = a[kScales].view;
+    v.idx = a[kIdx].view;
+    v.weights = a[kWeights].view;
+    v.in_rank = a[kInRank].view;
+    expect_inputs(c, &v);
+    NotifyViews nv;
+    nv.per_rank = a[kPerRank].view;
+    nv.per_expert = a[kPerExpert].view;
+    expect_counts(c, *e->l, &nv);
+    const intptr_t stream = static_cast<intptr_t>(as_int(raw));
+    py::object reservation = begin_checked(c, *e->l, r, stream, stream, core, v, nv, TensorView{});
+    if (reservation.is_none()) return py::none();  // the Python lane's step-by-step path
+    *launched = true;
+    launched_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now().time_since_epoch())
+                       .count();
+    // Launched: what the Python lane records of a call.
+    const int64_t seq = bump(buffer, n.calls);
+    bump(buffer, n.direct_calls);
+    set(backend, n.caller_stream, raw);
+    bump(backend, n.one_call_dispatches);
+    ++calls_;
+    if (worst_v > 0) {
+      py::tuple aux = py::reinterpret_borrow<py::tuple>(reservation.attr(n.aux)(rank_));
+      py::tuple outputs = py::reinterpret_borrow<py::tuple>(call0(reservation, n.tensors));
+      return result(*e, per_rank, in_rank, outputs, aux, py::list(), py::none(), rows_obj, r.num_recv, seq);
+    }
+    AheadEnd end = ahead_end(c, *e->l, reservation, r.num_recv);
+    if (!end.good)
+      return py::make_tuple(reservation, py::make_tuple(end.state, py::cast(end.words)), rows_obj, seq);
+    note_wait_();
+    if (!usable(backend)) call0(backend, n.check_usable);  // raises why (a peer exited meanwhile)
+    get(backend, n.note_most)(end.most);  // the next call's launch-ahead bound
+    bump(backend, n.ahead_calls);
+    bump(backend, n.ahead_finishes);
+    const int R = c.num_ranks;
+    py::list per_expert_counts;
+    for (int i = R * R; i < R * R + e->l->experts_per_rank; ++i) per_expert_counts.append(end.words[i]);
+    return result(*e, per_rank, in_rank, py::reinterpret_borrow<py::tuple>(end.made[0]),
+                  py::reinterpret_borrow<py::tuple>(end.made[1]), per_expert_counts, py::tuple(py::cast(end.prefix)),
+                  py::cast(end.rows), end.rows.num_recv, seq);
+  }
+
+  // Each argument's Arg; false for an argument the lane does not take (not None nor a tensor,
+  // a tensor of 0 or more than 3 dimensions, x neither a tensor nor a pair).
+  bool read_all(py::handle x, py::handle per_rank, py::handle per_rdma, py::handle in_rank, py::handle per_expert,
+                py::handle idx, py::handle weights, Arg* a, PyTypeObject** pair) const {
+    PyObject* x_data = x.ptr();
+    PyObject* x_scales = Py_None;
+    if (PyTuple_CheckExact(x.ptr()) || PyList_CheckExact(x.ptr())) {
+      if (PySequence_Fast_GET_SIZE(x.ptr()) != 2) return false;
+      *pair = Py_TYPE(x.ptr());
+      x_data = PySequence_Fast_GET_ITEM(x.ptr(), 0);
+      x_scales = PySequence_Fast_GET_ITEM(x.ptr(), 1);
+      if (x_scales == Py_None) return false;
+    }
+    if (x_data == Py_None) return false;
+    PyObject* objs[kArgs] = {x_data,        x_scales, per_rank.ptr(), per_rdma.ptr(), in_rank.ptr(),
+                             per_expert.ptr(), idx.ptr(), weights.ptr()};
+    for (int i = 0; i < kArgs; ++i)
+      if (!read_arg(objs[i], &a[i])) return false;
+    return true;
+  }
+
+  bool read_arg(PyObject* t, Arg* a) const {
+    *a = Arg{};
+    if (t == Py_None) return true;
+    const int is_tensor = PyObject_IsInstance(t, tensor_type_.ptr());
+    if (is_tensor < 0) throw py::error_already_set();
+    if (!is_tensor) return false;
+    const Names& n = names();
+    py::object shape = get(t, n.shape);
+    if (!PyTuple_Check(shape.ptr())) return false;
+    const Py_ssize_t dims = PyTuple_GET_SIZE(shape.ptr());
+    if (dims < 1 || dims > views::kMaxViewDims) return false;
+    a->type = Py_TYPE(t);
+    a->view = views::view_of(t, "IntranodeLane");
+    a->device = as_int(call0(t, n.get_device));
+    a->contiguous = PyObject_IsTrue(call0(t, n.is_contiguous).ptr()) == 1;
+    return true;
+  }
+
+  static bool matches(const Entry& e, const Arg* a, PyTypeObject* pair, int64_t alignment, int64_t worst) {
+    if (e.pair != pair || e.alignment != alignment || e.worst != worst) return false;
+    for (int i = 0; i < kArgs; ++i)
+      if (!e.args[i].same(a[i])) return false;
+    return true;
+  }
+
+  // KernelsBackend._check_usable would pass: not destroyed, no peer exited, no call aborted.
+  static bool usable(py::handle backend) {
+    const Names& n = names();
+    return !PyObject_IsTrue(get(backend, n.destroyed).ptr()) && !PyObject_IsTrue(get(backend, n.exited).ptr()) &&
+           get(backend, n.aborted).is_none();
+  }
+
+  // What Buffer.dispatch returns (Buffer._dispatch_returns of KernelsBackend._dispatch_result).
+  py::object result(const Entry& e, py::handle per_rank, py::handle in_rank, py::tuple outputs,
+                    py::tuple aux, py::object expert_counts, py::object prefix_host, py::object rows, int64_t num_recv,
+                    int64_t seq) const {
+    const Names& n = names();
+    py::object recv_x = outputs[0];
+    if (get(recv_x, n.dtype).ptr() != e.x_dtype.ptr())  // FP8 rows come as uint8
+      recv_x = recv_x.attr(n.view)(e.x_dtype);
+    py::object state = state_type_(prefix_host, aux[0], rows);
+    const int64_t num_topk = e.args[kIdx].type == nullptr ? 0 : e.args[kIdx].view.size[1];
+    py::object handle = handle_type_(aux[1], in_rank, per_rank, outputs[4], num_recv, e.worst, num_topk, state, uid_,
+                                     seq, aux[2], aux[3]);
+    py::object x_out = e.pair ? py::object(py::make_tuple(recv_x, outputs[1])) : recv_x;
+    return py::make_tuple(x_out, outputs[2], outputs[3], expert_counts, handle, event_type_());
+  }
+
+  int device_, rank_;
+  int64_t uid_;
+  py::object tensor_type_, handle_type_, state_type_, event_type_, error_type_, note_wait_, current_stream_;
+  std::vector<std::shared_ptr<const Entry>> entries_;
+  int64_t bound_ = -1;
+  py::object bound_rows_;
+  int64_t calls_ = 0;
+  int64_t launched_ns_ = 0;
+};
+
+}  // namespace
+}  // namespace uccl_ep::bindings::intranode
+
+namespace uccl_ep::bindings {
+
+namespace py = pybind11;
+
+void bind_intranode_lane(py::module_& m) {
+  using intranode::Lane;
+  py::class_<Lane>(m, "IntranodeLane",
+                   "The direct lane of Buffer.dispatch in one binding call, for an uncached dispatch whose "
+                   "signature took the one-call path before (bindings/intranode_lane.cc).")
+      .def(py::init<int, int, int64_t, py::object, py::object, py::object, py::object, py::object, py::object,
+                    py::object>(),
+           py::kw_only(), py::arg("device"), py::arg("rank"), py::arg("uid"), py::arg("tensor_type"),
+           py::arg("handle_type"), py::arg("state_type"), py::arg("event_type"), py::arg("error_type"),
+           py::arg("note_wait"), py::arg("current_stream"))
+      .def("learn", &Lane::learn, py::arg("x"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_rdma_rank"),
+           py::arg("is_token_in_rank"), py::arg("num_tokens_per_expert"), py::arg("topk_idx"),
+           py::arg("topk_weights"), py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("config"),
+           py::arg("launch"), py::arg("last_call"),
+           "Remember the signature of a dispatch that took the one-call path with these arguments; "
+           "returns whether it was kept.")
+      // Positional: Buffer.dispatch calls it on every synchronous uncached call.
+      .def("dispatch", &Lane::dispatch,
+           "dispatch(buffer, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, "
+           "num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config): "
+           "Buffer.dispatch's return value, None (take the Python lane), or (reservation, (state, words), "
+           "bound rows, seq) of a launch-ahead call whose counts the backend must judge.")
+      .def("clear", &Lane::clear, "Forget every signature.")
+      .def_property_readonly("size", &Lane::size, "Signatures remembered.")
+      .def_property_readonly("calls", &Lane::calls, "Calls this lane launched.")
+      .def_property_readonly("launched_ns", &Lane::launched_ns,
+                             "The monotonic clock (ns, as time.perf_counter_ns on Linux) when its last call's "
+                             "kernels were launched (bench/profile_host.py's split).");
+}
+
+}  // namespace uccl_ep::bindings
+#endif
