@@ -111,10 +111,16 @@ class _TimedLane:
         return getattr(self._lane, name)
 
     def dispatch(self, *args: Any) -> Any:
+        return self._stamped(self._lane.dispatch, args)
+
+    def combine(self, *args: Any) -> Any:
+        return self._stamped(self._lane.combine, args)
+
+    def _stamped(self, fn: Any, args: tuple[Any, ...]) -> Any:
         lane = self._lane
         calls = lane.calls
         t0 = time.perf_counter_ns()
-        out = lane.dispatch(*args)
+        out = fn(*args)
         t1 = time.perf_counter_ns()
         if lane.calls == calls:
             self._log.append(("lane_none", t0, t1))

@@ -511,11 +511,30 @@ py::object dispatch_begin(const Context& c, const DispatchLaunch& l, const Dispa
   return begin_checked(c, l, r, stream, use_stream, arena, v, n, handle_send_pos);
 }
 
-// The pipelined combine kernel, then the poison fold of its outputs. Returns kCombinedInPlace
-// when this rank combined in place (peers read its x in its arena), plus kCombineCaptured while
-// `stream` is being captured; kCombineStatusSet, launching nothing, when the status word is set
-// (the caller raises it).
-constexpr int kCombinedInPlace = 1, kCombineCaptured = 2, kCombineStatusSet = -1;
+void expect_combine(const Context& c, const DispatchRows& r, CombineViews* v) {
+  const int R = c.num_ranks;
+  auto expect = [](const TensorView& t, const char* what, bool optional, std::initializer_list<int64_t> shape,
+                   std::initializer_list<Dt> dts) {
+    if (!(optional && t.none)) views::expect(t, what, shape, dts);
+  };
+  const TensorView& x = v->x;
+  expect(x, "intranode_combine: x", false, {-1, -1}, {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
+  const int64_t H = x.size[1];
+  UCCL_EP_CHECK_ARG(r.num_recv >= 0 && r.num_recv <= x.size[0], "intranode_combine: num_recv=", r.num_recv,
+                    " but x has ", x.size[0], " rows");
+  expect(v->out, "intranode_combine: out", false, {-1, H}, {x.dtype->dt});
+  const int64_t T = v->out.size[0];
+  expect(v->weights, "intranode_combine: topk_weights", true, {x.size[0], -1}, {Dt::kFloat32});
+  const int64_t K = v->weights.none ? 0 : v->weights.size[1];
+  expect(v->out_w, "intranode_combine: out_weights", v->weights.none, {T, K}, {Dt::kFloat32});
+  UCCL_EP_CHECK_ARG(v->num_bias >= 0 && v->num_bias <= 2, "intranode_combine: ", v->num_bias,
+                    " bias tensors; at most 2 are supported");
+  for (int i = 0; i < v->num_bias; ++i)
+    expect(v->bias[i], i == 0 ? "intranode_combine: bias[0]" : "intranode_combine: bias[1]", false, {T, H},
+           {x.dtype->dt});
+  expect(v->prefix, "intranode_combine: rank_prefix_matrix", false, {R, R}, {Dt::kInt32});
+  expect(v->send_pos, "intranode_combine: send_pos", false, {T, R}, {Dt::kInt32});
+}
 
 // The combine (the binding): x, weights, biases, out and out_weights of `tensors` (a
 // CombineTensors), with the dispatch handle's rank prefix matrix and send_pos; `rows` are the
@@ -525,34 +544,35 @@ int combine_call(const Context& c, const CombineLaunch& l, const DispatchRows& r
                  py::handle tensors, py::handle prefix_t, py::handle send_pos_t) {
   c.check("intranode_combine");
   if (reinterpret_cast<const volatile int64_t*>(c.status)[0] != 0) return kCombineStatusSet;
-  const int R = c.num_ranks;
   const FieldNames& n = names();
-  const TensorView x = arg(field(tensors, n.x), "intranode_combine: x", false, 2, -1, -1,
-                           {Dt::kBFloat16, Dt::kFloat16, Dt::kFloat32});
-  const int64_t H = x.size[1];
-  UCCL_EP_CHECK_ARG(r.num_recv >= 0 && r.num_recv <= x.size[0], "intranode_combine: num_recv=", r.num_recv,
-                    " but x has ", x.size[0], " rows");
-  const TensorView out = arg(field(tensors, n.out), "intranode_combine: out", false, 2, -1, H, {x.dtype->dt});
-  const int64_t T = out.size[0];
-  const TensorView weights =
-      arg(field(tensors, n.weights), "intranode_combine: topk_weights", true, 2, x.size[0], -1, {Dt::kFloat32});
-  const int64_t K = weights.none ? 0 : weights.size[1];
-  const TensorView out_w =
-      arg(field(tensors, n.out_weights), "intranode_combine: out_weights", weights.none, 2, T, K, {Dt::kFloat32});
+  CombineViews v;
+  v.x = views::view_of(field(tensors, n.x), "intranode_combine: x");
+  v.out = views::view_of(field(tensors, n.out), "intranode_combine: out");
+  v.weights = views::view_of(field(tensors, n.weights), "intranode_combine: topk_weights");
+  v.out_w = views::view_of(field(tensors, n.out_weights), "intranode_combine: out_weights");
   const py::object biases = field(tensors, n.biases);
   const Py_ssize_t num_bias = PySequence_Size(biases.ptr());
   if (num_bias < 0) throw py::error_already_set();
   UCCL_EP_CHECK_ARG(num_bias <= 2, "intranode_combine: ", num_bias, " bias tensors; at most 2 are supported");
-  TensorView bias[2];
+  v.num_bias = static_cast<int>(num_bias);
   for (Py_ssize_t i = 0; i < num_bias; ++i) {
     py::object b = py::reinterpret_steal<py::object>(PySequence_GetItem(biases.ptr(), i));
     if (!b) throw py::error_already_set();
-    bias[i] = arg(b, i == 0 ? "intranode_combine: bias[0]" : "intranode_combine: bias[1]", false, 2, T, H,
-                  {x.dtype->dt});
+    v.bias[i] = views::view_of(b, i == 0 ? "intranode_combine: bias[0]" : "intranode_combine: bias[1]");
   }
-  const TensorView prefix = arg(prefix_t, "intranode_combine: rank_prefix_matrix", false, 2, R, R, {Dt::kInt32});
-  const TensorView send_pos = arg(send_pos_t, "intranode_combine: send_pos", false, 2, T, R, {Dt::kInt32});
+  v.prefix = views::view_of(prefix_t, "intranode_combine: rank_prefix_matrix");
+  v.send_pos = views::view_of(send_pos_t, "intranode_combine: send_pos");
+  expect_combine(c, r, &v);
+  return combine_checked(c, l, r, stream, v);
+}
 
+int combine_checked(const Context& c, const CombineLaunch& l, const DispatchRows& r, intptr_t stream,
+                    const CombineViews& v) {
+  const TensorView &x = v.x, &weights = v.weights, &out = v.out, &out_w = v.out_w;
+  const TensorView *bias = v.bias;
+  const int64_t H = x.size[1], T = out.size[0];
+  const int64_t K = weights.none ? 0 : weights.size[1];
+  const TensorView &prefix = v.prefix, &send_pos = v.send_pos;
   k::CombineArgs a;
   c.fill(a);
   a.dtype = x.dtype->dt == Dt::kBFloat16 ? 0 : x.dtype->dt == Dt::kFloat16 ? 1 : 2;

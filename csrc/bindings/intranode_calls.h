@@ -116,6 +116,10 @@ py::object begin_checked(const Context& c, const DispatchLaunch& l, const Dispat
                          intptr_t use_stream, py::handle arena, DispatchViews& v, NotifyViews& n,
                          const TensorView& handle_send_pos);
 
+// The rows of an exact-mode dispatch on `rank` from the host rank prefix matrix (row-major):
+// intranode_exact_rows.
+DispatchRows exact_rows(const std::vector<int64_t>& pm, int rank, int num_ranks);
+
 // The end of a launch-ahead dispatch (intranode_ahead_finish): `good` when the status word is
 // clear, every rank's checks are good and no rank receives more than the bound; then `prefix`,
 // `rows`, `most`, `per_expert` (aligned rows per local expert) and `made` ((five outputs),
@@ -130,6 +134,29 @@ struct AheadEnd {
   py::tuple made;
 };
 AheadEnd ahead_end(const Context& c, const DispatchLaunch& l, py::handle reservation, int64_t bound);
+
+// The views of a combine: x, its top-k weights (none), the outputs, up to two biases, and the
+// dispatch handle's rank prefix matrix and send_pos.
+struct CombineViews {
+  TensorView x, weights, out, out_w;
+  TensorView bias[2];
+  int num_bias = 0;
+  TensorView prefix, send_pos;
+};
+
+// A combine's views (read already) checked against each other and `r` (the dispatch's rows).
+void expect_combine(const Context& c, const DispatchRows& r, CombineViews* v);
+
+// What a combine launch returns: kCombinedInPlace when this rank combined in place (peers read
+// its x in its arena), plus kCombineCaptured while `stream` is being captured; the binding
+// returns kCombineStatusSet, launching nothing, when the status word is set (the caller raises
+// it).
+constexpr int kCombinedInPlace = 1, kCombineCaptured = 2, kCombineStatusSet = -1;
+
+// The pipelined combine kernel on checked views (expect_combine), then the poison fold of its
+// outputs (NaN when a wait timed out).
+int combine_checked(const Context& c, const CombineLaunch& l, const DispatchRows& r, intptr_t stream,
+                    const CombineViews& v);
 
 }  // namespace uccl_ep::bindings::intranode
 #endif

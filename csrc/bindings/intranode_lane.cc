@@ -1,15 +1,18 @@
-// The direct lane of Buffer.dispatch in one binding call (`IntranodeLane`). api/direct.py takes a
-// synchronous call whose arguments passed every check before straight to the backend; its
-// Python, run between a barrier and the first launch, is most of an exact dispatch's host time
-// (docs/performance.md, "Host time per call"). This lane does the same for an uncached dispatch
-// that took the one-call path (intranode_dispatch_begin) with the same signature before: every
-// tensor's class, device, shape, dtype and contiguity, the two ints and the config. It reads each
-// tensor once, for the signature and the launch, launches, and returns what Buffer.dispatch
+// The direct lane of Buffer.dispatch and Buffer.combine in one binding call (`IntranodeLane`).
+// api/direct.py takes a synchronous call whose arguments passed every check before straight to
+// the backend; its Python, run between a barrier and the first launch, is most of a call's host
+// time (docs/performance.md, "Host time per call"). This lane does the same for an uncached
+// dispatch that took the one-call path (intranode_dispatch_begin) with the same signature before
+// (every tensor's class, device, shape, dtype and contiguity, the two ints and the config), and
+// for a combine without bias whose x and weights were read in place with the same signature
+// before (theirs, the handle's rows and tokens, the config). It reads each tensor once, for the
+// signature and the launch, launches, and returns what Buffer.dispatch or Buffer.combine
 // returns. Anything else it leaves to the Python lane by returning None before any effect: a new
-// signature, another stream or device, a backend that is not usable, a buffer to rebuild, no
-// launch-ahead bound yet, a block that does not fit. A launch-ahead call whose counts are not
-// good (a bad input, a rank over the bound) returns its reservation and readback for the backend
-// to judge (`KernelsBackend.ahead_rest`).
+// signature, another stream or device, a backend that is not usable, a buffer to grow or
+// rebuild, no launch-ahead bound yet, a capture, a block that does not fit, a combine input to
+// copy into the arena. A launch-ahead call whose counts are not good (a bad input, a rank over
+// the bound) returns its reservation and readback for the backend to judge
+// (`KernelsBackend.ahead_rest`).
 #ifdef UCCL_EP_WITH_GPU
 #include <Python.h>
 #include <pybind11/pybind11.h>
@@ -65,6 +68,12 @@ struct Names {
   PyObject* const ahead_finishes = interned("ahead_finishes");
   PyObject* const check_usable = interned("_check_usable");
   PyObject* const give_up = interned("_give_up");
+  PyObject* const combine_copy_in = interned("_combine_copy_in");
+  PyObject* const combine_in_place_calls = interned("combine_in_place_calls");
+  PyObject* const rows = interned("rows");
+  PyObject* const send_pos = interned("send_pos");
+  PyObject* const device = interned("device");
+  PyObject* const prefix_host = interned("prefix_host");
 };
 
 const Names& names() {
@@ -101,6 +110,12 @@ int64_t bump(py::handle o, PyObject* name) {
   return n;
 }
 
+// The monotonic clock in ns (time.perf_counter_ns's on Linux).
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 // One argument as the signature sees it: None, or a tensor's class, device, view (address,
 // sizes, dtype) and contiguity.
 struct Arg {
@@ -131,10 +146,41 @@ struct Entry {
   const DispatchLaunch* l = nullptr;  // launch's
 };
 
+// A combine's signature: x and its weights, the handle's rows and tokens, the config; no bias.
+struct CombineEntry {
+  Arg x, weights;
+  int64_t rows = 0, tokens = 0;
+  py::object config, launch, last_call, x_dtype, w_dtype, device;
+  const CombineLaunch* l = nullptr;  // launch's
+};
+
+// A cached dispatch's signature: x (and its scales), expert_alignment, the config and the
+// handle's num_worst_tokens (the call's own num_worst_tokens is 0).
+struct CachedEntry {
+  Arg x, scales;
+  PyTypeObject* pair = nullptr;
+  int64_t alignment = 1, worst = 0;
+  py::object config, launch, bound_rows, last_call, x_dtype;
+  const DispatchLaunch* l = nullptr;  // launch's
+};
+
+// DispatchHandle's fields, by position (backends/base.py).
+enum {
+  kHandlePrefix = 0,
+  kHandleInRank = 1,
+  kHandlePerRank = 2,
+  kHandleNumRecv = 4,
+  kHandleWorst = 5,
+  kHandleState = 7,
+  kHandleOwner = 8,
+  kHandleFields = 12
+};
+
 class Lane {
  public:
   Lane(int device, int rank, int64_t uid, py::object tensor_type, py::object handle_type, py::object state_type,
-       py::object event_type, py::object error_type, py::object note_wait, py::object current_stream)
+       py::object event_type, py::object error_type, py::object note_wait, py::object current_stream,
+       py::object empty)
       : device_(device),
         rank_(rank),
         uid_(uid),
@@ -144,7 +190,8 @@ class Lane {
         event_type_(std::move(event_type)),
         error_type_(std::move(error_type)),
         note_wait_(std::move(note_wait)),
-        current_stream_(std::move(current_stream)) {}
+        current_stream_(std::move(current_stream)),
+        empty_(std::move(empty)) {}
 
   // Remember the signature of a dispatch that took the one-call path with these arguments, run
   // with `config` (a checked Config), `launch` (its DispatchLaunch) and `last_call` (the backend's
@@ -188,11 +235,17 @@ class Lane {
   // Buffer.dispatch(x, num_tokens_per_rank=..., ..., config=config) of `buffer` without a handle,
   // previous event or async_finish: its return value, None (the Python lane), or the tuple
   // (reservation, (state, words), bound rows, seq) of a launch-ahead call to judge.
-  py::object dispatch(py::handle buffer, py::handle x, py::handle per_rank, py::handle per_rdma, py::handle in_rank,
-                      py::handle per_expert, py::handle idx, py::handle weights, py::handle alignment,
-                      py::handle worst, py::handle config) {
+  py::object dispatch(py::handle buffer, py::handle x, py::handle handle, py::handle per_rank, py::handle per_rdma,
+                      py::handle in_rank, py::handle per_expert, py::handle idx, py::handle weights,
+                      py::handle alignment, py::handle worst, py::handle config) {
     bool launched = false;
     try {
+      if (!handle.is_none()) {
+        if (!per_rank.is_none() || !per_rdma.is_none() || !in_rank.is_none() || !per_expert.is_none() ||
+            !idx.is_none() || !weights.is_none())
+          return py::none();  // the checks of the general path raise
+        return run_cached(buffer, x, handle, alignment, worst, config, &launched);
+      }
       return run(buffer, x, per_rank, per_rdma, in_rank, per_expert, idx, weights, alignment, worst, config,
                  &launched);
     } catch (py::error_already_set& e) {
@@ -204,8 +257,91 @@ class Lane {
     }
   }
 
-  void clear() { entries_.clear(); }
-  size_t size() const { return entries_.size(); }
+  // Remember the signature of a cached dispatch of `x` (a tensor or the pair (x, scales)) that
+  // took the one-call path, its call's num_worst_tokens 0 (`worst`: its handle's). Returns
+  // whether it was kept.
+  bool learn_cached(py::handle x, int64_t alignment, int64_t worst, py::object config, py::object launch,
+                    py::object last_call) {
+    auto made = std::make_shared<CachedEntry>();
+    CachedEntry& e = *made;
+    Arg a[kArgs];
+    const py::handle none = py::none();
+    if (!read_all(x, none, none, none, none, none, none, a, &e.pair)) return false;
+    e.x = a[kX];
+    e.scales = a[kScales];
+    if (!e.x.contiguous || !e.scales.contiguous) return false;
+    e.alignment = alignment;
+    e.worst = worst;
+    e.config = std::move(config);
+    e.l = &launch.cast<const DispatchLaunch&>();
+    UCCL_EP_CHECK_ARG(e.l->cached && e.l->num_worst_tokens == worst && e.l->expert_alignment == alignment,
+                      "IntranodeLane.learn_cached: the launch is not this cached call's");
+    e.launch = std::move(launch);
+    if (worst > 0) e.bound_rows = py::cast(DispatchRows::of_bound(worst));
+    e.last_call = std::move(last_call);
+    py::handle x_data = e.pair ? py::handle(PySequence_Fast_GET_ITEM(x.ptr(), 0)) : x;
+    e.x_dtype = get(x_data, names().dtype);
+    for (auto& old : cached_entries_) {
+      if (same_cached(*old, e.x, e.scales, e.pair, alignment, worst, e.config.ptr())) {
+        old = std::move(made);
+        return true;
+      }
+    }
+    if (cached_entries_.size() >= 64) cached_entries_.clear();
+    cached_entries_.push_back(std::move(made));
+    return true;
+  }
+
+  // Remember the signature of a combine that launched with these arguments and no bias (`rows`,
+  // `tokens`: its handle's rows and tokens; `config`, `launch`, `last_call` as for learn),
+  // with x and the weights read in place. Returns whether it was kept.
+  bool learn_combine(py::handle x, py::handle weights, int64_t rows, int64_t tokens, py::object config,
+                     py::object launch, py::object last_call) {
+    auto made = std::make_shared<CombineEntry>();
+    CombineEntry& e = *made;
+    if (!read_arg(x.ptr(), &e.x) || e.x.type == nullptr || !read_arg(weights.ptr(), &e.weights)) return false;
+    if (!e.x.contiguous || !e.weights.contiguous) return false;
+    if (e.weights.type != nullptr && e.weights.view.dtype->dt != views::Dt::kFloat32) return false;
+    e.rows = rows;
+    e.tokens = tokens;
+    e.config = std::move(config);
+    e.l = &launch.cast<const CombineLaunch&>();
+    e.launch = std::move(launch);
+    e.last_call = std::move(last_call);
+    e.x_dtype = get(x, names().dtype);
+    e.w_dtype = e.weights.type == nullptr ? py::none() : get(weights, names().dtype);
+    e.device = get(x, names().device);
+    for (auto& old : combine_entries_) {
+      if (same_combine(*old, e.x, e.weights, rows, tokens, e.config.ptr())) {
+        old = std::move(made);
+        return true;
+      }
+    }
+    if (combine_entries_.size() >= 64) combine_entries_.clear();
+    combine_entries_.push_back(std::move(made));
+    return true;
+  }
+
+  // Buffer.combine(x, handle, topk_weights, bias, config) of `buffer` without a previous event
+  // or async_finish: (combined_x, combined_topk_weights, event), or None (the Python lane).
+  py::object combine(py::handle buffer, py::handle x, py::handle handle, py::handle weights, py::handle bias,
+                     py::handle config) {
+    bool launched = false;
+    try {
+      return run_combine(buffer, x, handle, weights, bias, config, &launched);
+    } catch (py::error_already_set& e) {
+      if (launched && !e.matches(error_type_))
+        get(get(buffer, names().backend), names().give_up)("combine", e.value());
+      throw;
+    }
+  }
+
+  void clear() {
+    entries_.clear();
+    cached_entries_.clear();
+    combine_entries_.clear();
+  }
+  size_t size() const { return entries_.size() + cached_entries_.size() + combine_entries_.size(); }
   int64_t calls() const { return calls_; }
   int64_t launched_ns() const { return launched_ns_; }
 
@@ -292,9 +428,7 @@ class Lane {
     py::object reservation = begin_checked(c, *e->l, r, stream, stream, core, v, nv, TensorView{});
     if (reservation.is_none()) return py::none();  // the Python lane's step-by-step path
     *launched = true;
-    launched_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::steady_clock::now().time_since_epoch())
-                       .count();
+    launched_ns_ = now_ns();
     // Launched: what the Python lane records of a call.
     const int64_t seq = bump(buffer, n.calls);
     bump(buffer, n.direct_calls);
@@ -320,6 +454,205 @@ class Lane {
     return result(*e, per_rank, in_rank, py::reinterpret_borrow<py::tuple>(end.made[0]),
                   py::reinterpret_borrow<py::tuple>(end.made[1]), per_expert_counts, py::tuple(py::cast(end.prefix)),
                   py::cast(end.rows), end.rows.num_recv, seq);
+  }
+
+  static bool same_cached(const CachedEntry& e, const Arg& x, const Arg& scales, PyTypeObject* pair,
+                          int64_t alignment, int64_t worst, PyObject* config) {
+    return e.config.ptr() == config && e.pair == pair && e.alignment == alignment && e.worst == worst &&
+           e.x.same(x) && e.scales.same(scales);
+  }
+
+  py::object run_cached(py::handle buffer, py::handle x, py::handle handle, py::handle alignment,
+                        py::handle worst_arg, py::handle config, bool* launched) {
+    const Names& n = names();
+    PyObject* h = handle.ptr();
+    if (cached_entries_.empty() || reinterpret_cast<PyObject*>(Py_TYPE(h)) != handle_type_.ptr() ||
+        PyTuple_GET_SIZE(h) != kHandleFields || !PyLong_CheckExact(alignment.ptr()) ||
+        !PyLong_CheckExact(worst_arg.ptr()))
+      return py::none();
+    const long long align_v = PyLong_AsLongLong(alignment.ptr());
+    const long long worst_v = PyLong_AsLongLong(worst_arg.ptr());
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      return py::none();
+    }
+    if (worst_v != 0 || as_int(PyTuple_GET_ITEM(h, kHandleOwner)) != uid_) return py::none();
+    const int64_t worst = as_int(PyTuple_GET_ITEM(h, kHandleWorst));
+    Arg a[kArgs];
+    PyTypeObject* pair = nullptr;
+    const py::handle none = py::none();
+    if (!read_all(x, none, none, none, none, none, none, a, &pair)) return py::none();
+    PyObject* cfg = config.ptr();
+    py::object defaults;
+    if (config.is_none()) {
+      py::object key = py::make_tuple("dispatch", get(buffer, n.num_sms));
+      defaults = get(buffer, n.default_configs);
+      cfg = PyDict_GetItemWithError(defaults.ptr(), key.ptr());
+      if (cfg == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return py::none();
+      }
+    }
+    std::shared_ptr<const CachedEntry> e;
+    for (const auto& cand : cached_entries_)
+      if (same_cached(*cand, a[kX], a[kScales], pair, align_v, worst, cfg)) e = cand;
+    if (!e) return py::none();
+    int dev = -1;
+    if (gpuGetDevice(&dev) != gpuSuccess) {
+      (void)gpuGetLastError();
+      return py::none();
+    }
+    if (dev != device_) return py::none();
+    py::object raw = current_stream_(device_);
+    const int same_stream = PyObject_RichCompareBool(raw.ptr(), get(buffer, n.last_raw).ptr(), Py_EQ);
+    if (same_stream < 0) throw py::error_already_set();
+    if (!same_stream) return py::none();
+    py::object backend = get(buffer, n.backend);
+    if (!usable(backend)) return py::none();
+    py::object core = get(get(backend, n.recv_arena), n.core);
+    py::object ctx = get(backend, n.ctx);
+    if (core.is_none() || ctx.is_none()) return py::none();
+    const int same_grows =
+        PyObject_RichCompareBool(get(backend, n.ctx_grows).ptr(), get(get(backend, n.ipc), n.grows).ptr(), Py_EQ);
+    if (same_grows < 0) throw py::error_already_set();
+    if (!same_grows) return py::none();
+    const Context& c = ctx.cast<const Context&>();
+    // The handle's layout: its sender-side tensors and, for an exact handle, its host matrix.
+    DispatchViews v;
+    v.x = a[kX].view;
+    v.scales = a[kScales].view;
+    v.in_rank = views::view_of(PyTuple_GET_ITEM(h, kHandleInRank), "intranode_dispatch: is_token_in_rank");
+    if (v.in_rank.none || v.in_rank.size[0] != v.x.size[0]) return py::none();  // the checks raise
+    py::object state = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(h, kHandleState));
+    py::object rows_obj;
+    DispatchRows exact;
+    if (worst > 0) {
+      rows_obj = e->bound_rows;
+    } else {
+      py::object prefix_host = get(state, n.prefix_host);
+      if (prefix_host.is_none()) return py::none();
+      exact = exact_rows(prefix_host.cast<std::vector<int64_t>>(), c.rank, c.num_ranks);
+      if (exact.num_recv <= 0) return py::none();  // nothing received: the step-by-step path
+    }
+    const DispatchRows& r = worst > 0 ? rows_obj.cast<const DispatchRows&>() : exact;
+    set(backend, n.last_call, e->last_call);
+    expect_inputs(c, &v);
+    NotifyViews nv;
+    nv.per_rank = views::view_of(PyTuple_GET_ITEM(h, kHandlePerRank), "intranode_notify: num_tokens_per_rank");
+    expect_counts(c, *e->l, &nv);
+    const TensorView send_pos = views::view_of(get(state, n.send_pos), "intranode_dispatch: send_pos");
+    views::expect(send_pos, "intranode_dispatch: send_pos", {v.x.size[0], c.num_ranks}, {views::Dt::kInt32});
+    const intptr_t stream = static_cast<intptr_t>(as_int(raw));
+    py::object reservation = begin_checked(c, *e->l, r, stream, stream, core, v, nv, send_pos);
+    if (reservation.is_none()) return py::none();
+    *launched = true;
+    launched_ns_ = now_ns();
+    bump(buffer, n.calls);
+    bump(buffer, n.direct_calls);
+    set(backend, n.caller_stream, raw);
+    bump(backend, n.one_call_dispatches);
+    ++calls_;
+    py::tuple outputs = py::reinterpret_borrow<py::tuple>(call0(reservation, n.tensors));
+    py::object recv_x = outputs[0];
+    if (get(recv_x, n.dtype).ptr() != e->x_dtype.ptr()) recv_x = recv_x.attr(n.view)(e->x_dtype);
+    py::object x_out = e->pair ? py::object(py::make_tuple(recv_x, outputs[1])) : recv_x;
+    return py::make_tuple(x_out, py::none(), py::none(), py::none(), py::none(), event_type_());
+  }
+
+  static bool same_combine(const CombineEntry& e, const Arg& x, const Arg& w, int64_t rows, int64_t tokens,
+                           PyObject* config) {
+    return e.config.ptr() == config && e.rows == rows && e.tokens == tokens && e.x.same(x) && e.weights.same(w);
+  }
+
+  py::object run_combine(py::handle buffer, py::handle x, py::handle handle, py::handle weights, py::handle bias,
+                         py::handle config, bool* launched) {
+    const Names& n = names();
+    PyObject* h = handle.ptr();
+    if (combine_entries_.empty() || !bias.is_none() || reinterpret_cast<PyObject*>(Py_TYPE(h)) != handle_type_.ptr() ||
+        PyTuple_GET_SIZE(h) != kHandleFields)
+      return py::none();
+    if (as_int(PyTuple_GET_ITEM(h, kHandleOwner)) != uid_) return py::none();
+    const int64_t worst = as_int(PyTuple_GET_ITEM(h, kHandleWorst));
+    const int64_t rows = worst > 0 ? worst : as_int(PyTuple_GET_ITEM(h, kHandleNumRecv));
+    py::object in_rank_shape = get(PyTuple_GET_ITEM(h, kHandleInRank), n.shape);
+    if (!PyTuple_Check(in_rank_shape.ptr()) || PyTuple_GET_SIZE(in_rank_shape.ptr()) < 1) return py::none();
+    const int64_t tokens = as_int(PyTuple_GET_ITEM(in_rank_shape.ptr(), 0));
+    Arg ax, aw;
+    if (!read_arg(x.ptr(), &ax) || ax.type == nullptr || !read_arg(weights.ptr(), &aw)) return py::none();
+    PyObject* cfg = config.ptr();
+    py::object defaults;
+    if (config.is_none()) {
+      py::object key = py::make_tuple("combine", get(buffer, n.num_sms));
+      defaults = get(buffer, n.default_configs);
+      cfg = PyDict_GetItemWithError(defaults.ptr(), key.ptr());
+      if (cfg == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return py::none();
+      }
+    }
+    std::shared_ptr<const CombineEntry> e;
+    for (const auto& cand : combine_entries_)
+      if (same_combine(*cand, ax, aw, rows, tokens, cfg)) e = cand;
+    if (!e) return py::none();
+    int dev = -1;
+    if (gpuGetDevice(&dev) != gpuSuccess) {
+      (void)gpuGetLastError();
+      return py::none();
+    }
+    if (dev != device_) return py::none();
+    py::object raw = current_stream_(device_);
+    const int same_stream = PyObject_RichCompareBool(raw.ptr(), get(buffer, n.last_raw).ptr(), Py_EQ);
+    if (same_stream < 0) throw py::error_already_set();
+    if (!same_stream) return py::none();
+    py::object backend = get(buffer, n.backend);
+    if (!usable(backend)) return py::none();
+    py::object ctx = get(backend, n.ctx);
+    if (ctx.is_none()) return py::none();
+    const int same_grows =
+        PyObject_RichCompareBool(get(backend, n.ctx_grows).ptr(), get(get(backend, n.ipc), n.grows).ptr(), Py_EQ);
+    if (same_grows < 0) throw py::error_already_set();
+    if (!same_grows) return py::none();
+    const Context& c = ctx.cast<const Context&>();
+    const intptr_t stream = static_cast<intptr_t>(as_int(raw));
+    if (k::stream_capturing(stream)) return py::none();  // the Python lane records the capture
+    // KernelsBackend._copy_in would copy x (or the weights) into the arena first: the Python
+    // lane does that.
+    const TensorView& xv = ax.view;
+    const int64_t row_bytes = xv.size[1] * xv.dtype->itemsize;
+    if (PyObject_IsTrue(get(backend, n.combine_copy_in).ptr()) && !c.arenas.empty() && xv.size[0] > 0 &&
+        row_bytes % 16 == 0) {
+      const intptr_t lo = c.arenas[c.rank], hi = lo + c.arena_sizes[c.rank];
+      auto held = [lo, hi](const TensorView& t) { return t.ptr >= lo && t.ptr < hi; };
+      if (!held(xv) || (aw.type != nullptr && aw.view.numel() > 0 && !held(aw.view))) return py::none();
+    }
+    py::object state = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(h, kHandleState));
+    py::object rows_obj = get(state, n.rows);
+    const DispatchRows& r = rows_obj.cast<const DispatchRows&>();
+    const int64_t K = aw.type == nullptr ? 0 : aw.view.size[1];
+    if (k::combine_staging_bytes(r.combine_rows, row_bytes, static_cast<int>(K)) > c.buffer_bytes)
+      return py::none();  // the Python lane grows the buffers
+    if (reinterpret_cast<const volatile int64_t*>(c.status)[0] != 0) return py::none();  // it raises why
+    set(backend, n.last_call, e->last_call);
+    py::object out = empty_(tokens, xv.size[1], py::arg("dtype") = e->x_dtype, py::arg("device") = e->device);
+    py::object out_w = K == 0 ? py::none()
+                              : empty_(tokens, K, py::arg("dtype") = e->w_dtype, py::arg("device") = e->device);
+    CombineViews v;
+    v.x = xv;
+    v.weights = aw.view;
+    v.out = views::view_of(out, "intranode_combine: out");
+    v.out_w = views::view_of(out_w, "intranode_combine: out_weights");
+    v.prefix = views::view_of(PyTuple_GET_ITEM(h, kHandlePrefix), "intranode_combine: rank_prefix_matrix");
+    v.send_pos = views::view_of(get(state, n.send_pos), "intranode_combine: send_pos");
+    expect_combine(c, r, &v);
+    const int done = combine_checked(c, *e->l, r, stream, v);
+    *launched = true;
+    launched_ns_ = now_ns();
+    bump(buffer, n.calls);
+    bump(buffer, n.direct_calls);
+    set(backend, n.caller_stream, raw);
+    if (done & kCombinedInPlace) bump(backend, n.combine_in_place_calls);
+    ++calls_;
+    return py::make_tuple(out, out_w, event_type_());
   }
 
   // Each argument's Arg; false for an argument the lane does not take (not None nor a tensor,
@@ -393,8 +726,10 @@ class Lane {
 
   int device_, rank_;
   int64_t uid_;
-  py::object tensor_type_, handle_type_, state_type_, event_type_, error_type_, note_wait_, current_stream_;
+  py::object tensor_type_, handle_type_, state_type_, event_type_, error_type_, note_wait_, current_stream_, empty_;
   std::vector<std::shared_ptr<const Entry>> entries_;
+  std::vector<std::shared_ptr<const CachedEntry>> cached_entries_;
+  std::vector<std::shared_ptr<const CombineEntry>> combine_entries_;
   int64_t bound_ = -1;
   py::object bound_rows_;
   int64_t calls_ = 0;
@@ -414,10 +749,10 @@ void bind_intranode_lane(py::module_& m) {
                    "The direct lane of Buffer.dispatch in one binding call, for an uncached dispatch whose "
                    "signature took the one-call path before (bindings/intranode_lane.cc).")
       .def(py::init<int, int, int64_t, py::object, py::object, py::object, py::object, py::object, py::object,
-                    py::object>(),
+                    py::object, py::object>(),
            py::kw_only(), py::arg("device"), py::arg("rank"), py::arg("uid"), py::arg("tensor_type"),
            py::arg("handle_type"), py::arg("state_type"), py::arg("event_type"), py::arg("error_type"),
-           py::arg("note_wait"), py::arg("current_stream"))
+           py::arg("note_wait"), py::arg("current_stream"), py::arg("empty"))
       .def("learn", &Lane::learn, py::arg("x"), py::arg("num_tokens_per_rank"), py::arg("num_tokens_per_rdma_rank"),
            py::arg("is_token_in_rank"), py::arg("num_tokens_per_expert"), py::arg("topk_idx"),
            py::arg("topk_weights"), py::arg("expert_alignment"), py::arg("num_worst_tokens"), py::arg("config"),
@@ -425,11 +760,22 @@ void bind_intranode_lane(py::module_& m) {
            "Remember the signature of a dispatch that took the one-call path with these arguments; "
            "returns whether it was kept.")
       // Positional: Buffer.dispatch calls it on every synchronous uncached call.
+      .def("learn_cached", &Lane::learn_cached, py::arg("x"), py::arg("expert_alignment"),
+           py::arg("num_worst_tokens"), py::arg("config"), py::arg("launch"), py::arg("last_call"),
+           "Remember the signature of a cached dispatch of x (its handle's num_worst_tokens) that took the "
+           "one-call path; returns whether it was kept.")
       .def("dispatch", &Lane::dispatch,
-           "dispatch(buffer, x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, "
+           "dispatch(buffer, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, "
            "num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config): "
            "Buffer.dispatch's return value, None (take the Python lane), or (reservation, (state, words), "
            "bound rows, seq) of a launch-ahead call whose counts the backend must judge.")
+      .def("learn_combine", &Lane::learn_combine, py::arg("x"), py::arg("topk_weights"), py::arg("rows"),
+           py::arg("tokens"), py::arg("config"), py::arg("launch"), py::arg("last_call"),
+           "Remember the signature of a combine without bias that launched with these arguments, x and the "
+           "weights read in place; returns whether it was kept.")
+      .def("combine", &Lane::combine,
+           "combine(buffer, x, handle, topk_weights, bias, config): Buffer.combine's return value, or None "
+           "(take the Python lane).")
       .def("clear", &Lane::clear, "Forget every signature.")
       .def_property_readonly("size", &Lane::size, "Signatures remembered.")
       .def_property_readonly("calls", &Lane::calls, "Calls this lane launched.")

@@ -805,11 +805,11 @@ def megatron_pattern_case(rank: int, world: int) -> int:
 def direct_lane_case(rank: int, world: int) -> dict:
     """Synchronous calls whose arguments match a key that passed every check take the direct
     lane (api/direct.py): dispatch, cached dispatch and combine equal the reference and the
-    general path's results (asynchronous calls of the same inputs), exact and sync-free; an
-    uncached dispatch whose signature took the one-call path before is served by the lane's
-    binding (`_C.IntranodeLane`), BF16 and FP8, with the same results; a bad id in a call that
-    hits the key raises on every rank, and the Buffer then works again; a new shape takes the
-    general path. Returns, per step, the calls the lane served in it and those its binding
+    general path's results (asynchronous calls of the same inputs), exact and sync-free; a
+    dispatch whose signature took the one-call path before (cached or not) and a combine read in
+    place before are served by the lane's binding (`_C.IntranodeLane`), BF16 and FP8, with the
+    same results; a bad id in a call that hits the key raises on every rank, and the Buffer then
+    works again; a new shape takes the general path. Returns, per step, the calls the lane served in it and those its binding
     served."""
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.core.errors import InvalidInputError
@@ -1158,17 +1158,18 @@ def test_direct_lane_matches_general_path_and_reference(gpu_pool):
     out = gpu_pool.run(__file__, "direct_lane_case", env=ENV)
     world = gpu_pool.world_size
     want = {"bad id": 1, "new shape": 0}
-    # The binding serves an uncached synchronous dispatch of a signature that took the one-call
-    # path before, on the stream of the Buffer's previous call (whether the first exact call
-    # took it depends on the bound earlier cases left; after the asynchronous call, the Python
-    # lane orders the next call after the comm stream).
+    # The binding serves a synchronous dispatch (cached or not) of a signature that took the
+    # one-call path before, and a combine of a signature read in place before, on the stream of
+    # the Buffer's previous call (whether the first exact call took it depends on the bound
+    # earlier cases left; after the asynchronous call, the Python lane orders the next call
+    # after the comm stream).
     want_bound = {"bad id": 1, "new shape": 0}
     for mode in ("exact", "sync-free"):
         want |= {f"{mode} {c}": 1 for c in ("dispatch", "lane dispatch", "cached", "combine")}
         want |= {f"{mode} fp8 {c}": 1 for c in ("python lane", "lane")}
         want |= {f"{mode} async dispatch": 0, f"{mode} fp8 key": 0}
-        want_bound |= {f"{mode} {c}": 0 for c in ("async dispatch", "cached", "combine")}
-        want_bound |= {f"{mode} lane dispatch": 1, f"{mode} fp8 lane": 1}
+        want_bound |= {f"{mode} async dispatch": 0}
+        want_bound |= {f"{mode} {c}": 1 for c in ("lane dispatch", "fp8 lane", "cached", "combine")}
     assert all(o["taken"] == want for o in out), out
     assert all(o["bound"][k] == v for o in out for k, v in want_bound.items()), out
     assert all(f"expert id {4 * world}" in o["message"] for o in out), out

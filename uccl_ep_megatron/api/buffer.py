@@ -165,8 +165,8 @@ class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
             )
         self._init_comm_stream(self.device, device_index)
         self._direct = self._backend.runs_on_caller_stream and self._comm_stream is not None
-        # The direct lane of an uncached dispatch in one binding call, where the backend has one
-        # (api/direct.py).
+        # The direct lane of a dispatch and of a combine in one binding call, where the backend
+        # has one (api/direct.py).
         self._lane = self._backend.make_lane(self.uid) if self._direct else None
         self._destroyed = False
         self._calls = 0  # dispatch/combine calls so far: the `seq` of the call header
@@ -380,10 +380,11 @@ class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
         """
         self._check_alive()
         lane = self._lane
-        if lane is not None and handle is None and previous_event is None and not async_finish:
+        if lane is not None and previous_event is None and not async_finish:
             done = lane.dispatch(
                 self,
                 x,
+                handle,
                 num_tokens_per_rank,
                 num_tokens_per_rdma_rank,
                 is_token_in_rank,
@@ -510,6 +511,11 @@ class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
             ``(combined_x [T, H], combined_topk_weights [T, K] or None, event)``.
         """
         self._check_alive()
+        lane = self._lane
+        if lane is not None and previous_event is None and not async_finish:
+            done = lane.combine(self, x, handle, topk_weights, bias, config)
+            if done is not None:
+                return done
         if self._direct and previous_event is None and not async_finish:
             done = self._combine_direct(x, handle, topk_weights, bias, config)
             if done is not None:

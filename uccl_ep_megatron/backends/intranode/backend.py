@@ -585,8 +585,17 @@ class KernelsBackend(Backend):
         if reserved is None:
             return None
         self.one_call_dispatches += 1
-        if cached is None and self.lane is not None:  # its binding serves this signature now
-            x = args.x if args.x_scales is None else (args.x, args.x_scales)
+        x = args.x if args.x_scales is None else (args.x, args.x_scales)
+        if cached is not None and self.lane is not None:  # its binding serves this signature now
+            self.lane.learn_cached(
+                x,
+                args.expert_alignment,
+                args.num_worst_tokens,
+                args.config,
+                launch,
+                self._last_call,
+            )
+        elif self.lane is not None:
             self.lane.learn(
                 x,
                 args.num_tokens_per_rank,
@@ -677,9 +686,9 @@ class KernelsBackend(Backend):
         return self._exact(call)
 
     def make_lane(self, uid: int) -> Any:
-        """``_C.IntranodeLane`` (``bindings/intranode_lane.cc``): the direct lane of an
-        uncached one-call dispatch in one binding call; None without a receive arena (no
-        one-call path)."""
+        """``_C.IntranodeLane`` (``bindings/intranode_lane.cc``): the direct lane of a one-call
+        dispatch (cached or not) and of a combine without bias in one binding call; None
+        without a receive arena (no one-call path)."""
         if self.recv_arena.core is None:
             return None
         self.lane = self._c.IntranodeLane(
@@ -693,6 +702,7 @@ class KernelsBackend(Backend):
             error_type=UcclEpError,
             note_wait=note_host_wait,
             current_stream=torch._C._cuda_getCurrentRawStream,
+            empty=torch.empty,
         )
         return self.lane
 
@@ -1014,6 +1024,7 @@ class KernelsBackend(Backend):
             self._check_status()  # an earlier call's failure is raised first
             self.abort_peers("combine", exc)
             raise
+        given_x = t.x
         try:
             self._copy_in(t)
             x, hidden = t.x, t.x.shape[1]
@@ -1034,9 +1045,10 @@ class KernelsBackend(Backend):
             self._last_call = ("combine", x.dtype, hidden, 0, extra)
             # Rows of x to return: the received count, or its bound in sync-free mode (the kernels
             # read the real count from the device matrix): the dispatch's rows.
+            launch = self._combine_launch(x.dtype, hidden, num_topk, num_bias, config.num_sms)
             done = c.intranode_combine_call(
                 self._context(),
-                self._combine_launch(x.dtype, hidden, num_topk, num_bias, config.num_sms),
+                launch,
                 state.rows,
                 self._stream(),
                 t,
@@ -1050,6 +1062,21 @@ class KernelsBackend(Backend):
                 )
             if done & c.COMBINE_CAPTURED:
                 self._captured = True  # its kernels hold the buffer addresses: no regrow from now
+            elif (
+                self.lane is not None
+                and num_bias == 0
+                and t.x is given_x
+                and (topk_weights is None or t.weights is topk_weights)
+            ):  # x and the weights read where the caller put them: the lane's binding serves it now
+                self.lane.learn_combine(
+                    x,
+                    topk_weights,
+                    handle.num_worst_tokens or handle.num_recv_tokens,
+                    num_tokens,
+                    config,
+                    launch,
+                    self._last_call,
+                )
             self.combine_in_place_calls += done & c.COMBINED_IN_PLACE
             return t.out, t.out_weights
         except UcclEpError:
