@@ -232,12 +232,15 @@ class Lane {
     return true;
   }
 
-  // Buffer.dispatch(x, num_tokens_per_rank=..., ..., config=config) of `buffer` without a handle,
-  // previous event or async_finish: its return value, None (the Python lane), or the tuple
-  // (reservation, (state, words), bound rows, seq) of a launch-ahead call to judge.
-  py::object dispatch(py::handle buffer, py::handle x, py::handle handle, py::handle per_rank, py::handle per_rdma,
-                      py::handle in_rank, py::handle per_expert, py::handle idx, py::handle weights,
-                      py::handle alignment, py::handle worst, py::handle config) {
+  // Buffer.dispatch(x, handle, ..., config=config) of `buffer` without a previous event or
+  // async_finish, its other arguments in `given`: its return value, None (the Python lane), or the
+  // tuple (reservation, (state, words), bound rows, seq) of a launch-ahead call to judge.
+  py::object dispatch(py::handle buffer, py::handle x, py::handle handle, py::handle given, py::handle config) {
+    // given: api/validation.py's DispatchInputs.
+    if (!PyTuple_Check(given.ptr()) || PyTuple_GET_SIZE(given.ptr()) != 8) return py::none();
+    auto in = [&given](int i) { return py::handle(PyTuple_GET_ITEM(given.ptr(), i)); };
+    const py::handle per_rank = in(0), per_rdma = in(1), in_rank = in(2), per_expert = in(3), idx = in(4),
+                     weights = in(5), alignment = in(6), worst = in(7);
     bool launched = false;
     try {
       if (!handle.is_none()) {
@@ -361,36 +364,19 @@ class Lane {
     Arg a[kArgs];
     PyTypeObject* pair = nullptr;
     if (!read_all(x, per_rank, per_rdma, in_rank, per_expert, idx, weights, a, &pair)) return py::none();
-    PyObject* cfg = config.ptr();
     py::object defaults;
-    if (config.is_none()) {
-      // Buffer._direct_config: the default config of (op, Buffer.num_sms), made earlier.
-      py::object key = py::make_tuple("dispatch", get(buffer, n.num_sms));
-      defaults = get(buffer, n.default_configs);
-      cfg = PyDict_GetItemWithError(defaults.ptr(), key.ptr());
-      if (cfg == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        return py::none();
-      }
-    }
+    PyObject* cfg = config_of(buffer, config, "dispatch", &defaults);
+    if (cfg == nullptr) return py::none();
     // Held for the call: a learn while the GIL is released (the wait for the counts) may
     // replace the entry.
     std::shared_ptr<const Entry> e;
     for (const auto& cand : entries_)
       if (cand->config.ptr() == cfg && matches(*cand, a, pair, align_v, worst_v)) e = cand;
     if (!e) return py::none();
-    int dev = -1;
-    if (gpuGetDevice(&dev) != gpuSuccess) {
-      (void)gpuGetLastError();
-      return py::none();
-    }
-    if (dev != device_) return py::none();
-    py::object raw = current_stream_(device_);
-    const int same_stream = PyObject_RichCompareBool(raw.ptr(), get(buffer, n.last_raw).ptr(), Py_EQ);
-    if (same_stream < 0) throw py::error_already_set();
-    if (!same_stream) return py::none();  // the Python lane orders it after the last stream first
-    py::object backend = get(buffer, n.backend);
-    if (!usable(backend)) return py::none();  // the Python lane raises why
+    Ready go;
+    if (!ready(buffer, &go)) return py::none();
+    const py::object& backend = go.backend;
+    const Context& c = *go.c;
     py::object rows_obj;
     if (worst_v > 0) {
       rows_obj = e->bound_rows;
@@ -405,13 +391,7 @@ class Lane {
     }
     const DispatchRows& r = rows_obj.cast<const DispatchRows&>();
     py::object core = get(get(backend, n.recv_arena), n.core);
-    py::object ctx = get(backend, n.ctx);
-    if (core.is_none() || ctx.is_none()) return py::none();
-    const int same_grows =
-        PyObject_RichCompareBool(get(backend, n.ctx_grows).ptr(), get(get(backend, n.ipc), n.grows).ptr(), Py_EQ);
-    if (same_grows < 0) throw py::error_already_set();
-    if (!same_grows) return py::none();  // the buffers grew: the Python lane rebuilds the context
-    const Context& c = ctx.cast<const Context&>();
+    if (core.is_none()) return py::none();
     set(backend, n.last_call, e->last_call);
     DispatchViews v;
     v.x = a[kX].view;
@@ -424,7 +404,7 @@ class Lane {
     nv.per_rank = a[kPerRank].view;
     nv.per_expert = a[kPerExpert].view;
     expect_counts(c, *e->l, &nv);
-    const intptr_t stream = static_cast<intptr_t>(as_int(raw));
+    const intptr_t stream = go.stream;
     py::object reservation = begin_checked(c, *e->l, r, stream, stream, core, v, nv, TensorView{});
     if (reservation.is_none()) return py::none();  // the Python lane's step-by-step path
     *launched = true;
@@ -432,7 +412,7 @@ class Lane {
     // Launched: what the Python lane records of a call.
     const int64_t seq = bump(buffer, n.calls);
     bump(buffer, n.direct_calls);
-    set(backend, n.caller_stream, raw);
+    set(backend, n.caller_stream, go.raw);
     bump(backend, n.one_call_dispatches);
     ++calls_;
     if (worst_v > 0) {
@@ -454,6 +434,53 @@ class Lane {
     return result(*e, per_rank, in_rank, py::reinterpret_borrow<py::tuple>(end.made[0]),
                   py::reinterpret_borrow<py::tuple>(end.made[1]), per_expert_counts, py::tuple(py::cast(end.prefix)),
                   py::cast(end.rows), end.rows.num_recv, seq);
+  }
+
+  // The Config a call runs with: `config`, or for None the Buffer's default of (op,
+  // Buffer.num_sms) made earlier (Buffer._direct_config); nullptr when there is none yet (the
+  // Python lane makes it). `keep` holds the dict the pointer lies in.
+  static PyObject* config_of(py::handle buffer, py::handle config, const char* op, py::object* keep) {
+    if (!config.is_none()) return config.ptr();
+    const Names& n = names();
+    py::object key = py::make_tuple(op, get(buffer, n.num_sms));
+    *keep = get(buffer, n.default_configs);
+    PyObject* cfg = PyDict_GetItemWithError(keep->ptr(), key.ptr());
+    if (cfg == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    return cfg;
+  }
+
+  // What a call whose signature matched needs before it is served here: the current device is
+  // the Buffer's, the caller's stream is its previous call's (else the Python lane orders the
+  // call after that stream first), the backend is usable (else it raises why) and its context
+  // current (else the buffers grew and it rebuilds the context).
+  struct Ready {
+    py::object raw, backend, ctx;
+    intptr_t stream = 0;
+    const Context* c = nullptr;
+  };
+  bool ready(py::handle buffer, Ready* go) const {
+    const Names& n = names();
+    int dev = -1;
+    if (gpuGetDevice(&dev) != gpuSuccess) {
+      (void)gpuGetLastError();
+      return false;
+    }
+    if (dev != device_) return false;
+    go->raw = current_stream_(device_);
+    const int same_stream = PyObject_RichCompareBool(go->raw.ptr(), get(buffer, n.last_raw).ptr(), Py_EQ);
+    if (same_stream < 0) throw py::error_already_set();
+    if (!same_stream) return false;
+    go->backend = get(buffer, n.backend);
+    if (!usable(go->backend)) return false;
+    go->ctx = get(go->backend, n.ctx);
+    if (go->ctx.is_none()) return false;
+    const int same_grows = PyObject_RichCompareBool(get(go->backend, n.ctx_grows).ptr(),
+                                                    get(get(go->backend, n.ipc), n.grows).ptr(), Py_EQ);
+    if (same_grows < 0) throw py::error_already_set();
+    if (!same_grows) return false;
+    go->c = &go->ctx.cast<const Context&>();
+    go->stream = static_cast<intptr_t>(as_int(go->raw));
+    return true;
   }
 
   static bool same_cached(const CachedEntry& e, const Arg& x, const Arg& scales, PyTypeObject* pair,
@@ -482,41 +509,19 @@ class Lane {
     PyTypeObject* pair = nullptr;
     const py::handle none = py::none();
     if (!read_all(x, none, none, none, none, none, none, a, &pair)) return py::none();
-    PyObject* cfg = config.ptr();
     py::object defaults;
-    if (config.is_none()) {
-      py::object key = py::make_tuple("dispatch", get(buffer, n.num_sms));
-      defaults = get(buffer, n.default_configs);
-      cfg = PyDict_GetItemWithError(defaults.ptr(), key.ptr());
-      if (cfg == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        return py::none();
-      }
-    }
+    PyObject* cfg = config_of(buffer, config, "dispatch", &defaults);
+    if (cfg == nullptr) return py::none();
     std::shared_ptr<const CachedEntry> e;
     for (const auto& cand : cached_entries_)
       if (same_cached(*cand, a[kX], a[kScales], pair, align_v, worst, cfg)) e = cand;
     if (!e) return py::none();
-    int dev = -1;
-    if (gpuGetDevice(&dev) != gpuSuccess) {
-      (void)gpuGetLastError();
-      return py::none();
-    }
-    if (dev != device_) return py::none();
-    py::object raw = current_stream_(device_);
-    const int same_stream = PyObject_RichCompareBool(raw.ptr(), get(buffer, n.last_raw).ptr(), Py_EQ);
-    if (same_stream < 0) throw py::error_already_set();
-    if (!same_stream) return py::none();
-    py::object backend = get(buffer, n.backend);
-    if (!usable(backend)) return py::none();
+    Ready go;
+    if (!ready(buffer, &go)) return py::none();
+    const py::object& backend = go.backend;
+    const Context& c = *go.c;
     py::object core = get(get(backend, n.recv_arena), n.core);
-    py::object ctx = get(backend, n.ctx);
-    if (core.is_none() || ctx.is_none()) return py::none();
-    const int same_grows =
-        PyObject_RichCompareBool(get(backend, n.ctx_grows).ptr(), get(get(backend, n.ipc), n.grows).ptr(), Py_EQ);
-    if (same_grows < 0) throw py::error_already_set();
-    if (!same_grows) return py::none();
-    const Context& c = ctx.cast<const Context&>();
+    if (core.is_none()) return py::none();
     // The handle's layout: its sender-side tensors and, for an exact handle, its host matrix.
     DispatchViews v;
     v.x = a[kX].view;
@@ -542,14 +547,14 @@ class Lane {
     expect_counts(c, *e->l, &nv);
     const TensorView send_pos = views::view_of(get(state, n.send_pos), "intranode_dispatch: send_pos");
     views::expect(send_pos, "intranode_dispatch: send_pos", {v.x.size[0], c.num_ranks}, {views::Dt::kInt32});
-    const intptr_t stream = static_cast<intptr_t>(as_int(raw));
+    const intptr_t stream = go.stream;
     py::object reservation = begin_checked(c, *e->l, r, stream, stream, core, v, nv, send_pos);
     if (reservation.is_none()) return py::none();
     *launched = true;
     launched_ns_ = now_ns();
     bump(buffer, n.calls);
     bump(buffer, n.direct_calls);
-    set(backend, n.caller_stream, raw);
+    set(backend, n.caller_stream, go.raw);
     bump(backend, n.one_call_dispatches);
     ++calls_;
     py::tuple outputs = py::reinterpret_borrow<py::tuple>(call0(reservation, n.tensors));
@@ -579,41 +584,18 @@ class Lane {
     const int64_t tokens = as_int(PyTuple_GET_ITEM(in_rank_shape.ptr(), 0));
     Arg ax, aw;
     if (!read_arg(x.ptr(), &ax) || ax.type == nullptr || !read_arg(weights.ptr(), &aw)) return py::none();
-    PyObject* cfg = config.ptr();
     py::object defaults;
-    if (config.is_none()) {
-      py::object key = py::make_tuple("combine", get(buffer, n.num_sms));
-      defaults = get(buffer, n.default_configs);
-      cfg = PyDict_GetItemWithError(defaults.ptr(), key.ptr());
-      if (cfg == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        return py::none();
-      }
-    }
+    PyObject* cfg = config_of(buffer, config, "combine", &defaults);
+    if (cfg == nullptr) return py::none();
     std::shared_ptr<const CombineEntry> e;
     for (const auto& cand : combine_entries_)
       if (same_combine(*cand, ax, aw, rows, tokens, cfg)) e = cand;
     if (!e) return py::none();
-    int dev = -1;
-    if (gpuGetDevice(&dev) != gpuSuccess) {
-      (void)gpuGetLastError();
-      return py::none();
-    }
-    if (dev != device_) return py::none();
-    py::object raw = current_stream_(device_);
-    const int same_stream = PyObject_RichCompareBool(raw.ptr(), get(buffer, n.last_raw).ptr(), Py_EQ);
-    if (same_stream < 0) throw py::error_already_set();
-    if (!same_stream) return py::none();
-    py::object backend = get(buffer, n.backend);
-    if (!usable(backend)) return py::none();
-    py::object ctx = get(backend, n.ctx);
-    if (ctx.is_none()) return py::none();
-    const int same_grows =
-        PyObject_RichCompareBool(get(backend, n.ctx_grows).ptr(), get(get(backend, n.ipc), n.grows).ptr(), Py_EQ);
-    if (same_grows < 0) throw py::error_already_set();
-    if (!same_grows) return py::none();
-    const Context& c = ctx.cast<const Context&>();
-    const intptr_t stream = static_cast<intptr_t>(as_int(raw));
+    Ready go;
+    if (!ready(buffer, &go)) return py::none();
+    const py::object& backend = go.backend;
+    const Context& c = *go.c;
+    const intptr_t stream = go.stream;
     if (k::stream_capturing(stream)) return py::none();  // the Python lane records the capture
     // KernelsBackend._copy_in would copy x (or the weights) into the arena first: the Python
     // lane does that.
@@ -649,7 +631,7 @@ class Lane {
     launched_ns_ = now_ns();
     bump(buffer, n.calls);
     bump(buffer, n.direct_calls);
-    set(backend, n.caller_stream, raw);
+    set(backend, n.caller_stream, go.raw);
     if (done & kCombinedInPlace) bump(backend, n.combine_in_place_calls);
     ++calls_;
     return py::make_tuple(out, out_w, event_type_());
@@ -765,9 +747,7 @@ void bind_intranode_lane(py::module_& m) {
            "Remember the signature of a cached dispatch of x (its handle's num_worst_tokens) that took the "
            "one-call path; returns whether it was kept.")
       .def("dispatch", &Lane::dispatch,
-           "dispatch(buffer, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, "
-           "num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens, config): "
-           "Buffer.dispatch's return value, None (take the Python lane), or (reservation, (state, words), "
+           "dispatch(buffer, x, handle, given (a DispatchInputs), config): Buffer.dispatch's return value, None (take the Python lane), or (reservation, (state, words), "
            "bound rows, seq) of a launch-ahead call whose counts the backend must judge.")
       .def("learn_combine", &Lane::learn_combine, py::arg("x"), py::arg("topk_weights"), py::arg("rows"),
            py::arg("tokens"), py::arg("config"), py::arg("launch"), py::arg("last_call"),

@@ -379,26 +379,6 @@ class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
             handle, event)``; for cached dispatch ``(recv_x, None, None, None, None, event)``.
         """
         self._check_alive()
-        lane = self._lane
-        if lane is not None and previous_event is None and not async_finish:
-            done = lane.dispatch(
-                self,
-                x,
-                handle,
-                num_tokens_per_rank,
-                num_tokens_per_rdma_rank,
-                is_token_in_rank,
-                num_tokens_per_expert,
-                topk_idx,
-                topk_weights,
-                expert_alignment,
-                num_worst_tokens,
-                config,
-            )
-            if done is not None and len(done) == 6:
-                return done
-        else:
-            done = None
         given = DispatchInputs(
             num_tokens_per_rank,
             num_tokens_per_rdma_rank,
@@ -409,11 +389,16 @@ class Buffer(DirectCalls, CallAgreement, ArgumentChecks, CommStream):
             expert_alignment,
             num_worst_tokens,
         )
-        if done is not None:
-            # Launched by the lane's binding, its counts for the backend to judge: handed over
-            # in a list it empties (a call run again needs the bound's block back first).
-            rest, done = [done], None
-            return self._lane_rest(x, given, config, rest)
+        lane = self._lane
+        if lane is not None and previous_event is None and not async_finish:
+            done = lane.dispatch(self, x, handle, given, config)
+            if done is not None:
+                if len(done) == 6:
+                    return done
+                # Launched by the lane's binding, its counts for the backend to judge: handed
+                # over in a list it empties (a call run again needs the bound's block back first).
+                rest, done = [done], None
+                return self._lane_rest(x, given, config, rest)
         if self._direct and previous_event is None and not async_finish:
             done = self._dispatch_direct(x, handle, given, config)
             if done is not None:
