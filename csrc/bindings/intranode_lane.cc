@@ -36,7 +36,6 @@ using views::interned;
 struct Names {
   PyObject* const shape = interned("shape");
   PyObject* const dtype = interned("dtype");
-  PyObject* const data_ptr = interned("data_ptr");
   PyObject* const get_device = interned("get_device");
   PyObject* const is_contiguous = interned("is_contiguous");
   PyObject* const view = interned("view");
