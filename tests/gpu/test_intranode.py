@@ -809,8 +809,8 @@ def direct_lane_case(rank: int, world: int) -> dict:
     dispatch whose signature took the one-call path before (cached or not) and a combine read in
     place before are served by the lane's binding (`_C.IntranodeLane`), BF16 and FP8, with the
     same results; a bad id in a call that hits the key raises on every rank, and the Buffer then
-    works again; a new shape takes the general path. Returns, per step, the calls the lane served in it and those its binding
-    served."""
+    works again; a new shape takes the general path. Returns, per step, the calls the lane served
+    in it and those its binding served."""
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.core.errors import InvalidInputError
 
@@ -866,7 +866,7 @@ def direct_lane_case(rank: int, world: int) -> dict:
         kcx = step(f"{mode} combine", lambda d=direct: kb.combine(d[0], d[4])[0])
         assert_combine_close(kcx, None, rcx, None, exact=world == 2)
         del lane
-        # FP8 rows with their scales: the key, the Python lane (its binding learns), the binding.
+        # FP8 rows with their scales: the key (the general path), then the direct lane twice.
         x8 = (
             x.float().to(torch.float8_e4m3fn),
             torch.rand(x.shape[0], x.shape[1] // 128, device="cuda"),
