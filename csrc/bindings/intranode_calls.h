@@ -101,6 +101,9 @@ struct DispatchViews {
   int64_t out_rows = 0;
 };
 
+// The attribute `name` of `obj` (a new reference; raises what Python raised).
+py::object field(py::handle obj, PyObject* name);
+
 // x, x_scales, topk_idx, topk_weights and is_token_in_rank of `v`, read already, checked: FP8
 // scales and top-k come with their outputs or not at all.
 void expect_inputs(const Context& c, DispatchViews* v);

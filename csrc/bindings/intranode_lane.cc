@@ -80,12 +80,6 @@ const Names& names() {
   return n;
 }
 
-py::object get(py::handle o, PyObject* name) {
-  PyObject* v = PyObject_GetAttr(o.ptr(), name);
-  if (!v) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(v);
-}
-
 void set(py::handle o, PyObject* name, py::handle v) {
   if (PyObject_SetAttr(o.ptr(), name, v.ptr()) < 0) throw py::error_already_set();
 }
@@ -104,7 +98,7 @@ int64_t as_int(py::handle v) {
 
 // Adds one to the int attribute `name` of `o`; returns the new value.
 int64_t bump(py::handle o, PyObject* name) {
-  const int64_t n = as_int(get(o, name)) + 1;
+  const int64_t n = as_int(field(o, name)) + 1;
   set(o, name, py::int_(n));
   return n;
 }
@@ -219,16 +213,10 @@ class Lane {
     if (worst > 0) e.bound_rows = py::cast(DispatchRows::of_bound(worst));
     e.last_call = std::move(last_call);
     py::handle x_data = e.pair ? py::handle(PySequence_Fast_GET_ITEM(x.ptr(), 0)) : x;
-    e.x_dtype = get(x_data, names().dtype);
-    for (auto& old : entries_) {
-      if (old->config.ptr() == e.config.ptr() && matches(*old, e.args, e.pair, alignment, worst)) {
-        old = std::move(made);
-        return true;
-      }
-    }
-    if (entries_.size() >= 64) entries_.clear();  // signatures a caller used and dropped
-    entries_.push_back(std::move(made));
-    return true;
+    e.x_dtype = field(x_data, names().dtype);
+    return keep(&entries_, std::move(made), [&](const Entry& old) {
+      return old.config.ptr() == e.config.ptr() && matches(old, e.args, e.pair, alignment, worst);
+    });
   }
 
   // Buffer.dispatch(x, handle, ..., config=config) of `buffer` without a previous event or
@@ -254,7 +242,7 @@ class Lane {
       // As KernelsBackend.dispatch: a rank that leaves a launched call for any reason but an
       // error every rank raises alike tells its peers at once (their kernels would wait for it).
       if (launched && !e.matches(error_type_))
-        get(get(buffer, names().backend), names().give_up)("dispatch", e.value());
+        field(field(buffer, names().backend), names().give_up)("dispatch", e.value());
       throw;
     }
   }
@@ -282,16 +270,10 @@ class Lane {
     if (worst > 0) e.bound_rows = py::cast(DispatchRows::of_bound(worst));
     e.last_call = std::move(last_call);
     py::handle x_data = e.pair ? py::handle(PySequence_Fast_GET_ITEM(x.ptr(), 0)) : x;
-    e.x_dtype = get(x_data, names().dtype);
-    for (auto& old : cached_entries_) {
-      if (same_cached(*old, e.x, e.scales, e.pair, alignment, worst, e.config.ptr())) {
-        old = std::move(made);
-        return true;
-      }
-    }
-    if (cached_entries_.size() >= 64) cached_entries_.clear();
-    cached_entries_.push_back(std::move(made));
-    return true;
+    e.x_dtype = field(x_data, names().dtype);
+    return keep(&cached_entries_, std::move(made), [&](const CachedEntry& old) {
+      return same_cached(old, e.x, e.scales, e.pair, alignment, worst, e.config.ptr());
+    });
   }
 
   // Remember the signature of a combine that launched with these arguments and no bias (`rows`,
@@ -310,18 +292,12 @@ class Lane {
     e.l = &launch.cast<const CombineLaunch&>();
     e.launch = std::move(launch);
     e.last_call = std::move(last_call);
-    e.x_dtype = get(x, names().dtype);
-    e.w_dtype = e.weights.type == nullptr ? py::none() : get(weights, names().dtype);
-    e.device = get(x, names().device);
-    for (auto& old : combine_entries_) {
-      if (same_combine(*old, e.x, e.weights, rows, tokens, e.config.ptr())) {
-        old = std::move(made);
-        return true;
-      }
-    }
-    if (combine_entries_.size() >= 64) combine_entries_.clear();
-    combine_entries_.push_back(std::move(made));
-    return true;
+    e.x_dtype = field(x, names().dtype);
+    e.w_dtype = e.weights.type == nullptr ? py::none() : field(weights, names().dtype);
+    e.device = field(x, names().device);
+    return keep(&combine_entries_, std::move(made), [&](const CombineEntry& old) {
+      return same_combine(old, e.x, e.weights, rows, tokens, e.config.ptr());
+    });
   }
 
   // Buffer.combine(x, handle, topk_weights, bias, config) of `buffer` without a previous event
@@ -333,7 +309,7 @@ class Lane {
       return run_combine(buffer, x, handle, weights, bias, config, &launched);
     } catch (py::error_already_set& e) {
       if (launched && !e.matches(error_type_))
-        get(get(buffer, names().backend), names().give_up)("combine", e.value());
+        field(field(buffer, names().backend), names().give_up)("combine", e.value());
       throw;
     }
   }
@@ -380,7 +356,7 @@ class Lane {
     if (worst_v > 0) {
       rows_obj = e->bound_rows;
     } else {
-      const int64_t ahead = as_int(get(backend, n.ahead_rows));
+      const int64_t ahead = as_int(field(backend, n.ahead_rows));
       if (ahead <= 0) return py::none();  // no bound yet: an exact call, counts first
       if (ahead != bound_) {
         bound_rows_ = py::cast(DispatchRows::of_bound(ahead));
@@ -389,7 +365,7 @@ class Lane {
       rows_obj = bound_rows_;
     }
     const DispatchRows& r = rows_obj.cast<const DispatchRows&>();
-    py::object core = get(get(backend, n.recv_arena), n.core);
+    py::object core = field(field(backend, n.recv_arena), n.core);
     if (core.is_none()) return py::none();
     set(backend, n.last_call, e->last_call);
     DispatchViews v;
@@ -424,7 +400,7 @@ class Lane {
       return py::make_tuple(reservation, py::make_tuple(end.state, py::cast(end.words)), rows_obj, seq);
     note_wait_();
     if (!usable(backend)) call0(backend, n.check_usable);  // raises why (a peer exited meanwhile)
-    get(backend, n.note_most)(end.most);  // the next call's launch-ahead bound
+    field(backend, n.note_most)(end.most);  // the next call's launch-ahead bound
     bump(backend, n.ahead_calls);
     bump(backend, n.ahead_finishes);
     const int R = c.num_ranks;
@@ -435,14 +411,29 @@ class Lane {
                   py::cast(end.rows), end.rows.num_recv, seq);
   }
 
+  // Adds `made` to `entries`, in place of the entry `same` finds; at 64 entries the old ones go
+  // first (signatures a caller used and dropped). Returns true (kept).
+  template <typename E, typename Same>
+  static bool keep(std::vector<std::shared_ptr<const E>>* entries, std::shared_ptr<E> made, Same same) {
+    for (auto& old : *entries) {
+      if (same(*old)) {
+        old = std::move(made);
+        return true;
+      }
+    }
+    if (entries->size() >= 64) entries->clear();
+    entries->push_back(std::move(made));
+    return true;
+  }
+
   // The Config a call runs with: `config`, or for None the Buffer's default of (op,
   // Buffer.num_sms) made earlier (Buffer._direct_config); nullptr when there is none yet (the
   // Python lane makes it). `keep` holds the dict the pointer lies in.
   static PyObject* config_of(py::handle buffer, py::handle config, const char* op, py::object* keep) {
     if (!config.is_none()) return config.ptr();
     const Names& n = names();
-    py::object key = py::make_tuple(op, get(buffer, n.num_sms));
-    *keep = get(buffer, n.default_configs);
+    py::object key = py::make_tuple(op, field(buffer, n.num_sms));
+    *keep = field(buffer, n.default_configs);
     PyObject* cfg = PyDict_GetItemWithError(keep->ptr(), key.ptr());
     if (cfg == nullptr && PyErr_Occurred()) throw py::error_already_set();
     return cfg;
@@ -466,15 +457,15 @@ class Lane {
     }
     if (dev != device_) return false;
     go->raw = current_stream_(device_);
-    const int same_stream = PyObject_RichCompareBool(go->raw.ptr(), get(buffer, n.last_raw).ptr(), Py_EQ);
+    const int same_stream = PyObject_RichCompareBool(go->raw.ptr(), field(buffer, n.last_raw).ptr(), Py_EQ);
     if (same_stream < 0) throw py::error_already_set();
     if (!same_stream) return false;
-    go->backend = get(buffer, n.backend);
+    go->backend = field(buffer, n.backend);
     if (!usable(go->backend)) return false;
-    go->ctx = get(go->backend, n.ctx);
+    go->ctx = field(go->backend, n.ctx);
     if (go->ctx.is_none()) return false;
-    const int same_grows = PyObject_RichCompareBool(get(go->backend, n.ctx_grows).ptr(),
-                                                    get(get(go->backend, n.ipc), n.grows).ptr(), Py_EQ);
+    const int same_grows = PyObject_RichCompareBool(field(go->backend, n.ctx_grows).ptr(),
+                                                    field(field(go->backend, n.ipc), n.grows).ptr(), Py_EQ);
     if (same_grows < 0) throw py::error_already_set();
     if (!same_grows) return false;
     go->c = &go->ctx.cast<const Context&>();
@@ -519,7 +510,7 @@ class Lane {
     if (!ready(buffer, &go)) return py::none();
     const py::object& backend = go.backend;
     const Context& c = *go.c;
-    py::object core = get(get(backend, n.recv_arena), n.core);
+    py::object core = field(field(backend, n.recv_arena), n.core);
     if (core.is_none()) return py::none();
     // The handle's layout: its sender-side tensors and, for an exact handle, its host matrix.
     DispatchViews v;
@@ -533,7 +524,7 @@ class Lane {
     if (worst > 0) {
       rows_obj = e->bound_rows;
     } else {
-      py::object prefix_host = get(state, n.prefix_host);
+      py::object prefix_host = field(state, n.prefix_host);
       if (prefix_host.is_none()) return py::none();
       exact = exact_rows(prefix_host.cast<std::vector<int64_t>>(), c.rank, c.num_ranks);
       if (exact.num_recv <= 0) return py::none();  // nothing received: the step-by-step path
@@ -544,7 +535,7 @@ class Lane {
     NotifyViews nv;
     nv.per_rank = views::view_of(PyTuple_GET_ITEM(h, kHandlePerRank), "intranode_notify: num_tokens_per_rank");
     expect_counts(c, *e->l, &nv);
-    const TensorView send_pos = views::view_of(get(state, n.send_pos), "intranode_dispatch: send_pos");
+    const TensorView send_pos = views::view_of(field(state, n.send_pos), "intranode_dispatch: send_pos");
     views::expect(send_pos, "intranode_dispatch: send_pos", {v.x.size[0], c.num_ranks}, {views::Dt::kInt32});
     const intptr_t stream = go.stream;
     py::object reservation = begin_checked(c, *e->l, r, stream, stream, core, v, nv, send_pos);
@@ -558,7 +549,7 @@ class Lane {
     ++calls_;
     py::tuple outputs = py::reinterpret_borrow<py::tuple>(call0(reservation, n.tensors));
     py::object recv_x = outputs[0];
-    if (get(recv_x, n.dtype).ptr() != e->x_dtype.ptr()) recv_x = recv_x.attr(n.view)(e->x_dtype);
+    if (field(recv_x, n.dtype).ptr() != e->x_dtype.ptr()) recv_x = recv_x.attr(n.view)(e->x_dtype);
     py::object x_out = e->pair ? py::object(py::make_tuple(recv_x, outputs[1])) : recv_x;
     return py::make_tuple(x_out, py::none(), py::none(), py::none(), py::none(), event_type_());
   }
@@ -578,7 +569,7 @@ class Lane {
     if (as_int(PyTuple_GET_ITEM(h, kHandleOwner)) != uid_) return py::none();
     const int64_t worst = as_int(PyTuple_GET_ITEM(h, kHandleWorst));
     const int64_t rows = worst > 0 ? worst : as_int(PyTuple_GET_ITEM(h, kHandleNumRecv));
-    py::object in_rank_shape = get(PyTuple_GET_ITEM(h, kHandleInRank), n.shape);
+    py::object in_rank_shape = field(PyTuple_GET_ITEM(h, kHandleInRank), n.shape);
     if (!PyTuple_Check(in_rank_shape.ptr()) || PyTuple_GET_SIZE(in_rank_shape.ptr()) < 1) return py::none();
     const int64_t tokens = as_int(PyTuple_GET_ITEM(in_rank_shape.ptr(), 0));
     Arg ax, aw;
@@ -600,14 +591,14 @@ class Lane {
     // lane does that.
     const TensorView& xv = ax.view;
     const int64_t row_bytes = xv.size[1] * xv.dtype->itemsize;
-    if (PyObject_IsTrue(get(backend, n.combine_copy_in).ptr()) && !c.arenas.empty() && xv.size[0] > 0 &&
+    if (PyObject_IsTrue(field(backend, n.combine_copy_in).ptr()) && !c.arenas.empty() && xv.size[0] > 0 &&
         row_bytes % 16 == 0) {
       const intptr_t lo = c.arenas[c.rank], hi = lo + c.arena_sizes[c.rank];
       auto held = [lo, hi](const TensorView& t) { return t.ptr >= lo && t.ptr < hi; };
       if (!held(xv) || (aw.type != nullptr && aw.view.numel() > 0 && !held(aw.view))) return py::none();
     }
     py::object state = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(h, kHandleState));
-    py::object rows_obj = get(state, n.rows);
+    py::object rows_obj = field(state, n.rows);
     const DispatchRows& r = rows_obj.cast<const DispatchRows&>();
     const int64_t K = aw.type == nullptr ? 0 : aw.view.size[1];
     if (k::combine_staging_bytes(r.combine_rows, row_bytes, static_cast<int>(K)) > c.buffer_bytes)
@@ -623,7 +614,7 @@ class Lane {
     v.out = views::view_of(out, "intranode_combine: out");
     v.out_w = views::view_of(out_w, "intranode_combine: out_weights");
     v.prefix = views::view_of(PyTuple_GET_ITEM(h, kHandlePrefix), "intranode_combine: rank_prefix_matrix");
-    v.send_pos = views::view_of(get(state, n.send_pos), "intranode_combine: send_pos");
+    v.send_pos = views::view_of(field(state, n.send_pos), "intranode_combine: send_pos");
     expect_combine(c, r, &v);
     const int done = combine_checked(c, *e->l, r, stream, v);
     *launched = true;
@@ -664,7 +655,7 @@ class Lane {
     if (is_tensor < 0) throw py::error_already_set();
     if (!is_tensor) return false;
     const Names& n = names();
-    py::object shape = get(t, n.shape);
+    py::object shape = field(t, n.shape);
     if (!PyTuple_Check(shape.ptr())) return false;
     const Py_ssize_t dims = PyTuple_GET_SIZE(shape.ptr());
     if (dims < 1 || dims > views::kMaxViewDims) return false;
@@ -685,8 +676,8 @@ class Lane {
   // KernelsBackend._check_usable would pass: not destroyed, no peer exited, no call aborted.
   static bool usable(py::handle backend) {
     const Names& n = names();
-    return !PyObject_IsTrue(get(backend, n.destroyed).ptr()) && !PyObject_IsTrue(get(backend, n.exited).ptr()) &&
-           get(backend, n.aborted).is_none();
+    return !PyObject_IsTrue(field(backend, n.destroyed).ptr()) && !PyObject_IsTrue(field(backend, n.exited).ptr()) &&
+           field(backend, n.aborted).is_none();
   }
 
   // What Buffer.dispatch returns (Buffer._dispatch_returns of KernelsBackend._dispatch_result).
@@ -695,7 +686,7 @@ class Lane {
                     int64_t seq) const {
     const Names& n = names();
     py::object recv_x = outputs[0];
-    if (get(recv_x, n.dtype).ptr() != e.x_dtype.ptr())  // FP8 rows come as uint8
+    if (field(recv_x, n.dtype).ptr() != e.x_dtype.ptr())  // FP8 rows come as uint8
       recv_x = recv_x.attr(n.view)(e.x_dtype);
     py::object state = state_type_(prefix_host, aux[0], rows);
     const int64_t num_topk = e.args[kIdx].type == nullptr ? 0 : e.args[kIdx].view.size[1];
@@ -746,8 +737,9 @@ void bind_intranode_lane(py::module_& m) {
            "Remember the signature of a cached dispatch of x (its handle's num_worst_tokens) that took the "
            "one-call path; returns whether it was kept.")
       .def("dispatch", &Lane::dispatch,
-           "dispatch(buffer, x, handle, given (a DispatchInputs), config): Buffer.dispatch's return value, None (take the Python lane), or (reservation, (state, words), "
-           "bound rows, seq) of a launch-ahead call whose counts the backend must judge.")
+           "dispatch(buffer, x, handle, given (a DispatchInputs), config): Buffer.dispatch's return value, None "
+           "(take the Python lane), or (reservation, (state, words), bound rows, seq) of a launch-ahead call whose "
+           "counts the backend must judge.")
       .def("learn_combine", &Lane::learn_combine, py::arg("x"), py::arg("topk_weights"), py::arg("rows"),
            py::arg("tokens"), py::arg("config"), py::arg("launch"), py::arg("last_call"),
            "Remember the signature of a combine without bias that launched with these arguments, x and the "
