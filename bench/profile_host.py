@@ -58,6 +58,7 @@ OPS = (
     "dispatch_bf16_worst",
     "dispatch_bf16_cached",
     "combine_bf16",
+    "combine_bf16_copied",
 )
 # The _C entry points that launch a call's first kernel (notify, or the one-call dispatch;
 # "lane_launch": the direct lane's binding up to its launch, _TimedLane).

@@ -4,13 +4,13 @@
 // time (docs/performance.md, "Host time per call"). This lane does the same for an uncached
 // dispatch that took the one-call path (intranode_dispatch_begin) with the same signature before
 // (every tensor's class, device, shape, dtype and contiguity, the two ints and the config), and
-// for a combine without bias whose x and weights were read in place with the same signature
-// before (theirs, the handle's rows and tokens, the config). It reads each tensor once, for the
+// for a combine without bias with the same signature as one before (x's and the weights', the
+// handle's rows and tokens, the config), copying x and the weights into the receive arena first
+// when they lie outside it, as KernelsBackend._copy_in does. It reads each tensor once, for the
 // signature and the launch, launches, and returns what Buffer.dispatch or Buffer.combine
 // returns. Anything else it leaves to the Python lane by returning None before any effect: a new
 // signature, another stream or device, a backend that is not usable, a buffer to grow or
-// rebuild, no launch-ahead bound yet, a capture, a block that does not fit, a combine input to
-// copy into the arena. A launch-ahead call whose counts are not good (a bad input, a rank over
+// rebuild, no launch-ahead bound yet, a capture, a block that does not fit. A launch-ahead call whose counts are not good (a bad input, a rank over
 // the bound) returns its reservation and readback for the backend to judge
 // (`KernelsBackend.ahead_rest`).
 #ifdef UCCL_EP_WITH_GPU
@@ -69,6 +69,7 @@ struct Names {
   PyObject* const give_up = interned("_give_up");
   PyObject* const combine_copy_in = interned("_combine_copy_in");
   PyObject* const combine_in_place_calls = interned("combine_in_place_calls");
+  PyObject* const combine_copied_in_calls = interned("combine_copied_in_calls");
   PyObject* const rows = interned("rows");
   PyObject* const send_pos = interned("send_pos");
   PyObject* const device = interned("device");
@@ -277,8 +278,8 @@ class Lane {
   }
 
   // Remember the signature of a combine that launched with these arguments and no bias (`rows`,
-  // `tokens`: its handle's rows and tokens; `config`, `launch`, `last_call` as for learn),
-  // with x and the weights read in place. Returns whether it was kept.
+  // `tokens`: its handle's rows and tokens; `config`, `launch`, `last_call` as for learn), x and
+  // the weights as the caller passed them. Returns whether it was kept.
   bool learn_combine(py::handle x, py::handle weights, int64_t rows, int64_t tokens, py::object config,
                      py::object launch, py::object last_call) {
     auto made = std::make_shared<CombineEntry>();
@@ -587,16 +588,8 @@ class Lane {
     const Context& c = *go.c;
     const intptr_t stream = go.stream;
     if (k::stream_capturing(stream)) return py::none();  // the Python lane records the capture
-    // KernelsBackend._copy_in would copy x (or the weights) into the arena first: the Python
-    // lane does that.
     const TensorView& xv = ax.view;
     const int64_t row_bytes = xv.size[1] * xv.dtype->itemsize;
-    if (PyObject_IsTrue(field(backend, n.combine_copy_in).ptr()) && !c.arenas.empty() && xv.size[0] > 0 &&
-        row_bytes % 16 == 0) {
-      const intptr_t lo = c.arenas[c.rank], hi = lo + c.arena_sizes[c.rank];
-      auto held = [lo, hi](const TensorView& t) { return t.ptr >= lo && t.ptr < hi; };
-      if (!held(xv) || (aw.type != nullptr && aw.view.numel() > 0 && !held(aw.view))) return py::none();
-    }
     py::object state = py::reinterpret_borrow<py::object>(PyTuple_GET_ITEM(h, kHandleState));
     py::object rows_obj = field(state, n.rows);
     const DispatchRows& r = rows_obj.cast<const DispatchRows&>();
@@ -604,13 +597,28 @@ class Lane {
     if (k::combine_staging_bytes(r.combine_rows, row_bytes, static_cast<int>(K)) > c.buffer_bytes)
       return py::none();  // the Python lane grows the buffers
     if (reinterpret_cast<const volatile int64_t*>(c.status)[0] != 0) return py::none();  // it raises why
+    CombineViews v;
+    v.x = xv;
+    v.weights = aw.view;
+    // As KernelsBackend._copy_in: x (or the weights) made outside the arena is copied into an
+    // arena block on the call's stream, and the peers read it there. The block goes back when
+    // `block` dies, after the launch (its reuse waits for the combine on this stream).
+    py::object block;
+    if (PyObject_IsTrue(field(backend, n.combine_copy_in).ptr()) && !c.arenas.empty() && xv.size[0] > 0 &&
+        row_bytes % 16 == 0) {
+      const intptr_t lo = c.arenas[c.rank], hi = lo + c.arena_sizes[c.rank];
+      auto held = [lo, hi](const TensorView& t) { return t.ptr >= lo && t.ptr < hi; };
+      const bool copy_x = !held(xv), copy_w = K > 0 && aw.view.numel() > 0 && !held(aw.view);
+      if (copy_x || copy_w) {
+        block = copy_in(backend, stream, copy_x ? &v.x : nullptr, copy_w ? &v.weights : nullptr);
+        if (block.is_none()) return py::none();  // no room: the Python lane pushes
+        bump(backend, n.combine_copied_in_calls);
+      }
+    }
     set(backend, n.last_call, e->last_call);
     py::object out = empty_(tokens, xv.size[1], py::arg("dtype") = e->x_dtype, py::arg("device") = e->device);
     py::object out_w = K == 0 ? py::none()
                               : empty_(tokens, K, py::arg("dtype") = e->w_dtype, py::arg("device") = e->device);
-    CombineViews v;
-    v.x = xv;
-    v.weights = aw.view;
     v.out = views::view_of(out, "intranode_combine: out");
     v.out_w = views::view_of(out_w, "intranode_combine: out_weights");
     v.prefix = views::view_of(PyTuple_GET_ITEM(h, kHandlePrefix), "intranode_combine: rank_prefix_matrix");
@@ -625,6 +633,41 @@ class Lane {
     if (done & kCombinedInPlace) bump(backend, n.combine_in_place_calls);
     ++calls_;
     return py::make_tuple(out, out_w, event_type_());
+  }
+
+  // Takes one block of the receive arena for a combine's x and/or weights (null: not copied), copies
+  // them into it on `stream` and points their views there. Returns the block's reservation, or
+  // None (nothing copied) when the arena is closed, x's dtype is not a combine dtype or the block
+  // does not fit.
+  static py::object copy_in(py::handle backend, intptr_t stream, TensorView* x, TensorView* w) {
+    const Names& n = names();
+    py::object core = field(field(backend, n.recv_arena), n.core);
+    if (core.is_none()) return py::none();
+    // The block as the receive arena lays out a dispatch's outputs: x's rows (or the weights as
+    // rows of K floats, when x needs no copy), then the weights in the top-k weights' place.
+    const TensorView& rows_of = x != nullptr ? *x : *w;
+    int code = 2, bits = 32;  // float32
+    switch (rows_of.dtype->dt) {
+      case views::Dt::kBFloat16: code = 4, bits = 16; break;
+      case views::Dt::kFloat16: bits = 16; break;
+      case views::Dt::kFloat32: break;
+      default: return py::none();
+    }
+    const int64_t num_topk = x != nullptr && w != nullptr ? w->size[1] : 0;
+    ReservedOutputs at;
+    py::object block = reserve_outputs(core, rows_of.size[0], rows_of.size[1], code, bits, 0, num_topk, 64, false,
+                                       ReserveAux{}, stream, stream, &at);
+    if (block.is_none()) return block;
+    if (x != nullptr) {
+      k::copy_on_stream(at.x, x->ptr, x->bytes(), stream);
+      x->ptr = at.x;
+    }
+    if (w != nullptr) {
+      const intptr_t to = x != nullptr ? at.w : at.x;
+      k::copy_on_stream(to, w->ptr, w->bytes(), stream);
+      w->ptr = to;
+    }
+    return block;
   }
 
   // Each argument's Arg; false for an argument the lane does not take (not None nor a tensor,
@@ -742,8 +785,8 @@ void bind_intranode_lane(py::module_& m) {
            "counts the backend must judge.")
       .def("learn_combine", &Lane::learn_combine, py::arg("x"), py::arg("topk_weights"), py::arg("rows"),
            py::arg("tokens"), py::arg("config"), py::arg("launch"), py::arg("last_call"),
-           "Remember the signature of a combine without bias that launched with these arguments, x and the "
-           "weights read in place; returns whether it was kept.")
+           "Remember the signature of a combine without bias that launched with these arguments (x and the "
+           "weights as the caller passed them); returns whether it was kept.")
       .def("combine", &Lane::combine,
            "combine(buffer, x, handle, topk_weights, bias, config): Buffer.combine's return value, or None "
            "(take the Python lane).")

@@ -220,6 +220,8 @@ void event_record(intptr_t event, intptr_t stream);
 // Whether the work the event's last record covers has finished (a never-recorded event has).
 bool event_done(intptr_t event);
 void stream_wait_event(intptr_t stream, intptr_t event);
+// Copies `bytes` of device memory from `src` to `dst` (same device) on `stream`, asynchronously.
+void copy_on_stream(intptr_t dst, intptr_t src, int64_t bytes, intptr_t stream);
 // Whether `stream` is being captured into a CUDA graph (no event may be recorded on it then).
 bool stream_capturing(intptr_t stream);
 // device_free on `device` (the current device is restored).

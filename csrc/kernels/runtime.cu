@@ -71,6 +71,12 @@ void stream_wait_event(intptr_t stream, intptr_t event) {
   GPU_CHECK(gpuStreamWaitEvent(reinterpret_cast<gpuStream_t>(stream), reinterpret_cast<gpuEvent_t>(event), 0));
 }
 
+void copy_on_stream(intptr_t dst, intptr_t src, int64_t bytes, intptr_t stream) {
+  if (bytes <= 0) return;
+  GPU_CHECK(gpuMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(bytes),
+                           gpuMemcpyDeviceToDevice, reinterpret_cast<gpuStream_t>(stream)));
+}
+
 bool stream_capturing(intptr_t stream) {
   gpuStreamCaptureStatus st = gpuStreamCaptureStatusNone;
   GPU_CHECK(gpuStreamIsCapturing(reinterpret_cast<gpuStream_t>(stream), &st));

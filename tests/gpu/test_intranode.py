@@ -806,11 +806,12 @@ def direct_lane_case(rank: int, world: int) -> dict:
     """Synchronous calls whose arguments match a key that passed every check take the direct
     lane (api/direct.py): dispatch, cached dispatch and combine equal the reference and the
     general path's results (asynchronous calls of the same inputs), exact and sync-free; a
-    dispatch whose signature took the one-call path before (cached or not) and a combine read in
-    place before are served by the lane's binding (`_C.IntranodeLane`), BF16 and FP8, with the
-    same results; a bad id in a call that hits the key raises on every rank, and the Buffer then
-    works again; a new shape takes the general path. Returns, per step, the calls the lane served
-    in it and those its binding served."""
+    dispatch whose signature took the one-call path before (cached or not) and a combine of a
+    signature seen before are served by the lane's binding (`_C.IntranodeLane`), BF16 and FP8,
+    with the same results (a combine's x and weights made outside the arena copied into it); a
+    bad id in a call that hits the key raises on every rank, and the Buffer then works again; a
+    new shape takes the general path. Returns, per step, the calls the lane served in it and
+    those its binding served."""
     from uccl_ep_megatron import Buffer
     from uccl_ep_megatron.core.errors import InvalidInputError
 
@@ -865,7 +866,28 @@ def direct_lane_case(rank: int, world: int) -> dict:
         poison(kb)
         kcx = step(f"{mode} combine", lambda d=direct: kb.combine(d[0], d[4])[0])
         assert_combine_close(kcx, None, rcx, None, exact=world == 2)
-        del lane
+        # Inputs in torch's memory: the binding copies them into the arena first (x, the
+        # weights, or both), as the Python lane does; each signature's first call teaches it.
+        rcw = rb.combine(ref[0], ref[4], topk_weights=ref[2])
+        xc, wc = direct[0].clone(), direct[2].clone()
+        for name, cx, cw in (
+            ("copied combine", xc, None),
+            ("copied weights", direct[0], wc),
+            ("copied both", xc, wc),
+        ):
+            for call in ("key", "lane"):
+                poison(kb)
+                copied = kb._backend.combine_copied_in_calls
+                got = step(
+                    f"{mode} {name} {call}",
+                    lambda cx=cx, cw=cw, d=direct: kb.combine(cx, d[4], topk_weights=cw),
+                )
+                assert kb._backend.combine_copied_in_calls == copied + 1, name
+                if cw is None:
+                    assert_combine_close(got[0], None, rcx, None, exact=world == 2)
+                else:
+                    assert_combine_close(got[0], got[1], rcw[0], rcw[1], exact=world == 2)
+        del lane, xc, wc
         # FP8 rows with their scales: the key (the general path), then the direct lane twice.
         x8 = (
             x.float().to(torch.float8_e4m3fn),
@@ -1159,7 +1181,7 @@ def test_direct_lane_matches_general_path_and_reference(gpu_pool):
     world = gpu_pool.world_size
     want = {"bad id": 1, "new shape": 0}
     # The binding serves a synchronous dispatch (cached or not) of a signature that took the
-    # one-call path before, and a combine of a signature read in place before, on the stream of
+    # one-call path before, and a combine of a signature seen before, on the stream of
     # the Buffer's previous call (whether the first exact call took it depends on the bound
     # earlier cases left; after the asynchronous call, the Python lane orders the next call
     # after the comm stream).
@@ -1170,6 +1192,11 @@ def test_direct_lane_matches_general_path_and_reference(gpu_pool):
         want |= {f"{mode} async dispatch": 0, f"{mode} fp8 key": 0}
         want_bound |= {f"{mode} async dispatch": 0}
         want_bound |= {f"{mode} {c}": 1 for c in ("lane dispatch", "fp8 lane", "cached", "combine")}
+        # Copied in: only the first combine with weights is a new signature.
+        for c in ("copied combine", "copied weights", "copied both"):
+            first = int(c != "copied weights")
+            want |= {f"{mode} {c} key": first, f"{mode} {c} lane": 1}
+            want_bound |= {f"{mode} {c} key": first, f"{mode} {c} lane": 1}
     assert all(o["taken"] == want for o in out), out
     assert all(o["bound"][k] == v for o in out for k, v in want_bound.items()), out
     assert all(f"expert id {4 * world}" in o["message"] for o in out), out

@@ -11,8 +11,8 @@ takes the general path, which checks, agrees, raises on every rank alike or reme
 ``DirectCalls`` is a mixin of ``Buffer`` (``api/buffer.py``): ``self`` is the ``Buffer``.
 
 Where the backend has one (``Backend.make_lane``), a dispatch whose signature took the
-backend's one-call path before, and a combine without bias whose x and weights were read in
-place, skip even this Python: ``Buffer.dispatch`` and ``Buffer.combine`` hand their arguments to
+backend's one-call path before, and a combine without bias whose signature launched before,
+skip even this Python: ``Buffer.dispatch`` and ``Buffer.combine`` hand their arguments to
 the lane's binding (``_C.IntranodeLane``, ``csrc/bindings/intranode_lane.cc``), which matches
 them, launches and returns the result, or returns None before any effect (this lane then takes
 the call).

@@ -1024,7 +1024,7 @@ class KernelsBackend(Backend):
             self._check_status()  # an earlier call's failure is raised first
             self.abort_peers("combine", exc)
             raise
-        given_x = t.x
+        given_x, given_w = t.x, t.weights
         try:
             self._copy_in(t)
             x, hidden = t.x, t.x.shape[1]
@@ -1065,11 +1065,10 @@ class KernelsBackend(Backend):
             elif (
                 self.lane is not None
                 and num_bias == 0
-                and t.x is given_x
-                and (topk_weights is None or t.weights is topk_weights)
-            ):  # x and the weights read where the caller put them: the lane's binding serves it now
+                and (topk_weights is None or given_w is topk_weights)
+            ):  # the lane's binding serves this signature now (copying into the arena as here)
                 self.lane.learn_combine(
-                    x,
+                    given_x,
                     topk_weights,
                     handle.num_worst_tokens or handle.num_recv_tokens,
                     num_tokens,
