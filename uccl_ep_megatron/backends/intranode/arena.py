@@ -254,8 +254,10 @@ class RecvArena:
 
     def fill_free(self, byte: int, stream: torch.cuda.Stream) -> None:
         """Fill every free byte of the arena with ``byte`` on ``stream`` (tests poison outputs
-        this way, so an element no kernel wrote shows up). Synchronizes the device first, so
-        no earlier user of those bytes is still running."""
+        this way, so an element no kernel wrote shows up). Synchronizes the device before, so
+        no earlier user of those bytes is still running, and after: the next call may run on
+        another stream (the direct lane's, the caller's) and its peers write into blocks taken
+        from these bytes, neither ordered after ``stream``."""
         if self._ipc is None or self._closed:
             return
         torch.cuda.synchronize(self._device)
@@ -263,6 +265,7 @@ class RecvArena:
         with torch.cuda.stream(stream):
             for offset, size in self._core.free_ranges():
                 torch.as_tensor(_View(self.base + offset, size), device=dev).fill_(byte)
+        torch.cuda.synchronize(self._device)
 
     def close(self, collective: bool, timeout_ms: int) -> None:
         """Close the peer mappings (collectively, as the staging buffer), and free this rank's
