@@ -25,6 +25,7 @@ OTHER = {
     "launch_ahead": (False, "0"),
     "combine_in_place": (False, "0"),
     "combine_copy_in": (False, "0"),
+    "combine_copy_engine": (False, "0"),
     "arena_bytes": (1 << 20, str(1 << 20)),
     "grow_nvl_buffer": (False, "0"),
     "ranks_per_node": (2, "2"),

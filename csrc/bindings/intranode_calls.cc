@@ -31,6 +31,7 @@
 #include "bindings/pointer_checks.h"
 #include "bindings/tensor_view.h"
 #include "common/errors.h"
+#include "common/gpu.h"
 #include "kernels/intranode.h"
 #endif
 
@@ -608,9 +609,25 @@ int combine_checked(const Context& c, const CombineLaunch& l, const DispatchRows
       a.w_place = wp;
     }
   }
+  const bool capturing = k::stream_capturing(stream);
+  if (a.x_place < 0 && !capturing && c.by_copy_engine(r)) {
+    // Else, at 2 ranks, by the copy engine from where x lies. The rows from the peer follow
+    // this rank's own rows when the peer's rank is higher, and start its staging (no third
+    // rank's rows come first).
+    const int peer = 1 - c.rank;
+    a.ce_value = k::next_ce_value();
+    a.ce_stream = c.ce_stream;
+    a.ce_event = c.ce_event;
+    a.ce_rows.assign(2, 0);
+    a.ce_begin.assign(2, 0);
+    a.ce_dst.assign(2, 0);
+    a.ce_rows[peer] = r.num_recv - r.own_rows;
+    a.ce_begin[peer] = peer < c.rank ? 0 : r.own_rows;
+  }
   poison_regions(&a.poison, {{&out, x.dtype->nan}, {&out_w, repeat(0x7FC00000u, 4)}});
   k::intranode_combine(a, stream);
-  return (a.x_place >= 0 ? kCombinedInPlace : 0) | (k::stream_capturing(stream) ? kCombineCaptured : 0);
+  return (a.x_place >= 0 ? kCombinedInPlace : 0) | (a.ce_value > 0 ? kCombinedByCopyEngine : 0) |
+         (capturing ? kCombineCaptured : 0);
 }
 
 // The layout kernel (see k::get_dispatch_layout); sizes come from the views: tokens and top-k
@@ -730,10 +747,24 @@ void bind_intranode_calls(py::module_& m) {
                       "checked when built; rebuilt after a buffer regrow.")
       .def(py::init([](std::vector<intptr_t> buffers, int64_t buffer_bytes, int rank, int num_ranks,
                        intptr_t status, int64_t timeout_ns, bool use_tma, std::vector<intptr_t> arenas,
-                       std::vector<int64_t> arena_sizes, bool combine_in_place) {
+                       std::vector<int64_t> arena_sizes, bool combine_in_place, intptr_t copy_engine_stream) {
              Context c{std::move(buffers), buffer_bytes,           rank,    num_ranks, status, timeout_ns,
                        use_tma,            std::move(arenas), std::move(arena_sizes), combine_in_place};
              c.check("IntranodeContext");
+             if (copy_engine_stream != 0 && num_ranks == 2) {
+               int device = 0;
+               GPU_CHECK(gpuGetDevice(&device));
+               c.ce_event = k::event_create(device);
+               const intptr_t ev = c.ce_event;
+               c.ce_event_owner = std::shared_ptr<void>(nullptr, [ev](void*) {
+                 try {
+                   k::event_destroy(ev);
+                 } catch (...) {  // teardown: nothing to report to
+                 }
+               });
+               c.ce_stream = copy_engine_stream;
+               c.copy_engine = true;
+             }
              if (!c.arenas.empty()) {
                UCCL_EP_CHECK_ARG(static_cast<int>(c.arenas.size()) == num_ranks && c.arena_sizes.size() == c.arenas.size(),
                                  "IntranodeContext: ", c.arenas.size(), " receive arenas and ", c.arena_sizes.size(),
@@ -745,8 +776,14 @@ void bind_intranode_calls(py::module_& m) {
            }),
            py::kw_only(), py::arg("buffers"), py::arg("buffer_bytes"), py::arg("rank"), py::arg("num_ranks"),
            py::arg("status"), py::arg("timeout_ns"), py::arg("use_tma"), py::arg("arenas") = std::vector<intptr_t>{},
-           py::arg("arena_sizes") = std::vector<int64_t>{}, py::arg("combine_in_place") = true)
+           py::arg("arena_sizes") = std::vector<int64_t>{}, py::arg("combine_in_place") = true,
+           py::arg("copy_engine_stream") = 0)
       .def_readonly("buffers", &Context::buffers)
+      .def_readwrite("copy_engine", &Context::copy_engine,
+                     "Whether a 2-rank combine of an exact dispatch pushes its rows back by the copy engine (needs "
+                     "copy_engine_stream).")
+      .def("by_copy_engine", &Context::by_copy_engine, py::arg("rows"),
+           "Whether a combine of a dispatch with these DispatchRows pushes its rows back by the copy engine.")
       .def_readonly("buffer_bytes", &Context::buffer_bytes);
 
   py::class_<DispatchLaunch>(m, "DispatchLaunch",
@@ -855,10 +892,12 @@ void bind_intranode_calls(py::module_& m) {
         "rank_prefix_matrix, send_pos): push, reduce and the poison fold of the outputs (NaN when a wait timed "
         "out), reading x, weights|None, biases (0-2), out and out_weights|None of `tensors` (a "
         "CombineTensors); when the context allows it and x (and the weights) lie in this rank's receive "
-        "arena, peers read its rows there and it pushes none (in place). Returns COMBINED_IN_PLACE when it "
-        "did, plus COMBINE_CAPTURED while the stream is being captured; COMBINE_STATUS_SET, launching "
-        "nothing, when the status word is set (raise it).");
+        "arena, peers read its rows there and it pushes none (in place); at 2 ranks the context may push "
+        "its rows back by the copy engine instead (IntranodeContext.by_copy_engine). Returns "
+        "COMBINED_IN_PLACE or COMBINED_BY_COPY_ENGINE when it did, plus COMBINE_CAPTURED while the stream is "
+        "being captured; COMBINE_STATUS_SET, launching nothing, when the status word is set (raise it).");
   m.attr("COMBINED_IN_PLACE") = kCombinedInPlace;
+  m.attr("COMBINED_BY_COPY_ENGINE") = kCombinedByCopyEngine;
   m.attr("COMBINE_CAPTURED") = kCombineCaptured;
   m.attr("COMBINE_STATUS_SET") = kCombineStatusSet;
   m.def("dispatch_layout_call", &layout_call,

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <memory>
 #include <vector>
 
 #include "bindings/intranode_launch.h"
@@ -38,6 +39,19 @@ struct Context {
   // A combine whose x (and weights) lie in this rank's arena is read there by its peers
   // instead of pushed (UCCL_EP_COMBINE_IN_PLACE).
   bool combine_in_place = true;
+  // At 2 ranks, a combine of an exact dispatch's rows whose x is not read in place sends them
+  // back by the copy engine on this side stream (0: never), its stream waiting for them with
+  // the event (UCCL_EP_COMBINE_COPY_ENGINE; docs/performance.md, "A copied-in combine").
+  intptr_t ce_stream = 0, ce_event = 0;
+  std::shared_ptr<void> ce_event_owner;  // destroys ce_event with the last copy of the context
+  bool copy_engine = false;
+
+  // Whether a combine of a dispatch with rows `r` whose x lies outside the arena (or is not read
+  // in place) goes back by the copy engine.
+  bool by_copy_engine(const DispatchRows& r) const {
+    return copy_engine && ce_stream != 0 && num_ranks == 2 && !r.bound && r.own_rows >= 0 &&
+           r.num_recv >= r.own_rows;
+  }
 
   // The per-Buffer fields of a launch struct (k::DispatchArgs, k::CombineArgs).
   void fill(k::DispatchArgs& a) const {
@@ -151,10 +165,11 @@ struct CombineViews {
 void expect_combine(const Context& c, const DispatchRows& r, CombineViews* v);
 
 // What a combine launch returns: kCombinedInPlace when this rank combined in place (peers read
-// its x in its arena), plus kCombineCaptured while `stream` is being captured; the binding
+// its x in its arena) or kCombinedByCopyEngine when its rows went back by the copy engine, plus
+// kCombineCaptured while `stream` is being captured; the binding
 // returns kCombineStatusSet, launching nothing, when the status word is set (the caller raises
 // it).
-constexpr int kCombinedInPlace = 1, kCombineCaptured = 2, kCombineStatusSet = -1;
+constexpr int kCombinedInPlace = 1, kCombineCaptured = 2, kCombinedByCopyEngine = 4, kCombineStatusSet = -1;
 
 // The pipelined combine kernel on checked views (expect_combine), then the poison fold of its
 // outputs (NaN when a wait timed out).

@@ -70,6 +70,7 @@ struct Names {
   PyObject* const combine_copy_in = interned("_combine_copy_in");
   PyObject* const combine_in_place_calls = interned("combine_in_place_calls");
   PyObject* const combine_copied_in_calls = interned("combine_copied_in_calls");
+  PyObject* const combine_copy_engine_calls = interned("combine_copy_engine_calls");
   PyObject* const rows = interned("rows");
   PyObject* const send_pos = interned("send_pos");
   PyObject* const device = interned("device");
@@ -601,11 +602,12 @@ class Lane {
     v.x = xv;
     v.weights = aw.view;
     // As KernelsBackend._copy_in: x (or the weights) made outside the arena is copied into an
-    // arena block on the call's stream, and the peers read it there. The block goes back when
-    // `block` dies, after the launch (its reuse waits for the combine on this stream).
+    // arena block on the call's stream, and the peers read it there (unless the copy engine
+    // sends the rows back: it reads them anywhere). The block goes back when `block` dies,
+    // after the launch (its reuse waits for the combine on this stream).
     py::object block;
-    if (PyObject_IsTrue(field(backend, n.combine_copy_in).ptr()) && !c.arenas.empty() && xv.size[0] > 0 &&
-        row_bytes % 16 == 0) {
+    if (!c.by_copy_engine(r) && PyObject_IsTrue(field(backend, n.combine_copy_in).ptr()) && !c.arenas.empty() &&
+        xv.size[0] > 0 && row_bytes % 16 == 0) {
       const intptr_t lo = c.arenas[c.rank], hi = lo + c.arena_sizes[c.rank];
       auto held = [lo, hi](const TensorView& t) { return t.ptr >= lo && t.ptr < hi; };
       const bool copy_x = !held(xv), copy_w = K > 0 && aw.view.numel() > 0 && !held(aw.view);
@@ -631,6 +633,7 @@ class Lane {
     bump(buffer, n.direct_calls);
     set(backend, n.caller_stream, go.raw);
     if (done & kCombinedInPlace) bump(backend, n.combine_in_place_calls);
+    if (done & kCombinedByCopyEngine) bump(backend, n.combine_copy_engine_calls);
     ++calls_;
     return py::make_tuple(out, out_w, event_type_());
   }

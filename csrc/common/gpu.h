@@ -27,7 +27,6 @@ using gpuIpcMemHandle_t = hipIpcMemHandle_t;
 #define gpuMemcpyDefault hipMemcpyDefault
 #define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
 #define gpuMemcpyHostToDevice hipMemcpyHostToDevice
-#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define gpuStreamSynchronize hipStreamSynchronize
 #define gpuStreamCreateWithFlags hipStreamCreateWithFlags
 #define gpuStreamDestroy hipStreamDestroy
@@ -75,7 +74,6 @@ using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
 #define gpuMemcpyDefault cudaMemcpyDefault
 #define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
 #define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
-#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
 #define gpuStreamSynchronize cudaStreamSynchronize
 #define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
 #define gpuStreamDestroy cudaStreamDestroy

@@ -8,6 +8,11 @@
 // recv_x, or expert outputs written there) pushes nothing. It says where x is with the entry
 // barrier, peers read its rows there directly (one read of each row instead of a read, a
 // write and a read), and its kernel ends only after every peer said it is done reading.
+//
+// By the copy engine (ce_value > 0, 2 ranks): a rank's rows go back by cudaMemcpyAsync on a
+// side stream, started once this kernel has passed the entry barrier, with a stream write
+// publishing each chunk (kCeFlagsOffset); its SMs only reduce. Its peers learn it from the
+// place slot and wait for those words instead.
 #include <algorithm>
 
 #include "kernels/common.cuh"
@@ -54,6 +59,7 @@ struct CombineParams {
   Peers arenas;            // every rank's receive arena as mapped here (null: none)
   int64_t x_place, w_place;  // this rank's x / weights offsets in its arena (-1: it pushes)
   PoisonRegions poison;    // out and out_w, filled by the last block when the call failed
+  uint64_t ce_value;       // its rows go back by the copy engine with this value (0: no)
 };
 
 // rows[s][j] of the dispatch: rows rank j received from rank s.
@@ -76,6 +82,10 @@ __device__ __forceinline__ uint64_t* combine_flag(uint8_t* buf, int expert_rank,
   return reinterpret_cast<uint64_t*>(buf + kCombineFlagsOffset) + expert_rank * kCombineChunks + chunk;
 }
 
+__device__ __forceinline__ uint64_t* ce_flag(uint8_t* buf, int expert_rank, int chunk) {
+  return reinterpret_cast<uint64_t*>(buf + kCeFlagsOffset) + expert_rank * kCeChunks + chunk;
+}
+
 // Per-rank offsets every block derives from the device matrix (no host copy: sync-free calls).
 struct Plan {
   int recv_begin[kMaxRanks + 1];  // my rows from source s: x rows [recv_begin[s], [s+1])
@@ -88,6 +98,7 @@ struct Plan {
   unsigned pull;                  // bit r: rank r combines in place; its rows are read below
   const uint8_t* pull_x[kMaxRanks];  // my first row in rank r's x (bit r of pull set)
   const float* pull_w[kMaxRanks];    // and its weights (null: none)
+  uint64_t ce[kMaxRanks];            // rank r's rows come by the copy engine with this value (0: no)
 };
 
 __device__ void make_plan(const CombineParams& p, Plan& s) {
@@ -100,6 +111,7 @@ __device__ void make_plan(const CombineParams& p, Plan& s) {
     s.dst_off[tid] = off;
     s.back[tid] = sent_rows(p.prefix, R, p.rank, tid);
   }
+  if (tid < kMaxRanks) s.ce[tid] = 0;
   if (tid == 0) {
     s.seq = *seq_counter(p.bufs.p[p.rank]) + 1;
     int off = 0;
@@ -123,8 +135,9 @@ __device__ void make_plan(const CombineParams& p, Plan& s) {
     // included), one row written per token.
     int64_t reduce = p.num_tokens;
     for (int r = 0; r < R; ++r) reduce += sent_rows(p.prefix, R, p.rank, r);
-    const int64_t push =
-        p.x_place >= 0 ? 0 : p.prefix[(R - 1) * R + p.rank] - sent_rows(p.prefix, R, p.rank, p.rank);
+    const int64_t push = p.x_place >= 0 || p.ce_value > 0
+                             ? 0
+                             : p.prefix[(R - 1) * R + p.rank] - sent_rows(p.prefix, R, p.rank, p.rank);
     s.push_blocks = combine_push_blocks(push, reduce, gridDim.x);
     s.pull = 0;
   }
@@ -138,6 +151,7 @@ __device__ __forceinline__ void publish_place(const CombineParams& p, uint64_t s
   volatile int64_t* slot = combine_place(p.bufs.p[r], seq, p.rank);
   slot[1] = p.x_place;
   slot[2] = p.w_place;
+  slot[3] = static_cast<int64_t>(p.ce_value);
   slot[0] = static_cast<int64_t>(seq);
 }
 
@@ -148,9 +162,10 @@ __device__ void read_places(const CombineParams& p, Plan& s) {
   if (r < R && r != p.rank) {
     const volatile int64_t* slot = combine_place(p.bufs.p[p.rank], s.seq, r);
     const bool current = slot[0] == static_cast<int64_t>(s.seq);
-    const int64_t xo = slot[1], wo = slot[2];
+    const int64_t xo = slot[1], wo = slot[2], ce = slot[3];
     s.pull_x[r] = nullptr;
     s.pull_w[r] = nullptr;
+    if (current && ce > 0) s.ce[r] = static_cast<uint64_t>(ce);
     if (current && xo >= 0 && p.arenas.p[r] != nullptr) {
       const int64_t first = p.rank > 0 ? p.prefix[(p.rank - 1) * R + r] : 0;
       s.pull_x[r] = p.arenas.p[r] + xo + first * p.row_bytes;
@@ -316,7 +331,8 @@ __device__ void reduce_role(const CombineParams& p, const Plan& s) {
   const float* st_w = reinterpret_cast<const float*>(own + p.w_offset);
   unsigned* counter = reduce_tokens(own);
   const bool watch = lane < R && lane != p.rank && s.back[lane] > 0 && !(s.pull >> lane & 1u);
-  const int ct = watch ? chunk_rows(s.back[lane]) : 1;
+  const uint64_t ce = watch ? s.ce[lane] : 0;  // lane r's rank pushes by the copy engine
+  const int ct = !watch ? 1 : ce > 0 ? static_cast<int>(ce_chunk_rows(s.back[lane])) : chunk_rows(s.back[lane]);
   int seen = -1;  // lane r: the last chunk of rank r seen landed
   // Lane r < R: a token's send position to rank r, loaded one token ahead on up to 4 ranks (its
   // latency hides under the previous token's rows; at 8 ranks the extra register spills).
@@ -337,8 +353,10 @@ __device__ void reduce_role(const CombineParams& p, const Plan& s) {
       if (watch) {
         if (pos >= 0 && pos / ct != seen) {
           seen = pos / ct;
-          failed = !wait_flag(combine_flag(own, lane, seen), s.seq, p.status, PeerAborts{p.bufs, p.rank, R},
-                              p.timeout_ns, lane, s.seq, kSiteCombineReceive);
+          failed = ce > 0 ? !wait_at_least(ce_flag(own, lane, seen), ce, lane, kSiteCombineReceive, p.status,
+                                           PeerAborts{p.bufs, p.rank, R}, p.timeout_ns)
+                          : !wait_flag(combine_flag(own, lane, seen), s.seq, p.status, PeerAborts{p.bufs, p.rank, R},
+                                       p.timeout_ns, lane, s.seq, kSiteCombineReceive);
         }
       }
       // The ballot reconverges the warp after the waits; the warp barrier orders the other
@@ -365,6 +383,12 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
   const bool ok = barrier_block(p.bufs, p.rank, R, s.seq, blockIdx.x == 0, p.status, p.timeout_ns, kSiteCombineEntry,
                                 BarrierExtras{true, kCombineHeaderOffset, p.header}) &&
                   s.overflow < 0;
+  // The copy engine's rows may go now (and go even when the barrier failed: the side stream
+  // must not wait forever; this call raises then).
+  if (p.ce_value > 0 && blockIdx.x == 0 && threadIdx.x == 0) {
+    dev::fence_system();
+    *reinterpret_cast<volatile uint64_t*>(p.bufs.p[p.rank] + kCeGateOffset) = p.ce_value;
+  }
   if (ok) read_places(p, s);
   const int b = blockIdx.x, P = s.push_blocks;
   if (ok && b < P) {
@@ -468,6 +492,36 @@ void launch_dtype(const CombineParams& p, int R, bool vec, bool tma, int blocks,
   }
 }
 
+// After the kernel (on its stream `s`): the rows this rank returns go back by the copy engine on
+// a.ce_stream, chunk by chunk, each chunk published by a stream write of a.ce_value into the
+// peer's kCeFlagsOffset, all once the kernel passed its entry barrier (kCeGateOffset); then `s`
+// waits for them (x is read until then).
+void push_by_copy_engine(const CombineArgs& a, const CombineParams& p, gpuStream_t s) {
+  const intptr_t cs = a.ce_stream;
+  auto at = [](const void* ptr, int64_t bytes) { return reinterpret_cast<intptr_t>(ptr) + bytes; };
+  stream_wait_at_least(cs, at(p.bufs.p[a.rank], kCeGateOffset), a.ce_value);
+  for (int src = 0; src < a.num_ranks; ++src) {
+    const int64_t n = src == a.rank ? 0 : a.ce_rows[src];
+    if (n <= 0) continue;
+    uint8_t* base = p.bufs.p[src];
+    const int64_t begin = a.ce_begin[src], dst = a.ce_dst[src];
+    if (p.has_w) {
+      const int64_t wb = 4ll * p.num_topk;
+      copy_on_stream(at(base, p.w_offset + dst * wb), at(p.w, begin * wb), n * wb, cs);
+    }
+    const int64_t ct = ce_chunk_rows(n);
+    for (int64_t first = 0, c = 0; first < n; first += ct, ++c) {
+      const int64_t rows = std::min(ct, n - first);
+      copy_on_stream(at(base, kDataOffset + (dst + first) * p.row_bytes), at(p.x, (begin + first) * p.row_bytes),
+                     rows * p.row_bytes, cs);
+      stream_write_word(cs, at(base, kCeFlagsOffset + 8 * (static_cast<int64_t>(a.rank) * kCeChunks + c)),
+                        a.ce_value);
+    }
+  }
+  event_record(a.ce_event, cs);
+  stream_wait_event(reinterpret_cast<intptr_t>(s), a.ce_event);
+}
+
 }  // namespace
 
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk) {
@@ -503,8 +557,22 @@ void intranode_combine(const CombineArgs& a, intptr_t stream) {
   p.x_place = a.x_place;
   p.w_place = a.w_place;
   p.poison = a.poison;
+  p.ce_value = a.ce_value;
   UCCL_EP_CHECK_ARG(a.x_place < 0 || !a.arenas.empty(), "intranode_combine: x_place=", a.x_place,
                     " without receive arenas");
+  if (a.ce_value > 0) {
+    UCCL_EP_CHECK_ARG(a.x_place < 0 && a.ce_stream != 0 && a.ce_event != 0 && a.ce_rows.size() == size_t(R) &&
+                          a.ce_begin.size() == size_t(R) && a.ce_dst.size() == size_t(R),
+                      "intranode_combine: a copy-engine push needs x_place=-1 (got ", a.x_place,
+                      "), a side stream, an event and rows, begin and destination for each of ", R, " ranks");
+    for (int r = 0; r < R; ++r)
+      UCCL_EP_CHECK_ARG(r == a.rank || (a.ce_rows[r] >= 0 && a.ce_begin[r] >= 0 &&
+                                        a.ce_begin[r] + a.ce_rows[r] <= a.num_recv && a.ce_dst[r] >= 0 &&
+                                        a.ce_dst[r] + a.ce_rows[r] <= h.staging_rows),
+                        "intranode_combine: copy-engine rows for rank ", r, ": ", a.ce_rows[r], " from x row ",
+                        a.ce_begin[r], " (of ", a.num_recv, ") to staging row ", a.ce_dst[r], " (of ",
+                        h.staging_rows, ")");
+  }
   auto s = reinterpret_cast<gpuStream_t>(stream);
   // With peers, both roles may have work: at least one block each (combine_push_blocks).
   const int blocks = std::max(R > 1 ? 2 : 1, a.num_sms);
@@ -518,6 +586,7 @@ void intranode_combine(const CombineArgs& a, intptr_t stream) {
     launch_dtype<2>(p, R, vec, tma, blocks, s);
   }
   GPU_CHECK(gpuGetLastError());
+  if (a.ce_value > 0) push_by_copy_engine(a, p, s);
 }
 
 }  // namespace uccl_ep::kernels

@@ -137,6 +137,23 @@ constexpr int kMaxScanBlocks = 8;
 constexpr size_t kScanPartsOffset = kCombineDoneOffset + 8 * kMaxRanks;
 static_assert(kScanPartsOffset % 64 == 0 && kScanPartsOffset + 64 + 64 * kMaxScanBlocks <= kCombineFlagsOffset,
               "control overlap");
+// Combine pushed by the copy engine (CombineArgs::ce_value): a rank whose combine rows go back
+// by cudaMemcpyAsync on a side stream instead of by its SMs. The copies wait (a stream wait on
+// the word) until its kernel has passed the entry barrier: that kernel stores ce_value at
+// kCeGateOffset of its own region. After chunk c of the rows it returns to rank s, a stream
+// write stores ce_value at [its rank][c] of s's kCeFlagsOffset (the default write is fenced
+// after the copy); s's reducers wait for a value >= the one its place slot announced. Values
+// come from one process-wide counter, so a word never holds a later call's value early.
+constexpr int kCeChunks = 8;
+constexpr int kCeMinChunkRows = 64;
+constexpr size_t kCeFlagsOffset = (kScanPartsOffset + 64 + 64 * kMaxScanBlocks + 63) / 64 * 64;
+constexpr size_t kCeGateOffset = kCeFlagsOffset + 8ull * kMaxRanks * kCeChunks;
+static_assert(kCeGateOffset + 64 <= kCombineFlagsOffset, "control overlap");
+// Rows per copy-engine chunk of the `rows` rows one rank returns to another (both sides).
+constexpr int64_t ce_chunk_rows(int64_t rows) {
+  const int64_t per = (rows + kCeChunks - 1) / kCeChunks;
+  return per > kCeMinChunkRows ? per : kCeMinChunkRows;
+}
 // Status words in mapped host memory, set by the first wait that times out or, in sync-free
 // mode (num_worst_tokens > 0), by the first bad input the kernels find. Word 0 is the code.
 // The kernels read a device-memory flag set with them instead (StatusRef in common.cuh): any
@@ -220,8 +237,15 @@ void event_record(intptr_t event, intptr_t stream);
 // Whether the work the event's last record covers has finished (a never-recorded event has).
 bool event_done(intptr_t event);
 void stream_wait_event(intptr_t stream, intptr_t event);
-// Copies `bytes` of device memory from `src` to `dst` (same device) on `stream`, asynchronously.
+// Copies `bytes` of device memory from `src` to `dst` (this device's, or a peer's as mapped here) on
+// `stream`, asynchronously.
 void copy_on_stream(intptr_t dst, intptr_t src, int64_t bytes, intptr_t stream);
+// Stream memory operations (no kernel): `stream` waits until the uint64 at `addr` is >= `value`;
+// or writes `value` there once the stream's earlier work is done (fenced after it).
+void stream_wait_at_least(intptr_t stream, intptr_t addr, uint64_t value);
+void stream_write_word(intptr_t stream, intptr_t addr, uint64_t value);
+// A fresh value for CombineArgs::ce_value (process-wide, never 0, never repeated).
+uint64_t next_ce_value();
 // Whether `stream` is being captured into a CUDA graph (no event may be recorded on it then).
 bool stream_capturing(intptr_t stream);
 // device_free on `device` (the current device is restored).
@@ -381,6 +405,12 @@ struct CombineArgs {
   std::vector<intptr_t> arenas;
   int64_t x_place = -1, w_place = -1;
   PoisonRegions poison;  // out and out_weights, filled when the call failed
+  // Push by the copy engine (kCeFlagsOffset; 0: no): this call's value, the side stream and an
+  // event (the call's stream waits for the copies with it), and per peer the rows this rank
+  // returns to it, where they start in x and where they go in its staging (row indices).
+  uint64_t ce_value = 0;
+  intptr_t ce_stream = 0, ce_event = 0;
+  std::vector<int64_t> ce_rows, ce_begin, ce_dst;
 };
 // Bytes of registered buffer (control region included) a combine with these sizes needs.
 int64_t combine_staging_bytes(int64_t rows, int64_t row_bytes, int num_topk);

@@ -3,10 +3,15 @@
 #include <cstring>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 
 #include "common/gpu.h"
 #include "kernels/common.cuh"
+
+#if !defined(UCCL_EP_DEVICE_HIP)
+#include <cuda.h>
+#endif
 
 namespace uccl_ep::kernels {
 
@@ -74,7 +79,54 @@ void stream_wait_event(intptr_t stream, intptr_t event) {
 void copy_on_stream(intptr_t dst, intptr_t src, int64_t bytes, intptr_t stream) {
   if (bytes <= 0) return;
   GPU_CHECK(gpuMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), static_cast<size_t>(bytes),
-                           gpuMemcpyDeviceToDevice, reinterpret_cast<gpuStream_t>(stream)));
+                           gpuMemcpyDefault, reinterpret_cast<gpuStream_t>(stream)));
+}
+
+#if !defined(UCCL_EP_DEVICE_HIP)
+namespace {
+// A driver entry point through the runtime (`_C` links no libcuda).
+template <typename Fn>
+Fn driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  GPU_CHECK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || fn == nullptr) UCCL_EP_THROW(Unsupported, "CUDA driver lacks ", name);
+  return reinterpret_cast<Fn>(fn);
+}
+
+void driver_check(CUresult r, const char* what) {
+  if (r != CUDA_SUCCESS) UCCL_EP_THROW(GpuError, what, " failed: CUresult ", static_cast<int>(r));
+}
+}  // namespace
+#endif
+
+void stream_wait_at_least(intptr_t stream, intptr_t addr, uint64_t value) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipStreamWaitValue64(reinterpret_cast<hipStream_t>(stream), reinterpret_cast<void*>(addr), value,
+                                 hipStreamWaitValueGte, ~0ull));
+#else
+  using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  static const Fn wait = driver_entry<Fn>("cuStreamWaitValue64");
+  driver_check(wait(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ),
+               "cuStreamWaitValue64");
+#endif
+}
+
+void stream_write_word(intptr_t stream, intptr_t addr, uint64_t value) {
+#if defined(UCCL_EP_DEVICE_HIP)
+  GPU_CHECK(hipStreamWriteValue64(reinterpret_cast<hipStream_t>(stream), reinterpret_cast<void*>(addr), value, 0));
+#else
+  using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
+  static const Fn write = driver_entry<Fn>("cuStreamWriteValue64");
+  driver_check(write(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value,
+                     CU_STREAM_WRITE_VALUE_DEFAULT),
+               "cuStreamWriteValue64");
+#endif
+}
+
+uint64_t next_ce_value() {
+  static std::atomic<uint64_t> last{0};
+  return last.fetch_add(1) + 1;
 }
 
 bool stream_capturing(intptr_t stream) {

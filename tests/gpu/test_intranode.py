@@ -164,14 +164,22 @@ def case(rank: int, world: int, params: dict) -> int:
     # recv_x in the arena (zero-copy, 16-byte rows) is combined in place: peers read it there.
     in_place = in_arena(kb, krx) and (hidden * 2) % 16 == 0
     backend = kb._backend
-    copies = backend.combine_copied_in_calls
+    # At 2 ranks an exact dispatch's rows go back by the copy engine (by default), from
+    # wherever x lies: nothing is copied into the arena first.
+    by_engine = backend.combine_copy_engine and backend._context().by_copy_engine(kh.state.rows)
+    if backend.combine_copy_engine:
+        assert by_engine == (world == 2 and not kw["num_worst_tokens"]), kh.state.rows
+    copies, engine = backend.combine_copied_in_calls, backend.combine_copy_engine_calls
     poison(kb)
     kcx, kcw, _ = kb.combine(y, kh, topk_weights=kw_, bias=bias or None, config=config)
     rcx, rcw, _ = rb.combine(y, rh, topk_weights=rw_, bias=bias or None, config=config)
     # Two summands (plus bias in the same order): fp32 accumulation is exact, so are we.
     assert_combine_close(kcx, kcw, rcx, rcw, exact=world == 2)
     # y is torch's: by default it was copied into the arena and read there.
-    assert backend.combine_copied_in_calls - copies == int(in_place)
+    assert backend.combine_copied_in_calls - copies == int(in_place and not by_engine)
+    assert backend.combine_copy_engine_calls - engine == int(by_engine)
+    # The SM paths from here on (in place, copied in, pushed).
+    backend.combine_copy_engine = False
     placed = backend.combine_in_place_calls
     plain, _, _ = kb.combine(krx, kh, config=config)
     assert_combined_is_x_times_reached(plain, x, klay[3])
@@ -199,6 +207,7 @@ def case(rank: int, world: int, params: dict) -> int:
         assert backend.combine_in_place_calls - placed == int(went_in_place), variant
         assert backend.combine_copied_in_calls - copies == int(in_place and copy_in and copied)
     backend._combine_copy_in = True
+    backend.combine_copy_engine = True
     torch.cuda.synchronize()
     return kh.num_recv_tokens
 
@@ -737,19 +746,25 @@ def combine_input_case(rank: int, world: int) -> list[bool]:
     after each combine, so the next dispatch reuses its block at once (stream order and the
     combine's final "done" wait keep the peers' reads before that). Odd ranks allocate their
     last input with torch instead, with the copy into the arena off: mixed ranks in one
-    combine. Returns per call whether this rank combined in place."""
+    combine. At 2 ranks the third call's even ranks pass torch's memory too, whose rows go back
+    by the copy engine while odd ranks are read in place (the copy engine is off otherwise).
+    Returns per call whether this rank combined in place."""
     kb = _life_buffer()
     rb = _reference()
     backend = kb._backend
     placed = []
     for i in range(4):
+        # The third call's even ranks pass torch's memory, sent back by the copy engine at 2 ranks.
+        engine_call = i == 2 and rank % 2 == 0 and world == 2
+        backend.combine_copy_engine = engine_call
+        engine = backend.combine_copy_engine_calls
         kout, rout = _layer_call(kb, rb, rank, world, seed=300 + i)
         _check_layer(f"call {i}", kout, rout)
         n, hidden = kout[0].shape
         gen = torch.Generator(device="cuda").manual_seed(500 + 10 * i + rank)
         y = torch.randn(n, hidden, generator=gen, device="cuda").to(torch.bfloat16)
         backend._combine_copy_in = not (i == 3 and rank % 2)
-        if i == 3 and rank % 2:
+        if (i == 3 and rank % 2) or engine_call:
             xin = torch.empty(n, hidden, dtype=torch.bfloat16, device="cuda")
         else:
             xin = kb.get_combine_input(n, hidden)
@@ -759,12 +774,14 @@ def combine_input_case(rank: int, world: int) -> list[bool]:
         before = backend.combine_in_place_calls
         kcx = kb.combine(xin, kout[4])[0]
         placed.append(backend.combine_in_place_calls - before == 1)
+        assert backend.combine_copy_engine_calls - engine == int(engine_call)
         backend._combine_copy_in = True
         del xin, kout  # the blocks go back while peers may still be combining
         rcx = rb.combine(y, rout[4])[0]
         torch.testing.assert_close(kcx.float(), rcx.float(), rtol=1e-2, atol=1e-2)
         if world == 2:  # two summands in fp32: exact
             assert_same(f"call {i}: combined", kcx, rcx)
+    backend.combine_copy_engine = True
     torch.cuda.synchronize()
     return placed
 
@@ -864,29 +881,38 @@ def direct_lane_case(rank: int, world: int) -> dict:
         assert_same("direct cached recv_x", cached[:count], want[:count])
         kb.combine(direct[0], direct[4])
         poison(kb)
+        backend = kb._backend
         kcx = step(f"{mode} combine", lambda d=direct: kb.combine(d[0], d[4])[0])
         assert_combine_close(kcx, None, rcx, None, exact=world == 2)
-        # Inputs in torch's memory: the binding copies them into the arena first (x, the
-        # weights, or both), as the Python lane does; each signature's first call teaches it.
+        # Inputs in torch's memory: at 2 ranks an exact dispatch's rows go back by the copy
+        # engine from where they lie; otherwise (and with the copy engine off) the binding copies
+        # them into the arena first (x, the weights, or both), as the Python lane does. Each
+        # signature's first call teaches it.
         rcw = rb.combine(ref[0], ref[4], topk_weights=ref[2])
         xc, wc = direct[0].clone(), direct[2].clone()
-        for name, cx, cw in (
-            ("copied combine", xc, None),
-            ("copied weights", direct[0], wc),
-            ("copied both", xc, wc),
-        ):
-            for call in ("key", "lane"):
-                poison(kb)
-                copied = kb._backend.combine_copied_in_calls
-                got = step(
-                    f"{mode} {name} {call}",
-                    lambda cx=cx, cw=cw, d=direct: kb.combine(cx, d[4], topk_weights=cw),
-                )
-                assert kb._backend.combine_copied_in_calls == copied + 1, name
-                if cw is None:
-                    assert_combine_close(got[0], None, rcx, None, exact=world == 2)
-                else:
-                    assert_combine_close(got[0], got[1], rcw[0], rcw[1], exact=world == 2)
+        for engine_on, tag in ((True, ""), (False, " no engine")):
+            backend.combine_copy_engine = engine_on
+            by_engine = backend.combine_copy_engine and world == 2 and mode == "exact"
+            for name, cx, cw in (
+                ("copied combine", xc, None),
+                ("copied weights", direct[0], wc),
+                ("copied both", xc, wc),
+            ):
+                for call in ("key", "lane"):
+                    poison(kb)
+                    copied = backend.combine_copied_in_calls
+                    engine = backend.combine_copy_engine_calls
+                    got = step(
+                        f"{mode} {name} {call}{tag}",
+                        lambda cx=cx, cw=cw, d=direct: kb.combine(cx, d[4], topk_weights=cw),
+                    )
+                    assert backend.combine_copied_in_calls - copied == int(not by_engine), name
+                    assert backend.combine_copy_engine_calls - engine == int(by_engine), name
+                    if cw is None:
+                        assert_combine_close(got[0], None, rcx, None, exact=world == 2)
+                    else:
+                        assert_combine_close(got[0], got[1], rcw[0], rcw[1], exact=world == 2)
+        backend.combine_copy_engine = True
         del lane, xc, wc
         # FP8 rows with their scales: the key (the general path), then the direct lane twice.
         x8 = (
@@ -1169,7 +1195,9 @@ def test_exact_dispatch_launched_ahead_of_its_counts(gpu_pool):
 
 def test_combine_input_in_the_arena_is_combined_in_place(gpu_pool):
     out = gpu_pool.run(__file__, "combine_input_case", env=ENV)
-    assert out == [[True] * 3 + [r % 2 == 0] for r in range(gpu_pool.world_size)], out
+    world = gpu_pool.world_size
+    third = [r % 2 == 1 if world == 2 else True for r in range(world)]
+    assert out == [[True, True, third[r], r % 2 == 0] for r in range(world)], out
 
 
 def test_megatron_order_of_dispatches_and_frees(gpu_pool):
@@ -1197,6 +1225,8 @@ def test_direct_lane_matches_general_path_and_reference(gpu_pool):
             first = int(c != "copied weights")
             want |= {f"{mode} {c} key": first, f"{mode} {c} lane": 1}
             want_bound |= {f"{mode} {c} key": first, f"{mode} {c} lane": 1}
+            want |= {f"{mode} {c} {call} no engine": 1 for call in ("key", "lane")}
+            want_bound |= {f"{mode} {c} {call} no engine": 1 for call in ("key", "lane")}
     assert all(o["taken"] == want for o in out), out
     assert all(o["bound"][k] == v for o in out for k, v in want_bound.items()), out
     assert all(f"expert id {4 * world}" in o["message"] for o in out), out

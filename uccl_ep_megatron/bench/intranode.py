@@ -411,9 +411,14 @@ def _worker(rank: int, world: int, a: dict, sms_list: list[int]) -> dict:
     res["cpu_probe_ms"].append(cpu_probe_ms())
     # Dispatches of ours whose outputs did not fit the receive arena (staged, not zero-copy).
     res["arena_fallbacks"] = sum(b._backend.recv_arena.fallbacks for b in ours.values())
-    # Combines read in place, and those of them whose x was copied into the arena first.
+    # Combines read in place, those of them whose x was copied into the arena first, and
+    # those whose rows went back by the copy engine.
     res["combine_paths"] = {
-        k: [b._backend.combine_in_place_calls, b._backend.combine_copied_in_calls]
+        k: [
+            b._backend.combine_in_place_calls,
+            b._backend.combine_copied_in_calls,
+            b._backend.combine_copy_engine_calls,
+        ]
         for k, b in ours.items()
     }
     # Exact dispatches served by launch-ahead, and those that ran again with exact sizes.

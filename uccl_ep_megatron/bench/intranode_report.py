@@ -21,7 +21,8 @@ def merge(per_rank: list[dict], shared: bool) -> dict:
     # Each rank's CPU speed before and after its timed calls (bench.common.cpu_probe_ms).
     out["cpu_probe_ms"] = [r.get("cpu_probe_ms", []) for r in per_rank]
     out["launch_ahead"] = r0.get("launch_ahead", {})  # rank 0's [served, ran again] per Buffer
-    # Rank 0's [combines in place, of them copied into the arena first] per Buffer.
+    # Rank 0's [combines in place, of them copied into the arena first, by the copy engine]
+    # per Buffer.
     out["combine_paths"] = r0.get("combine_paths", {})
     out["recv_bytes"] = max(r["recv_bytes"] for r in per_rank)
     if shared:
@@ -94,8 +95,11 @@ def print_table(r: dict) -> None:
         print("# ours vs DeepEP V1 outputs: " + ("identical" if not bad else f"DIFFER {bad[:4]}"))
     for label, (served, again) in r.get("launch_ahead", {}).items():
         print(f"# launch-ahead ({label}, rank 0): {served} exact dispatches served, {again} rerun")
-    for label, (placed, copied) in r.get("combine_paths", {}).items():
-        print(f"# combines in place ({label}, rank 0): {placed}, {copied} of them copied in first")
+    for label, (placed, copied, *engine) in r.get("combine_paths", {}).items():
+        line = f"# combines in place ({label}, rank 0): {placed}, {copied} of them copied in first"
+        if engine:
+            line += f"; by the copy engine: {engine[0]}"
+        print(line)
     print(
         f"{'op':<22}{'impl':>7}{'copy':>7}{'SMs':>4}{'device us':>10}{'(min-max)':>16}"
         f"{'host us':>9}{'GB/s':>7}{'/floor':>7}{'/DeepEP':>8}"

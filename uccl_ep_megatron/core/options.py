@@ -90,6 +90,9 @@ class BufferOptions:
             (``UCCL_EP_COMBINE_IN_PLACE``).
         combine_copy_in: with ``combine_in_place``, an x (or weights) made outside the arena
             is copied into an arena block and read there (``UCCL_EP_COMBINE_COPY_IN``).
+        combine_copy_engine: at 2 ranks, a combine of an exact dispatch's rows whose x is not
+            read in place sends them back with the copy engine while its SMs only sum
+            (``UCCL_EP_COMBINE_COPY_ENGINE``).
         arena_bytes: bytes of each rank's receive arena for zero-copy dispatch; 0 on any rank
             turns it off for the group (``UCCL_EP_RECV_ARENA_BYTES``).
         grow_nvl_buffer: a call that stages more rows than ``num_nvl_bytes`` holds grows every
@@ -122,6 +125,7 @@ class BufferOptions:
     launch_ahead: bool | None = _knob("UCCL_EP_LAUNCH_AHEAD", _flag)
     combine_in_place: bool | None = _knob("UCCL_EP_COMBINE_IN_PLACE", _flag)
     combine_copy_in: bool | None = _knob("UCCL_EP_COMBINE_COPY_IN", _flag)
+    combine_copy_engine: bool | None = _knob("UCCL_EP_COMBINE_COPY_ENGINE", _flag)
     arena_bytes: int | None = _knob("UCCL_EP_RECV_ARENA_BYTES", _int_in(0, unit="bytes"))
     grow_nvl_buffer: bool | None = _knob("UCCL_EP_GROW_NVL_BUFFER", _flag)
     ranks_per_node: int | None = _knob("UCCL_EP_RANKS_PER_NODE", _int_in(0))

@@ -238,6 +238,15 @@ class KernelsBackend(Backend):
         # (_copy_in); they count as in place too. Off: such combines push their rows back.
         self._combine_copy_in = self._combine_in_place and bool(options.combine_copy_in)
         self.combine_copied_in_calls = 0
+        # At 2 ranks a combine of an exact dispatch's rows whose x is not read in place sends
+        # them back with the copy engine on this side stream while its SMs only sum
+        # (csrc/kernels/combine.cu); per rank, told to the peer per call. combine_copy_engine
+        # turns it off and on.
+        self._ce_stream = None
+        if options.combine_copy_engine and topology.num_ranks == 2:
+            self._ce_stream = torch.cuda.Stream(device=self._device_index)
+        self._copy_engine = self._ce_stream is not None
+        self.combine_copy_engine_calls = 0
         # Dispatches launched by one binding call (intranode_dispatch_begin; see dispatch).
         self.one_call_dispatches = 0
         self.lane: Any = None  # _C.IntranodeLane of the Buffer's direct lane (make_lane)
@@ -332,9 +341,24 @@ class KernelsBackend(Backend):
                 arenas=self.recv_arena.ptrs,
                 arena_sizes=self.recv_arena.sizes,
                 combine_in_place=self._combine_in_place,
+                copy_engine_stream=0 if self._ce_stream is None else self._ce_stream.cuda_stream,
             )
+            self._ctx.copy_engine = self._copy_engine
             self._ctx_grows = grows
         return self._ctx
+
+    @property
+    def combine_copy_engine(self) -> bool:
+        """Whether a 2-rank combine of an exact dispatch's rows whose x is not read in place
+        sends them back with the copy engine (``UCCL_EP_COMBINE_COPY_ENGINE``); settable, per
+        rank."""
+        return self._copy_engine
+
+    @combine_copy_engine.setter
+    def combine_copy_engine(self, on: bool) -> None:
+        self._copy_engine = bool(on) and self._ce_stream is not None
+        if self._ctx is not None:
+            self._ctx.copy_engine = self._copy_engine
 
     def _stream(self) -> int:
         # The raw handle, without building a torch.cuda.Stream (host time).
@@ -954,7 +978,7 @@ class KernelsBackend(Backend):
             rows, hidden, dtype, self._stream(), comm_stream or self._stream()
         )
 
-    def _copy_in(self, t: CombineTensors) -> None:
+    def _copy_in(self, t: CombineTensors, rows: Any) -> None:
         """Copy a combine's x (and weights) that the caller made outside the receive arena into
         arena blocks, on the call's stream, so that the peers read them in place: one local
         copy of each row at HBM speed and one read over the link, where pushing reads each row,
@@ -962,11 +986,13 @@ class KernelsBackend(Backend):
         (docs/performance.md, "A copied-in combine"). The blocks die with ``t`` after the
         launch (their reuse waits for the combine on this stream, whose end waits for the peers'
         reads). Nothing is copied when the arena is off or full, under graph capture, or when
-        rows are not 16-byte multiples (such combines push)."""
+        rows are not 16-byte multiples (such combines push), nor when the rows go back by the
+        copy engine (``rows``: the dispatch's ``_C.DispatchRows``), which reads x where it is."""
         x, w = t.x, t.weights
         arena = self.recv_arena
         if (
             not self._combine_copy_in
+            or (self._copy_engine and self._context().by_copy_engine(rows))
             or not arena.enabled
             or x.shape[0] == 0
             or (x.shape[1] * x.element_size()) % 16 != 0
@@ -1026,9 +1052,9 @@ class KernelsBackend(Backend):
             raise
         given_x, given_w = t.x, t.weights
         try:
-            self._copy_in(t)
-            x, hidden = t.x, t.x.shape[1]
             state: _State = handle.state
+            self._copy_in(t, state.rows)
+            x, hidden = t.x, t.x.shape[1]
             num_topk = 0 if topk_weights is None else topk_weights.shape[1]
             staging_rows = state.rows.combine_rows
             row_bytes = hidden * x.element_size()
@@ -1077,6 +1103,7 @@ class KernelsBackend(Backend):
                     self._last_call,
                 )
             self.combine_in_place_calls += done & c.COMBINED_IN_PLACE
+            self.combine_copy_engine_calls += bool(done & c.COMBINED_BY_COPY_ENGINE)
             return t.out, t.out_weights
         except UcclEpError:
             raise  # every rank raises it alike, or the kernels told the peers
