@@ -279,31 +279,24 @@ __device__ __forceinline__ void reduce_token(const CombineParams& p, const Plan&
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * dev::kWarpSize + lane;
       if (i >= n) continue;
+      // -0.0 + x is x for every x: the first add folds away, and every sum equals the
+      // oracle's (from +0.0) in value.
       float acc[kPerVec];
 #pragma unroll
-      for (int e = 0; e < kPerVec; ++e) acc[e] = 0.0f;
+      for (int e = 0; e < kPerVec; ++e) acc[e] = -0.0f;
 #pragma unroll
-      for (int r = 0; r < kRanks; ++r) {
-        if (mask >> r & 1u) {
-          const raw* vals = reinterpret_cast<const raw*>(&v[r][u]);
-#pragma unroll
-          for (int e = 0; e < kPerVec; ++e) acc[e] += E::to_f(vals[e]);
-        }
-      }
+      for (int r = 0; r < kRanks; ++r)
+        if (mask >> r & 1u) add_elts<kDtype, kPerVec>(acc, &v[r][u]);
       const uint8_t* biases[2] = {p.bias0, p.bias1};
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         if (biases[b] != nullptr) {
           const V bv = reinterpret_cast<const V*>(biases[b] + static_cast<int64_t>(t) * p.row_bytes)[i];
-          const raw* vals = reinterpret_cast<const raw*>(&bv);
-#pragma unroll
-          for (int e = 0; e < kPerVec; ++e) acc[e] += E::to_f(vals[e]);
+          add_elts<kDtype, kPerVec>(acc, &bv);
         }
       }
       V o;
-      raw* ov = reinterpret_cast<raw*>(&o);
-#pragma unroll
-      for (int e = 0; e < kPerVec; ++e) ov[e] = E::from_f(acc[e]);
+      store_elts<kDtype, kPerVec>(&o, acc);
       reinterpret_cast<V*>(p.out + static_cast<int64_t>(t) * p.row_bytes)[i] = o;
     }
   }

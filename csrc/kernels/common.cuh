@@ -453,6 +453,8 @@ inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 // combine dtype code (0 bf16, 1 fp16, 2 fp32).
 template <int kDtype>
 struct Elt;
+// The 16-bit dtypes also convert two elements at a time from and to a 32-bit word (element 0
+// in the low half): one instruction per element or pair instead of several.
 template <>
 struct Elt<0> {
   using raw = uint16_t;
@@ -463,12 +465,29 @@ struct Elt<0> {
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<raw>(u >> 16);
   }
+  __device__ static float2 to_f2(uint32_t w) { return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); }
+  // Rounds to nearest even as from_f (a NaN comes out as the canonical one on sm_80+).
+  __device__ static uint32_t from_f2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_AMD__)
+    uint32_t w;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w) : "f"(hi), "f"(lo));
+    return w;
+#else
+    return static_cast<uint32_t>(from_f(lo)) | static_cast<uint32_t>(from_f(hi)) << 16;
+#endif
+  }
 };
 template <>
 struct Elt<1> {
   using raw = uint16_t;
   __device__ static float to_f(raw b) { return __half2float(__ushort_as_half(b)); }
   __device__ static raw from_f(float f) { return __half_as_ushort(__float2half_rn(f)); }
+  __device__ static float2 to_f2(uint32_t w) {
+    return make_float2(to_f(static_cast<raw>(w & 0xffffu)), to_f(static_cast<raw>(w >> 16)));
+  }
+  __device__ static uint32_t from_f2(float lo, float hi) {
+    return static_cast<uint32_t>(from_f(lo)) | static_cast<uint32_t>(from_f(hi)) << 16;
+  }
 };
 template <>
 struct Elt<2> {
@@ -476,6 +495,41 @@ struct Elt<2> {
   __device__ static float to_f(raw b) { return b; }
   __device__ static raw from_f(float f) { return f; }
 };
+
+// acc[e] += element e of the kN raw elements of dtype kDtype at `v` (registers), a pair per
+// 32-bit word for the 16-bit dtypes.
+template <int kDtype, int kN>
+__device__ __forceinline__ void add_elts(float* acc, const void* v) {
+  using E = Elt<kDtype>;
+  if constexpr (sizeof(typename E::raw) == 2 && kN % 2 == 0) {
+    const uint32_t* w = static_cast<const uint32_t*>(v);
+#pragma unroll
+    for (int q = 0; q < kN / 2; ++q) {
+      const float2 f = E::to_f2(w[q]);
+      acc[2 * q] += f.x;
+      acc[2 * q + 1] += f.y;
+    }
+  } else {
+    const typename E::raw* r = static_cast<const typename E::raw*>(v);
+#pragma unroll
+    for (int e = 0; e < kN; ++e) acc[e] += E::to_f(r[e]);
+  }
+}
+
+// The kN sums of acc as raw elements of dtype kDtype at `out` (registers).
+template <int kDtype, int kN>
+__device__ __forceinline__ void store_elts(void* out, const float* acc) {
+  using E = Elt<kDtype>;
+  if constexpr (sizeof(typename E::raw) == 2 && kN % 2 == 0) {
+    uint32_t* w = static_cast<uint32_t*>(out);
+#pragma unroll
+    for (int q = 0; q < kN / 2; ++q) w[q] = E::from_f2(acc[2 * q], acc[2 * q + 1]);
+  } else {
+    typename E::raw* r = static_cast<typename E::raw*>(out);
+#pragma unroll
+    for (int e = 0; e < kN; ++e) r[e] = E::from_f(acc[e]);
+  }
+}
 
 }  // namespace uccl_ep::kernels
 
