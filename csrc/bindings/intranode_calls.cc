@@ -780,10 +780,11 @@ void bind_intranode_calls(py::module_& m) {
            py::arg("copy_engine_stream") = 0)
       .def_readonly("buffers", &Context::buffers)
       .def_readwrite("copy_engine", &Context::copy_engine,
-                     "Whether a 2-rank combine of an exact dispatch pushes its rows back by the copy engine (needs "
-                     "copy_engine_stream).")
+                     "Whether a 2-rank combine of an exact dispatch whose x is not read in place sends its rows "
+                     "back by the copy engine (needs copy_engine_stream).")
       .def("by_copy_engine", &Context::by_copy_engine, py::arg("rows"),
-           "Whether a combine of a dispatch with these DispatchRows pushes its rows back by the copy engine.")
+           "Whether a combine of a dispatch with these DispatchRows whose x is not read in place sends its rows "
+           "back by the copy engine.")
       .def_readonly("buffer_bytes", &Context::buffer_bytes);
 
   py::class_<DispatchLaunch>(m, "DispatchLaunch",

@@ -6,13 +6,14 @@
 // (every tensor's class, device, shape, dtype and contiguity, the two ints and the config), and
 // for a combine without bias with the same signature as one before (x's and the weights', the
 // handle's rows and tokens, the config), copying x and the weights into the receive arena first
-// when they lie outside it, as KernelsBackend._copy_in does. It reads each tensor once, for the
-// signature and the launch, launches, and returns what Buffer.dispatch or Buffer.combine
-// returns. Anything else it leaves to the Python lane by returning None before any effect: a new
-// signature, another stream or device, a backend that is not usable, a buffer to grow or
-// rebuild, no launch-ahead bound yet, a capture, a block that does not fit. A launch-ahead call whose counts are not good (a bad input, a rank over
-// the bound) returns its reservation and readback for the backend to judge
-// (`KernelsBackend.ahead_rest`).
+// when they lie outside it, as KernelsBackend._copy_in does (unless the copy engine sends the
+// rows back: IntranodeContext.by_copy_engine). It reads each tensor once, for the signature and
+// the launch, launches, and returns what Buffer.dispatch or Buffer.combine returns. Anything
+// else it leaves to the Python lane by returning None before any effect: a new signature,
+// another stream or device, a backend that is not usable, a buffer to grow or rebuild, no
+// launch-ahead bound yet, a capture, a block that does not fit. A launch-ahead call whose counts
+// are not good (a bad input, a rank over the bound) returns its reservation and readback for the
+// backend to judge (`KernelsBackend.ahead_rest`).
 #ifdef UCCL_EP_WITH_GPU
 #include <Python.h>
 #include <pybind11/pybind11.h>

@@ -465,7 +465,9 @@ struct Elt<0> {
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<raw>(u >> 16);
   }
-  __device__ static float2 to_f2(uint32_t w) { return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u)); }
+  __device__ static float2 to_f2(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+  }
   // Rounds to nearest even as from_f (a NaN comes out as the canonical one on sm_80+).
   __device__ static uint32_t from_f2(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(__HIP_PLATFORM_AMD__)

@@ -107,8 +107,9 @@ void stream_wait_at_least(intptr_t stream, intptr_t addr, uint64_t value) {
 #else
   using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
   static const Fn wait = driver_entry<Fn>("cuStreamWaitValue64");
-  driver_check(wait(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ),
-               "cuStreamWaitValue64");
+  driver_check(
+      wait(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ),
+      "cuStreamWaitValue64");
 #endif
 }
 
