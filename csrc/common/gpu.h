@@ -108,3 +108,18 @@ using gpuIpcMemHandle_t = cudaIpcMemHandle_t;
       UCCL_EP_THROW(GpuError, #expr, " failed: ", gpuGetErrorString(err__));             \
     }                                                                                    \
   } while (0)
+
+#if !defined(UCCL_EP_DEVICE_HIP)
+namespace uccl_ep {
+// A CUDA driver entry point through the runtime, so `_C` needs no link against libcuda; throws
+// Unsupported when the driver lacks it.
+template <typename Fn>
+Fn driver_fn(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  GPU_CHECK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || !fn) UCCL_EP_THROW(Unsupported, "CUDA driver lacks ", name);
+  return reinterpret_cast<Fn>(fn);
+}
+}  // namespace uccl_ep
+#endif

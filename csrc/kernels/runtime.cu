@@ -84,16 +84,6 @@ void copy_on_stream(intptr_t dst, intptr_t src, int64_t bytes, intptr_t stream) 
 
 #if !defined(UCCL_EP_DEVICE_HIP)
 namespace {
-// A driver entry point through the runtime (`_C` links no libcuda).
-template <typename Fn>
-Fn driver_entry(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  GPU_CHECK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q));
-  if (q != cudaDriverEntryPointSuccess || fn == nullptr) UCCL_EP_THROW(Unsupported, "CUDA driver lacks ", name);
-  return reinterpret_cast<Fn>(fn);
-}
-
 void driver_check(CUresult r, const char* what) {
   if (r != CUDA_SUCCESS) UCCL_EP_THROW(GpuError, what, " failed: CUresult ", static_cast<int>(r));
 }
@@ -106,7 +96,7 @@ void stream_wait_at_least(intptr_t stream, intptr_t addr, uint64_t value) {
                                  hipStreamWaitValueGte, ~0ull));
 #else
   using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-  static const Fn wait = driver_entry<Fn>("cuStreamWaitValue64");
+  static const Fn wait = driver_fn<Fn>("cuStreamWaitValue64");
   driver_check(
       wait(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value, CU_STREAM_WAIT_VALUE_GEQ),
       "cuStreamWaitValue64");
@@ -118,7 +108,7 @@ void stream_write_word(intptr_t stream, intptr_t addr, uint64_t value) {
   GPU_CHECK(hipStreamWriteValue64(reinterpret_cast<hipStream_t>(stream), reinterpret_cast<void*>(addr), value, 0));
 #else
   using Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint64_t, unsigned int);
-  static const Fn write = driver_entry<Fn>("cuStreamWriteValue64");
+  static const Fn write = driver_fn<Fn>("cuStreamWriteValue64");
   driver_check(write(reinterpret_cast<CUstream>(stream), static_cast<CUdeviceptr>(addr), value,
                      CU_STREAM_WRITE_VALUE_DEFAULT),
                "cuStreamWriteValue64");

@@ -17,18 +17,6 @@
 namespace uccl_ep {
 namespace {
 
-#if !defined(UCCL_EP_DEVICE_HIP)
-// Driver entry points through the runtime, so `_C` needs no link against libcuda.
-template <typename Fn>
-Fn driver_fn(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  GPU_CHECK(cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &q));
-  if (q != cudaDriverEntryPointSuccess || !fn) UCCL_EP_THROW(Unsupported, "CUDA driver lacks ", name);
-  return reinterpret_cast<Fn>(fn);
-}
-#endif
-
 // Base of the allocation holding ptr: IPC handles name allocations, not interior pointers.
 char* allocation_base(void* ptr, size_t* size) {
 #if defined(UCCL_EP_DEVICE_HIP)
