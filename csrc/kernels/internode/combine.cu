@@ -94,18 +94,20 @@ constexpr int kGroup = 3;
 // Rows one token sums at most: the node's local ranks, the other nodes' partials, two biases.
 constexpr int kMaxSources = kMaxLocal + kMaxNodes + 2;
 
-// A lane's fp32 sums of kVecs vectors of a row (vectors base, base + 32, ... of nv).
+// A lane's fp32 sums of kVecs vectors of a row (vectors base, base + 32, ... of nv); 16-bit
+// dtypes convert two elements per 32-bit word (add_elts, store_elts).
 template <int kDtype>
 struct RowAcc {
   using raw = typename Elt<kDtype>::raw;
   static constexpr int E = 16 / sizeof(raw);
   float a[kVecs][E];
 
+  // Sums start at -0.0, the identity of fp32 addition (-0.0 + x is x, -0.0 included).
   __device__ __forceinline__ RowAcc() {
 #pragma unroll
     for (int u = 0; u < kVecs; ++u)
 #pragma unroll
-      for (int i = 0; i < E; ++i) a[u][i] = 0.0f;
+      for (int i = 0; i < E; ++i) a[u][i] = -0.0f;
   }
   // Adds rows src[0..ns) in that order (per element: the same order as one row at a time);
   // the loads of up to kGroup rows are issued before any is used.
@@ -127,9 +129,7 @@ struct RowAcc {
 #pragma unroll
         for (int u = 0; u < kVecs; ++u) {
           if (base + u * dev::kWarpSize >= nv) continue;
-          const raw* e = reinterpret_cast<const raw*>(&q[g][u]);
-#pragma unroll
-          for (int i = 0; i < E; ++i) a[u][i] += Elt<kDtype>::to_f(e[i]);
+          kernels::add_elts<kDtype, E>(a[u], &q[g][u]);
         }
       }
     }
@@ -140,9 +140,7 @@ struct RowAcc {
       const int64_t v = base + u * dev::kWarpSize;
       if (v >= nv) continue;
       int4 q;
-      raw* e = reinterpret_cast<raw*>(&q);
-#pragma unroll
-      for (int i = 0; i < E; ++i) e[i] = Elt<kDtype>::from_f(a[u][i]);
+      kernels::store_elts<kDtype, E>(&q, a[u]);
       *reinterpret_cast<int4*>(dst + v * 16) = q;
     }
   }
