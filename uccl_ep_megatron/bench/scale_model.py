@@ -122,7 +122,7 @@ class Shape:
     ranks_per_node: int = 8
     sms: int = 24
     chunk: int = 20
-    combine_chunk: int = 12
+    combine_chunk: int = 16
     ring: int = 128
     max_nodes: int = 4
 

@@ -189,7 +189,7 @@ def default_combine_config(num_ranks: int, num_sms: int, node_size: int | None =
     """Tuned defaults by rank count (one node vs several); ``node_size`` as above."""
     if (node_size or ranks_per_node(num_ranks)) == num_ranks:
         return Config(num_sms, 6, 256, 6, 128)
-    return Config(num_sms, 6, 288, 12, 128)
+    return Config(num_sms, 6, 288, 16, 128)
 
 
 def env_registry() -> list[dict[str, str]]:
