@@ -408,7 +408,7 @@ def test_a_run_without_a_wire_trace_gives_no_boundary(tmp_path):
 
 
 def test_the_committed_2x2_runs_boundary_is_its_pairs_steady_idle_between_calls():
-    path = os.path.join(RESULTS, "internode-h200-2x2.json")
+    path = os.path.join(RESULTS, "internode-h200-2x2-8bbd037.json")
     with open(path) as f:
         rows = [r for r in json.load(f)["rows"] if r["op"] == "pipelined" and "wire" in r]
     assert len(rows) == 4 * 2 * 3  # ranks x deliveries x line rates
@@ -426,7 +426,7 @@ def test_the_committed_2x2_runs_boundary_is_its_pairs_steady_idle_between_calls(
 
 @pytest.mark.parametrize("link", [25.0, 50.0])
 def test_with_its_boundary_the_model_comes_within_5_percent_of_the_runs_pipelined_pairs(link):
-    path = os.path.join(RESULTS, "internode-h200-2x2.json")
+    path = os.path.join(RESULTS, "internode-h200-2x2-8bbd037.json")
     with open(path) as f:
         run = json.load(f)
     cal = scale.calibrate(scale.load_run(path))
