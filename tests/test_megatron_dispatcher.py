@@ -233,6 +233,42 @@ def w_metrics(rank, world):
     assert dispatch_metrics.collect().layers == {}, "collect() must reset"
 
 
+def w_instrumented_backward(rank, world):
+    """``telemetry.dispatch.instrument`` on the dispatcher: the layer's output and gradients are
+    the uninstrumented ones, and each call's backward is recorded once."""
+    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
+
+    dispatch_metrics.collect()
+    dispatch_metrics.enable(True)
+    try:
+        d, _ = _make_dispatcher(rank, world, 1)
+        dispatch_metrics.instrument(d, 6)
+        x, rm, p = _inputs(23, rank, world, 1, 12, torch.float32)
+        x = x.requires_grad_(True)
+        p = p.requires_grad_(True)
+        h, tp_ = d.dispatch_preprocess(x, rm, p)
+        rx, rp = d.token_dispatch(h, tp_)
+        rows, _, pp = d.dispatch_postprocess(rx, rp)
+        y = d.combine_postprocess(d.token_combine(d.combine_preprocess(rows * pp.unsqueeze(-1))))
+        g = torch.Generator().manual_seed(31 + rank)
+        grad_out = torch.randn(x.shape, generator=g)
+        (y * grad_out).sum().backward()
+        step = dispatch_metrics.collect()
+    finally:
+        dispatch_metrics.enable(False)
+    mass = (p.detach() * rm).sum(-1).reshape(x.shape[:-1] + (1,))
+    torch.testing.assert_close(y.detach(), x.detach() * mass, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(x.grad, grad_out * mass, atol=1e-6, rtol=1e-5)
+    dot = (grad_out * x.detach()).sum(-1).reshape(-1, 1)
+    torch.testing.assert_close(p.grad, dot * rm, atol=1e-5, rtol=1e-5)
+    m = step.layers[6]
+    assert m.calls == 1 and m.backward_calls == 2
+    assert m.dispatch_backward_ms > 0 and m.combine_backward_ms > 0
+    summary = step.summary()
+    assert summary["dispatch_backward_time_ms"] == m.dispatch_backward_ms
+    assert summary["combine_backward_time_ms"] == m.combine_backward_ms
+
+
 def w_rejects(rank, world):
     from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
@@ -280,6 +316,10 @@ def test_layers_share_buffer_and_backprop_through_both():
 
 def test_metrics_hooks_record_per_layer():
     get_pool(2).run(HERE, "w_metrics")
+
+
+def test_instrumented_calls_time_their_backward_and_keep_the_gradients():
+    get_pool(2).run(HERE, "w_instrumented_backward")
 
 
 def test_bad_use_is_rejected():

@@ -97,3 +97,90 @@ def test_timed_rejects_an_unknown_kind(recorder_on):
     with pytest.raises(ValueError, match="'dispatch' or 'combine'"):
         with dm.recorder.timed(torch.device("cpu"), 0, "permute"):
             pass
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a stand-in for the rows' trip back."""
+
+    @staticmethod
+    def forward(ctx, t, sleep_s):
+        ctx.sleep_s = sleep_s
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.sleep_s)
+        return grad, None
+
+
+class _AutogradDispatcher:
+    """A dispatcher whose calls have backwards: dispatch duplicates the rows (its backward sums
+    the two copies, after ``dispatch_back_s``), combine keeps the first half."""
+
+    def __init__(self, dispatch_back_s: float = 0.0) -> None:
+        self.dispatch_back_s = dispatch_back_s
+
+    def token_dispatch(self, hidden_states, probs):
+        x = _SlowBackward.apply(hidden_states, self.dispatch_back_s)
+        return torch.cat([x, x]), probs
+
+    def token_combine(self, hidden_states):
+        return hidden_states[: hidden_states.shape[0] // 2] * 1.0
+
+
+def _step(d, x, w):
+    y, _ = d.token_dispatch(x, probs=None)
+    out = d.token_combine(y * w)
+    (out * out).sum().backward()
+
+
+def test_backward_of_each_call_is_timed_and_gradients_are_unchanged(recorder_on):
+    w = torch.arange(1.0, 9.0)
+    x0 = torch.randn(4, 8)
+    plain = _AutogradDispatcher()
+    x_ref = x0.clone().requires_grad_()
+    _step(plain, x_ref, w)
+    dm.collect()
+    d = _AutogradDispatcher(dispatch_back_s=0.03)
+    dm.instrument(d, 7)
+    x = x0.clone().requires_grad_()
+    for _ in range(2):
+        x.grad = None
+        _step(d, x, w)
+    # The marks are identities: the gradient is the uninstrumented one, bit for bit.
+    assert torch.equal(x.grad, x_ref.grad)
+    step = dm.collect()
+    m = step.layers[7]
+    assert m.calls == 2 and m.backward_calls == 4
+    # The dispatch's backward holds the sleep; the combine's does not (CPU: wall time).
+    assert m.dispatch_backward_ms >= 2 * 30
+    assert m.combine_backward_ms < 20
+    s = step.summary()
+    assert s["dispatch_backward_time_ms"] == m.dispatch_backward_ms
+    assert s["combine_backward_time_ms"] == m.combine_backward_ms
+    assert step.per_layer()["layer7/dispatch_backward_time_ms"] == m.dispatch_backward_ms
+
+
+def test_calls_without_a_gradient_have_no_backward_columns(recorder_on):
+    d = _AutogradDispatcher()
+    dm.instrument(d, 2)
+    y, _ = d.token_dispatch(torch.randn(4, 8), probs=None)
+    d.token_combine(y)
+    with torch.no_grad():
+        y, _ = d.token_dispatch(torch.randn(4, 8, requires_grad=True), probs=None)
+        d.token_combine(y)
+    step = dm.collect()
+    assert step.layers[2].calls == 2 and step.layers[2].backward_calls == 0
+    assert "dispatch_backward_time_ms" not in step.summary()
+
+
+def test_a_call_by_keyword_is_marked_and_timed_backward(recorder_on):
+    d = _AutogradDispatcher(dispatch_back_s=0.01)
+    dm.instrument(d, 4)
+    x = torch.randn(2, 8, requires_grad=True)
+    y, _ = d.token_dispatch(hidden_states=x, probs=None)
+    out = d.token_combine(hidden_states=y)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))  # combine keeps the first copy
+    m = dm.collect().layers[4]
+    assert m.backward_calls == 2 and m.dispatch_backward_ms >= 10

@@ -9,8 +9,7 @@ Two producers feed it, and one call is measured once:
   dispatcher the same way. A timing opened by :func:`instrument` owns the call: the
   dispatcher's own recording inside it is skipped, so nothing is counted twice.
 
-What each number is, per call (only forward passes; the backward runs the same two
-collectives in reverse):
+What each number is, per call (forward passes; the backward's are below):
 
 * **device time** (``dispatch_time_ms`` / ``combine_time_ms``): CUDA events recorded on the
   caller's current stream right before and right after the call. Dispatchers run their
@@ -25,6 +24,15 @@ A host synchronization inside a call (e.g. reading counts back) shows up in **bo
 waits for the device (host time), and the device idles until the host launches the rest
 (device time). A large host time with a device time close to it means the call is host-bound.
 On the CPU (gloo) there is no device clock: both columns hold the same wall time.
+
+* **backward device time** (``dispatch_backward_time_ms`` / ``combine_backward_time_ms``, calls
+  timed by :func:`instrument` whose hidden states require a gradient): the backward of a
+  dispatch moves the gradient rows back, a combine's backward moves them out again. An identity
+  autograd node on the call's row output records the start event when that output's gradient
+  arrives, and one on its row input records the stop event when the gradient has gone through
+  the call (both on the stream the backward runs on): the GPU time from "output gradient ready"
+  to "input gradient ready", whatever ran on that stream in between. With forward and backward
+  a step's exchange time is all four columns; ``collect()`` must then come after the backward.
 
 Also recorded: tokens received per local expert (before quantization padding) and bytes
 moved (bytes of the received token rows, DeepEP's bandwidth convention, used for both
@@ -90,6 +98,9 @@ class LayerDispatchMetrics:
     dispatch_bytes: int = 0
     combine_bytes: int = 0
     tokens_per_local_expert: list[int] = field(default_factory=list)
+    dispatch_backward_ms: float = 0.0
+    combine_backward_ms: float = 0.0
+    backward_calls: int = 0  # backward records, dispatch and combine
 
     @property
     def dispatch_gbps(self) -> float:
@@ -123,6 +134,13 @@ class StepDispatchMetrics:
             "combine_gbps": c_bytes / c_ms / 1e6 if c_ms > 0 else 0.0,
             "dispatch_bytes": float(d_bytes),
         }
+        if any(m.backward_calls for m in self.layers.values()):
+            out["dispatch_backward_time_ms"] = sum(
+                m.dispatch_backward_ms for m in self.layers.values()
+            )
+            out["combine_backward_time_ms"] = sum(
+                m.combine_backward_ms for m in self.layers.values()
+            )
         imbalances = [
             _imbalance(m.tokens_per_local_expert)
             for m in self.layers.values()
@@ -144,6 +162,9 @@ class StepDispatchMetrics:
             out[f"layer{n}/combine_host_ms"] = m.combine_host_ms
             out[f"layer{n}/dispatch_gbps"] = m.dispatch_gbps
             out[f"layer{n}/combine_gbps"] = m.combine_gbps
+            if m.backward_calls:
+                out[f"layer{n}/dispatch_backward_time_ms"] = m.dispatch_backward_ms
+                out[f"layer{n}/combine_backward_time_ms"] = m.combine_backward_ms
             if m.tokens_per_local_expert:
                 out[f"layer{n}/local_expert_load_imbalance"] = _imbalance(m.tokens_per_local_expert)
         return out
@@ -154,10 +175,14 @@ def _imbalance(counts: list[int]) -> float:
     return max(counts) / mean if mean > 0 else 0.0
 
 
+_KINDS = ("dispatch", "combine")
+_BACKWARD_KINDS = ("dispatch_backward", "combine_backward")
+
+
 @dataclass
 class _Pending:
     layer: int
-    kind: str  # "dispatch" or "combine"
+    kind: str  # one of _KINDS or _BACKWARD_KINDS
     timer: _Timer
     num_bytes: int
     tokens_per_local_expert: list[int] | None
@@ -211,8 +236,10 @@ class DispatchMetricsRecorder:
         """Stop ``timer`` and keep the record until ``collect()``."""
         if timer is None:
             return
-        if kind not in ("dispatch", "combine"):
-            raise InvalidInputError(f"kind={kind!r}: must be 'dispatch' or 'combine'")
+        if kind not in _KINDS + _BACKWARD_KINDS:
+            raise InvalidInputError(
+                f"kind={kind!r}: must be 'dispatch' or 'combine' (or their '_backward')"
+            )
         timer.finish()
         with self._lock:
             self._pending.append(
@@ -237,7 +264,13 @@ class DispatchMetricsRecorder:
         for p in pending:
             m = layers.setdefault(p.layer, LayerDispatchMetrics(p.layer))
             ms, host_ms = p.timer.device_ms(), p.timer.host_ms()
-            if p.kind == "dispatch":
+            if p.kind in _BACKWARD_KINDS:
+                m.backward_calls += 1
+                if p.kind == "dispatch_backward":
+                    m.dispatch_backward_ms += ms
+                else:
+                    m.combine_backward_ms += ms
+            elif p.kind == "dispatch":
                 m.calls += 1
                 m.dispatch_ms += ms
                 m.dispatch_host_ms += host_ms
@@ -294,27 +327,96 @@ def _first(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
 
 
+class _BackwardClock:
+    """Times one call's backward: ``begin`` when its output's gradient arrives, ``end`` when the
+    gradient has gone through to its input (module doc)."""
+
+    def __init__(self, device: torch.device, layer: int, kind: str) -> None:
+        self.device, self.layer, self.kind = device, layer, kind
+        self.timer: _Timer | None = None
+
+    def begin(self) -> None:
+        if self.timer is None:
+            self.timer = _Timer(self.device)
+
+    def end(self) -> None:
+        if self.timer is not None:
+            recorder.record(self.timer, self.layer, self.kind, 0)
+            self.timer = None
+
+
+class _BackwardMark(torch.autograd.Function):
+    """Identity whose backward calls ``fn`` before passing the gradient on."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, fn: Callable[[], None]) -> torch.Tensor:
+        ctx.fn = fn
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.fn()
+        return grad, None
+
+
+def _backward_clock(t: Any, layer: int, kind: str) -> _BackwardClock | None:
+    """A clock for the backward of a call on rows ``t`` (the recorder on, a gradient to come)."""
+    if (
+        recorder.enabled
+        and isinstance(t, torch.Tensor)
+        and t.requires_grad
+        and torch.is_grad_enabled()
+    ):
+        return _BackwardClock(t.device, layer, kind)
+    return None
+
+
+def _mark_input(args: tuple, kwargs: dict, fn: Callable[[], None]) -> tuple[tuple, dict]:
+    """``args`` / ``kwargs`` with the hidden states (``_first``) passed through a mark."""
+    if args:
+        return (_BackwardMark.apply(args[0], fn), *args[1:]), kwargs
+    key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+    return args, {**kwargs, key: _BackwardMark.apply(kwargs[key], fn)}
+
+
+def _mark_output(out: Any, fn: Callable[[], None]) -> Any:
+    """``out`` (a tensor, or a tuple/list whose first element is the rows) with its rows
+    passed through a mark; unchanged when the rows need no gradient."""
+    rows = out[0] if isinstance(out, (tuple, list)) and out else out
+    if not (isinstance(rows, torch.Tensor) and rows.requires_grad):
+        return out
+    marked = _BackwardMark.apply(rows, fn)
+    if rows is out:
+        return marked
+    return type(out)([marked, *out[1:]])
+
+
 def instrument(dispatcher: Any, layer: int) -> None:
-    """Time ``dispatcher.token_dispatch`` / ``token_combine`` through ``recorder`` (any type).
+    """Time ``dispatcher.token_dispatch`` / ``token_combine`` through ``recorder`` (any type),
+    forward and, where the rows require a gradient, backward (module doc).
 
     Bytes: the received rows (``token_dispatch``'s first output) and the rows sent back
     (``token_combine``'s first argument). The hooks record only while the recorder is enabled.
     """
     dispatch, combine = dispatcher.token_dispatch, dispatcher.token_combine
 
+    def call(fn: Callable[..., Any], kind: str, args: tuple, kwargs: dict) -> Any:
+        hidden_states = _first(args, kwargs)
+        clock = _backward_clock(hidden_states, layer, f"{kind}_backward")
+        if clock is not None:
+            args, kwargs = _mark_input(args, kwargs, clock.end)
+        with recorder.timed(hidden_states.device, layer, kind) as nbytes:
+            out = fn(*args, **kwargs)
+            nbytes[0] = _row_bytes(out if kind == "dispatch" else hidden_states)
+        return out if clock is None else _mark_output(out, clock.begin)
+
     @functools.wraps(dispatch)
     def token_dispatch(*args: Any, **kwargs: Any) -> Any:
-        with recorder.timed(_first(args, kwargs).device, layer, "dispatch") as nbytes:
-            out = dispatch(*args, **kwargs)
-            nbytes[0] = _row_bytes(out)
-        return out
+        return call(dispatch, "dispatch", args, kwargs)
 
     @functools.wraps(combine)
     def token_combine(*args: Any, **kwargs: Any) -> Any:
-        hidden_states = _first(args, kwargs)
-        with recorder.timed(hidden_states.device, layer, "combine") as nbytes:
-            nbytes[0] = _row_bytes(hidden_states)
-            return combine(*args, **kwargs)
+        return call(combine, "combine", args, kwargs)
 
     dispatcher.token_dispatch = token_dispatch
     dispatcher.token_combine = token_combine

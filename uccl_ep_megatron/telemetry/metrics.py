@@ -21,6 +21,9 @@ Metric names (all optional per record; ``step`` always present):
 ``dispatch_host_ms``            host (CPU wall) time inside the same ``token_dispatch`` calls;
                                 a host sync inside a call counts here and in the device time
 ``combine_host_ms``             same for ``token_combine``
+``dispatch_backward_time_ms``   device time of the dispatches' backward per step (calls timed by
+                                ``telemetry.dispatch.instrument`` whose rows need a gradient)
+``combine_backward_time_ms``    same for the combines' backward
 ``dispatch_gbps``               bytes of received token rows / dispatch time (DeepEP metric)
 ``combine_gbps``                the same bytes / combine time
 ``expert_load_imbalance``       max / mean tokens per expert over every expert of the model
