@@ -97,3 +97,29 @@ def test_uccl_ep_layer_fp64_against_deep_ep_drop_in_and_allgather(tmp_path):
         assert r["dispatcher"] == "UcclEpTokenDispatcher"
         assert sum(r["tokens_per_expert"]) > 0
         assert "flex/grad/router.weight" in r["checks"] and "oracle/output" in r["checks"]
+
+
+def test_metrics_flag_times_any_dispatcher_forward_and_backward_without_changing_it(tmp_path):
+    """``--moe-uccl-ep-metrics`` times megatron-core's own dispatcher too (and ours), forward and
+    backward; outputs and every gradient still equal the references' and the oracle's."""
+    reports = _layer_run(
+        tmp_path,
+        "--moe-token-dispatcher-type",
+        "allgather",
+        "--moe-uccl-ep-metrics",
+        "--moe-uccl-ep-backend",
+        "reference",
+        "--reference",
+        "uccl_ep",
+    )
+    for r in reports:
+        assert r["instrumented"] == {"allgather": True, "uccl_ep": True}
+        m = r["metrics"]
+        for key in (
+            "dispatch_time_ms",
+            "combine_time_ms",
+            "dispatch_backward_time_ms",
+            "combine_backward_time_ms",
+        ):
+            assert m[key] > 0, key
+        assert "uccl_ep/input_grad" in r["checks"] and "oracle/grad/router.weight" in r["checks"]

@@ -90,7 +90,7 @@ def test_jsonl_roundtrip_keeps_non_finite_as_null(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == {"k": 1}
 
 
-def test_megatron_lm_training_log_hook_logs_dispatch_metrics_at_the_iteration():
+def test_megatron_lm_training_log_hook_logs_dispatch_metrics_at_the_iteration(capsys):
     import torch
 
     from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
@@ -147,6 +147,12 @@ def test_megatron_lm_training_log_hook_logs_dispatch_metrics_at_the_iteration():
     assert values[PREFIX + "dispatch_bytes"] == 4_000_000
     assert values[PREFIX + "dispatch_time_ms"] >= 0
     assert {k for k, _, s in board.scalars if s == 7} == set(values)
+    # The last rank (here: no process group) prints the same values as one line for scripts.
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("uccl_ep metrics")]
+    assert len(printed) == 1 and printed[0].startswith("uccl_ep metrics | iteration 7 | ")
+    fields = dict(f.rsplit(" ", 1) for f in printed[0].split(" | ")[2:])
+    assert set(fields) == {k[len(PREFIX) :] for k in values}
+    assert float(fields["dispatch_bytes"]) == 4_000_000
     # keyword call, nothing recorded since: nothing logged
     hooked(
         {},

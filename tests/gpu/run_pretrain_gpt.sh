@@ -16,7 +16,10 @@
 #   bash tests/gpu/run_pretrain_gpt.sh
 # Env: RUNS (default "alltoall uccl_ep uccl_ep_sf flex alltoall_ov uccl_ep_ov uccl_ep_sf_ov
 #      flex_ov"; also alltoall_cf, uccl_ep_vn, uccl_ep_sf_vn), ITERS (default 25), WARMUP
-#      (default 5), SHAPE (extra model flags), OUT.
+#      (default 5), SHAPE (extra model flags), OUT, METRICS=1 (every run with
+#      --moe-uccl-ep-metrics: each dispatcher's exchange time per iteration, forward and
+#      backward, from the log's `uccl_ep metrics` lines; the JSON gains it and the step time
+#      a dispatcher that cost nothing would reach, iteration ms / (ms - exchange ms)).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
@@ -76,6 +79,7 @@ for run in $RUNS; do
       extra+=(--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep)
       env_run+=(PYTHONPATH="$DEEPEP${PYTHONPATH:+:$PYTHONPATH}") ;;
   esac
+  [ "${METRICS:-0}" = 1 ] && extra+=(--moe-uccl-ep-metrics)
   if [[ $run == *_ov ]]; then
     extra+=(--overlap-moe-expert-parallel-comm)
     env_run=(CUDA_DEVICE_MAX_CONNECTIONS=32 "${env_run[@]:1}")
@@ -99,6 +103,9 @@ import json, os, re, statistics, sys
 out, warmup, runs, tokens = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), int(sys.argv[4])
 line = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
                   r".*?lm loss: ([\d.Ee+-]+) \|")
+metrics_line = re.compile(r"^uccl_ep metrics \| iteration (\d+) \| (.*)$", re.M)
+EXCHANGE = ("dispatch_time_ms", "combine_time_ms", "dispatch_backward_time_ms",
+            "combine_backward_time_ms")
 result = {"runs": {}}
 for run in runs:
     log = os.path.join(out, f"pretrain-{run}.log")
@@ -119,6 +126,20 @@ for run in runs:
         "command": command, "iterations": len(rows), "median_iteration_ms": ms,
         "tokens_per_s": tokens / (ms / 1e3) if ms else None,
         "iteration_ms": [r[1] for r in rows], "loss": [r[2] for r in rows]}
+    # --moe-uccl-ep-metrics: the last rank's exchange time per iteration (forward + backward
+    # dispatch and combine over every MoE layer and micro-batch).
+    per_iter = {}
+    for it, fields in metrics_line.findall(text):
+        values = dict(f.rsplit(" ", 1) for f in fields.split(" | "))
+        if all(k in values for k in EXCHANGE):
+            per_iter[int(it)] = sum(float(values[k]) for k in EXCHANGE)
+    if per_iter:
+        steady = [v for i, v in sorted(per_iter.items()) if i > warmup] or list(per_iter.values())
+        ex = statistics.median(steady)
+        result["runs"][run]["exchange_ms_per_iteration"] = per_iter
+        result["runs"][run]["median_exchange_ms"] = ex
+        if ms and ms > ex:
+            result["runs"][run]["zero_cost_exchange_speedup"] = ms / (ms - ex)
 base = result["runs"].get("alltoall", {}).get("loss")
 for name, r in result["runs"].items():
     if base and r.get("loss") and len(r["loss"]) == len(base):
@@ -131,8 +152,11 @@ for name, r in result["runs"].items():
         print(f"{name:14} {r.get('error', 'incomplete')[:300]}")
         continue
     vs = "  ".join(f"vs {k} {ref[k] / ms:.3f}" for k in ref if ref[k])
+    ex = r.get("median_exchange_ms")
+    exchange = (f"  exchange {ex:.1f} ms (zero-cost bound {r['zero_cost_exchange_speedup']:.3f}x)"
+                if ex and "zero_cost_exchange_speedup" in r else "")
     print(f"{name:14} {ms:8.1f} ms/iter {r['tokens_per_s']:9,.0f} tok/s  {vs}  loss "
           f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}  "
-          f"max diff {r.get('max_abs_loss_diff_vs_alltoall', float('nan')):.4f}")
+          f"max diff {r.get('max_abs_loss_diff_vs_alltoall', float('nan')):.4f}{exchange}")
 PY
 exit $rc

@@ -165,12 +165,21 @@ x = torch.randn(args.tokens // 2, 2, HIDDEN, generator=g).to(device)
 grad_out = torch.randn(x.shape, generator=g).to(device)
 results = {name: run(layer, x, grad_out) for name, layer in layers.items()}
 out, x_grad, grads, decisions, tpe = results[tested_type]
+# --moe-uccl-ep-metrics: every layer's dispatcher was timed, forward and backward.
+from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics  # noqa: E402
+
+metrics = dispatch_metrics.collect().summary() if dispatch_metrics.is_enabled() else None
 report = {
     "rank": rank,
     "megatron_core": __import__("megatron.core", fromlist=["x"]).__version__,
     "dispatcher": type(layers[tested_type].token_dispatcher).__name__,
     "deep_ep_module": getattr(sys.modules.get("deep_ep"), "__doc__", None),
     "tokens_per_expert": [int(t) for t in tpe] if tpe is not None else None,
+    "metrics": metrics,
+    "instrumented": {
+        name: bool(getattr(lay.token_dispatcher, "_dispatch_metrics_instrumented", False))
+        for name, lay in layers.items()
+    },
     "checks": {},
 }
 failures = []

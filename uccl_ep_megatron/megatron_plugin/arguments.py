@@ -90,7 +90,8 @@ def _plugin_flags() -> list[tuple[str, dict[str, Any]]]:
             dict(
                 option="metrics",
                 nargs=0,
-                help="uccl_ep: record per-layer dispatch/combine time, tokens per expert, bytes.",
+                help="record per-layer dispatch/combine time of every MoE dispatcher (forward and "
+                "backward), tokens per expert, bytes.",
             ),
         ),
         (

@@ -11,6 +11,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from uccl_ep_megatron.core.errors import UnsupportedError
 from uccl_ep_megatron.megatron_plugin.arguments import (
     _megatron_lm_args,
     options_from_megatron_args,
@@ -27,6 +28,7 @@ from uccl_ep_megatron.token_dispatcher.options import get_options, set_options
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
+_training_log_hooked: list[bool] = []  # telemetry.megatron_lm.install's answer, once
 
 
 def _megatron_api(version: str) -> dict[str, Any]:
@@ -118,6 +120,26 @@ def _log_once(message: str) -> None:
         log.info(message)
 
 
+def _time_dispatcher(layer: Any) -> None:
+    """With ``--moe-uccl-ep-metrics``: record, and time the layer's dispatcher whatever its
+    type, forward and backward (``telemetry.dispatch.instrument``, labelled by the layer's
+    number); hook Megatron-LM's training log to report it (``telemetry.megatron_lm.install``)."""
+    if not get_options().metrics or getattr(layer, "token_dispatcher", None) is None:
+        return
+    from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
+    from uccl_ep_megatron.telemetry import megatron_lm
+
+    dispatch_metrics.enable(True)
+    dispatch_metrics.instrument(layer.token_dispatcher, lambda: layer.layer_number or 0)
+    if not _training_log_hooked:
+        try:
+            hooked = megatron_lm.install()
+        except UnsupportedError as exc:  # a training log the hook cannot read: train anyway
+            log.warning("--moe-uccl-ep-metrics: the metrics stay unreported: %s", exc)
+            hooked = False
+        _training_log_hooked.append(hooked)
+
+
 def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
     moe_layer_module = api["moe_layer"]
     moe_layer_cls = moe_layer_module.MoELayer
@@ -135,6 +157,7 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
         args, kwargs = _with_grouped_experts(args, kwargs)
         if getattr(config, _DEST, None) != DISPATCHER_TYPE:
             original_init(self, config, *args, **kwargs)
+            _time_dispatcher(self)
             return
         from uccl_ep_megatron.token_dispatcher.dispatcher import UcclEpTokenDispatcher
 
@@ -149,6 +172,7 @@ def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
         if self.layer_number is not None:
             self.token_dispatcher.layer_number = self.layer_number
         self.token_dispatcher.set_experts(self.experts)
+        _time_dispatcher(self)
 
     _state["moe_layer"] = (moe_layer_cls, original_init, original_set_layer_number)
     moe_layer_cls.__init__ = __init__

@@ -391,21 +391,27 @@ def _mark_output(out: Any, fn: Callable[[], None]) -> Any:
     return type(out)([marked, *out[1:]])
 
 
-def instrument(dispatcher: Any, layer: int) -> None:
+def instrument(dispatcher: Any, layer: int | Callable[[], int]) -> None:
     """Time ``dispatcher.token_dispatch`` / ``token_combine`` through ``recorder`` (any type),
     forward and, where the rows require a gradient, backward (module doc).
 
-    Bytes: the received rows (``token_dispatch``'s first output) and the rows sent back
-    (``token_combine``'s first argument). The hooks record only while the recorder is enabled.
+    ``layer``: the records' layer number, or a function giving it at each call (a layer's number
+    may be set after its dispatcher is built). Bytes: the received rows (``token_dispatch``'s
+    first output) and the rows sent back (``token_combine``'s first argument). The hooks record
+    only while the recorder is enabled. A dispatcher is wrapped once: a second call does nothing.
     """
+    if getattr(dispatcher, "_dispatch_metrics_instrumented", False):
+        return
     dispatch, combine = dispatcher.token_dispatch, dispatcher.token_combine
+    number = layer if callable(layer) else (lambda: layer)
 
     def call(fn: Callable[..., Any], kind: str, args: tuple, kwargs: dict) -> Any:
         hidden_states = _first(args, kwargs)
-        clock = _backward_clock(hidden_states, layer, f"{kind}_backward")
+        n = int(number())
+        clock = _backward_clock(hidden_states, n, f"{kind}_backward")
         if clock is not None:
             args, kwargs = _mark_input(args, kwargs, clock.end)
-        with recorder.timed(hidden_states.device, layer, kind) as nbytes:
+        with recorder.timed(hidden_states.device, n, kind) as nbytes:
             out = fn(*args, **kwargs)
             nbytes[0] = _row_bytes(out if kind == "dispatch" else hidden_states)
         return out if clock is None else _mark_output(out, clock.begin)
@@ -420,3 +426,4 @@ def instrument(dispatcher: Any, layer: int) -> None:
 
     dispatcher.token_dispatch = token_dispatch
     dispatcher.token_combine = token_combine
+    dispatcher._dispatch_metrics_instrumented = True

@@ -9,7 +9,11 @@ go to the same writers at the same iteration, under ``uccl_ep/<metric>``. Every 
 rank's values are the ones logged.
 
 Call it after Megatron-LM's directory is importable and before ``pretrain`` runs, e.g. right
-after ``megatron_plugin.install()`` in ``python -m uccl_ep_megatron.run``.
+after ``megatron_plugin.install()`` in ``python -m uccl_ep_megatron.run``. The plugin calls it
+itself when ``--moe-uccl-ep-metrics`` is on, and then times every MoE layer's dispatcher
+(``uccl_ep``, ``alltoall``, ``flex``) through ``telemetry.dispatch.instrument``, forward and
+backward. The last rank also prints each iteration's values as one line,
+``uccl_ep metrics | iteration N | name value | ...``, for scripts that read the log.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ def wrap_training_log(
         iteration = signature.bind_partial(*args, **kwargs).arguments.get("iteration")
         values = collect()
         if values and iteration is not None:
+            if _last_rank():
+                fields = " | ".join(f"{k} {v:.6g}" for k, v in sorted(values.items()))
+                print(f"uccl_ep metrics | iteration {iteration} | {fields}", flush=True)
             for writer in get_writers():
                 if hasattr(writer, "add_scalar"):
                     for key, value in values.items():
@@ -68,6 +75,15 @@ def wrap_training_log(
     return training_log
 
 
+def _last_rank() -> bool:
+    """Whether this process is the one Megatron-LM logs from (the last rank; no group: yes)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    return dist.get_rank() == dist.get_world_size() - 1
+
+
 def install() -> bool:
     """Hook Megatron-LM's ``training_log``; returns ``False`` when Megatron-LM is not importable.
 
@@ -76,7 +92,7 @@ def install() -> bool:
     try:
         from megatron.training import global_vars
         from megatron.training import training as megatron_training
-    except ImportError as exc:
+    except (ImportError, SyntaxError) as exc:  # absent, or newer than this Python
         log.info("Megatron-LM's training loop is not importable (%s); no metrics hook", exc)
         return False
     from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
