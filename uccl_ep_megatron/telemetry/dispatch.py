@@ -27,12 +27,14 @@ On the CPU (gloo) there is no device clock: both columns hold the same wall time
 
 * **backward device time** (``dispatch_backward_time_ms`` / ``combine_backward_time_ms``, calls
   timed by :func:`instrument` whose hidden states require a gradient): the backward of a
-  dispatch moves the gradient rows back, a combine's backward moves them out again. An identity
-  autograd node on the call's row output records the start event when that output's gradient
-  arrives, and one on its row input records the stop event when the gradient has gone through
-  the call (both on the stream the backward runs on): the GPU time from "output gradient ready"
-  to "input gradient ready", whatever ran on that stream in between. With forward and backward
-  a step's exchange time is all four columns; ``collect()`` must then come after the backward.
+  dispatch moves the gradient rows back, a combine's backward moves them out again. A tensor
+  hook on the call's row output records the start event when that output's gradient has been
+  computed, and one on its row input records the stop event when the input's gradient has (on
+  the stream the backward runs on; the hooks change neither the graph nor the gradients): the
+  GPU time from "output gradient ready" to "input gradient ready", whatever ran on that stream
+  in between (if the input feeds other layers too, until their gradients are in as well). With
+  forward and backward a step's exchange time is all four columns; ``collect()`` must then come
+  after the backward.
 
 Also recorded: tokens received per local expert (before quantization padding) and bytes
 moved (bytes of the received token rows, DeepEP's bandwidth convention, used for both
@@ -345,20 +347,6 @@ class _BackwardClock:
             self.timer = None
 
 
-class _BackwardMark(torch.autograd.Function):
-    """Identity whose backward calls ``fn`` before passing the gradient on."""
-
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, fn: Callable[[], None]) -> torch.Tensor:
-        ctx.fn = fn
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.fn()
-        return grad, None
-
-
 def _backward_clock(t: Any, layer: int, kind: str) -> _BackwardClock | None:
     """A clock for the backward of a call on rows ``t`` (the recorder on, a gradient to come)."""
     if (
@@ -371,24 +359,12 @@ def _backward_clock(t: Any, layer: int, kind: str) -> _BackwardClock | None:
     return None
 
 
-def _mark_input(args: tuple, kwargs: dict, fn: Callable[[], None]) -> tuple[tuple, dict]:
-    """``args`` / ``kwargs`` with the hidden states (``_first``) passed through a mark."""
-    if args:
-        return (_BackwardMark.apply(args[0], fn), *args[1:]), kwargs
-    key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
-    return args, {**kwargs, key: _BackwardMark.apply(kwargs[key], fn)}
-
-
-def _mark_output(out: Any, fn: Callable[[], None]) -> Any:
-    """``out`` (a tensor, or a tuple/list whose first element is the rows) with its rows
-    passed through a mark; unchanged when the rows need no gradient."""
-    rows = out[0] if isinstance(out, (tuple, list)) and out else out
-    if not (isinstance(rows, torch.Tensor) and rows.requires_grad):
-        return out
-    marked = _BackwardMark.apply(rows, fn)
-    if rows is out:
-        return marked
-    return type(out)([marked, *out[1:]])
+def _on_gradient(t: Any, fn: Callable[[], None]) -> None:
+    """Call ``fn`` when the gradient of ``t`` (a tensor, or the rows first in a tuple or list)
+    has been computed: a tensor hook, which leaves the graph and the gradient as they are."""
+    rows = t[0] if isinstance(t, (tuple, list)) and t else t
+    if isinstance(rows, torch.Tensor) and rows.requires_grad:
+        rows.register_hook(lambda _grad: fn())
 
 
 def instrument(dispatcher: Any, layer: int | Callable[[], int]) -> None:
@@ -409,12 +385,13 @@ def instrument(dispatcher: Any, layer: int | Callable[[], int]) -> None:
         hidden_states = _first(args, kwargs)
         n = int(number())
         clock = _backward_clock(hidden_states, n, f"{kind}_backward")
-        if clock is not None:
-            args, kwargs = _mark_input(args, kwargs, clock.end)
         with recorder.timed(hidden_states.device, n, kind) as nbytes:
             out = fn(*args, **kwargs)
             nbytes[0] = _row_bytes(out if kind == "dispatch" else hidden_states)
-        return out if clock is None else _mark_output(out, clock.begin)
+        if clock is not None:
+            _on_gradient(out, clock.begin)
+            _on_gradient(hidden_states, clock.end)
+        return out
 
     @functools.wraps(dispatch)
     def token_dispatch(*args: Any, **kwargs: Any) -> Any:
