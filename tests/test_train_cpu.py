@@ -175,8 +175,9 @@ def test_default_run_is_the_short_recipe():
         assert small.resolved_parallelism(gpus)["ep"] == gpus
 
 
-def _fake_run(run_dir, dispatcher, tokens_per_s, losses, mfu=True):
-    """A finished run's files as MetricsLogger writes them (the table's input)."""
+def _fake_run(run_dir, dispatcher, tokens_per_s, losses, mfu=True, exchange_ms=None):
+    """A finished run's files as MetricsLogger writes them (the table's input); with
+    ``exchange_ms``, each of the four dispatch/combine device columns holds a quarter of it."""
     from uccl_ep_megatron.telemetry.metrics import MetricsLogger
 
     config = {"dispatcher": dispatcher, "experts": "SequentialMLP", "world_size": 1}
@@ -186,6 +187,9 @@ def _fake_run(run_dir, dispatcher, tokens_per_s, losses, mfu=True):
             record["tflops_per_gpu"] = tokens_per_s * step / 1000
             if mfu:
                 record["mfu"] = record["tflops_per_gpu"] / 989.4
+            if exchange_ms is not None:
+                for kind in ("dispatch", "combine", "dispatch_backward", "combine_backward"):
+                    record[f"{kind}_time_ms"] = exchange_ms / 4
             logger.log(step, record)
 
 
@@ -195,14 +199,19 @@ def test_results_table_rows_and_ratio(tmp_path):
     from uccl_ep_megatron.training.job import results_table
 
     _fake_run(tmp_path / "a", "uccl_ep", 1000.0, [12.0, 11.9, 11.8, 11.7, 11.6])
-    _fake_run(tmp_path / "b", "alltoall", 500.0, [12.0, 11.9, 11.8, 11.7, 11.5], mfu=False)
-    console = Console(width=200, record=True)
+    _fake_run(
+        tmp_path / "b", "alltoall", 500.0, [12.0, 11.9, 11.8, 11.7, 11.5], mfu=False, exchange_ms=45
+    )
+    console = Console(width=220, record=True)  # print_results' width in a log
     console.print(results_table([tmp_path / "a", tmp_path / "b"], warmup_steps=3))
     text = console.export_text()
     # Steps 4 and 5 are averaged: tokens/s 4500 vs 2250, TFLOP/s 4.5 vs 2.25.
     assert "4,500" in text and "2,250" in text and "4.5" in text
     assert f"{100 * 4.5 / 989.4:.1f}%" in text and "n/a" in text  # MFU when the peak is known
     assert "12.0000 -> 11.6000" in text and "12.0000 -> 11.5000" in text
+    # The second run's step: (1/4 + 1/5) / 2 s = 225 ms, 45 of them exchange: 225 / 180.
+    alltoall_row = next(line for line in text.splitlines() if "alltoall" in line)
+    assert "45.00 (1.250x)" in alltoall_row
     ratio_row = next(line for line in text.splitlines() if "ratio" in line)
     assert "2.000" in ratio_row  # tokens/s and TFLOP/s of the first run over the second
     with pytest.raises(Exception, match="metrics.jsonl does not exist"):

@@ -26,12 +26,34 @@ def _dev_host(m: dict[str, float], kind: str) -> str:
     return f"{m[f'{kind}_time_ms']:.2f} / {host_text}"
 
 
+_EXCHANGE = (
+    "dispatch_time_ms",
+    "combine_time_ms",
+    "dispatch_backward_time_ms",
+    "combine_backward_time_ms",
+)
+
+
+def _exchange(m: dict[str, float]) -> str:
+    """The step's exchange time, forward and backward dispatch and combine (``telemetry.dispatch``),
+    with the speed-up a dispatcher that cost nothing would give: step / (step - exchange); ``-``
+    when the backward was not timed."""
+    if not all(k in m for k in _EXCHANGE):
+        return "-"
+    ex = sum(m[k] for k in _EXCHANGE)
+    step_ms = 1e3 * m["step_time_s"]
+    bound = f" ({step_ms / (step_ms - ex):.3f}x)" if step_ms > ex else ""
+    return f"{ex:.2f}{bound}"
+
+
 def results_table(run_dirs: list[Path], warmup_steps: int = 3):
     """A ``rich`` table of finished runs: one row per run, steady-state means.
 
     Steps after the first ``warmup_steps`` (compilation, allocator growth) are averaged; loss is
     shown first -> last. With several runs, one row per later run gives the first run's
-    throughput over that run's.
+    throughput over that run's. ``exchange ms fwd+bwd`` is the step's dispatch and combine,
+    forward and backward, and in brackets step / (step - exchange): what a dispatcher that cost
+    nothing would make of this run's step.
     """
     import json
 
@@ -53,6 +75,7 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
         "step (s)",
         "dispatch ms dev/host",
         "combine ms dev/host",
+        "exchange ms fwd+bwd",
         "loss first -> last",
     ):
         table.add_column(
@@ -78,6 +101,7 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
             f"{m['step_time_s']:.3f}",
             _dev_host(m, "dispatch"),
             _dev_host(m, "combine"),
+            _exchange(m),
             f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}",
         )
     a = means[0]
@@ -95,6 +119,7 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
             "",
             "",
             "",
+            "",
         )
     return table
 
@@ -109,7 +134,7 @@ def print_results(run_dirs: list[Path], warmup_steps: int = 3) -> None:
 
     console = Console()
     if not console.is_terminal:  # a log file: no terminal width to fit, keep every column whole
-        console = Console(width=190)
+        console = Console(width=220)
     console.print(results_table([Path(d) for d in run_dirs], warmup_steps))
 
 
