@@ -28,7 +28,6 @@ from uccl_ep_megatron.token_dispatcher.options import get_options, set_options
 
 log = logging.getLogger(__name__)
 _logged: set[str] = set()
-_training_log_hooked: list[bool] = []  # telemetry.megatron_lm.install's answer, once
 
 
 def _megatron_api(version: str) -> dict[str, Any]:
@@ -127,17 +126,23 @@ def _time_dispatcher(layer: Any) -> None:
     if not get_options().metrics or getattr(layer, "token_dispatcher", None) is None:
         return
     from uccl_ep_megatron.telemetry import dispatch as dispatch_metrics
-    from uccl_ep_megatron.telemetry import megatron_lm
 
     dispatch_metrics.enable(True)
     dispatch_metrics.instrument(layer.token_dispatcher, lambda: layer.layer_number or 0)
-    if not _training_log_hooked:
-        try:
-            hooked = megatron_lm.install()
-        except UnsupportedError as exc:  # a training log the hook cannot read: train anyway
-            log.warning("--moe-uccl-ep-metrics: the metrics stay unreported: %s", exc)
-            hooked = False
-        _training_log_hooked.append(hooked)
+    _hook_training_log()
+
+
+@functools.cache
+def _hook_training_log() -> bool:
+    """``telemetry.megatron_lm.install()``, tried once per process; a training log the hook
+    cannot read leaves the metrics unreported, and training goes on."""
+    from uccl_ep_megatron.telemetry import megatron_lm
+
+    try:
+        return megatron_lm.install()
+    except UnsupportedError as exc:
+        log.warning("--moe-uccl-ep-metrics: the metrics stay unreported: %s", exc)
+        return False
 
 
 def _patch_moe_layer(api: dict[str, Any], version: str) -> None:
