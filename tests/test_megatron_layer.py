@@ -120,6 +120,8 @@ def test_metrics_flag_times_any_dispatcher_forward_and_backward_without_changing
             "combine_time_ms",
             "dispatch_backward_time_ms",
             "combine_backward_time_ms",
+            "permute_time_ms",
+            "permute_backward_time_ms",
         ):
             assert m[key] > 0, key
         assert "uccl_ep/input_grad" in r["checks"] and "oracle/grad/router.weight" in r["checks"]

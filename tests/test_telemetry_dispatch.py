@@ -94,8 +94,8 @@ def test_disabled_recorder_records_nothing():
 
 
 def test_timed_rejects_an_unknown_kind(recorder_on):
-    with pytest.raises(ValueError, match="'dispatch' or 'combine'"):
-        with dm.recorder.timed(torch.device("cpu"), 0, "permute"):
+    with pytest.raises(ValueError, match="kind='route': must be one of dispatch, combine"):
+        with dm.recorder.timed(torch.device("cpu"), 0, "route"):
             pass
 
 
@@ -184,3 +184,71 @@ def test_a_call_by_keyword_is_marked_and_timed_backward(recorder_on):
     assert torch.equal(x.grad, torch.ones_like(x))  # combine keeps the first copy
     m = dm.collect().layers[4]
     assert m.backward_calls == 2 and m.dispatch_backward_ms >= 10
+
+
+class _PermutingDispatcher(_AutogradDispatcher):
+    """With megatron-core's methods around the exchange: ``dispatch_preprocess`` permutes (its
+    backward sleeps ``pre_back_s``), ``dispatch_postprocess`` sleeps ``post_s`` forward."""
+
+    def __init__(self, pre_back_s: float = 0.0, post_s: float = 0.0) -> None:
+        super().__init__()
+        self.pre_back_s, self.post_s = pre_back_s, post_s
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        return _SlowBackward.apply(hidden_states.flip(0), self.pre_back_s), probs
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        time.sleep(self.post_s)
+        return hidden_states.flip(0), None, probs
+
+    def combine_preprocess(self, hidden_states):
+        return hidden_states * 2.0
+
+    def combine_postprocess(self, hidden_states):
+        return hidden_states.flip(0)
+
+
+def _layer_step(d, x, w, router_back_s):
+    """A layer's step: a router branch on the same input, whose backward sleeps, beside the
+    dispatcher's six calls."""
+    scores = _SlowBackward.apply(x, router_back_s)
+    h, _ = d.dispatch_preprocess(x, None, None)
+    y, _ = d.token_dispatch(h, probs=None)
+    e, _, _ = d.dispatch_postprocess(y, None)
+    out = d.combine_postprocess(d.token_combine(d.combine_preprocess(e * w)))
+    ((out * out).sum() + scores.sum()).backward()
+
+
+def test_the_dispatchers_permutation_is_timed_apart_forward_and_backward(recorder_on):
+    w = torch.arange(1.0, 9.0)
+    x0 = torch.randn(4, 8)
+    x_ref = x0.clone().requires_grad_()
+    _layer_step(_PermutingDispatcher(), x_ref, w, 0.0)
+    dm.collect()
+    d = _PermutingDispatcher(pre_back_s=0.02, post_s=0.03)
+    dm.instrument(d, 9)
+    x = x0.clone().requires_grad_()
+    _layer_step(d, x, w, router_back_s=0.2)
+    assert torch.equal(x.grad, x_ref.grad)
+    step = dm.collect()
+    m = step.layers[9]
+    # Forward: the four methods, with the post-processing's sleep; the exchange apart.
+    assert m.calls == 1 and m.permute_calls == 4 + 4
+    assert 30 <= m.permute_ms < 150 and m.dispatch_ms < 30
+    # Backward: the permutation's sleep, not the router's on the same input (its gradient
+    # comes after the router's backward); the exchange's two backwards apart.
+    assert 20 <= m.permute_backward_ms < 150
+    assert m.backward_calls == 2
+    s = step.summary()
+    assert s["permute_time_ms"] == m.permute_ms
+    assert s["permute_backward_time_ms"] == m.permute_backward_ms
+    assert step.per_layer()["layer9/permute_backward_time_ms"] == m.permute_backward_ms
+
+
+def test_a_dispatcher_without_the_methods_has_no_permutation_columns(recorder_on):
+    d = _AutogradDispatcher()
+    dm.instrument(d, 1)
+    x = torch.randn(4, 8, requires_grad=True)
+    _step(d, x, torch.ones(8))
+    s = dm.collect().summary()
+    assert "dispatch_backward_time_ms" in s and "permute_time_ms" not in s

@@ -17,9 +17,10 @@
 # Env: RUNS (default "alltoall uccl_ep uccl_ep_sf flex alltoall_ov uccl_ep_ov uccl_ep_sf_ov
 #      flex_ov"; also alltoall_cf, uccl_ep_vn, uccl_ep_sf_vn), ITERS (default 25), WARMUP
 #      (default 5), SHAPE (extra model flags), OUT, METRICS=1 (every run with
-#      --moe-uccl-ep-metrics: each dispatcher's exchange time per iteration, forward and
-#      backward, from the log's `uccl_ep metrics` lines; the JSON gains it and the step time
-#      a dispatcher that cost nothing would reach, iteration ms / (ms - exchange ms)).
+#      --moe-uccl-ep-metrics: each dispatcher's exchange time per iteration and its permutation
+#      around it, forward and backward, from the log's `uccl_ep metrics` lines; the JSON gains
+#      them and the speed-up a dispatcher that cost nothing would give, iteration ms / (ms -
+#      exchange ms - permute ms)).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
@@ -106,6 +107,7 @@ line = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(m
 metrics_line = re.compile(r"^uccl_ep metrics \| iteration (\d+) \| (.*)$", re.M)
 EXCHANGE = ("dispatch_time_ms", "combine_time_ms", "dispatch_backward_time_ms",
             "combine_backward_time_ms")
+PERMUTE = ("permute_time_ms", "permute_backward_time_ms")
 result = {"runs": {}}
 for run in runs:
     log = os.path.join(out, f"pretrain-{run}.log")
@@ -127,19 +129,29 @@ for run in runs:
         "tokens_per_s": tokens / (ms / 1e3) if ms else None,
         "iteration_ms": [r[1] for r in rows], "loss": [r[2] for r in rows]}
     # --moe-uccl-ep-metrics: the last rank's exchange time per iteration (forward + backward
-    # dispatch and combine over every MoE layer and micro-batch).
-    per_iter = {}
+    # dispatch and combine over every MoE layer and micro-batch) and the dispatcher's
+    # permutation around it (forward + backward), when timed.
+    per_iter, permute_iter = {}, {}
     for it, fields in metrics_line.findall(text):
         values = dict(f.rsplit(" ", 1) for f in fields.split(" | "))
         if all(k in values for k in EXCHANGE):
             per_iter[int(it)] = sum(float(values[k]) for k in EXCHANGE)
+        if all(k in values for k in PERMUTE):
+            permute_iter[int(it)] = sum(float(values[k]) for k in PERMUTE)
+
+    def steady_median(d):
+        return statistics.median([v for i, v in sorted(d.items()) if i > warmup] or list(d.values()))
+
     if per_iter:
-        steady = [v for i, v in sorted(per_iter.items()) if i > warmup] or list(per_iter.values())
-        ex = statistics.median(steady)
+        ex = steady_median(per_iter)
         result["runs"][run]["exchange_ms_per_iteration"] = per_iter
         result["runs"][run]["median_exchange_ms"] = ex
+        if permute_iter:
+            result["runs"][run]["permute_ms_per_iteration"] = permute_iter
+            result["runs"][run]["median_permute_ms"] = steady_median(permute_iter)
+            ex += result["runs"][run]["median_permute_ms"]
         if ms and ms > ex:
-            result["runs"][run]["zero_cost_exchange_speedup"] = ms / (ms - ex)
+            result["runs"][run]["zero_cost_dispatcher_speedup"] = ms / (ms - ex)
 base = result["runs"].get("alltoall", {}).get("loss")
 for name, r in result["runs"].items():
     if base and r.get("loss") and len(r["loss"]) == len(base):
@@ -152,9 +164,11 @@ for name, r in result["runs"].items():
         print(f"{name:14} {r.get('error', 'incomplete')[:300]}")
         continue
     vs = "  ".join(f"vs {k} {ref[k] / ms:.3f}" for k in ref if ref[k])
-    ex = r.get("median_exchange_ms")
-    exchange = (f"  exchange {ex:.1f} ms (zero-cost bound {r['zero_cost_exchange_speedup']:.3f}x)"
-                if ex and "zero_cost_exchange_speedup" in r else "")
+    ex, perm = r.get("median_exchange_ms"), r.get("median_permute_ms")
+    exchange = ""
+    if ex and "zero_cost_dispatcher_speedup" in r:
+        exchange = (f"  exchange {ex:.1f}" + (f" + permute {perm:.1f}" if perm else "")
+                    + f" ms (zero-cost bound {r['zero_cost_dispatcher_speedup']:.3f}x)")
     print(f"{name:14} {ms:8.1f} ms/iter {r['tokens_per_s']:9,.0f} tok/s  {vs}  loss "
           f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}  "
           f"max diff {r.get('max_abs_loss_diff_vs_alltoall', float('nan')):.4f}{exchange}")

@@ -35,6 +35,13 @@ On the CPU (gloo) there is no device clock: both columns hold the same wall time
   in between (if the input feeds other layers too, until their gradients are in as well). With
   forward and backward a step's exchange time is all four columns; ``collect()`` must then come
   after the backward.
+* **permutation device time** (``permute_time_ms`` / ``permute_backward_time_ms``, calls timed
+  by :func:`instrument`): the dispatcher's other methods around the exchange, where it has them
+  (megatron-core's ``dispatch_preprocess``, ``dispatch_postprocess``, ``combine_preprocess``,
+  ``combine_postprocess``): sorting rows by expert and back, the counts, and any host sync
+  they hold (``alltoall`` reads its split sizes back there). Forward and backward, the same
+  events and hooks as above. With them the six columns are everything the dispatcher costs a
+  step, the share a dispatcher that cost nothing would save.
 
 Also recorded: tokens received per local expert (before quantization padding) and bytes
 moved (bytes of the received token rows, DeepEP's bandwidth convention, used for both
@@ -103,6 +110,9 @@ class LayerDispatchMetrics:
     dispatch_backward_ms: float = 0.0
     combine_backward_ms: float = 0.0
     backward_calls: int = 0  # backward records, dispatch and combine
+    permute_ms: float = 0.0  # the dispatcher's methods around the exchange (module doc)
+    permute_backward_ms: float = 0.0
+    permute_calls: int = 0  # permutation records, forward and backward
 
     @property
     def dispatch_gbps(self) -> float:
@@ -143,6 +153,11 @@ class StepDispatchMetrics:
             out["combine_backward_time_ms"] = sum(
                 m.combine_backward_ms for m in self.layers.values()
             )
+        if any(m.permute_calls for m in self.layers.values()):
+            out["permute_time_ms"] = sum(m.permute_ms for m in self.layers.values())
+            out["permute_backward_time_ms"] = sum(
+                m.permute_backward_ms for m in self.layers.values()
+            )
         imbalances = [
             _imbalance(m.tokens_per_local_expert)
             for m in self.layers.values()
@@ -167,6 +182,9 @@ class StepDispatchMetrics:
             if m.backward_calls:
                 out[f"layer{n}/dispatch_backward_time_ms"] = m.dispatch_backward_ms
                 out[f"layer{n}/combine_backward_time_ms"] = m.combine_backward_ms
+            if m.permute_calls:
+                out[f"layer{n}/permute_time_ms"] = m.permute_ms
+                out[f"layer{n}/permute_backward_time_ms"] = m.permute_backward_ms
             if m.tokens_per_local_expert:
                 out[f"layer{n}/local_expert_load_imbalance"] = _imbalance(m.tokens_per_local_expert)
         return out
@@ -177,8 +195,15 @@ def _imbalance(counts: list[int]) -> float:
     return max(counts) / mean if mean > 0 else 0.0
 
 
-_KINDS = ("dispatch", "combine")
-_BACKWARD_KINDS = ("dispatch_backward", "combine_backward")
+_KINDS = ("dispatch", "combine", "permute")
+_BACKWARD_KINDS = ("dispatch_backward", "combine_backward", "permute_backward")
+# The dispatcher methods `instrument` times as "permute", where the dispatcher has them.
+_PERMUTE_METHODS = (
+    "dispatch_preprocess",
+    "dispatch_postprocess",
+    "combine_preprocess",
+    "combine_postprocess",
+)
 
 
 @dataclass
@@ -213,8 +238,8 @@ class DispatchMetricsRecorder:
         Yields a one-element list: set ``[0]`` to the bytes moved before leaving the body.
         Nothing is recorded when the recorder is disabled or the body raises.
         """
-        if kind not in ("dispatch", "combine"):
-            raise InvalidInputError(f"kind={kind!r}: must be 'dispatch' or 'combine'")
+        if kind not in _KINDS:
+            raise InvalidInputError(f"kind={kind!r}: must be one of {', '.join(_KINDS)}")
         if not self.enabled or getattr(self._owned, "active", False):
             yield [0]
             return
@@ -240,7 +265,7 @@ class DispatchMetricsRecorder:
             return
         if kind not in _KINDS + _BACKWARD_KINDS:
             raise InvalidInputError(
-                f"kind={kind!r}: must be 'dispatch' or 'combine' (or their '_backward')"
+                f"kind={kind!r}: must be one of {', '.join(_KINDS)} (or their '_backward')"
             )
         timer.finish()
         with self._lock:
@@ -266,7 +291,13 @@ class DispatchMetricsRecorder:
         for p in pending:
             m = layers.setdefault(p.layer, LayerDispatchMetrics(p.layer))
             ms, host_ms = p.timer.device_ms(), p.timer.host_ms()
-            if p.kind in _BACKWARD_KINDS:
+            if p.kind in ("permute", "permute_backward"):
+                m.permute_calls += 1
+                if p.kind == "permute":
+                    m.permute_ms += ms
+                else:
+                    m.permute_backward_ms += ms
+            elif p.kind in _BACKWARD_KINDS:
                 m.backward_calls += 1
                 if p.kind == "dispatch_backward":
                     m.dispatch_backward_ms += ms
@@ -367,8 +398,17 @@ def _on_gradient(t: Any, fn: Callable[[], None]) -> None:
         rows.register_hook(lambda _grad: fn())
 
 
+def _on_node_done(t: Any, fn: Callable[[], None]) -> None:
+    """Call ``fn`` once the autograd node that made ``t`` (or the rows first in a tuple or list)
+    has run its backward: a post-hook on that node, which leaves the gradients as they are."""
+    rows = t[0] if isinstance(t, (tuple, list)) and t else t
+    if isinstance(rows, torch.Tensor) and rows.grad_fn is not None:
+        rows.grad_fn.register_hook(lambda _grad_inputs, _grad_outputs: fn())
+
+
 def instrument(dispatcher: Any, layer: int | Callable[[], int]) -> None:
     """Time ``dispatcher.token_dispatch`` / ``token_combine`` through ``recorder`` (any type),
+    and its methods around them (``_PERMUTE_METHODS``, where it has them) as ``permute``;
     forward and, where the rows require a gradient, backward (module doc).
 
     ``layer``: the records' layer number, or a function giving it at each call (a layer's number
@@ -381,16 +421,27 @@ def instrument(dispatcher: Any, layer: int | Callable[[], int]) -> None:
     dispatch, combine = dispatcher.token_dispatch, dispatcher.token_combine
     number = layer if callable(layer) else (lambda: layer)
 
-    def call(fn: Callable[..., Any], kind: str, args: tuple, kwargs: dict) -> Any:
+    def call(
+        fn: Callable[..., Any], kind: str, args: tuple, kwargs: dict, shared: bool = False
+    ) -> Any:
         hidden_states = _first(args, kwargs)
+        if not isinstance(hidden_states, torch.Tensor):
+            return fn(*args, **kwargs)  # not a call on rows: nothing to time
         n = int(number())
         clock = _backward_clock(hidden_states, n, f"{kind}_backward")
         with recorder.timed(hidden_states.device, n, kind) as nbytes:
             out = fn(*args, **kwargs)
-            nbytes[0] = _row_bytes(out if kind == "dispatch" else hidden_states)
+            if kind != "permute":
+                nbytes[0] = _row_bytes(out if kind == "dispatch" else hidden_states)
         if clock is not None:
             _on_gradient(out, clock.begin)
-            _on_gradient(hidden_states, clock.end)
+            # An input shared with other modules (the layer's input, which the router and the
+            # shared experts read too) has its gradient only after theirs: the backward ends
+            # with the node that made the output instead (the row permutation).
+            if shared:
+                _on_node_done(out, clock.end)
+            else:
+                _on_gradient(hidden_states, clock.end)
         return out
 
     @functools.wraps(dispatch)
@@ -401,6 +452,17 @@ def instrument(dispatcher: Any, layer: int | Callable[[], int]) -> None:
     def token_combine(*args: Any, **kwargs: Any) -> Any:
         return call(combine, "combine", args, kwargs)
 
+    def permuting(fn: Callable[..., Any], shared: bool) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return call(fn, "permute", args, kwargs, shared)
+
+        return method
+
     dispatcher.token_dispatch = token_dispatch
     dispatcher.token_combine = token_combine
+    for name in _PERMUTE_METHODS:
+        fn = getattr(dispatcher, name, None)
+        if callable(fn):
+            setattr(dispatcher, name, permuting(fn, shared=name == "dispatch_preprocess"))
     dispatcher._dispatch_metrics_instrumented = True

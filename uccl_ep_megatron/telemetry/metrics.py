@@ -24,6 +24,11 @@ Metric names (all optional per record; ``step`` always present):
 ``dispatch_backward_time_ms``   device time of the dispatches' backward per step (calls timed by
                                 ``telemetry.dispatch.instrument`` whose rows need a gradient)
 ``combine_backward_time_ms``    same for the combines' backward
+``permute_time_ms``             device time of the dispatcher's methods around the exchange
+                                per step (megatron-core's ``dispatch_preprocess``,
+                                ``dispatch_postprocess``, ``combine_preprocess``,
+                                ``combine_postprocess``; calls timed by ``instrument``)
+``permute_backward_time_ms``    same for their backward
 ``dispatch_gbps``               bytes of received token rows / dispatch time (DeepEP metric)
 ``combine_gbps``                the same bytes / combine time
 ``expert_load_imbalance``       max / mean tokens per expert over every expert of the model

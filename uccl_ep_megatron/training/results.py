@@ -34,16 +34,24 @@ _EXCHANGE = (
 )
 
 
+_PERMUTE = ("permute_time_ms", "permute_backward_time_ms")
+
+
 def _exchange(m: dict[str, float]) -> str:
     """The step's exchange time, forward and backward dispatch and combine (``telemetry.dispatch``),
-    with the speed-up a dispatcher that cost nothing would give: step / (step - exchange); ``-``
-    when the backward was not timed."""
+    ``+`` the dispatcher's permutation around it, forward and backward, where timed; in brackets
+    the speed-up a dispatcher that cost nothing would give: step / (step - both); ``-`` when the
+    backward was not timed."""
     if not all(k in m for k in _EXCHANGE):
         return "-"
     ex = sum(m[k] for k in _EXCHANGE)
+    text = f"{ex:.2f}"
+    if all(k in m for k in _PERMUTE):
+        permute = sum(m[k] for k in _PERMUTE)
+        text, ex = f"{text} + {permute:.2f}", ex + permute
     step_ms = 1e3 * m["step_time_s"]
     bound = f" ({step_ms / (step_ms - ex):.3f}x)" if step_ms > ex else ""
-    return f"{ex:.2f}{bound}"
+    return f"{text}{bound}"
 
 
 def results_table(run_dirs: list[Path], warmup_steps: int = 3):
@@ -51,9 +59,10 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
 
     Steps after the first ``warmup_steps`` (compilation, allocator growth) are averaged; loss is
     shown first -> last. With several runs, one row per later run gives the first run's
-    throughput over that run's. ``exchange ms fwd+bwd`` is the step's dispatch and combine,
-    forward and backward, and in brackets step / (step - exchange): what a dispatcher that cost
-    nothing would make of this run's step.
+    throughput over that run's. ``exchange + permute ms fwd+bwd`` is the step's dispatch and
+    combine, then the dispatcher's permutation around them, each forward and backward, and in
+    brackets step / (step - both): what a dispatcher that cost nothing would make of this run's
+    step.
     """
     import json
 
@@ -75,7 +84,7 @@ def results_table(run_dirs: list[Path], warmup_steps: int = 3):
         "step (s)",
         "dispatch ms dev/host",
         "combine ms dev/host",
-        "exchange ms fwd+bwd",
+        "exchange + permute ms fwd+bwd",
         "loss first -> last",
     ):
         table.add_column(
