@@ -15,12 +15,12 @@
 # with NVSHMEM in .baselines/deepep-v1 (../shared/baselines/deepep-v1/BASELINE.md):
 #   bash tests/gpu/run_pretrain_gpt.sh
 # Env: RUNS (default "alltoall uccl_ep uccl_ep_sf flex alltoall_ov uccl_ep_ov uccl_ep_sf_ov
-#      flex_ov"; also alltoall_cf, uccl_ep_vn, uccl_ep_sf_vn), ITERS (default 25), WARMUP
-#      (default 5), SHAPE (extra model flags), OUT, METRICS=1 (every run with
-#      --moe-uccl-ep-metrics: each dispatcher's exchange time per iteration and its permutation
-#      around it, forward and backward, from the log's `uccl_ep metrics` lines; the JSON gains
-#      them and the speed-up a dispatcher that cost nothing would give, iteration ms / (ms -
-#      exchange ms - permute ms)).
+#      flex_ov"; also alltoall_cf, uccl_ep_vn, uccl_ep_sf_vn, and uccl_ep_fp8 for FP8 dispatch),
+#      ITERS (default 25), WARMUP (default 5), SHAPE (extra model flags), OUT, METRICS=1 (every
+#      run with --moe-uccl-ep-metrics: each dispatcher's exchange time per iteration and its
+#      permutation around it, forward and backward, from the log's `uccl_ep metrics` lines; the
+#      JSON gains them and the speed-up a dispatcher that cost nothing would give, iteration ms
+#      / (ms - exchange ms - permute ms)).
 set -uo pipefail
 # shellcheck source=tests/gpu/device_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
@@ -81,6 +81,8 @@ for run in $RUNS; do
       env_run+=(PYTHONPATH="$DEEPEP${PYTHONPATH:+:$PYTHONPATH}") ;;
   esac
   [ "${METRICS:-0}" = 1 ] && extra+=(--moe-uccl-ep-metrics)
+  # FP8 dispatch (per-128-channel scales, dequantized into the grouped bf16 experts)
+  [[ $run == uccl_ep*_fp8* ]] && extra+=(--moe-uccl-ep-fp8-dispatch)
   if [[ $run == *_ov ]]; then
     extra+=(--overlap-moe-expert-parallel-comm)
     env_run=(CUDA_DEVICE_MAX_CONNECTIONS=32 "${env_run[@]:1}")
@@ -140,7 +142,8 @@ for run in runs:
             permute_iter[int(it)] = sum(float(values[k]) for k in PERMUTE)
 
     def steady_median(d):
-        return statistics.median([v for i, v in sorted(d.items()) if i > warmup] or list(d.values()))
+        steady = [v for i, v in sorted(d.items()) if i > warmup]
+        return statistics.median(steady or list(d.values()))
 
     if per_iter:
         ex = steady_median(per_iter)
