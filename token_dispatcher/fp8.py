@@ -7,11 +7,16 @@ the gradient passes the quantization unchanged (straight through), so every grad
 bf16 one of the dequantized input.
 
 Scales follow DeepEP's convention (``per_token_cast_to_fp8`` of its tests): ``scale = amax /
-448`` per 128-channel block (amax floored at 1e-4) and ``x ~= x_e4m3 * scale``.
+448`` per 128-channel block (amax floored at 1e-4) and ``x ~= x_e4m3 * scale``. Exactly, in
+float32: ``x_e4m3 = e4m3(x * (448 * (1 / amax)))`` (what torch computes for ``x * (448 /
+amax)``) and ``scale = amax * fl(1 / 448)``. On a GPU the FP8 row kernels of ``_C``
+(``csrc/kernels/fp8.cu``: one pass each way) compute that bit for bit; elsewhere torch's ops do
+(``quantize_reference`` / ``dequantize_reference``, also the kernels' test oracle).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -22,28 +27,89 @@ from uccl_ep_megatron.core.errors import InvalidInputError
 
 BLOCK = 128
 E4M3_MAX = 448.0
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _check_hidden(hidden: int) -> None:
+    if hidden % BLOCK:
+        raise InvalidInputError(f"FP8 dispatch needs hidden % {BLOCK} == 0, got hidden={hidden}")
+
+
+def _kernels(t: torch.Tensor, dtype: torch.dtype) -> Any:
+    """``_C`` when its FP8 row kernels can take ``t`` (a GPU tensor; ``dtype`` bf16, fp16 or
+    fp32), else None."""
+    if t.device.type != "cuda" or dtype not in _DTYPE_CODES:
+        return None
+    c = importlib.import_module("uccl_ep_megatron._C")
+    return c if hasattr(c, "quantize_fp8") else None
+
+
+def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize` in torch's ops (the CPU path, and the GPU kernels' oracle)."""
+    tokens, hidden = x.shape
+    _check_hidden(hidden)
+    blocks = x.float().view(tokens, hidden // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=2).clamp_min(1e-4)
+    x_fp8 = (blocks * (amax.reciprocal() * E4M3_MAX).unsqueeze(2)).to(torch.float8_e4m3fn)
+    return x_fp8.view(tokens, hidden), (amax * (1.0 / E4M3_MAX)).contiguous()
+
+
+def dequantize_reference(
+    x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`dequantize` in torch's ops."""
+    tokens, hidden = x_fp8.shape
+    blocks = x_fp8.float().view(tokens, hidden // BLOCK, BLOCK) * scales.unsqueeze(2)
+    return blocks.view(tokens, hidden).to(dtype)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, H]`` -> ``(x_e4m3 [T, H], scales float32 [T, H / 128])``.
+    """``[T, H]`` -> ``(x_e4m3 [T, H], scales float32 [T, H / 128])`` (module doc).
 
     Raises:
         InvalidInputError: H is not a multiple of 128.
     """
     tokens, hidden = x.shape
-    if hidden % BLOCK:
-        raise InvalidInputError(f"FP8 dispatch needs hidden % {BLOCK} == 0, got hidden={hidden}")
-    blocks = x.float().view(tokens, hidden // BLOCK, BLOCK)
-    amax = blocks.abs().amax(dim=2).clamp_min(1e-4)
-    x_fp8 = (blocks * (E4M3_MAX / amax).unsqueeze(2)).to(torch.float8_e4m3fn)
-    return x_fp8.view(tokens, hidden), (amax / E4M3_MAX).contiguous()
+    _check_hidden(hidden)
+    c = _kernels(x, x.dtype)
+    if c is None:
+        return quantize_reference(x)
+    x = x.contiguous()
+    out = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(tokens, hidden // BLOCK, dtype=torch.float32, device=x.device)
+    c.quantize_fp8(
+        x=x.data_ptr(),
+        dtype=_DTYPE_CODES[x.dtype],
+        rows=tokens,
+        hidden=hidden,
+        out=out.data_ptr(),
+        scales=scales.data_ptr(),
+        stream=torch.cuda.current_stream(x.device).cuda_stream,
+    )
+    return out, scales
 
 
 def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of :func:`quantize`, in ``dtype``."""
     tokens, hidden = x_fp8.shape
-    blocks = x_fp8.float().view(tokens, hidden // BLOCK, BLOCK) * scales.unsqueeze(2)
-    return blocks.view(tokens, hidden).to(dtype)
+    _check_hidden(hidden)
+    c = _kernels(x_fp8, dtype)
+    if c is None or x_fp8.dtype != torch.float8_e4m3fn or scales.dtype != torch.float32:
+        return dequantize_reference(x_fp8, scales, dtype)
+    x_fp8, scales = x_fp8.contiguous(), scales.contiguous()
+    if x_fp8.data_ptr() % 4:
+        x_fp8 = x_fp8.clone()  # the kernel reads the codes a word at a time
+    out = torch.empty(tokens, hidden, dtype=dtype, device=x_fp8.device)
+    c.dequantize_fp8(
+        x=x_fp8.data_ptr(),
+        scales=scales.data_ptr(),
+        rows=tokens,
+        hidden=hidden,
+        dtype=_DTYPE_CODES[dtype],
+        out=out.data_ptr(),
+        stream=torch.cuda.current_stream(x_fp8.device).cuda_stream,
+    )
+    return out
 
 
 class _Fp8Dispatch(torch.autograd.Function):
@@ -114,4 +180,11 @@ def dispatch_fp8(
     )
 
 
-__all__ = ["BLOCK", "dequantize", "dispatch_fp8", "quantize"]
+__all__ = [
+    "BLOCK",
+    "dequantize",
+    "dequantize_reference",
+    "dispatch_fp8",
+    "quantize",
+    "quantize_reference",
+]

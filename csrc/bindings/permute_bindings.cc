@@ -1,11 +1,13 @@
-// The fused permute / unpermute kernels in `_C` (token_dispatcher/permute.py drives them).
-// Bound only when the GPU kernels are built; `permute_kernels_built` says which.
+// The fused permute / unpermute kernels in `_C` (token_dispatcher/permute.py drives them) and
+// the FP8 row kernels of FP8 dispatch (token_dispatcher/fp8.py). Bound only when the GPU kernels
+// are built; `permute_kernels_built` says which.
 #include <pybind11/pybind11.h>
 
 #include "bindings/bindings.h"
 
 #ifdef UCCL_EP_WITH_GPU
 #include "common/errors.h"
+#include "kernels/fp8.h"
 #include "kernels/permute.h"
 #endif
 
@@ -76,6 +78,28 @@ void bind_permute(py::module_& m) {
       py::arg("hidden"), py::arg("dtype"), py::arg("out"), py::arg("src_probs"), py::arg("out_probs"),
       py::arg("stream"),
       "out[i] = fp32 sum of src[pair_dest[i, k]] in slot order, cast to dtype (0 bf16, 1 fp16, 2 fp32).");
+  m.def(
+      "quantize_fp8",
+      [](intptr_t x, int dtype, int64_t rows, int64_t hidden, intptr_t out, intptr_t scales, intptr_t stream) {
+        require(x, rows > 0, "quantize_fp8: x");
+        require(out, rows > 0, "quantize_fp8: out");
+        require(scales, rows > 0, "quantize_fp8: scales");
+        k::quantize_fp8(x, dtype, rows, hidden, out, scales, stream);
+      },
+      py::kw_only(), py::arg("x"), py::arg("dtype"), py::arg("rows"), py::arg("hidden"), py::arg("out"),
+      py::arg("scales"), py::arg("stream"),
+      "E4M3 codes and float32 scales per 128 channels of x (dtype 0 bf16, 1 fp16, 2 fp32; "
+      "csrc/kernels/fp8.h).");
+  m.def(
+      "dequantize_fp8",
+      [](intptr_t x, intptr_t scales, int64_t rows, int64_t hidden, int dtype, intptr_t out, intptr_t stream) {
+        require(x, rows > 0, "dequantize_fp8: x");
+        require(scales, rows > 0, "dequantize_fp8: scales");
+        require(out, rows > 0, "dequantize_fp8: out");
+        k::dequantize_fp8(x, scales, rows, hidden, dtype, out, stream);
+      },
+      py::kw_only(), py::arg("x"), py::arg("scales"), py::arg("rows"), py::arg("hidden"), py::arg("dtype"),
+      py::arg("out"), py::arg("stream"), "e4m3 * scale per 128 channels, rounded once to dtype (fp8.h).");
 #endif
 }
 
