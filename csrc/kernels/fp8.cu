@@ -1,6 +1,6 @@
 // FP8 rows with per-128-channel scales (see fp8.h). One warp per 128-channel block: each lane
-// holds 128 / warp-size consecutive elements, the warp reduces the block's max |x|, and each
-// lane writes its codes as one word. Both kernels are bound by HBM bytes.
+// holds 128 / warp-size consecutive elements (loaded one at a time: any input alignment), the
+// warp reduces the block's max |x|, and each lane writes its codes as one word.
 #include "kernels/common.cuh"
 #include "kernels/fp8.h"
 #include "kernels/fp8_bits.h"
