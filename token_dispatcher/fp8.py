@@ -16,10 +16,10 @@ amax)``) and ``scale = amax * fl(1 / 448)``. On a GPU the FP8 row kernels of ``_
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
+from uccl_ep_megatron.token_dispatcher.permute_fused import _DTYPE_CODES, _c, fused_available
 
 from uccl_ep_megatron.api.buffer import Buffer
 from uccl_ep_megatron.core.config import Config
@@ -27,7 +27,6 @@ from uccl_ep_megatron.core.errors import InvalidInputError
 
 BLOCK = 128
 E4M3_MAX = 448.0
-_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def _check_hidden(hidden: int) -> None:
@@ -37,11 +36,10 @@ def _check_hidden(hidden: int) -> None:
 
 def _kernels(t: torch.Tensor, dtype: torch.dtype) -> Any:
     """``_C`` when its FP8 row kernels can take ``t`` (a GPU tensor; ``dtype`` bf16, fp16 or
-    fp32), else None."""
-    if t.device.type != "cuda" or dtype not in _DTYPE_CODES:
+    fp32), else None. They are bound with the fused permute kernels (``fused_available``)."""
+    if dtype not in _DTYPE_CODES or not fused_available(t.device):
         return None
-    c = importlib.import_module("uccl_ep_megatron._C")
-    return c if hasattr(c, "quantize_fp8") else None
+    return _c()
 
 
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
