@@ -3,7 +3,8 @@
 // scale = amax * fl(1 / 448), each operation rounded once in float32; x ~= e4m3 * scale). Host launch
 // functions: raw device pointers, sizes and a stream. Results equal torch's ops of
 // token_dispatcher/fp8.py (`quantize_reference`, `dequantize_reference`) bit for bit: the same
-// float32 operations, each rounded once (fp8_bits.h for the E4M3 rounding).
+// float32 operations, each rounded once (fp8_bits.h for the E4M3 rounding). Elements 16-byte
+// aligned and codes 8-byte aligned move as vectors; other alignments one element at a time.
 #pragma once
 
 #include <cstdint>

@@ -2,7 +2,8 @@
 definition (``token_dispatcher.fp8.quantize_reference`` / ``dequantize_reference``) on the GPU,
 bit for bit: E4M3 codes, float32 scales and the dequantized rows, for bf16, fp16 and fp32 rows,
 with blocks of zeros (the 1e-4 floor), tiny and huge magnitudes, a NaN and an infinity (their
-blocks dequantize to NaN), no rows, a non-contiguous input and one that is not 16-byte aligned."""
+blocks dequantize to NaN), no rows, a non-contiguous input, one that is not 16-byte aligned
+and codes that are not 8-byte aligned."""
 
 from __future__ import annotations
 
@@ -87,6 +88,13 @@ def test_kernels_take_a_strided_and_an_unaligned_input():
     for t in (strided, unaligned):
         got = fp8.quantize(t)
         assert _same(got[0], ref[0]) and _same(got[1], ref[1])
+    # Codes 4 bytes past an 8-byte boundary: the dequantize kernel's word-at-a-time path.
+    raw = torch.zeros(64 * 1024 + 4, dtype=torch.uint8, device="cuda")
+    raw[4:] = ref[0].view(torch.uint8).flatten()
+    codes = raw[4:].view(torch.float8_e4m3fn).view(64, 1024)
+    assert codes.data_ptr() % 8 == 4
+    want = fp8.dequantize_reference(ref[0], ref[1], torch.bfloat16)
+    assert _same(fp8.dequantize(codes, ref[1], torch.bfloat16), want)
 
 
 def test_kernels_are_what_quantize_runs_on_a_gpu():
