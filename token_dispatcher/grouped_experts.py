@@ -13,7 +13,9 @@ Weights are stored as Megatron's ``SequentialMLP`` experts hold theirs, stacked:
 ``[L, F (x2 with GLU), H]`` (``linear_fc1.weight`` of each expert), ``weight2`` ``[L, H, F]``
 (``linear_fc2.weight``); ``load_sequential_state`` copies a ``SequentialMLP``'s weights in. The
 math is ``MLP.forward``'s unfused path: fc1, GLU (gate half first), times the routing
-probability in fp32, cast back, fc2. Expert tensor parallelism is not supported (ETP must be 1).
+probability in fp32, cast back, fc2. On GPUs the SwiGLU and the probability run as one fused
+kernel each way (``csrc/kernels/glu.h``) with the torch ops' roundings; rows past the last
+segment (sync-free padding) are skipped. Expert tensor parallelism is not supported (ETP must be 1).
 """
 
 from __future__ import annotations
@@ -99,6 +101,75 @@ def group_offsets(tokens_per_expert: torch.Tensor, rows: int, device: torch.devi
     if device.type == "cuda":
         offs = offs.pin_memory().to(device, non_blocking=True)
     return offs
+
+
+def _glu_kernel_fits(cfg: Any, h: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Whether ``_GluProbs`` computes what ``_activation``'s torch ops would: SwiGLU with no
+    clamp or offset, bf16 rows of 16-byte multiples on a GPU with the kernels, float32 probs."""
+    from uccl_ep_megatron.token_dispatcher.permute_fused import fused_available
+
+    return (
+        cfg.gated_linear_unit
+        and cfg.activation_func is F.silu
+        and getattr(cfg, "activation_func_clamp_value", None) is None
+        and not getattr(cfg, "glu_linear_offset", 0.0)
+        and h.is_cuda
+        and h.dtype == torch.bfloat16
+        and h.dim() == 2
+        and h.shape[1] % 16 == 0
+        and h.is_contiguous()
+        and h.data_ptr() % 16 == 0
+        and probs.dtype == torch.float32
+        and probs.shape == (h.shape[0],)
+        and fused_available(h.device)
+    )
+
+
+class _GluProbs(torch.autograd.Function):
+    """``_activation``'s SwiGLU times the probabilities on the fused kernels
+    (``csrc/kernels/glu.h``): the torch ops' bf16 roundings in one pass each way, and rows at or
+    past the last offset (sync-free mode's padding) left zero instead of computed."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, probs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        from uccl_ep_megatron.token_dispatcher.permute_fused import _c
+
+        probs = probs.contiguous()
+        offs = offs.to(torch.int32).contiguous()
+        rows, ffn = h.shape[0], h.shape[1] // 2
+        out = torch.empty(rows, ffn, dtype=h.dtype, device=h.device)
+        _c().glu_probs_forward(
+            h=h.data_ptr(),
+            probs=probs.data_ptr(),
+            bound=offs.data_ptr() + 4 * (offs.numel() - 1),
+            rows=rows,
+            ffn=ffn,
+            out=out.data_ptr(),
+            stream=torch.cuda.current_stream(h.device).cuda_stream,
+        )
+        ctx.save_for_backward(h, probs, offs)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        from uccl_ep_megatron.token_dispatcher.permute_fused import _c
+
+        h, probs, offs = ctx.saved_tensors
+        grad_out = grad_out.to(h.dtype).contiguous()
+        grad_h = torch.empty_like(h)
+        grad_probs = torch.empty_like(probs)
+        _c().glu_probs_backward(
+            grad_out=grad_out.data_ptr(),
+            h=h.data_ptr(),
+            probs=probs.data_ptr(),
+            bound=offs.data_ptr() + 4 * (offs.numel() - 1),
+            rows=h.shape[0],
+            ffn=h.shape[1] // 2,
+            grad_h=grad_h.data_ptr(),
+            grad_probs=grad_probs.data_ptr(),
+            stream=torch.cuda.current_stream(h.device).cuda_stream,
+        )
+        return grad_h, grad_probs, None
 
 
 def _init_weight(weight: torch.Tensor, init_method: Any, partition_dim: int, on_gpu: bool) -> None:
@@ -194,15 +265,20 @@ class TorchGroupedMLP(MegatronModule):
                 f"{NAME} runs bf16 weights; params_dtype is {config.params_dtype}"
             )
 
-    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def _activation(
+        self, h: torch.Tensor, probs: torch.Tensor, offs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         cfg = self.config
+        if offs is not None and _glu_kernel_fits(cfg, h, probs):
+            return _GluProbs.apply(h, probs, offs)
         if cfg.gated_linear_unit:
             gate, linear = torch.chunk(h, 2, dim=-1)
             clamp = getattr(cfg, "activation_func_clamp_value", None)
             if clamp is not None:
                 gate = gate.clamp(min=None, max=clamp)
                 linear = linear.clamp(min=-clamp, max=clamp)
-            h = cfg.activation_func(gate) * (linear + getattr(cfg, "glu_linear_offset", 0.0))
+            offset = getattr(cfg, "glu_linear_offset", 0.0)
+            h = cfg.activation_func(gate) * (linear + offset if offset else linear)
         else:
             h = cfg.activation_func(h)
         return (h * probs.unsqueeze(-1)).to(h.dtype)
@@ -231,7 +307,7 @@ class TorchGroupedMLP(MegatronModule):
         mm = _grouped_mm_fn()
         offs = group_offsets(tokens_per_expert, x.shape[0], x.device)
         h = mm(x, self.weight1.transpose(1, 2), offs=offs)
-        h = self._activation(h, permuted_probs)
+        h = self._activation(h, permuted_probs, offs)
         return mm(h, self.weight2.transpose(1, 2), offs=offs), None
 
     def backward_dw(self) -> None:

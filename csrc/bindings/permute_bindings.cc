@@ -1,6 +1,7 @@
-// The fused permute / unpermute kernels in `_C` (token_dispatcher/permute.py drives them) and
-// the FP8 row kernels of FP8 dispatch (token_dispatcher/fp8.py). Bound only when the GPU kernels
-// are built; `permute_kernels_built` says which.
+// The fused permute / unpermute kernels in `_C` (token_dispatcher/permute.py drives them), the
+// FP8 row kernels of FP8 dispatch (token_dispatcher/fp8.py) and the grouped experts' SwiGLU
+// (token_dispatcher/grouped_experts.py). Bound only when the GPU kernels are built;
+// `permute_kernels_built` says which.
 #include <pybind11/pybind11.h>
 
 #include "bindings/bindings.h"
@@ -8,6 +9,7 @@
 #ifdef UCCL_EP_WITH_GPU
 #include "common/errors.h"
 #include "kernels/fp8.h"
+#include "kernels/glu.h"
 #include "kernels/permute.h"
 #endif
 
@@ -100,6 +102,32 @@ void bind_permute(py::module_& m) {
       },
       py::kw_only(), py::arg("x"), py::arg("scales"), py::arg("rows"), py::arg("hidden"), py::arg("dtype"),
       py::arg("out"), py::arg("stream"), "e4m3 * scale per 128 channels, rounded once to dtype (fp8.h).");
+  m.def(
+      "glu_probs_forward",
+      [](intptr_t h, intptr_t probs, intptr_t bound, int64_t rows, int64_t ffn, intptr_t out, intptr_t stream) {
+        require(h, rows > 0, "glu_probs_forward: h");
+        require(probs, rows > 0, "glu_probs_forward: probs");
+        require(out, rows > 0, "glu_probs_forward: out");
+        k::glu_probs_forward(h, probs, bound, rows, ffn, out, stream);
+      },
+      py::kw_only(), py::arg("h"), py::arg("probs"), py::arg("bound"), py::arg("rows"), py::arg("ffn"),
+      py::arg("out"), py::arg("stream"),
+      "out = bf16(bf16(bf16(silu(gate)) * linear) * probs) of bf16 h [rows, 2 * ffn]; rows at or past "
+      "*bound are zero (csrc/kernels/glu.h).");
+  m.def(
+      "glu_probs_backward",
+      [](intptr_t grad_out, intptr_t h, intptr_t probs, intptr_t bound, int64_t rows, int64_t ffn, intptr_t grad_h,
+         intptr_t grad_probs, intptr_t stream) {
+        require(grad_out, rows > 0, "glu_probs_backward: grad_out");
+        require(h, rows > 0, "glu_probs_backward: h");
+        require(probs, rows > 0, "glu_probs_backward: probs");
+        require(grad_h, rows > 0, "glu_probs_backward: grad_h");
+        require(grad_probs, rows > 0, "glu_probs_backward: grad_probs");
+        k::glu_probs_backward(grad_out, h, probs, bound, rows, ffn, grad_h, grad_probs, stream);
+      },
+      py::kw_only(), py::arg("grad_out"), py::arg("h"), py::arg("probs"), py::arg("bound"), py::arg("rows"),
+      py::arg("ffn"), py::arg("grad_h"), py::arg("grad_probs"), py::arg("stream"),
+      "Gradients of glu_probs_forward for h and probs (csrc/kernels/glu.h).");
 #endif
 }
 
