@@ -12,6 +12,7 @@ private cache.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -27,8 +28,10 @@ def configs(num_ranks: int, num_sms: int) -> tuple[Config, Config]:
     return default_dispatch_config(num_ranks, num_sms), default_combine_config(num_ranks, num_sms)
 
 
+@functools.lru_cache(maxsize=64)
 def required_bytes(num_ranks: int, hidden_bytes: int, num_sms: int) -> tuple[int, int]:
-    """(NVL bytes, RDMA bytes) that dispatch and combine of ``hidden_bytes`` rows need."""
+    """(NVL bytes, RDMA bytes) that dispatch and combine of ``hidden_bytes`` rows need (cached:
+    every MoE layer asks on every forward)."""
     nvl = rdma = 0
     for config in configs(num_ranks, num_sms):
         nvl = max(nvl, config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks))

@@ -23,7 +23,8 @@ Two modes (``mode`` attribute, chosen from the config when the dispatcher is bui
 - **exact** (dropless, the default): dispatch reads the received counts back to the host, the
   layer's one host sync; ``tokens_per_expert`` comes from that read (the dispatch's
   ``num_recv_tokens_per_expert_list``, rounded to the quantization alignment). Nothing else
-  reads back.
+  reads back. Experts that take their counts on the GPU (``device_counts``, below) get the
+  fused plan's equal GPU sizes instead, so the host sends nothing up after its read.
 - **sync-free**: a per-rank capacity fixes every size on the host, so dispatch -> experts ->
   combine never waits for the GPU. Dispatch returns ``num_worst_tokens`` rows (padding rows
   have no expert), every local expert gets exactly ``C`` rows and ``tokens_per_expert`` is the
@@ -446,14 +447,17 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
 
         Returns:
             ``(rows [sum(tokens_per_expert), H], tokens_per_expert [L] int64 on the CPU,
-            permuted_probs [rows] float32, float64 with --moe-router-dtype fp64)``; sync-free
-            mode with ``device_counts``: ``rows [L * C, H]`` with packed segments and
-            ``tokens_per_expert [L]`` int32 on the GPU.
+            permuted_probs [rows] float32, float64 with --moe-router-dtype fp64)``; with
+            ``device_counts`` (experts that take GPU counts) and the fused kernels,
+            ``tokens_per_expert [L]`` is int32 on the GPU, and sync-free mode's rows are
+            ``[L * C, H]`` with packed segments.
         """
         if self.recv_topk_idx is None:
             raise InvalidInputError("dispatch_postprocess called before token_dispatch")
         capacity = self.capacity(self.num_tokens) if self.mode == SYNC_FREE else 0
-        if capacity and self.dropped is None:
+        if self.dropped is None and (capacity or self.fused):
+            # Exact mode's fused plan counts pairs its host sizes leave out (none, unless the
+            # sizes and ids disagree) into the same counter: one allocation, not one a call.
             self.dropped = torch.zeros(1, dtype=torch.int64, device=hidden_states.device)
         if self.te_permute and hidden_states.is_cuda:
             rows, permuted_probs, self.plan = permute_megatron(
@@ -492,8 +496,12 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             dispatch_metrics.recorder.note_tokens(self.layer_number, self.recv_counts)
         if self.router_dtype == "fp64":
             permuted_probs = permuted_probs.to(torch.float64)
-        if isinstance(self.plan, FusedPlan) and self.plan.tokens_per_expert is None:
-            self.tokens_per_expert = self.plan.segment_rows  # packed: sizes on the GPU
+        if isinstance(self.plan, FusedPlan) and (
+            self.plan.tokens_per_expert is None or self.device_counts
+        ):
+            # Packed segments, or experts that take their counts on the GPU: the plan's sizes
+            # there (in exact mode equal to the host's), so nothing goes up from the host.
+            self.tokens_per_expert = self.plan.segment_rows
         else:
             self.tokens_per_expert = torch.tensor(self.plan.tokens_per_expert, dtype=torch.int64)
         if capacity:

@@ -4,6 +4,7 @@ tensors when ``_C`` has them; same results as the torch path (``permute_torch.py
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ Allocator = Callable[[int, int, torch.dtype], torch.Tensor]
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
+@functools.cache
 def _c() -> Any:
     # The extension itself, not through the package root (which imports the layers above).
     return importlib.import_module("uccl_ep_megatron._C")
