@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
+from uccl_ep_megatron.token_dispatcher.permute_fused import _c, fused_available
 
 from uccl_ep_megatron.core.errors import InvalidInputError, UnsupportedError
 
@@ -106,8 +107,6 @@ def group_offsets(tokens_per_expert: torch.Tensor, rows: int, device: torch.devi
 def _glu_kernel_fits(cfg: Any, h: torch.Tensor, probs: torch.Tensor) -> bool:
     """Whether ``_GluProbs`` computes what ``_activation``'s torch ops would: SwiGLU with no
     clamp or offset, bf16 rows of 16-byte multiples on a GPU with the kernels, float32 probs."""
-    from uccl_ep_megatron.token_dispatcher.permute_fused import fused_available
-
     return (
         cfg.gated_linear_unit
         and cfg.activation_func is F.silu
@@ -125,6 +124,17 @@ def _glu_kernel_fits(cfg: Any, h: torch.Tensor, probs: torch.Tensor) -> bool:
     )
 
 
+def _glu_launch_args(h: torch.Tensor, offs: torch.Tensor) -> dict[str, int]:
+    """The kernels' shared arguments: the last offset's address (the live-row bound), the row
+    count and width, and the current stream."""
+    return dict(
+        bound=offs.data_ptr() + offs.element_size() * (offs.numel() - 1),
+        rows=h.shape[0],
+        ffn=h.shape[1] // 2,
+        stream=torch.cuda.current_stream(h.device).cuda_stream,
+    )
+
+
 class _GluProbs(torch.autograd.Function):
     """``_activation``'s SwiGLU times the probabilities on the fused kernels
     (``csrc/kernels/glu.h``): the torch ops' bf16 roundings in one pass each way, and rows at or
@@ -132,28 +142,17 @@ class _GluProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, probs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        from uccl_ep_megatron.token_dispatcher.permute_fused import _c
-
         probs = probs.contiguous()
         offs = offs.to(torch.int32).contiguous()
-        rows, ffn = h.shape[0], h.shape[1] // 2
-        out = torch.empty(rows, ffn, dtype=h.dtype, device=h.device)
+        out = torch.empty(h.shape[0], h.shape[1] // 2, dtype=h.dtype, device=h.device)
         _c().glu_probs_forward(
-            h=h.data_ptr(),
-            probs=probs.data_ptr(),
-            bound=offs.data_ptr() + 4 * (offs.numel() - 1),
-            rows=rows,
-            ffn=ffn,
-            out=out.data_ptr(),
-            stream=torch.cuda.current_stream(h.device).cuda_stream,
+            h=h.data_ptr(), probs=probs.data_ptr(), out=out.data_ptr(), **_glu_launch_args(h, offs)
         )
         ctx.save_for_backward(h, probs, offs)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        from uccl_ep_megatron.token_dispatcher.permute_fused import _c
-
         h, probs, offs = ctx.saved_tensors
         grad_out = grad_out.to(h.dtype).contiguous()
         grad_h = torch.empty_like(h)
@@ -162,12 +161,9 @@ class _GluProbs(torch.autograd.Function):
             grad_out=grad_out.data_ptr(),
             h=h.data_ptr(),
             probs=probs.data_ptr(),
-            bound=offs.data_ptr() + 4 * (offs.numel() - 1),
-            rows=h.shape[0],
-            ffn=h.shape[1] // 2,
             grad_h=grad_h.data_ptr(),
             grad_probs=grad_probs.data_ptr(),
-            stream=torch.cuda.current_stream(h.device).cuda_stream,
+            **_glu_launch_args(h, offs),
         )
         return grad_h, grad_probs, None
 
