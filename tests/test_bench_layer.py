@@ -41,6 +41,7 @@ def test_defaults_are_deepseek_v3_and_every_variant():
         (["--topk", "9", "--experts", "8"], "--topk 9 exceeds --experts 8"),
         (["--experts", "60"], "multiple of 8 or --router softmax"),
         (["--tokens", "0"], "--tokens 0"),
+        (["--capacity-factor", "-1"], "--capacity-factor -1.0: must be >= 0"),
     ],
 )
 def test_bad_flags_name_the_flag(argv, match):

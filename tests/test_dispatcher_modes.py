@@ -2,8 +2,10 @@
 rank's inputs: exact mode equals the dropless closed form; sync-free mode gives every local expert
 exactly C rows (``tokens_per_expert == [C] * L``), keeps the first C pairs of an expert in
 receive order and counts the rest exactly; with Megatron's padded capacity routing nothing is
-dropped and the result equals the closed form. Neither mode reads a tensor back to the host in
-the dispatcher's own code (the exact mode's one read is the dispatch's, inside ``Buffer``).
+dropped and the result equals the closed form; sync-free mode without a capacity equals exact
+mode and refuses experts that read their counts on the host. Neither mode reads a tensor back
+to the host in the dispatcher's own code (the exact mode's one read is the dispatch's, inside
+``Buffer``).
 """
 
 from __future__ import annotations
@@ -140,6 +142,46 @@ def w_modes(rank, world, tp, seed, factor, backend="reference"):
     return dropped[rank], sum(tpe_e.tolist())
 
 
+def w_dropless(rank, world, tp, seed, backend="reference"):
+    """Sync-free mode without a capacity (``sync_free=True``) against exact mode on one input:
+    the same outputs and gradients, nothing dropped, the bound of the packed rows; on GPU ranks
+    (``backend`` kernels) with no host read in the dispatcher's code and the sizes on the GPU.
+    Experts that read their counts on the host are refused, naming the fix."""
+    from uccl_ep_megatron.token_dispatcher import UcclEpOptions
+
+    from uccl_ep_megatron.core.errors import UnsupportedError
+
+    device = "cuda" if backend != "reference" else "cpu"
+    groups = _groups(rank, world, tp)
+    exact, _ = _make_dispatcher(rank, world, tp, groups, options=UcclEpOptions(backend=backend))
+    options = UcclEpOptions(backend=backend, sync_free=True, drop_log_interval=0)
+    free, config = _make_dispatcher(rank, world, tp, groups, options=options)
+    assert (free.mode, free.dropless, free.mode_name) == ("sync-free", True, "sync-free (dropless)")
+    assert (exact.dropless, exact.mode_name) == (False, "exact")
+    assert free.capacity(TOKENS) == 0
+    # Every received row (world x tokens) can carry min(k, L) of this rank's experts.
+    assert free.bounded_rows(TOKENS) == world * TOKENS * min(tp * TOPK, LOCAL_EXPERTS)
+    assert exact.bounded_rows(TOKENS) == 0
+    with pytest.raises(UnsupportedError, match="--moe-uccl-ep-grouped-experts"):
+        free.set_experts(torch.nn.Identity())
+    if device == "cuda":
+        free.device_counts = True  # as TorchGroupedMLP's set_experts would
+    x, rm, p = _inputs(seed, rank, world, tp, TOKENS, torch.float32)
+    on = (x.to(device), rm.to(device), p.to(device))
+    y_e, dx_e, dp_e, tpe_e, _ = _run_layer(exact, *on, tp, seed + rank)
+    with count_host_reads() as reads:
+        y_s, dx_s, dp_s, tpe_s, _ = _run_layer(free, *on, tp, seed + rank)
+    if device == "cuda":
+        assert reads == [], reads
+        assert tpe_s.device.type == "cuda" and free.fused
+    assert tpe_s.tolist() == tpe_e.tolist()
+    assert free.dropped_pairs() == 0
+    torch.testing.assert_close(y_s, y_e)
+    torch.testing.assert_close(dx_s, dx_e)
+    torch.testing.assert_close(dp_s, dp_e)
+    return sum(tpe_e.tolist())
+
+
 def _padded_inputs(seed, rank, world, tp, tokens, dtype, factor=1.0):
     """Megatron's router output with --moe-pad-expert-input-to-capacity: every expert column
     holds exactly its capacity of picks, the padding picks with probability 0."""
@@ -224,6 +266,11 @@ GRID = [(1, 2), (2, 1), (2, 2)]
 def test_sync_free_without_drops_equals_exact(tp, ep):
     results = get_pool(tp * ep).run(HERE, "w_modes", tp, 3, 8.0)
     assert all(dropped == 0 for dropped, _ in results)
+
+
+@pytest.mark.parametrize("tp,ep", GRID, ids=[f"tp{t}-ep{e}" for t, e in GRID])
+def test_dropless_sync_free_equals_exact(tp, ep):
+    assert sum(get_pool(tp * ep).run(HERE, "w_dropless", tp, 5)) > 0, "nothing was routed"
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)], ids=["tp1-ep2", "tp2-ep2"])

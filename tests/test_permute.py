@@ -120,12 +120,20 @@ def test_capacity_must_be_a_multiple_of_the_alignment():
         make_plan(torch.zeros(2, 1, dtype=torch.long), 1, 4, capacity=6)
 
 
-def test_packed_segments_need_a_capacity():
+def test_packed_segments_need_a_capacity_or_a_bound():
     from uccl_ep_megatron.token_dispatcher.permute_fused import permute_fused
 
     idx = torch.zeros(2, 1, dtype=torch.long)
-    with pytest.raises(InvalidInputError, match="packed=True needs capacity > 0"):
-        permute_fused(torch.zeros(2, 4), torch.ones(2, 1), idx, 1, packed=True)
+    x, p = torch.zeros(2, 4), torch.ones(2, 1)
+    with pytest.raises(InvalidInputError, match="packed=True needs capacity > 0 or"):
+        permute_fused(x, p, idx, 1, packed=True)
+    # The bound is for the packed layout without a capacity only.
+    with pytest.raises(InvalidInputError, match="max_rows=4 bounds the packed layout"):
+        permute_fused(x, p, idx, 1, packed=True, capacity=2, max_rows=4)
+    with pytest.raises(InvalidInputError, match="max_rows=4 bounds the packed layout"):
+        permute_fused(x, p, idx, 1, max_rows=4)
+    with pytest.raises(InvalidInputError, match="max_rows=-1"):
+        permute_fused(x, p, idx, 1, packed=True, max_rows=-1)
 
 
 @pytest.mark.megatron

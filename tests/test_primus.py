@@ -79,6 +79,7 @@ def test_yaml_overrides_reach_the_uccl_ep_dispatcher():
             "moe_uccl_ep_metrics",
             "moe_uccl_ep_num_proxy_threads",
             "moe_uccl_ep_num_sms",
+            "moe_uccl_ep_sync_free",
             "moe_uccl_ep_transport",
         ]
     )

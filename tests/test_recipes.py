@@ -130,6 +130,20 @@ def test_megatron_args_carry_grouped_experts_and_fp8_dispatch():
         )
 
 
+def test_megatron_args_carry_sync_free_and_refuse_host_count_experts():
+    r = load_recipe(
+        "deepseek-v3/proxy",
+        {"model": {"moe_experts": "TorchGroupedMLP"}, "dispatcher": {"sync_free": True}},
+    )
+    assert "--moe-uccl-ep-sync-free" in r.megatron_args(2)
+    assert "--moe-uccl-ep-sync-free" not in r.megatron_args(2, dispatcher="alltoall")
+    with pytest.raises(InvalidInputError, match="sync_free packs the experts' rows on the GPU"):
+        load_recipe(
+            "deepseek-v3/proxy",
+            {"model": {"moe_experts": "SequentialMLP"}, "dispatcher": {"sync_free": True}},
+        )
+
+
 def _write(tmp_path: Path, data: dict, name: str = "r") -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data))

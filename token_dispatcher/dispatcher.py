@@ -18,26 +18,37 @@ experts
 ``token_combine``         ``ops.combine`` back to the source tokens
 ``combine_postprocess``   original shape
 
-Two modes (``mode`` attribute, chosen from the config when the dispatcher is built):
+Two modes (``mode`` attribute, chosen from the config when the dispatcher is built), and two
+sizings of sync-free mode (``dropless``; ``mode_name`` says which):
 
 - **exact** (dropless, the default): dispatch reads the received counts back to the host, the
   layer's one host sync; ``tokens_per_expert`` comes from that read (the dispatch's
   ``num_recv_tokens_per_expert_list``, rounded to the quantization alignment). Nothing else
   reads back. Experts that take their counts on the GPU (``device_counts``, below) get the
   fused plan's equal GPU sizes instead, so the host sends nothing up after its read.
-- **sync-free**: a per-rank capacity fixes every size on the host, so dispatch -> experts ->
-  combine never waits for the GPU. Dispatch returns ``num_worst_tokens`` rows (padding rows
-  have no expert), every local expert gets exactly ``C`` rows and ``tokens_per_expert`` is the
-  constant ``[C] * L``. Where the experts take their counts on the GPU (``TorchGroupedMLP``:
-  ``device_counts``, set by the plugin's ``MoELayer``), the fused permutation packs the segments
-  instead: expert ``e`` gets its kept pairs (at most ``C``) back to back, the rows past the last
-  segment are zero padding, and ``tokens_per_expert`` is the int32 GPU tensor of segment sizes,
-  so the grouped GEMMs skip the padding; still no host sync. ``C`` comes from Megatron's
+- **sync-free, with a capacity**: a per-rank capacity fixes every size on the host, so
+  dispatch -> experts -> combine never waits for the GPU. Dispatch returns ``num_worst_tokens``
+  rows (padding rows have no expert), every local expert gets exactly ``C`` rows and
+  ``tokens_per_expert`` is the constant ``[C] * L``. Where the experts take their counts on the
+  GPU (``TorchGroupedMLP``: ``device_counts``, set by the plugin's ``MoELayer``), the fused
+  permutation packs the segments instead: expert ``e`` gets its kept pairs (at most ``C``) back
+  to back, the rows past the last segment are padding (not written), and ``tokens_per_expert``
+  is the int32 GPU tensor of segment sizes, so the grouped GEMMs skip the padding; still no
+  host sync. ``C`` comes from Megatron's
   ``moe_expert_capacity_factor`` with ``moe_pad_expert_input_to_capacity`` (the router already
   dropped tokens past the capacity, so nothing is dropped here), else from
   ``UcclEpOptions.capacity_factor`` (``--moe-uccl-ep-capacity-factor``; pairs past ``C`` are
   dropped, counted on the GPU and logged every ``drop_log_interval`` forward passes from an
   asynchronous copy).
+- **sync-free, dropless** (``UcclEpOptions.sync_free``, ``--moe-uccl-ep-sync-free``, with no
+  capacity): sync-free with no capacity at all. The experts get ``B`` rows, a bound of every
+  pair the ``num_worst_tokens`` received rows can hold (``num_worst_tokens x min(k, L)`` plus
+  the alignment padding, ``sizing.bounded_rows``), with every pair's row packed by expert as in
+  exact mode; ``tokens_per_expert`` is the GPU tensor of segment sizes. Nothing is dropped, so
+  the layer computes what exact mode does, without its host sync. The rows past the last
+  segment are neither written nor read (the grouped GEMMs and the fused SwiGLU stop at the
+  last offset); what the bound costs is memory, not bandwidth. Needs experts that take their
+  counts on the GPU (``device_counts``): ``set_experts`` refuses any other.
 
 Under Megatron's EP overlap schedule (``--overlap-moe-expert-parallel-comm``: dispatch and
 combine are separate schedule nodes on Megatron's communication stream, overlapped with the
@@ -91,6 +102,7 @@ from uccl_ep_megatron.token_dispatcher.permute import (
 )
 from uccl_ep_megatron.token_dispatcher.sizing import (
     DropLog,
+    bounded_rows,
     quantization_alignment,
     sync_free_sizes,
 )
@@ -178,6 +190,8 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         if self.options.metrics:
             dispatch_metrics.enable(True)
         self.mode = self._select_mode()
+        # Sync-free mode with no capacity: the dropless bounded layout.
+        self.dropless = self.mode == SYNC_FREE and not self._capacity_configured()
         self.te_permute = self._use_te_permute()
         # Megatron's EP overlap schedule (see the module docstring).
         self.overlap = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
@@ -234,12 +248,22 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 "capacity it pads to)"
             )
 
+    def _capacity_configured(self) -> bool:
+        pad = getattr(self.config, "moe_pad_expert_input_to_capacity", False)
+        return bool(pad) or self.options.capacity_factor is not None
+
     def _select_mode(self) -> str:
-        cfg = self.config
-        pad = getattr(cfg, "moe_pad_expert_input_to_capacity", False)
-        if pad or self.options.capacity_factor is not None:
+        if self.options.sync_free or self._capacity_configured():
             return SYNC_FREE
         return EXACT
+
+    @property
+    def mode_name(self) -> str:
+        """The mode with its sizing: ``exact``, ``sync-free (dropless)`` or ``sync-free
+        (capacity)``."""
+        if self.mode == EXACT:
+            return EXACT
+        return f"{SYNC_FREE} ({'dropless' if self.dropless else 'capacity'})"
 
     def _use_te_permute(self) -> bool:
         """``--moe-permute-fusion`` selects megatron-core's fused (Transformer Engine)
@@ -270,10 +294,26 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
     def set_experts(self, experts: Any) -> None:
         """The expert module that takes this dispatcher's rows. Experts that take their counts
         on the GPU (``TorchGroupedMLP``) get packed sync-free segments (``device_counts``);
-        any other keeps the padded ``[C] * L`` layout and host counts."""
+        any other keeps the padded ``[C] * L`` layout and host counts.
+
+        Raises:
+            UnsupportedError: dropless sync-free mode with experts that read their counts on
+                the host (only a capacity gives those a layout without a host sync).
+        """
         from uccl_ep_megatron.token_dispatcher.grouped_experts import TorchGroupedMLP
 
         self.device_counts = isinstance(experts, TorchGroupedMLP)
+        if self.dropless and not self.device_counts:
+            raise self._dropless_needs_device_counts(type(experts).__name__)
+
+    def _dropless_needs_device_counts(self, experts: str) -> UnsupportedError:
+        return UnsupportedError(
+            f"uccl_ep sync-free mode without a capacity (--moe-uccl-ep-sync-free) packs the "
+            f"experts' rows on the GPU, and {experts} reads its per-expert counts on the host: "
+            "run the grouped experts (--moe-uccl-ep-grouped-experts, TorchGroupedMLP), or give "
+            "a capacity (--moe-uccl-ep-capacity-factor F, pairs past it dropped), or leave "
+            "--moe-uccl-ep-sync-free off (exact mode)"
+        )
 
     def capacity(self, num_tokens: int) -> int:
         """Rows per local expert in sync-free mode for ``num_tokens`` input tokens per rank.
@@ -281,9 +321,18 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         With Megatron's capacity options: Megatron's per-source capacity
         ``ceil(tokens x topk / experts x factor)`` times the group size (each source rank sends
         at most that many rows per expert, as with the ``alltoall`` dispatcher). Otherwise the
-        same formula with ``UcclEpOptions.capacity_factor``. Rounded up to the alignment.
+        same formula with ``UcclEpOptions.capacity_factor``. Rounded up to the alignment. 0 in
+        dropless sync-free mode (no capacity; ``bounded_rows`` gives its rows).
         """
         return self._sync_free_sizes(num_tokens)[0]
+
+    def bounded_rows(self, num_tokens: int) -> int:
+        """Dropless sync-free mode: the experts' rows for ``num_tokens`` input tokens per rank
+        (``sizing.bounded_rows``); 0 in the other modes."""
+        if not self.dropless:
+            return 0
+        worst = self._sync_free_sizes(num_tokens)[1]
+        return bounded_rows(worst, self.comm_topk, self.num_local_experts, self.align)
 
     def _sync_free_sizes(self, num_tokens: int) -> tuple[int, int]:
         """(capacity per local expert, num_worst_tokens) for ``num_tokens`` tokens per rank."""
@@ -455,7 +504,18 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         if self.recv_topk_idx is None:
             raise InvalidInputError("dispatch_postprocess called before token_dispatch")
         capacity = self.capacity(self.num_tokens) if self.mode == SYNC_FREE else 0
-        if self.dropped is None and (capacity or self.fused):
+        bound = self.bounded_rows(self.num_tokens)
+        if self.dropless and hidden_states.is_cuda and not (self.fused and self.device_counts):
+            raise (
+                self._dropless_needs_device_counts("an expert module that was not set")
+                if self.fused
+                else UnsupportedError(
+                    "uccl_ep sync-free mode without a capacity needs the fused permute kernels "
+                    "of uccl_ep_megatron._C on GPUs, and this build lacks them: rebuild the "
+                    "package, or leave --moe-uccl-ep-sync-free off"
+                )
+            )
+        if self.dropped is None and (self.mode == SYNC_FREE or self.fused):
             # Exact mode's fused plan counts pairs its host sizes leave out (none, unless the
             # sizes and ids disagree) into the same counter: one allocation, not one a call.
             self.dropped = torch.zeros(1, dtype=torch.int64, device=hidden_states.device)
@@ -475,18 +535,20 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
                 self.recv_topk_idx,
                 self.num_local_experts,
                 align=self.align,
-                tokens_per_expert=None if capacity else self._aligned(self.recv_counts),
+                tokens_per_expert=None if capacity or bound else self._aligned(self.recv_counts),
                 capacity=capacity,
                 recv_count=getattr(self.handle, "recv_count", None),
                 dropped=self.dropped,
-                packed=bool(capacity) and self.device_counts,
+                packed=bool(capacity or bound) and self.device_counts,
+                max_rows=bound,
             )
         else:
+            # Dropless sync-free mode on the CPU: the counts are counted here (host data).
             self.plan = make_plan(
                 self.recv_topk_idx,
                 self.num_local_experts,
                 self.align,
-                counts=None if capacity else self.recv_counts,
+                counts=None if capacity or bound else self.recv_counts,
                 capacity=capacity,
             )
             rows, permuted_probs = permute(self.plan, hidden_states, probs)
@@ -504,7 +566,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             self.tokens_per_expert = self.plan.segment_rows
         else:
             self.tokens_per_expert = torch.tensor(self.plan.tokens_per_expert, dtype=torch.int64)
-        if capacity:
+        if self.mode == SYNC_FREE:
             self._drop_log.note(self.dropped)
         return rows, self.tokens_per_expert, permuted_probs
 

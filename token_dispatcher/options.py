@@ -44,8 +44,14 @@ class UcclEpOptions:
         capacity_factor: sync-free mode without Megatron's capacity options: every local
             expert gets ``ceil(factor x tokens x topk / experts) x group size`` rows (rounded
             up to the quantization alignment); pairs past that are dropped and counted.
-            ``None`` (default): exact mode, unless Megatron's ``moe_expert_capacity_factor``
-            with ``moe_pad_expert_input_to_capacity`` selects sync-free mode.
+            ``None`` (default): exact mode, unless ``sync_free`` or Megatron's
+            ``moe_expert_capacity_factor`` with ``moe_pad_expert_input_to_capacity`` selects
+            sync-free mode.
+        sync_free: sync-free mode. Without a capacity (``capacity_factor`` or Megatron's) it
+            drops nothing: the experts' rows are bounded by what a rank can receive (every
+            received token's pairs, ``group size x tokens x min(topk, local experts)``) and
+            the segments are packed on the GPU; it needs experts that take their counts on
+            the GPU (``TorchGroupedMLP``, ``grouped_experts``).
         drop_log_interval: in sync-free mode, the dropped-pair counter (on the GPU) is copied
             to the host asynchronously every this many forward passes of a layer and logged
             when it grew (read at the next interval, without waiting); 0 = never.
@@ -64,6 +70,7 @@ class UcclEpOptions:
     backend: str | None = None
     metrics: bool = False
     capacity_factor: float | None = None
+    sync_free: bool = False
     drop_log_interval: int = 100
     grouped_experts: bool = False
     fp8_dispatch: bool = False
@@ -112,7 +119,7 @@ class UcclEpOptions:
                 f"drop_log_interval={self.drop_log_interval!r}: must be an int >= 0 (0 = never)"
             )
 
-        for name in ("grouped_experts", "fp8_dispatch"):
+        for name in ("sync_free", "grouped_experts", "fp8_dispatch"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidInputError(f"{name}={getattr(self, name)!r}: must be True or False")
 

@@ -48,6 +48,12 @@ class FusedPlan:
     num_recv: int
     tokens_per_expert: list[int] | None  # rows per segment, known on the host (None: packed)
 
+    @property
+    def live_end(self) -> torch.Tensor | None:
+        """Packed plans: the last segment's end (``offsets[L:]``, on the device); the row
+        kernels leave the rows at or past it unwritten. ``None`` when every row is a segment's."""
+        return self.offsets[-1:] if self.tokens_per_expert is None else None
+
 
 def _stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
@@ -63,11 +69,14 @@ def _plan_fused(
     recv_count: torch.Tensor | None,
     dropped: torch.Tensor | None,
     packed: bool,
+    max_rows: int,
 ) -> tuple[FusedPlan, torch.Tensor]:
     num_recv, num_topk = recv_topk_idx.shape
     device = recv_topk_idx.device
     if capacity:
         sizes = [capacity] * num_local_experts
+    elif packed:
+        sizes = [max_rows]  # the bounded layout: only the total is known here
     elif tokens_per_expert is None or len(tokens_per_expert) != num_local_experts:
         raise InvalidInputError(
             f"exact mode needs the host rows per local expert ({num_local_experts} entries, "
@@ -124,13 +133,16 @@ def _plan_fused(
     return plan, out_probs
 
 
-def _gather(src: torch.Tensor, row_map: torch.Tensor, hidden: int) -> torch.Tensor:
+def _gather(
+    src: torch.Tensor, row_map: torch.Tensor, hidden: int, bound: torch.Tensor | None
+) -> torch.Tensor:
     src = src.contiguous()
     out = torch.empty(row_map.numel(), hidden, dtype=src.dtype, device=src.device)
     _c().gather_rows(
         src=src.data_ptr(),
         row_map=row_map.data_ptr(),
         num_out_rows=row_map.numel(),
+        bound=0 if bound is None else bound.data_ptr(),
         row_bytes=hidden * src.element_size(),
         out=out.data_ptr(),
         stream=_stream(src.device),
@@ -181,7 +193,7 @@ class _FusedPermute(torch.autograd.Function):
         ctx.plan = plan
         ctx.probs_dtype = recv_probs.dtype
         ctx.x_meta = (recv_x.shape[1], recv_x.dtype)
-        return _gather(recv_x, plan.src_row, recv_x.shape[1]), out_probs
+        return _gather(recv_x, plan.src_row, recv_x.shape[1], plan.live_end), out_probs
 
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor | None, grad_probs: torch.Tensor | None):
@@ -207,7 +219,7 @@ class _FusedUnpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
         plan: FusedPlan = ctx.plan
-        return _gather(grad_out, plan.src_row, grad_out.shape[1]), None, None
+        return _gather(grad_out, plan.src_row, grad_out.shape[1], plan.live_end), None, None
 
 
 def permute_fused(
@@ -222,6 +234,7 @@ def permute_fused(
     recv_count: torch.Tensor | None = None,
     dropped: torch.Tensor | None = None,
     packed: bool = False,
+    max_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, FusedPlan]:
     """``permute`` on the GPU kernels, planning included; no host sync.
 
@@ -234,11 +247,16 @@ def permute_fused(
         tokens_per_expert: exact mode: rows per segment as the host knows them (the dispatch's
             ``num_recv_tokens_per_expert_list`` with ``expert_alignment=align``).
         capacity: when > 0, capacity mode: every segment has exactly this many rows.
-        packed: capacity mode with the segments back to back: segment ``e`` holds its kept
-            pairs (at most ``capacity``, rounded up to ``align``) and the rows past the last
-            segment are zero padding. The sizes are known on the GPU only
-            (``plan.segment_rows``, ``plan.offsets``; ``plan.tokens_per_expert`` is ``None``):
-            for experts that take device counts, so that their GEMMs skip the padding.
+        packed: the segments back to back, their sizes known on the GPU only
+            (``plan.segment_rows``, ``plan.offsets``; ``plan.tokens_per_expert`` is ``None``),
+            for experts that take device counts, so that their GEMMs skip the padding. With a
+            capacity, segment ``e`` holds its kept pairs (at most ``capacity``, rounded up to
+            ``align``) in ``L * capacity`` rows; without one (the bounded layout), every pair
+            (each segment rounded up to ``align``) in ``max_rows`` rows. The rows past the last
+            segment are padding, left unwritten in both directions (nothing reads them).
+        max_rows: the bounded layout's rows (``packed`` without a capacity): an upper bound
+            of the aligned pairs, e.g. ``N x min(K, L) + L x (align - 1)``; pairs past it
+            would be dropped and counted.
         recv_count: int32 ``[1]`` device tensor of valid rows (``handle.recv_count``); rows at
             or past it are skipped. ``None``: all rows.
         dropped: int64 ``[1]`` device counter the kernels add the dropped pairs to (``None``:
@@ -251,8 +269,18 @@ def permute_fused(
     if align < 1:
         raise InvalidInputError(f"align={align}: must be >= 1")
     check_capacity(capacity, align)
-    if packed and not capacity:
-        raise InvalidInputError("packed=True needs capacity > 0 (exact mode's segments are packed)")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0:
+        raise InvalidInputError(f"max_rows={max_rows!r}: must be an int >= 0")
+    if packed and not capacity and not max_rows:
+        raise InvalidInputError(
+            "packed=True needs capacity > 0 or, for the bounded layout, max_rows > 0 (exact "
+            "mode's host sizes are packed already)"
+        )
+    if max_rows and (capacity or not packed):
+        raise InvalidInputError(
+            f"max_rows={max_rows} bounds the packed layout without a capacity: pass packed=True "
+            f"and capacity=0 (got packed={packed}, capacity={capacity})"
+        )
     if recv_topk_idx.shape[0] != recv_x.shape[0] or recv_probs.shape != recv_topk_idx.shape:
         raise InvalidInputError(
             f"recv_x {tuple(recv_x.shape)}, recv_probs {tuple(recv_probs.shape)} and "
@@ -267,6 +295,7 @@ def permute_fused(
         recv_count=recv_count,
         dropped=dropped,
         packed=packed,
+        max_rows=max_rows,
     )
     rows, probs = _FusedPermute.apply(recv_x, recv_probs, spec)
     return rows, probs, spec["plan"]

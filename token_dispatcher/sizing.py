@@ -1,6 +1,7 @@
 """Sizes a ``UcclEpTokenDispatcher`` fixes on the host: the quantization alignment of the
-expert segments, and in sync-free mode the capacity per local expert and ``num_worst_tokens``
-(see ``dispatcher.py``), plus the log of the (token, expert) pairs that capacity dropped."""
+expert segments, and in sync-free mode the capacity per local expert (or, without one, the bound
+of the packed rows) and ``num_worst_tokens`` (see ``dispatcher.py``), plus the log of the
+(token, expert) pairs that a capacity dropped."""
 
 from __future__ import annotations
 
@@ -39,9 +40,12 @@ def sync_free_sizes(
     """(capacity per local expert, num_worst_tokens) of sync-free mode for ``num_tokens`` input
     tokens per rank over ``num_ranks`` ranks (``UcclEpTokenDispatcher.capacity`` says how).
     ``capacity_factor`` is ``UcclEpOptions.capacity_factor``, used unless Megatron's own
-    capacity options (``moe_pad_expert_input_to_capacity``) are on."""
+    capacity options (``moe_pad_expert_input_to_capacity``) are on; with neither, the capacity
+    is 0 (no capacity: the dropless bounded layout, ``bounded_rows``)."""
     megatron = bool(getattr(config, "moe_pad_expert_input_to_capacity", False))
     factor = config.moe_expert_capacity_factor if megatron else capacity_factor
+    if factor is None:
+        return 0, max(num_ranks * num_tokens, 1)
     per_source = math.ceil(num_tokens * config.moe_router_topk / config.num_moe_experts * factor)
     capacity = per_source * num_ranks
     capacity = -(-capacity // align) * align
@@ -52,6 +56,14 @@ def sync_free_sizes(
     else:
         worst = num_ranks * num_tokens
     return max(capacity, align), max(worst, 1)
+
+
+def bounded_rows(num_worst_tokens: int, topk: int, num_local_experts: int, align: int) -> int:
+    """Rows of sync-free mode's dropless packed layout: every pair the received rows can hold
+    (a row carries at most ``min(topk, local experts)`` of this rank's experts), plus each
+    segment's alignment padding. No routing can need more, so nothing is ever dropped."""
+    pairs = num_worst_tokens * min(topk, num_local_experts)
+    return max(pairs + num_local_experts * (align - 1), 1)
 
 
 class DropLog:
@@ -97,4 +109,4 @@ class DropLog:
             self._logged = total
 
 
-__all__ = ["DropLog", "quantization_alignment", "sync_free_sizes"]
+__all__ = ["DropLog", "bounded_rows", "quantization_alignment", "sync_free_sizes"]

@@ -61,13 +61,16 @@ void bind_permute(py::module_& m) {
       "Plan the expert-major permutation on the stream (see csrc/kernels/permute.h).");
   m.def(
       "gather_rows",
-      [](intptr_t src, intptr_t row_map, int64_t num_out_rows, int64_t row_bytes, intptr_t out, intptr_t stream) {
+      [](intptr_t src, intptr_t row_map, int64_t num_out_rows, intptr_t bound, int64_t row_bytes, intptr_t out,
+         intptr_t stream) {
         require(row_map, num_out_rows > 0, "gather_rows: row_map");
         require(out, num_out_rows > 0, "gather_rows: out");
-        k::gather_rows(src, row_map, num_out_rows, row_bytes, out, stream);
+        k::gather_rows(src, row_map, num_out_rows, bound, row_bytes, out, stream);
       },
-      py::kw_only(), py::arg("src"), py::arg("row_map"), py::arg("num_out_rows"), py::arg("row_bytes"),
-      py::arg("out"), py::arg("stream"), "out[o] = src[row_map[o]] (zero row where row_map[o] < 0).");
+      py::kw_only(), py::arg("src"), py::arg("row_map"), py::arg("num_out_rows"), py::arg("bound") = 0,
+      py::arg("row_bytes"), py::arg("out"), py::arg("stream"),
+      "out[o] = src[row_map[o]] (zero row where row_map[o] < 0); rows at or past *bound (a device int32, "
+      "0 = none) are not written.");
   m.def(
       "reduce_rows",
       [](intptr_t src, intptr_t pair_dest, int num_rows, int num_topk, int64_t hidden, int dtype, intptr_t out,

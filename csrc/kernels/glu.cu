@@ -26,11 +26,6 @@ __device__ __forceinline__ int64_t live_rows(const int* bound, int64_t rows) {
   return b < 0 ? 0 : (b < rows ? b : rows);
 }
 
-__device__ __forceinline__ void zero_row(uint16_t* row, int64_t values, int lane) {
-  int4* v = reinterpret_cast<int4*>(row);
-  for (int64_t c = lane; c < values / kVec; c += dev::kWarpSize) v[c] = make_int4(0, 0, 0, 0);
-}
-
 __device__ __forceinline__ void unpack(const int4& v, float (&f)[kVec]) {
   const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
 #pragma unroll
@@ -55,12 +50,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % dev::kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t live = live_rows(bound, rows);
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / dev::kWarpSize; r < rows; r += warps) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / dev::kWarpSize; r < live; r += warps) {
     uint16_t* o = out + r * ffn;
-    if (r >= live) {
-      zero_row(o, ffn, lane);
-      continue;
-    }
     const float p = probs[r];
     const int4* gate = reinterpret_cast<const int4*>(h + r * 2 * ffn);
     const int4* lin = reinterpret_cast<const int4*>(h + r * 2 * ffn + ffn);
@@ -82,13 +73,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % dev::kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t live = live_rows(bound, rows);
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / dev::kWarpSize; r < rows; r += warps) {
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / dev::kWarpSize; r < live; r += warps) {
     uint16_t* gh = grad_h + r * 2 * ffn;
-    if (r >= live) {
-      zero_row(gh, 2 * ffn, lane);
-      if (lane == 0) grad_probs[r] = 0.0f;
-      continue;
-    }
     const float p = probs[r];
     const int4* gate = reinterpret_cast<const int4*>(h + r * 2 * ffn);
     const int4* lin = reinterpret_cast<const int4*>(h + r * 2 * ffn + ffn);

@@ -4,8 +4,9 @@
 //   out = bf16(float(bf16(bf16(silu(gate)) * linear)) * p),
 // each product and the SiLU in float32 and rounded to bf16 where the torch ops round, and the
 // gradients of that chain. Rows at or past *bound (a device int32: the grouped GEMMs' last
-// offset; null: none) are padding: their outputs and gradients are zero. Host launch functions:
-// raw device pointers (16-byte aligned, F % 8 == 0), sizes and a stream.
+// offset; null: none) are padding, which no grouped GEMM reads: they are neither read nor
+// written, in the outputs or the gradients. Host launch functions: raw device pointers
+// (16-byte aligned, F % 8 == 0), sizes and a stream.
 #pragma once
 
 #include <cstdint>

@@ -97,18 +97,23 @@ __global__ void __launch_bounds__(kRowThreads)
       const int64_t aligned = (cnt + align - 1) / align * align;
       // Packed capacity mode: a segment holds its kept pairs (capacity is a multiple of align).
       const int64_t rows = capacity <= 0 ? aligned : (packed && aligned < capacity ? aligned : capacity);
-      s_off[e] = static_cast<int>(off);
+      // Segments end at num_out_rows at the latest, so the sizes and offsets never point past
+      // the rows (a bound too small, or host sizes that disagree with the ids, lose pairs).
+      const int64_t start = off < num_out_rows ? off : num_out_rows;
+      const int64_t end = off + rows < num_out_rows ? off + rows : num_out_rows;
+      s_off[e] = static_cast<int>(start);
       if (capacity > 0) {
         lost += cnt > capacity ? cnt - capacity : 0;
       } else {
-        // Exact mode: only a caller whose num_out_rows disagrees with the ids loses pairs.
+        // Exact mode and the bounded packed layout: pairs past num_out_rows are lost (none
+        // unless the host sizes or the bound disagree with the ids).
         const int64_t over = off + cnt - num_out_rows;
         lost += over <= 0 ? 0 : (over < cnt ? over : cnt);
       }
-      if (blockIdx.x == 0) tokens_per_expert[e] = static_cast<int>(rows);
+      if (blockIdx.x == 0) tokens_per_expert[e] = static_cast<int>(end - start);
       off += rows;
     }
-    s_off[num_experts] = static_cast<int>(off);
+    s_off[num_experts] = static_cast<int>(off < num_out_rows ? off : num_out_rows);
     if (blockIdx.x == 0) {
       for (int e = 0; e <= num_experts; ++e) offsets[e] = s_off[e];
       if (lost > 0) atomicAdd(reinterpret_cast<unsigned long long*>(dropped), static_cast<unsigned long long>(lost));
@@ -136,11 +141,18 @@ __global__ void __launch_bounds__(kRowThreads)
 
 template <typename V>
 __global__ void __launch_bounds__(kRowThreads)
-    gather_kernel(const V* src, const int* row_map, int64_t num_out_rows, int64_t row_vecs, V* out) {
+    gather_kernel(const V* src, const int* row_map, int64_t num_out_rows, const int* bound, int64_t row_vecs,
+                  V* out) {
   const int lane = threadIdx.x % dev::kWarpSize;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / dev::kWarpSize);
+  // Packed layouts: rows at or past *bound (the last segment's end) are not written.
+  int64_t live = num_out_rows;
+  if (bound != nullptr) {
+    const int64_t b = *bound;
+    live = b < 0 ? 0 : (b < num_out_rows ? b : num_out_rows);
+  }
   for (int64_t o = static_cast<int64_t>(blockIdx.x) * (blockDim.x / dev::kWarpSize) + threadIdx.x / dev::kWarpSize;
-       o < num_out_rows; o += warps) {
+       o < live; o += warps) {
     const int s = row_map[o];
     V* dst = out + o * row_vecs;
     if (s < 0) {
@@ -207,11 +219,11 @@ int row_blocks(int64_t rows) {
 }
 
 template <typename V>
-void launch_gather(intptr_t src, intptr_t row_map, int64_t rows, int64_t row_bytes, intptr_t out, gpuStream_t s) {
-  gather_kernel<V><<<row_blocks(rows), kRowThreads, 0, s>>>(reinterpret_cast<const V*>(src),
-                                                             reinterpret_cast<const int*>(row_map), rows,
-                                                             row_bytes / static_cast<int64_t>(sizeof(V)),
-                                                             reinterpret_cast<V*>(out));
+void launch_gather(intptr_t src, intptr_t row_map, int64_t rows, intptr_t bound, int64_t row_bytes, intptr_t out,
+                   gpuStream_t s) {
+  gather_kernel<V><<<row_blocks(rows), kRowThreads, 0, s>>>(
+      reinterpret_cast<const V*>(src), reinterpret_cast<const int*>(row_map), rows, reinterpret_cast<const int*>(bound),
+      row_bytes / static_cast<int64_t>(sizeof(V)), reinterpret_cast<V*>(out));
 }
 
 template <int kDtype>
@@ -246,7 +258,6 @@ void permute_plan(intptr_t topk_idx, bool idx_is_64, int num_rows, int num_topk,
   UCCL_EP_CHECK_ARG(capacity == 0 || num_out_rows == static_cast<int64_t>(capacity) * num_experts,
                     "permute_plan: capacity mode needs num_out_rows = capacity x experts, got ", num_out_rows,
                     " for capacity=", capacity, " x ", num_experts);
-  UCCL_EP_CHECK_ARG(!packed || capacity > 0, "permute_plan: packed=true needs capacity > 0 (exact mode is packed)");
   auto s = reinterpret_cast<gpuStream_t>(stream);
   if (num_out_rows > 0) {
     GPU_CHECK(gpuMemsetAsync(reinterpret_cast<void*>(src_row), 0xff, sizeof(int) * num_out_rows, s));
@@ -267,21 +278,21 @@ void permute_plan(intptr_t topk_idx, bool idx_is_64, int num_rows, int num_topk,
   GPU_CHECK(gpuGetLastError());
 }
 
-void gather_rows(intptr_t src, intptr_t row_map, int64_t num_out_rows, int64_t row_bytes, intptr_t out,
-                 intptr_t stream) {
+void gather_rows(intptr_t src, intptr_t row_map, int64_t num_out_rows, intptr_t bound, int64_t row_bytes,
+                 intptr_t out, intptr_t stream) {
   UCCL_EP_CHECK_ARG(num_out_rows >= 0 && row_bytes > 0, "gather_rows: num_out_rows=", num_out_rows,
                     " row_bytes=", row_bytes);
   if (num_out_rows == 0) return;
   auto s = reinterpret_cast<gpuStream_t>(stream);
   const auto aligned = [&](int64_t a) { return row_bytes % a == 0 && src % a == 0 && out % a == 0; };
   if (aligned(16)) {
-    launch_gather<uint4>(src, row_map, num_out_rows, row_bytes, out, s);
+    launch_gather<uint4>(src, row_map, num_out_rows, bound, row_bytes, out, s);
   } else if (aligned(4)) {
-    launch_gather<uint32_t>(src, row_map, num_out_rows, row_bytes, out, s);
+    launch_gather<uint32_t>(src, row_map, num_out_rows, bound, row_bytes, out, s);
   } else if (aligned(2)) {
-    launch_gather<uint16_t>(src, row_map, num_out_rows, row_bytes, out, s);
+    launch_gather<uint16_t>(src, row_map, num_out_rows, bound, row_bytes, out, s);
   } else {
-    launch_gather<uint8_t>(src, row_map, num_out_rows, row_bytes, out, s);
+    launch_gather<uint8_t>(src, row_map, num_out_rows, bound, row_bytes, out, s);
   }
   GPU_CHECK(gpuGetLastError());
 }

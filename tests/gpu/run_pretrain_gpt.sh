@@ -5,7 +5,7 @@
 # (--overlap-moe-expert-parallel-comm; suffix `_ov`). Suffix `_vn`: through the internode path
 # (2 virtual nodes over the ipc NIC model, 50 GB/s per GPU, 3 us). Sync-free (`_sf`) drops the
 # pairs past 1.25x an expert's even share, as Megatron's --moe-expert-capacity-factor 1.25 does
-# (`alltoall_cf`). Experts: PyTorch's grouped GEMM for every dispatcher
+# (`alltoall_cf`); `_sfd` is sync-free without a capacity (--moe-uccl-ep-sync-free: drops nothing). Experts: PyTorch's grouped GEMM for every dispatcher
 # (--moe-uccl-ep-grouped-experts; no Transformer Engine on the device image). Writes each run's
 # log and $OUT/pretrain-gpt.json (per run: every iteration's time and loss, the median iteration
 # time after WARMUP iterations, tokens/s, the command).
@@ -15,7 +15,8 @@
 # with NVSHMEM in .baselines/deepep-v1 (../shared/baselines/deepep-v1/BASELINE.md):
 #   bash tests/gpu/run_pretrain_gpt.sh
 # Env: RUNS (default "alltoall uccl_ep uccl_ep_sf flex alltoall_ov uccl_ep_ov uccl_ep_sf_ov
-#      flex_ov"; also alltoall_cf, uccl_ep_vn, uccl_ep_sf_vn, and uccl_ep_fp8 for FP8 dispatch),
+#      flex_ov"; also alltoall_cf, uccl_ep_sfd, uccl_ep_vn, uccl_ep_sf_vn, and uccl_ep_fp8 for FP8
+#      dispatch),
 #      ITERS (default 25), WARMUP (default 5), SHAPE (extra model flags), OUT, METRICS=1 (every
 #      run with --moe-uccl-ep-metrics: each dispatcher's exchange time per iteration and its
 #      permutation around it, forward and backward, from the log's `uccl_ep metrics` lines; the
@@ -72,6 +73,7 @@ for run in $RUNS; do
     alltoall_cf*) # the sync-free runs' capacity, tokens past it dropped as Megatron does
       extra+=(--moe-token-dispatcher-type alltoall --moe-expert-capacity-factor 1.25) ;;
     alltoall*) extra+=(--moe-token-dispatcher-type alltoall) ;;
+    uccl_ep_sfd*) extra+=(--moe-token-dispatcher-type uccl_ep --moe-uccl-ep-sync-free) ;;
     uccl_ep_sf*) extra+=(--moe-token-dispatcher-type uccl_ep --moe-uccl-ep-capacity-factor 1.25) ;;
     uccl_ep*) extra+=(--moe-token-dispatcher-type uccl_ep) ;;
     flex*)

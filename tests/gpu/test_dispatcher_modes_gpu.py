@@ -4,9 +4,12 @@
   on random data: padding rows past ``recv_count`` (with garbage ids the kernels must skip), -1
   slots, alignment > 1, capacity drops (counted), int32/int64 ids, bf16/fp16/fp32 rows; rows
   and probabilities bit for bit, sums within the dtype's rounding, gradients, determinism.
+- The bounded packed layout (dropless sync-free mode) against the exact layout: the same rows
+  first, the tail never written, unpermute and gradients bit for bit with a NaN tail.
 - A Megatron MoE layer (``bench.moe_layer``) fwd+bwd under ``uccl_ep`` in exact and sync-free
-  mode against the ``alltoall`` dispatcher (bf16 tolerance), and the host syncs per layer
-  counted with ``torch.profiler`` after warm-up: 0 in sync-free mode, at most 1 in exact mode.
+  mode (with a capacity, Megatron's, and dropless on the grouped experts) against the
+  ``alltoall`` dispatcher (bf16 tolerance), and the host syncs per layer counted with
+  ``torch.profiler`` after warm-up: 0 in sync-free mode, at most 1 in exact mode.
   EP1 on one GPU: Megatron's parallel state needs NCCL, which refuses two ranks on one GPU.
 - The dispatcher round trip over a (TP, EP) grid on GPU ranks (NCCL, ``kernels`` backend), as
   far as this machine has GPUs (``tests/test_dispatcher_modes.py``'s worker).
@@ -132,7 +135,7 @@ def test_packed_capacity_layout_is_the_capacity_layout_without_its_padding(
 ):
     """``packed=True``: segment e holds what the padded capacity layout keeps for e (the same
     rows in the same order, its alignment padding included), segments back to back, the rest
-    zero rows; sizes and offsets on the GPU; the same drops; unpermute and gradients equal."""
+    not written; sizes and offsets on the GPU; the same drops; unpermute and gradients equal."""
     _fused_or_skip()
     from uccl_ep_megatron.token_dispatcher.permute import permute_fused, unpermute_fused
 
@@ -170,7 +173,8 @@ def test_packed_capacity_layout_is_the_capacity_layout_without_its_padding(
         want_rows[starts[e] : starts[e] + n] = rows_c[e * capacity : e * capacity + n]
         want_probs[starts[e] : starts[e] + n] = probs_c[e * capacity : e * capacity + n]
     assert rows_p.shape == rows_c.shape == (num_local * capacity, hidden)
-    assert torch.equal(rows_p, want_rows), "packed rows differ from the capacity layout's"
+    live = starts[-1]
+    assert torch.equal(rows_p[:live], want_rows[:live]), "packed rows differ from the capacity's"
     assert torch.equal(probs_p, want_probs)
 
     # Experts that touch only the segments' rows (as grouped GEMMs with these offsets do):
@@ -194,6 +198,79 @@ def test_packed_capacity_layout_is_the_capacity_layout_without_its_padding(
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(xp.grad, xc.grad)
     assert torch.equal(pp_.grad, pc.grad)
+
+
+@pytest.mark.parametrize("align", [1, 8])
+@pytest.mark.parametrize("idx_dtype", [torch.int64, torch.int32])
+def test_bounded_layout_is_the_exact_layout_in_more_rows(align, idx_dtype):
+    """``packed=True`` without a capacity (dropless sync-free mode): the exact layout (the
+    torch path's, from host counts) in the first rows of ``max_rows``, sizes and offsets on the
+    GPU, nothing dropped, the rows past the last segment not written (poisoned before, still
+    poisoned after), unpermute and both gradients bit for bit the exact plan's, with the tail
+    of the experts' output NaN. A bound too small drops the pairs past it, counts them and
+    keeps every segment inside the rows."""
+    _fused_or_skip()
+    from uccl_ep_megatron.token_dispatcher.permute import make_plan, permute_fused, unpermute_fused
+    from uccl_ep_megatron.token_dispatcher.sizing import bounded_rows
+
+    num_rows, valid, k, num_local, hidden = 300, 257, 6, 8, 128
+    idx, ref_idx, probs = _case(sum(map(ord, f"bounded{align}{idx_dtype}")), num_rows, valid, k,
+                                num_local, idx_dtype)  # fmt: skip
+    x = torch.randn(num_rows, hidden, device="cuda").bfloat16()
+    recv_count = torch.tensor([valid], dtype=torch.int32, device="cuda")
+    ref = make_plan(ref_idx, num_local, align)
+    live = sum(ref.tokens_per_expert)
+    bound = bounded_rows(num_rows, k, num_local, align)
+    assert bound >= live
+
+    def run(**kw):
+        xx = x.clone().requires_grad_(True)
+        pp = probs.clone().requires_grad_(True)
+        dropped = torch.zeros(1, dtype=torch.int64, device="cuda")
+        rows, out_probs, plan = permute_fused(
+            xx, pp, idx, num_local, align=align, recv_count=recv_count, dropped=dropped, **kw
+        )
+        return xx, pp, rows, out_probs, plan, dropped
+
+    xb, pb, rows_b, probs_b, plan_b, dropped_b = run(packed=True, max_rows=bound)
+    xe, pe, rows_e, probs_e, plan_e, dropped_e = run(tokens_per_expert=ref.tokens_per_expert)
+    assert plan_b.tokens_per_expert is None and rows_b.shape == (bound, hidden)
+    assert plan_b.segment_rows.tolist() == ref.tokens_per_expert
+    assert plan_b.offsets.tolist()[-1] == live and int(dropped_b) == int(dropped_e) == 0
+    assert torch.equal(rows_b[:live], rows_e) and torch.equal(probs_b[:live], probs_e)
+    assert not probs_b[live:].any()
+
+    # The gather itself leaves the tail alone: a poisoned output keeps its poison there.
+    out = torch.full((bound, hidden), float("nan"), device="cuda").bfloat16()
+    from uccl_ep_megatron.token_dispatcher.permute_fused import _c
+
+    _c().gather_rows(
+        src=x.data_ptr(), row_map=plan_b.src_row.data_ptr(), num_out_rows=bound,
+        bound=plan_b.live_end.data_ptr(), row_bytes=hidden * 2, out=out.data_ptr(),
+        stream=torch.cuda.current_stream().cuda_stream,
+    )  # fmt: skip
+    assert torch.equal(out[:live], rows_e) and out[live:].isnan().all()
+
+    w = torch.randn(hidden, device="cuda").bfloat16()
+    grad = torch.randn(num_rows, hidden, device="cuda").bfloat16()
+    outs = []
+    for rows, out_probs, plan, bounded in ((rows_b, probs_b, plan_b, True),
+                                           (rows_e, probs_e, plan_e, False)):  # fmt: skip
+        expert_out = rows * w
+        if bounded:
+            expert_out = torch.cat([expert_out[:live], expert_out[live:] * float("nan")])
+        y = unpermute_fused(plan, expert_out)
+        ((y.float() * grad.float()).sum() + (out_probs * 3.0).sum()).backward()
+        outs.append(y.detach())
+    assert torch.isfinite(outs[0]).all() and torch.isfinite(xb.grad).all()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(xb.grad, xe.grad) and torch.equal(pb.grad, pe.grad)
+
+    # A bound below the routed rows: segments end inside it, the rest is counted.
+    small = live // 2
+    _, _, rows_s, _, plan_s, dropped_s = run(packed=True, max_rows=small)
+    assert rows_s.shape[0] == small and int(plan_s.offsets[-1]) <= small
+    assert int(plan_s.segment_rows.sum()) <= small and int(dropped_s) > 0
 
 
 def test_exact_mode_with_wrong_host_sizes_counts_lost_pairs():
@@ -227,6 +304,7 @@ def w_layer_modes(rank, world, tokens):
         build_layer,
         copy_weights,
         count_host_syncs,
+        expert_grads,
         fwd_bwd,
     )
 
@@ -244,15 +322,20 @@ def w_layer_modes(rank, world, tokens):
             # A factor of experts/topk makes C the whole batch: nothing can drop.
             "sync-free": (shape.num_experts / shape.topk, {}),
             "sync-free megatron capacity": (None, pad),
+            # No capacity: the bounded packed layout, on the grouped experts.
+            "sync-free dropless": (None, {}),
         }
         g = torch.Generator(device="cuda").manual_seed(42)
         x = torch.randn(tokens, 1, shape.hidden, device="cuda", dtype=torch.bfloat16, generator=g)
         grad = torch.randn(x.shape, device="cuda", dtype=torch.bfloat16, generator=g) * 1e-2
         for name, (factor, overrides) in cases.items():
             ref = build_layer(shape, "alltoall", 1, **overrides)
-            set_options(capacity_factor=factor, drop_log_interval=0)
-            ours = build_layer(shape, "uccl_ep", 1, **overrides)
+            dropless = name == "sync-free dropless"
+            set_options(capacity_factor=factor, drop_log_interval=0, sync_free=dropless)
+            experts = "TorchGroupedMLP" if dropless else "SequentialMLP"
+            ours = build_layer(shape, "uccl_ep", 1, experts, **overrides)
             restore_options(saved)
+            assert ours.token_dispatcher.dropless == dropless
             copy_weights(ref, ours)
             d = ours.token_dispatcher
             assert d.mode == ("exact" if name == "exact" else "sync-free"), d.mode
@@ -264,10 +347,17 @@ def w_layer_modes(rank, world, tokens):
                 a, b = a.float(), b.float()
                 return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
+            # Router and shared expert by name; the routed experts through expert_grads, which
+            # names SequentialMLP's and TorchGroupedMLP's weights alike.
+            ref_params = dict(ref.named_parameters())
+            want = expert_grads(ref)
             worst = max(
-                rel(p.grad, dict(ref.named_parameters())[n].grad)
-                for n, p in ours.named_parameters()
-                if p.grad is not None
+                *(
+                    rel(p.grad, ref_params[n].grad)
+                    for n, p in ours.named_parameters()
+                    if p.grad is not None and not n.startswith("experts.")
+                ),
+                *(rel(g_ours, want[n]) for n, g_ours in expert_grads(ours).items()),
             )
             ours.zero_grad(set_to_none=True)
 
@@ -305,7 +395,7 @@ def test_megatron_layer_modes_match_alltoall_and_sync_counts():
         assert r["worst_param_grad"] < 2e-2, (name, r)
         assert r["dropped"] == 0, (name, r)
     assert report["exact"]["sync_calls"] <= 1, report["exact"]
-    for name in ("sync-free", "sync-free megatron capacity"):
+    for name in ("sync-free", "sync-free megatron capacity", "sync-free dropless"):
         assert report[name]["sync_calls"] == 0 and report[name]["dtoh_copies"] == 0, report
 
 
@@ -325,6 +415,17 @@ def test_round_trip_grid_both_modes(tp, ep, factor):
         p.run(
             os.path.join(tests_dir, "test_dispatcher_modes.py"), "w_modes", tp, 3, factor, "kernels"
         )
+
+
+@pytest.mark.parametrize("tp,ep", GRID, ids=[f"tp{t}-ep{e}" for t, e in GRID])
+def test_dropless_round_trip_grid(tp, ep):
+    pytest.importorskip("megatron.core")
+    _fused_or_skip()
+    if tp * ep > NUM_GPUS:
+        pytest.skip(f"needs {tp * ep} GPUs (NCCL, one rank per GPU), have {NUM_GPUS}")
+    tests_dir = os.path.dirname(os.path.dirname(HERE))
+    with pool(tp * ep) as p:
+        p.run(os.path.join(tests_dir, "test_dispatcher_modes.py"), "w_dropless", tp, 5, "kernels")
 
 
 def test_permute_kernels_capture_in_a_cuda_graph():

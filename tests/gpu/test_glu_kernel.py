@@ -7,8 +7,9 @@
   derivative, evaluated in the same order, may contract differently), the probabilities'
   within float32 summation-order error (each sum within its length x 2^-24 x its sum of
   magnitudes).
-- Padding: rows at or past the last offset come out zero in the output and every gradient,
-  and the rows before it equal the reference.
+- Padding: rows at or past the last offset are not written, in the output or either
+  gradient (poisoned before, still poisoned after), and the rows before it equal the
+  reference.
 - What takes the kernel: float64 probabilities, a clamp or a linear offset take the torch ops.
 """
 
@@ -102,16 +103,31 @@ def test_kernel_equals_the_torch_ops():
     assert ((gp - ref_gp)[ok].abs() <= magnitude[ok] * 2 * ffn * 2.0**-24).all()
 
 
-def test_rows_past_the_last_offset_are_zero():
+def test_rows_past_the_last_offset_are_not_written():
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import _c, _glu_launch_args
+
     rows, ffn, live = 256, 512, 150
     h, probs, grad = _inputs(rows, ffn, seed=2)
     offs = torch.tensor([100, live], dtype=torch.int32, device="cuda")
-    out, gh, gp = _run(h, probs, grad, offs, fused=True)
-    assert not out[live:].view(torch.int16).any()
-    assert not gh[live:].view(torch.int16).any() and not gp[live:].any()
+    poison = 0x7FC1  # a bf16 NaN no kernel computes
+    out = torch.full((rows, ffn), poison, dtype=torch.int16, device="cuda").view(torch.bfloat16)
+    gh = torch.full((rows, 2 * ffn), poison, dtype=torch.int16, device="cuda")
+    gh = gh.view(torch.bfloat16)
+    gp = torch.full((rows,), 7.0, device="cuda")
+    args = _glu_launch_args(h, offs)
+    _c().glu_probs_forward(h=h.data_ptr(), probs=probs.data_ptr(), out=out.data_ptr(), **args)
+    _c().glu_probs_backward(
+        grad_out=grad.data_ptr(), h=h.data_ptr(), probs=probs.data_ptr(),
+        grad_h=gh.data_ptr(), grad_probs=gp.data_ptr(), **args,
+    )  # fmt: skip
+    assert (out[live:].view(torch.int16) == poison).all()
+    assert (gh[live:].view(torch.int16) == poison).all() and (gp[live:] == 7.0).all()
     ref_out, ref_gh, _ = _run(h[:live], probs[:live], grad[:live], offs, fused=False)
     assert _bits_equal(out[:live], ref_out)
     assert _bits_equal(gh[:live, ffn:], ref_gh[:, ffn:])
+    # Through the autograd function: the live rows equal the torch ops' as before.
+    out2, gh2, _ = _run(h, probs, grad, offs, fused=True)
+    assert _bits_equal(out2[:live], ref_out) and _bits_equal(gh2[:live, ffn:], ref_gh[:, ffn:])
 
 
 def test_what_takes_the_kernel():

@@ -7,10 +7,11 @@
 - No host sync: forward + backward run under ``torch.cuda.set_sync_debug_mode("error")`` with
   GPU counts and with CPU counts; ``SequentialMLP`` with GPU counts (its ``.tolist()``) is the
   positive control that must raise there.
-- A whole MoE layer at EP = min(4, GPUs): ``uccl_ep`` (exact, and sync-free with a capacity
-  that drops nothing) + ``TorchGroupedMLP`` against ``alltoall`` + ``SequentialMLP``: outputs
-  and every gradient (input, router, shared expert, routed experts) within bf16 tolerance;
-  with FP8 dispatch (exact mode) within E4M3's rounding.
+- A whole MoE layer at EP = min(4, GPUs): ``uccl_ep`` (exact, sync-free with a capacity
+  that drops nothing, and sync-free without a capacity) + ``TorchGroupedMLP`` against
+  ``alltoall`` + ``SequentialMLP``: outputs and every gradient (input, router, shared expert,
+  routed experts) within bf16 tolerance; with FP8 dispatch (exact and dropless sync-free)
+  within E4M3's rounding.
 - FP8 dispatch round trip on the ``kernels`` backend at EP = min(4, GPUs): ``dispatch_fp8``
   equals ``ops.dispatch`` of the dequantized input exactly (rows, ids, weights, counts) and so
   do the gradients it sends back.
@@ -179,10 +180,15 @@ def w_layer(rank: int, world: int, mode: str) -> dict:
         ref = build_layer(shape, "alltoall", world, "SequentialMLP")
         # A capacity of every token of every rank per expert: sync-free mode drops nothing.
         factor = shape.num_experts / shape.topk if mode == "sync-free" else None
-        fp8 = mode == "exact-fp8"
-        set_options(capacity_factor=factor, drop_log_interval=0, fp8_dispatch=fp8)
+        fp8 = mode.endswith("-fp8")
+        dropless = mode.startswith("sync-free-dropless")
+        set_options(
+            capacity_factor=factor, drop_log_interval=0, fp8_dispatch=fp8, sync_free=dropless
+        )
         ours = build_layer(shape, "uccl_ep", world, "TorchGroupedMLP")
-        assert ours.token_dispatcher.mode == mode.removesuffix("-fp8"), ours.token_dispatcher.mode
+        d = ours.token_dispatcher
+        want = "sync-free (dropless)" if dropless else mode.removesuffix("-fp8")
+        assert d.mode_name.replace(" (capacity)", "") == want, d.mode_name
         copy_weights(ref, ours)
         g = torch.Generator(device="cuda").manual_seed(42 + rank)
         x = torch.randn(TOKENS, 1, shape.hidden, device="cuda", generator=g).bfloat16()
@@ -210,7 +216,9 @@ def w_layer(rank: int, world: int, mode: str) -> dict:
         megatron_plugin.uninstall()
 
 
-@pytest.mark.parametrize("mode", ["exact", "sync-free", "exact-fp8"])
+@pytest.mark.parametrize(
+    "mode", ["exact", "sync-free", "sync-free-dropless", "exact-fp8", "sync-free-dropless-fp8"]
+)
 def test_moe_layer_uccl_ep_grouped_vs_alltoall_sequential(mode):
     from dist_utils import DistPool
 
@@ -223,14 +231,15 @@ def test_moe_layer_uccl_ep_grouped_vs_alltoall_sequential(mode):
     print(mode, reports[0])
     # bf16: a GEMM chain's relative error (eps 2^-8). FP8 dispatch adds E4M3's rounding of
     # the expert inputs (3 mantissa bits: at most 2^-4 of a value, about 2% RMS).
-    tight, loose = (6e-2, 1e-1) if mode == "exact-fp8" else (1e-2, 2e-2)
+    fp8 = mode.endswith("-fp8")
+    tight, loose = (6e-2, 1e-1) if fp8 else (1e-2, 2e-2)
     for r in reports:
         assert r.pop("dropped") == 0, r
         bad = {
             k: v for k, v in r.items() if v > (tight if k in ("output", "input_grad") else loose)
         }
         assert not bad, (mode, bad)
-    if mode == "exact-fp8":  # and FP8 really ran: not bit-equal to bf16 dispatch
+    if fp8:  # and FP8 really ran: not bit-equal to bf16 dispatch
         assert reports[0]["output"] > 1e-4, reports[0]
 
 

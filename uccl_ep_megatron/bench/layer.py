@@ -2,7 +2,9 @@
 present (one rank per GPU), under every dispatcher in the same run, with each expert module.
 
 Dispatchers (``--dispatchers``): ``alltoall`` (megatron-core's), ``exact`` and ``sync-free``
-(``uccl_ep``'s two modes) and ``flex`` (megatron-core's flex dispatcher on DeepEP V1; only where
+(``uccl_ep``'s two modes; sync-free without a capacity by default, which drops nothing and runs
+only with experts that take GPU counts, ``--capacity-factor F`` for a per-expert capacity) and
+``flex`` (megatron-core's flex dispatcher on DeepEP V1; only where
 ``deep_ep`` imports and is DeepEP itself, else skipped with the reason). Experts
 (``--expert-modules``): megatron-core's ``SequentialMLP`` and ``TorchGroupedMLP`` (PyTorch's
 grouped_mm; skipped with the reason where it cannot run). One ``MoELayer`` per expert module
@@ -55,8 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capacity-factor",
         type=float,
-        default=1.25,
-        help="sync-free mode's per-expert capacity factor (UcclEpOptions.capacity_factor)",
+        default=0.0,
+        help="sync-free mode's per-expert capacity factor (UcclEpOptions.capacity_factor; pairs "
+        "past it dropped); 0 (default): no capacity, dropless sync-free mode (its experts must "
+        "take GPU counts: TorchGroupedMLP)",
     )
     parser.add_argument(
         "--backend",
@@ -114,6 +118,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise InvalidInputError(f"--{flag} {getattr(args, flag)}: must be >= 1")
     if args.topk > args.experts:
         raise InvalidInputError(f"--topk {args.topk} exceeds --experts {args.experts}")
+    if not args.capacity_factor >= 0:  # also NaN
+        raise InvalidInputError(
+            f"--capacity-factor {args.capacity_factor}: must be >= 0 (0 = dropless sync-free)"
+        )
     if args.router == "deepseek" and args.experts % 8:
         raise InvalidInputError(
             f"--experts {args.experts}: DeepSeek-V3's router takes 8 groups; use a multiple of "
@@ -175,6 +183,7 @@ def merge(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
                 combine_ms=statistics.fmean(e["combine_ms"] for e in extra),
                 dropped_pairs_per_layer=sum(e["dropped"] for e in extra),
                 capacity=extra[0]["capacity"],
+                bounded_rows=extra[0].get("bounded_rows"),
             )
         )
     for r in rows:

@@ -63,8 +63,9 @@ def _dispatcher(name: str, layer: Any, a: dict[str, Any]) -> Any:
     saved = get_options()
     try:
         # Dispatchers read the options when built; the drop log would outlast the run.
-        factor = a["capacity_factor"] if name == "sync-free" else None
-        set_options(capacity_factor=factor, drop_log_interval=0)
+        # sync-free: with a per-expert capacity when the factor is > 0, else dropless.
+        factor = (a["capacity_factor"] or None) if name == "sync-free" else None
+        set_options(capacity_factor=factor, sync_free=name == "sync-free", drop_log_interval=0)
         disp = UcclEpTokenDispatcher(
             *args, config=config, pg_collection=pgs, buffers=megatron_plugin.buffer_cache()
         )
@@ -72,7 +73,7 @@ def _dispatcher(name: str, layer: Any, a: dict[str, Any]) -> Any:
         restore_options(saved)
     if disp.mode != name:
         raise RuntimeError(f"uccl_ep dispatcher built in {disp.mode} mode, not {name}")
-    disp.set_experts(layer.experts)  # as the plugin's MoELayer does
+    disp.set_experts(layer.experts)  # as the plugin's MoELayer does (may refuse the experts)
     return disp
 
 
@@ -121,11 +122,19 @@ def _variants(layers: dict, a: dict[str, Any], skipped: dict) -> dict[str, tuple
     if "flex" in wanted and _flex_unavailable() is not None:
         skipped["flex"] = _flex_unavailable()
         wanted.remove("flex")
+    from uccl_ep_megatron.core.errors import UnsupportedError
+
     out = {}
     for experts, layer in layers.items():
         for name in list(wanted):
             try:
                 disp = _dispatcher(name, layer, a)
+            except UnsupportedError as exc:
+                if name != "sync-free":
+                    raise
+                # Dropless sync-free mode needs experts that take GPU counts: said, not run.
+                skipped[f"sync-free/{experts}"] = str(exc)
+                continue
             except Exception as exc:  # noqa: BLE001 - the baseline's own limits, reported
                 if name != "flex":
                     raise
@@ -187,6 +196,7 @@ def _extra(name: str, variant: tuple, x: torch.Tensor, grad: torch.Tensor, a: di
         "combine_ms": timer.mean_ms("combine"),
         "dropped": dropped,
         "capacity": disp.capacity(x.shape[0]) if sync_free else None,
+        "bounded_rows": disp.bounded_rows(x.shape[0]) if sync_free else None,
     }
 
 

@@ -11,7 +11,7 @@
    without Megatron-LM's training package, a parser that defines the flag gets them through a
    wrapped argparse ``add_argument`` (``arguments`` says more). The flags:
    ``--moe-uccl-ep-num-sms``, ``--moe-uccl-ep-num-proxy-threads``, ``--moe-uccl-ep-backend``,
-   ``--moe-uccl-ep-metrics``, ``--moe-uccl-ep-capacity-factor``,
+   ``--moe-uccl-ep-metrics``, ``--moe-uccl-ep-capacity-factor``, ``--moe-uccl-ep-sync-free``,
    ``--moe-uccl-ep-drop-log-interval``, ``--moe-uccl-ep-grouped-experts``,
    ``--moe-uccl-ep-fp8-dispatch``.
 3. **Model**: ``MoELayer`` builds a ``UcclEpTokenDispatcher`` when its config says
@@ -147,6 +147,7 @@ def install(
     backend: str | None = None,
     metrics: bool | None = None,
     capacity_factor: float | None = None,
+    sync_free: bool | None = None,
     grouped_experts: bool | None = None,
     fp8_dispatch: bool | None = None,
     deep_ep_compat: bool = False,
@@ -158,7 +159,7 @@ def install(
 
     Args:
         num_sms, num_proxy_threads, transport, backend, metrics, capacity_factor,
-            grouped_experts, fp8_dispatch: dispatcher options (see
+            sync_free, grouped_experts, fp8_dispatch: dispatcher options (see
             ``token_dispatcher.options.UcclEpOptions``); ``None`` keeps the current value.
             Command-line flags parsed later override them.
         deep_ep_compat: also serve ``import deep_ep`` from this package (see
@@ -192,6 +193,7 @@ def install(
             backend=backend,
             metrics=metrics,
             capacity_factor=capacity_factor,
+            sync_free=sync_free,
             grouped_experts=grouped_experts,
             fp8_dispatch=fp8_dispatch,
         ).items()

@@ -105,6 +105,16 @@ def _plugin_flags() -> list[tuple[str, dict[str, Any]]]:
             ),
         ),
         (
+            "--moe-uccl-ep-sync-free",
+            dict(
+                option="sync_free",
+                nargs=0,
+                help="uccl_ep: sync-free mode (no host sync per layer); without a capacity factor "
+                "it drops nothing, its expert rows bounded by what a rank can receive (needs "
+                "--moe-uccl-ep-grouped-experts).",
+            ),
+        ),
+        (
             "--moe-uccl-ep-grouped-experts",
             dict(
                 option="grouped_experts",

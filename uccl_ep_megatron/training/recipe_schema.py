@@ -109,6 +109,7 @@ _SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool, tuple[Any, ...] | Non
         "max_inflight_bytes": (_INT, False, None),
         "max_inflight_normal": (_INT, False, None),
         "fp8_dispatch": (_BOOL, False, None),
+        "sync_free": (_BOOL, False, None),
     },
     "cluster": {
         "gpu": (_STR, True, None),
@@ -331,6 +332,13 @@ def _check_dispatcher(name: str, d: dict[str, Any], m: dict[str, Any], p: dict[s
         raise InvalidInputError(
             f"recipe {name!r}: dispatcher.fp8_dispatch scales every 128 channels; "
             f"model.hidden_size {m['hidden_size']} is not a multiple of 128"
+        )
+    experts = m.get("moe_experts") or "auto"
+    if d.get("sync_free") and experts not in ("auto", "TorchGroupedMLP"):
+        raise InvalidInputError(
+            f"recipe {name!r}: dispatcher.sync_free packs the experts' rows on the GPU, and "
+            f"model.moe_experts {experts} reads its counts on the host: use TorchGroupedMLP "
+            "(or auto where Transformer Engine is absent), or leave dispatcher.sync_free off"
         )
     copies = int(m.get("moe_router_topk") or 0) * int(p.get("expert_tensor_parallel_size") or 1)
     if d["type"] == "uccl_ep" and copies > MAX_TOPK:

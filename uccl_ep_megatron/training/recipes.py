@@ -272,6 +272,8 @@ class Recipe:
             put("moe_uccl_ep_num_sms", self.dispatcher["num_sms"])
         if kind == "uccl_ep" and self.dispatcher.get("fp8_dispatch"):
             put("moe_uccl_ep_fp8_dispatch", True)
+        if kind == "uccl_ep" and self.dispatcher.get("sync_free"):
+            put("moe_uccl_ep_sync_free", True)
         # model.moe_experts: auto leaves Megatron-LM's choice (its --transformer-impl decides).
         if experts in ("TEGroupedMLP", "GroupedMLP"):
             put("moe_grouped_gemm", True)

@@ -114,6 +114,7 @@ def _install_dispatcher(dispatcher: str, recipe) -> None:
         num_proxy_threads=d.get("proxy_threads"),
         transport=None if transport in (None, "auto") else transport,
         fp8_dispatch=d.get("fp8_dispatch"),
+        sync_free=d.get("sync_free"),
     )
 
 
@@ -221,11 +222,12 @@ def _build(recipe, par: dict[str, int], dispatcher: str, mc: SimpleNamespace) ->
 
 
 def dispatch_mode(gpt: torch.nn.Module, dispatcher: str) -> str:
-    """What the MoE layers' dispatchers run: ``uccl_ep``'s mode (exact / sync-free), else the
-    dispatcher's own name (``alltoall``, ``flex`` on DeepEP ...)."""
+    """What the MoE layers' dispatchers run: ``uccl_ep``'s mode (exact, sync-free (dropless) or
+    sync-free (capacity)), else the dispatcher's own name (``alltoall``, ``flex`` on DeepEP
+    ...)."""
     modes = sorted(
         {
-            str(getattr(m.token_dispatcher, "mode", dispatcher))
+            str(getattr(m.token_dispatcher, "mode_name", dispatcher))
             for m in gpt.modules()
             if getattr(m, "token_dispatcher", None) is not None
         }
