@@ -11,6 +11,7 @@ to the host in the dispatcher's own code (the exact mode's one read is the dispa
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -169,8 +170,24 @@ def w_dropless(rank, world, tp, seed, backend="reference"):
     x, rm, p = _inputs(seed, rank, world, tp, TOKENS, torch.float32)
     on = (x.to(device), rm.to(device), p.to(device))
     y_e, dx_e, dp_e, tpe_e, _ = _run_layer(exact, *on, tp, seed + rank)
-    with count_host_reads() as reads:
-        y_s, dx_s, dp_s, tpe_s, _ = _run_layer(free, *on, tp, seed + rank)
+    from uccl_ep_megatron.token_dispatcher import dispatcher as dispatcher_module
+
+    dispatcher_module._logged.clear()  # once per process: a pooled worker may have said it
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("uccl_ep_megatron.token_dispatcher.dispatcher")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with count_host_reads() as reads:
+            y_s, dx_s, dp_s, tpe_s, _ = _run_layer(free, *on, tp, seed + rank)
+    finally:
+        logger.removeHandler(handler)
+    # The bound's size is said once, with the way out.
+    said = [r.getMessage() for r in records if "without a capacity gives" in r.getMessage()]
+    assert len(said) == 1 and f"{free.bounded_rows(TOKENS)} rows per layer" in said[0], said
+    assert "--moe-uccl-ep-capacity-factor" in said[0]
     if device == "cuda":
         assert reads == [], reads
         assert tpe_s.device.type == "cuda" and free.fused

@@ -505,6 +505,15 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             raise InvalidInputError("dispatch_postprocess called before token_dispatch")
         capacity = self.capacity(self.num_tokens) if self.mode == SYNC_FREE else 0
         bound = self.bounded_rows(self.num_tokens)
+        if bound:
+            hidden = hidden_states.shape[1]
+            _log_once(
+                f"uccl_ep dispatcher: sync-free mode without a capacity gives the experts "
+                f"{bound} rows per layer for {self.num_tokens} tokens per rank over "
+                f"{self.num_ranks} ranks ({bound * hidden * 2 / 2**30:.2f} GiB per bf16 "
+                f"tensor of width {hidden}); it grows with the group size: give a capacity "
+                "(--moe-uccl-ep-capacity-factor) where that does not fit"
+            )
         if self.dropless and hidden_states.is_cuda and not (self.fused and self.device_counts):
             raise (
                 self._dropless_needs_device_counts("an expert module that was not set")
