@@ -157,7 +157,7 @@ def w_dropless(rank, world, tp, seed, backend="reference"):
     exact, _ = _make_dispatcher(rank, world, tp, groups, options=UcclEpOptions(backend=backend))
     options = UcclEpOptions(backend=backend, sync_free=True, drop_log_interval=0)
     free, config = _make_dispatcher(rank, world, tp, groups, options=options)
-    assert (free.mode, free.dropless, free.mode_name) == ("sync-free", True, "sync-free (dropless)")
+    assert (free.mode, free.dropless, free.mode_name) == ("sync-free", True, "sync-free dropless")
     assert (exact.dropless, exact.mode_name) == (False, "exact")
     assert free.capacity(TOKENS) == 0
     # Every received row (world x tokens) can carry min(k, L) of this rank's experts.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -619,6 +620,7 @@ def main():
         # Not fp32: save at the last iteration only (any interval above the iterations does).
         + (["training.save_interval=0"] if fp32 else ["training.save_interval=1000"])
         + (["dispatcher.fp8_dispatch=true"] if "fp8" in modes else [])
+        + (["dispatcher.sync_free=true"] if "syncfree" in modes else [])
         + (["parallelism.use_distributed_optimizer=true"] if "distopt" in modes else [])
         + (["training.save_interval=2"] if "save2" in modes else []),
     )
@@ -845,3 +847,42 @@ def test_train_loop_picks_grouped_experts_and_checkpoints_them_on_cpu(tmp_path):
     train(3)  # resumes from the saved expert weights (EP=2: each rank loads its own experts)
     assert [r["step"] for r in read_jsonl(run)] == [1, 2, 3]
     assert json.loads((run / "config.json").read_text())["start_iteration"] == 2
+
+
+@pytest.mark.megatron
+def test_train_loop_runs_dropless_sync_free_like_exact_on_cpu(tmp_path):
+    """``dispatcher.sync_free`` (no capacity) with the grouped experts: the recipe's flag
+    reaches every MoE layer's dispatcher, the closing table and summary name the mode, and
+    the losses equal exact mode's (nothing dropped, the same rows)."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("psutil")
+    import subprocess
+    import sys
+
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
+
+    if grouped_mm_unavailable("cpu") is not None:
+        pytest.skip(f"no CPU grouped_mm: {grouped_mm_unavailable('cpu')}")
+    script = tmp_path / "train_on_cpu.py"
+    script.write_text(_TRAIN_ON_CPU)
+
+    def train(run: Path, modes: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+        proc = subprocess.run(
+            [*cmd, str(script), str(run), "2", "uccl_ep", modes],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    exact, free = tmp_path / "exact", tmp_path / "free"
+    train(exact, "grouped")
+    proc = train(free, "grouped,syncfree")
+    assert "uccl_ep (sync-free dropless, BF16 dispatch)" in proc.stdout, proc.stdout[-2000:]
+    summary = json.loads((free / "summary.json").read_text())
+    assert summary["dispatch_mode"] == "sync-free dropless"
+    losses = [[r["loss"] for r in read_jsonl(run)] for run in (exact, free)]
+    assert len(losses[0]) == 2 and losses[0] == losses[1], losses

@@ -259,11 +259,11 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
 
     @property
     def mode_name(self) -> str:
-        """The mode with its sizing: ``exact``, ``sync-free (dropless)`` or ``sync-free
-        (capacity)``."""
+        """The mode with its sizing: ``exact``, ``sync-free dropless`` or ``sync-free with a
+        capacity``."""
         if self.mode == EXACT:
             return EXACT
-        return f"{SYNC_FREE} ({'dropless' if self.dropless else 'capacity'})"
+        return f"{SYNC_FREE} {'dropless' if self.dropless else 'with a capacity'}"
 
     def _use_te_permute(self) -> bool:
         """``--moe-permute-fusion`` selects megatron-core's fused (Transformer Engine)

@@ -187,8 +187,8 @@ def w_layer(rank: int, world: int, mode: str) -> dict:
         )
         ours = build_layer(shape, "uccl_ep", world, "TorchGroupedMLP")
         d = ours.token_dispatcher
-        want = "sync-free (dropless)" if dropless else mode.removesuffix("-fp8")
-        assert d.mode_name.replace(" (capacity)", "") == want, d.mode_name
+        want = "sync-free dropless" if dropless else mode.removesuffix("-fp8")
+        assert d.mode_name.removesuffix(" with a capacity") == want, d.mode_name
         copy_weights(ref, ours)
         g = torch.Generator(device="cuda").manual_seed(42 + rank)
         x = torch.randn(TOKENS, 1, shape.hidden, device="cuda", generator=g).bfloat16()

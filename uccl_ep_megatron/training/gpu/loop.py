@@ -222,9 +222,9 @@ def _build(recipe, par: dict[str, int], dispatcher: str, mc: SimpleNamespace) ->
 
 
 def dispatch_mode(gpt: torch.nn.Module, dispatcher: str) -> str:
-    """What the MoE layers' dispatchers run: ``uccl_ep``'s mode (exact, sync-free (dropless) or
-    sync-free (capacity)), else the dispatcher's own name (``alltoall``, ``flex`` on DeepEP
-    ...)."""
+    """What the MoE layers' dispatchers run: ``uccl_ep``'s mode (``exact``, ``sync-free
+    dropless`` or ``sync-free with a capacity``), else the dispatcher's own name
+    (``alltoall``, ``flex`` on DeepEP ...)."""
     modes = sorted(
         {
             str(getattr(m.token_dispatcher, "mode_name", dispatcher))
