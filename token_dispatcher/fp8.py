@@ -87,8 +87,15 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scales
 
 
-def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The inverse of :func:`quantize`, in ``dtype``."""
+def dequantize(
+    x_fp8: torch.Tensor,
+    scales: torch.Tensor,
+    dtype: torch.dtype,
+    bound: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The inverse of :func:`quantize`, in ``dtype``. ``bound``: an int32 ``[1]`` device tensor
+    of live rows (a sync-free dispatch's ``handle.recv_count``); on the kernels, the rows at or
+    past it are not written (the torch ops compute every row)."""
     tokens, hidden = x_fp8.shape
     _check_hidden(hidden)
     c = _kernels(x_fp8, dtype)
@@ -104,10 +111,22 @@ def dequantize(x_fp8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
         rows=tokens,
         hidden=hidden,
         dtype=_DTYPE_CODES[dtype],
+        bound=_bound_ptr(bound, x_fp8.device),
         out=out.data_ptr(),
         stream=torch.cuda.current_stream(x_fp8.device).cuda_stream,
     )
     return out
+
+
+def _bound_ptr(bound: torch.Tensor | None, device: torch.device) -> int:
+    if bound is None:
+        return 0
+    if bound.dtype != torch.int32 or bound.numel() != 1 or bound.device != device:
+        raise InvalidInputError(
+            f"bound must be an int32 [1] tensor on {device} (handle.recv_count), got "
+            f"{bound.dtype} {tuple(bound.shape)} on {bound.device}"
+        )
+    return bound.data_ptr()
 
 
 class _Fp8Dispatch(torch.autograd.Function):
@@ -143,7 +162,10 @@ class _Fp8Dispatch(torch.autograd.Function):
         ctx.save_for_backward(recv_idx)
         ctx.mark_non_differentiable(recv_idx)
         ctx.fp8_bytes = recv_fp8.numel() + recv_scales.numel() * 4
-        return dequantize(recv_fp8, recv_scales, x.dtype), recv_idx, recv_w, counts, handle
+        # Sync-free: the rows past the received ones are padding, which nothing reads.
+        bound = getattr(handle, "recv_count", None) if num_worst_tokens else None
+        recv_x = dequantize(recv_fp8, recv_scales, x.dtype, bound)
+        return recv_x, recv_idx, recv_w, counts, handle
 
     @staticmethod
     def backward(ctx: Any, grad_x, _grad_idx, grad_w, _grad_counts, _grad_handle):

@@ -97,14 +97,17 @@ void bind_permute(py::module_& m) {
       "csrc/kernels/fp8.h).");
   m.def(
       "dequantize_fp8",
-      [](intptr_t x, intptr_t scales, int64_t rows, int64_t hidden, int dtype, intptr_t out, intptr_t stream) {
+      [](intptr_t x, intptr_t scales, int64_t rows, int64_t hidden, int dtype, intptr_t bound, intptr_t out,
+         intptr_t stream) {
         require(x, rows > 0, "dequantize_fp8: x");
         require(scales, rows > 0, "dequantize_fp8: scales");
         require(out, rows > 0, "dequantize_fp8: out");
-        k::dequantize_fp8(x, scales, rows, hidden, dtype, out, stream);
+        k::dequantize_fp8(x, scales, rows, hidden, dtype, bound, out, stream);
       },
       py::kw_only(), py::arg("x"), py::arg("scales"), py::arg("rows"), py::arg("hidden"), py::arg("dtype"),
-      py::arg("out"), py::arg("stream"), "e4m3 * scale per 128 channels, rounded once to dtype (fp8.h).");
+      py::arg("bound") = 0, py::arg("out"), py::arg("stream"),
+      "e4m3 * scale per 128 channels, rounded once to dtype; rows at or past *bound (a device int32, 0 = none) "
+      "are not written (fp8.h).");
   m.def(
       "glu_probs_forward",
       [](intptr_t h, intptr_t probs, intptr_t bound, int64_t rows, int64_t ffn, intptr_t out, intptr_t stream) {

@@ -125,8 +125,13 @@ __global__ void __launch_bounds__(kThreads)
 template <int kDtype, bool kVec>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint32_t* __restrict__ x, const float* __restrict__ scales, int64_t units,
-                      Raw<kDtype>* __restrict__ out) {
+                      const int* bound, int64_t row_units, Raw<kDtype>* __restrict__ out) {
   const int lane = threadIdx.x % dev::kWarpSize, part = lane % kGroup;
+  if (bound != nullptr) {  // rows at or past *bound (padding of a sync-free dispatch) stay unwritten
+    const int64_t b = *bound;
+    const int64_t live = (b < 0 ? 0 : b) * row_units;
+    units = live < units ? live : units;
+  }
   for (int64_t first = first_unit(); first < units; first += unit_stride()) {
     const int64_t u = first + lane / kGroup;
     if (u >= units) continue;
@@ -197,8 +202,8 @@ void quantize_fp8(intptr_t x, int dtype, int64_t rows, int64_t hidden, intptr_t 
   GPU_CHECK(gpuGetLastError());
 }
 
-void dequantize_fp8(intptr_t x, intptr_t scales, int64_t rows, int64_t hidden, int dtype, intptr_t out,
-                    intptr_t stream) {
+void dequantize_fp8(intptr_t x, intptr_t scales, int64_t rows, int64_t hidden, int dtype, intptr_t bound,
+                    intptr_t out, intptr_t stream) {
   check(dtype, rows, hidden, x, "dequantize_fp8");
   const int64_t units = rows * (hidden / kBlock);
   if (units == 0) return;
@@ -206,9 +211,9 @@ void dequantize_fp8(intptr_t x, intptr_t scales, int64_t rows, int64_t hidden, i
   by_dtype(dtype, vector_rows(out, x), [&](auto d, auto v) {
     constexpr int kD = decltype(d)::value;
     constexpr bool kV = decltype(v)::value;
-    dequantize_kernel<kD, kV><<<grid_for(units), kThreads, 0, s>>>(reinterpret_cast<const uint32_t*>(x),
-                                                                   reinterpret_cast<const float*>(scales), units,
-                                                                   reinterpret_cast<Raw<kD>*>(out));
+    dequantize_kernel<kD, kV><<<grid_for(units), kThreads, 0, s>>>(
+        reinterpret_cast<const uint32_t*>(x), reinterpret_cast<const float*>(scales), units,
+        reinterpret_cast<const int*>(bound), hidden / kBlock, reinterpret_cast<Raw<kD>*>(out));
   });
   GPU_CHECK(gpuGetLastError());
 }

@@ -17,8 +17,10 @@ void quantize_fp8(intptr_t x, int dtype, int64_t rows, int64_t hidden, intptr_t 
                   intptr_t stream);
 
 // x [rows, hidden] E4M3 codes (4-byte aligned) and scales [rows, hidden / 128] float32 -> out
-// [rows, hidden] of `dtype`: e4m3 * scale in float32, rounded once to dtype.
-void dequantize_fp8(intptr_t x, intptr_t scales, int64_t rows, int64_t hidden, int dtype, intptr_t out,
-                    intptr_t stream);
+// [rows, hidden] of `dtype`: e4m3 * scale in float32, rounded once to dtype. `bound`: an int32
+// [1] device pointer (a sync-free dispatch's received row count) or 0; rows at or past *bound
+// are not written.
+void dequantize_fp8(intptr_t x, intptr_t scales, int64_t rows, int64_t hidden, int dtype, intptr_t bound,
+                    intptr_t out, intptr_t stream);
 
 }  // namespace uccl_ep::kernels

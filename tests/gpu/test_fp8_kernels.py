@@ -104,3 +104,33 @@ def test_kernels_are_what_quantize_runs_on_a_gpu():
     assert fp8._kernels(torch.empty(1, device="cuda"), torch.bfloat16) is not None
     assert fp8._kernels(torch.empty(1), torch.bfloat16) is None
     assert fp8._kernels(torch.empty(1, device="cuda"), torch.int8) is None
+
+
+def test_dequantize_leaves_the_rows_past_the_bound_unwritten():
+    """A sync-free dispatch's padding rows (at or past ``handle.recv_count``) are not
+    dequantized: poisoned before, still poisoned after; the live rows equal the reference;
+    a bound that is not an int32 [1] tensor on the rows' device is refused."""
+    from uccl_ep_megatron.token_dispatcher import fp8
+
+    from uccl_ep_megatron.core.errors import InvalidInputError
+
+    rows, hidden, live = 300, 1024, 213
+    codes, scales = fp8.quantize(_rows(rows, hidden, torch.bfloat16, seed=9))
+    bound = torch.tensor([live], dtype=torch.int32, device="cuda")
+    want = fp8.dequantize_reference(codes, scales, torch.bfloat16)
+    poison = 0x7FC1  # a bf16 NaN no dequantization computes
+    out = torch.full((rows, hidden), poison, dtype=torch.int16, device="cuda")
+    fp8._kernels(codes, torch.bfloat16).dequantize_fp8(
+        x=codes.data_ptr(), scales=scales.data_ptr(), rows=rows, hidden=hidden,
+        dtype=fp8._DTYPE_CODES[torch.bfloat16], bound=bound.data_ptr(), out=out.data_ptr(),
+        stream=torch.cuda.current_stream().cuda_stream,
+    )  # fmt: skip
+    assert _same(out[:live].view(torch.bfloat16), want[:live])
+    assert (out[live:] == poison).all()
+    got = fp8.dequantize(codes, scales, torch.bfloat16, bound)
+    assert _same(got[:live], want[:live])
+    assert _same(fp8.dequantize(codes, scales, torch.bfloat16, None), want)
+    pair = torch.tensor([live, 1], dtype=torch.int32, device="cuda")
+    for bad in (bound.long(), bound.cpu(), pair):
+        with pytest.raises(InvalidInputError, match="bound must be an int32"):
+            fp8.dequantize(codes, scales, torch.bfloat16, bad)
