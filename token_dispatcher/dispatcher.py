@@ -34,12 +34,11 @@ sizings of sync-free mode (``dropless``; ``mode_name`` says which):
   permutation packs the segments instead: expert ``e`` gets its kept pairs (at most ``C``) back
   to back, the rows past the last segment are padding (not written), and ``tokens_per_expert``
   is the int32 GPU tensor of segment sizes, so the grouped GEMMs skip the padding; still no
-  host sync. ``C`` comes from Megatron's
-  ``moe_expert_capacity_factor`` with ``moe_pad_expert_input_to_capacity`` (the router already
-  dropped tokens past the capacity, so nothing is dropped here), else from
-  ``UcclEpOptions.capacity_factor`` (``--moe-uccl-ep-capacity-factor``; pairs past ``C`` are
-  dropped, counted on the GPU and logged every ``drop_log_interval`` forward passes from an
-  asynchronous copy).
+  host sync. ``C`` comes from Megatron's ``moe_expert_capacity_factor`` with
+  ``moe_pad_expert_input_to_capacity`` (the router already dropped tokens past the capacity, so
+  nothing is dropped here), else from ``UcclEpOptions.capacity_factor``
+  (``--moe-uccl-ep-capacity-factor``; pairs past ``C`` are dropped, counted on the GPU and
+  logged every ``drop_log_interval`` forward passes from an asynchronous copy).
 - **sync-free, dropless** (``UcclEpOptions.sync_free``, ``--moe-uccl-ep-sync-free``, with no
   capacity): sync-free with no capacity at all. The experts get ``B`` rows, a bound of every
   pair the ``num_worst_tokens`` received rows can hold (``num_worst_tokens x min(k, L)`` plus
