@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # Megatron-LM's unmodified pretrain_gpt.py at EP = the GPUs present (4), one run per dispatcher,
-# the same model, seed and mock data: `alltoall`, `uccl_ep` exact, `uccl_ep` sync-free, `flex` on
-# DeepEP V1 (when its NVSHMEM build is beside the checkout), each also with Megatron's EP overlap
+# the same model, seed and mock data: `alltoall`, `uccl_ep` exact, `uccl_ep` sync-free without a
+# capacity (`_sfd`: --moe-uccl-ep-sync-free, drops nothing), `flex` on DeepEP V1 (when its NVSHMEM
+# build is beside the checkout), each also with Megatron's EP overlap
 # (--overlap-moe-expert-parallel-comm; suffix `_ov`). Suffix `_vn`: through the internode path
-# (2 virtual nodes over the ipc NIC model, 50 GB/s per GPU, 3 us). Sync-free (`_sf`) drops the
-# pairs past 1.25x an expert's even share, as Megatron's --moe-expert-capacity-factor 1.25 does
-# (`alltoall_cf`); `_sfd` is sync-free without a capacity (--moe-uccl-ep-sync-free: drops nothing). Experts: PyTorch's grouped GEMM for every dispatcher
-# (--moe-uccl-ep-grouped-experts; no Transformer Engine on the device image). Writes each run's
-# log and $OUT/pretrain-gpt.json (per run: every iteration's time and loss, the median iteration
-# time after WARMUP iterations, tokens/s, the command).
+# (2 virtual nodes over the ipc NIC model, 50 GB/s per GPU, 3 us). Sync-free with a capacity
+# (`_sf`) drops the pairs past 1.25x an expert's even share, as Megatron's
+# --moe-expert-capacity-factor 1.25 does (`alltoall_cf`). Experts: PyTorch's grouped GEMM for every
+# dispatcher (--moe-uccl-ep-grouped-experts; no Transformer Engine on the device image). Writes each
+# run's log and $OUT/pretrain-gpt.json (per run: every iteration's time and loss, the median
+# iteration time after WARMUP iterations, tokens/s, the command).
 #
 # Needs Megatron-LM's sources (MEGATRON_LM, default .baselines/Megatron-LM: pretrain_gpt.py,
 # gpt_builders.py, model_provider.py and megatron/ of one commit) and, for `flex`, DeepEP V1 built
 # with NVSHMEM in .baselines/deepep-v1 (../shared/baselines/deepep-v1/BASELINE.md):
 #   bash tests/gpu/run_pretrain_gpt.sh
-# Env: RUNS (default "alltoall uccl_ep uccl_ep_sf flex alltoall_ov uccl_ep_ov uccl_ep_sf_ov
-#      flex_ov"; also alltoall_cf, uccl_ep_sfd, uccl_ep_vn, uccl_ep_sf_vn, and uccl_ep_fp8 for FP8
+# Env: RUNS (default "alltoall uccl_ep uccl_ep_sfd flex alltoall_ov uccl_ep_ov uccl_ep_sfd_ov
+#      flex_ov"; also alltoall_cf, uccl_ep_sf, uccl_ep_vn, uccl_ep_sf_vn, and uccl_ep_fp8 for FP8
 #      dispatch),
 #      ITERS (default 25), WARMUP (default 5), SHAPE (extra model flags), OUT, METRICS=1 (every
 #      run with --moe-uccl-ep-metrics: each dispatcher's exchange time per iteration and its
@@ -28,7 +29,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh"
 export PYTHONUNBUFFERED=1
 MEGATRON_LM=$(cd "${MEGATRON_LM:-$REPO/.baselines/Megatron-LM}" && pwd)
 DEEPEP=/tmp/deepep-nvshmem  # a copy: the plain build of .baselines/deepep-v1 lacks NVSHMEM
-RUNS=${RUNS:-alltoall uccl_ep uccl_ep_sf flex alltoall_ov uccl_ep_ov uccl_ep_sf_ov flex_ov}
+RUNS=${RUNS:-alltoall uccl_ep uccl_ep_sfd flex alltoall_ov uccl_ep_ov uccl_ep_sfd_ov flex_ov}
 ITERS=${ITERS:-25}
 WARMUP=${WARMUP:-5}
 GPUS=$(nvidia-smi -L | wc -l)
