@@ -65,6 +65,25 @@ def count_host_reads():
             setattr(torch.Tensor, name, original)
 
 
+@contextlib.contextmanager
+def dispatcher_log(level: int | None = logging.INFO):
+    """The dispatcher module's log records while inside (at ``level`` and above; ``None``:
+    the logger's own level)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("uccl_ep_megatron.token_dispatcher.dispatcher")
+    logger.addHandler(handler)
+    saved = logger.level
+    if level is not None:
+        logger.setLevel(level)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved)
+
+
 def _run_layer(d, x, routing_map, probs, tp, grad_seed):
     """dispatch -> experts (scale by prob, 1/tp per shard) -> combine, then backward."""
     x = x.clone().requires_grad_(True)
@@ -173,17 +192,8 @@ def w_dropless(rank, world, tp, seed, backend="reference"):
     from uccl_ep_megatron.token_dispatcher import dispatcher as dispatcher_module
 
     dispatcher_module._logged.clear()  # once per process: a pooled worker may have said it
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("uccl_ep_megatron.token_dispatcher.dispatcher")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        with count_host_reads() as reads:
-            y_s, dx_s, dp_s, tpe_s, _ = _run_layer(free, *on, tp, seed + rank)
-    finally:
-        logger.removeHandler(handler)
+    with dispatcher_log() as records, count_host_reads() as reads:
+        y_s, dx_s, dp_s, tpe_s, _ = _run_layer(free, *on, tp, seed + rank)
     # The bound's size is said once, with the way out.
     said = [r.getMessage() for r in records if "without a capacity gives" in r.getMessage()]
     assert len(said) == 1 and f"{free.bounded_rows(TOKENS)} rows per layer" in said[0], said
@@ -240,24 +250,15 @@ def w_megatron_capacity(rank, world, tp, seed):
 
 def w_drop_log(rank, world):
     """Every drop_log_interval forwards the dropped pairs so far are logged (when they grew)."""
-    import logging
-
     from uccl_ep_megatron.token_dispatcher import UcclEpOptions
 
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("uccl_ep_megatron.token_dispatcher.dispatcher")
-    logger.addHandler(handler)
-    try:
+    with dispatcher_log(level=None) as records:
         options = UcclEpOptions(backend="reference", capacity_factor=0.5, drop_log_interval=2)
         d, _ = _make_dispatcher(rank, world, 1, options=options)
         x, rm, p = _inputs(4, rank, world, 1, TOKENS, torch.float32)
         _run_layer(d, x, rm, p, 1, 0)
         assert records == [], "logged before the interval"
         _run_layer(d, x, rm, p, 1, 0)
-    finally:
-        logger.removeHandler(handler)
     total = d.dropped_pairs()
     _, dropped = _kept(world, 1, 4, d.capacity(TOKENS))
     assert total == 2 * dropped[rank]
@@ -347,21 +348,11 @@ def test_configured_by_arguments_not_globals():
 
 def w_permute_fusion_is_logged(rank, world):
     """--moe-permute-fusion is never silently ignored: the dispatcher logs what runs instead."""
-    import logging
-
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("uccl_ep_megatron.token_dispatcher.dispatcher")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
+    with dispatcher_log() as records:
         d, config = _make_dispatcher(rank, world, 1)
         # megatron-core refuses the flag at construction without Transformer Engine (as here).
         config.moe_permute_fusion = True
         assert d._use_te_permute() is False
-    finally:
-        logger.removeHandler(handler)
     messages = [r.getMessage() for r in records]
     assert any(
         "--moe-permute-fusion: Transformer Engine's fused permutation is not importable" in m

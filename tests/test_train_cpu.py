@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -523,8 +525,6 @@ def test_megatron_core_model_matches_flops_counts(recipe, tmp_path):
     """The model train builds (MLA or MHA, MoE, MTP) has exactly flops.py's parameters."""
     pytest.importorskip("megatron.core")
     import math
-    import subprocess
-    import sys
 
     # -P and a cwd outside the checkout: the child imports the installed package (with its
     # token_dispatcher), never the source tree.
@@ -631,14 +631,41 @@ if __name__ == "__main__":
 """
 
 
+def _torchrun_train(
+    tmp_path: Path, run: Path, iters: int, modes: str, check: bool = True
+) -> subprocess.CompletedProcess:
+    """``_TRAIN_ON_CPU`` on 2 CPU ranks under torch.distributed.run with the uccl_ep dispatcher
+    and ``modes``; the return code is asserted unless ``check`` is off. TORCHDYNAMO_DISABLE:
+    megatron-core's torch.compile'd helpers would spend most of a test compiling CPU kernels."""
+    script = tmp_path / "train_on_cpu.py"
+    if not script.exists():
+        script.write_text(_TRAIN_ON_CPU)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run(
+        [*cmd, str(script), str(run), str(iters), "uccl_ep", modes],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _skip_without_cpu_grouped_mm() -> None:
+    from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
+
+    if grouped_mm_unavailable("cpu") is not None:
+        pytest.skip(f"no CPU grouped_mm: {grouped_mm_unavailable('cpu')}")
+
+
 @pytest.mark.megatron
 def test_megatron_train_loop_saves_and_resumes_on_cpu(tmp_path):
     pytest.importorskip("megatron.core")
     pytest.importorskip("psutil")  # megatron-core's checkpoint writer needs it
     import os
     import socket
-    import subprocess
-    import sys
 
     script = tmp_path / "train_on_cpu.py"
     script.write_text(_TRAIN_ON_CPU)
@@ -706,8 +733,6 @@ def test_uccl_ep_dispatcher_trains_exactly_like_megatron_allgather_on_cpu(tmp_pa
     (forward, backward through dispatch/combine, optimizer step), from the same init and data."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("uccl_ep_megatron.token_dispatcher")
-    import subprocess
-    import sys
 
     script = tmp_path / "train_on_cpu.py"
     script.write_text(_TRAIN_ON_CPU)
@@ -756,24 +781,12 @@ def test_distributed_optimizer_checkpoint_resumes_the_same_training_on_cpu(tmp_p
     pytest.importorskip("megatron.core")
     pytest.importorskip("psutil")
     import shutil
-    import subprocess
-    import sys
 
     from megatron.core import package_info
     from megatron.core.optimizer import distrib_optimizer
 
-    script = tmp_path / "train_on_cpu.py"
-    script.write_text(_TRAIN_ON_CPU)
-
     def train(run, iters: int) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        return subprocess.run(
-            [*cmd, str(script), str(run), str(iters), "uccl_ep", "distopt,save2"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
-        )
+        return _torchrun_train(tmp_path, run, iters, "distopt,save2", check=False)
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     old = (int(package_info.MAJOR), int(package_info.MINOR)) < (0, 16)
@@ -809,28 +822,11 @@ def test_train_loop_picks_grouped_experts_and_checkpoints_them_on_cpu(tmp_path):
     bf16, saves its expert-sharded weights and resumes from them; only one rank talks."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("psutil")
-    import subprocess
-    import sys
-
-    from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
-
-    if grouped_mm_unavailable("cpu") is not None:
-        pytest.skip(f"no CPU grouped_mm: {grouped_mm_unavailable('cpu')}")
-    script = tmp_path / "train_on_cpu.py"
-    script.write_text(_TRAIN_ON_CPU)
+    _skip_without_cpu_grouped_mm()
     run = tmp_path / "run"
 
     def train(iters: int) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        proc = subprocess.run(
-            [*cmd, str(script), str(run), str(iters), "uccl_ep", "grouped"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return proc
+        return _torchrun_train(tmp_path, run, iters, "grouped")
 
     proc = train(2)
     assert (
@@ -856,31 +852,10 @@ def test_train_loop_runs_dropless_sync_free_like_exact_on_cpu(tmp_path):
     the losses equal exact mode's (nothing dropped, the same rows)."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("psutil")
-    import subprocess
-    import sys
-
-    from uccl_ep_megatron.token_dispatcher.grouped_experts import grouped_mm_unavailable
-
-    if grouped_mm_unavailable("cpu") is not None:
-        pytest.skip(f"no CPU grouped_mm: {grouped_mm_unavailable('cpu')}")
-    script = tmp_path / "train_on_cpu.py"
-    script.write_text(_TRAIN_ON_CPU)
-
-    def train(run: Path, modes: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-        proc = subprocess.run(
-            [*cmd, str(script), str(run), "2", "uccl_ep", modes],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=dict(os.environ, TORCHDYNAMO_DISABLE="1"),
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return proc
-
+    _skip_without_cpu_grouped_mm()
     exact, free = tmp_path / "exact", tmp_path / "free"
-    train(exact, "grouped")
-    proc = train(free, "grouped,syncfree")
+    _torchrun_train(tmp_path, exact, 2, "grouped")
+    proc = _torchrun_train(tmp_path, free, 2, "grouped,syncfree")
     assert "uccl_ep (sync-free dropless, BF16 dispatch)" in proc.stdout, proc.stdout[-2000:]
     summary = json.loads((free / "summary.json").read_text())
     assert summary["dispatch_mode"] == "sync-free dropless"
