@@ -403,29 +403,27 @@ def test_megatron_layer_modes_match_alltoall_and_sync_counts():
 GRID = [(1, 1), (1, 2), (2, 1), (2, 2)]
 
 
-@pytest.mark.parametrize("tp,ep", GRID, ids=[f"tp{t}-ep{e}" for t, e in GRID])
-@pytest.mark.parametrize("factor", [8.0, 0.5], ids=["no-drops", "drops"])
-def test_round_trip_grid_both_modes(tp, ep, factor):
+def _grid_worker(tp: int, ep: int, worker: str, *args) -> None:
+    """``tests/test_dispatcher_modes.py``'s ``worker`` on tp x ep GPU ranks (NCCL, the
+    ``kernels`` backend), skipped where this machine has fewer GPUs."""
     pytest.importorskip("megatron.core")
     _fused_or_skip()
     if tp * ep > NUM_GPUS:
         pytest.skip(f"needs {tp * ep} GPUs (NCCL, one rank per GPU), have {NUM_GPUS}")
     tests_dir = os.path.dirname(os.path.dirname(HERE))
     with pool(tp * ep) as p:
-        p.run(
-            os.path.join(tests_dir, "test_dispatcher_modes.py"), "w_modes", tp, 3, factor, "kernels"
-        )
+        p.run(os.path.join(tests_dir, "test_dispatcher_modes.py"), worker, tp, *args, "kernels")
+
+
+@pytest.mark.parametrize("tp,ep", GRID, ids=[f"tp{t}-ep{e}" for t, e in GRID])
+@pytest.mark.parametrize("factor", [8.0, 0.5], ids=["no-drops", "drops"])
+def test_round_trip_grid_both_modes(tp, ep, factor):
+    _grid_worker(tp, ep, "w_modes", 3, factor)
 
 
 @pytest.mark.parametrize("tp,ep", GRID, ids=[f"tp{t}-ep{e}" for t, e in GRID])
 def test_dropless_round_trip_grid(tp, ep):
-    pytest.importorskip("megatron.core")
-    _fused_or_skip()
-    if tp * ep > NUM_GPUS:
-        pytest.skip(f"needs {tp * ep} GPUs (NCCL, one rank per GPU), have {NUM_GPUS}")
-    tests_dir = os.path.dirname(os.path.dirname(HERE))
-    with pool(tp * ep) as p:
-        p.run(os.path.join(tests_dir, "test_dispatcher_modes.py"), "w_dropless", tp, 5, "kernels")
+    _grid_worker(tp, ep, "w_dropless", 5)
 
 
 def test_permute_kernels_capture_in_a_cuda_graph():
