@@ -199,6 +199,7 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             self.buffer_options = dataclasses.replace(self.buffer_options, arena_bytes=0)
         # Sync-free mode: sizes per number of input tokens (fixed in training), drop counter.
         self._sizes: dict[int, tuple[int, int]] = {}
+        self._bounds: dict[int, int] = {}  # dropless: bounded rows per number of input tokens
         self.dropped: torch.Tensor | None = None  # int64 [1] on the device, accumulated
         self._drop_log = DropLog(self.options.drop_log_interval, self.layer_number, log)
         # Per-forward state (set by dispatch, consumed by combine).
@@ -330,8 +331,20 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
         (``sizing.bounded_rows``); 0 in the other modes."""
         if not self.dropless:
             return 0
-        worst = self._sync_free_sizes(num_tokens)[1]
-        return bounded_rows(worst, self.comm_topk, self.num_local_experts, self.align)
+        rows = self._bounds.get(num_tokens)
+        if rows is None:
+            worst = self._sync_free_sizes(num_tokens)[1]
+            rows = bounded_rows(worst, self.comm_topk, self.num_local_experts, self.align)
+            self._bounds[num_tokens] = rows
+            hidden = self.config.hidden_size
+            _log_once(
+                f"uccl_ep dispatcher: sync-free mode without a capacity gives the experts "
+                f"{rows} rows per layer for {num_tokens} tokens per rank over "
+                f"{self.num_ranks} ranks ({rows * hidden * 2 / 2**30:.2f} GiB per bf16 "
+                f"tensor of width {hidden}); it grows with the group size: give a capacity "
+                "(--moe-uccl-ep-capacity-factor) where that does not fit"
+            )
+        return rows
 
     def _sync_free_sizes(self, num_tokens: int) -> tuple[int, int]:
         """(capacity per local expert, num_worst_tokens) for ``num_tokens`` tokens per rank."""
@@ -504,15 +517,6 @@ class UcclEpTokenDispatcher(MoETokenDispatcher):
             raise InvalidInputError("dispatch_postprocess called before token_dispatch")
         capacity = self.capacity(self.num_tokens) if self.mode == SYNC_FREE else 0
         bound = self.bounded_rows(self.num_tokens)
-        if bound:
-            hidden = hidden_states.shape[1]
-            _log_once(
-                f"uccl_ep dispatcher: sync-free mode without a capacity gives the experts "
-                f"{bound} rows per layer for {self.num_tokens} tokens per rank over "
-                f"{self.num_ranks} ranks ({bound * hidden * 2 / 2**30:.2f} GiB per bf16 "
-                f"tensor of width {hidden}); it grows with the group size: give a capacity "
-                "(--moe-uccl-ep-capacity-factor) where that does not fit"
-            )
         if self.dropless and hidden_states.is_cuda and not (self.fused and self.device_counts):
             raise (
                 self._dropless_needs_device_counts("an expert module that was not set")

@@ -73,18 +73,18 @@ def _plan_fused(
 ) -> tuple[FusedPlan, torch.Tensor]:
     num_recv, num_topk = recv_topk_idx.shape
     device = recv_topk_idx.device
+    # Rows per segment as the host knows them (None: the bounded layout knows only the total).
+    sizes: list[int] | None = None
     if capacity:
         sizes = [capacity] * num_local_experts
-    elif packed:
-        sizes = [max_rows]  # the bounded layout: only the total is known here
-    elif tokens_per_expert is None or len(tokens_per_expert) != num_local_experts:
-        raise InvalidInputError(
-            f"exact mode needs the host rows per local expert ({num_local_experts} entries, "
-            f"the dispatch's num_recv_tokens_per_expert_list), got {tokens_per_expert!r}"
-        )
-    else:
+    elif not packed:
+        if tokens_per_expert is None or len(tokens_per_expert) != num_local_experts:
+            raise InvalidInputError(
+                f"exact mode needs the host rows per local expert ({num_local_experts} entries, "
+                f"the dispatch's num_recv_tokens_per_expert_list), got {tokens_per_expert!r}"
+            )
         sizes = [int(t) for t in tokens_per_expert]
-    num_out = sum(sizes)
+    num_out = max_rows if sizes is None else sum(sizes)
     idx = recv_topk_idx if recv_topk_idx.dtype in (torch.int32, torch.int64) else None
     if idx is None:
         raise InvalidInputError(f"recv_topk_idx.dtype={recv_topk_idx.dtype}: must be int32/int64")
