@@ -240,3 +240,9 @@ def test_the_package_under_test_is_the_installed_one():
     assert (
         "site-packages" in uccl_ep_megatron.__file__ or "dist-packages" in uccl_ep_megatron.__file__
     )
+
+
+def test_bench_internode_names_a_negative_kernel_call_count():
+    assert_one_line_error(
+        cli("bench", "internode", "--kernel-calls", "-3"), "--kernel-calls=-3", "0 (off)"
+    )

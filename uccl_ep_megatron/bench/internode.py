@@ -26,6 +26,13 @@ previous one, which a single timed call cannot show. Its ``us`` is the steady st
 end of the first pair to the end of the last, over K - 1 pairs (``us_with_first`` in the JSON
 counts all K from the first call's start, its host path included).
 
+``transfer`` (``--kernel-calls``, on by default) times the call the way DeepEP's benchmark
+(and UCCL-EP's port of it) does for its published internode GB/s: the device time of the
+kernels that move the rows (``_TRANSFER_KERNELS``: no call header, index tables, checks or
+host path), over calls made back to back under the torch profiler; per call the median launch,
+the max over ranks. ``xfer_gbps`` divides the same NIC bytes by it (DeepEP also counts the
+bytes a token sends to its own node).
+
 ``--copy-only`` times the NIC model alone: every rank writes to its same-rail peer on the
 other node through one endpoint, no proxy, no kernels (``_C.ipc_copy_test``).
 
@@ -39,6 +46,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import math
 import os
 import re
 import statistics
@@ -126,6 +134,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --sync-free: also time this many sync-free dispatch + combine pairs back to "
         "back (per pair, after the first); 0 = off",
     )
+    parser.add_argument(
+        "--kernel-calls",
+        type=int,
+        default=20,
+        help="calls per op timed back to back under the profiler for the transfer time (the "
+        "row-moving kernels alone, as DeepEP's benchmark times them); 0 = off",
+    )
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per op")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per op")
     parser.add_argument("--reorder", action="store_true", help="SRD: unordered delivery")
@@ -176,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
             f"--pipeline={args.pipeline}: give a count of pairs >= 1 together with --sync-free "
             "(the pairs are sync-free calls), or 0"
         )
+    if args.kernel_calls < 0:
+        raise SystemExit(f"--kernel-calls={args.kernel_calls}: give a count of calls, or 0 (off)")
     deliveries = [d.strip() for d in args.delivery.split(",") if d.strip()]
     if not deliveries or any(d not in ("store", "copy") for d in deliveries):
         raise SystemExit(f"--delivery={args.delivery!r}: give store, copy or store,copy")
@@ -319,6 +336,44 @@ def _configs(world: int, local: int, a: dict, chunk: int):
         dataclasses.replace(default_dispatch_config(world, a["sms"], local), **d),
         dataclasses.replace(default_combine_config(world, a["sms"], local), **c),
     )
+
+
+# The kernels that move a call's rows and complete it (DeepEP's benchmark times its single
+# ``dispatch`` / ``combine`` kernel, whose own barriers are inside it): not the call header's
+# row and all-gather, the verdict, the index tables, the routing check or the poison fold.
+_TRANSFER_KERNELS = (
+    "dispatch_kernel",
+    "dispatch_finish_kernel",
+    "combine_stage_kernel",
+    "combine_kernel",
+    "node_barrier_kernel",
+)
+
+
+def _transfer(fn, calls: int) -> dict:
+    """Device µs per call of the row-moving kernels of ``calls`` calls made back to back (no
+    barrier between them, as DeepEP's ``bench_kineto``), the max over ranks, and this rank's
+    µs per kernel of them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from uccl_ep_megatron.bench.timing import kernel_name, per_call_kernel_us
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    durations = [
+        (kernel_name(ev.name), ev.device_time)
+        for ev in prof.events()
+        if ev.device_type == cuda and kernel_name(ev.name) in _TRANSFER_KERNELS
+    ]
+    kernels = per_call_kernel_us(durations, calls)
+    mine = torch.tensor([sum(kernels.values())], dtype=torch.float64, device="cuda")
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return {"xfer_us": float(mine.item()), "xfer_kernels_us": kernels}
 
 
 def _kernel_times(fn, per: int = 1, path: str = "") -> dict[str, float]:
@@ -495,6 +550,10 @@ def _worker(rank, world, a, local, threads, links, chunks, lats, deliveries) -> 
                 chunk=(cfgs[1] if "combine" in name else cfgs[0]).num_max_rdma_chunked_send_tokens,
                 line=(r["gbps"] / link) if link else None,
             )
+            if a["kernel_calls"] > 0 and name != "pipelined":
+                r.update(_transfer(fn, a["kernel_calls"]))
+                r["xfer_gbps"] = r["rdma_mb"] / r["xfer_us"] / 1e3 if r["xfer_us"] else None
+                r["xfer_line"] = r["xfer_gbps"] / link if link and r["xfer_gbps"] else None
             if a["profile"]:
                 path = ""
                 if a["profile_dir"]:
@@ -592,6 +651,11 @@ def _avg(rs: list[dict], k: str) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _num(v: float, width: int, digits: int) -> str:
+    """``v`` right-aligned in ``width``, blank where there is none (NaN)."""
+    return " " * width if math.isnan(v) else f"{v:>{width}.{digits}f}"
+
+
 def _print(results: dict) -> None:
     meta = results["meta"]
     where = "ranks sharing GPUs under MPS" if meta["shared_gpu"] else "one rank per GPU"
@@ -618,6 +682,7 @@ def _print(results: dict) -> None:
     print(
         f"{'bytes':<6}{'op':<13}{'link':>6}{'lat':>5}{'thr':>4}{'chunk':>6}{'us':>9}{'rdma_MB':>9}"
         f"{'GB/s':>7}{'line':>6}{'cmds/s':>9}{'proxy':>7}{'nic':>6}{'copies':>8}{'host':>7}"
+        f"{'xfer':>7}{'xline':>6}"
     )
     for (delivery, op, link, lat, nt, chunk, size, ref), rs in groups.items():
         if ref:
@@ -637,7 +702,8 @@ def _print(results: dict) -> None:
             f"{_avg(rs, 'rdma_mb'):>9.1f}{_avg(rs, 'gbps'):>7.1f}{_avg(rs, 'line'):>6.2f}"
             f"{_avg(rs, 'cmds_per_s'):>9.0f}"
             f"{_avg(rs, 'proxy_cpu'):>7.2f}{_avg(rs, 'nic_cpu'):>6.2f}{_avg(rs, 'copies'):>8.0f}"
-            f"{_avg(rs, 'host_us'):>7.0f}"
+            f"{_avg(rs, 'host_us'):>7.0f}{_num(_avg(rs, 'xfer_us'), 7, 0)}"
+            f"{_num(_avg(rs, 'xfer_line'), 6, 2)}"
         )
 
 
