@@ -40,6 +40,7 @@ BACKEND_STEPS = (
     "exchange_header_async",
     "_gather_rows",
     "_read",
+    "_read_header",
     "routing_check",
     "dispatch",
     "combine",

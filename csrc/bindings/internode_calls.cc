@@ -23,6 +23,7 @@
 #include "bindings/pointer_checks.h"
 #include "bindings/tensor_view.h"
 #include "common/errors.h"
+#include "common/gpu.h"
 #include "common/registry.h"
 #include "fifo/fifo.h"
 #include "kernels/internode.h"
@@ -575,6 +576,37 @@ void verdict_call(intptr_t stream, py::handle rows_t, py::handle out_t, py::hand
   in::call_verdict(a, stream);
 }
 
+// What the host reads of an exact call's gathered headers, into `host_out`: pinned host memory
+// (torch's pin_memory=True), which the kernel writes through its device address; the caller
+// waits for the stream before reading it.
+void header_read_call(intptr_t stream, py::handle rows_t, py::handle host_out_t, py::handle expert_out_t,
+                      int experts_col, int counts_col, int rank, int alignment) {
+  const TensorView rows = arg(rows_t, "call-header read: rows", false, {-1, -1}, {Dt::kInt64});
+  const TensorView host = arg(host_out_t, "call-header read: host_out", false, {-1}, {Dt::kInt64});
+  const TensorView experts = arg(expert_out_t, "call-header read: expert_out", true, {-1}, {Dt::kInt32});
+  in::ReadArgs a;
+  a.rows = rows.ptr;
+  a.num_ranks = static_cast<int>(rows.size[0]);
+  a.width = static_cast<int>(rows.size[1]);
+  a.experts_col = experts_col;
+  a.counts_col = counts_col;
+  a.rank = rank;
+  a.alignment = alignment;
+  a.experts_per_rank = experts.none ? 0 : static_cast<int>(experts.size[0]);
+  a.expert_out = experts.none ? 0 : experts.ptr;
+  const int64_t need = static_cast<int64_t>(a.num_ranks) * (a.width - (counts_col - experts_col)) + a.experts_per_rank;
+  UCCL_EP_CHECK_ARG(host.size[0] >= need, "call-header read: host_out holds ", host.size[0], " words; this read needs ",
+                    need);
+  void* dev = nullptr;
+  const bool mapped = gpuHostGetDevicePointer(&dev, reinterpret_cast<void*>(host.ptr), 0) == gpuSuccess && dev;
+  if (!mapped) (void)gpuGetLastError();  // not left for the next launch's check to find
+  UCCL_EP_CHECK_ARG(mapped,
+                    "call-header read: host_out is not pinned host memory the GPU can write (make it with "
+                    "torch.empty(..., pin_memory=True))");
+  a.host_out = reinterpret_cast<intptr_t>(dev);
+  in::header_read(a, stream);
+}
+
 // One rank's call-header row on the GPU: `words` (the header fields, then the token count) and
 // the optional device parts, each int32 or int64; `out` is the int64 row, its width fixing the
 // number of ranks.
@@ -656,6 +688,13 @@ void bind_internode_calls(py::module_& s) {
         "value) on a sync-free call's gathered headers into out; columns a VerdictColumns. With expert_out (int32 "
         "[experts per rank]): rank's received rows per local expert from the rows' per-expert blocks, rounded up "
         "to alignment.");
+  s.def("header_read", &header_read_call, py::arg("stream"), py::arg("rows"), py::arg("host_out"),
+        py::arg("expert_out"), py::arg("experts_col"), py::arg("counts_col"), py::arg("rank") = 0,
+        py::arg("alignment") = 1,
+        "header_read(stream, rows, host_out, expert_out|None, experts_col, counts_col, rank=0, alignment=1): "
+        "every gathered row without its per-expert block, then (with expert_out, int32 [experts per rank]) rank's "
+        "received rows per local expert rounded up to alignment, into host_out (int64, pinned host memory) in one "
+        "launch; the counts also into expert_out.");
   s.def("encode_row", &encode_row_call,
         "encode_row(stream, words, num_checks, expert_slots, out, checks|None, counts|None, experts|None): one "
         "rank's call-header row into out (int64 [width]) in one launch; words are the header fields, then the "

@@ -219,6 +219,20 @@ struct VerdictArgs {
 };
 void call_verdict(const VerdictArgs& a, intptr_t stream);
 
+// What the host reads of an exact call's all-gathered headers (header.py's torch form
+// `_host_part_and_counts` is its definition), in one launch into mapped host memory: every row
+// `[R, width]` without its per-expert block (columns experts_col..counts_col), then, when
+// experts_per_rank > 0, `rank`'s received rows per local expert, rounded up to `alignment`; those
+// counts also into expert_out (int32 [experts_per_rank] on the GPU) when it is given.
+struct ReadArgs {
+  intptr_t rows = 0;  // int64 [R, width] on the GPU
+  int num_ranks = 0, width = 0, experts_col = 0, counts_col = 0;
+  intptr_t host_out = 0;  // int64 [R * (width - (counts_col - experts_col)) + experts_per_rank], device address
+  intptr_t expert_out = 0;
+  int rank = 0, experts_per_rank = 0, alignment = 1;
+};
+void header_read(const ReadArgs& a, intptr_t stream);
+
 // One rank's call-header row (backends/agreement/row.py encode_row is its definition), built on
 // the GPU in one launch: the host words travel as kernel parameters (no staging copy), then the
 // device parts: routing-check words, per-expert counts (int32 slots, zero past the given ones) and

@@ -761,6 +761,8 @@ def _check_routing(be, rank, world, gen) -> list[str]:
 
 def _check_verdicts(be, world, gen) -> list[str]:
     from uccl_ep_megatron.backends.agreement import (
+        COUNTS_COLUMN,
+        EXPERTS_COLUMN,
         CallHeader,
         DispatchExperts,
         device_verdict,
@@ -768,6 +770,7 @@ def _check_verdicts(be, world, gen) -> list[str]:
         local_expert_counts,
         verdict_columns,
     )
+    from uccl_ep_megatron.core.errors import InvalidInputError
 
     W = 64
     header = CallHeader(
@@ -836,7 +839,38 @@ def _check_verdicts(be, world, gen) -> list[str]:
                 assert local[epr].item() == -7, "the kernel wrote past the local experts"
                 assert_same(f"verdict with expert counts {epr}/{at}", out, device_verdict(rows))
                 done.append(f"experts/{epr}/{at}/{align}")
+                done.append(_check_header_read(be, rows, at, epr, align))
+    done.append(_check_header_read(be, base, 0, 0, 1))  # a combine's read: no expert counts
+    with pytest.raises(InvalidInputError, match="not pinned host memory"):
+        host = torch.empty(base.numel(), dtype=torch.int64)  # pageable
+        be._in.header_read(be._stream(), base, host, None, EXPERTS_COLUMN, COUNTS_COLUMN)
+    torch.cuda.synchronize()
     return done
+
+
+def _check_header_read(be, rows, rank: int, epr: int, align: int) -> str:
+    """``header_read`` of ``rows`` against its torch form: every row without its per-expert
+    block, then ``rank``'s aligned local expert counts (also on the GPU); the words past the
+    read and past the counts keep their poison."""
+    from uccl_ep_megatron.backends.agreement import (
+        COUNTS_COLUMN,
+        EXPERTS_COLUMN,
+        host_part,
+        local_expert_counts,
+    )
+
+    want = host_part(rows).view(-1).tolist()
+    counts = local_expert_counts(rows, rank, epr, align).tolist() if epr else []
+    host = torch.full((len(want) + epr + 3,), -9, dtype=torch.int64, pin_memory=True)
+    local = torch.full((epr + 1,), -7, dtype=torch.int32, device="cuda")
+    be._in.header_read(
+        be._stream(), rows, host, local[:epr] if epr else None,
+        EXPERTS_COLUMN, COUNTS_COLUMN, rank, align,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert host.tolist() == want + counts + [-9] * 3, f"header read {epr}/{rank}/{align}"
+    assert local.tolist() == counts + [-7] * (epr + 1 - len(counts)), "local counts on the GPU"
+    return f"read/{epr}/{rank}/{align}"
 
 
 def _check_rows(be, world, gen) -> list[str]:

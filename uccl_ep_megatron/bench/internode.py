@@ -552,7 +552,7 @@ def _worker(rank, world, a, local, threads, links, chunks, lats, deliveries) -> 
             )
             if a["kernel_calls"] > 0 and name != "pipelined":
                 r.update(_transfer(fn, a["kernel_calls"]))
-                r["xfer_gbps"] = r["rdma_mb"] / r["xfer_us"] / 1e3 if r["xfer_us"] else None
+                r["xfer_gbps"] = r["rdma_mb"] / r["xfer_us"] * 1e3 if r["xfer_us"] else None
                 r["xfer_line"] = r["xfer_gbps"] / link if link and r["xfer_gbps"] else None
             if a["profile"]:
                 path = ""

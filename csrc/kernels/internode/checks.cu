@@ -127,6 +127,18 @@ __global__ void __launch_bounds__(kCheckThreads) routing_check_kernel(RoutingChe
   finish_check(a, scratch);
 }
 
+// Rows `rank` receives for its local expert j, summed over the R source rows' per-expert blocks
+// (int32 slots from column experts_col) and rounded up to align (local_expert_counts).
+__device__ int64_t local_expert_count(const int64_t* rows, int R, int width, int experts_col, int rank,
+                                      int experts_per_rank, int j, int align) {
+  int64_t n = 0;
+  for (int r = 0; r < R; ++r) {
+    const auto* block = reinterpret_cast<const int*>(rows + static_cast<int64_t>(r) * width + experts_col);
+    n += block[rank * experts_per_rank + j];
+  }
+  return (n + align - 1) / align * align;
+}
+
 // One thread per rank s: each check's (failed, value) in VERDICTS order, then the first failure
 // (check-major, lowest rank) for everyone.
 __global__ void __launch_bounds__(kMaxRanks) verdict_kernel(VerdictArgs a) {
@@ -171,14 +183,9 @@ __global__ void __launch_bounds__(kMaxRanks) verdict_kernel(VerdictArgs a) {
   if (a.expert_out != 0) {
     auto* counts = reinterpret_cast<int*>(a.expert_out);
     const int align = a.alignment > 1 ? a.alignment : 1;
-    for (int j = s; j < a.experts_per_rank; j += blockDim.x) {
-      int64_t n = 0;
-      for (int r = 0; r < R; ++r) {
-        const auto* block = reinterpret_cast<const int*>(rows + static_cast<int64_t>(r) * a.width + a.experts_col);
-        n += block[a.rank * a.experts_per_rank + j];
-      }
-      counts[j] = static_cast<int>((n + align - 1) / align * align);
-    }
+    for (int j = s; j < a.experts_per_rank; j += blockDim.x)
+      counts[j] = static_cast<int>(
+          local_expert_count(rows, R, a.width, a.experts_col, a.rank, a.experts_per_rank, j, align));
   }
   __syncthreads();
   if (s != 0) return;
@@ -188,6 +195,28 @@ __global__ void __launch_bounds__(kMaxRanks) verdict_kernel(VerdictArgs a) {
   out[0] = found ? at / R + 1 : 0;
   out[1] = found ? at % R : 0;
   out[2] = found ? s_value[at / R][at % R] : 0;
+}
+
+// The host's part of the gathered rows and this rank's local expert counts (ReadArgs).
+__global__ void header_read_kernel(ReadArgs a) {
+  const auto* rows = reinterpret_cast<const int64_t*>(a.rows);
+  auto* out = reinterpret_cast<int64_t*>(a.host_out);
+  const int block = a.counts_col - a.experts_col, host_width = a.width - block;
+  const int64_t words = static_cast<int64_t>(a.num_ranks) * host_width;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words + a.experts_per_rank; i += step) {
+    if (i < words) {
+      const int64_t r = i / host_width;
+      const int w = static_cast<int>(i % host_width);
+      out[i] = rows[r * a.width + (w < a.experts_col ? w : w + block)];
+      continue;
+    }
+    const int j = static_cast<int>(i - words);
+    const int64_t n = local_expert_count(rows, a.num_ranks, a.width, a.experts_col, a.rank, a.experts_per_rank, j,
+                                         a.alignment > 1 ? a.alignment : 1);
+    out[i] = n;
+    if (a.expert_out != 0) reinterpret_cast<int*>(a.expert_out)[j] = static_cast<int>(n);
+  }
 }
 
 // One rank's call-header row (RowArgs): one thread per word of the row.
@@ -227,7 +256,7 @@ __global__ void encode_row_kernel(RowArgs a) {
 
 std::vector<const void*> checks_kernels() {
   return {reinterpret_cast<const void*>(routing_check_kernel), reinterpret_cast<const void*>(verdict_kernel),
-          reinterpret_cast<const void*>(encode_row_kernel)};
+          reinterpret_cast<const void*>(encode_row_kernel), reinterpret_cast<const void*>(header_read_kernel)};
 }
 
 }  // namespace detail
@@ -266,6 +295,26 @@ void call_verdict(const VerdictArgs& a, intptr_t stream) {
                     "call verdict: local expert counts of rank ", a.rank, " (", a.experts_per_rank,
                     " experts per rank from column ", a.experts_col, ") outside rows of width ", a.width);
   detail::verdict_kernel<<<1, kMaxRanks, 0, reinterpret_cast<gpuStream_t>(stream)>>>(a);
+  GPU_CHECK(gpuGetLastError());
+}
+
+void header_read(const ReadArgs& a, intptr_t stream) {
+  UCCL_EP_CHECK_ARG(a.num_ranks >= 1 && a.experts_col >= 0 && a.experts_col <= a.counts_col &&
+                        a.counts_col < a.width && a.experts_per_rank >= 0 && a.alignment >= 1,
+                    "call-header read: ", a.num_ranks, " rows of width ", a.width, ", per-expert block at columns ",
+                    a.experts_col, "..", a.counts_col, ", ", a.experts_per_rank, " experts per rank, alignment ",
+                    a.alignment);
+  UCCL_EP_CHECK_ARG(a.experts_per_rank == 0 ||
+                        (a.rank >= 0 && a.rank < a.num_ranks &&
+                         (a.rank + 1) * static_cast<int64_t>(a.experts_per_rank) <= 2 * (a.counts_col - a.experts_col)),
+                    "call-header read: the local experts of rank ", a.rank, " (", a.experts_per_rank,
+                    " per rank) lie outside the rows' ", 2 * (a.counts_col - a.experts_col), " expert slots");
+  const int64_t words =
+      static_cast<int64_t>(a.num_ranks) * (a.width - (a.counts_col - a.experts_col)) + a.experts_per_rank;
+  const int threads = 256;
+  const int64_t want = (words + threads - 1) / threads;
+  const int blocks = static_cast<int>(want < 1 ? 1 : (want > 64 ? 64 : want));
+  detail::header_read_kernel<<<blocks, threads, 0, reinterpret_cast<gpuStream_t>(stream)>>>(a);
   GPU_CHECK(gpuGetLastError());
 }
 
