@@ -350,13 +350,22 @@ _TRANSFER_KERNELS = (
 )
 
 
+def transfer_kernels_us(launches: list[tuple[str, float]], calls: int) -> dict[str, float]:
+    """Device µs per call of each row-moving kernel (``_TRANSFER_KERNELS``) among the
+    ``(kernel name, µs)`` launches of ``calls`` calls (``per_call_kernel_us``); the other
+    kernels (call header, tables, checks, NCCL, poison fold) are left out."""
+    from uccl_ep_megatron.bench.timing import per_call_kernel_us
+
+    return per_call_kernel_us([(n, us) for n, us in launches if n in _TRANSFER_KERNELS], calls)
+
+
 def _transfer(fn, calls: int) -> dict:
     """Device µs per call of the row-moving kernels of ``calls`` calls made back to back (no
     barrier between them, as DeepEP's ``bench_kineto``), the max over ranks, and this rank's
     µs per kernel of them."""
     from torch.profiler import ProfilerActivity, profile
 
-    from uccl_ep_megatron.bench.timing import kernel_name, per_call_kernel_us
+    from uccl_ep_megatron.bench.timing import kernel_name
 
     torch.cuda.synchronize()
     dist.barrier()
@@ -365,12 +374,10 @@ def _transfer(fn, calls: int) -> dict:
             fn()
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
-    durations = [
-        (kernel_name(ev.name), ev.device_time)
-        for ev in prof.events()
-        if ev.device_type == cuda and kernel_name(ev.name) in _TRANSFER_KERNELS
+    launches = [
+        (kernel_name(ev.name), ev.device_time) for ev in prof.events() if ev.device_type == cuda
     ]
-    kernels = per_call_kernel_us(durations, calls)
+    kernels = transfer_kernels_us(launches, calls)
     mine = torch.tensor([sum(kernels.values())], dtype=torch.float64, device="cuda")
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     return {"xfer_us": float(mine.item()), "xfer_kernels_us": kernels}
