@@ -450,3 +450,26 @@ def test_a_bad_boundary_names_the_value_and_the_form(value):
     want = f"--boundary-us={value!r}: give DISPATCH,COMBINE >= 0, e.g. 200,200"
     with pytest.raises(InvalidInputError, match=re.escape(want)):
         scale.model(args)
+
+
+def test_the_proxy_floor_counts_the_pipelined_pairs_of_a_run():
+    """Single calls idle the proxies through their host paths; pairs back to back do not, so
+    the commands/s floor per thread is the best of every row, the pairs' included, and with it
+    the model at the run's settings is bound by the line, not by the proxies."""
+    path = os.path.join(RESULTS, "internode-h200-2x1.json")
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    per_thread = [r["cmds_per_s"] / r["threads"] for r in rows if "cmds_per_s" in r]
+    pairs = [
+        r["cmds_per_s"] / r["threads"]
+        for r in rows
+        if r["op"] == "pipelined" and "cmds_per_s" in r  # not the intranode reference
+    ]
+    assert pairs and max(pairs) == max(per_thread)
+    run = scale.load_run(path)
+    cal = scale.calibrate(run)
+    assert cal["cmds_per_s_per_thread_floor"] == pytest.approx(max(per_thread))
+    host = Host(proxy_threads=2, cmds_per_s_per_thread=cal["cmds_per_s_per_thread_floor"])
+    for r in scale.check_run(run, {"run": host}):
+        if r["link_gbps"] == 50.0 and r["op"] in ("dispatch", "combine"):
+            assert r["run_limit"] == "line", r

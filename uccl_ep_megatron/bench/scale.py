@@ -290,7 +290,8 @@ def pair_boundary_us(row: dict[str, Any]) -> float:
 
 def calibrate(run: dict[str, Any]) -> dict[str, Any]:
     """What a run says about the costs: head updates per chunk (from the NIC's message count),
-    the highest commands/s per proxy thread it reached (a floor of what a thread can do), from
+    the highest commands/s per proxy thread it reached in any row, pipelined pairs included (a
+    floor of what a thread can do), from
     its rows without a line rate, the GB/s the rest of the pipeline reached per op, the host path
     of its exact calls and, from its ``pipelined`` rows, the call boundary."""
     heads: dict[str, list[float]] = {"dispatch": [], "combine": []}
@@ -309,6 +310,11 @@ def calibrate(run: dict[str, Any]) -> dict[str, Any]:
             pipeline[op] = max(pipeline.get(op, 0.0), float(r["gbps"]))
     # Per pair, median over every rank and configuration (as the host path); the trace does not
     # tell the dispatch's boundary from the combine's, so each call takes half.
+    for r in run.get("pipelined", []):
+        # Pairs back to back keep the proxies busiest: single calls leave them idle through
+        # their host paths, so their commands/s say little about what a thread can do.
+        if r.get("cmds_per_s") is not None and r.get("threads"):
+            floor = max(floor, float(r["cmds_per_s"]) / int(r["threads"]))
     pairs = [pair_boundary_us(r) for r in run.get("pipelined", [])]
     boundary = statistics.median(pairs) / 2 if pairs else None
     return {
