@@ -66,6 +66,7 @@ from uccl_ep_megatron.bench.common import (
     write_json,
 )
 from uccl_ep_megatron.bench.inputs import add_shape_arguments, dispatch_kwargs, routed_inputs
+from uccl_ep_megatron.bench.timing import kernel_name, per_call_kernel_us
 from uccl_ep_megatron.cluster.local import RankPool, visible_gpus
 
 
@@ -354,8 +355,6 @@ def transfer_kernels_us(launches: list[tuple[str, float]], calls: int) -> dict[s
     """Device µs per call of each row-moving kernel (``_TRANSFER_KERNELS``) among the
     ``(kernel name, µs)`` launches of ``calls`` calls (``per_call_kernel_us``); the other
     kernels (call header, tables, checks, NCCL, poison fold) are left out."""
-    from uccl_ep_megatron.bench.timing import per_call_kernel_us
-
     return per_call_kernel_us([(n, us) for n, us in launches if n in _TRANSFER_KERNELS], calls)
 
 
@@ -364,8 +363,6 @@ def _transfer(fn, calls: int) -> dict:
     barrier between them, as DeepEP's ``bench_kineto``), the max over ranks, and this rank's
     µs per kernel of them."""
     from torch.profiler import ProfilerActivity, profile
-
-    from uccl_ep_megatron.bench.timing import kernel_name
 
     torch.cuda.synchronize()
     dist.barrier()

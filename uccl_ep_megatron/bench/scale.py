@@ -291,12 +291,12 @@ def pair_boundary_us(row: dict[str, Any]) -> float:
 def calibrate(run: dict[str, Any]) -> dict[str, Any]:
     """What a run says about the costs: head updates per chunk (from the NIC's message count),
     the highest commands/s per proxy thread it reached in any row, pipelined pairs included (a
-    floor of what a thread can do), from
-    its rows without a line rate, the GB/s the rest of the pipeline reached per op, the host path
-    of its exact calls and, from its ``pipelined`` rows, the call boundary."""
+    floor of what a thread can do), from its rows without a line rate, the GB/s the rest of the
+    pipeline reached per op, the host path of its exact calls and, from its ``pipelined`` rows,
+    the call boundary."""
     heads: dict[str, list[float]] = {"dispatch": [], "combine": []}
     hosts: dict[str, list[float]] = {"dispatch": [], "combine": []}
-    floor, pipeline = 0.0, {}
+    pipeline: dict[str, float] = {}
     for r in run["rows"]:
         op = _base_op(r["op"])
         shape, nodes = _run_shape(run["meta"], op, int(r["chunk"]))
@@ -305,16 +305,17 @@ def calibrate(run: dict[str, Any]) -> dict[str, Any]:
         heads[kind].append(max(0.0, (float(r["writes"]) - t.messages) / t.chunks))
         if r.get("host_us") is not None and r["op"] in ("dispatch", "combine"):  # exact, BF16
             hosts[kind].append(float(r["host_us"]))
-        floor = max(floor, float(r["cmds_per_s"]) / int(r["threads"]))
         if not r.get("link_gbps"):
             pipeline[op] = max(pipeline.get(op, 0.0), float(r["gbps"]))
+    # Pairs back to back keep the proxies busiest: single calls leave them idle through their
+    # host paths, so their commands/s alone say little about what a thread can do.
+    floor = max(
+        float(r["cmds_per_s"]) / int(r["threads"])
+        for r in [*run["rows"], *run.get("pipelined", [])]
+        if r.get("cmds_per_s") is not None and r.get("threads")
+    )
     # Per pair, median over every rank and configuration (as the host path); the trace does not
     # tell the dispatch's boundary from the combine's, so each call takes half.
-    for r in run.get("pipelined", []):
-        # Pairs back to back keep the proxies busiest: single calls leave them idle through
-        # their host paths, so their commands/s say little about what a thread can do.
-        if r.get("cmds_per_s") is not None and r.get("threads"):
-            floor = max(floor, float(r["cmds_per_s"]) / int(r["threads"]))
     pairs = [pair_boundary_us(r) for r in run.get("pipelined", [])]
     boundary = statistics.median(pairs) / 2 if pairs else None
     return {
