@@ -150,3 +150,23 @@ def test_shared_gpu_env_splits_the_mps_queue_pool():
 
     got = [int(shared_gpu_env(n)["CUDA_DEVICE_MAX_CONNECTIONS"]) for n in (1, 2, 4, 8, 16)]
     assert got == [32, 32, 16, 8, 8]
+
+
+def test_ranks_sharing_gpus_split_the_queue_pool_of_the_one_mps_server(tmp_path, monkeypatch):
+    """4 ranks on 2 GPUs are 4 clients of one MPS server: 16 queues each, not the 32 that 2
+    ranks per GPU would give (4 x 32 failed to create a context on 2 H200s)."""
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks see no GPU and exit at once
+    seen: dict[str, str] = {}
+    real = local._environ
+
+    def recording(updates):
+        seen.update(updates)
+        return real(updates)
+
+    monkeypatch.setattr(local, "_environ", recording)
+    control, _ = _fake_control(tmp_path)
+    with RankPool(4, num_gpus=2, mps_daemon=Mps(control=control, start_timeout_s=5)) as pool:
+        assert pool.placement.gpus == (0, 1, 0, 1) and pool.placement.shared
+    assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] == "16"

@@ -36,13 +36,16 @@ MPS_CONTROL = "nvidia-cuda-mps-control"
 # MPS clients share one pool of hardware work queues. With the default 8 per client, the ipc
 # transport's copy streams can land on the queue of a kernel that waits for those very copies
 # (seen on one H200: "the GPU never ran it" with 2 ranks; 32 queues each fixed it), but the pool
-# is finite (4 clients asking 32 each: "out of memory" creating the 4th context). So each rank
-# asks for an equal share of 64, at least the default 8 and at most 32.
+# is finite (4 clients asking 32 each: "out of memory" creating the 4th context). The pool is
+# the MPS server's, not each GPU's: 4 ranks on 2 GPUs asking 32 each failed the same way, 16
+# each passed. So each rank asks for an equal share of 64 among all the server's clients, at
+# least the default 8 and at most 32.
 
 
-def shared_gpu_env(ranks_per_gpu: int) -> dict[str, str]:
-    """Environment of ranks that share a GPU ``ranks_per_gpu`` ways under MPS."""
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": str(max(8, min(32, 64 // max(ranks_per_gpu, 1))))}
+def shared_gpu_env(clients: int) -> dict[str, str]:
+    """Environment of ranks under MPS, ``clients`` of them on the one MPS server (every rank
+    of the pool, whichever GPU it uses)."""
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": str(max(8, min(32, 64 // max(clients, 1))))}
 
 
 # Multi-GPU hosts keep NVLink multicast off (NCCL NVLS, symmetric memory); children inherit it.
@@ -321,8 +324,7 @@ class RankPool:
             # (proxy/loading.py says why); a mode the caller set is kept.
             child_env[ENV_MODULE_LOADING] = "EAGER"
         if self.placement.shared:
-            per_gpu = max(self.placement.gpus.count(g) for g in set(self.placement.gpus))
-            extra = shared_gpu_env(per_gpu)
+            extra = shared_gpu_env(len(self.placement.gpus))
             child_env.update({k: v for k, v in extra.items() if k not in os.environ})
         try:
             if self._mps is not None:
