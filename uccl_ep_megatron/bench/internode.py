@@ -31,7 +31,13 @@ counts all K from the first call's start, its host path included).
 kernels that move the rows (``_TRANSFER_KERNELS``: no call header, index tables, checks or
 host path), over calls made back to back under the torch profiler; per call the median launch,
 the max over ranks. ``xfer_gbps`` divides the same NIC bytes by it (DeepEP also counts the
-bytes a token sends to its own node).
+bytes a token sends to its own node). A call's kernel waits inside for the slowest rank's
+launch, so where a call's host path is longer than its kernels, back-to-back calls measure the
+ranks' host speeds too; DeepEP's calls have host paths shorter than their kernels. So the
+sync-free ops (no host wait) are also timed ``queued`` (``xq``): the same calls issued while the
+GPU is held by a sleep kernel long enough for all of them to be enqueued, so they run back to
+back with no host path between them (``xq_held`` in the JSON: the host finished enqueueing
+before the hold ended).
 
 ``--copy-only`` times the NIC model alone: every rank writes to its same-rail peer on the
 other node through one endpoint, no proxy, no kernels (``_C.ipc_copy_test``).
@@ -299,6 +305,8 @@ def _ops(buf, a: dict, x, x_fp8, layout, idx, w, cfgs) -> tuple[dict, dict]:
         # num_worst_tokens: no host sync in either call; the GPU alone sizes and checks.
         worst = a["tokens"] * dist.get_world_size()
         ops["dispatch_sync_free"] = functools.partial(dispatch, x, "free", worst)
+        if a["fp8"]:
+            ops["dispatch_fp8_sync_free"] = functools.partial(dispatch, x_fp8, "fp8free", worst)
         ops["combine_sync_free"] = functools.partial(combine, "free")
         if a.get("pipeline", 0) > 0:
             pairs = a["pipeline"]
@@ -358,26 +366,56 @@ def transfer_kernels_us(launches: list[tuple[str, float]], calls: int) -> dict[s
     return per_call_kernel_us([(n, us) for n, us in launches if n in _TRANSFER_KERNELS], calls)
 
 
-def _transfer(fn, calls: int) -> dict:
+_SLEEP_CYCLES_PER_US: list[float] = []
+
+
+def _sleep_cycles_per_us() -> float:
+    """Clock cycles per µs of ``torch.cuda._sleep`` on this GPU (measured once)."""
+    if not _SLEEP_CYCLES_PER_US:
+        cycles = 20_000_000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)  # loads the kernel
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_US.append(cycles / (start.elapsed_time(end) * 1e3))
+    return _SLEEP_CYCLES_PER_US[0]
+
+
+def _transfer(fn, calls: int, hold_us: float = 0.0) -> dict:
     """Device µs per call of the row-moving kernels of ``calls`` calls made back to back (no
     barrier between them, as DeepEP's ``bench_kineto``), the max over ranks, and this rank's
-    µs per kernel of them."""
+    µs per kernel of them. ``hold_us`` > 0 (calls with no host wait): the calls are enqueued
+    behind a sleep kernel of that long, so they run back to back whatever their host paths
+    (keys ``xq_*``; ``xq_held``: every rank finished enqueueing before its hold ended)."""
     from torch.profiler import ProfilerActivity, profile
 
+    key = "xq" if hold_us > 0 else "xfer"
+    cycles = int(hold_us * _sleep_cycles_per_us()) if hold_us > 0 else 0
     torch.cuda.synchronize()
     dist.barrier()
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        if cycles:
+            torch.cuda._sleep(cycles)
         for _ in range(calls):
             fn()
+        enqueued_us = (time.perf_counter() - t0) * 1e6
         torch.cuda.synchronize()
     cuda = torch.autograd.DeviceType.CUDA
     launches = [
         (kernel_name(ev.name), ev.device_time) for ev in prof.events() if ev.device_type == cuda
     ]
     kernels = transfer_kernels_us(launches, calls)
-    mine = torch.tensor([sum(kernels.values())], dtype=torch.float64, device="cuda")
+    held = float(enqueued_us < hold_us) if cycles else 1.0
+    mine = torch.tensor([sum(kernels.values()), -held], dtype=torch.float64, device="cuda")
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    return {"xfer_us": float(mine.item()), "xfer_kernels_us": kernels}
+    out = {f"{key}_us": float(mine[0].item()), f"{key}_kernels_us": kernels}
+    if cycles:
+        out["xq_held"] = bool(mine[1].item() < 0)  # every rank's -held was -1
+    return out
 
 
 def _kernel_times(fn, per: int = 1, path: str = "") -> dict[str, float]:
@@ -556,8 +594,16 @@ def _worker(rank, world, a, local, threads, links, chunks, lats, deliveries) -> 
             )
             if a["kernel_calls"] > 0 and name != "pipelined":
                 r.update(_transfer(fn, a["kernel_calls"]))
-                r["xfer_gbps"] = r["rdma_mb"] / r["xfer_us"] * 1e3 if r["xfer_us"] else None
-                r["xfer_line"] = r["xfer_gbps"] / link if link and r["xfer_gbps"] else None
+                if "sync_free" in name:
+                    # Long enough for every call's host path, with room for a slow spell.
+                    hold = 2 * a["kernel_calls"] * r["host_us"] + 5000
+                    r.update(_transfer(fn, a["kernel_calls"], hold_us=hold))
+                for key in ("xfer", "xq"):
+                    us = r.get(f"{key}_us")
+                    if us is not None:
+                        r[f"{key}_gbps"] = r["rdma_mb"] / us * 1e3 if us else None
+                        gbps = r[f"{key}_gbps"]
+                        r[f"{key}_line"] = gbps / link if link and gbps else None
             if a["profile"]:
                 path = ""
                 if a["profile_dir"]:
@@ -686,7 +732,7 @@ def _print(results: dict) -> None:
     print(
         f"{'bytes':<6}{'op':<13}{'link':>6}{'lat':>5}{'thr':>4}{'chunk':>6}{'us':>9}{'rdma_MB':>9}"
         f"{'GB/s':>7}{'line':>6}{'cmds/s':>9}{'proxy':>7}{'nic':>6}{'copies':>8}{'host':>7}"
-        f"{'xfer':>7}{'xline':>6}"
+        f"{'xfer':>7}{'xline':>6}{'xq':>7}{'xqline':>7}"
     )
     for (delivery, op, link, lat, nt, chunk, size, ref), rs in groups.items():
         if ref:
@@ -707,7 +753,8 @@ def _print(results: dict) -> None:
             f"{_avg(rs, 'cmds_per_s'):>9.0f}"
             f"{_avg(rs, 'proxy_cpu'):>7.2f}{_avg(rs, 'nic_cpu'):>6.2f}{_avg(rs, 'copies'):>8.0f}"
             f"{_avg(rs, 'host_us'):>7.0f}{_num(_avg(rs, 'xfer_us'), 7, 0)}"
-            f"{_num(_avg(rs, 'xfer_line'), 6, 2)}"
+            f"{_num(_avg(rs, 'xfer_line'), 6, 2)}{_num(_avg(rs, 'xq_us'), 7, 0)}"
+            f"{_num(_avg(rs, 'xq_line'), 7, 2)}"
         )
 
 
