@@ -91,6 +91,46 @@ struct TokenIn {
   int src;
 };
 
+// Scales a lane holds in registers: rows of up to 32 x 2 x 128 = 8192 channels (FP8 scales per
+// 128; DeepSeek-V3's 7168); wider rows load the rest where they are stored.
+constexpr int kScaleRegs = 2;
+static_assert(kMaxTopk <= dev::kWarpSize, "a token's top-k entries are one per lane");
+
+// One lane's part of a token's metadata (scale i = lane + 32 u, the top-k entry `lane`), loaded
+// before the row is copied: the loads' latencies then overlap the row's instead of following
+// the copy one after another (a token's copy is a few dependent round trips, not its bytes).
+struct TokenMeta {
+  float scales[kScaleRegs];
+  int64_t gid;
+  float w;
+};
+
+__device__ __forceinline__ TokenMeta load_meta(const float* scales, int ns, const int64_t* gid64, const int* gid32,
+                                               const float* w, int K, int lane) {
+  TokenMeta m{};
+#pragma unroll
+  for (int u = 0; u < kScaleRegs; ++u) {
+    const int i = lane + u * dev::kWarpSize;
+    if (i < ns) m.scales[u] = dev::ld_cg(scales + i);
+  }
+  if (lane < K) {
+    m.gid = gid64 ? dev::ld_cg(gid64 + lane) : static_cast<int64_t>(dev::ld_cg(gid32 + lane));
+    m.w = dev::ld_cg(w + lane);
+  }
+  return m;
+}
+
+// Stores scales [0, ns) to `d`: the lane's registers, then (rows past kScaleRegs' width) the
+// rest loaded from `src`.
+__device__ __forceinline__ void store_scales(float* d, const TokenMeta& m, const float* src, int ns, int lane) {
+#pragma unroll
+  for (int u = 0; u < kScaleRegs; ++u) {
+    const int i = lane + u * dev::kWarpSize;
+    if (i < ns) d[i] = m.scales[u];
+  }
+  for (int i = lane + kScaleRegs * dev::kWarpSize; i < ns; i += dev::kWarpSize) d[i] = dev::ld_cg(src + i);
+}
+
 // Copies one token to every local rank of this node that hosts one of its experts, at its
 // final row: into the outputs directly (this rank's, or a peer's in its arena), into a peer's
 // NVLink staging otherwise.
@@ -111,6 +151,7 @@ __device__ void forward_token(const DispatchDev& p, const PeerRows& pr, const To
                              : c.nvl[j] + p.stage_off + static_cast<int64_t>(rows[j]) * p.ss.bytes + p.ss.x;
   }
   if (nd == 0) return;
+  const TokenMeta m = load_meta(in.scales, p.ns, in.gid64, in.gid32, in.w, p.K, lane);
   warp_copy(dst, nd, in.x, p.row_bytes, lane);
   const int idx_bytes = p.idx64 ? 8 : 4;
   for (int j = 0; j < c.L; ++j) {
@@ -120,23 +161,20 @@ __device__ void forward_token(const DispatchDev& p, const PeerRows& pr, const To
     uint8_t* st = mine ? nullptr : c.nvl[j] + p.stage_off + static_cast<int64_t>(r) * p.ss.bytes;
     if (p.ns > 0) {
       float* d = mine ? pr.scales[j] + static_cast<int64_t>(r) * p.ns : reinterpret_cast<float*>(st + p.ss.scales);
-      for (int i = lane; i < p.ns; i += dev::kWarpSize) d[i] = dev::ld_cg(in.scales + i);
+      store_scales(d, m, in.scales, p.ns, lane);
     }
-    if (p.K > 0) {
+    if (p.K > 0 && lane < p.K) {  // K <= kMaxTopk = 32: one entry per lane
       const int rank_j = c.node * c.L + j;
       uint8_t* di = mine ? pr.idx[j] + static_cast<int64_t>(r) * p.K * idx_bytes : st + p.ss.idx;
       float* dw = mine ? pr.w[j] + static_cast<int64_t>(r) * p.K : reinterpret_cast<float*>(st + p.ss.weights);
-      for (int k = lane; k < p.K; k += dev::kWarpSize) {
-        const int64_t gid = in.gid64 ? dev::ld_cg(in.gid64 + k) : static_cast<int64_t>(dev::ld_cg(in.gid32 + k));
-        const int64_t lid = gid - static_cast<int64_t>(rank_j) * p.epr;
-        const bool valid = gid >= 0 && lid >= 0 && lid < p.epr;
-        if (p.idx64) {
-          reinterpret_cast<int64_t*>(di)[k] = valid ? lid : -1;
-        } else {
-          reinterpret_cast<int*>(di)[k] = valid ? static_cast<int>(lid) : -1;
-        }
-        dw[k] = valid ? dev::ld_cg(in.w + k) : 0.0f;
+      const int64_t lid = m.gid - static_cast<int64_t>(rank_j) * p.epr;
+      const bool valid = m.gid >= 0 && lid >= 0 && lid < p.epr;
+      if (p.idx64) {
+        reinterpret_cast<int64_t*>(di)[lane] = valid ? lid : -1;
+      } else {
+        reinterpret_cast<int*>(di)[lane] = valid ? static_cast<int>(lid) : -1;
       }
+      dw[lane] = valid ? m.w : 0.0f;
     }
     if (p.recv_src != nullptr && lane == 0) {
       int* ds = mine ? pr.src[j] + r : reinterpret_cast<int*>(st + p.ss.src);
@@ -145,22 +183,23 @@ __device__ void forward_token(const DispatchDev& p, const PeerRows& pr, const To
   }
 }
 
-// Packs token t of this rank into a dispatch ring slot bound for node n.
+// Packs token t of this rank into a dispatch ring slot bound for node n (the metadata loaded
+// first, as in forward_token).
 __device__ void pack_token(const DispatchDev& p, uint8_t* slot, int t, int n, int lane) {
+  const int64_t o = static_cast<int64_t>(t) * p.K;
+  const float* scales = p.scales + static_cast<int64_t>(t) * p.ns;
+  const TokenMeta m = load_meta(scales, p.ns, p.idx64 ? static_cast<const int64_t*>(p.topk_idx) + o : nullptr,
+                                p.idx64 ? nullptr : static_cast<const int*>(p.topk_idx) + o, p.topk_w + o, p.K, lane);
+  const int row = lane < p.c.L ? p.dst_row[static_cast<int64_t>(t) * p.c.num_ranks + n * p.c.L + lane] : 0;
   uint8_t* d[1] = {slot + p.ds.x};
   warp_copy(d, 1, p.x + static_cast<int64_t>(t) * p.row_bytes, p.row_bytes, lane);
-  float* sc = reinterpret_cast<float*>(slot + p.ds.scales);
-  for (int i = lane; i < p.ns; i += dev::kWarpSize) sc[i] = p.scales[static_cast<int64_t>(t) * p.ns + i];
-  int* gid = reinterpret_cast<int*>(slot + p.ds.gid);
-  float* w = reinterpret_cast<float*>(slot + p.ds.weights);
-  for (int k = lane; k < p.K; k += dev::kWarpSize) {
-    const int64_t o = static_cast<int64_t>(t) * p.K + k;
-    gid[k] = p.idx64 ? static_cast<int>(static_cast<const int64_t*>(p.topk_idx)[o]) : static_cast<const int*>(p.topk_idx)[o];
-    w[k] = p.topk_w[o];
+  store_scales(reinterpret_cast<float*>(slot + p.ds.scales), m, scales, p.ns, lane);
+  if (lane < p.K) {  // K <= kMaxTopk = 32: one entry per lane
+    reinterpret_cast<int*>(slot + p.ds.gid)[lane] = static_cast<int>(m.gid);
+    reinterpret_cast<float*>(slot + p.ds.weights)[lane] = m.w;
   }
   if (lane == 0) *reinterpret_cast<int*>(slot + p.ds.src) = t;
-  int* rows = reinterpret_cast<int*>(slot + p.ds.rows);
-  for (int j = lane; j < p.c.L; j += dev::kWarpSize) rows[j] = p.dst_row[static_cast<int64_t>(t) * p.c.num_ranks + n * p.c.L + j];
+  if (lane < p.c.L) reinterpret_cast<int*>(slot + p.ds.rows)[lane] = row;
 }
 
 // Token t of this rank bound for its own node: forwarded over NVLink right away.
