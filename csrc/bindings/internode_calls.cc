@@ -681,7 +681,8 @@ void bind_internode_calls(py::module_& s) {
         "in one launch.");
   s.def("routing_check", &routing_check_call,
         "routing_check(stream, ranks_per_node, tensors): a RoutingCheckTensors; min id, max id and layout bits of "
-        "a dispatch's arguments into tensors.out, in one launch.");
+        "a dispatch's arguments into tensors.out, in one launch. tensors.scratch (int64) must hold zeros but for "
+        "word 0, -1, as the launch leaves it: set it so once.");
   s.def("call_verdict", &verdict_call, py::arg("stream"), py::arg("rows"), py::arg("out"), py::arg("columns"),
         py::arg("expert_out") = py::none(), py::arg("rank") = 0, py::arg("alignment") = 1,
         "call_verdict(stream, rows, out, columns, expert_out=None, rank=0, alignment=1): the verdict (code, rank, "

@@ -756,6 +756,12 @@ def _check_routing(be, rank, world, gen) -> list[str]:
                 want = Backend.routing_check(be, layout, idx, E)
                 assert_same(f"routing check T={T} {kind} {name}", got, want)
                 done.append(f"{T}/{kind}/{name}")
+    # Every launch leaves its scratch as the next one needs it (zeros, word 0 all ones): the
+    # launches above shared one, with no memset between them.
+    scratch = be._check_scratch
+    state = torch.zeros_like(scratch)
+    state[0] = -1
+    assert torch.equal(scratch, state), "the routing check left its scratch dirty"
     return done
 
 

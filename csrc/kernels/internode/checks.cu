@@ -20,50 +20,63 @@ __device__ __forceinline__ unsigned long long ordered(int64_t v) {
 }
 __device__ __forceinline__ int64_t unordered(unsigned long long v) { return static_cast<int64_t>(v ^ (1ull << 63)); }
 
-// scratch (uint64, zeroed but for [0], which is all ones): [0] min id key, [1] max id key,
-// [2] flags (8: is_token_in_rank differs, 16: a token names an expert twice), [3] blocks
-// done, then the counts per rank [R], per node [N] and per expert [E].
+// scratch (uint64; between launches zeroed but for [0], which is all ones: its allocation
+// sets that state once and the last block of every launch restores it): [0] min id key,
+// [1] max id key, [2] flags (8: is_token_in_rank differs, 16: a token names an expert twice),
+// [3] blocks done, then the counts per rank [R], per node [N] and per expert [E].
 enum : int { kLo = 0, kHi = 1, kFlags = 2, kDone = 3, kCounts = 4 };
 
 struct TokenCheck {
   unsigned long long lo, hi, flags;
 };
 
-// Token t: its ids into the counts (valid ids only, as the layout kernel counts them), its
-// rank set against the caller's is_token_in_rank row, and a repeated id.
-__device__ TokenCheck check_token(const RoutingCheckArgs& a, unsigned long long* scratch, int t) {
+// Token t (valid: t < num_tokens; every lane of the warp calls it): its ids into the counts
+// (valid ids only, as the layout kernel counts them), its rank set against the caller's
+// is_token_in_rank row, and a repeated id. The per-rank and per-node counts are summed over
+// the warp first (one atomic per warp and rank, not per token: every token adds to the same
+// few words, and those atomics serialized the launch).
+__device__ TokenCheck check_token(const RoutingCheckArgs& a, unsigned long long* scratch, int t, bool valid) {
   const int R = a.num_ranks, N = R / a.ranks_per_node, E = a.num_experts, epr = E / R;
+  const int lane = threadIdx.x % dev::kWarpSize;
   unsigned long long* per_rank = scratch + kCounts;
   unsigned long long* per_node = per_rank + R;
   unsigned long long* per_expert = per_node + N;
   int64_t ids[kMaxTopk];
   TokenCheck c{~0ull, 0ull, 0ull};
-  uint32_t ranks = 0;
-  for (int k = 0; k < a.num_topk; ++k) {
-    const int64_t i = static_cast<int64_t>(t) * a.num_topk + k;
-    const int64_t e = a.idx64 ? reinterpret_cast<const int64_t*>(a.topk_idx)[i]
-                              : static_cast<int64_t>(reinterpret_cast<const int32_t*>(a.topk_idx)[i]);
-    ids[k] = e;
+  uint32_t ranks = 0, nodes = 0;
+  // The ids first, then the atomics: the loads go out together instead of one per atomic.
+  const int64_t first = static_cast<int64_t>(t) * a.num_topk;
+#pragma unroll 8
+  for (int k = 0; valid && k < a.num_topk; ++k)
+    ids[k] = a.idx64 ? reinterpret_cast<const int64_t*>(a.topk_idx)[first + k]
+                     : static_cast<int64_t>(reinterpret_cast<const int32_t*>(a.topk_idx)[first + k]);
+  for (int k = 0; valid && k < a.num_topk; ++k) {
+    const int64_t e = ids[k];
     c.lo = min(c.lo, ordered(e));
     c.hi = max(c.hi, ordered(e));
     if (e < 0 || e >= E) continue;
     atomicAdd(&per_expert[e], 1ull);
     ranks |= 1u << static_cast<int>(e / epr);
   }
-  for (int i = 0; i < a.num_topk; ++i)
-    for (int j = i + 1; j < a.num_topk; ++j)
-      if (ids[i] >= 0 && ids[i] == ids[j]) c.flags |= 16;
-  const bool* given = reinterpret_cast<const bool*>(a.in_rank) + static_cast<int64_t>(t) * R;
-  uint32_t nodes = 0;
-  for (int r = 0; r < R; ++r) {
-    const bool in = ranks >> r & 1u;
-    if (given[r] != in) c.flags |= 8;
-    if (!in) continue;
-    atomicAdd(&per_rank[r], 1ull);
-    nodes |= 1u << (r / a.ranks_per_node);
+  if (valid) {
+    for (int i = 0; i < a.num_topk; ++i)
+      for (int j = i + 1; j < a.num_topk; ++j)
+        if (ids[i] >= 0 && ids[i] == ids[j]) c.flags |= 16;
+    const bool* given = reinterpret_cast<const bool*>(a.in_rank) + static_cast<int64_t>(t) * R;
+    for (int r = 0; r < R; ++r) {
+      const bool in = ranks >> r & 1u;
+      if (given[r] != in) c.flags |= 8;
+      if (in) nodes |= 1u << (r / a.ranks_per_node);
+    }
   }
-  for (int n = 0; n < N; ++n)
-    if (nodes >> n & 1u) atomicAdd(&per_node[n], 1ull);
+  for (int r = 0; r < R; ++r) {
+    const int n = dev::popc_mask(dev::warp_ballot(ranks >> r & 1u));
+    if (lane == 0 && n) atomicAdd(&per_rank[r], static_cast<unsigned long long>(n));
+  }
+  for (int n = 0; n < N; ++n) {
+    const int k = dev::popc_mask(dev::warp_ballot(nodes >> n & 1u));
+    if (lane == 0 && k) atomicAdd(&per_node[n], static_cast<unsigned long long>(k));
+  }
   return c;
 }
 
@@ -87,13 +100,18 @@ __device__ void finish_check(const RoutingCheckArgs& a, unsigned long long* scra
     if (static_cast<int64_t>(reinterpret_cast<const int*>(a.per_expert)[e]) != static_cast<int64_t>(per_expert[e])) bits |= 4;
   if (bits) atomicOr(&s_bits, bits);
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  auto* out = reinterpret_cast<int64_t*>(a.out);
-  const bool any = static_cast<int64_t>(a.num_tokens) * a.num_topk > 0;
-  const volatile unsigned long long* w = scratch;
-  out[0] = any ? unordered(w[kLo]) : 0;
-  out[1] = any ? unordered(w[kHi]) : -1;
-  out[2] = static_cast<int64_t>(s_bits | static_cast<unsigned int>(w[kFlags]));
+  if (threadIdx.x == 0) {
+    auto* out = reinterpret_cast<int64_t*>(a.out);
+    const bool any = static_cast<int64_t>(a.num_tokens) * a.num_topk > 0;
+    const volatile unsigned long long* w = scratch;
+    out[0] = any ? unordered(w[kLo]) : 0;
+    out[1] = any ? unordered(w[kHi]) : -1;
+    out[2] = static_cast<int64_t>(s_bits | static_cast<unsigned int>(w[kFlags]));
+  }
+  __syncthreads();
+  // Every block is done with the scratch: back to its state between launches.
+  const int words = kCounts + R + N + E;
+  for (int i = threadIdx.x; i < words; i += blockDim.x) scratch[i] = i == kLo ? ~0ull : 0ull;
 }
 
 __global__ void __launch_bounds__(kCheckThreads) routing_check_kernel(RoutingCheckArgs a) {
@@ -103,8 +121,11 @@ __global__ void __launch_bounds__(kCheckThreads) routing_check_kernel(RoutingChe
   if (threadIdx.x == 0) s_lo = ~0ull, s_hi = 0ull, s_flags = 0ull;
   __syncthreads();
   TokenCheck mine{~0ull, 0ull, 0ull};
-  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < a.num_tokens; t += gridDim.x * blockDim.x) {
-    const TokenCheck c = check_token(a, scratch, t);
+  // Whole warps go round (the last round's lanes past the tokens take part in the ballots).
+  const int step = gridDim.x * blockDim.x;
+  for (int base = blockIdx.x * blockDim.x; base < a.num_tokens; base += step) {
+    const int t = base + threadIdx.x;
+    const TokenCheck c = check_token(a, scratch, t, t < a.num_tokens);
     mine.lo = min(mine.lo, c.lo);
     mine.hi = max(mine.hi, c.hi);
     mine.flags |= c.flags;
@@ -275,10 +296,7 @@ void routing_check(const RoutingCheckArgs& a, intptr_t stream) {
   UCCL_EP_CHECK_ARG(a.num_topk >= 0 && a.num_topk <= kMaxTopk && a.num_tokens >= 0, "routing check: num_topk=",
                     a.num_topk, " (at most ", kMaxTopk, ") num_tokens=", a.num_tokens);
   auto s = reinterpret_cast<gpuStream_t>(stream);
-  auto* scratch = reinterpret_cast<char*>(a.scratch);
-  const int64_t words = routing_check_scratch_words(a.num_ranks, a.ranks_per_node, a.num_experts);
-  GPU_CHECK(gpuMemsetAsync(scratch, 0xff, 8, s));
-  GPU_CHECK(gpuMemsetAsync(scratch + 8, 0, static_cast<size_t>(words - 1) * 8, s));
+  // The scratch is in its state between launches (see kLo): no memset per call.
   int blocks = (a.num_tokens + detail::kCheckThreads - 1) / detail::kCheckThreads;
   blocks = blocks < 1 ? 1 : (blocks > detail::kCheckBlocks ? detail::kCheckBlocks : blocks);
   detail::routing_check_kernel<<<blocks, detail::kCheckThreads, 0, s>>>(a);

@@ -431,7 +431,11 @@ class InternodeBackend(CallHeaderExchange, Backend):
         R, N = topo.num_ranks, topo.num_nodes
         words = 4 + R + N + num_experts
         if self._check_scratch is None or self._check_scratch.numel() < words:
-            self._check_scratch = torch.empty(words, dtype=torch.int64, device=dev)
+            # The kernel's state between launches (each launch restores it): zeros, word 0 all
+            # ones. Set here once, not by two memsets per call.
+            scratch = torch.zeros(words, dtype=torch.int64, device=dev)
+            scratch[0] = -1
+            self._check_scratch = scratch
         out = torch.empty(3, dtype=torch.int64, device=dev)
         rdma = given.num_tokens_per_rdma_rank
         t = RoutingCheckTensors(

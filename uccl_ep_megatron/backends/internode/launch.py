@@ -101,7 +101,7 @@ class RoutingCheckTensors(NamedTuple):
     per_rdma: Tensor  # int32 [N]
     per_expert: torch.Tensor  # int32 [E]
     in_rank: torch.Tensor  # bool [T, R]
-    scratch: torch.Tensor  # int64
+    scratch: torch.Tensor  # int64, zeros but word 0 = -1 (each launch leaves it so)
     out: torch.Tensor  # int64 [3]
 
 
