@@ -468,8 +468,38 @@ def test_the_proxy_floor_counts_the_pipelined_pairs_of_a_run():
     assert pairs and max(pairs) == max(per_thread)
     run = scale.load_run(path)
     cal = scale.calibrate(run)
-    assert cal["cmds_per_s_per_thread_floor"] == pytest.approx(max(per_thread))
-    host = Host(proxy_threads=2, cmds_per_s_per_thread=cal["cmds_per_s_per_thread_floor"])
+    assert cal["cmds_per_s_per_thread_loop"] == pytest.approx(max(per_thread))
+    assert cal["cmds_per_s_per_thread_floor"] >= cal["cmds_per_s_per_thread_loop"]
+    host = Host(proxy_threads=2, cmds_per_s_per_thread=cal["cmds_per_s_per_thread_loop"])
     for r in scale.check_run(run, {"run": host}):
         if r["link_gbps"] == 50.0 and r["op"] in ("dispatch", "combine"):
             assert r["run_limit"] == "line", r
+
+
+def test_the_proxy_floor_counts_the_commands_of_a_call_over_its_transfer_time():
+    """Every command of a call is posted while its kernels move the rows, so the modelled
+    commands per call over the measured transfer time (queued where the run has it) are a floor
+    of what the proxy threads did; over the timed loop the host paths idle them. On the 2 x 1
+    run that floor is the higher one, and with it the model calls every op at 50 GB/s, FP8
+    included, bound by the line, as the run's transfer times are (>= 0.88 of it)."""
+    path = os.path.join(RESULTS, "internode-h200-2x1.json")
+    run = scale.load_run(path)
+    cal = scale.calibrate(run)
+    head = cal["head_per_chunk"]
+    rates = []
+    for r in run["rows"]:
+        us = r.get("xq_us") or r.get("xfer_us")
+        if not us or not r.get("link_gbps"):
+            continue
+        op = scale._base_op(r["op"])
+        shape, nodes = scale._run_shape(run["meta"], op, int(r["chunk"]))
+        t = scale.traffic(op, shape, nodes, head["combine" if op == "combine" else "dispatch"])
+        rates.append(t.commands / (us * 1e-6) / r["threads"])
+        assert r["xq_line" if r.get("xq_us") else "xfer_line"] > 0.5, r
+    assert rates and cal["cmds_per_s_per_thread_transfer"] == pytest.approx(max(rates))
+    assert cal["cmds_per_s_per_thread_floor"] == pytest.approx(max(rates))
+    assert max(rates) > cal["cmds_per_s_per_thread_loop"]
+    host = Host(proxy_threads=2, cmds_per_s_per_thread=cal["cmds_per_s_per_thread_floor"])
+    at_50 = [r for r in scale.check_run(run, {"run": host}) if r["link_gbps"] == 50.0]
+    assert {r["op"] for r in at_50} >= {"dispatch", "dispatch_fp8", "combine"}
+    assert all(r["run_limit"] == "line" for r in at_50), at_50

@@ -290,8 +290,10 @@ def pair_boundary_us(row: dict[str, Any]) -> float:
 
 def calibrate(run: dict[str, Any]) -> dict[str, Any]:
     """What a run says about the costs: head updates per chunk (from the NIC's message count),
-    the highest commands/s per proxy thread it reached in any row, pipelined pairs included (a
-    floor of what a thread can do), from its rows without a line rate, the GB/s the rest of the
+    the highest commands/s per proxy thread it reached (a floor of what a thread can do): over
+    the timed loop of any row, pipelined pairs included, or, where a row has its transfer time,
+    its modelled commands per call over that time (every command of a call was posted while its
+    kernels moved the rows); from its rows without a line rate, the GB/s the rest of the
     pipeline reached per op, the host path of its exact calls and, from its ``pipelined`` rows,
     the call boundary."""
     heads: dict[str, list[float]] = {"dispatch": [], "combine": []}
@@ -314,17 +316,34 @@ def calibrate(run: dict[str, Any]) -> dict[str, Any]:
         for r in [*run["rows"], *run.get("pipelined", [])]
         if r.get("cmds_per_s") is not None and r.get("threads")
     )
+    head_per_chunk = {k: statistics.median(v) for k, v in heads.items() if v}
+    transfer_floor = max((_transfer_rate(run, r, head_per_chunk) for r in run["rows"]), default=0.0)
     # Per pair, median over every rank and configuration (as the host path); the trace does not
     # tell the dispatch's boundary from the combine's, so each call takes half.
     pairs = [pair_boundary_us(r) for r in run.get("pipelined", [])]
     boundary = statistics.median(pairs) / 2 if pairs else None
     return {
-        "head_per_chunk": {k: statistics.median(v) for k, v in heads.items() if v},
-        "cmds_per_s_per_thread_floor": floor,
+        "head_per_chunk": head_per_chunk,
+        "cmds_per_s_per_thread_floor": max(floor, transfer_floor),
+        "cmds_per_s_per_thread_loop": floor,
+        "cmds_per_s_per_thread_transfer": transfer_floor,
         "pipeline_gbps": pipeline,
         "call_host_us": {k: statistics.median(v) for k, v in hosts.items() if v},
         "boundary_us": {} if boundary is None else {"dispatch": boundary, "combine": boundary},
     }
+
+
+def _transfer_rate(run: dict[str, Any], r: dict[str, Any], head_per_chunk: dict) -> float:
+    """Commands/s per proxy thread of a row during its transfer time (queued where measured):
+    the modelled commands of one call over it; 0 for a row without one."""
+    us = r.get("xq_us") or r.get("xfer_us")
+    if not us or not r.get("threads") or not r.get("link_gbps"):
+        return 0.0
+    op = _base_op(r["op"])
+    shape, nodes = _run_shape(run["meta"], op, int(r["chunk"]))
+    kind = "combine" if op == "combine" else "dispatch"
+    t = traffic(op, shape, nodes, head_per_chunk.get(kind, 0.0))
+    return t.commands / (float(us) * 1e-6) / int(r["threads"])
 
 
 def check_run(run: dict[str, Any], hosts: dict[str, Host]) -> list[dict[str, Any]]:
