@@ -33,8 +33,7 @@ struct TokenCheck {
 // Token t (valid: t < num_tokens; every lane of the warp calls it): its ids into the counts
 // (valid ids only, as the layout kernel counts them), its rank set against the caller's
 // is_token_in_rank row, and a repeated id. The per-rank and per-node counts are summed over
-// the warp first (one atomic per warp and rank, not per token: every token adds to the same
-// few words, and those atomics serialized the launch).
+// the warp first: one atomic per warp and rank or node, not one per token on the same few words.
 __device__ TokenCheck check_token(const RoutingCheckArgs& a, unsigned long long* scratch, int t, bool valid) {
   const int R = a.num_ranks, N = R / a.ranks_per_node, E = a.num_experts, epr = E / R;
   const int lane = threadIdx.x % dev::kWarpSize;
