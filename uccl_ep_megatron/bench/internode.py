@@ -366,21 +366,17 @@ def transfer_kernels_us(launches: list[tuple[str, float]], calls: int) -> dict[s
     return per_call_kernel_us([(n, us) for n, us in launches if n in _TRANSFER_KERNELS], calls)
 
 
-_SLEEP_CYCLES_PER_US: list[float] = []
-
-
+@functools.cache
 def _sleep_cycles_per_us() -> float:
-    """Clock cycles per µs of ``torch.cuda._sleep`` on this GPU (measured once)."""
-    if not _SLEEP_CYCLES_PER_US:
-        cycles = 20_000_000
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)  # loads the kernel
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _SLEEP_CYCLES_PER_US.append(cycles / (start.elapsed_time(end) * 1e3))
-    return _SLEEP_CYCLES_PER_US[0]
+    """Clock cycles per µs of ``torch.cuda._sleep`` on this GPU (measured once per process)."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # loads the kernel
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
 
 
 def _transfer(fn, calls: int, hold_us: float = 0.0) -> dict:
